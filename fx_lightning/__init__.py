@@ -1,0 +1,48 @@
+"""fx-lightning: fuse, verify and export PyTorch Lightning models with torch.fx.
+
+Public API::
+
+    from fx_lightning import FXFuseCallback, FuseConfig, fuse, load_fused, register_pass
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fx_lightning.config import FuseConfig
+from fx_lightning.engine import FuseResult, fuse
+from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ParityError, PassError, TraceError
+from fx_lightning.passes import register_pass
+from fx_lightning.report import FuseReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FXFuseCallback",
+    "FuseConfig",
+    "FuseResult",
+    "FuseReport",
+    "fuse",
+    "load_fused",
+    "register_pass",
+    "FXLightningError",
+    "ConfigError",
+    "TraceError",
+    "PassError",
+    "ParityError",
+    "ExportError",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The callback pulls in Lightning and the exporter torch.export: import them only when asked for.
+    if name == "FXFuseCallback":
+        from fx_lightning.callback import FXFuseCallback
+
+        return FXFuseCallback
+    if name == "load_fused":
+        from fx_lightning.export import load_fused
+
+        return load_fused
+    raise AttributeError(f"module 'fx_lightning' has no attribute {name!r}")

@@ -1,0 +1,443 @@
+"""The OmegaConf structured schema for fx-lightning, and its loading and validation.
+
+Every entry point (``fuse()``, ``FXFuseCallback``, the CLI, Hydra) goes through :func:`load_config`, so a
+typo or a bad value fails the same way everywhere: a :class:`ConfigError` that names the full key, the
+value given and what is allowed, raised before any work (or training step) starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fx_lightning.errors import ConfigError
+from fx_lightning.passes.options import (
+    EliminateDeadCodeOptions,
+    FuseBNIntoNextOptions,
+    FuseConvBNOptions,
+    FuseLinearBNOptions,
+    RemoveDropoutOptions,
+    RemoveIdentityOptions,
+)
+
+__all__ = [
+    "TraceMode",
+    "WeightsSource",
+    "OnError",
+    "ExportFormat",
+    "ParityData",
+    "TraceConfig",
+    "ExtraPassConfig",
+    "PassesConfig",
+    "ParityConfig",
+    "ExportConfig",
+    "FuseConfig",
+    "ConfigError",
+    "load_config",
+    "to_yaml",
+    "import_object",
+    "register_hydra_configs",
+]
+
+
+# OmegaConf validates enum values by member *name*, and rejects typing.Literal: hence str Enums with
+# lower-case names. ``raise`` is a keyword, so those two use the functional Enum API.
+class TraceMode(str, Enum):
+    auto = "auto"
+    fx = "fx"
+    export = "export"
+
+
+class WeightsSource(str, Enum):
+    last = "last"
+    best = "best"
+
+
+OnError = Enum("OnError", {"raise": "raise", "warn": "warn"}, type=str)  # type: ignore[misc]
+OnError.__doc__ = "What to do when a step fails: raise, or warn and carry on."
+
+
+class ExportFormat(str, Enum):
+    graph_module = "graph_module"
+    code = "code"
+    pt2 = "pt2"
+    onnx = "onnx"
+
+
+class ParityData(str, Enum):
+    """Where parity batches come from. ``auto``: validation, else training data, else example_input_array."""
+
+    auto = "auto"
+    val = "val"
+    train = "train"
+    example = "example"
+
+
+@dataclass
+class TraceConfig:
+    mode: TraceMode = TraceMode.auto
+    # Import paths ("pkg.mod:Class" or "pkg.mod.Class") of modules to keep opaque while tracing.
+    leaf_modules: List[str] = field(default_factory=list)
+    # Import paths of free functions to record as single calls instead of tracing through them.
+    autowrap_functions: List[str] = field(default_factory=list)
+    autowrap_modules: List[str] = field(default_factory=lambda: ["math"])
+    # Arguments of forward to specialise on (symbolic tracing's concrete_args).
+    concrete_args: Dict[str, Any] = field(default_factory=dict)
+    # For mode=export: mark dim 0 of every tensor input dynamic.
+    dynamic_batch: bool = True
+
+
+@dataclass
+class ExtraPassConfig:
+    """A user pass: a name given to ``register_pass`` or an import path ``"pkg.module:function"``."""
+
+    name: str = "???"
+    enabled: bool = True
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PassesConfig:
+    remove_dropout: RemoveDropoutOptions = field(default_factory=RemoveDropoutOptions)
+    remove_identity: RemoveIdentityOptions = field(default_factory=RemoveIdentityOptions)
+    fuse_conv_bn: FuseConvBNOptions = field(default_factory=FuseConvBNOptions)
+    fuse_linear_bn: FuseLinearBNOptions = field(default_factory=FuseLinearBNOptions)
+    fuse_bn_into_next: FuseBNIntoNextOptions = field(default_factory=FuseBNIntoNextOptions)
+    # Run after the built-ins, in this order, before dead-code elimination.
+    extra: List[ExtraPassConfig] = field(default_factory=list)
+    eliminate_dead_code: EliminateDeadCodeOptions = field(default_factory=EliminateDeadCodeOptions)
+
+
+OnFailure = OnError  # parity.on_failure takes the same values
+
+
+@dataclass
+class ParityConfig:
+    enabled: bool = True
+    max_batches: int = 8
+    data: ParityData = ParityData.auto
+    # How to take the model input out of a batch: null = automatic (tensor; first item of a tuple/list;
+    # dict key x/input/inputs/image/images), a dict key, an integer index, or "pkg.module:function".
+    input: Optional[str] = None
+    # Gate: max|fused - ref| / max|ref| over all batches.
+    rtol: float = 1e-4
+    min_cosine: float = 0.9999
+    min_top1_agreement: float = 0.999
+    # Allowed accuracy drop (fraction, 0.001 = 0.1 points) when labels are in the batch.
+    max_accuracy_drop: float = 0.001
+    on_failure: OnFailure = OnFailure["raise"]  # type: ignore[valid-type]
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = True
+    # null: <trainer.log_dir>/fx_fused (callback) or ./fx_fused (CLI).
+    dir: Optional[str] = None
+    formats: List[ExportFormat] = field(
+        default_factory=lambda: [ExportFormat.graph_module, ExportFormat.pt2]
+    )
+    dynamic_batch: bool = True
+    overwrite: bool = True
+    onnx_opset: Optional[int] = None
+
+
+@dataclass
+class FuseConfig:
+    # Dotted attribute of the LightningModule to fuse; null: `backbone` if present, else the module.
+    target: Optional[str] = None
+    weights: WeightsSource = WeightsSource.last
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    passes: PassesConfig = field(default_factory=PassesConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    on_error: OnError = OnError["raise"]  # type: ignore[valid-type]
+
+
+ConfigLike = Union[FuseConfig, DictConfig, Dict[str, Any], None]
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
+    """Merge ``config`` (dataclass, dict, DictConfig or None) and keyword overrides into the schema.
+
+    Returns a validated :class:`FuseConfig` object. Raises :class:`ConfigError` naming the full key.
+    """
+    schema = OmegaConf.structured(FuseConfig)
+    sources: List[tuple[str, Any]] = []
+    if config is not None:
+        sources.append(("config", config))
+    for key, value in overrides.items():
+        if value is not None:
+            sources.append((key, {key: value}))
+    for label, source in sources:
+        plain = _to_plain(source, label)
+        _check_keys(plain, FuseConfig, "")
+        plain = _normalise(plain)
+        try:
+            schema = OmegaConf.merge(schema, plain)
+        except OmegaConfBaseException as exc:
+            raise _from_omegaconf(exc) from None
+    try:
+        cfg = OmegaConf.to_object(schema)
+    except OmegaConfBaseException as exc:
+        raise _from_omegaconf(exc) from None
+    assert isinstance(cfg, FuseConfig)
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: FuseConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_container(cfg: FuseConfig) -> Dict[str, Any]:
+    """JSON-safe dict view (enums as their values)."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def _to_plain(source: Any, label: str) -> Any:
+    if isinstance(source, (DictConfig, ListConfig)):
+        try:
+            return OmegaConf.to_container(source, resolve=True, enum_to_str=False)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{label}: cannot resolve config: {exc}") from None
+    if dataclasses.is_dataclass(source) and not isinstance(source, type):
+        return OmegaConf.to_container(OmegaConf.structured(source), enum_to_str=False)
+    if isinstance(source, dict):
+        return {k: _to_plain(v, f"{label}.{k}") if isinstance(v, (DictConfig, ListConfig)) or (
+            dataclasses.is_dataclass(v) and not isinstance(v, type)) else v for k, v in source.items()}
+    raise ConfigError(
+        f"config: expected a FuseConfig, dict or DictConfig, got {type(source).__name__} ({source!r:.80})"
+    )
+
+
+def _normalise(plain: Any) -> Any:
+    """Accept shorthands OmegaConf cannot: ``passes.extra: ["name", ...]`` and ``passes.X: false``."""
+    if not isinstance(plain, dict):
+        return plain
+    passes = plain.get("passes")
+    if isinstance(passes, dict):
+        passes = dict(passes)
+        extra = passes.get("extra")
+        if isinstance(extra, (list, tuple)):
+            passes["extra"] = [{"name": e} if isinstance(e, str) else e for e in extra]
+        for name, value in list(passes.items()):
+            if isinstance(value, bool) and name != "extra":
+                passes[name] = {"enabled": value}
+        plain = {**plain, "passes": passes}
+    export = plain.get("export")
+    if isinstance(export, dict) and isinstance(export.get("formats"), str):
+        plain = {**plain, "export": {**export, "formats": [export["formats"]]}}
+    return plain
+
+
+def _field_types(schema: type) -> Dict[str, Any]:
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def _check_keys(value: Any, schema: type, path: str) -> None:
+    """Reject unknown keys at every level, with the full path and the closest valid key.
+
+    OmegaConf checks keys too, but loses the path inside lists; this walk keeps it.
+    """
+    if not isinstance(value, dict):
+        return
+    fields = _field_types(schema)
+    for key, sub in value.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            # passes.<bool> shorthand and enabled flags are handled later; only unknown names fail here.
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" Did you mean '{_join(path, close[0])}'?" if close else ""
+            raise ConfigError(
+                f"{full}: unknown key.{hint} Allowed keys under '{path or '<root>'}': "
+                f"{', '.join(sorted(fields))}."
+            )
+        ftype = fields[key]
+        inner = _unwrap_optional(ftype)
+        if dataclasses.is_dataclass(inner):
+            if isinstance(sub, dict):
+                _check_keys(sub, inner, full)
+            elif not (isinstance(sub, bool) and path == "passes") and sub is not None:
+                raise ConfigError(
+                    f"{full}: expected a mapping of {inner.__name__} options, got {sub!r:.80}."
+                )
+        elif typing.get_origin(inner) in (list, List):
+            (item_type,) = typing.get_args(inner) or (Any,)
+            if isinstance(sub, (list, tuple)):
+                for i, item in enumerate(sub):
+                    if dataclasses.is_dataclass(item_type):
+                        if isinstance(item, dict):
+                            _check_keys(item, item_type, f"{full}[{i}]")
+                        elif not isinstance(item, str):
+                            raise ConfigError(
+                                f"{full}[{i}]: expected a name or a mapping with keys "
+                                f"{', '.join(f.name for f in dataclasses.fields(item_type))}, got {item!r:.80}."
+                            )
+                    elif isinstance(item_type, type) and issubclass(item_type, Enum):
+                        _check_enum(item, item_type, f"{full}[{i}]")
+            elif sub is not None and not (isinstance(sub, str) and full == "export.formats"):
+                raise ConfigError(f"{full}: expected a list, got {type(sub).__name__} {sub!r:.80}.")
+        elif isinstance(inner, type) and issubclass(inner, Enum):
+            _check_enum(sub, inner, full)
+
+
+def _check_enum(value: Any, enum_type: type, path: str) -> None:
+    if isinstance(value, enum_type):
+        return
+    allowed = [m.name for m in enum_type]  # type: ignore[attr-defined]
+    if isinstance(value, str) and value in allowed:
+        return
+    raise ConfigError(f"{path}: invalid value {value!r}. Allowed: {', '.join(allowed)}.")
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _from_omegaconf(exc: OmegaConfBaseException) -> ConfigError:
+    key = getattr(exc, "full_key", None) or "<config>"
+    msg = getattr(exc, "msg", None) or str(exc)
+    msg = msg.split("\n")[0]
+    value = getattr(exc, "value", None)
+    got = f" Got {value!r}." if value is not None and repr(value) not in msg else ""
+    return ConfigError(f"{key}: {msg}.{got}".replace("..", "."))
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def validate(cfg: FuseConfig) -> None:
+    """Value checks the type system cannot express. Raises ConfigError naming the key."""
+    if cfg.target is not None and not _DOTTED.match(cfg.target):
+        raise ConfigError(
+            f"target: {cfg.target!r} is not a dotted attribute path (e.g. 'backbone' or 'model.encoder'); "
+            "use null for the default (backbone if present, else the whole module)."
+        )
+    p = cfg.parity
+    if p.max_batches < 1:
+        raise ConfigError(f"parity.max_batches: must be >= 1, got {p.max_batches}.")
+    for name in ("rtol", "max_accuracy_drop"):
+        value = getattr(p, name)
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"parity.{name}: must be a finite number >= 0, got {value}.")
+    for name in ("min_top1_agreement",):
+        value = getattr(p, name)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"parity.{name}: must be in [0, 1], got {value}.")
+    if not -1.0 <= p.min_cosine <= 1.0:
+        raise ConfigError(f"parity.min_cosine: must be in [-1, 1], got {p.min_cosine}.")
+    if p.input is not None and ":" in p.input:
+        _import_checked(p.input, "parity.input", callable_required=True)
+
+    e = cfg.export
+    if e.enabled and not e.formats:
+        raise ConfigError(
+            "export.formats: empty while export.enabled is true; allowed: "
+            f"{', '.join(f.name for f in ExportFormat)} (or set export.enabled: false)."
+        )
+    seen = set()
+    for i, fmt in enumerate(e.formats):
+        if fmt in seen:
+            raise ConfigError(f"export.formats[{i}]: {fmt.name!r} is listed twice.")
+        seen.add(fmt)
+    if e.onnx_opset is not None and not 7 <= e.onnx_opset <= 30:
+        raise ConfigError(f"export.onnx_opset: must be between 7 and 30 or null, got {e.onnx_opset}.")
+
+    import torch
+
+    for i, path in enumerate(cfg.trace.leaf_modules):
+        obj = _import_checked(path, f"trace.leaf_modules[{i}]")
+        if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
+            raise ConfigError(f"trace.leaf_modules[{i}]: {path!r} is not a torch.nn.Module subclass.")
+    for i, path in enumerate(cfg.trace.autowrap_functions):
+        _import_checked(path, f"trace.autowrap_functions[{i}]", callable_required=True)
+    for i, path in enumerate(cfg.trace.autowrap_modules):
+        try:
+            importlib.import_module(path)
+        except ImportError as exc:
+            raise ConfigError(f"trace.autowrap_modules[{i}]: cannot import module {path!r}: {exc}.") from None
+
+    from fx_lightning.passes import resolve_pass  # late: the registry imports the passes
+
+    for i, extra in enumerate(cfg.passes.extra):
+        if extra.name in ("???", ""):
+            raise ConfigError(f"passes.extra[{i}].name: missing; give a registered pass name or 'pkg.module:function'.")
+        try:
+            spec = resolve_pass(extra.name)
+        except (KeyError, ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(f"passes.extra[{i}].name: {exc}") from None
+        if spec.options_type is not None and extra.options:
+            option_fields = {f.name for f in dataclasses.fields(spec.options_type)}
+            for key in extra.options:
+                if key not in option_fields:
+                    raise ConfigError(
+                        f"passes.extra[{i}].options.{key}: unknown option of pass {extra.name!r}; "
+                        f"allowed: {', '.join(sorted(option_fields))}."
+                    )
+
+
+def import_object(path: str) -> Any:
+    """Import ``"pkg.module:attr"`` or ``"pkg.module.attr"``."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not an import path ('pkg.module:name' or 'pkg.module.name')")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _import_checked(path: str, key: str, callable_required: bool = False) -> Any:
+    try:
+        obj = import_object(path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{key}: cannot import {path!r}: {exc}.") from None
+    if callable_required and not callable(obj):
+        raise ConfigError(f"{key}: {path!r} is not callable.")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------- Hydra
+
+
+def register_hydra_configs(group: str = "callbacks", name: str = "fx_fuse") -> None:
+    """Register the schema in Hydra's ConfigStore.
+
+    Stores ``fx_fuse_schema`` (the bare FuseConfig, for ``defaults:`` schema matching) and
+    ``<group>/<name>``: a node with ``_target_: fx_lightning.FXFuseCallback`` and the default options.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="fx_fuse_schema", node=FuseConfig)
+    node = OmegaConf.merge({"_target_": "fx_lightning.FXFuseCallback"}, OmegaConf.structured(FuseConfig))
+    cs.store(group=group, name=name, node=node)

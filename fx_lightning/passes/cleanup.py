@@ -1,0 +1,46 @@
+"""``remove_identity`` and ``eliminate_dead_code``: the clean-up passes."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch import nn
+
+from fx_lightning.passes.base import PassContext, PassResult, register_pass
+from fx_lightning.passes.graph_utils import delete_unused_attributes, module_of
+from fx_lightning.passes.options import EliminateDeadCodeOptions, RemoveIdentityOptions
+
+__all__ = ["RemoveIdentityOptions", "EliminateDeadCodeOptions", "remove_identity", "eliminate_dead_code"]
+
+
+@register_pass("remove_identity", options=RemoveIdentityOptions)
+def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: PassContext) -> PassResult:
+    """Replace calls of ``nn.Identity`` by their input."""
+    result = PassResult()
+    for node in list(gm.graph.nodes):
+        m = module_of(gm, node)
+        if type(m) is not nn.Identity:
+            continue
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            result.skip(node.name, "Identity called without a graph value")
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        result.change(node.name, "removed", module=str(node.target))
+    gm.delete_all_unused_submodules()
+    return result
+
+
+@register_pass("eliminate_dead_code", options=EliminateDeadCodeOptions)
+def eliminate_dead_code(gm: fx.GraphModule, options: EliminateDeadCodeOptions, ctx: PassContext) -> PassResult:
+    """Drop nodes whose results nobody uses (impure ones stay), then the attributes nobody reads."""
+    result = PassResult()
+    before = {n.name: n for n in gm.graph.nodes}
+    gm.graph.eliminate_dead_code()
+    after = {n.name for n in gm.graph.nodes}
+    for name, node in before.items():
+        if name not in after:
+            result.change(name, "removed", op=node.op)
+    freed = delete_unused_attributes(gm)
+    if freed:
+        result.change("<attributes>", "freed", elements=freed)
+    return result

@@ -1,0 +1,72 @@
+"""``remove_dropout``: every Dropout module variant and functional dropout that is inactive in eval mode."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fx_lightning.passes.base import PassContext, PassResult, register_pass
+from fx_lightning.passes.graph_utils import module_of
+from fx_lightning.passes.options import RemoveDropoutOptions
+
+__all__ = ["RemoveDropoutOptions", "remove_dropout"]
+
+aten = torch.ops.aten
+
+# _DropoutNd covers Dropout, Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout.
+_DROPOUT_MODULES = (nn.modules.dropout._DropoutNd,)
+# function -> (index, name) of its `training` argument and its default
+_DROPOUT_FUNCTIONS = {
+    F.dropout: (2, "training", True),
+    F.dropout1d: (2, "training", True),
+    F.dropout2d: (2, "training", True),
+    F.dropout3d: (2, "training", True),
+    F.alpha_dropout: (2, "training", False),
+    F.feature_alpha_dropout: (2, "training", False),
+    torch.dropout: (2, "train", None),
+    torch.alpha_dropout: (2, "train", None),
+    torch.feature_dropout: (2, "train", None),
+    torch.feature_alpha_dropout: (2, "train", None),
+    aten.dropout.default: (2, "train", None),
+}
+
+
+@register_pass("remove_dropout", options=RemoveDropoutOptions)
+def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassContext) -> PassResult:
+    """Replace dropout (modules, F.* and ATen forms) by its input; it is the identity in eval mode."""
+    result = PassResult()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module":
+            m = module_of(gm, node)
+            if not isinstance(m, _DROPOUT_MODULES):
+                continue
+            if m.training:
+                result.skip(node.name, f"{type(m).__qualname__} is in training mode")
+                continue
+            what = type(m).__qualname__
+        elif node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS:
+            index, name, default = _DROPOUT_FUNCTIONS[node.target]
+            training = node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+            what = getattr(node.target, "__name__", str(node.target))
+            if training is not False and not options.remove_active_functional:
+                result.skip(
+                    node.name,
+                    f"{what}(training={training!r}) is active even in eval mode; removing it changes outputs "
+                    "(set passes.remove_dropout.remove_active_functional: true to remove it anyway)",
+                )
+                continue
+        elif node.op == "call_method" and node.target == "dropout":
+            result.skip(node.name, "Tensor.dropout method call: training flag unknown")
+            continue
+        else:
+            continue
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            result.skip(node.name, "input is not a graph value")
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        result.change(node.name, "removed", op=what)
+    gm.delete_all_unused_submodules()
+    return result

@@ -1,0 +1,171 @@
+"""Small helpers over GraphModules shared by the passes."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+__all__ = [
+    "is_batchnorm_like",
+    "fetch_attr",
+    "node_shape",
+    "call_sites",
+    "get_attr_targets",
+    "install_module",
+    "add_constant",
+    "delete_unused_attributes",
+]
+
+
+def fetch_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def node_shape(node: Any) -> Optional[Tuple[int, ...]]:
+    """Shape of the tensor a node produces, from ShapeProp's ``tensor_meta`` or export's ``val``."""
+    if not isinstance(node, fx.Node):
+        return None
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        return tuple(int(s) for s in meta.shape)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        try:
+            return tuple(int(s) for s in val.shape)
+        except (TypeError, RuntimeError):  # symbolic sizes: rank is still known
+            return tuple(-1 for _ in val.shape)
+    return None
+
+
+def call_sites(gm: fx.GraphModule, target: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == target)
+
+
+def get_attr_targets(gm: fx.GraphModule) -> set:
+    return {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+
+
+def is_batchnorm_like(module: nn.Module) -> bool:
+    """BatchNorm, SyncBatchNorm, _BatchNormXd, their subclasses, and torchvision's FrozenBatchNorm2d."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return True
+    return type(module).__name__ == "FrozenBatchNorm2d" and all(
+        hasattr(module, a) for a in ("weight", "bias", "running_mean", "running_var", "eps")
+    )
+
+
+def _unique_name(parent: nn.Module, base: str) -> str:
+    if not hasattr(parent, base):
+        return base
+    for i in itertools.count(1):
+        name = f"{base}_{i}"
+        if not hasattr(parent, name):
+            return name
+    raise AssertionError  # pragma: no cover
+
+
+def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusive: bool) -> str:
+    """Make ``node`` call ``new``.
+
+    ``exclusive``: the old module is called only here and nothing reads its attributes, so ``new`` takes
+    its place (same name). Otherwise ``new`` is registered beside it under a fresh name, and every other
+    call site keeps the old module.
+    """
+    target = str(node.target)
+    parent_name, _, leaf = target.rpartition(".")
+    parent = gm.get_submodule(parent_name) if parent_name else gm
+    if exclusive:
+        setattr(parent, leaf, new)
+        return target
+    name = _unique_name(parent, f"{leaf}_fused")
+    parent.add_module(name, new)
+    new_target = f"{parent_name}.{name}" if parent_name else name
+    node.target = new_target
+    return new_target
+
+
+def add_constant(gm: fx.GraphModule, node_before: fx.Node, base: str, value: torch.Tensor) -> fx.Node:
+    """Register ``value`` as a new non-trainable parameter on ``gm`` and return a get_attr node for it."""
+    safe = base.replace(".", "_")
+    name = _unique_name(gm, f"_fused_{safe}")
+    gm.register_parameter(name, nn.Parameter(value, requires_grad=False))
+    with gm.graph.inserting_before(node_before):
+        return gm.graph.get_attr(name)
+
+
+def delete_unused_attributes(gm: fx.GraphModule) -> int:
+    """Drop parameters, buffers and submodules that no node reads any more; returns how many elements freed.
+
+    ``GraphModule.delete_all_unused_submodules`` keeps parameters that lost their get_attr node (the
+    originals of weights a pass replaced), which would keep the unfused weights alive in every export.
+    """
+    before = _numel(gm)
+    used_attrs = get_attr_targets(gm)
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+
+    def needed(full: str) -> bool:
+        if full in used_attrs:
+            return True
+        # Inside a called module (its forward reads it), or an ancestor of a read attribute.
+        return any(full == c or full.startswith(c + ".") for c in called) or any(
+            a.startswith(full + ".") for a in used_attrs | called
+        )
+
+    for full, _ in list(itertools.chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False))):
+        if not needed(full):
+            owner_name, _, leaf = full.rpartition(".")
+            owner = gm.get_submodule(owner_name) if owner_name else gm
+            if leaf in owner._parameters:
+                del owner._parameters[leaf]
+            elif leaf in owner._buffers:
+                del owner._buffers[leaf]
+    gm.delete_all_unused_submodules()
+    # Containers left empty (e.g. a BatchNorm whose parameters were all dropped) go too.
+    for name, mod in sorted(gm.named_modules(), key=lambda kv: -kv[0].count(".")):
+        if name and not needed(name) and not any(True for _ in mod.parameters()) and not any(True for _ in mod.buffers()) and not list(mod.children()):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = gm.get_submodule(parent_name) if parent_name else gm
+            delattr(parent, leaf)
+    return before - _numel(gm)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(t.numel() for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:
+    return (n for n in list(gm.graph.nodes) if n.op == op)
+
+
+def module_of(gm: fx.GraphModule, node: fx.Node) -> Optional[nn.Module]:
+    if node.op != "call_module":
+        return None
+    try:
+        return gm.get_submodule(str(node.target))
+    except AttributeError:
+        return None
+
+
+def attr_tensor(gm: fx.GraphModule, arg: Any) -> Optional[torch.Tensor]:
+    """The tensor a get_attr node reads, else None (the argument is computed, not constant)."""
+    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+        value = fetch_attr(gm, str(arg.target))
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def scalar_arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+Args = Dict[str, Any]

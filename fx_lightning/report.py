@@ -1,0 +1,117 @@
+"""``FuseReport``: what the pipeline did, JSON-safe via ``to_dict()`` and readable via ``str()``."""
+
+from __future__ import annotations
+
+import io
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List
+
+import torch
+import torch.fx as fx
+
+__all__ = ["GraphStats", "PassReport", "FuseReport", "graph_stats"]
+
+
+@dataclass
+class GraphStats:
+    nodes: int
+    batchnorms: int
+    dropouts: int
+    parameters: int  # elements of all parameters and buffers (BatchNorm statistics included)
+
+
+def graph_stats(gm: fx.GraphModule) -> GraphStats:
+    from fx_lightning.passes.batchnorm import is_batchnorm_node
+    from fx_lightning.passes.dropout import _DROPOUT_FUNCTIONS, _DROPOUT_MODULES
+    from fx_lightning.passes.graph_utils import module_of
+
+    bns = dropouts = 0
+    for node in gm.graph.nodes:
+        if is_batchnorm_node(gm, node):
+            bns += 1
+        elif isinstance(module_of(gm, node), _DROPOUT_MODULES) or (
+            node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS
+        ):
+            dropouts += 1
+    seen = set()
+    numel = 0
+    for t in itertools.chain(gm.parameters(), gm.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            numel += t.numel()
+    return GraphStats(len(gm.graph.nodes), bns, dropouts, numel)
+
+
+@dataclass
+class PassReport:
+    name: str
+    preserves_computation: bool
+    changed: List[Dict[str, Any]] = field(default_factory=list)
+    skipped: List[Dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class FuseReport:
+    capture_mode: str
+    before: GraphStats
+    after: GraphStats
+    passes: List[PassReport] = field(default_factory=list)
+    remaining_batchnorms: List[Dict[str, Any]] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def batchnorms_folded(self) -> int:
+        return self.before.batchnorms - self.after.batchnorms
+
+    def pass_report(self, name: str) -> PassReport:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pass named {name!r} ran; ran: {', '.join(p.name for p in self.passes)}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return _json_safe(asdict(self)) | {"batchnorms_folded": self.batchnorms_folded}
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = io.StringIO()
+        console = Console(file=buf, width=110, force_terminal=False, color_system=None)
+        console.print(f"fx-lightning fuse report  (capture: {self.capture_mode}, {self.seconds:.2f}s)")
+        stats = Table("", "nodes", "BatchNorms", "dropouts", "parameters", box=None)
+        for label, s in (("before", self.before), ("after", self.after)):
+            stats.add_row(label, str(s.nodes), str(s.batchnorms), str(s.dropouts), f"{s.parameters:,}")
+        console.print(stats)
+        passes = Table("pass", "changed", "skipped", "exact", "seconds", box=None)
+        for p in self.passes:
+            passes.add_row(p.name, str(len(p.changed)), str(len(p.skipped)),
+                           "yes" if p.preserves_computation else "no", f"{p.seconds:.3f}")
+        console.print(passes)
+        skipped = [(p.name, s) for p in self.passes for s in p.skipped]
+        if skipped:
+            console.print("left alone:")
+            for name, s in skipped:
+                console.print(f"  [{name}] {s['node']}: {s['reason']}", markup=False)
+        if self.remaining_batchnorms:
+            console.print(f"BatchNorms still in the graph: {len(self.remaining_batchnorms)}")
+            for r in self.remaining_batchnorms:
+                console.print(f"  {r['node']}: {r['reason']}", markup=False)
+        for note in self.notes:
+            console.print(f"note: {note}", markup=False)
+        return buf.getvalue().rstrip()
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return str(value)
