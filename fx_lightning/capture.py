@@ -22,10 +22,20 @@ from fx_lightning.config import TraceConfig, TraceMode, import_object
 from fx_lightning.errors import TraceError
 from fx_lightning.passes.graph_utils import is_batchnorm_like
 
-__all__ = ["Capture", "capture", "eval_copy", "is_batchnorm_like", "FXLeafTracer"]
+__all__ = ["Capture", "capture", "eval_copy", "set_eval", "is_batchnorm_like", "FXLeafTracer"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PKG_DIR = os.path.dirname(__file__)
+
+
+def set_eval(module: nn.Module) -> None:
+    """``module.eval()``; torch.export's unlifted modules refuse ``eval()``, so set the flags directly
+    (their graphs are already specialised to eval)."""
+    try:
+        module.eval()
+    except NotImplementedError:
+        for m in module.modules():
+            m.training = False
 
 
 def eval_copy(module: nn.Module) -> nn.Module:
@@ -127,7 +137,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
         raise _explain_fx_failure(working, tracer, exc) from exc
     name = working.__class__.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
-    gm.eval()
+    set_eval(gm)
     return Capture(gm, "fx")
 
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from fx_lightning.capture import capture, eval_copy
+from fx_lightning.capture import capture, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
 from fx_lightning.passes import PassContext, run_pipeline
 from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
@@ -83,5 +83,5 @@ def fuse(
     )
     if not shapes_known:
         report.notes.append("no example inputs: shapes unknown, so Linear + BatchNorm1d pairs were not folded")
-    gm.eval()
+    set_eval(gm)
     return FuseResult(gm, report, cfg, inputs)

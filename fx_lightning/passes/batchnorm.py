@@ -373,7 +373,10 @@ def _describe(node: Any) -> str:
     if not isinstance(node, fx.Node):
         return repr(node)
     if node.op == "call_module":
-        return f"{node.name} (module '{node.target}')"
+        root = node.graph.owning_module
+        m = module_of(root, node) if root is not None else None
+        kind = f"{type(m).__name__} " if m is not None else ""
+        return f"{node.name} ({kind}'{node.target}')"
     if node.op in ("call_function", "call_method"):
         t = node.target
         return f"{node.name} ({getattr(t, '__name__', None) or t})"

@@ -1,0 +1,101 @@
+"""Helpers for the engine tests: non-trivial BatchNorm statistics, fp64 references, state fingerprints."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Any, Dict, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fx_lightning.passes.batchnorm import is_batchnorm_node
+from fx_lightning.passes.graph_utils import is_batchnorm_like
+
+
+def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give every BatchNorm-like module non-trivial statistics and affine parameters.
+
+    A fresh BatchNorm is the identity map (mean 0, var 1, gamma 1, beta 0): folding it can be wrong
+    and still look exact, so every test uses random statistics.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if not is_batchnorm_like(m):
+                continue
+            if getattr(m, "running_mean", None) is not None:
+                n = m.running_mean.numel()
+                m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
+                m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.25)
+            if getattr(m, "weight", None) is not None:
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.3 + 1.0)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.3)
+    return model
+
+
+def _to64(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.double()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to64(v) for v in x)
+    return x
+
+
+def reference_fp64(model: nn.Module, inputs: Sequence[Any]) -> Any:
+    ref = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        return ref(*_to64(tuple(inputs)))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|out - ref| / max|ref|: relative to the reference's scale, not elementwise."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_exact(model: nn.Module, fused: nn.Module, inputs: Sequence[Any], tol: float = 1e-5) -> float:
+    ref = reference_fp64(model, inputs)
+    with torch.no_grad():
+        out = fused(*inputs)
+    if isinstance(ref, (tuple, list)):
+        errs = [rel_err(o, r) for o, r in zip(out, ref)]
+        err = max(errs)
+    else:
+        err = rel_err(out, ref)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
+    return err
+
+
+def fingerprint(model: nn.Module) -> Tuple[str, Tuple[Tuple[str, bool], ...]]:
+    """A hash of every parameter and buffer (bytes, dtype, shape) and each module's training flag."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict(keep_vars=True).items()):
+        h.update(name.encode())
+        h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(str(t.requires_grad).encode())
+    flags = tuple((n, m.training) for n, m in model.named_modules())
+    return h.hexdigest(), flags
+
+
+def count_batchnorms(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if is_batchnorm_node(gm, n))
+
+
+def count_bn_modules(module: nn.Module) -> int:
+    return sum(1 for m in module.modules() if is_batchnorm_like(m))
+
+
+def dropout_nodes(gm: fx.GraphModule) -> int:
+    from fx_lightning.report import graph_stats
+
+    return graph_stats(gm).dropouts
+
+
+def stats(gm: fx.GraphModule) -> Dict[str, int]:
+    from fx_lightning.report import graph_stats
+
+    s = graph_stats(gm)
+    return {"nodes": s.nodes, "batchnorms": s.batchnorms, "dropouts": s.dropouts, "parameters": s.parameters}
