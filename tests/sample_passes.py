@@ -1,0 +1,36 @@
+"""User passes referenced by import path from the tests ("sample_passes:...")."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fx_lightning.passes import PassResult
+
+
+def double_output(gm: fx.GraphModule, options: dict, ctx) -> PassResult:
+    """Multiply the graph's output by options['factor'] (changes computation on purpose)."""
+    result = PassResult()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    value = out.args[0]
+    with gm.graph.inserting_before(out):
+        scaled = gm.graph.call_function(operator.mul, (value, options.get("factor", 2.0)))
+    out.args = (scaled,)
+    result.change(scaled.name, "scaled output")
+    return result
+
+
+def breaks_graph(gm: fx.GraphModule, options: dict, ctx) -> None:
+    """Leaves a node that uses a value defined after it: the graph no longer lints."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_module"]
+    first, last = nodes[0], nodes[-1]
+    first.args = (last,) + tuple(first.args[1:])
+
+
+def raises(gm: fx.GraphModule, options: dict, ctx) -> None:
+    raise ValueError("boom from a user pass")
+
+
+NOT_CALLABLE = 3

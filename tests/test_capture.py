@@ -1,0 +1,135 @@
+"""Capture: leaf policy, autowrap, explained trace failures, torch.export mode and the auto fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fusion_helpers import assert_exact, count_batchnorms, fingerprint, randomize_batchnorms
+from fx_lightning import TraceError, fuse
+
+
+class DataDependent(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # a branch on tensor values: no tracer can capture this
+            return x * 2
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        self.gate = DataDependent()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.stem(x))
+
+
+def test_trace_failure_names_module_line_and_fixes():
+    with pytest.raises(TraceError) as info:
+        fuse(Net(), {"trace": {"mode": "fx"}})
+    message = str(info.value)
+    assert "module 'gate' (DataDependent)" in message
+    assert "test_capture.py" in message and "if x.sum() > 0" in message
+    assert "trace.leaf_modules" in message and "trace.autowrap_functions" in message
+    assert "trace.mode: export" in message
+
+
+def test_leaf_module_from_config_makes_it_traceable():
+    model = randomize_batchnorms(Net())
+    result = fuse(model, {"trace": {"leaf_modules": ["test_capture.DataDependent"]}})
+    gate = [n for n in result.graph_module.graph.nodes if n.op == "call_module" and n.target == "gate"]
+    assert len(gate) == 1
+    assert count_batchnorms(result.graph_module) == 0
+    assert_exact(model, result.graph_module, (torch.randn(2, 3, 5, 5),))
+
+
+def gated(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 if x.sum() > 0 else x
+
+
+class UsesFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated(self.bn(self.conv(x)))
+
+
+def test_autowrap_function_from_config():
+    model = randomize_batchnorms(UsesFunction())
+    with pytest.raises(TraceError):
+        fuse(model, {"trace": {"mode": "fx"}})
+    result = fuse(model, {"trace": {"autowrap_functions": ["test_capture:gated"]}})
+    assert count_batchnorms(result.graph_module) == 0
+    for sign in (1, -1):
+        assert_exact(model, result.graph_module, (sign * torch.rand(2, 3, 4, 4),))
+
+
+class ShapeDependent(nn.Module):
+    """fx cannot build torch.zeros(x.shape[0], ...); torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x)).mean((2, 3))
+        return y + torch.zeros(x.shape[0], 4)
+
+
+def test_auto_mode_falls_back_to_export_and_still_folds():
+    model = randomize_batchnorms(ShapeDependent())
+    x = torch.randn(3, 3, 6, 6)
+    result = fuse(model, example_inputs=x)
+    assert result.report.capture_mode == "export"
+    assert "symbolic tracing failed" in result.report.notes[0]
+    assert count_batchnorms(result.graph_module) == 0
+    assert_exact(model, result.graph_module, (x,))
+    assert_exact(model, result.graph_module, (torch.randn(5, 3, 6, 6),))  # dynamic batch
+
+
+def test_auto_mode_without_inputs_says_how_to_enable_fallback():
+    with pytest.raises(TraceError, match="example_inputs"):
+        fuse(ShapeDependent())
+
+
+def test_export_mode_needs_example_inputs():
+    with pytest.raises(TraceError, match="needs example inputs"):
+        fuse(nn.Linear(2, 2), {"trace": {"mode": "export"}})
+
+
+class TrainingBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        if self.training:
+            return y * 100.0
+        return y
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_input_in_train_mode_is_traced_in_eval_mode_and_left_in_train_mode(mode):
+    model = randomize_batchnorms(TrainingBranch()).train()
+    before = fingerprint(model)
+    x = torch.randn(2, 3, 4, 4)
+    result = fuse(model, {"trace": {"mode": mode}}, example_inputs=x)
+    assert fingerprint(model) == before and model.training
+    assert not result.graph_module.training
+    assert_exact(model, result.graph_module, (x,))  # the reference is eval-mode: no * 100
+
+
+def test_bad_leaf_module_path_is_a_config_error():
+    from fx_lightning import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trace.leaf_modules\[0\]"):
+        fuse(Net(), {"trace": {"leaf_modules": ["no.such.Module"]}})
