@@ -1,0 +1,252 @@
+"""The fusion pipeline shared by ``FXFuseCallback`` and the command line: fuse -> parity -> export.
+
+Independent of Lightning's Trainer: it takes a model, a config and batches. The model passed in is
+never changed; every step works on copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from fx_lightning.capture import eval_copy
+from fx_lightning.config import ConfigLike, FuseConfig, load_config
+from fx_lightning.engine import FuseResult, as_example_inputs, fuse
+from fx_lightning.errors import ConfigError, ExportError, ParityError
+from fx_lightning.parity import (
+    InputRule,
+    ParityReport,
+    _detached,
+    _device_dtype,
+    _to_model,
+    _UNSET,
+    as_args,
+    check_parity,
+    extract_input,
+    record_calls,
+)
+
+__all__ = ["Outcome", "resolve_target", "target_example_inputs", "fuse_verify_export", "whole_model_with"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Outcome:
+    result: FuseResult
+    parity: Optional[ParityReport]
+    export_dir: Optional[Path]
+    target: str  # dotted path of the fused submodule; "" when the whole model was fused
+    fused_model: nn.Module  # the whole model (eval mode) with the fused target in place
+    notes: List[str] = field(default_factory=list)
+
+
+def resolve_target(module: nn.Module, target: Optional[str]) -> Tuple[str, nn.Module]:
+    """``(dotted path, submodule)`` to fuse. ``None``: ``backbone`` when the module has one, else the module.
+
+    Raises :class:`ConfigError` naming the target and listing the module's children when it is missing.
+    """
+    if target is None:
+        backbone = getattr(module, "backbone", None) if "backbone" in dir(module) else None
+        if isinstance(backbone, nn.Module):
+            return "backbone", backbone
+        return "", module
+    if target == "":
+        return "", module
+    current: Any = module
+    walked: List[str] = []
+    for part in target.split("."):
+        parent = current
+        current = getattr(parent, part, None) if isinstance(parent, nn.Module) else None
+        if not isinstance(current, nn.Module):
+            where = ".".join(walked) or "<root>"
+            children = ", ".join(f"{n} ({type(c).__name__})" for n, c in parent.named_children()) or "none"
+            what = "is not a submodule" if current is None else f"is a {type(current).__name__}, not a torch.nn.Module"
+            raise ConfigError(
+                f"target: {target!r}: {part!r} {what} of {where} ({type(parent).__name__}). "
+                f"Children of {where}: {children}."
+            )
+        walked.append(part)
+    return target, current
+
+
+def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose submodule at ``path`` is ``replacement``; ``model`` is not changed.
+
+    Parameters and buffers are shared with ``model`` rather than copied (neither side is ever trained),
+    so this costs module objects, not weights.
+    """
+    if not path:
+        return replacement
+    original = model.get_submodule(path)
+    memo: Dict[int, Any] = {id(original): replacement}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        memo[id(t)] = t
+    whole = copy.deepcopy(model, memo)
+    whole.eval()
+    return whole
+
+
+def target_example_inputs(whole: nn.Module, target: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[tuple, dict]:
+    """The ``(args, kwargs)`` ``target`` receives when ``whole`` runs on ``inputs`` (first call)."""
+    if whole is target:
+        return inputs, {}
+    with torch.no_grad(), record_calls(target) as calls:
+        whole(*inputs)
+    if not calls:
+        raise ConfigError(
+            "target: the target module is never called by the model's forward, so it cannot be fused "
+            "in place; point `target` at a module that forward uses."
+        )
+    return calls[0][0], calls[0][1]
+
+
+@contextlib.contextmanager
+def _own_rng(module: nn.Module) -> Iterator[None]:
+    # Parity runs forward passes (and shuffled loaders may draw); keep the caller's RNG streams as they were.
+    cuda = sorted({t.device.index or 0 for t in module.parameters() if t.is_cuda})
+    with torch.random.fork_rng(devices=cuda):
+        yield
+
+
+def fuse_verify_export(
+    model: nn.Module,
+    cfg: ConfigLike = None,
+    *,
+    batches: Optional[Iterable[Any]] = None,
+    example_inputs: Union[torch.Tensor, Sequence[Any], None] = None,
+    export_dir: Union[str, Path, None] = None,
+    input_rule: InputRule = _UNSET,
+    write: bool = True,
+    source: str = "given",
+    notes: Sequence[str] = (),
+    protected_paths: Sequence[Union[str, Path]] = (),
+    extra: Optional[Dict[str, Any]] = None,
+) -> Outcome:
+    """Fuse ``cfg.target`` of ``model``, check parity on ``batches``, export when parity passed.
+
+    ``batches``: data batches (inputs taken out by ``input_rule``, default ``cfg.parity.input``); when
+    there are none, ``example_inputs`` (forward's arguments of the whole model) are used instead.
+    ``export_dir``: where to write (default ``cfg.export.dir``; nothing is written when both are None or
+    ``write`` is false). ``protected_paths``: files (checkpoints) the export must never replace: an export
+    directory equal to or containing one of them is refused.
+
+    A failed parity check raises :class:`ParityError` (with ``.report`` and ``.outcome``) when
+    ``cfg.parity.on_failure`` is ``raise``; otherwise it warns. Either way nothing is exported.
+    """
+    config = cfg if isinstance(cfg, FuseConfig) else load_config(cfg)
+    path, _ = resolve_target(model, config.target)
+    out_notes = list(notes)
+    with _own_rng(model), torch.no_grad():
+        reference_whole = eval_copy(model)
+        reference = reference_whole.get_submodule(path) if path else reference_whole
+        device, dtype = _device_dtype(reference_whole)
+
+        rule: InputRule = config.parity.input if input_rule is _UNSET else input_rule
+        wanted = config.parity.max_batches if config.parity.enabled else 1
+        data = list(itertools.islice(iter(batches), wanted)) if batches is not None else []
+        model_inputs = as_example_inputs(example_inputs)
+        if not data and model_inputs is not None:
+            data, rule = [model_inputs], _identity
+            if source != "example":
+                out_notes.append("no data batches: used the example inputs instead")
+            source = "example"
+
+        target_inputs: Optional[tuple] = None
+        if data:
+            first = as_args(_to_model(extract_input(data[0], rule), device, dtype))
+            args, kwargs = target_example_inputs(reference_whole, reference, first)
+            target_inputs = args
+            if kwargs:
+                out_notes.append(
+                    f"the target is called with keyword arguments ({', '.join(kwargs)}); they are not part of "
+                    "the example inputs given to capture"
+                )
+
+        result = fuse(reference, config, example_inputs=target_inputs)
+        fused = result.graph_module
+        whole_candidate = whole_model_with(reference_whole, path, fused)
+
+        parity: Optional[ParityReport] = None
+        if config.parity.enabled:
+            precise = None
+            if dtype in _LOW_PRECISION:
+                precise = copy.deepcopy(reference).double()
+            parity = check_parity(
+                reference,
+                fused,
+                data,
+                config.parity,
+                whole_reference=reference_whole if path else None,
+                whole_candidate=whole_candidate if path else None,
+                input_rule=rule,
+                source=source,
+                precise_reference=precise,
+            )
+        else:
+            out_notes.append("parity check disabled (parity.enabled: false): the fused model was not verified")
+
+    outcome = Outcome(result, parity, None, path, whole_candidate, out_notes)
+    if parity is not None and not parity.passed:
+        message = (
+            f"parity FAILED for target {path or '<whole model>'!r}: " + "; ".join(parity.failures)
+            + ". Nothing was exported."
+        )
+        out_notes.append("parity failed: nothing was exported")
+        if str(config.parity.on_failure.value) == "raise":
+            error = ParityError(message + " (set parity.on_failure: warn to only warn)")
+            error.report = parity  # type: ignore[attr-defined]
+            error.outcome = outcome  # type: ignore[attr-defined]
+            raise error
+        warnings.warn(message, UserWarning, stacklevel=2)
+        return outcome
+
+    directory = export_dir if export_dir is not None else config.export.dir
+    if config.export.enabled and write and directory is not None:
+        directory = Path(directory)
+        _refuse_protected(directory, protected_paths)
+        if target_inputs is None:
+            raise ExportError(
+                f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
+                "exporter needs them to write the fused model"
+            )
+        from fx_lightning.export import export_fused  # late: pulls in torch.export machinery
+
+        outcome.export_dir = Path(
+            export_fused(
+                fused,
+                directory,
+                example_inputs=tuple(_detached(target_inputs)),
+                config=config,
+                report=result.report,
+                parity=parity.to_dict() if parity is not None else None,
+                extra={"target": path, **(extra or {})},
+            )
+        )
+    elif config.export.enabled and write:
+        out_notes.append("export skipped: no export directory (set export.dir)")
+    return outcome
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _refuse_protected(directory: Path, protected: Sequence[Union[str, Path]]) -> None:
+    """An export replaces its directory atomically: it must never be (or contain) a checkpoint."""
+    target = directory.resolve()
+    for item in protected:
+        p = Path(item).resolve()
+        if p == target or target in p.parents:
+            raise ExportError(
+                f"export.dir: {str(directory)!r} is or contains {str(item)!r}; exporting there could replace a "
+                "checkpoint. Choose another export.dir."
+            )

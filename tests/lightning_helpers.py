@@ -1,0 +1,237 @@
+"""Helpers for the callback, parity and config tests: tiny LightningModules, data and a Trainer factory.
+
+Everything is tiny (8x8 images, a few batches) so a two-epoch fit takes about a second on one core.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the examples package lives at the repo root
+    sys.path.insert(0, str(REPO))
+
+NUM_CLASSES = 4
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def tiny_dataset(n: int = 64, seed: int = 0, size: int = 8) -> TensorDataset:
+    """Learnable: the class is which quadrant is bright."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
+    x = torch.randn(n, 3, size, size, generator=g) * 0.3
+    h = size // 2
+    for i, label in enumerate(y.tolist()):
+        r, c = divmod(label, 2)
+        x[i, :, r * h:(r + 1) * h, c * h:(c + 1) * h] += 1.0
+    return TensorDataset(x, y)
+
+
+def loaders(batch_size: int = 16, n_train: int = 64, n_val: int = 32) -> Tuple[DataLoader, DataLoader]:
+    return (
+        DataLoader(tiny_dataset(n_train, 0), batch_size=batch_size, shuffle=True),
+        DataLoader(tiny_dataset(n_val, 1), batch_size=batch_size),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class TinyBackbone(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.drop = nn.Dropout(0.2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(x + self.bn2(self.conv2(x)))
+        return torch.flatten(self.pool(self.drop(x)), 1)
+
+
+class DataDependentBackbone(TinyBackbone):
+    """A branch on tensor values: neither torch.fx nor torch.export can capture it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.sum() > 0:
+            return out * 2
+        return out
+
+
+class ShapeDependentBackbone(TinyBackbone):
+    """``torch.zeros(x.shape[0], ...)``: symbolic tracing fails, torch.export captures it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + torch.zeros(x.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
+
+
+class NoisyBackbone(TinyBackbone):
+    """Non-deterministic even in eval mode: no fused model can match it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + torch.randn_like(out)
+
+
+class LitClassifier(pl.LightningModule):
+    """``backbone`` + ``head``; counts training steps so tests can prove none ran."""
+
+    def __init__(self, backbone: Optional[nn.Module] = None, width: int = 8, lr: float = 0.1,
+                 val_score: str = "loss") -> None:
+        super().__init__()
+        self.backbone = backbone if backbone is not None else TinyBackbone(width)
+        self.head = nn.Linear(width, NUM_CLASSES)
+        self.lr = lr
+        self.val_score = val_score
+        self.training_steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.training_steps += 1
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+        # "epoch" score: lowest at epoch 0, so ModelCheckpoint(monitor="score", mode="min") keeps epoch 0.
+        self.log("score", float(self.current_epoch))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class FlatLit(pl.LightningModule):
+    """No ``backbone``: the whole module is the default target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classifier = nn.Linear(4, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def make_trainer(tmp_path: Path, callbacks: List[Any], **kwargs: Any) -> pl.Trainer:
+    options: Dict[str, Any] = dict(
+        max_epochs=2,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(tmp_path),
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+# -------------------------------------------------------------------------------------------- checking
+
+
+def state_fingerprint(module: nn.Module) -> Tuple[str, Tuple[Tuple[str, bool], ...], Tuple[str, ...]]:
+    """Hash of every parameter and buffer (bytes, dtype, shape, requires_grad), every module's training
+    flag, and any instance-level attribute that shadows a method (a replaced ``forward``)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict(keep_vars=True).items()):
+        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        h.update(str(t.requires_grad).encode())
+        if t.numel():
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    flags = tuple((n, m.training) for n, m in module.named_modules())
+    shadowed = tuple(sorted(f"{n}.{k}" for n, m in module.named_modules() for k in m.__dict__
+                            if k in ("forward", "__call__", "eval", "train")))
+    return h.hexdigest(), flags, shadowed
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def count_batchnorms(gm: nn.Module) -> int:
+    """BatchNorm modules and batch_norm calls (fx or ATen) left in a graph."""
+    n = sum(1 for m in gm.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    if isinstance(gm, fx.GraphModule):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "batch_norm" in str(node.target):
+                n += 1
+    return n
+
+
+def fp64_copy(module: nn.Module) -> nn.Module:
+    return copy.deepcopy(module).double().eval()
+
+
+def file_hashes(directory: Path) -> Dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+class HashCheckpoints(pl.Callback):
+    """Placed before FXFuseCallback: records the checkpoint files' hashes as fit ends, before fusion."""
+
+    def __init__(self) -> None:
+        self.hashes: Dict[str, str] = {}
+        self.directory: Optional[Path] = None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        cb = trainer.checkpoint_callback
+        assert cb is not None and cb.dirpath
+        self.directory = Path(cb.dirpath)
+        self.hashes = file_hashes(self.directory)
+
+
+def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial BN statistics: folding a fresh BN (the identity) can be wrong and look exact."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                n = m.num_features
+                m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
+                m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.25)
+                m.weight.copy_(torch.randn(n, generator=g) * 0.3 + 1.0)
+                m.bias.copy_(torch.randn(n, generator=g) * 0.3)
+    return model
