@@ -293,6 +293,10 @@ def _check_keys(value: Any, schema: type, path: str) -> None:
                         _check_enum(item, item_type, f"{full}[{i}]")
             elif sub is not None and not (isinstance(sub, str) and full == "export.formats"):
                 raise ConfigError(f"{full}: expected a list, got {type(sub).__name__} {sub!r:.80}.")
+        elif typing.get_origin(inner) in (dict, Dict):
+            # OmegaConf reports a list or scalar here as "Cannot merge DictConfig with ListConfig" at <config>.
+            if sub is not None and not isinstance(sub, dict):
+                raise ConfigError(f"{full}: expected a mapping, got {type(sub).__name__} {sub!r:.80}.")
         elif isinstance(inner, type) and issubclass(inner, Enum):
             _check_enum(sub, inner, full)
 
@@ -391,7 +395,7 @@ def validate(cfg: FuseConfig) -> None:
         try:
             spec = resolve_pass(extra.name)
         except (KeyError, ImportError, AttributeError, ValueError) as exc:
-            raise ConfigError(f"passes.extra[{i}].name: {exc}") from None
+            raise ConfigError(f"passes.extra[{i}].name: {exc.args[0] if exc.args else exc}") from None
         if spec.options_type is not None and extra.options:
             option_fields = {f.name for f in dataclasses.fields(spec.options_type)}
             for key in extra.options:
