@@ -1,0 +1,106 @@
+"""Serve an fx-lightning export: load the fused model and run a batch, without the training code.
+
+    python examples/serve.py path/to/fx_fused                    # best format (pt2 first), random batch of 4
+    python examples/serve.py path/to/fx_fused --format onnx --batch-size 7
+    python examples/serve.py path/to/fx_fused --input batch.pt --save out.pt
+
+Only torch is needed (and onnxruntime for ONNX). fx-lightning is used when installed (it verifies each
+file's sha256 against the manifest); without it the plain torch loaders below do the same job. Nothing
+here imports the code that trained the model: the export carries the graph and the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+
+
+def load(directory: str, fmt: str | None = None) -> torch.nn.Module:
+    """The fused model: fx_lightning.load_fused when installed, else torch's own loaders."""
+    try:
+        from fx_lightning import load_fused
+    except ImportError:
+        return _load_with_torch(directory, fmt)
+    return load_fused(directory, fmt)
+
+
+def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
+    with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as fh:
+        formats = json.load(fh)["formats"]
+    fmt = fmt or next(f for f in ("pt2", "graph_module", "code", "onnx") if f in formats)
+    if fmt == "pt2":
+        return torch.export.load(os.path.join(directory, "model.pt2")).module()
+    if fmt == "graph_module":
+        # Pickled code: weights_only=False executes it. Load only exports you trust.
+        return torch.load(os.path.join(directory, "model.pt"), weights_only=False).eval()
+    if fmt == "code":
+        sys.path.insert(0, directory)
+        from fused_module import load as load_code  # the generated package inside the export
+
+        return load_code()
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(os.path.join(directory, "model.onnx"), providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+
+        def run(*xs: torch.Tensor) -> Any:
+            outs = session.run(None, {n: x.numpy() for n, x in zip(names, xs)})
+            return torch.from_numpy(outs[0]) if len(outs) == 1 else tuple(torch.from_numpy(o) for o in outs)
+
+        return run  # type: ignore[return-value]
+    raise SystemExit(f"unknown format {fmt!r}")
+
+
+def random_inputs(manifest: Dict[str, Any], batch_size: int, seed: int = 0) -> List[torch.Tensor]:
+    """Inputs shaped as the manifest says, with ``batch`` replaced by ``batch_size``."""
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for spec in manifest["inputs"]:
+        if spec.get("kind", "tensor") != "tensor":
+            raise SystemExit(f"input {spec['name']!r} is not a tensor; pass --input")
+        shape = [batch_size if d == "batch" else int(d) for d in spec["shape"]]
+        dtype = _DTYPES.get(spec["dtype"], torch.float32)
+        x = torch.randn(shape, generator=g) if dtype.is_floating_point else torch.randint(0, 2, shape, generator=g)
+        xs.append(x.to(dtype))
+    return xs
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", help="the export directory (holds manifest.json)")
+    parser.add_argument("--format", choices=["pt2", "graph_module", "code", "onnx"], default=None)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--input", help="a .pt file with a tensor (or a list of tensors) to run instead of random data")
+    parser.add_argument("--save", help="write {'inputs': [...], 'output': ...} to this .pt file")
+    args = parser.parse_args(argv)
+
+    with open(os.path.join(args.directory, "manifest.json"), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    model = load(args.directory, args.format)
+    if args.input:
+        loaded = torch.load(args.input, weights_only=True)
+        inputs = list(loaded) if isinstance(loaded, (list, tuple)) else [loaded]
+    else:
+        inputs = random_inputs(manifest, args.batch_size)
+    with torch.no_grad():
+        output = model(*inputs)
+    first = output if isinstance(output, torch.Tensor) else output[0]
+    parity = manifest.get("parity") or {}
+    print(f"loaded {args.directory} ({args.format or 'best format'}; parity passed: {parity.get('passed')})")
+    print(f"inputs {[tuple(x.shape) for x in inputs]} -> output {tuple(first.shape)} {str(first.dtype)}")
+    if args.save:
+        torch.save({"inputs": inputs, "output": output}, args.save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Helpers for the export and CLI tests: non-trivial BatchNorms, fp64 references, file snapshots, and a
+fresh Python process that cannot see the repository's tests/ or examples/ (the "training code")."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random running statistics and affine parameters: a fresh BatchNorm is the identity and hides bugs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                n = m.num_features
+                m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
+                m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.25)
+                if m.affine:
+                    m.weight.copy_(torch.randn(n, generator=g) * 0.3 + 1.0)
+                    m.bias.copy_(torch.randn(n, generator=g) * 0.3)
+    return model
+
+
+def reference_fp64(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The original model in eval mode, computed in float64."""
+    ref = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        return ref(x.double())
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|out - ref| / max|ref| in float64."""
+    out, ref = out.detach().double(), ref.detach().double()
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def snapshot(directory: Path) -> Dict[str, str]:
+    """sha256 of every file under ``directory`` (relative path -> digest)."""
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            out[p.relative_to(directory).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def leftovers(parent: Path, name: str) -> list:
+    """Temporary or moved-aside siblings an export may have left next to ``parent/name``."""
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+def clean_env() -> Dict[str, str]:
+    """The environment without PYTHONPATH (and friends), one thread: a serving process's view."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+# Runs inside the fresh process. It refuses to start if the repository's tests/ or examples/ (or the
+# repository root, which would expose them as packages) are importable, loads every requested export,
+# runs the given inputs and saves the outputs; then checks that no module was imported from those folders.
+SERVE_CHECK = textwrap.dedent(
+    '''
+    import importlib.util, json, os, sys, traceback
+    repo, job_path, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    forbidden = [os.path.join(repo, "tests"), os.path.join(repo, "examples")]
+    for entry in sys.path:
+        full = os.path.abspath(entry or os.getcwd())
+        assert full != repo and not any(full.startswith(f) for f in forbidden), f"training code on sys.path: {full}"
+    for name in ("test_export", "export_helpers", "test_cli", "conftest"):
+        assert importlib.util.find_spec(name) is None, f"{name} is importable"
+    import torch
+    torch.set_num_threads(1)
+    job = torch.load(job_path, weights_only=True)
+    results, errors = {}, {}
+    for key, spec in json.loads(job["spec"]).items():
+        try:
+            if spec["loader"] == "load_fused":
+                from fx_lightning import load_fused
+                model = load_fused(spec["dir"], spec["format"])
+            elif spec["loader"] == "torch.export":
+                model = torch.export.load(os.path.join(spec["dir"], "model.pt2")).module()
+            elif spec["loader"] == "torch.load":
+                model = torch.load(os.path.join(spec["dir"], "model.pt"), weights_only=False).eval()
+            elif spec["loader"] == "code":
+                sys.path.insert(0, spec["dir"])
+                from fused_module import load
+                model = load()
+                sys.path.remove(spec["dir"])
+                sys.modules.pop("fused_module", None); sys.modules.pop("fused_module.module", None)
+            elif spec["loader"] == "onnxruntime":
+                import onnxruntime as ort
+                sess = ort.InferenceSession(os.path.join(spec["dir"], "model.onnx"), providers=["CPUExecutionProvider"])
+                name = sess.get_inputs()[0].name
+                model = lambda x: torch.from_numpy(sess.run(None, {name: x.numpy()})[0])
+            else:
+                raise ValueError(spec["loader"])
+            with torch.no_grad():
+                results[key] = [model(x) for x in job["inputs"]]
+        except Exception:
+            errors[key] = traceback.format_exc()
+    bad = sorted({getattr(m, "__file__", None) for m in list(sys.modules.values())
+                  if getattr(m, "__file__", None) and any(os.path.abspath(m.__file__).startswith(f) for f in forbidden)})
+    torch.save({"results": results, "errors": json.dumps(errors), "bad_imports": json.dumps(bad)}, out_path)
+    '''
+)
+
+
+def run_fresh(
+    tmp: Path, specs: Dict[str, Dict[str, Any]], inputs: Sequence[torch.Tensor], timeout: float = 240
+) -> Dict[str, Any]:
+    """Load each export of ``specs`` (key -> {dir, format, loader}) in one fresh ``python -I`` process,
+    with ``cwd`` outside the repository and no PYTHONPATH; return its outputs for ``inputs``."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    script = tmp / "serve_check.py"
+    script.write_text(SERVE_CHECK)
+    job = tmp / "job.pt"
+    torch.save({"spec": json.dumps(specs), "inputs": list(inputs)}, job)
+    out = tmp / "out.pt"
+    proc = subprocess.run(
+        [sys.executable, "-I", str(script), str(REPO), str(job), str(out)],
+        cwd=tmp, env=clean_env(), capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"fresh process failed:\n{proc.stdout}\n{proc.stderr}"
+    data = torch.load(out, weights_only=True)
+    return {
+        "results": data["results"],
+        "errors": json.loads(data["errors"]),
+        "bad_imports": json.loads(data["bad_imports"]),
+    }
+
+
+def run_script(args: Sequence[str], cwd: Path, timeout: float = 240, check: bool = True,
+               env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``python -I args...`` in ``cwd`` with a clean environment."""
+    proc = subprocess.run([sys.executable, "-I", *args], cwd=cwd, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
