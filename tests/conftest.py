@@ -9,6 +9,15 @@ import torch
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
+try:  # CI explores a fixed set of examples so a red run can be reproduced; locally, new ones each run.
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+    settings.register_profile("dev", deadline=None)
+    settings.load_profile("ci" if os.environ.get("CI") else "dev")
+except ImportError:  # hypothesis is a dev extra
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_threads():

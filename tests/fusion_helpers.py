@@ -99,3 +99,21 @@ def stats(gm: fx.GraphModule) -> Dict[str, int]:
 
     s = graph_stats(gm)
     return {"nodes": s.nodes, "batchnorms": s.batchnorms, "dropouts": s.dropouts, "parameters": s.parameters}
+
+
+def foldable_after_conv(model: nn.Module) -> set:
+    """Names of BN nodes that directly follow a conv whose output has exactly one user (independent of
+    the passes: computed on a fresh capture of the model)."""
+    from fx_lightning.capture import capture
+    from fx_lightning.config import TraceConfig
+    from fx_lightning.passes.batchnorm import match_layer
+
+    gm = capture(model, TraceConfig(mode="fx")).graph_module
+    found = set()
+    for node in gm.graph.nodes:
+        if is_batchnorm_node(gm, node):
+            producer = node.args[0]
+            layer = match_layer(gm, producer)
+            if layer is not None and not isinstance(layer, str) and layer.kind != "linear" and len(producer.users) == 1:
+                found.add(node.name)
+    return found
