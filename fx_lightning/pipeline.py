@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from fx_lightning.capture import eval_copy
+from fx_lightning.capture import eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
 from fx_lightning.engine import FuseResult, as_example_inputs, fuse
 from fx_lightning.errors import ConfigError, ExportError, ParityError
@@ -91,7 +91,7 @@ def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.
     for t in itertools.chain(model.parameters(), model.buffers()):
         memo[id(t)] = t
     whole = copy.deepcopy(model, memo)
-    whole.eval()
+    set_eval(whole)  # not .eval(): a torch.export-captured replacement refuses it
     return whole
 
 

@@ -1,0 +1,278 @@
+"""FXFuseCallback end to end on CPU: tiny models, two epochs, a CSVLogger in tmp_path."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+import lightning_helpers as H
+from fx_lightning import ConfigError, ExportError, FXFuseCallback, ParityError, TraceError
+
+
+class Snapshot(pl.Callback):
+    """Placed before FXFuseCallback: the module's fingerprint and output as fit ends, before fusion."""
+
+    def __init__(self) -> None:
+        self.fingerprint: Any = None
+        self.output: Any = None
+        self.x = torch.randn(4, 3, 8, 8)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fingerprint = H.state_fingerprint(pl_module)
+        with torch.no_grad():
+            was = pl_module.training
+            pl_module.eval()
+            self.output = pl_module(self.x).clone()
+            pl_module.train(was)
+
+
+def _metrics_rows(trainer: pl.Trainer) -> List[Dict[str, str]]:
+    path = Path(trainer.logger.log_dir) / "metrics.csv"  # type: ignore[union-attr]
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _logged(rows: List[Dict[str, str]], key: str) -> List[float]:
+    return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+
+
+def test_end_to_end_default_callback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("fx_lightning.export")
+    from fx_lightning import load_fused
+
+    model = H.LitClassifier()
+    snap, fuse_cb = Snapshot(), FXFuseCallback()
+    trainer = H.make_trainer(tmp_path, [snap, fuse_cb])
+    train, val = H.loaders()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, train, val)
+
+    assert model.training_steps == 8
+    # The LightningModule is bitwise unchanged by the callback: weights, buffers, flags, forward.
+    assert H.state_fingerprint(model) == snap.fingerprint
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(snap.x), snap.output)
+
+    result = fuse_cb.result
+    assert result is not None
+    assert result.report.before.batchnorms == 2
+    assert result.report.after.batchnorms == 0 and H.count_batchnorms(result.graph_module) == 0
+    ref64 = H.fp64_copy(model.backbone)
+    with torch.no_grad():
+        assert H.rel_err(result.graph_module(snap.x), ref64(snap.x.double())) < 1e-5
+
+    report = fuse_cb.parity_report
+    assert report is not None and report.passed, report
+    assert report.source == "val" and report.batches == 2
+    assert report.metrics["relative_max_error"] < 1e-5
+
+    rows = _metrics_rows(trainer)
+    assert _logged(rows, "fx_fuse/parity_passed") == [1.0]
+    assert _logged(rows, "fx_fuse/batchnorms_folded") == [2.0]
+    assert _logged(rows, "fx_fuse/parity_relative_max_error")[0] == pytest.approx(
+        report.metrics["relative_max_error"])
+    assert _logged(rows, "fx_fuse/exported") == [1.0]
+
+    assert fuse_cb.export_dir == Path(trainer.log_dir) / "fx_fused"
+    loaded = load_fused(fuse_cb.export_dir)
+    with torch.no_grad():
+        assert H.rel_err(loaded(snap.x), ref64(snap.x.double())) < 1e-5
+
+    summaries = [r.getMessage() for r in caplog.records if "FXFuseCallback ===" in r.getMessage()]
+    assert len(summaries) == 1
+    assert "parity PASSED" in summaries[0] and str(fuse_cb.export_dir) in summaries[0]
+    assert "BatchNorms folded: 2, left: 0" in summaries[0]
+
+
+def test_weights_best_fuses_the_best_checkpoint(tmp_path: Path) -> None:
+    model = H.LitClassifier()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="score", mode="min", save_top_k=1)
+    fuse_cb = FXFuseCallback(weights="best", export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [ckpt, fuse_cb])
+    trainer.fit(model, *H.loaders())
+
+    assert "epoch=0" in Path(ckpt.best_model_path).name
+    best = H.LitClassifier()
+    best.load_state_dict(torch.load(ckpt.best_model_path, weights_only=False)["state_dict"])
+    x = torch.randn(8, 3, 8, 8)
+    fused = fuse_cb.result.graph_module  # type: ignore[union-attr]
+    with torch.no_grad():
+        out = fused(x)
+        best_ref = H.fp64_copy(best.backbone)(x.double())
+        last_ref = H.fp64_copy(model.backbone)(x.double())
+    assert H.rel_err(best_ref, last_ref) > 1e-2  # the test means something: epoch 0 and 1 differ
+    assert H.rel_err(out, best_ref) < 1e-5
+    assert H.rel_err(out, last_ref) > 1e-2
+    assert fuse_cb.parity_report.passed  # type: ignore[union-attr]
+    assert any("best checkpoint" in n and "epoch=0" in n for n in fuse_cb.outcome.notes)  # type: ignore[union-attr]
+
+
+def test_weights_best_without_checkpoint_callback_fails_clearly(tmp_path: Path) -> None:
+    fuse_cb = FXFuseCallback(weights="best", export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [fuse_cb], enable_checkpointing=False)
+    with pytest.raises(ConfigError, match="weights: 'best' needs a ModelCheckpoint") as info:
+        trainer.fit(H.LitClassifier(), *H.loaders())
+    assert "No ModelCheckpoint was configured" in str(info.value)
+
+
+def test_missing_target_fails_before_training(tmp_path: Path) -> None:
+    model = H.LitClassifier()
+    trainer = H.make_trainer(tmp_path, [FXFuseCallback(target="encoder")])
+    with pytest.raises(ConfigError) as info:
+        trainer.fit(model, *H.loaders())
+    message = str(info.value)
+    assert "'encoder'" in message and "backbone (TinyBackbone)" in message and "head (Linear)" in message
+    assert model.training_steps == 0
+
+
+def test_untraceable_backbone_fails_before_training_with_hints(tmp_path: Path) -> None:
+    model = H.LitClassifier(backbone=H.DataDependentBackbone())
+    trainer = H.make_trainer(tmp_path, [FXFuseCallback()])
+    with pytest.raises(TraceError) as info:
+        trainer.fit(model, *H.loaders())
+    message = str(info.value)
+    assert "before the first training step" in message
+    assert "data-dependent control flow" in message and "trace.leaf_modules" in message
+    assert model.training_steps == 0
+
+
+def test_untraceable_backbone_with_on_error_warn_trains_and_skips(tmp_path: Path) -> None:
+    model = H.LitClassifier(backbone=H.DataDependentBackbone())
+    fuse_cb = FXFuseCallback(on_error="warn", trace={"mode": "fx"})
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    with pytest.warns(UserWarning, match="cannot be captured"):
+        trainer.fit(model, *H.loaders())
+    assert model.training_steps == 8
+    assert fuse_cb.result is None and fuse_cb.skipped and "pre-training check failed" in fuse_cb.skipped
+    assert not (Path(trainer.log_dir) / "fx_fused").exists()
+
+
+def test_shape_dependent_backbone_fuses_through_torch_export(tmp_path: Path) -> None:
+    model = H.LitClassifier(backbone=H.ShapeDependentBackbone())
+    fuse_cb = FXFuseCallback(export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    trainer.fit(model, *H.loaders())
+    result = fuse_cb.result
+    assert result is not None and result.report.capture_mode == "export"
+    assert result.report.before.batchnorms == 2 and H.count_batchnorms(result.graph_module) == 0
+    assert fuse_cb.parity_report.passed  # type: ignore[union-attr]
+    x = torch.randn(5, 3, 8, 8)
+    with torch.no_grad():
+        assert H.rel_err(result.graph_module(x), H.fp64_copy(model.backbone)(x.double())) < 1e-5
+
+
+def test_nondeterministic_backbone_fails_parity_exports_nothing_keeps_checkpoints(tmp_path: Path) -> None:
+    model = H.LitClassifier(backbone=H.NoisyBackbone())
+    hashes = H.HashCheckpoints()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    fuse_cb = FXFuseCallback()
+    trainer = H.make_trainer(tmp_path, [ckpt, hashes, fuse_cb])
+    with pytest.raises(ParityError) as info:
+        trainer.fit(model, *H.loaders())
+    message = str(info.value)
+    assert "relative_max_error" in message and "parity.rtol" in message
+    assert "checkpoints are intact" in message and ckpt.last_model_path in message
+    assert fuse_cb.parity_report is not None and not fuse_cb.parity_report.passed
+    assert fuse_cb.export_dir is None and not (Path(trainer.log_dir) / "fx_fused").exists()
+    assert len(hashes.hashes) >= 2  # an epoch checkpoint and last.ckpt
+    assert H.file_hashes(tmp_path / "ckpts") == hashes.hashes
+    state = torch.load(ckpt.last_model_path, weights_only=False)["state_dict"]
+    assert set(state) == set(model.state_dict())
+    assert _logged(_metrics_rows(trainer), "fx_fuse/parity_passed") == [0.0]
+
+
+def test_parity_failure_with_on_error_warn_lets_fit_return(tmp_path: Path) -> None:
+    model = H.LitClassifier(backbone=H.NoisyBackbone())
+    fuse_cb = FXFuseCallback(on_error="warn")
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    with pytest.warns(UserWarning, match="FXFuseCallback failed after training"):
+        trainer.fit(model, *H.loaders())
+    assert isinstance(fuse_cb.error, ParityError)
+    assert fuse_cb.parity_report is not None and not fuse_cb.parity_report.passed
+    assert fuse_cb.export_dir is None and not (Path(trainer.log_dir) / "fx_fused").exists()
+
+
+def test_export_into_the_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpts"
+    hashes = H.HashCheckpoints()
+    fuse_cb = FXFuseCallback(export={"dir": str(ckpt_dir)})
+    trainer = H.make_trainer(tmp_path, [ModelCheckpoint(dirpath=ckpt_dir), hashes, fuse_cb])
+    with pytest.raises(ExportError, match="could replace a checkpoint"):
+        trainer.fit(H.LitClassifier(), *H.loaders())
+    assert hashes.hashes and H.file_hashes(ckpt_dir) == hashes.hashes
+
+
+def test_fast_dev_run_is_skipped(tmp_path: Path) -> None:
+    fuse_cb = FXFuseCallback()
+    trainer = H.make_trainer(tmp_path, [fuse_cb], fast_dev_run=True)
+    trainer.fit(H.LitClassifier(), *H.loaders())
+    assert fuse_cb.result is None and fuse_cb.skipped == "fast_dev_run"
+    assert not list(tmp_path.rglob("fx_fused"))
+
+
+class Crash(H.LitClassifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_failed_fit_fuses_nothing(tmp_path: Path) -> None:
+    fuse_cb = FXFuseCallback()
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Crash(), *H.loaders())
+    assert fuse_cb.result is None and "RuntimeError" in (fuse_cb.skipped or "")
+    assert not list(tmp_path.rglob("fx_fused"))
+
+
+def test_module_without_backbone_and_train_data_fallback(tmp_path: Path) -> None:
+    model = H.randomize_batchnorms(H.FlatLit())
+    fuse_cb = FXFuseCallback(export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [fuse_cb], limit_val_batches=0)
+    trainer.fit(model, train_dataloaders=H.loaders()[0])
+    assert fuse_cb.outcome is not None and fuse_cb.outcome.target == ""
+    report = fuse_cb.parity_report
+    assert report is not None and report.passed and report.source == "train"
+    assert any("training batches" in n for n in fuse_cb.outcome.notes)
+    assert H.count_batchnorms(fuse_cb.result.graph_module) == 0  # type: ignore[union-attr]
+
+
+def test_example_input_array_as_parity_data(tmp_path: Path) -> None:
+    model = H.LitClassifier()
+    model.example_input_array = torch.randn(6, 3, 8, 8)
+    fuse_cb = FXFuseCallback(parity={"data": "example"}, export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    trainer.fit(model, *H.loaders())
+    report = fuse_cb.parity_report
+    assert report is not None and report.passed and report.source == "example"
+    assert report.metrics["samples"] == 6
+
+
+def test_parity_input_rule_for_dict_batches(tmp_path: Path) -> None:
+    class DictLit(H.LitClassifier):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step((batch["pixels"], batch["y"]), batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            super().validation_step((batch["pixels"], batch["y"]), batch_idx)
+
+    def as_dicts(n: int, seed: int) -> DataLoader:
+        data = H.tiny_dataset(n, seed)
+        return DataLoader([{"pixels": x, "y": y} for x, y in data], batch_size=16)  # collates to dicts
+
+    fuse_cb = FXFuseCallback(parity={"input": "pixels"}, export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    trainer.fit(DictLit(), as_dicts(64, 0), as_dicts(32, 1))
+    report = fuse_cb.parity_report
+    assert report is not None and report.passed and report.batches == 2
+    assert "accuracy_fused" in report.metrics  # labels found under "y"
