@@ -1,0 +1,86 @@
+"""A tiny LightningModule and DataModule for the CLI tests, importable as ``export_cli_models:Class``."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+NUM_CLASSES = 4
+
+
+def quadrant_data(n: int, seed: int, size: int = 8) -> TensorDataset:
+    """Learnable synthetic images: the class is the bright quadrant."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
+    x = torch.randn(n, 3, size, size, generator=g) * 0.3
+    h = size // 2
+    for i, label in enumerate(y.tolist()):
+        r, c = divmod(label, 2)
+        x[i, :, r * h:(r + 1) * h, c * h:(c + 1) * h] += 1.0
+    return TensorDataset(x, y)
+
+
+class CliBackbone(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.drop = nn.Dropout(0.1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(width, 16)
+        self.bn3 = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(x + self.bn2(self.conv2(x)))
+        x = torch.flatten(self.pool(self.drop(x)), 1)
+        return F.relu(self.bn3(self.fc(x)))
+
+
+class CliClassifier(pl.LightningModule):
+    def __init__(self, width: int = 8, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = CliBackbone(width)
+        self.head = nn.Linear(16, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class CliClassifierWithExample(CliClassifier):
+    def __init__(self, width: int = 8, lr: float = 0.05) -> None:
+        super().__init__(width, lr)
+        self.example_input_array = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+
+
+class CliData(pl.LightningDataModule):
+    def __init__(self, batch_size: int = 16, n_train: int = 64, n_val: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set = quadrant_data(self.hparams.n_train, 0)
+        self.val_set = quadrant_data(self.hparams.n_val, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
