@@ -9,7 +9,6 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from fx_lightning.capture import capture, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
@@ -61,13 +60,8 @@ def fuse(
     start = time.perf_counter()
     captured = capture(module, cfg.trace, inputs)
     gm = captured.graph_module
-    shapes_known = captured.mode == "export"
-    if inputs is not None and captured.mode == "fx":
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*inputs)
-        shapes_known = True
     before = graph_stats(gm)
-    ctx = PassContext(capture_mode=captured.mode, shapes_known=shapes_known)
+    ctx = PassContext(capture_mode=captured.mode, example_inputs=inputs, shapes_known=captured.mode == "export")
     reports = [
         PassReport(spec.name, spec.preserves_computation, result.changed, result.skipped, seconds)
         for spec, result, seconds in run_pipeline(gm, cfg.passes, ctx)
@@ -81,7 +75,7 @@ def fuse(
         notes=list(captured.notes),
         seconds=time.perf_counter() - start,
     )
-    if not shapes_known:
+    if inputs is None and captured.mode == "fx":
         report.notes.append("no example inputs: shapes unknown, so Linear + BatchNorm1d pairs were not folded")
     set_eval(gm)
     return FuseResult(gm, report, cfg, inputs)

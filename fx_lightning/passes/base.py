@@ -30,10 +30,29 @@ __all__ = [
 
 @dataclass
 class PassContext:
-    """What passes may know besides the graph. ``shapes_known``: nodes carry tensor shapes in meta."""
+    """What passes may know besides the graph.
+
+    Shapes cost a forward pass, so they are computed only when a pass asks (``ensure_shapes``) and
+    only once: most CNNs never need them. Export captures carry shapes already.
+    """
 
     capture_mode: str = "fx"
+    example_inputs: Optional[tuple] = None
     shapes_known: bool = False
+
+    def ensure_shapes(self, gm: fx.GraphModule) -> bool:
+        """Annotate ``gm``'s nodes with shapes (ShapeProp on the example inputs); False if impossible."""
+        if self.shapes_known:
+            return True
+        if self.example_inputs is None:
+            return False
+        import torch
+        from torch.fx.passes.shape_prop import ShapeProp
+
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*self.example_inputs)
+        self.shapes_known = True
+        return True
 
 
 @dataclass

@@ -110,13 +110,15 @@ def delete_unused_attributes(gm: fx.GraphModule) -> int:
     used_attrs = get_attr_targets(gm)
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
 
+    # Ancestors of anything read or called must stay (they hold it).
+    ancestors = {".".join(p.split(".")[:i]) for p in used_attrs | called for i in range(1, p.count(".") + 1)}
+
     def needed(full: str) -> bool:
-        if full in used_attrs:
+        if full in used_attrs or full in called or full in ancestors:
             return True
-        # Inside a called module (its forward reads it), or an ancestor of a read attribute.
-        return any(full == c or full.startswith(c + ".") for c in called) or any(
-            a.startswith(full + ".") for a in used_attrs | called
-        )
+        # Inside a called module: its forward reads it.
+        parts = full.split(".")
+        return any(".".join(parts[:i]) in called for i in range(1, len(parts)))
 
     for full, _ in list(itertools.chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False))):
         if not needed(full):
