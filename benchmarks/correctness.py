@@ -9,6 +9,7 @@ eval copy of the original (random BatchNorm statistics, so a wrong fold cannot l
 from __future__ import annotations
 
 import copy
+import operator
 import sys
 from pathlib import Path
 from typing import Callable, List, Tuple
@@ -83,9 +84,10 @@ def bn_count(gm: nn.Module) -> int:
     """BatchNorm calls left, including ones a tracer inlined into arithmetic (a read of running_var)."""
     if isinstance(gm, torch.fx.GraphModule):
         calls = sum(1 for n in gm.graph.nodes if is_batchnorm_node(gm, n))
-        inlined = {n.target for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).endswith("running_var")
-                   and not any(is_batchnorm_node(gm, u) for u in n.users)}
-        return calls + len(inlined)
+        # A traced-through BatchNorm (e.g. FrozenBatchNorm2d under torch.fx) stays as x * const + const.
+        inlined = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in (operator.mul, torch.mul)
+                      and any(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in n.args))
+        return calls + inlined
     return count_bn_modules(gm)
 
 
