@@ -22,7 +22,6 @@ from fx_lightning.config import (
     ExportConfig,
     FuseConfig,
     OnError,
-    ParityConfig,
     TraceConfig,
     WeightsSource,
     load_config,
