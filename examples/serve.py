@@ -42,9 +42,13 @@ def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
         # Pickled code: weights_only=False executes it. Load only exports you trust.
         return torch.load(os.path.join(directory, "model.pt"), weights_only=False).eval()
     if fmt == "code":
+        for name in [m for m in sys.modules if m == "fused_module" or m.startswith("fused_module.")]:
+            del sys.modules[name]  # another export's package, imported earlier in this process
         sys.path.insert(0, directory)
-        from fused_module import load as load_code  # the generated package inside the export
-
+        try:
+            from fused_module import load as load_code  # the generated package inside the export
+        finally:
+            sys.path.remove(directory)
         return load_code()
     if fmt == "onnx":
         import onnxruntime as ort

@@ -552,16 +552,50 @@ def _torch_export(ctx: _WriteContext) -> "torch.export.ExportedProgram":
 def _write_onnx(root: Path, ctx: _WriteContext) -> Dict[str, Any]:
     _require_onnx()
     path = root / FORMAT_PATHS["onnx"]
+    input_names = [n for n, a in zip(ctx.input_names, ctx.args) if isinstance(a, torch.Tensor)]
     output_names = [f"output_{i}" for i in range(len(_flat_outputs(ctx.model, ctx.args)))]
-    kwargs: Dict[str, Any] = dict(
-        dynamo=True,
-        input_names=[n for n, a in zip(ctx.input_names, ctx.args) if isinstance(a, torch.Tensor)],
-        output_names=output_names,
-        dynamic_shapes=ctx.dynamic_shapes,
-        verbose=False,
-    )
-    if ctx.config.export.onnx_opset is not None:
-        kwargs["opset_version"] = int(ctx.config.export.onnx_opset)
+    opset = ctx.config.export.onnx_opset
+    exporter = "dynamo"
+    fallback_reason = None
+    try:
+        _onnx_dynamo(ctx, path, input_names, output_names, opset)
+    except Exception as exc:  # noqa: BLE001 - the TorchScript exporter handles some graphs dynamo cannot
+        fallback_reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        for leftover in root.glob(FORMAT_PATHS["onnx"] + "*"):
+            leftover.unlink()
+        exporter = "torchscript"
+        try:
+            _onnx_torchscript(ctx, path, input_names, output_names, opset)
+        except Exception as exc2:  # noqa: BLE001
+            raise ExportError(
+                f"torch.onnx.export failed with both exporters: dynamo: {fallback_reason}; "
+                f"torchscript: {type(exc2).__name__}: {_first_line(exc2)}"
+            ) from exc2
+    import onnx
+
+    onnx.checker.check_model(str(path))
+    model = onnx.load(str(path), load_external_data=False)
+    entry = {
+        "path": FORMAT_PATHS["onnx"],
+        "loader": "onnxruntime.InferenceSession(path)",
+        "weights_only": True,
+        "pickled_code": False,
+        "exporter": exporter,
+        "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
+        "input_names": [i.name for i in model.graph.input],
+        "output_names": [o.name for o in model.graph.output],
+    }
+    if fallback_reason:
+        entry["dynamo_failure"] = fallback_reason
+    return entry
+
+
+def _onnx_dynamo(ctx: _WriteContext, path: Path, input_names: List[str], output_names: List[str],
+                 opset: Optional[int]) -> None:
+    kwargs: Dict[str, Any] = dict(dynamo=True, input_names=input_names, output_names=output_names,
+                                  dynamic_shapes=ctx.dynamic_shapes, verbose=False)
+    if opset is not None:
+        kwargs["opset_version"] = int(opset)
     # The dynamo exporter reports its steps with print(); keep them out of the user's logs.
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -569,19 +603,21 @@ def _write_onnx(root: Path, ctx: _WriteContext) -> Dict[str, Any]:
         if program is None:
             raise ExportError("torch.onnx.export returned no program.")
         program.save(str(path))
-    import onnx
 
-    onnx.checker.check_model(str(path))
-    model = onnx.load(str(path), load_external_data=False)
-    return {
-        "path": FORMAT_PATHS["onnx"],
-        "loader": "onnxruntime.InferenceSession(path)",
-        "weights_only": True,
-        "pickled_code": False,
-        "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
-        "input_names": [i.name for i in model.graph.input],
-        "output_names": [o.name for o in model.graph.output],
-    }
+
+def _onnx_torchscript(ctx: _WriteContext, path: Path, input_names: List[str], output_names: List[str],
+                      opset: Optional[int]) -> None:
+    dynamic_axes = None
+    if ctx.dynamic_shapes is not None:
+        dynamic_axes = {n: {0: "batch"} for n in input_names}
+        dynamic_axes.update({n: {0: "batch"} for n in output_names})
+    kwargs: Dict[str, Any] = dict(dynamo=False, input_names=input_names, output_names=output_names,
+                                  dynamic_axes=dynamic_axes)
+    if opset is not None:
+        kwargs["opset_version"] = int(opset)
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ctx.model, ctx.args, str(path), **kwargs)
 
 
 def _require_onnx() -> None:

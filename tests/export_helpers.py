@@ -151,3 +151,62 @@ def run_script(args: Sequence[str], cwd: Path, timeout: float = 240, check: bool
     if check:
         assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ddp_export_worker(rank: int, world: int, tmp: str, port: int) -> None:
+    """One rank of the DDP export test (gloo on CPU): export with and without the barrier."""
+    import torch.distributed as dist
+
+    import fx_lightning.export as export_mod
+    from fx_lightning import fuse
+    from fx_lightning.config import load_config
+    from fx_lightning.errors import ExportError
+    from fx_lightning.export import export_fused
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    writes = []
+    real_local = export_mod._export_local
+
+    def counting(*args, **kwargs):  # records which rank actually writes
+        writes.append(str(args[1]))
+        return real_local(*args, **kwargs)
+
+    export_mod._export_local = counting
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        root = Path(tmp)
+        model = randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).eval()
+        x = torch.randn(2, 3, 6, 6)
+        gm = fuse(model, example_inputs=x).graph_module
+        cfg = load_config({"export": {"formats": ["graph_module"], "overwrite": False}})
+        target = root / "exp"
+        out = export_fused(gm, target, example_inputs=(x,), config=cfg, barrier=True)
+        result: Dict[str, Any] = {
+            "wrote": bool(writes),
+            "saw_manifest_after_return": (out / "manifest.json").is_file(),
+        }
+        try:
+            export_fused(gm, target, example_inputs=(x,), config=cfg, barrier=True)
+            result["failure"] = None
+        except ExportError as exc:
+            result["failure"] = str(exc)
+        if rank == 1:
+            before = len(writes)
+            other = export_fused(gm, root / "nobarrier", example_inputs=(x,), config=cfg)
+            result["nobarrier_wrote"] = other.exists() or len(writes) > before
+        else:
+            result["nobarrier_wrote"] = None
+        (root / f"rank_{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -127,12 +127,11 @@ def test_serve_example_runs_without_training_code(fresh_run, tmp_path):
     directory = fresh_run["base"] / "fx"
     x = torch.randn(7, 3, 8, 8, generator=torch.Generator().manual_seed(3))
     torch.save(x, tmp_path / "batch.pt")
-    for fmt in ("pt2", "onnx"):
-        proc = run_script([str(REPO / "examples" / "serve.py"), str(directory), "--format", fmt,
-                           "--input", str(tmp_path / "batch.pt"), "--save", str(tmp_path / f"{fmt}.pt")], tmp_path)
-        assert "output (7, 5)" in proc.stdout
-        saved = torch.load(tmp_path / f"{fmt}.pt", weights_only=True)
-        assert rel_err(saved["output"], reference_fp64(fresh_run["model"], x)) <= TOL
+    proc = run_script([str(REPO / "examples" / "serve.py"), str(directory), "--input", str(tmp_path / "batch.pt"),
+                       "--save", str(tmp_path / "out.pt")], tmp_path)
+    assert "output (7, 5)" in proc.stdout
+    saved = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert rel_err(saved["output"], reference_fp64(fresh_run["model"], x)) <= TOL
 
 
 
@@ -142,8 +141,14 @@ def test_serve_example_random_inputs_from_manifest(fresh_run, capsys):
     spec = importlib.util.spec_from_file_location("serve_example", REPO / "examples" / "serve.py")
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
-    assert serve.main([str(fresh_run["base"] / "export"), "--batch-size", "3"]) == 0
-    assert "inputs [(3, 3, 8, 8)] -> output (3, 5)" in capsys.readouterr().out
+    for fmt in ("onnx", "code"):
+        assert serve.main([str(fresh_run["base"] / "export"), "--batch-size", "3", "--format", fmt]) == 0
+        assert "inputs [(3, 3, 8, 8)] -> output (3, 5)" in capsys.readouterr().out
+    # Without fx_lightning: the plain torch loaders give the same answers.
+    x = torch.randn(3, 3, 8, 8)
+    for fmt in ("pt2", "graph_module", "code", "onnx"):
+        model = serve._load_with_torch(str(fresh_run["base"] / "export"), fmt)
+        assert rel_err(model(x), reference_fp64(fresh_run["model"], x)) <= TOL, fmt
 
 
 def test_load_fused_in_process_every_format_is_eval_and_dynamic(fresh_run):
@@ -159,13 +164,19 @@ def test_load_fused_in_process_every_format_is_eval_and_dynamic(fresh_run):
         assert type(load_fused(directory)).__name__ != "OnnxRuntimeModule"
 
 
-def test_default_format_is_pt2(tmp_path):
-    out = quick_export(tmp_path / "exp")
+def test_default_format_is_pt2_then_the_next_available(tmp_path, monkeypatch):
+    out = quick_export(tmp_path / "exp", formats=["code", "graph_module", "pt2"])
     manifest = read_manifest(out)
-    assert list(manifest["formats"]) == ["graph_module", "pt2"]  # the default formats, in config order
-    model = load_fused(out)
-    assert type(model).__name__ != "FusedModule"  # the graph_module's class; pt2 gives an export module
-    assert "_guards_fn" in dict(model.named_children()) or hasattr(model, "range_constraints")
+    assert list(manifest["formats"]) == ["code", "graph_module", "pt2"]  # config order
+    used = []
+    for fmt, loader in list(export_mod._LOADERS.items()):
+        monkeypatch.setitem(export_mod._LOADERS, fmt, lambda *a, f=fmt, real=loader: used.append(f) or real(*a))
+    load_fused(out)
+    (out / "model.pt2").unlink()
+    manifest["formats"].pop("pt2")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    load_fused(out)
+    assert used == ["pt2", "graph_module"]
 
 
 # ------------------------------------------------------------------------------------------ manifest
@@ -427,3 +438,39 @@ def test_export_does_not_change_the_fused_model(tmp_path):
     export_fused(gm, tmp_path / "exp", example_inputs=(example(),), config=cfg())
     assert gm.code == code_before
     assert all(torch.equal(state_before[k], v) for k, v in gm.state_dict().items())
+
+
+def test_onnx_falls_back_to_torchscript_exporter(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("dynamo exporter cannot handle this graph")
+
+    monkeypatch.setattr(export_mod, "_onnx_dynamo", broken)
+    model = make_model()
+    result = fused(model)
+    out = export_fused(result.graph_module, tmp_path / "exp", example_inputs=(example(),),
+                       config=cfg(formats=["onnx"]))
+    entry = read_manifest(out)["formats"]["onnx"]
+    assert entry["exporter"] == "torchscript" and "cannot handle this graph" in entry["dynamo_failure"]
+    loaded = load_fused(out, "onnx")
+    for b in (1, 7):
+        x = example(b)
+        assert rel_err(loaded(x), reference_fp64(model, x)) <= TOL
+
+
+@pytest.mark.ddp
+def test_ddp_only_rank_zero_writes_others_wait(tmp_path):
+    import torch.multiprocessing as mp
+
+    from export_helpers import ddp_export_worker, free_port
+
+    mp.spawn(ddp_export_worker, args=(2, str(tmp_path), free_port()), nprocs=2, join=True)
+    results = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in tmp_path.glob("rank_*.json")}
+    assert set(results) == {0, 1}
+    # barrier=True: rank 1 came back only after rank 0 had renamed the export into place.
+    assert results[1]["saw_manifest_after_return"] is True
+    assert results[0]["wrote"] and not results[1]["wrote"]
+    # rank 0's failure (overwrite off, export exists) reaches rank 1 as an ExportError.
+    assert "already exists" in results[0]["failure"]
+    assert "rank 0 failed" in results[1]["failure"] and "already exists" in results[1]["failure"]
+    # barrier=False (the callback's way: it calls on rank zero only): rank 1 returns at once, writes nothing.
+    assert results[1]["nobarrier_wrote"] is False
