@@ -305,17 +305,16 @@ def _export_local(
         _remove_empty(created)
         raise ExportError(f"{parent}: cannot write the export there: {exc.strerror or exc}.") from exc
     try:
-        manifest = _write_all(staging, ctx, formats, report, parity, extra)
+        _write_all(staging, ctx, formats, report, parity, extra)
         _replace(staging, final)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty(created)
         if isinstance(exc, ExportError):
-            raise
+            raise ExportError(f"export to {final} failed: {exc}") from exc
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, pass them on
             raise
         raise ExportError(f"export to {final} failed: {type(exc).__name__}: {exc}") from exc
-    del manifest
     return final
 
 
@@ -868,7 +867,7 @@ def _load_pt2(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module
     program = torch.export.load(str(root / entry["path"]))
     module = program.module()
     _allow_eval(module)
-    if map_location not in (None, "cpu"):
+    if map_location is not None and str(map_location) != "cpu":
         module = module.to(map_location)
     return module
 
@@ -974,21 +973,22 @@ def _check_roundtrip(staging: Path, ctx: _WriteContext, entries: Dict[str, Dict[
         batches.append(_first_rows(ctx.args, 1))
     expected = [_flat_outputs(ctx.model, b) for b in batches]
     checks: Dict[str, Any] = {}
+    # Load onto the model's device so a GPU model is checked where it runs (onnxruntime runs on CPU).
+    device = next((a.device for a in ctx.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     for fmt, entry in entries.items():
         if fmt == "onnx" and importlib.util.find_spec("onnxruntime") is None:
             checks[fmt] = {"checked": False, "reason": "onnxruntime is not installed"}
             continue
         try:
-            loaded = _LOADERS[fmt](staging, entry, "cpu")
+            loaded = _LOADERS[fmt](staging, entry, device)
         except Exception as exc:  # noqa: BLE001
             raise ExportError(f"format {fmt!r}: written but cannot be loaded back: {type(exc).__name__}: "
                               f"{_first_line(exc)}") from exc
         worst = 0.0
         sizes = []
         for batch, want in zip(batches, expected):
-            cpu_batch = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in batch)
             try:
-                got = _flat_outputs(loaded, cpu_batch)
+                got = _flat_outputs(loaded, batch)
             except Exception as exc:  # noqa: BLE001
                 raise ExportError(f"format {fmt!r}: the loaded model fails on batch size {_batch_size(batch)}: "
                                   f"{type(exc).__name__}: {_first_line(exc)}") from exc
