@@ -169,7 +169,7 @@ class FXFuseCallback(Callback):
     def _peek_inputs(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Any:
         """Whole-model inputs for a capture check: example_input_array, else one batch of val/train data."""
         example = getattr(pl_module, "example_input_array", None)
-        if example is not None:
+        if example is not None and not isinstance(example, dict):  # a dict means keyword arguments
             return example
         loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.fit_loop)
         for loop in loops:

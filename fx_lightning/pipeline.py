@@ -12,7 +12,7 @@ import itertools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -153,6 +153,10 @@ def fuse_verify_export(
         rule: InputRule = config.parity.input if input_rule is _UNSET else input_rule
         wanted = config.parity.max_batches if config.parity.enabled else 1
         data = list(itertools.islice(iter(batches), wanted)) if batches is not None else []
+        if isinstance(example_inputs, Mapping):
+            # Lightning allows a dict of keyword arguments here; capture and export take positional ones.
+            out_notes.append("example_inputs is a dict (keyword arguments): not used")
+            example_inputs = None
         model_inputs = as_example_inputs(example_inputs)
         if not data and model_inputs is not None:
             data, rule = [model_inputs], _identity
