@@ -167,7 +167,6 @@ def _cmd_fuse(args: argparse.Namespace, console: Any) -> int:
 
     import torch
 
-    from fx_lightning.config import import_object
     from fx_lightning.pipeline import fuse_verify_export
 
     cfg = load_cli_config(args.config, args.overrides)
