@@ -110,11 +110,16 @@ class FXFuseCallback(Callback):
         if stage != "fit":
             return
         self._reset()
-        try:
-            resolve_target(pl_module, self.config.target)
-        except ConfigError:
-            # The target may be built in LightningModule.setup/configure_model, which run after this hook.
-            if is_overridden("configure_model", pl_module) or is_overridden("setup", pl_module):
+        # LightningModule.setup and configure_model run after this hook and may build the target (or the
+        # default `backbone`): when the target is not there yet, check at on_fit_start instead, which is
+        # still before the first training step.
+        builds_later = is_overridden("configure_model", pl_module) or is_overridden("setup", pl_module)
+        if builds_later:
+            try:
+                path, _ = resolve_target(pl_module, self.config.target)
+            except ConfigError:
+                path = None
+            if path is None or (path == "" and self.config.target is None):
                 self._preflight_pending = True
                 return
         self._preflight(trainer, pl_module)
@@ -155,16 +160,13 @@ class FXFuseCallback(Callback):
                 capture(work_target, trace, args, already_copied=True)
         except (ConfigError, TraceError) as exc:
             what = "is misconfigured" if isinstance(exc, ConfigError) else "cannot be captured"
-            message = (
-                f"FXFuseCallback: the fusion target {what}, so it could not be fused after training; "
-                f"stopping before the first training step.\n{exc}"
-            )
+            message = f"FXFuseCallback: the fusion target {what}, so it could not be fused after training; "
             if self._raise_errors:
-                self._raised = type(exc)(message)
+                self._raised = type(exc)(f"{message}stopping before the first training step.\n{exc}")
                 raise self._raised from exc
             self.skipped = f"pre-training check failed: {exc}"
             self.error = exc
-            rank_zero_warn(message + "\n(on_error=warn: training continues, nothing will be fused)")
+            rank_zero_warn(f"{message}training goes on (on_error=warn) and nothing will be fused.\n{exc}")
 
     def _peek_inputs(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Any:
         """Whole-model inputs for a capture check: example_input_array, else one batch of val/train data."""

@@ -276,3 +276,32 @@ def test_parity_input_rule_for_dict_batches(tmp_path: Path) -> None:
     report = fuse_cb.parity_report
     assert report is not None and report.passed and report.batches == 2
     assert "accuracy_fused" in report.metrics  # labels found under "y"
+
+
+class LateBackbone(H.LitClassifier):
+    """Builds its backbone in configure_model, which Lightning calls after the callbacks' setup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.backbone
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "backbone"):
+            self.backbone = H.randomize_batchnorms(H.TinyBackbone())
+
+
+def test_target_built_in_configure_model_is_checked_and_fused(tmp_path: Path) -> None:
+    model = LateBackbone()
+    fuse_cb = FXFuseCallback(export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    trainer.fit(model, *H.loaders())
+    assert fuse_cb.outcome is not None and fuse_cb.outcome.target == "backbone"
+    assert fuse_cb.parity_report is not None and fuse_cb.parity_report.passed
+
+
+def test_missing_target_is_still_caught_when_the_module_builds_later(tmp_path: Path) -> None:
+    model = LateBackbone()
+    trainer = H.make_trainer(tmp_path, [FXFuseCallback(target="encoder")])
+    with pytest.raises(ConfigError, match="'encoder'"):
+        trainer.fit(model, *H.loaders())
+    assert model.training_steps == 0
