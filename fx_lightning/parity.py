@@ -37,6 +37,10 @@ __all__ = [
     "RelativeMaxError",
     "SampleCosineSimilarity",
     "check_parity",
+    "ParityState",
+    "measure_parity",
+    "merge_parity_states",
+    "judge_parity",
     "extract_input",
     "extract_labels",
     "as_args",
@@ -168,8 +172,9 @@ class SampleCosineSimilarity(Metric):
 
 
 def _no_sync(metric: Metric) -> Metric:
-    # compute() is a collective under torch.distributed; parity runs on rank zero only, so syncing
-    # would wait forever for ranks that never call it.
+    # compute() would be a collective under torch.distributed, called in an order that depends on each rank's
+    # data (and not at all by a rank that failed): ranks merge their states explicitly instead
+    # (merge_parity_states), so compute() must stay local.
     metric.sync_on_compute = False
     metric.dist_sync_on_step = False
     return metric
@@ -354,6 +359,27 @@ def _parity_config(cfg: Union[ParityConfig, Mapping[str, Any], None]) -> ParityC
 _UNSET: Any = object()
 
 
+@dataclass
+class ParityState:
+    """What parity measured on one process's batches, before the gate; states of several ranks merge.
+
+    :func:`measure_parity` fills it, :func:`merge_parity_states` combines the states of several ranks (the
+    torchmetrics states are sums, maxima and minima, so the merge equals one pass over all the data) and
+    :func:`judge_parity` computes the metrics and applies the gate. Its tensors are on the CPU, so a state can
+    travel through ``torch.distributed.all_gather_object``.
+    """
+
+    batches: int = 0
+    samples: int = 0
+    labels_seen: bool = False
+    num_classes: Optional[int] = None  # width of the class scores; None when the outputs are not class scores
+    source: str = "given"
+    failures: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    # metric name -> (number of update() calls, the metric's state tensors)
+    states: Dict[str, Tuple[int, Dict[str, torch.Tensor]]] = field(default_factory=dict)
+
+
 def check_parity(
     reference: nn.Module,
     candidate: Callable[..., Any],
@@ -378,7 +404,34 @@ def check_parity(
     relative to the reference's own rounding error, for float16/bfloat16 models.
 
     Nothing here changes a model's weights or training flags (the caller passes eval-mode models).
+    This is :func:`measure_parity` followed by :func:`judge_parity`; under torch.distributed, measure on
+    every rank, :func:`merge_parity_states` the states and judge once.
     """
+    pcfg = _parity_config(cfg)
+    state = measure_parity(
+        reference, candidate, batches, pcfg, whole_reference=whole_reference, whole_candidate=whole_candidate,
+        input_rule=input_rule, label_rule=label_rule, source=source, notes=notes,
+        precise_reference=precise_reference,
+    )
+    return judge_parity(state, pcfg)
+
+
+def measure_parity(
+    reference: nn.Module,
+    candidate: Callable[..., Any],
+    batches: Iterable[Any],
+    cfg: Union[ParityConfig, Mapping[str, Any], None] = None,
+    *,
+    whole_reference: Optional[nn.Module] = None,
+    whole_candidate: Optional[Callable[..., Any]] = None,
+    input_rule: InputRule = _UNSET,
+    label_rule: InputRule = None,
+    source: str = "given",
+    notes: Sequence[str] = (),
+    precise_reference: Optional[nn.Module] = None,
+) -> ParityState:
+    """Run the comparison of :func:`check_parity` on this process's batches and return the metric states
+    (nothing is computed or gated here, and there is no collective call)."""
     pcfg = _parity_config(cfg)
     rule = pcfg.input if input_rule is _UNSET else input_rule
     report_notes = list(notes)
@@ -391,6 +444,7 @@ def check_parity(
     n_batches = 0
     samples = 0
     labels_seen = False
+    num_classes: Optional[int] = None
 
     with torch.no_grad():
         for batch in itertools.islice(iter(batches), pcfg.max_batches):
@@ -472,19 +526,86 @@ def check_parity(
                     classification["accuracy_reference"].update(ref_top1, labels)
                     classification["accuracy_fused"].update(cand_top1, labels)
 
+    metrics: Dict[str, Metric] = dict(target_metrics.items())
+    if whole_reference is not None:
+        metrics["whole_relative_max_error"] = whole_error
+    if own_error is not None:
+        metrics["reference_error_vs_fp64"] = own_error
+    if classification is not None:
+        metrics.update(classification)
+    return ParityState(
+        batches=n_batches,
+        samples=samples,
+        labels_seen=labels_seen,
+        num_classes=num_classes if classification is not None else None,
+        source=source,
+        failures=failures,
+        notes=report_notes,
+        states={key: _export_state(metric) for key, metric in metrics.items()},
+    )
+
+
+def merge_parity_states(states: Sequence[ParityState]) -> ParityState:
+    """One state for the data of every rank: counts add up, metric states reduce as torchmetrics' own
+    distributed sync would (sum, max, min), failures and notes are united. Ranks whose class-score widths
+    disagree make a failure rather than a wrong accuracy."""
+    if not states:
+        raise ValueError("merge_parity_states() needs at least one state")
+    if len(states) == 1:
+        return states[0]
+    widths = sorted({s.num_classes for s in states if s.num_classes is not None})
+    merged = ParityState(
+        batches=sum(s.batches for s in states),
+        samples=sum(s.samples for s in states),
+        labels_seen=any(s.labels_seen for s in states),
+        num_classes=widths[0] if len(widths) == 1 else None,
+    )
+    sources = list(dict.fromkeys(s.source for s in states if s.batches) or [states[0].source])
+    merged.source = "+".join(sources)
+    for s in states:
+        for failure in s.failures:
+            _note_once(merged.failures, failure)
+        for note in s.notes:
+            _note_once(merged.notes, note)
+    if len(sources) > 1:
+        _note_once(merged.notes, f"ranks compared different data ({', '.join(sources)})")
+    if len(widths) > 1:
+        merged.failures.append(f"ranks disagree on the number of classes in the outputs ({widths})")
+    metrics: Dict[str, Metric] = {}
+    for s in states:
+        for key, (count, tensors) in s.states.items():
+            if key in _CLASSIFICATION_KEYS and merged.num_classes is None:
+                continue  # no common width: accuracy cannot be merged (reported as a failure above)
+            if key not in metrics:
+                metrics[key] = _fresh_metric(key, merged.num_classes)
+            _merge_state(metrics[key], count, tensors)
+    merged.states = {key: _export_state(metric) for key, metric in metrics.items()}
+    return merged
+
+
+def judge_parity(state: ParityState, cfg: Union[ParityConfig, Mapping[str, Any], None] = None) -> ParityReport:
+    """Compute the metrics of ``state`` (one rank's, or the merge of every rank's) and apply the gate."""
+    pcfg = _parity_config(cfg)
+    failures = list(state.failures)
+    report_notes = list(state.notes)
+    live = {key: _rebuilt_metric(key, state.num_classes, count, tensors)
+            for key, (count, tensors) in state.states.items()
+            if key not in _CLASSIFICATION_KEYS or state.num_classes is not None}
     metrics: Dict[str, float] = {}
     thresholds: Dict[str, float] = {}
-    if n_batches == 0 and not failures:
+    if state.batches == 0 and not failures:
         failures.append(
             "no batches: nothing was compared (give validation data, example_input_array, or set "
             "parity.enabled: false)"
         )
     elif not failures:
-        for key, value in target_metrics.compute().items():
-            metrics[key] = float(value)
-        if whole_reference is not None and whole_error.update_called:
+        for key in _OUTPUT_KEYS:
+            metrics[key] = float(live[key].compute())
+        whole_error = live.get("whole_relative_max_error")
+        if whole_error is not None and whole_error.update_called:
             metrics["whole_relative_max_error"] = float(whole_error.compute())
         rtol = pcfg.rtol
+        own_error = live.get("reference_error_vs_fp64")
         if own_error is not None and own_error.update_called:
             own = float(own_error.compute())
             metrics["reference_error_vs_fp64"] = own
@@ -497,15 +618,15 @@ def check_parity(
         thresholds["cosine_similarity_min"] = pcfg.min_cosine
         _gate(failures, "relative_max_error", metrics["relative_max_error"], "<=", rtol, "rtol")
         _gate(failures, "cosine_similarity_min", metrics["cosine_similarity_min"], ">=", pcfg.min_cosine, "min_cosine")
-        if classification is not None:
+        if "top1_agreement" in live:
             for key in ("top1_agreement", "top1_agreement_strict"):
-                metrics[key] = float(classification[key].compute())
+                metrics[key] = float(live[key].compute())
             thresholds["top1_agreement"] = pcfg.min_top1_agreement
             _gate(failures, "top1_agreement", metrics["top1_agreement"], ">=", pcfg.min_top1_agreement,
                   "min_top1_agreement")
-            if labels_seen:
-                acc_ref = float(classification["accuracy_reference"].compute())
-                acc_fused = float(classification["accuracy_fused"].compute())
+            if state.labels_seen:
+                acc_ref = float(live["accuracy_reference"].compute())
+                acc_fused = float(live["accuracy_fused"].compute())
                 metrics.update(accuracy_reference=acc_ref, accuracy_fused=acc_fused, accuracy_drop=acc_ref - acc_fused)
                 thresholds["accuracy_drop"] = pcfg.max_accuracy_drop
                 _gate(failures, "accuracy_drop", acc_ref - acc_fused, "<=", pcfg.max_accuracy_drop, "max_accuracy_drop")
@@ -513,16 +634,46 @@ def check_parity(
                 _note_once(report_notes, "no integer labels in the batches: accuracy not measured")
         else:
             _note_once(report_notes, "outputs are not class scores: top-1 agreement not measured")
-        metrics["samples"] = float(samples)
+        metrics["samples"] = float(state.samples)
     return ParityReport(
         passed=not failures,
         metrics=metrics,
         failures=failures,
-        batches=n_batches,
-        source=source,
+        batches=state.batches,
+        source=state.source,
         notes=report_notes,
         thresholds=thresholds,
     )
+
+
+_OUTPUT_KEYS: Tuple[str, ...] = ("relative_max_error", "mean_absolute_error", "cosine_similarity", "cosine_similarity_min")
+_CLASSIFICATION_KEYS: Tuple[str, ...] = ("top1_agreement", "top1_agreement_strict", "accuracy_reference", "accuracy_fused")
+
+
+def _fresh_metric(key: str, num_classes: Optional[int]) -> Metric:
+    if key in _OUTPUT_KEYS:
+        return _output_metrics()[key]
+    if key in ("whole_relative_max_error", "reference_error_vs_fp64"):
+        return _no_sync(RelativeMaxError())
+    if key in _CLASSIFICATION_KEYS and num_classes is not None:
+        return _classification_metrics(num_classes)[key]
+    raise ValueError(f"parity state: unknown metric {key!r}")
+
+
+def _export_state(metric: Metric) -> Tuple[int, Dict[str, torch.Tensor]]:
+    return metric.update_count, {name: t.detach().cpu().clone() for name, t in metric.metric_state.items()}
+
+
+def _merge_state(metric: Metric, count: int, tensors: Dict[str, torch.Tensor]) -> None:
+    metric.merge_state(tensors)
+    # merge_state leaves the update count alone; without it compute() would warn that update never ran.
+    metric._update_count += count
+
+
+def _rebuilt_metric(key: str, num_classes: Optional[int], count: int, tensors: Dict[str, torch.Tensor]) -> Metric:
+    metric = _fresh_metric(key, num_classes)
+    _merge_state(metric, count, tensors)
+    return metric
 
 
 def _classification_metrics(num_classes: int) -> Dict[str, Metric]:

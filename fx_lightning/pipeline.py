@@ -24,17 +24,30 @@ from fx_lightning.errors import ConfigError, ExportError, ParityError
 from fx_lightning.parity import (
     InputRule,
     ParityReport,
+    ParityState,
     _detached,
     _device_dtype,
     _to_model,
     _UNSET,
     as_args,
-    check_parity,
     extract_input,
+    judge_parity,
+    measure_parity,
     record_calls,
 )
 
-__all__ = ["Outcome", "resolve_target", "target_example_inputs", "fuse_verify_export", "whole_model_with"]
+__all__ = [
+    "Outcome",
+    "Measured",
+    "resolve_target",
+    "target_example_inputs",
+    "fuse_verify_export",
+    "fuse_and_measure",
+    "judge",
+    "parity_verdict",
+    "export_outcome",
+    "whole_model_with",
+]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -117,6 +130,23 @@ def _own_rng(module: nn.Module) -> Iterator[None]:
         yield
 
 
+@dataclass
+class Measured:
+    """One process's share of the pipeline before any verdict: the fused model and its parity measurements.
+
+    Under torch.distributed every rank builds one on its own data; the ranks' ``parity_state`` merge into
+    the one :func:`judge` takes (see ``FXFuseCallback``).
+    """
+
+    config: FuseConfig
+    result: FuseResult
+    target: str
+    fused_model: nn.Module
+    parity_state: Optional[ParityState]  # None when parity is disabled
+    target_inputs: Optional[tuple]  # the target's example inputs (the exporter traces with them)
+    notes: List[str] = field(default_factory=list)
+
+
 def fuse_verify_export(
     model: nn.Module,
     cfg: ConfigLike = None,
@@ -141,12 +171,47 @@ def fuse_verify_export(
 
     A failed parity check raises :class:`ParityError` (with ``.report`` and ``.outcome``) when
     ``cfg.parity.on_failure`` is ``raise``; otherwise it warns. Either way nothing is exported.
+
+    The steps are :func:`fuse_and_measure`, :func:`judge`, :func:`parity_verdict` and :func:`export_outcome`,
+    which a multi-process caller runs with its collectives in between.
+    """
+    measured = fuse_and_measure(
+        model, cfg, batches=batches, example_inputs=example_inputs, input_rule=input_rule, source=source, notes=notes
+    )
+    outcome = judge(measured)
+    error = parity_verdict(outcome, measured.config)
+    if error is not None:
+        raise error
+    if outcome.parity is not None and not outcome.parity.passed:
+        return outcome
+    if write:
+        export_outcome(outcome, measured, export_dir=export_dir, protected_paths=protected_paths, extra=extra)
+    return outcome
+
+
+def fuse_and_measure(
+    model: nn.Module,
+    cfg: ConfigLike = None,
+    *,
+    batches: Optional[Iterable[Any]] = None,
+    example_inputs: Union[torch.Tensor, Sequence[Any], None] = None,
+    input_rule: InputRule = _UNSET,
+    source: str = "given",
+    notes: Sequence[str] = (),
+    buffers: Optional[Mapping[str, torch.Tensor]] = None,
+) -> Measured:
+    """Fuse ``cfg.target`` of a copy of ``model`` and measure parity on ``batches`` (no verdict, no collective).
+
+    ``buffers`` (name -> tensor, as ``model.named_buffers()``) are loaded into the working copy before fusing:
+    under DDP the callback passes rank zero's, since BatchNorm statistics can differ between ranks.
     """
     config = cfg if isinstance(cfg, FuseConfig) else load_config(cfg)
     path, _ = resolve_target(model, config.target)
     out_notes = list(notes)
     with _own_rng(model), torch.no_grad():
         reference_whole = eval_copy(model)
+        if buffers:
+            _load_buffers(reference_whole, buffers)
         reference = reference_whole.get_submodule(path) if path else reference_whole
         device, dtype = _device_dtype(reference_whole)
 
@@ -179,12 +244,12 @@ def fuse_verify_export(
         fused = result.graph_module
         whole_candidate = whole_model_with(reference_whole, path, fused)
 
-        parity: Optional[ParityReport] = None
+        state: Optional[ParityState] = None
         if config.parity.enabled:
             precise = None
             if dtype in _LOW_PRECISION:
                 precise = copy.deepcopy(reference).double()
-            parity = check_parity(
+            state = measure_parity(
                 reference,
                 fused,
                 data,
@@ -197,27 +262,55 @@ def fuse_verify_export(
             )
         else:
             out_notes.append("parity check disabled (parity.enabled: false): the fused model was not verified")
+    return Measured(config, result, path, whole_candidate, state, target_inputs, out_notes)
 
-    outcome = Outcome(result, parity, None, path, whole_candidate, out_notes)
-    if parity is not None and not parity.passed:
-        message = (
-            f"parity FAILED for target {path or '<whole model>'!r}: " + "; ".join(parity.failures)
-            + ". Nothing was exported."
-        )
-        out_notes.append("parity failed: nothing was exported")
-        if str(config.parity.on_failure.value) == "raise":
-            error = ParityError(message + " (set parity.on_failure: warn to only warn)")
-            error.report = parity  # type: ignore[attr-defined]
-            error.outcome = outcome  # type: ignore[attr-defined]
-            raise error
-        warnings.warn(message, UserWarning, stacklevel=2)
-        return outcome
 
+def judge(measured: Measured, parity_state: Optional[ParityState] = None) -> Outcome:
+    """The outcome of ``measured`` with its parity verdict; ``parity_state`` (default: ``measured``'s own)
+    is what the gate sees, e.g. the merge of every rank's. Nothing is exported yet."""
+    state = parity_state if parity_state is not None else measured.parity_state
+    parity = judge_parity(state, measured.config.parity) if state is not None else None
+    return Outcome(measured.result, parity, None, measured.target, measured.fused_model, list(measured.notes))
+
+
+def parity_verdict(outcome: Outcome, config: FuseConfig) -> Optional[ParityError]:
+    """What a failed parity check means under ``parity.on_failure``: the :class:`ParityError` to raise
+    (``raise``), or None after a warning (``warn``) or when parity passed. Adds the note to ``outcome``."""
+    parity = outcome.parity
+    if parity is None or parity.passed:
+        return None
+    path = outcome.target
+    message = (
+        f"parity FAILED for target {path or '<whole model>'!r}: " + "; ".join(parity.failures)
+        + ". Nothing was exported."
+    )
+    outcome.notes.append("parity failed: nothing was exported")
+    if str(config.parity.on_failure.value) == "raise":
+        error = ParityError(message + " (set parity.on_failure: warn to only warn)")
+        error.report = parity  # type: ignore[attr-defined]
+        error.outcome = outcome  # type: ignore[attr-defined]
+        return error
+    warnings.warn(message, UserWarning, stacklevel=3)
+    return None
+
+
+def export_outcome(
+    outcome: Outcome,
+    measured: Measured,
+    *,
+    export_dir: Union[str, Path, None] = None,
+    protected_paths: Sequence[Union[str, Path]] = (),
+    extra: Optional[Dict[str, Any]] = None,
+) -> Outcome:
+    """Write the fused model of a judged ``outcome`` (parity passed or disabled) to ``export_dir`` (default
+    ``export.dir``) when export is enabled; sets ``outcome.export_dir``. Raises :class:`ExportError`."""
+    config = measured.config
+    parity = outcome.parity
     directory = export_dir if export_dir is not None else config.export.dir
-    if config.export.enabled and write and directory is not None:
+    if config.export.enabled and directory is not None:
         directory = Path(directory)
         _refuse_protected(directory, protected_paths)
-        if target_inputs is None:
+        if measured.target_inputs is None:
             raise ExportError(
                 f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
                 "exporter needs them to write the fused model"
@@ -226,18 +319,26 @@ def fuse_verify_export(
 
         outcome.export_dir = Path(
             export_fused(
-                fused,
+                measured.result.graph_module,
                 directory,
-                example_inputs=tuple(_detached(target_inputs)),
+                example_inputs=tuple(_detached(measured.target_inputs)),
                 config=config,
-                report=result.report,
+                report=measured.result.report,
                 parity=parity.to_dict() if parity is not None else None,
-                extra={"target": path, **(extra or {})},
+                extra={"target": outcome.target, **(extra or {})},
             )
         )
-    elif config.export.enabled and write:
-        out_notes.append("export skipped: no export directory (set export.dir)")
+    elif config.export.enabled:
+        outcome.notes.append("export skipped: no export directory (set export.dir)")
     return outcome
+
+
+def _load_buffers(module: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+    own = dict(module.named_buffers())
+    for name, value in buffers.items():
+        mine = own.get(name)
+        if mine is not None and mine.shape == value.shape:
+            mine.copy_(value.to(device=mine.device, dtype=mine.dtype))
 
 
 def _identity(batch: Any) -> Any:
