@@ -137,6 +137,12 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
         raise _explain_fx_failure(working, tracer, exc) from exc
     name = working.__class__.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
+    # torch.fx's Tracer.trace leaves the tracer in a reference cycle (its patched __call__/__getattr__
+    # closures), and the tracer holds the working copy (root, tensor_attrs): the whole copy would
+    # stay alive until the cyclic GC runs, so every fused weight would sit beside its unfused
+    # original (2x the model). Drop those references; gm keeps the submodules it calls.
+    tracer.root = None  # type: ignore[assignment]
+    tracer.tensor_attrs = {}
     set_eval(gm)
     return Capture(gm, "fx")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -60,6 +61,10 @@ def fuse(
     start = time.perf_counter()
     captured = capture(module, cfg.trace, inputs)
     gm = captured.graph_module
+    if captured.mode == "export":
+        # torch.export leaves the working copy and its ExportedProgram in reference cycles: collect them
+        # now (cheap beside export itself), so the passes' fused weights do not sit beside a dead copy.
+        gc.collect()
     before = graph_stats(gm)
     ctx = PassContext(capture_mode=captured.mode, example_inputs=inputs, shapes_known=captured.mode == "export")
     reports = [

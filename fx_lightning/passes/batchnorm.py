@@ -30,6 +30,7 @@ from fx_lightning.passes.graph_utils import (
     attr_tensor,
     call_sites,
     delete_unused_attributes,
+    drop_replaced_attribute,
     get_attr_targets,
     install_module,
     is_batchnorm_like,
@@ -300,8 +301,12 @@ def apply_layer_weights(
         return None
     w_node = add_constant(gm, node, f"{node.name}_weight", weight)
     b_node = add_constant(gm, node, f"{node.name}_bias", bias)
+    old_w, old_b = _arg(node, 1, "weight"), _arg(node, 2, "bias")
     _set_arg(node, 1, "weight", w_node)
     _set_arg(node, 2, "bias", b_node)
+    # Free the unfused weight now, not at the end of the pass (peak memory: one copy of the weights).
+    drop_replaced_attribute(gm, old_w)
+    drop_replaced_attribute(gm, old_b)
     return None
 
 

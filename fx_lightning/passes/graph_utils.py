@@ -18,6 +18,7 @@ __all__ = [
     "install_module",
     "add_constant",
     "delete_unused_attributes",
+    "drop_replaced_attribute",
 ]
 
 
@@ -98,6 +99,29 @@ def add_constant(gm: fx.GraphModule, node_before: fx.Node, base: str, value: tor
     gm.register_parameter(name, nn.Parameter(value, requires_grad=False))
     with gm.graph.inserting_before(node_before):
         return gm.graph.get_attr(name)
+
+
+def drop_replaced_attribute(gm: fx.GraphModule, node: Any) -> None:
+    """Erase ``node`` (a get_attr a pass just stopped using) and free its tensor, if nothing else reads it.
+
+    Passes call this as they replace each weight, so a model's unfused and fused weights are never all
+    alive together (``delete_unused_attributes`` at the end of a pass would free them only then).
+    """
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or node.users:
+        return
+    target = str(node.target)
+    gm.graph.erase_node(node)
+    prefixes = {".".join(target.split(".")[:i]) for i in range(1, target.count(".") + 1)}
+    for n in gm.graph.nodes:
+        if (n.op == "get_attr" and n.target == target) or (n.op == "call_module" and n.target in prefixes):
+            return  # still read: by another get_attr, or by the forward of a module that holds it
+    owner_name, _, leaf = target.rpartition(".")
+    try:
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+    except AttributeError:
+        return
+    owner._parameters.pop(leaf, None)
+    owner._buffers.pop(leaf, None)
 
 
 def delete_unused_attributes(gm: fx.GraphModule) -> int:
