@@ -171,22 +171,20 @@ class SampleCosineSimilarity(Metric):
         return self.total / self.count.clamp_min(1)
 
 
-def _no_sync(metric: Metric) -> Metric:
-    # compute() would be a collective under torch.distributed, called in an order that depends on each rank's
-    # data (and not at all by a rank that failed): ranks merge their states explicitly instead
-    # (merge_parity_states), so compute() must stay local.
-    metric.sync_on_compute = False
-    metric.dist_sync_on_step = False
-    return metric
+# compute() would be a collective under torch.distributed, called in an order that depends on each rank's data
+# (and not at all by a rank that failed): ranks merge their states explicitly instead (merge_parity_states), so
+# compute() must stay local. These go to the constructor: torchmetrics reads sync_on_compute in __init__ only
+# (setting the attribute afterwards leaves compute() syncing, which hangs a rank that computes alone).
+_LOCAL_ONLY: Dict[str, Any] = {"sync_on_compute": False, "dist_sync_on_step": False}
 
 
 def _output_metrics() -> MetricCollection:
     collection = MetricCollection(
         {
-            "relative_max_error": _no_sync(RelativeMaxError()),
-            "mean_absolute_error": _no_sync(MeanAbsoluteError()),
-            "cosine_similarity": _no_sync(SampleCosineSimilarity("mean")),
-            "cosine_similarity_min": _no_sync(SampleCosineSimilarity("min")),
+            "relative_max_error": RelativeMaxError(**_LOCAL_ONLY),
+            "mean_absolute_error": MeanAbsoluteError(**_LOCAL_ONLY),
+            "cosine_similarity": SampleCosineSimilarity("mean", **_LOCAL_ONLY),
+            "cosine_similarity_min": SampleCosineSimilarity("min", **_LOCAL_ONLY),
         },
         compute_groups=False,
     )
@@ -437,8 +435,8 @@ def measure_parity(
     report_notes = list(notes)
     device, dtype = _device_dtype(reference if whole_reference is None else whole_reference)
     target_metrics = _output_metrics()
-    whole_error = _no_sync(RelativeMaxError())
-    own_error = _no_sync(RelativeMaxError()) if precise_reference is not None else None
+    whole_error = RelativeMaxError(**_LOCAL_ONLY)
+    own_error = RelativeMaxError(**_LOCAL_ONLY) if precise_reference is not None else None
     classification: Optional[Dict[str, Metric]] = None
     failures: List[str] = []
     n_batches = 0
@@ -654,7 +652,7 @@ def _fresh_metric(key: str, num_classes: Optional[int]) -> Metric:
     if key in _OUTPUT_KEYS:
         return _output_metrics()[key]
     if key in ("whole_relative_max_error", "reference_error_vs_fp64"):
-        return _no_sync(RelativeMaxError())
+        return RelativeMaxError(**_LOCAL_ONLY)
     if key in _CLASSIFICATION_KEYS and num_classes is not None:
         return _classification_metrics(num_classes)[key]
     raise ValueError(f"parity state: unknown metric {key!r}")
@@ -679,7 +677,7 @@ def _rebuilt_metric(key: str, num_classes: Optional[int], count: int, tensors: D
 def _classification_metrics(num_classes: int) -> Dict[str, Metric]:
     # average="micro": the fraction of samples; torchmetrics' default "macro" averages per class.
     def acc() -> Metric:
-        return _no_sync(MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False))
+        return MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False, **_LOCAL_ONLY)
 
     return {
         "top1_agreement": acc(),
