@@ -6,21 +6,13 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
+
+from lightning_helpers import tiny_dataset
 
 NUM_CLASSES = 4
 
 
-def quadrant_data(n: int, seed: int, size: int = 8) -> TensorDataset:
-    """Learnable synthetic images: the class is the bright quadrant."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
-    x = torch.randn(n, 3, size, size, generator=g) * 0.3
-    h = size // 2
-    for i, label in enumerate(y.tolist()):
-        r, c = divmod(label, 2)
-        x[i, :, r * h:(r + 1) * h, c * h:(c + 1) * h] += 1.0
-    return TensorDataset(x, y)
 
 
 class CliBackbone(nn.Module):
@@ -76,8 +68,8 @@ class CliData(pl.LightningDataModule):
         self.save_hyperparameters()
 
     def setup(self, stage: str | None = None) -> None:
-        self.train_set = quadrant_data(self.hparams.n_train, 0)
-        self.val_set = quadrant_data(self.hparams.n_val, 1)
+        self.train_set = tiny_dataset(self.hparams.n_train, 0)
+        self.val_set = tiny_dataset(self.hparams.n_val, 1)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)

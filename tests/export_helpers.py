@@ -3,8 +3,6 @@ fresh Python process that cannot see the repository's tests/ or examples/ (the "
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import os
 import subprocess
@@ -16,45 +14,18 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from torch import nn
 
+from fusion_helpers import file_hashes as snapshot  # noqa: F401  (re-exported for the export tests)
+from fusion_helpers import randomize_batchnorms, reference_fp64, rel_err  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random running statistics and affine parameters: a fresh BatchNorm is the identity and hides bugs."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                n = m.num_features
-                m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
-                m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.25)
-                if m.affine:
-                    m.weight.copy_(torch.randn(n, generator=g) * 0.3 + 1.0)
-                    m.bias.copy_(torch.randn(n, generator=g) * 0.3)
-    return model
 
 
-def reference_fp64(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The original model in eval mode, computed in float64."""
-    ref = copy.deepcopy(model).double().eval()
-    with torch.no_grad():
-        return ref(x.double())
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|out - ref| / max|ref| in float64."""
-    out, ref = out.detach().double(), ref.detach().double()
-    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def snapshot(directory: Path) -> Dict[str, str]:
-    """sha256 of every file under ``directory`` (relative path -> digest)."""
-    out = {}
-    for p in sorted(directory.rglob("*")):
-        if p.is_file():
-            out[p.relative_to(directory).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 def leftovers(parent: Path, name: str) -> list:

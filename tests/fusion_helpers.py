@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from pathlib import Path
 from typing import Any, Dict, Sequence, Tuple
 
 import torch
@@ -43,15 +44,18 @@ def _to64(x: Any) -> Any:
     return x
 
 
-def reference_fp64(model: nn.Module, inputs: Sequence[Any]) -> Any:
+def reference_fp64(model: nn.Module, inputs: Any) -> Any:
+    """The original model in eval mode, computed in float64 (``inputs``: a tensor or a tuple of args)."""
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     ref = copy.deepcopy(model).double().eval()
     with torch.no_grad():
-        return ref(*_to64(tuple(inputs)))
+        return ref(*_to64(inputs))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max|out - ref| / max|ref|: relative to the reference's scale, not elementwise."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
@@ -68,16 +72,25 @@ def assert_exact(model: nn.Module, fused: nn.Module, inputs: Sequence[Any], tol:
     return err
 
 
-def fingerprint(model: nn.Module) -> Tuple[str, Tuple[Tuple[str, bool], ...]]:
-    """A hash of every parameter and buffer (bytes, dtype, shape) and each module's training flag."""
+def fingerprint(model: nn.Module) -> Tuple[str, Tuple[Tuple[str, bool], ...], Tuple[str, ...]]:
+    """Hash of every parameter and buffer (bytes, dtype, shape, requires_grad), every module's training
+    flag, and any instance-level attribute that shadows a method (a replaced ``forward``)."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict(keep_vars=True).items()):
-        h.update(name.encode())
-        h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
         h.update(str(t.requires_grad).encode())
+        if t.numel():
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     flags = tuple((n, m.training) for n, m in model.named_modules())
-    return h.hexdigest(), flags
+    shadowed = tuple(sorted(f"{n}.{k}" for n, m in model.named_modules() for k in m.__dict__
+                            if k in ("forward", "__call__", "eval", "train")))
+    return h.hexdigest(), flags, shadowed
+
+
+def file_hashes(directory: Path) -> Dict[str, str]:
+    """sha256 of every file under ``directory`` (relative posix path -> digest)."""
+    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def count_batchnorms(gm: fx.GraphModule) -> int:

@@ -6,7 +6,6 @@ Everything is tiny (8x8 images, a few batches) so a two-epoch fit takes about a 
 from __future__ import annotations
 
 import copy
-import hashlib
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -18,6 +17,9 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from fusion_helpers import file_hashes, randomize_batchnorms, rel_err  # noqa: F401  (re-exported)
+from fusion_helpers import fingerprint as state_fingerprint  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the examples package lives at the repo root
@@ -170,24 +172,8 @@ def make_trainer(tmp_path: Path, callbacks: List[Any], **kwargs: Any) -> pl.Trai
 # -------------------------------------------------------------------------------------------- checking
 
 
-def state_fingerprint(module: nn.Module) -> Tuple[str, Tuple[Tuple[str, bool], ...], Tuple[str, ...]]:
-    """Hash of every parameter and buffer (bytes, dtype, shape, requires_grad), every module's training
-    flag, and any instance-level attribute that shadows a method (a replaced ``forward``)."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict(keep_vars=True).items()):
-        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
-        h.update(str(t.requires_grad).encode())
-        if t.numel():
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    flags = tuple((n, m.training) for n, m in module.named_modules())
-    shadowed = tuple(sorted(f"{n}.{k}" for n, m in module.named_modules() for k in m.__dict__
-                            if k in ("forward", "__call__", "eval", "train")))
-    return h.hexdigest(), flags, shadowed
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def count_batchnorms(gm: nn.Module) -> int:
@@ -204,9 +190,6 @@ def fp64_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module).double().eval()
 
 
-def file_hashes(directory: Path) -> Dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 class HashCheckpoints(pl.Callback):
@@ -222,16 +205,3 @@ class HashCheckpoints(pl.Callback):
         self.directory = Path(cb.dirpath)
         self.hashes = file_hashes(self.directory)
 
-
-def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Non-trivial BN statistics: folding a fresh BN (the identity) can be wrong and look exact."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                n = m.num_features
-                m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
-                m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.25)
-                m.weight.copy_(torch.randn(n, generator=g) * 0.3 + 1.0)
-                m.bias.copy_(torch.randn(n, generator=g) * 0.3)
-    return model

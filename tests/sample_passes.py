@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from fx_lightning.passes import PassResult

@@ -10,7 +10,7 @@ from torch import nn
 
 from fusion_helpers import assert_exact, fingerprint, randomize_batchnorms, rel_err
 from fx_lightning import ConfigError, FuseConfig, PassError, fuse, register_pass
-from fx_lightning.passes import PassResult, registered_passes
+from fx_lightning.passes import registered_passes
 
 
 def small() -> nn.Module:

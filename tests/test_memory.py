@@ -17,7 +17,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List
 
 import pytest
 import torch
