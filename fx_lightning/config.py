@@ -187,11 +187,18 @@ def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
         plain = _normalise(plain)
         try:
             schema = OmegaConf.merge(schema, plain)
-        except OmegaConfBaseException as exc:
+        except _MERGE_ERRORS as exc:
             raise _from_omegaconf(exc) from None
     try:
+        # OmegaConf.to_object would silently give a '???' (missing) field its dataclass default.
+        missing = sorted(OmegaConf.missing_keys(schema))
+        if missing:
+            raise ConfigError(
+                f"{missing[0]}: missing value ('???'); give a value"
+                + (" (a registered pass name or 'pkg.module:function')." if missing[0].endswith("].name") else ".")
+            )
         cfg = OmegaConf.to_object(schema)
-    except OmegaConfBaseException as exc:
+    except _MERGE_ERRORS as exc:
         raise _from_omegaconf(exc) from None
     assert isinstance(cfg, FuseConfig)
     validate(cfg)
@@ -209,16 +216,18 @@ def to_container(cfg: FuseConfig) -> Dict[str, Any]:
     return out  # type: ignore[return-value]
 
 
-def _to_plain(source: Any, label: str) -> Any:
+def _to_plain(source: Any, label: str, path: str = "") -> Any:
+    """``source`` as plain containers; ``path``: the dotted key ``source`` sits at (for error messages)."""
     if isinstance(source, (DictConfig, ListConfig)):
         try:
             return OmegaConf.to_container(source, resolve=True, enum_to_str=False)
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"{label}: cannot resolve config: {exc}") from None
+            # full_key is relative to this node: prefix the key it sits at, so the message names it.
+            raise _from_omegaconf(exc, prefix=path, what="cannot resolve") from None
     if dataclasses.is_dataclass(source) and not isinstance(source, type):
         return OmegaConf.to_container(OmegaConf.structured(source), enum_to_str=False)
     if isinstance(source, dict):
-        return {k: _to_plain(v, f"{label}.{k}") if isinstance(v, (DictConfig, ListConfig)) or (
+        return {k: _to_plain(v, label, _join(path, str(k))) if isinstance(v, (DictConfig, ListConfig)) or (
             dataclasses.is_dataclass(v) and not isinstance(v, type)) else v for k, v in source.items()}
     raise ConfigError(
         f"config: expected a FuseConfig, dict or DictConfig, got {type(source).__name__} ({source!r:.80})"
@@ -260,6 +269,9 @@ def _check_keys(value: Any, schema: type, path: str) -> None:
     fields = _field_types(schema)
     for key, sub in value.items():
         full = f"{path}.{key}" if path else str(key)
+        # OmegaConf's merge keeps the default where the value is '???' (missing): say so instead.
+        if isinstance(sub, str) and sub == "???" and key in fields:
+            raise ConfigError(f"{full}: missing value ('???'); give a value.")
         if key not in fields:
             # passes.<bool> shorthand and enabled flags are handled later; only unknown names fail here.
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -281,9 +293,12 @@ def _check_keys(value: Any, schema: type, path: str) -> None:
             (item_type,) = typing.get_args(inner) or (Any,)
             if isinstance(sub, (list, tuple)):
                 for i, item in enumerate(sub):
+                    if isinstance(item, str) and item == "???":
+                        raise ConfigError(f"{full}[{i}]: missing value ('???'); give a value.")
                     if dataclasses.is_dataclass(item_type):
                         if isinstance(item, dict):
                             _check_keys(item, item_type, f"{full}[{i}]")
+                            _check_types(item, item_type, f"{full}[{i}]")
                         elif not isinstance(item, str):
                             raise ConfigError(
                                 f"{full}[{i}]: expected a name or a mapping with keys "
@@ -299,6 +314,20 @@ def _check_keys(value: Any, schema: type, path: str) -> None:
                 raise ConfigError(f"{full}: expected a mapping, got {type(sub).__name__} {sub!r:.80}.")
         elif isinstance(inner, type) and issubclass(inner, Enum):
             _check_enum(sub, inner, full)
+        elif inner is float and isinstance(sub, int) and not isinstance(sub, bool):
+            try:
+                float(sub)
+            except OverflowError:  # OmegaConf raises it raw, without the key
+                raise ConfigError(f"{full}: a {sub.bit_length()}-bit integer is too large for a float.") from None
+
+
+def _check_types(value: Dict[str, Any], schema: type, path: str) -> None:
+    """Type-check a list item against its dataclass: OmegaConf's own error there names only the leaf
+    ("name: ..."), not the item ("passes.extra[0].name")."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(schema), value)
+    except _MERGE_ERRORS as exc:
+        raise _from_omegaconf(exc, prefix=path) from None
 
 
 def _check_enum(value: Any, enum_type: type, path: str) -> None:
@@ -322,10 +351,22 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _from_omegaconf(exc: OmegaConfBaseException) -> ConfigError:
-    key = getattr(exc, "full_key", None) or "<config>"
+# OmegaConf wraps most failures in its own exceptions, but lets some through (OverflowError for a huge int
+# in a float field): none of them may escape load_config as anything but a ConfigError.
+_MERGE_ERRORS = (OmegaConfBaseException, ValueError, TypeError, OverflowError)
+
+
+def _from_omegaconf(exc: Exception, prefix: str = "", what: str = "") -> ConfigError:
+    if isinstance(exc, ConfigError):
+        return exc
+    key = getattr(exc, "full_key", None) or ""
+    if prefix:
+        key = f"{prefix}{key}" if key.startswith("[") else _join(prefix, key) if key else prefix
+    key = key or "<config>"
     msg = getattr(exc, "msg", None) or str(exc)
     msg = msg.split("\n")[0]
+    if what:
+        msg = f"{what}: {msg}"
     value = getattr(exc, "value", None)
     got = f" Got {value!r}." if value is not None and repr(value) not in msg else ""
     return ConfigError(f"{key}: {msg}.{got}".replace("..", "."))
@@ -383,9 +424,13 @@ def validate(cfg: FuseConfig) -> None:
         _import_checked(path, f"trace.autowrap_functions[{i}]", callable_required=True)
     for i, path in enumerate(cfg.trace.autowrap_modules):
         try:
+            if not path or path.startswith("."):
+                raise ImportError("not an absolute module name")
             importlib.import_module(path)
-        except ImportError as exc:
-            raise ConfigError(f"trace.autowrap_modules[{i}]: cannot import module {path!r}: {exc}.") from None
+        except Exception as exc:  # noqa: BLE001 - importing user code may raise anything
+            raise ConfigError(
+                f"trace.autowrap_modules[{i}]: cannot import module {path!r}: {_exc_text(exc)}."
+            ) from (None if isinstance(exc, ImportError) else exc)
 
     from fx_lightning.passes import resolve_pass  # late: the registry imports the passes
 
@@ -396,6 +441,8 @@ def validate(cfg: FuseConfig) -> None:
             spec = resolve_pass(extra.name)
         except (KeyError, ImportError, AttributeError, ValueError) as exc:
             raise ConfigError(f"passes.extra[{i}].name: {exc.args[0] if exc.args else exc}") from None
+        except Exception as exc:  # noqa: BLE001 - importing a user pass may raise anything
+            raise ConfigError(f"passes.extra[{i}].name: cannot import {extra.name!r}: {_exc_text(exc)}.") from exc
         if spec.options_type is not None and extra.options:
             option_fields = {f.name for f in dataclasses.fields(spec.options_type)}
             for key in extra.options:
@@ -404,6 +451,15 @@ def validate(cfg: FuseConfig) -> None:
                         f"passes.extra[{i}].options.{key}: unknown option of pass {extra.name!r}; "
                         f"allowed: {', '.join(sorted(option_fields))}."
                     )
+            prefix = f"passes.extra[{i}].options"
+            _check_keys(extra.options, spec.options_type, prefix)  # enums and huge ints, with the key
+            try:
+                typed = OmegaConf.merge(OmegaConf.structured(spec.options_type), extra.options)
+            except _MERGE_ERRORS as exc:
+                raise _from_omegaconf(exc, prefix=prefix) from None
+            # Keep the keys given, with OmegaConf's conversions ("false" -> False; enums as names).
+            converted = OmegaConf.to_container(typed, enum_to_str=True)
+            extra.options = {key: converted[key] for key in extra.options}
 
 
 def import_object(path: str) -> Any:
@@ -412,7 +468,8 @@ def import_object(path: str) -> Any:
         module_name, _, attr = path.partition(":")
     else:
         module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
+    # A leading dot would be a relative import, which importlib refuses with a TypeError.
+    if not module_name or not attr or module_name.startswith("."):
         raise ValueError(f"{path!r} is not an import path ('pkg.module:name' or 'pkg.module.name')")
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
@@ -420,11 +477,18 @@ def import_object(path: str) -> Any:
     return obj
 
 
+def _exc_text(exc: BaseException) -> str:
+    expected = isinstance(exc, (ImportError, AttributeError, ValueError))
+    return str(exc) if expected else f"{type(exc).__name__}: {exc}"
+
+
 def _import_checked(path: str, key: str, callable_required: bool = False) -> Any:
     try:
         obj = import_object(path)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(f"{key}: cannot import {path!r}: {exc}.") from None
+    except Exception as exc:  # noqa: BLE001 - importing user code may raise anything; name the key
+        raise ConfigError(f"{key}: cannot import {path!r}: {_exc_text(exc)}.") from exc
     if callable_required and not callable(obj):
         raise ConfigError(f"{key}: {path!r} is not callable.")
     return obj
