@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -83,8 +84,13 @@ def bench_model(name: str, batches: List[int], repeats: int, warmup: int, size: 
             for _ in range(warmup):
                 for v in VARIANTS:
                     variants[v](x)
-            for _ in range(repeats):  # interleaved, so drift on a shared machine hits every variant alike
-                for v in VARIANTS:
+            order = list(VARIANTS)
+            rng = random.Random(0)
+            for _ in range(repeats):
+                # Interleaved, in a fresh random order each round: drift on a shared machine, and whatever
+                # the previous variant left in the caches, hit every variant alike.
+                rng.shuffle(order)
+                for v in order:
                     samples[v].append(time_once(lambda: variants[v](x)) * 1e3)
         out["latency_ms"][str(batch)] = {v: statistics.median(s) for v, s in samples.items()}
     return out
@@ -124,7 +130,7 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--threads", type=int, default=2)
@@ -144,7 +150,7 @@ def main(argv: List[str] | None = None) -> int:
     (args.out / "latency.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / "latency.md").write_text(
         f"torch {meta['torch']}, {args.threads} threads, input {args.size}x{args.size}, "
-        f"median of {args.repeats} interleaved runs\n\n{md}\n")
+        f"median of {args.repeats} interleaved runs in shuffled order\n\n{md}\n")
     console.print(f"wrote {args.out / 'latency.md'}")
     return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch.fx as fx
 
@@ -79,6 +79,9 @@ class PassSpec:
     options_type: Optional[type] = None
     preserves_computation: bool = True
     description: str = ""
+    # The pass records every graph edit in its PassResult: an empty result means an unchanged graph,
+    # and the runner skips the recompile (it is the costliest step of a no-op pass on a large graph).
+    reports_changes: bool = False
 
     def build_options(self, options: Any) -> Any:
         if self.options_type is None:
@@ -99,6 +102,7 @@ def register_pass(
     options: Optional[type] = None,
     preserves_computation: bool = True,
     replace: bool = False,
+    reports_changes: bool = False,
 ) -> Callable[[PassFn], PassFn]:
     """Register ``fn(gm, options, ctx) -> PassResult | None`` under ``name``.
 
@@ -120,6 +124,7 @@ def register_pass(
             options_type=options,
             preserves_computation=preserves_computation,
             description=(inspect.getdoc(fn) or "").split("\n")[0],
+            reports_changes=reports_changes,
         )
         return fn
 
@@ -176,11 +181,9 @@ def run_pass(spec: PassSpec, gm: fx.GraphModule, options: Any, ctx: PassContext)
         raise PassError(f"pass {spec.name!r} returned {type(result).__name__}; expected PassResult or None")
     try:
         gm.graph.lint()
-        gm.recompile()
+        if result.changed or not spec.reports_changes:
+            gm.recompile()
     except Exception as exc:
         raise PassError(f"pass {spec.name!r} left a graph that does not lint: {exc}") from exc
     return result
 
-
-def names_of(nodes: Sequence[fx.Node]) -> List[str]:
-    return [n.name for n in nodes]

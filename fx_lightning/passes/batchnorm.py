@@ -449,7 +449,8 @@ def _fold_producer(
             continue
         _remove_bn(gm, bn, producer)
         result.change(node.name, "folded", into=_describe(producer), kind=layer.kind)
-    delete_unused_attributes(gm)
+    if result.changed:
+        delete_unused_attributes(gm)
 
 
 def _kind_of(gm: fx.GraphModule, node: Any) -> Optional[str]:
@@ -497,7 +498,7 @@ def _linear_check(gm: fx.GraphModule, ctx: PassContext, bn: BatchNorm, layer: La
     return None
 
 
-@register_pass("fuse_conv_bn", options=FuseConvBNOptions)
+@register_pass("fuse_conv_bn", options=FuseConvBNOptions, reports_changes=True)
 def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContext) -> PassResult:
     """Fold every BatchNorm that follows a Conv/ConvTranspose (any groups) into it."""
     result = PassResult()
@@ -505,7 +506,7 @@ def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContex
     return result
 
 
-@register_pass("fuse_linear_bn", options=FuseLinearBNOptions)
+@register_pass("fuse_linear_bn", options=FuseLinearBNOptions, reports_changes=True)
 def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm1d that follows a Linear, when the shapes show it normalises the Linear's outputs."""
     result = PassResult()
@@ -513,7 +514,7 @@ def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassCo
     return result
 
 
-@register_pass("fuse_bn_into_next", options=FuseBNIntoNextOptions)
+@register_pass("fuse_bn_into_next", options=FuseBNIntoNextOptions, reports_changes=True)
 def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm into the Linear or unpadded conv that is its only consumer."""
     result = PassResult()
@@ -554,7 +555,8 @@ def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: P
             continue
         _remove_bn(gm, bn, bn.input)
         result.change(node.name, "folded forward", into=_describe(consumer), kind=layer.kind)
-    delete_unused_attributes(gm)
+    if result.changed:
+        delete_unused_attributes(gm)
     return result
 
 

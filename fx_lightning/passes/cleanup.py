@@ -12,7 +12,7 @@ from fx_lightning.passes.options import EliminateDeadCodeOptions, RemoveIdentity
 __all__ = ["RemoveIdentityOptions", "EliminateDeadCodeOptions", "remove_identity", "eliminate_dead_code"]
 
 
-@register_pass("remove_identity", options=RemoveIdentityOptions)
+@register_pass("remove_identity", options=RemoveIdentityOptions, reports_changes=True)
 def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: PassContext) -> PassResult:
     """Replace calls of ``nn.Identity`` by their input."""
     result = PassResult()
@@ -26,11 +26,12 @@ def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: Pas
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
         result.change(node.name, "removed", module=str(node.target))
-    gm.delete_all_unused_submodules()
+    if result.changed:
+        gm.delete_all_unused_submodules()
     return result
 
 
-@register_pass("eliminate_dead_code", options=EliminateDeadCodeOptions)
+@register_pass("eliminate_dead_code", options=EliminateDeadCodeOptions, reports_changes=True)
 def eliminate_dead_code(gm: fx.GraphModule, options: EliminateDeadCodeOptions, ctx: PassContext) -> PassResult:
     """Drop nodes whose results nobody uses (impure ones stay), then the attributes nobody reads."""
     result = PassResult()

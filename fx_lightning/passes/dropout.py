@@ -33,7 +33,7 @@ _DROPOUT_FUNCTIONS = {
 }
 
 
-@register_pass("remove_dropout", options=RemoveDropoutOptions)
+@register_pass("remove_dropout", options=RemoveDropoutOptions, reports_changes=True)
 def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassContext) -> PassResult:
     """Replace dropout (modules, F.* and ATen forms) by its input; it is the identity in eval mode."""
     result = PassResult()
@@ -68,5 +68,6 @@ def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassC
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
         result.change(node.name, "removed", op=what)
-    gm.delete_all_unused_submodules()
+    if result.changed:
+        gm.delete_all_unused_submodules()
     return result

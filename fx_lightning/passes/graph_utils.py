@@ -171,12 +171,14 @@ def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:
 
 
 def module_of(gm: fx.GraphModule, node: fx.Node) -> Optional[nn.Module]:
+    """The module a call_module node calls (None for other nodes); a plain ``_modules`` walk, because
+    ``get_submodule``'s checks dominate the passes' time on large graphs."""
     if node.op != "call_module":
         return None
-    try:
-        return gm.get_submodule(str(node.target))
-    except AttributeError:
-        return None
+    mod: Optional[nn.Module] = gm
+    for part in str(node.target).split("."):
+        mod = mod._modules.get(part) if mod is not None else None
+    return mod
 
 
 def attr_tensor(gm: fx.GraphModule, arg: Any) -> Optional[torch.Tensor]:
