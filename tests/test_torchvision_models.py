@@ -2,12 +2,18 @@
 follows a single-use conv is folded; as built and as DDP training hands it over (SyncBatchNorm
 converted, then reverted to _BatchNormXd by Lightning).
 
-CI runs one or more models of every family; ``pytest -m slow`` runs all 58.
+The default run covers all 58 (about 3 minutes on 2 cores). regnet_y_128gf (644M parameters) peaks
+near 11 GB, so its two tests hold a file lock that keeps them from running side by side under xdist;
+set FXL_SKIP_HUGE=1 on a machine with less than ~16 GB of memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,16 +84,33 @@ def check_model(name: str, ddp: bool) -> None:
     assert err <= 1e-5, f"{name}: relative error {err:.2e}"
 
 
+HUGE = {"regnet_y_128gf"}
+
+
+@contextlib.contextmanager
+def one_at_a_time(name: str):
+    """Across xdist workers, let only one huge model's test run at a time (memory, not correctness)."""
+    if name not in HUGE:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / "fx_lightning_huge_model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.mark.parametrize("ddp", [False, True], ids=["as_built", "sync_reverted"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_representatives(name, ddp):
     check_model(name, ddp)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("ddp", [False, True], ids=["as_built", "sync_reverted"])
 @pytest.mark.parametrize("name", [n for n in _all_bn_models() if n not in FAMILIES])
 def test_every_other_bn_model(name, ddp):
-    if os.environ.get("FXL_SKIP_HUGE") and name in ("regnet_y_128gf",):
-        pytest.skip("644M parameters; set no FXL_SKIP_HUGE to include it")
-    check_model(name, ddp)
+    if os.environ.get("FXL_SKIP_HUGE") and name in HUGE:
+        pytest.skip(f"{name} needs ~11 GB; FXL_SKIP_HUGE is set")
+    with one_at_a_time(name):
+        check_model(name, ddp)
