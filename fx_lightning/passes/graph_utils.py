@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -166,10 +166,6 @@ def _numel(module: nn.Module) -> int:
     return sum(t.numel() for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def iter_nodes(gm: fx.GraphModule, op: str) -> Iterator[fx.Node]:
-    return (n for n in list(gm.graph.nodes) if n.op == op)
-
-
 def module_of(gm: fx.GraphModule, node: fx.Node) -> Optional[nn.Module]:
     """The module a call_module node calls (None for other nodes); a plain ``_modules`` walk, because
     ``get_submodule``'s checks dominate the passes' time on large graphs."""
@@ -190,10 +186,4 @@ def attr_tensor(gm: fx.GraphModule, arg: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def scalar_arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
-
-Args = Dict[str, Any]
