@@ -184,6 +184,3 @@ def attr_tensor(gm: fx.GraphModule, arg: Any) -> Optional[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             return value
     return None
-
-
-
