@@ -19,15 +19,15 @@ import sys
 import typing
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Tuple, Union
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from fx_lightning import ConfigError
-from fx_lightning.config import ExportFormat, ExtraPassConfig, FuseConfig, load_config, to_yaml
+from fx_lightning.config import ExportFormat, FuseConfig, load_config, to_yaml
 from fx_lightning.passes import get_pass, registered_passes
 
 # A load_config call costs ~20 ms (OmegaConf.structured dominates): 80 + 200 + 50 examples keep this
