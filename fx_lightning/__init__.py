@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from fx_lightning._version import __version__
 from fx_lightning.config import FuseConfig
 from fx_lightning.engine import FuseResult, fuse
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ParityError, PassError, TraceError
 from fx_lightning.passes import register_pass
 from fx_lightning.report import FuseReport
-
-__version__ = "0.1.0"
 
 __all__ = [
     "FXFuseCallback",
@@ -42,7 +41,7 @@ def __getattr__(name: str) -> Any:
 
         return FXFuseCallback
     if name == "load_fused":
-        from fx_lightning.export import load_fused
+        from fx_lightning.export.loader import load_fused
 
         return load_fused
     raise AttributeError(f"module 'fx_lightning' has no attribute {name!r}")

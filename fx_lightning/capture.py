@@ -18,8 +18,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.config import TraceConfig, TraceMode, import_object
-from fx_lightning.errors import TraceError
+from fx_lightning._imports import import_object
+from fx_lightning.config import TraceConfig, TraceMode
+from fx_lightning.errors import TraceError, first_line
 from fx_lightning.passes.graph_utils import is_batchnorm_like
 
 __all__ = ["Capture", "capture", "eval_copy", "set_eval", "is_batchnorm_like", "FXLeafTracer"]
@@ -121,7 +122,7 @@ def capture(
             raise TraceError(
                 f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
             ) from export_error.__cause__
-        result.notes.insert(0, f"symbolic tracing failed, captured with torch.export instead: {_first_line(fx_error)}")
+        result.notes.insert(0, f"symbolic tracing failed, captured with torch.export instead: {first_line(fx_error)}")
         return result
 
 
@@ -163,7 +164,7 @@ def _capture_export(working: nn.Module, trace: TraceConfig, example_inputs: Opti
     except Exception as exc:  # noqa: BLE001
         frame = _user_frame(exc)
         raise TraceError(
-            f"torch.export could not capture {type(working).__qualname__}: {_first_line(exc)}"
+            f"torch.export could not capture {type(working).__qualname__}: {first_line(exc, with_type=True)}"
             + (f"\n  at {frame}" if frame else "")
             + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
         ) from exc
@@ -183,7 +184,7 @@ def _explain_fx_failure(root: nn.Module, tracer: FXLeafTracer, exc: BaseExceptio
         path, cls = "", type(root).__qualname__
         where = f"the root module ({cls})"
     frame = _user_frame(exc)
-    message = _first_line(exc)
+    message = first_line(exc, with_type=True)
     lines = [f"torch.fx could not trace {where}: {message}"]
     if frame:
         lines.append(f"  at {frame}")
@@ -227,8 +228,3 @@ def _user_frame(exc: BaseException) -> Optional[str]:
         return None
     code = (found.line or "").strip()
     return f"{found.filename}:{found.lineno} in {found.name}: {code}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if not isinstance(exc, TraceError) else text.splitlines()[0]

@@ -167,7 +167,7 @@ def _cmd_fuse(args: argparse.Namespace, console: Any) -> int:
 
     import torch
 
-    from fx_lightning.pipeline import fuse_verify_export
+    from fx_lightning.pipeline import Batches, fuse_verify_export, summary_text
 
     cfg = load_cli_config(args.config, args.overrides)
     if not os.path.isfile(args.checkpoint):
@@ -176,13 +176,11 @@ def _cmd_fuse(args: argparse.Namespace, console: Any) -> int:
     model = _load_lightning_module(model_cls, args.checkpoint, _json_arg(args.model_args, "--model-args"),
                                    args.unsafe_load)
 
-    batches, source = _datamodule_batches(args, cfg, model_cls)
+    batches = _datamodule_batches(args, cfg) if args.datamodule else Batches([], "example")
     example = getattr(model, "example_input_array", None)
     if args.input_shape:
         example = _random_input(args.input_shape, args.input_dtype)
-        if source is None:
-            source = "example"
-    if batches is None and example is None:
+    if not batches.items and example is None:
         raise _UsageError(
             "no inputs for parity and export: give --datamodule pkg.mod:Class or --input-shape N,C,H,W "
             f"({args.model} has no example_input_array)"
@@ -203,34 +201,20 @@ def _cmd_fuse(args: argparse.Namespace, console: Any) -> int:
     console.print(f"fusing {args.checkpoint} ({args.model})", markup=False)
     with torch.no_grad():
         outcome = fuse_verify_export(
-            model,
-            cfg,
-            batches=batches,
-            example_inputs=example,
-            export_dir=Path(export_dir),
-            write=not args.dry_run,
-            source=source or "example",
-            protected_paths=[args.checkpoint],
-            extra=extra,
+            model, cfg, batches, example_inputs=example, export_dir=Path(export_dir), write=not args.dry_run,
+            protected_paths=[args.checkpoint], extra=extra,
         )
-    console.print(f"target: {outcome.target or '<the whole LightningModule>'}", markup=False)
-    console.print(str(outcome.result.report), markup=False)
-    if outcome.parity is not None:
-        console.print(str(outcome.parity), markup=False)
-    for note in outcome.notes:
-        console.print(f"note: {note}", markup=False)
+    console.print(summary_text(outcome), markup=False)
     if outcome.parity is not None and not outcome.parity.passed:
         _error(console, "parity failed: nothing was exported")
         return 1
-    if outcome.export_dir is not None:
-        console.print(f"exported to {outcome.export_dir}", markup=False)
-    elif args.dry_run:
+    if outcome.export_dir is None and args.dry_run:
         console.print("dry run: nothing written", markup=False)
     return 0
 
 
 def _import(path: str, flag: str) -> Any:
-    from fx_lightning.config import import_object
+    from fx_lightning._imports import import_object
 
     # The current directory first, as `python -m` would: users name their own modules here.
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -289,12 +273,10 @@ def _checkpoint_meta(checkpoint: str) -> Dict[str, Any]:
     return {k: ckpt.get(k) for k in ("epoch", "global_step") if isinstance(ckpt.get(k), int)}
 
 
-def _datamodule_batches(args: argparse.Namespace, cfg: Any, model_cls: Any) -> Tuple[Optional[List[Any]], Optional[str]]:
+def _datamodule_batches(args: argparse.Namespace, cfg: Any) -> Any:
     """Parity batches from --datamodule, following parity.data (auto: val, else train)."""
-    import itertools
+    from fx_lightning.callback.trainer_data import choose_batches
 
-    if not args.datamodule:
-        return None, None
     dm_cls = _import(args.datamodule, "--datamodule")
     kwargs = _json_arg(args.datamodule_args, "--datamodule-args")
     if not kwargs and hasattr(dm_cls, "load_from_checkpoint") and _has_datamodule_hparams(args.checkpoint):
@@ -305,25 +287,15 @@ def _datamodule_batches(args: argparse.Namespace, cfg: Any, model_cls: Any) -> T
         datamodule.prepare_data()
     if hasattr(datamodule, "setup"):
         datamodule.setup("fit")
-    wanted = cfg.parity.data.value
-    order = {"auto": ("val", "train"), "val": ("val",), "train": ("train",), "example": ()}[wanted]
-    n = cfg.parity.max_batches if cfg.parity.enabled else 1
-    for name in order:
+
+    def loader(name: str) -> Any:
         method = getattr(datamodule, f"{name}_dataloader", None)
-        if method is None:
-            continue
         try:
-            loader = method()
+            return method() if method is not None else None
         except NotImplementedError:  # Lightning's hook default when the datamodule defines no such loader
-            continue
-        if isinstance(loader, dict):
-            loader = next(iter(loader.values()), None)
-        elif isinstance(loader, (list, tuple)):
-            loader = loader[0] if loader else None
-        batches = list(itertools.islice(iter(loader), n)) if loader is not None else []
-        if batches:
-            return batches, name
-    return None, None
+            return None
+
+    return choose_batches({"val": lambda: loader("val"), "train": lambda: loader("train")}, cfg.parity)
 
 
 def _has_datamodule_hparams(checkpoint: str) -> bool:

@@ -20,15 +20,10 @@ from typing import Any, Dict, List, Optional, Union
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fx_lightning._imports import exception_text, import_object
 from fx_lightning.errors import ConfigError
-from fx_lightning.passes.options import (
-    EliminateDeadCodeOptions,
-    FuseBNIntoNextOptions,
-    FuseConvBNOptions,
-    FuseLinearBNOptions,
-    RemoveDropoutOptions,
-    RemoveIdentityOptions,
-)
+from fx_lightning.export.formats import FORMATS
+from fx_lightning.passes import USER_PASSES_POSITION, builtin_passes, resolve_pass
 
 __all__ = [
     "TraceMode",
@@ -43,9 +38,10 @@ __all__ = [
     "ExportConfig",
     "FuseConfig",
     "ConfigError",
+    "ConfigLike",
     "load_config",
     "to_yaml",
-    "import_object",
+    "to_container",
     "register_hydra_configs",
 ]
 
@@ -67,11 +63,9 @@ OnError = Enum("OnError", {"raise": "raise", "warn": "warn"}, type=str)  # type:
 OnError.__doc__ = "What to do when a step fails: raise, or warn and carry on."
 
 
-class ExportFormat(str, Enum):
-    graph_module = "graph_module"
-    code = "code"
-    pt2 = "pt2"
-    onnx = "onnx"
+# One member per export format record (fx_lightning/export/formats/), in load_fused's order of preference.
+ExportFormat = Enum("ExportFormat", {name: name for name in FORMATS}, type=str)  # type: ignore[misc]
+ExportFormat.__doc__ = "The export formats: " + ", ".join(FORMATS) + "."
 
 
 class ParityData(str, Enum):
@@ -106,16 +100,24 @@ class ExtraPassConfig:
     options: Dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class PassesConfig:
-    remove_dropout: RemoveDropoutOptions = field(default_factory=RemoveDropoutOptions)
-    remove_identity: RemoveIdentityOptions = field(default_factory=RemoveIdentityOptions)
-    fuse_conv_bn: FuseConvBNOptions = field(default_factory=FuseConvBNOptions)
-    fuse_linear_bn: FuseLinearBNOptions = field(default_factory=FuseLinearBNOptions)
-    fuse_bn_into_next: FuseBNIntoNextOptions = field(default_factory=FuseBNIntoNextOptions)
-    # Run after the built-ins, in this order, before dead-code elimination.
-    extra: List[ExtraPassConfig] = field(default_factory=list)
-    eliminate_dead_code: EliminateDeadCodeOptions = field(default_factory=EliminateDeadCodeOptions)
+def _passes_schema() -> type:
+    """``PassesConfig``: one field per built-in pass (its options dataclass), in the default order, with the
+    user passes (``extra``) at their place in it. Derived from the pass declarations, so a new built-in
+    pass needs no edit here."""
+    fields: List[Any] = []
+    for spec in builtin_passes():
+        if spec.position >= USER_PASSES_POSITION and not any(f[0] == "extra" for f in fields):
+            fields.append(("extra", List[ExtraPassConfig], field(default_factory=list)))
+        fields.append((spec.name, spec.options_type, field(default_factory=spec.options_type)))
+    if not any(f[0] == "extra" for f in fields):
+        fields.append(("extra", List[ExtraPassConfig], field(default_factory=list)))
+    cls = dataclasses.make_dataclass("PassesConfig", fields)
+    cls.__module__ = __name__  # picklable by name (Lightning copies callbacks across processes)
+    cls.__doc__ = "Options of every built-in pass, in order; ``extra``: the user's passes, run in place."
+    return cls
+
+
+PassesConfig: Any = _passes_schema()
 
 
 OnFailure = OnError  # parity.on_failure takes the same values
@@ -202,7 +204,9 @@ def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
         raise _from_omegaconf(exc) from None
     assert isinstance(cfg, FuseConfig)
     validate(cfg)
-    return cfg
+    # The user passes: resolved, and their options as their options dataclasses read them.
+    extras = [dataclasses.replace(e, options=_typed_pass_options(e, i)) for i, e in enumerate(cfg.passes.extra)]
+    return dataclasses.replace(cfg, passes=dataclasses.replace(cfg.passes, extra=extras))
 
 
 def to_yaml(cfg: FuseConfig) -> str:
@@ -378,29 +382,33 @@ _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def validate(cfg: FuseConfig) -> None:
-    """Value checks the type system cannot express. Raises ConfigError naming the key."""
+    """Value checks the type system cannot express. Raises ConfigError naming the key; changes nothing."""
     if cfg.target is not None and not _DOTTED.match(cfg.target):
         raise ConfigError(
             f"target: {cfg.target!r} is not a dotted attribute path (e.g. 'backbone' or 'model.encoder'); "
             "use null for the default (backbone if present, else the whole module)."
         )
-    p = cfg.parity
+    _validate_parity(cfg.parity)
+    _validate_export(cfg.export)
+    _validate_trace(cfg.trace)
+
+
+def _validate_parity(p: ParityConfig) -> None:
     if p.max_batches < 1:
         raise ConfigError(f"parity.max_batches: must be >= 1, got {p.max_batches}.")
     for name in ("rtol", "max_accuracy_drop"):
         value = getattr(p, name)
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"parity.{name}: must be a finite number >= 0, got {value}.")
-    for name in ("min_top1_agreement",):
-        value = getattr(p, name)
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"parity.{name}: must be in [0, 1], got {value}.")
+    if not 0.0 <= p.min_top1_agreement <= 1.0:
+        raise ConfigError(f"parity.min_top1_agreement: must be in [0, 1], got {p.min_top1_agreement}.")
     if not -1.0 <= p.min_cosine <= 1.0:
         raise ConfigError(f"parity.min_cosine: must be in [-1, 1], got {p.min_cosine}.")
     if p.input is not None and ":" in p.input:
         _import_checked(p.input, "parity.input", callable_required=True)
 
-    e = cfg.export
+
+def _validate_export(e: ExportConfig) -> None:
     if e.enabled and not e.formats:
         raise ConfigError(
             "export.formats: empty while export.enabled is true; allowed: "
@@ -414,72 +422,56 @@ def validate(cfg: FuseConfig) -> None:
     if e.onnx_opset is not None and not 7 <= e.onnx_opset <= 30:
         raise ConfigError(f"export.onnx_opset: must be between 7 and 30 or null, got {e.onnx_opset}.")
 
+
+def _validate_trace(trace: TraceConfig) -> None:
     import torch
 
-    for i, path in enumerate(cfg.trace.leaf_modules):
+    for i, path in enumerate(trace.leaf_modules):
         obj = _import_checked(path, f"trace.leaf_modules[{i}]")
         if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
             raise ConfigError(f"trace.leaf_modules[{i}]: {path!r} is not a torch.nn.Module subclass.")
-    for i, path in enumerate(cfg.trace.autowrap_functions):
+    for i, path in enumerate(trace.autowrap_functions):
         _import_checked(path, f"trace.autowrap_functions[{i}]", callable_required=True)
-    for i, path in enumerate(cfg.trace.autowrap_modules):
+    for i, path in enumerate(trace.autowrap_modules):
         try:
             if not path or path.startswith("."):
                 raise ImportError("not an absolute module name")
             importlib.import_module(path)
         except Exception as exc:  # noqa: BLE001 - importing user code may raise anything
             raise ConfigError(
-                f"trace.autowrap_modules[{i}]: cannot import module {path!r}: {_exc_text(exc)}."
+                f"trace.autowrap_modules[{i}]: cannot import module {path!r}: {exception_text(exc)}."
             ) from (None if isinstance(exc, ImportError) else exc)
 
-    from fx_lightning.passes import resolve_pass  # late: the registry imports the passes
 
-    for i, extra in enumerate(cfg.passes.extra):
-        if extra.name in ("???", ""):
-            raise ConfigError(f"passes.extra[{i}].name: missing; give a registered pass name or 'pkg.module:function'.")
-        try:
-            spec = resolve_pass(extra.name)
-        except (KeyError, ImportError, AttributeError, ValueError) as exc:
-            raise ConfigError(f"passes.extra[{i}].name: {exc.args[0] if exc.args else exc}") from None
-        except Exception as exc:  # noqa: BLE001 - importing a user pass may raise anything
-            raise ConfigError(f"passes.extra[{i}].name: cannot import {extra.name!r}: {_exc_text(exc)}.") from exc
-        if spec.options_type is not None and extra.options:
-            option_fields = {f.name for f in dataclasses.fields(spec.options_type)}
-            for key in extra.options:
-                if key not in option_fields:
-                    raise ConfigError(
-                        f"passes.extra[{i}].options.{key}: unknown option of pass {extra.name!r}; "
-                        f"allowed: {', '.join(sorted(option_fields))}."
-                    )
-            prefix = f"passes.extra[{i}].options"
-            _check_keys(extra.options, spec.options_type, prefix)  # enums and huge ints, with the key
-            try:
-                typed = OmegaConf.merge(OmegaConf.structured(spec.options_type), extra.options)
-            except _MERGE_ERRORS as exc:
-                raise _from_omegaconf(exc, prefix=prefix) from None
-            # Keep the keys given, with OmegaConf's conversions ("false" -> False; enums as names).
-            converted = OmegaConf.to_container(typed, enum_to_str=True)
-            extra.options = {key: converted[key] for key in extra.options}
-
-
-def import_object(path: str) -> Any:
-    """Import ``"pkg.module:attr"`` or ``"pkg.module.attr"``."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    # A leading dot would be a relative import, which importlib refuses with a TypeError.
-    if not module_name or not attr or module_name.startswith("."):
-        raise ValueError(f"{path!r} is not an import path ('pkg.module:name' or 'pkg.module.name')")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _exc_text(exc: BaseException) -> str:
-    expected = isinstance(exc, (ImportError, AttributeError, ValueError))
-    return str(exc) if expected else f"{type(exc).__name__}: {exc}"
+def _typed_pass_options(extra: ExtraPassConfig, i: int) -> Dict[str, Any]:
+    """``passes.extra[i].options`` checked against the pass's options dataclass and converted by it
+    (``"false"`` -> False, enums as names); the keys given, no defaults added. Raises ConfigError."""
+    if extra.name in ("???", ""):
+        raise ConfigError(f"passes.extra[{i}].name: missing; give a registered pass name or 'pkg.module:function'.")
+    try:
+        spec = resolve_pass(extra.name)
+    except (KeyError, ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"passes.extra[{i}].name: {exc.args[0] if exc.args else exc}") from None
+    except Exception as exc:  # noqa: BLE001 - importing a user pass may raise anything
+        raise ConfigError(f"passes.extra[{i}].name: cannot import {extra.name!r}: {exception_text(exc)}.") from exc
+    if spec.options_type is None or not extra.options:
+        return dict(extra.options)
+    option_fields = {f.name for f in dataclasses.fields(spec.options_type)}
+    for key in extra.options:
+        if key not in option_fields:
+            raise ConfigError(
+                f"passes.extra[{i}].options.{key}: unknown option of pass {extra.name!r}; "
+                f"allowed: {', '.join(sorted(option_fields))}."
+            )
+    prefix = f"passes.extra[{i}].options"
+    _check_keys(extra.options, spec.options_type, prefix)  # enums and huge ints, with the key
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(spec.options_type), extra.options)
+    except _MERGE_ERRORS as exc:
+        raise _from_omegaconf(exc, prefix=prefix) from None
+    converted = OmegaConf.to_container(typed, enum_to_str=True)
+    assert isinstance(converted, dict)
+    return {key: converted[key] for key in extra.options}
 
 
 def _import_checked(path: str, key: str, callable_required: bool = False) -> Any:
@@ -488,7 +480,7 @@ def _import_checked(path: str, key: str, callable_required: bool = False) -> Any
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(f"{key}: cannot import {path!r}: {exc}.") from None
     except Exception as exc:  # noqa: BLE001 - importing user code may raise anything; name the key
-        raise ConfigError(f"{key}: cannot import {path!r}: {_exc_text(exc)}.") from exc
+        raise ConfigError(f"{key}: cannot import {path!r}: {exception_text(exc)}.") from exc
     if callable_required and not callable(obj):
         raise ConfigError(f"{key}: {path!r} is not callable.")
     return obj

@@ -11,13 +11,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fx_lightning.batches import as_example_inputs
 from fx_lightning.capture import capture, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
-from fx_lightning.passes import PassContext, run_pipeline
+from fx_lightning.passes import PassContext, plan_passes, run_passes
 from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
 from fx_lightning.report import FuseReport, PassReport, graph_stats
 
-__all__ = ["FuseResult", "fuse", "as_example_inputs"]
+__all__ = ["FuseResult", "fuse"]
 
 
 @dataclass
@@ -26,14 +27,6 @@ class FuseResult:
     report: FuseReport
     config: FuseConfig
     example_inputs: Optional[tuple] = None
-
-
-def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    return tuple(example_inputs)
 
 
 def fuse(
@@ -69,7 +62,7 @@ def fuse(
     ctx = PassContext(capture_mode=captured.mode, example_inputs=inputs, shapes_known=captured.mode == "export")
     reports = [
         PassReport(spec.name, spec.preserves_computation, result.changed, result.skipped, seconds)
-        for spec, result, seconds in run_pipeline(gm, cfg.passes, ctx)
+        for spec, result, seconds in run_passes(gm, plan_passes(cfg.passes), ctx)
     ]
     report = FuseReport(
         capture_mode=captured.mode,

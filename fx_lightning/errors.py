@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["FXLightningError", "ConfigError", "TraceError", "PassError", "ParityError", "ExportError"]
+__all__ = [
+    "FXLightningError",
+    "ConfigError",
+    "TraceError",
+    "PassError",
+    "ParityError",
+    "ExportError",
+    "first_line",
+]
 
 
 class FXLightningError(RuntimeError):
@@ -27,3 +35,16 @@ class ParityError(FXLightningError):
 
 class ExportError(FXLightningError):
     """An export could not be written or read back."""
+
+
+def first_line(exc: BaseException, *, with_type: bool = False) -> str:
+    """The first line of ``exc``'s message (its type name when it has none), for one-line summaries.
+
+    ``with_type``: prefix the type name (``"KeyError: 'x'"``), except for our own errors, whose first line
+    already says what failed.
+    """
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    if with_type and text and not isinstance(exc, FXLightningError):
+        return f"{type(exc).__name__}: {line}"
+    return line

@@ -1,7 +1,10 @@
 """The fusion pipeline shared by ``FXFuseCallback`` and the command line: fuse -> parity -> export.
 
-Independent of Lightning's Trainer: it takes a model, a config and batches. The model passed in is
-never changed; every step works on copies.
+Independent of Lightning's Trainer: it takes a model, a :class:`~fx_lightning.config.FuseConfig` (already
+loaded: the callers normalise config where it enters) and batches. The model passed in is never changed;
+every step works on copies. The steps are :func:`fuse_and_measure` (per process), :func:`judge`,
+:func:`parity_verdict` and :func:`export_outcome`; a multi-process caller runs them with its collectives in
+between, :func:`fuse_verify_export` runs them in one go.
 """
 
 from __future__ import annotations
@@ -12,53 +15,81 @@ import itertools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from fx_lightning.capture import eval_copy, set_eval
-from fx_lightning.config import ConfigLike, FuseConfig, load_config
-from fx_lightning.engine import FuseResult, as_example_inputs, fuse
-from fx_lightning.errors import ConfigError, ExportError, ParityError
-from fx_lightning.parity import (
+from fx_lightning.batches import (
     InputRule,
-    ParityReport,
-    ParityState,
-    _detached,
-    _device_dtype,
-    _to_model,
-    _UNSET,
     as_args,
+    as_example_inputs,
+    detached,
     extract_input,
-    judge_parity,
-    measure_parity,
+    identity_rule,
+    model_device_dtype,
     record_calls,
+    to_model,
 )
+from fx_lightning.capture import eval_copy, set_eval
+from fx_lightning.config import FuseConfig, OnError
+from fx_lightning.engine import FuseResult, fuse
+from fx_lightning.errors import ConfigError, ExportError, ParityError
+from fx_lightning.parity import ParityReport, ParityState, judge_parity, measure_parity
 
 __all__ = [
-    "Outcome",
+    "Batches",
     "Measured",
+    "Outcome",
     "resolve_target",
+    "whole_model_with",
     "target_example_inputs",
-    "fuse_verify_export",
     "fuse_and_measure",
     "judge",
     "parity_verdict",
     "export_outcome",
-    "whole_model_with",
+    "fuse_verify_export",
+    "summary_text",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @dataclass
+class Batches:
+    """Data batches for parity and where they came from."""
+
+    items: List[Any]
+    source: str = "given"  # val | train | example | given
+    note: Optional[str] = None  # why this source (e.g. "no validation data: parity used training batches")
+
+
+@dataclass
+class Measured:
+    """One process's share of the pipeline before any verdict: the fused model and its parity measurements.
+
+    Under torch.distributed every rank builds one on its own data; the ranks' ``parity_state`` merge into
+    the one :func:`judge` takes (see ``FXFuseCallback``).
+    """
+
+    config: FuseConfig
+    result: FuseResult
+    target: str  # dotted path of the fused submodule; "" when the whole model was fused
+    fused_model: nn.Module  # the whole model (eval mode) with the fused target in place
+    parity_state: Optional[ParityState]  # None when parity is disabled
+    target_inputs: Optional[tuple]  # the target's example inputs (the exporter traces with them)
+    notes: List[str] = field(default_factory=list)
+
+
+@dataclass
 class Outcome:
+    """The judged result: the fusion, the parity verdict and where the export went (None: not exported)."""
+
     result: FuseResult
     parity: Optional[ParityReport]
     export_dir: Optional[Path]
-    target: str  # dotted path of the fused submodule; "" when the whole model was fused
-    fused_model: nn.Module  # the whole model (eval mode) with the fused target in place
+    target: str
+    fused_model: nn.Module
     notes: List[str] = field(default_factory=list)
 
 
@@ -130,139 +161,81 @@ def _own_rng(module: nn.Module) -> Iterator[None]:
         yield
 
 
-@dataclass
-class Measured:
-    """One process's share of the pipeline before any verdict: the fused model and its parity measurements.
-
-    Under torch.distributed every rank builds one on its own data; the ranks' ``parity_state`` merge into
-    the one :func:`judge` takes (see ``FXFuseCallback``).
-    """
-
-    config: FuseConfig
-    result: FuseResult
-    target: str
-    fused_model: nn.Module
-    parity_state: Optional[ParityState]  # None when parity is disabled
-    target_inputs: Optional[tuple]  # the target's example inputs (the exporter traces with them)
-    notes: List[str] = field(default_factory=list)
-
-
-def fuse_verify_export(
-    model: nn.Module,
-    cfg: ConfigLike = None,
-    *,
-    batches: Optional[Iterable[Any]] = None,
-    example_inputs: Union[torch.Tensor, Sequence[Any], None] = None,
-    export_dir: Union[str, Path, None] = None,
-    input_rule: InputRule = _UNSET,
-    write: bool = True,
-    source: str = "given",
-    notes: Sequence[str] = (),
-    protected_paths: Sequence[Union[str, Path]] = (),
-    extra: Optional[Dict[str, Any]] = None,
-) -> Outcome:
-    """Fuse ``cfg.target`` of ``model``, check parity on ``batches``, export when parity passed.
-
-    ``batches``: data batches (inputs taken out by ``input_rule``, default ``cfg.parity.input``); when
-    there are none, ``example_inputs`` (forward's arguments of the whole model) are used instead.
-    ``export_dir``: where to write (default ``cfg.export.dir``; nothing is written when both are None or
-    ``write`` is false). ``protected_paths``: files (checkpoints) the export must never replace: an export
-    directory equal to or containing one of them is refused.
-
-    A failed parity check raises :class:`ParityError` (with ``.report`` and ``.outcome``) when
-    ``cfg.parity.on_failure`` is ``raise``; otherwise it warns. Either way nothing is exported.
-
-    The steps are :func:`fuse_and_measure`, :func:`judge`, :func:`parity_verdict` and :func:`export_outcome`,
-    which a multi-process caller runs with its collectives in between.
-    """
-    measured = fuse_and_measure(
-        model, cfg, batches=batches, example_inputs=example_inputs, input_rule=input_rule, source=source, notes=notes
-    )
-    outcome = judge(measured)
-    error = parity_verdict(outcome, measured.config)
-    if error is not None:
-        raise error
-    if outcome.parity is not None and not outcome.parity.passed:
-        return outcome
-    if write:
-        export_outcome(outcome, measured, export_dir=export_dir, protected_paths=protected_paths, extra=extra)
-    return outcome
-
-
 def fuse_and_measure(
     model: nn.Module,
-    cfg: ConfigLike = None,
+    config: FuseConfig,
+    batches: Batches,
     *,
-    batches: Optional[Iterable[Any]] = None,
-    example_inputs: Union[torch.Tensor, Sequence[Any], None] = None,
-    input_rule: InputRule = _UNSET,
-    source: str = "given",
+    example_inputs: Any = None,
     notes: Sequence[str] = (),
     buffers: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Measured:
-    """Fuse ``cfg.target`` of a copy of ``model`` and measure parity on ``batches`` (no verdict, no collective).
+    """Fuse ``config.target`` of a copy of ``model`` and measure parity on ``batches`` (no verdict, no collective).
 
+    When there are no batches, ``example_inputs`` (forward's arguments of the whole model) are used instead.
     ``buffers`` (name -> tensor, as ``model.named_buffers()``) are loaded into the working copy before fusing:
     under DDP the callback passes rank zero's, since BatchNorm statistics can differ between ranks.
     """
-    config = cfg if isinstance(cfg, FuseConfig) else load_config(cfg)
     path, _ = resolve_target(model, config.target)
-    out_notes = list(notes)
+    out_notes = list(notes) + ([batches.note] if batches.note else [])
     with _own_rng(model), torch.no_grad():
         reference_whole = eval_copy(model)
         if buffers:
             _load_buffers(reference_whole, buffers)
         reference = reference_whole.get_submodule(path) if path else reference_whole
-        device, dtype = _device_dtype(reference_whole)
-
-        rule: InputRule = config.parity.input if input_rule is _UNSET else input_rule
-        wanted = config.parity.max_batches if config.parity.enabled else 1
-        data = list(itertools.islice(iter(batches), wanted)) if batches is not None else []
-        if isinstance(example_inputs, Mapping):
-            # Lightning allows a dict of keyword arguments here; capture and export take positional ones.
-            out_notes.append("example_inputs is a dict (keyword arguments): not used")
-            example_inputs = None
-        model_inputs = as_example_inputs(example_inputs)
-        if not data and model_inputs is not None:
-            data, rule = [model_inputs], _identity
-            if source != "example":
-                out_notes.append("no data batches: used the example inputs instead")
-            source = "example"
-
-        target_inputs: Optional[tuple] = None
-        if data:
-            first = as_args(_to_model(extract_input(data[0], rule), device, dtype))
-            args, kwargs = target_example_inputs(reference_whole, reference, first)
-            target_inputs = args
-            if kwargs:
-                out_notes.append(
-                    f"the target is called with keyword arguments ({', '.join(kwargs)}); they are not part of "
-                    "the example inputs given to capture"
-                )
-
+        data, rule, source = _parity_data(config, batches, example_inputs, out_notes)
+        target_inputs = _first_target_inputs(reference_whole, reference, data, rule, out_notes)
         result = fuse(reference, config, example_inputs=target_inputs)
         fused = result.graph_module
         whole_candidate = whole_model_with(reference_whole, path, fused)
-
         state: Optional[ParityState] = None
         if config.parity.enabled:
-            precise = None
-            if dtype in _LOW_PRECISION:
-                precise = copy.deepcopy(reference).double()
+            _, dtype = model_device_dtype(reference_whole)
+            precise = copy.deepcopy(reference).double() if dtype in _LOW_PRECISION else None
             state = measure_parity(
-                reference,
-                fused,
-                data,
-                config.parity,
+                reference, fused, data, config.parity,
                 whole_reference=reference_whole if path else None,
                 whole_candidate=whole_candidate if path else None,
-                input_rule=rule,
-                source=source,
-                precise_reference=precise,
+                input_rule=rule, source=source, precise_reference=precise,
             )
         else:
             out_notes.append("parity check disabled (parity.enabled: false): the fused model was not verified")
     return Measured(config, result, path, whole_candidate, state, target_inputs, out_notes)
+
+
+def _parity_data(
+    config: FuseConfig, batches: Batches, example_inputs: Any, notes: List[str]
+) -> Tuple[List[Any], InputRule, str]:
+    """The batches parity reads, the rule that takes forward's inputs out of them, and their source."""
+    wanted = config.parity.max_batches if config.parity.enabled else 1
+    data = list(itertools.islice(iter(batches.items), wanted))
+    if isinstance(example_inputs, Mapping):
+        # Lightning allows a dict of keyword arguments here; capture and export take positional ones.
+        notes.append("example_inputs is a dict (keyword arguments): not used")
+        example_inputs = None
+    model_inputs = as_example_inputs(example_inputs)
+    if not data and model_inputs is not None:
+        if batches.source != "example":
+            notes.append("no data batches: used the example inputs instead")
+        return [model_inputs], identity_rule, "example"
+    return data, config.parity.input, batches.source
+
+
+def _first_target_inputs(
+    whole: nn.Module, target: nn.Module, data: List[Any], rule: InputRule, notes: List[str]
+) -> Optional[tuple]:
+    """The target's arguments on the first batch (what capture and export trace with)."""
+    if not data:
+        return None
+    device, dtype = model_device_dtype(whole)
+    first = as_args(to_model(extract_input(data[0], rule), device, dtype))
+    args, kwargs = target_example_inputs(whole, target, first)
+    if kwargs:
+        notes.append(
+            f"the target is called with keyword arguments ({', '.join(kwargs)}); they are not part of "
+            "the example inputs given to capture"
+        )
+    return args
 
 
 def judge(measured: Measured, parity_state: Optional[ParityState] = None) -> Outcome:
@@ -279,13 +252,12 @@ def parity_verdict(outcome: Outcome, config: FuseConfig) -> Optional[ParityError
     parity = outcome.parity
     if parity is None or parity.passed:
         return None
-    path = outcome.target
     message = (
-        f"parity FAILED for target {path or '<whole model>'!r}: " + "; ".join(parity.failures)
+        f"parity FAILED for target {outcome.target or '<whole model>'!r}: " + "; ".join(parity.failures)
         + ". Nothing was exported."
     )
     outcome.notes.append("parity failed: nothing was exported")
-    if str(config.parity.on_failure.value) == "raise":
+    if config.parity.on_failure is OnError["raise"]:
         error = ParityError(message + " (set parity.on_failure: warn to only warn)")
         error.report = parity  # type: ignore[attr-defined]
         error.outcome = outcome  # type: ignore[attr-defined]
@@ -305,32 +277,76 @@ def export_outcome(
     """Write the fused model of a judged ``outcome`` (parity passed or disabled) to ``export_dir`` (default
     ``export.dir``) when export is enabled; sets ``outcome.export_dir``. Raises :class:`ExportError`."""
     config = measured.config
-    parity = outcome.parity
     directory = export_dir if export_dir is not None else config.export.dir
-    if config.export.enabled and directory is not None:
-        directory = Path(directory)
-        _refuse_protected(directory, protected_paths)
-        if measured.target_inputs is None:
-            raise ExportError(
-                f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
-                "exporter needs them to write the fused model"
-            )
-        from fx_lightning.export import export_fused  # late: pulls in torch.export machinery
-
-        outcome.export_dir = Path(
-            export_fused(
-                measured.result.graph_module,
-                directory,
-                example_inputs=tuple(_detached(measured.target_inputs)),
-                config=config,
-                report=measured.result.report,
-                parity=parity.to_dict() if parity is not None else None,
-                extra={"target": outcome.target, **(extra or {})},
-            )
-        )
-    elif config.export.enabled:
+    if not config.export.enabled:
+        return outcome
+    if directory is None:
         outcome.notes.append("export skipped: no export directory (set export.dir)")
+        return outcome
+    directory = Path(directory)
+    _refuse_protected(directory, protected_paths)
+    if measured.target_inputs is None:
+        raise ExportError(
+            f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
+            "exporter needs them to write the fused model"
+        )
+    from fx_lightning.export import export_fused  # late: pulls in the writers
+
+    outcome.export_dir = export_fused(
+        measured.result.graph_module,
+        directory,
+        example_inputs=tuple(detached(measured.target_inputs)),
+        config=config,
+        report=measured.result.report,
+        parity=outcome.parity.to_dict() if outcome.parity is not None else None,
+        extra={"target": outcome.target, **(extra or {})},
+    )
     return outcome
+
+
+def fuse_verify_export(
+    model: nn.Module,
+    config: FuseConfig,
+    batches: Batches,
+    *,
+    example_inputs: Any = None,
+    export_dir: Union[str, Path, None] = None,
+    write: bool = True,
+    protected_paths: Sequence[Union[str, Path]] = (),
+    extra: Optional[Dict[str, Any]] = None,
+) -> Outcome:
+    """Fuse ``config.target`` of ``model``, check parity on ``batches``, export when parity passed.
+
+    ``export_dir``: where to write (default ``config.export.dir``; nothing is written when both are None or
+    ``write`` is false). ``protected_paths``: files (checkpoints) the export must never replace: an export
+    directory equal to or containing one of them is refused. A failed parity check raises
+    :class:`ParityError` (with ``.report`` and ``.outcome``) when ``parity.on_failure`` is ``raise``;
+    otherwise it warns. Either way nothing is exported.
+    """
+    measured = fuse_and_measure(model, config, batches, example_inputs=example_inputs)
+    outcome = judge(measured)
+    error = parity_verdict(outcome, config)
+    if error is not None:
+        raise error
+    if write and (outcome.parity is None or outcome.parity.passed):
+        export_outcome(outcome, measured, export_dir=export_dir, protected_paths=protected_paths, extra=extra)
+    return outcome
+
+
+def summary_text(outcome: Outcome) -> str:
+    """What happened, for people: the target, the fuse report, the parity verdict, notes and the export."""
+    report = outcome.result.report
+    lines = [
+        f"target: {outcome.target or '<the whole LightningModule>'}",
+        str(report),
+        f"BatchNorms folded: {report.batchnorms_folded}, left: {report.after.batchnorms}",
+    ]
+    if outcome.parity is not None:
+        lines.append(str(outcome.parity))
+    lines += [f"note: {note}" for note in outcome.notes]
+    lines.append(f"fused model exported to {outcome.export_dir}" if outcome.export_dir is not None
+                 else "fused model not exported")
+    return "\n".join(lines)
 
 
 def _load_buffers(module: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -339,10 +355,6 @@ def _load_buffers(module: nn.Module, buffers: Mapping[str, torch.Tensor]) -> Non
         mine = own.get(name)
         if mine is not None and mine.shape == value.shape:
             mine.copy_(value.to(device=mine.device, dtype=mine.dtype))
-
-
-def _identity(batch: Any) -> Any:
-    return batch
 
 
 def _refuse_protected(directory: Path, protected: Sequence[Union[str, Path]]) -> None:

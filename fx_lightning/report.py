@@ -7,8 +7,11 @@ import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List
 
-import torch
 import torch.fx as fx
+
+from fx_lightning._json import json_safe
+from fx_lightning.passes.batchnorm import is_batchnorm_node
+from fx_lightning.passes.dropout import is_dropout_node
 
 __all__ = ["GraphStats", "PassReport", "FuseReport", "graph_stats"]
 
@@ -22,17 +25,11 @@ class GraphStats:
 
 
 def graph_stats(gm: fx.GraphModule) -> GraphStats:
-    from fx_lightning.passes.batchnorm import is_batchnorm_node
-    from fx_lightning.passes.dropout import _DROPOUT_FUNCTIONS, _DROPOUT_MODULES
-    from fx_lightning.passes.graph_utils import module_of
-
     bns = dropouts = 0
     for node in gm.graph.nodes:
         if is_batchnorm_node(gm, node):
             bns += 1
-        elif isinstance(module_of(gm, node), _DROPOUT_MODULES) or (
-            node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS
-        ):
+        elif is_dropout_node(gm, node):
             dropouts += 1
     seen = set()
     numel = 0
@@ -73,7 +70,7 @@ class FuseReport:
         raise KeyError(f"no pass named {name!r} ran; ran: {', '.join(p.name for p in self.passes)}")
 
     def to_dict(self) -> Dict[str, Any]:
-        return _json_safe(asdict(self)) | {"batchnorms_folded": self.batchnorms_folded}
+        return json_safe(asdict(self)) | {"batchnorms_folded": self.batchnorms_folded}
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -103,15 +100,3 @@ class FuseReport:
         for note in self.notes:
             console.print(f"note: {note}", markup=False)
         return buf.getvalue().rstrip()
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
-    return str(value)

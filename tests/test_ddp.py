@@ -73,11 +73,11 @@ def test_ddp_happy_path_every_rank_checks_its_shard_rank_zero_exports(tmp_path: 
     for rank in (0, 1):
         assert r[rank]["raised"] is None and r[rank]["error"] is None, r[rank]
         assert r[rank]["passed"] is True and r[rank]["batchnorms_folded"] == 2
-        assert r[rank]["local_batches"] == 2  # 32 validation samples / 2 ranks / batch 8
     # One verdict, from the merged measurements of both shards (2 + 2 batches, 32 distinct samples).
     _same_on_both(r, "parity", "notes", "export_dir", "fused_hash")
     assert r[0]["parity"]["batches"] == 4 and r[0]["parity"]["metrics"]["samples"] == 32
-    assert any("merged over 2 ranks" in n for n in r[0]["notes"])
+    # Each rank read its own shard: 32 validation samples / 2 ranks / batch 8.
+    assert any("merged over 2 ranks" in n and "(batches per rank: rank 0: 2, rank 1: 2)" in n for n in r[0]["notes"])
     # Only rank 0 wrote, into the log_dir every rank agreed on; the export is complete and loads.
     assert len(r[0]["export_writes"]) == 1 and r[1]["export_writes"] == []
     export_dir = Path(r[0]["export_dir"])
@@ -164,7 +164,7 @@ def test_sharded_strategy_with_on_error_warn_skips_fusion() -> None:
 def test_ddp_family_and_single_device_strategies_are_accepted() -> None:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-    from fx_lightning.callback import _unsupported_strategy
+    from fx_lightning.callback.ranks import unsupported_strategy as _unsupported_strategy
 
     assert _unsupported_strategy(DDPStrategy()) is None
     assert _unsupported_strategy(DDPStrategy(start_method="spawn")) is None

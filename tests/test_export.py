@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 import fx_lightning
-from fx_lightning import export as export_mod
+import dataclasses
+
+from fx_lightning.export import FORMATS
 from fx_lightning.config import load_config, to_container
 from fx_lightning.errors import ExportError
 from fx_lightning.export import FORMAT_VERSION, export_fused, load_fused, read_manifest, sha256_file
@@ -169,8 +171,9 @@ def test_default_format_is_pt2_then_the_next_available(tmp_path, monkeypatch):
     manifest = read_manifest(out)
     assert list(manifest["formats"]) == ["code", "graph_module", "pt2"]  # config order
     used = []
-    for fmt, loader in list(export_mod._LOADERS.items()):
-        monkeypatch.setitem(export_mod._LOADERS, fmt, lambda *a, f=fmt, real=loader: used.append(f) or real(*a))
+    for fmt, record in list(FORMATS.items()):
+        counting = lambda *a, f=fmt, real=record.load: used.append(f) or real(*a)  # noqa: E731
+        monkeypatch.setitem(FORMATS, fmt, dataclasses.replace(record, load=counting))
     load_fused(out)
     (out / "model.pt2").unlink()
     manifest["formats"].pop("pt2")
@@ -323,7 +326,7 @@ def test_unwritable_directory_simulated(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return real_mkdir(path, *args, **kwargs)
 
-    monkeypatch.setattr(export_mod.os, "mkdir", deny)
+    monkeypatch.setattr(os, "mkdir", deny)
     with pytest.raises(ExportError, match=r"cannot write the export there: Permission denied"):
         quick_export(tmp_path / "exp", seed=1)
     assert snapshot(out) == before
@@ -351,7 +354,7 @@ def test_writer_failing_halfway_leaves_nothing(tmp_path, monkeypatch):
 
 def test_wrong_artifact_is_caught_before_rename(tmp_path, monkeypatch):
     """The writer's output is loaded back and compared: a graph_module holding other weights fails."""
-    real = export_mod._WRITERS["graph_module"]
+    real = FORMATS["graph_module"].write
 
     def wrong_weights(root, ctx):
         entry = real(root, ctx)
@@ -361,7 +364,7 @@ def test_wrong_artifact_is_caught_before_rename(tmp_path, monkeypatch):
         torch.save(bad, root / "model.pt")
         return entry
 
-    monkeypatch.setitem(export_mod._WRITERS, "graph_module", wrong_weights)
+    monkeypatch.setitem(FORMATS, "graph_module", dataclasses.replace(FORMATS["graph_module"], write=wrong_weights))
     with pytest.raises(ExportError, match=r"format 'graph_module': the loaded model disagrees.*relative error"):
         quick_export(tmp_path / "exp")
     assert not (tmp_path / "exp").exists() and leftovers(tmp_path, "exp") == []
@@ -444,7 +447,9 @@ def test_onnx_falls_back_to_torchscript_exporter(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("dynamo exporter cannot handle this graph")
 
-    monkeypatch.setattr(export_mod, "_onnx_dynamo", broken)
+    import fx_lightning.export.formats.onnx as onnx_format
+
+    monkeypatch.setattr(onnx_format, "onnx_dynamo", broken)
     model = make_model()
     result = fused(model)
     out = export_fused(result.graph_module, tmp_path / "exp", example_inputs=(example(),),
@@ -458,7 +463,7 @@ def test_onnx_falls_back_to_torchscript_exporter(tmp_path, monkeypatch):
 
 
 @pytest.mark.ddp
-def test_ddp_only_rank_zero_writes_others_wait(tmp_path):
+def test_ddp_only_rank_zero_writes(tmp_path):
     import torch.multiprocessing as mp
 
     from export_helpers import ddp_export_worker, free_port
@@ -466,11 +471,7 @@ def test_ddp_only_rank_zero_writes_others_wait(tmp_path):
     mp.spawn(ddp_export_worker, args=(2, str(tmp_path), free_port()), nprocs=2, join=True)
     results = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in tmp_path.glob("rank_*.json")}
     assert set(results) == {0, 1}
-    # barrier=True: rank 1 came back only after rank 0 had renamed the export into place.
-    assert results[1]["saw_manifest_after_return"] is True
+    # Rank 1 returns the path at once and writes nothing; rank 0 writes the export.
     assert results[0]["wrote"] and not results[1]["wrote"]
-    # rank 0's failure (overwrite off, export exists) reaches rank 1 as an ExportError.
-    assert "already exists" in results[0]["failure"]
-    assert "rank 0 failed" in results[1]["failure"] and "already exists" in results[1]["failure"]
-    # barrier=False (the callback's way: it calls on rank zero only): rank 1 returns at once, writes nothing.
-    assert results[1]["nobarrier_wrote"] is False
+    assert results[0]["returned"] == results[1]["returned"] == str(tmp_path / "exp")
+    assert results[0]["saw_manifest_after_barrier"] and results[1]["saw_manifest_after_barrier"]

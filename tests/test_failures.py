@@ -139,13 +139,15 @@ def test_parity_failure(tmp_path: Path) -> None:
 
 
 def test_export_write_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import fx_lightning.export as export_mod
+    import dataclasses
+
+    from fx_lightning.export import FORMATS
 
     def disk_full(root: Path, ctx: Any) -> Dict[str, Any]:
         (root / "model.pt").write_bytes(b"half a model")  # a partial file in the staging directory
         raise OSError(28, "No space left on device (simulated)")
 
-    monkeypatch.setitem(export_mod._WRITERS, "graph_module", disk_full)
+    monkeypatch.setitem(FORMATS, "graph_module", dataclasses.replace(FORMATS["graph_module"], write=disk_full))
     model = H.LitClassifier()
     snap = Snapshot(tmp_path / "ckpts")
     fuse_cb = FXFuseCallback(export={"formats": ["graph_module"]})

@@ -12,7 +12,8 @@ from torch import nn
 
 import lightning_helpers as H
 from fx_lightning import ConfigError, ParityError, fuse
-from fx_lightning.parity import ParityReport, RelativeMaxError, check_parity, extract_input, extract_labels
+from fx_lightning.batches import extract_input, extract_labels
+from fx_lightning.parity import ParityReport, RelativeMaxError, check_parity
 
 
 def pick_second(batch: Any) -> Any:

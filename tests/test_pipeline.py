@@ -12,7 +12,8 @@ from torch import nn
 
 import lightning_helpers as H
 from fx_lightning import ConfigError, ExportError, ParityError
-from fx_lightning.pipeline import fuse_verify_export, resolve_target, whole_model_with
+from fx_lightning.config import load_config
+from fx_lightning.pipeline import Batches, fuse_verify_export, resolve_target, whole_model_with
 
 
 def _model() -> H.LitClassifier:
@@ -72,8 +73,8 @@ def test_pipeline_fuses_verifies_and_exports(tmp_path: Path) -> None:
     lit = _model()
     lit.train()
     before = H.state_fingerprint(lit)
-    out = fuse_verify_export(lit, {"export": {"formats": ["graph_module"]}}, batches=_val(),
-                             export_dir=tmp_path / "fused", source="val")
+    out = fuse_verify_export(lit, load_config({"export": {"formats": ["graph_module"]}}), Batches(_val(), "val"),
+                             export_dir=tmp_path / "fused")
     assert H.state_fingerprint(lit) == before  # weights, buffers and training flags untouched
     gm = out.result.graph_module
     assert out.target == "backbone"
@@ -95,7 +96,7 @@ def test_parity_failure_raises_and_exports_nothing(tmp_path: Path) -> None:
     lit = _model()
     lit.backbone = H.NoisyBackbone()
     with pytest.raises(ParityError) as info:
-        fuse_verify_export(lit, None, batches=_val(), export_dir=tmp_path / "fused")
+        fuse_verify_export(lit, load_config(), Batches(_val()), export_dir=tmp_path / "fused")
     assert "relative_max_error" in str(info.value) and "Nothing was exported" in str(info.value)
     assert info.value.report.passed is False  # type: ignore[attr-defined]
     assert info.value.outcome.result.graph_module is not None  # type: ignore[attr-defined]
@@ -106,7 +107,7 @@ def test_parity_failure_can_warn_and_still_exports_nothing(tmp_path: Path) -> No
     lit = _model()
     lit.backbone = H.NoisyBackbone()
     with pytest.warns(UserWarning, match="parity FAILED"):
-        out = fuse_verify_export(lit, {"parity": {"on_failure": "warn"}}, batches=_val(),
+        out = fuse_verify_export(lit, load_config({"parity": {"on_failure": "warn"}}), Batches(_val()),
                                  export_dir=tmp_path / "fused")
     assert out.parity is not None and not out.parity.passed
     assert out.export_dir is None and not (tmp_path / "fused").exists()
@@ -114,7 +115,8 @@ def test_parity_failure_can_warn_and_still_exports_nothing(tmp_path: Path) -> No
 
 def test_example_inputs_stand_in_for_missing_data() -> None:
     lit = _model()
-    out = fuse_verify_export(lit, {"export": {"enabled": False}}, batches=[], example_inputs=torch.randn(3, 3, 8, 8))
+    out = fuse_verify_export(lit, load_config({"export": {"enabled": False}}), Batches([]),
+                             example_inputs=torch.randn(3, 3, 8, 8))
     assert out.parity is not None and out.parity.passed and out.parity.source == "example"
     assert out.parity.metrics["samples"] == 3
 
@@ -125,13 +127,15 @@ def test_export_never_replaces_a_protected_file(tmp_path: Path) -> None:
     ckpt.write_bytes(b"weights")
     for directory in (tmp_path / "ckpts", tmp_path):
         with pytest.raises(ExportError, match="export.dir"):
-            fuse_verify_export(_model(), None, batches=_val(), export_dir=directory, protected_paths=[ckpt])
+            fuse_verify_export(_model(), load_config(), Batches(_val()), export_dir=directory,
+                               protected_paths=[ckpt])
     assert ckpt.read_bytes() == b"weights"
 
 
 def test_whole_module_target_and_disabled_parity() -> None:
     flat = H.randomize_batchnorms(H.FlatLit())
-    out = fuse_verify_export(flat, {"parity": {"enabled": False}, "export": {"enabled": False}}, batches=_val())
+    out = fuse_verify_export(flat, load_config({"parity": {"enabled": False}, "export": {"enabled": False}}),
+                             Batches(_val()))
     assert out.target == "" and out.parity is None
     assert out.fused_model is out.result.graph_module
     assert any("parity check disabled" in n for n in out.notes)
@@ -141,7 +145,7 @@ def test_whole_module_target_and_disabled_parity() -> None:
 
 def test_low_precision_model_is_gated_against_its_own_rounding() -> None:
     lit = copy.deepcopy(_model()).to(torch.bfloat16)
-    out = fuse_verify_export(lit, {"export": {"enabled": False}}, batches=_val())
+    out = fuse_verify_export(lit, load_config({"export": {"enabled": False}}), Batches(_val()))
     assert out.parity is not None
     own = out.parity.metrics["reference_error_vs_fp64"]
     assert own > 1e-4  # bfloat16 rounding: a plain 1e-4 gate would be meaningless here

@@ -1,31 +1,51 @@
 """What a pass is, the registry, and the runner that applies a configured sequence of passes.
 
 A pass is a function ``(gm, options, ctx) -> PassResult | None`` over a GraphModule, registered under a
-name with its options dataclass and whether it preserves computation (like optimum's transformations). The
-runner lints and recompiles after every pass and turns any failure into a :class:`PassError` naming it.
+name with its options dataclass and whether it preserves computation (like optimum's transformations).
+A *built-in* pass is declared once, with :func:`builtin_pass`: its options dataclass becomes its key in
+``FuseConfig.passes`` and its ``position`` its place in the default order, so nothing else lists it.
+The runner lints and recompiles after every pass and turns any failure into a :class:`PassError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
+from fx_lightning._imports import import_object
 from fx_lightning.errors import PassError
 
 __all__ = [
+    "PassOptions",
     "PassContext",
     "PassResult",
     "PassSpec",
+    "USER_PASSES_POSITION",
     "register_pass",
+    "builtin_pass",
+    "builtin_passes",
     "get_pass",
     "resolve_pass",
     "registered_passes",
+    "plan_passes",
     "run_pass",
+    "run_passes",
 ]
+
+# Built-in passes at positions below this run before the user's passes (passes.extra), the others after.
+USER_PASSES_POSITION = 900
+
+
+@dataclass
+class PassOptions:
+    """Options every built-in pass has; a pass's own options dataclass subclasses this."""
+
+    enabled: bool = True
 
 
 @dataclass
@@ -74,6 +94,8 @@ PassFn = Callable[..., Optional[PassResult]]
 
 @dataclass(frozen=True)
 class PassSpec:
+    """One pass, declared once: everything else (config key, default order, report) is derived from it."""
+
     name: str
     fn: PassFn
     options_type: Optional[type] = None
@@ -82,6 +104,12 @@ class PassSpec:
     # The pass records every graph edit in its PassResult: an empty result means an unchanged graph,
     # and the runner skips the recompile (it is the costliest step of a no-op pass on a large graph).
     reports_changes: bool = False
+    # Built-in passes only: the place in the default order (see USER_PASSES_POSITION).
+    position: Optional[int] = None
+
+    @property
+    def builtin(self) -> bool:
+        return self.position is not None
 
     def build_options(self, options: Any) -> Any:
         if self.options_type is None:
@@ -94,6 +122,19 @@ class PassSpec:
 
 
 _REGISTRY: Dict[str, PassSpec] = {}
+
+
+def _register(spec: PassSpec, replace: bool) -> None:
+    existing = _REGISTRY.get(spec.name)
+    if existing is not None and not replace and existing.fn is not spec.fn:
+        raise ValueError(f"a pass named {spec.name!r} is already registered; pass replace=True to override it")
+    if existing is not None and existing.builtin and not spec.builtin:
+        raise ValueError(f"{spec.name!r} is a built-in pass; configure it under passes.{spec.name} instead")
+    _REGISTRY[spec.name] = spec
+
+
+def _doc_line(fn: Callable[..., Any]) -> str:
+    return (inspect.getdoc(fn) or "").split("\n")[0]
 
 
 def register_pass(
@@ -116,19 +157,37 @@ def register_pass(
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        if name in _REGISTRY and not replace and _REGISTRY[name].fn is not fn:
-            raise ValueError(f"a pass named {name!r} is already registered; pass replace=True to override it")
-        _REGISTRY[name] = PassSpec(
-            name=name,
-            fn=fn,
-            options_type=options,
-            preserves_computation=preserves_computation,
-            description=(inspect.getdoc(fn) or "").split("\n")[0],
-            reports_changes=reports_changes,
-        )
+        spec = PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes)
+        _register(spec, replace)
         return fn
 
     return decorator
+
+
+def builtin_pass(
+    name: str,
+    *,
+    position: int,
+    options: type,
+    preserves_computation: bool = True,
+    reports_changes: bool = True,
+) -> Callable[[PassFn], PassFn]:
+    """Declare a built-in pass: ``options`` (a :class:`PassOptions` dataclass) becomes ``passes.<name>`` in
+    the config schema and ``position`` its place in the default order."""
+    if not (isinstance(options, type) and issubclass(options, PassOptions)):
+        raise TypeError(f"built-in pass {name!r}: options must subclass PassOptions")
+
+    def decorator(fn: PassFn) -> PassFn:
+        _register(PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes, position),
+                  replace=False)
+        return fn
+
+    return decorator
+
+
+def builtin_passes() -> List[PassSpec]:
+    """The built-in passes in their default order."""
+    return sorted((s for s in _REGISTRY.values() if s.builtin), key=lambda s: (s.position, s.name))
 
 
 def get_pass(name: str) -> PassSpec:
@@ -147,8 +206,6 @@ def resolve_pass(name: str) -> PassSpec:
         return _REGISTRY[name]
     if ":" not in name:
         get_pass(name)  # raises with the list of names
-    from fx_lightning.config import import_object
-
     obj = import_object(name)
     if name in _REGISTRY:  # importing the module may have registered it
         return _REGISTRY[name]
@@ -156,11 +213,30 @@ def resolve_pass(name: str) -> PassSpec:
         return obj
     if not callable(obj):
         raise ValueError(f"{name!r} is not callable")
-    return PassSpec(name=name, fn=obj, description=(inspect.getdoc(obj) or "").split("\n")[0])
+    return PassSpec(name=name, fn=obj, description=_doc_line(obj))
 
 
 def registered_passes() -> List[str]:
     return sorted(_REGISTRY)
+
+
+def plan_passes(passes: Any) -> List[Tuple[PassSpec, Any]]:
+    """The (pass, options) sequence a ``PassesConfig`` asks for: enabled built-ins in their order, with the
+    enabled ``extra`` user passes at ``USER_PASSES_POSITION``."""
+    plan: List[Tuple[PassSpec, Any]] = []
+    builtins = builtin_passes()
+    for spec in (s for s in builtins if s.position < USER_PASSES_POSITION):  # type: ignore[operator]
+        options = getattr(passes, spec.name)
+        if options.enabled:
+            plan.append((spec, options))
+    for extra in passes.extra:
+        if extra.enabled:
+            plan.append((resolve_pass(extra.name), extra.options))
+    for spec in (s for s in builtins if s.position >= USER_PASSES_POSITION):  # type: ignore[operator]
+        options = getattr(passes, spec.name)
+        if options.enabled:
+            plan.append((spec, options))
+    return plan
 
 
 def run_pass(spec: PassSpec, gm: fx.GraphModule, options: Any, ctx: PassContext) -> PassResult:
@@ -187,3 +263,14 @@ def run_pass(spec: PassSpec, gm: fx.GraphModule, options: Any, ctx: PassContext)
         raise PassError(f"pass {spec.name!r} left a graph that does not lint: {exc}") from exc
     return result
 
+
+def run_passes(
+    gm: fx.GraphModule, plan: Sequence[Tuple[PassSpec, Any]], ctx: PassContext
+) -> List[Tuple[PassSpec, PassResult, float]]:
+    """Apply ``plan`` to ``gm`` in place; returns (pass, result, seconds) per pass."""
+    out = []
+    for spec, options in plan:
+        start = time.perf_counter()
+        result = run_pass(spec, gm, options, ctx)
+        out.append((spec, result, time.perf_counter() - start))
+    return out

@@ -17,6 +17,7 @@ stays for the other sites, so no call site is ever changed by folding another.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -24,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fx_lightning.passes.base import PassContext, PassResult, register_pass
+from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
 from fx_lightning.passes.graph_utils import (
     add_constant,
     attr_tensor,
@@ -37,9 +38,9 @@ from fx_lightning.passes.graph_utils import (
     module_of,
     node_shape,
 )
-from fx_lightning.passes.options import FoldDtype, FuseBNIntoNextOptions, FuseConvBNOptions, FuseLinearBNOptions
 
 __all__ = [
+    "FoldDtype",
     "FuseConvBNOptions",
     "FuseLinearBNOptions",
     "FuseBNIntoNextOptions",
@@ -53,6 +54,38 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------------------------- options
+
+
+class FoldDtype(str, Enum):
+    """Precision in which BatchNorm statistics are folded before casting back to the parameter dtype."""
+
+    float64 = "float64"
+    float32 = "float32"
+
+
+@dataclass
+class FuseConvBNOptions(PassOptions):
+    # fp64 folding keeps fp32 results within rounding of an fp64 reference; fp32 is for devices without fp64.
+    fold_dtype: FoldDtype = FoldDtype.float64
+    # A conv called at several sites gets one fused copy per site; off: such sites are skipped.
+    copy_shared_modules: bool = True
+
+
+@dataclass
+class FuseLinearBNOptions(PassOptions):
+    fold_dtype: FoldDtype = FoldDtype.float64
+    copy_shared_modules: bool = True
+
+
+@dataclass
+class FuseBNIntoNextOptions(PassOptions):
+    """Fold a BatchNorm into the Linear or unpadded conv that consumes it (pre-activation blocks)."""
+
+    fold_dtype: FoldDtype = FoldDtype.float64
+    copy_shared_modules: bool = True
 
 
 # ------------------------------------------------------------------------------------------ the math
@@ -498,7 +531,7 @@ def _linear_check(gm: fx.GraphModule, ctx: PassContext, bn: BatchNorm, layer: La
     return None
 
 
-@register_pass("fuse_conv_bn", options=FuseConvBNOptions, reports_changes=True)
+@builtin_pass("fuse_conv_bn", position=30, options=FuseConvBNOptions)
 def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContext) -> PassResult:
     """Fold every BatchNorm that follows a Conv/ConvTranspose (any groups) into it."""
     result = PassResult()
@@ -506,7 +539,7 @@ def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContex
     return result
 
 
-@register_pass("fuse_linear_bn", options=FuseLinearBNOptions, reports_changes=True)
+@builtin_pass("fuse_linear_bn", position=40, options=FuseLinearBNOptions)
 def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm1d that follows a Linear, when the shapes show it normalises the Linear's outputs."""
     result = PassResult()
@@ -514,7 +547,8 @@ def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassCo
     return result
 
 
-@register_pass("fuse_bn_into_next", options=FuseBNIntoNextOptions, reports_changes=True)
+# After the producer folds: a BatchNorm that could fold backwards already has.
+@builtin_pass("fuse_bn_into_next", position=50, options=FuseBNIntoNextOptions)
 def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm into the Linear or unpadded conv that is its only consumer."""
     result = PassResult()

@@ -5,14 +5,26 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.passes.base import PassContext, PassResult, register_pass
+from dataclasses import dataclass
+
+from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
 from fx_lightning.passes.graph_utils import delete_unused_attributes, module_of
-from fx_lightning.passes.options import EliminateDeadCodeOptions, RemoveIdentityOptions
 
 __all__ = ["RemoveIdentityOptions", "EliminateDeadCodeOptions", "remove_identity", "eliminate_dead_code"]
 
 
-@register_pass("remove_identity", options=RemoveIdentityOptions, reports_changes=True)
+@dataclass
+class RemoveIdentityOptions(PassOptions):
+    pass
+
+
+@dataclass
+class EliminateDeadCodeOptions(PassOptions):
+    pass
+
+
+# Before the folds: conv -> Identity -> BN chains become adjacent.
+@builtin_pass("remove_identity", position=20, options=RemoveIdentityOptions)
 def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: PassContext) -> PassResult:
     """Replace calls of ``nn.Identity`` by their input."""
     result = PassResult()
@@ -31,7 +43,8 @@ def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: Pas
     return result
 
 
-@register_pass("eliminate_dead_code", options=EliminateDeadCodeOptions, reports_changes=True)
+# Last, after the user's passes: whatever they left unused goes too.
+@builtin_pass("eliminate_dead_code", position=1000, options=EliminateDeadCodeOptions)
 def eliminate_dead_code(gm: fx.GraphModule, options: EliminateDeadCodeOptions, ctx: PassContext) -> PassResult:
     """Drop nodes whose results nobody uses (impure ones stay), then the attributes nobody reads."""
     result = PassResult()

@@ -7,11 +7,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fx_lightning.passes.base import PassContext, PassResult, register_pass
-from fx_lightning.passes.graph_utils import module_of
-from fx_lightning.passes.options import RemoveDropoutOptions
+from dataclasses import dataclass
 
-__all__ = ["RemoveDropoutOptions", "remove_dropout"]
+from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
+from fx_lightning.passes.graph_utils import module_of
+
+__all__ = ["RemoveDropoutOptions", "remove_dropout", "is_dropout_node"]
 
 aten = torch.ops.aten
 
@@ -33,7 +34,22 @@ _DROPOUT_FUNCTIONS = {
 }
 
 
-@register_pass("remove_dropout", options=RemoveDropoutOptions, reports_changes=True)
+@dataclass
+class RemoveDropoutOptions(PassOptions):
+    # F.dropout(x, training=True) is active even in eval mode: removing it changes outputs, so it is
+    # left alone (and reported) unless asked for.
+    remove_active_functional: bool = False
+
+
+def is_dropout_node(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A Dropout module call or a functional/ATen dropout (active or not)."""
+    if node.op == "call_module":
+        return isinstance(module_of(gm, node), _DROPOUT_MODULES)
+    return node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS
+
+
+# First: conv -> Dropout -> BN chains become adjacent for the folds.
+@builtin_pass("remove_dropout", position=10, options=RemoveDropoutOptions)
 def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassContext) -> PassResult:
     """Replace dropout (modules, F.* and ATen forms) by its input; it is the identity in eval mode."""
     result = PassResult()

@@ -31,7 +31,9 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-import fx_lightning.export as export_mod  # noqa: E402
+import dataclasses  # noqa: E402
+
+from fx_lightning.export import FORMATS  # noqa: E402
 import lightning_helpers as H  # noqa: E402
 from fx_lightning import FXFuseCallback  # noqa: E402
 
@@ -80,20 +82,21 @@ def main(scenario: str, out: Path) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     writes: List[str] = []
-    real_local = export_mod._export_local
+    real_write = FORMATS["graph_module"].write
 
-    def counting(*args: Any, **kwargs: Any) -> Any:  # records which rank actually writes an export
-        writes.append(str(args[1]))
-        return real_local(*args, **kwargs)
+    def counting(root: Path, ctx: Any) -> Dict[str, Any]:  # records which rank actually writes an export
+        writes.append(str(root))
+        return real_write(root, ctx)
 
-    export_mod._export_local = counting
+    FORMATS["graph_module"] = dataclasses.replace(FORMATS["graph_module"], write=counting)
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # one node: local rank is the global rank
     if spec.get("break_export_on_rank0") and rank == 0:
         def failing_writer(root: Path, ctx: Any) -> Dict[str, Any]:
+            writes.append(str(root))
             (root / "model.pt").write_bytes(b"partial")  # half-written, then the disk is full
             raise OSError(28, "No space left on device (simulated)")
 
-        export_mod._WRITERS["graph_module"] = failing_writer
+        FORMATS["graph_module"] = dataclasses.replace(FORMATS["graph_module"], write=failing_writer)
 
     probe = Probe()
     fuse_cb = FXFuseCallback(export={"formats": ["graph_module"]}, **spec["fuse"])
@@ -129,7 +132,6 @@ def main(scenario: str, out: Path) -> None:
         "skipped": fuse_cb.skipped,
         "passed": report.passed if report is not None else None,
         "parity": report.to_dict() if report is not None else None,
-        "local_batches": fuse_cb._local_batches,
         "notes": list(fuse_cb.outcome.notes) if fuse_cb.outcome is not None else [],
         "export_dir": str(fuse_cb.export_dir) if fuse_cb.export_dir is not None else None,
         "export_writes": writes,

@@ -1,0 +1,242 @@
+"""Batches and the values that flow through a model: taking the input and labels out of a data batch,
+moving arguments to a model's device and dtype, recording a submodule's calls, flattening outputs.
+
+Shared by parity, the pipeline, export and the Lightning glue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from fx_lightning._imports import import_object
+from fx_lightning.errors import ConfigError
+
+__all__ = [
+    "INPUT_KEYS",
+    "LABEL_KEYS",
+    "InputRule",
+    "extract_input",
+    "extract_labels",
+    "identity_rule",
+    "as_args",
+    "as_example_inputs",
+    "to_model",
+    "model_device_dtype",
+    "flat_tensors",
+    "detached",
+    "record_calls",
+    "batch_size_of",
+    "take_rows",
+    "batch_at_least_two",
+]
+
+# Keys tried, in order, when a batch is a mapping and no input rule is configured.
+INPUT_KEYS: Tuple[str, ...] = ("x", "input", "inputs", "image", "images", "pixel_values", "features", "data")
+LABEL_KEYS: Tuple[str, ...] = ("y", "label", "labels", "target", "targets")
+
+InputRule = Union[None, str, int, Callable[[Any], Any]]
+
+
+def identity_rule(batch: Any) -> Any:
+    """The input rule for "the batch is already forward's arguments" (example inputs)."""
+    return batch
+
+
+def extract_input(batch: Any, rule: InputRule = None) -> Any:
+    """Take the model input out of a batch.
+
+    ``rule``: ``None`` (automatic: a tensor as is; the first item of a tuple/list; the first of
+    ``INPUT_KEYS`` in a mapping), a mapping key, an integer index (or its string form), an import path
+    ``"pkg.module:function"`` or a callable taking the batch. A returned *tuple* is read as several
+    positional arguments of forward (see :func:`as_args`).
+    """
+    if callable(rule):
+        return rule(batch)
+    if isinstance(rule, str) and ":" in rule:
+        try:
+            fn = import_object(rule)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(f"parity.input: cannot import {rule!r}: {exc}.") from None
+        return fn(batch)
+    if isinstance(rule, int) or (isinstance(rule, str) and rule.lstrip("-").isdigit()):
+        return _by_index(batch, rule)
+    if isinstance(rule, str):
+        return _by_key(batch, rule)
+    if rule is not None:
+        raise ConfigError(f"parity.input: expected a key, an index, an import path or a callable, got {rule!r}.")
+    return _automatic_input(batch)
+
+
+def _by_index(batch: Any, rule: Union[int, str]) -> Any:
+    index = int(rule)
+    if not isinstance(batch, (tuple, list)):
+        raise ConfigError(
+            f"parity.input: {rule!r} is an index, but the batch is a {type(batch).__name__}, not a tuple/list."
+        )
+    if not -len(batch) <= index < len(batch):
+        raise ConfigError(f"parity.input: index {index} is out of range for a batch of {len(batch)} items.")
+    return batch[index]
+
+
+def _by_key(batch: Any, key: str) -> Any:
+    if isinstance(batch, Mapping):
+        if key not in batch:
+            raise ConfigError(
+                f"parity.input: key {key!r} is not in the batch; its keys: {', '.join(map(str, batch))}."
+            )
+        return batch[key]
+    if hasattr(batch, key):
+        return getattr(batch, key)
+    raise ConfigError(f"parity.input: {key!r} names a key, but the batch is a {type(batch).__name__} without it.")
+
+
+def _automatic_input(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0]
+    if isinstance(batch, Mapping):
+        for key in INPUT_KEYS:
+            if key in batch:
+                return batch[key]
+        raise ConfigError(
+            f"parity.input: cannot tell which entry of the batch is the model input (keys: "
+            f"{', '.join(map(str, batch))}; tried {', '.join(INPUT_KEYS)}). Set parity.input to the key, "
+            "or to 'pkg.module:function' taking the batch."
+        )
+    raise ConfigError(
+        f"parity.input: cannot take a model input out of a batch of type {type(batch).__name__}; set "
+        "parity.input to a key, an index or 'pkg.module:function'."
+    )
+
+
+def extract_labels(batch: Any, rule: InputRule = None) -> Optional[torch.Tensor]:
+    """Integer class labels in the batch, if any: the second item of a tuple/list, or a ``LABEL_KEYS`` entry."""
+    labels: Any = None
+    if callable(rule):
+        labels = rule(batch)
+    elif isinstance(rule, (str, int)):
+        try:
+            labels = batch[rule]
+        except (KeyError, IndexError, TypeError):
+            labels = None
+    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        labels = batch[1]
+    elif isinstance(batch, Mapping):
+        labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and not labels.is_complex():
+        return labels
+    return None
+
+
+def as_args(inputs: Any) -> Tuple[Any, ...]:
+    """Forward's positional arguments: a tuple is several arguments, anything else is one."""
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
+    """``fuse()``'s ``example_inputs`` as forward's positional arguments: a tensor is one, a sequence several."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    return tuple(example_inputs)
+
+
+def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
+    """Move tensors (nested in tuples, lists, named tuples, mappings) to ``device`` and floating ones to ``dtype``."""
+    if isinstance(args, torch.Tensor):
+        t = args.to(device) if device is not None else args
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        return t
+    if isinstance(args, tuple) and hasattr(args, "_fields"):
+        return type(args)(*(to_model(a, device, dtype) for a in args))
+    if isinstance(args, (tuple, list)):
+        return type(args)(to_model(a, device, dtype) for a in args)
+    if isinstance(args, Mapping):
+        return {k: to_model(v, device, dtype) for k, v in args.items()}
+    return args
+
+
+def model_device_dtype(module: nn.Module) -> Tuple[Optional[torch.device], Optional[torch.dtype]]:
+    """The device and floating dtype of ``module``'s first floating parameter or buffer (None: unknown)."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if t.is_floating_point():
+            return t.device, t.dtype
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device, None
+    return None, None
+
+
+def flat_tensors(out: Any) -> List[torch.Tensor]:
+    """Every tensor of a (nested) output, in a stable order: tuples, lists, mappings, dataclasses
+    (Hugging Face ``ModelOutput`` is a mapping)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, Mapping):
+        return [t for k in out for t in flat_tensors(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in flat_tensors(item)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in flat_tensors(getattr(out, f.name))]
+    return []
+
+
+def detached(value: Any) -> Any:
+    """A detached clone of every tensor in ``value``: a later in-place op (``ReLU(inplace=True)``) cannot change it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(detached(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(detached(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: detached(v) for k, v in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def record_calls(module: nn.Module) -> Iterator[List[Tuple[tuple, dict, Any]]]:
+    """Record ``(args, kwargs, output)`` of every call of ``module`` while the block runs."""
+    calls: List[Tuple[tuple, dict, Any]] = []
+
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        calls.append((detached(args), detached(kwargs), detached(output)))
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def batch_size_of(args: Sequence[Any]) -> Optional[int]:
+    """Dim 0 of the first tensor argument with a dimension (None: no batched tensor)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return int(a.shape[0])
+    return None
+
+
+def take_rows(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
+    """The first ``n`` samples of every batched tensor argument (others unchanged)."""
+    return tuple(a[:n] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args)
+
+
+def batch_at_least_two(args: Sequence[Any]) -> Tuple[Any, ...]:
+    """torch.export specialises a dimension of size 0 or 1: repeat a batch of one to trace with two."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] < 2:
+            if a.shape[0] == 0:
+                raise ValueError("a tensor argument has batch size 0; give at least one sample")
+            a = torch.cat([a, a], dim=0)
+        out.append(a)
+    return tuple(out)

@@ -1,0 +1,186 @@
+"""``FXFuseCallback``: Lightning glue that runs the fusion pipeline when ``fit`` ends.
+
+Hooks of a few lines over free functions: :mod:`.preflight` (checks before the first training step),
+:mod:`.ranks` (the end of fit on every rank) and :mod:`.trainer_data` (loaders, weights, checkpoints,
+loggers). It owns no fusion logic (that is :mod:`fx_lightning.pipeline`). The LightningModule is never
+changed, and no checkpoint is ever touched.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from fx_lightning.callback.preflight import check_capture, target_pending
+from fx_lightning.callback.ranks import Failure, fuse_after_fit, unsupported_strategy
+from fx_lightning.callback.trainer_data import checkpoint_message, fuse_metrics, log_metrics
+from fx_lightning.config import ExportConfig, FuseConfig, OnError, ParityConfig, PassesConfig, TraceConfig, load_config
+from fx_lightning.engine import FuseResult
+from fx_lightning.errors import ConfigError, FXLightningError, TraceError
+from fx_lightning.parity import ParityReport
+from fx_lightning.pipeline import Outcome, summary_text
+
+__all__ = ["FXFuseCallback"]
+
+
+class FXFuseCallback(Callback):
+    """Fuse (fold BatchNorms), verify and export the model when ``trainer.fit`` ends.
+
+    Keyword arguments are the top-level keys of :class:`~fx_lightning.config.FuseConfig`; each nested
+    one takes a dict, a DictConfig or the dataclass. Everything is validated here, so a typo fails
+    before training starts.
+
+    Example::
+
+        trainer = L.Trainer(max_epochs=3, callbacks=[FXFuseCallback()])
+        trainer.fit(model, datamodule)
+        cb = trainer.callbacks[0]
+        cb.parity_report.passed, cb.export_dir   # fused model in <log_dir>/fx_fused
+
+        FXFuseCallback(weights="best", parity={"max_batches": 16, "rtol": 1e-5},
+                       export={"formats": ["graph_module"]}, on_error="warn")
+
+    After fit: ``result`` (:class:`~fx_lightning.engine.FuseResult`), ``parity_report``
+    (:class:`~fx_lightning.parity.ParityReport`), ``export_dir`` (Path or None), ``summary`` (str).
+    """
+
+    def __init__(
+        self,
+        target: Optional[str] = None,
+        weights: str = "last",
+        trace: Optional[Union[Dict[str, Any], TraceConfig]] = None,
+        passes: Optional[Union[Dict[str, Any], PassesConfig]] = None,
+        parity: Optional[Union[Dict[str, Any], ParityConfig]] = None,
+        export: Optional[Union[Dict[str, Any], ExportConfig]] = None,
+        on_error: str = "raise",
+    ) -> None:
+        """
+        Args:
+            target: dotted attribute of the LightningModule to fuse; default ``backbone`` if present, else the module.
+            weights: ``last`` (the module as training left it) or ``best`` (the ModelCheckpoint's best checkpoint).
+            trace: capture options (``mode``: auto | fx | export, ``leaf_modules``, ``autowrap_functions``...).
+            passes: one options node per built-in pass (``{fuse_conv_bn: {enabled: false}}``) and ``extra`` user passes.
+            parity: ``enabled``, ``max_batches``, ``data``, ``input``, ``rtol``, ``min_cosine``, ``min_top1_agreement``,
+                ``max_accuracy_drop``, ``on_failure`` (raise | warn).
+            export: ``enabled``, ``dir`` (default ``<trainer.log_dir>/fx_fused``), ``formats``...
+            on_error: ``raise`` (fit raises, checkpoints intact) or ``warn`` (log and let fit return).
+        """
+        super().__init__()
+        self.config: FuseConfig = load_config(
+            target=target, weights=weights, trace=trace, passes=passes, parity=parity, export=export,
+            on_error=on_error,
+        )
+        self._reset()
+
+    def _reset(self) -> None:
+        self.result: Optional[FuseResult] = None
+        self.parity_report: Optional[ParityReport] = None
+        self.export_dir: Optional[Path] = None
+        self.outcome: Optional[Outcome] = None
+        self.summary: Optional[str] = None
+        self.error: Optional[BaseException] = None
+        self.skipped: Optional[str] = None
+        self._preflight_pending = False
+        self._raised: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------------------ before training
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset()
+        unsupported = unsupported_strategy(trainer.strategy)
+        if unsupported is not None:
+            message = f"FXFuseCallback cannot run with this strategy: {unsupported}. "
+            advice = ("Train with strategy='ddp' (or on one device), or remove FXFuseCallback and fuse the "
+                      "consolidated checkpoint afterwards (fx-lightning fuse CKPT --model ...).")
+            self._refuse_before_fit(ConfigError(f"{message}Stopping before the first training step. {advice}"),
+                                    f"unsupported strategy: {unsupported}", message + advice)
+            return
+        # The target may be built by LightningModule.setup/configure_model, which run after this hook:
+        # then check at on_fit_start, still before the first training step.
+        self._preflight_pending = target_pending(pl_module, self.config)
+        if not self._preflight_pending:
+            self._preflight(trainer, pl_module)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._preflight_pending:
+            self._preflight_pending = False
+            self._preflight(trainer, pl_module)
+
+    def _preflight(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        try:
+            check_capture(trainer, pl_module, self.config)
+        except (ConfigError, TraceError) as exc:
+            what = "is misconfigured" if isinstance(exc, ConfigError) else "cannot be captured"
+            message = f"FXFuseCallback: the fusion target {what}, so it could not be fused after training; "
+            error = type(exc)(f"{message}stopping before the first training step.\n{exc}")
+            self._refuse_before_fit(error, f"pre-training check failed: {exc}", f"{message}\n{exc}", cause=exc)
+
+    def _refuse_before_fit(self, error: Exception, skipped: str, warning: str,
+                           cause: Optional[BaseException] = None) -> None:
+        """Raise ``error`` before training (on_error=raise), or warn and let training go on unfused."""
+        if self.config.on_error is OnError["raise"]:
+            self._raised = error
+            raise error from cause
+        self.skipped = skipped
+        self.error = cause or error
+        rank_zero_warn(f"{warning} Training goes on (on_error=warn) and nothing will be fused.")
+
+    # ------------------------------------------------------------------------------- after training
+
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        skip = self.skipped or ("fast_dev_run" if trainer.fast_dev_run else None) or (
+            "training was interrupted" if trainer.interrupted else None)
+        run = fuse_after_fit(trainer, pl_module, self.config, skip)
+        if run.outcome is not None:
+            self._record(trainer, run.outcome)
+        if run.skipped is not None:
+            self.skipped = self.skipped or run.skipped
+            rank_zero_info(f"FXFuseCallback: skipped ({run.skipped}).")
+        if run.failure is not None:
+            self._fail(trainer, run.failure)
+
+    def _record(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
+        self.outcome = outcome
+        self.result = outcome.result
+        self.parity_report = outcome.parity
+        self.export_dir = outcome.export_dir
+        banner = "=" * 30 + " FXFuseCallback " + "=" * 30
+        self.summary = f"{banner}\n{summary_text(outcome)}\n{'=' * len(banner)}"
+        if trainer.is_global_zero:  # the ranks share one outcome: log it once
+            log_metrics(trainer, fuse_metrics(outcome))
+        rank_zero_info(self.summary)
+
+    def _fail(self, trainer: "pl.Trainer", failure: Failure) -> None:
+        """Raise (on_error=raise) or warn (on_error=warn) with the cause and where the checkpoints are."""
+        exc = failure.error
+        self.error = exc
+        message = (
+            f"FXFuseCallback failed after training{failure.where} ({failure.type_name or type(exc).__name__}): "
+            f"{exc}\n{checkpoint_message(trainer)}"
+        )
+        if self.config.on_error is OnError["raise"]:
+            new: Exception = type(exc)(message) if isinstance(exc, FXLightningError) else FXLightningError(message)
+            for attr in ("report", "outcome"):
+                if hasattr(exc, attr):
+                    setattr(new, attr, getattr(exc, attr))
+            self._raised = new
+            raise new from (None if failure.remote else exc)
+        # Every rank warns (not rank zero only): each rank's log must say why nothing was exported.
+        warnings.warn(message + "\n(on_error=warn: fit returns normally)", UserWarning, stacklevel=2)
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if exception is self._raised:
+            return  # our own error, already explained
+        # Ctrl-C, a crash in training or another callback: on_fit_end will not run, and nothing is touched.
+        self.skipped = f"fit did not finish ({type(exception).__name__})"
+        rank_zero_info(
+            f"FXFuseCallback: fit did not finish ({type(exception).__name__}), so nothing was fused or exported; "
+            "the LightningModule and the checkpoints are untouched."
+        )

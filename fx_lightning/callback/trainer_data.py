@@ -1,0 +1,218 @@
+"""What the callback (and the CLI) read from a Trainer or a DataModule: parity batches, the weights to fuse,
+the checkpoints to protect, and where to log.
+
+Free functions over Lightning objects; none of them changes the LightningModule or touches a checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import platform
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from fx_lightning.batches import extract_input, model_device_dtype
+from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
+from fx_lightning.errors import ConfigError
+from fx_lightning.pipeline import Batches, Outcome
+
+__all__ = [
+    "METRIC_PREFIX",
+    "first_loader",
+    "choose_batches",
+    "parity_batches",
+    "peek_inputs",
+    "pick_weights",
+    "checkpoint_files",
+    "checkpoint_message",
+    "fuse_metrics",
+    "log_metrics",
+]
+
+METRIC_PREFIX = "fx_fuse/"
+
+# parity.data -> the sources tried, in order (example_input_array is the pipeline's own fallback).
+_SOURCE_ORDER: Dict[ParityData, Tuple[str, ...]] = {
+    ParityData.auto: ("val", "train"),
+    ParityData.val: ("val",),
+    ParityData.train: ("train",),
+    ParityData.example: (),
+}
+
+
+def first_loader(loaders: Any) -> Any:
+    """The first loader of a loader, a list/tuple or a dict of loaders (None for none)."""
+    if loaders is None:
+        return None
+    if isinstance(loaders, dict):
+        return next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        return loaders[0] if loaders else None
+    return loaders
+
+
+def choose_batches(loaders: Mapping[str, Callable[[], Any]], parity: ParityConfig) -> Batches:
+    """Up to ``parity.max_batches`` batches (one when parity is off: capture and export still need an input)
+    from the first source in ``parity.data``'s order whose loader gives any; ``loaders`` maps a source name
+    (``val``, ``train``) to a function returning its loader(s) or None."""
+    order = _SOURCE_ORDER[parity.data]
+    n = parity.max_batches if parity.enabled else 1
+    for name in order:
+        getter = loaders.get(name)
+        loader = first_loader(getter()) if getter is not None else None
+        batches = list(itertools.islice(iter(loader), n)) if loader is not None else []
+        if batches:
+            note = "no validation data: parity used training batches" if name == "train" and len(order) > 1 else None
+            return Batches(batches, name, note)
+    note = None
+    if parity.data is not ParityData.example:
+        note = f"no {' or '.join(order)} data: parity used the LightningModule's example_input_array"
+    return Batches([], "example", note)
+
+
+def _trainer_loaders(trainer: "pl.Trainer") -> Dict[str, Callable[[], Any]]:
+    # A loader that the fit loop has not set up yet (before training) comes from its data source.
+    def val() -> Any:
+        loader = first_loader(trainer.val_dataloaders)
+        return loader if loader is not None else _loader_from_source(trainer.fit_loop.epoch_loop.val_loop)
+
+    def train() -> Any:
+        loader = first_loader(trainer.train_dataloader)
+        return loader if loader is not None else _loader_from_source(trainer.fit_loop)
+
+    return {"val": val, "train": train}
+
+
+def _loader_from_source(loop: Any) -> Any:
+    """A loop's loader before the loop has set it up (Lightning internals: guarded)."""
+    source = getattr(loop, "_data_source", None)
+    try:
+        if source is not None and source.is_defined():
+            return first_loader(source.dataloader())
+    except Exception:  # noqa: BLE001 - no loader means "try the next source"
+        return None
+    return None
+
+
+def parity_batches(trainer: "pl.Trainer", config: FuseConfig) -> Batches:
+    """Parity batches from the trainer's loaders (validation, else training data)."""
+    return choose_batches(_trainer_loaders(trainer), config.parity)
+
+
+def peek_inputs(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Any:
+    """Whole-model inputs before training: example_input_array, else the input of one val/train batch."""
+    example = getattr(pl_module, "example_input_array", None)
+    if example is not None and not isinstance(example, dict):  # a dict means keyword arguments
+        return example
+    for getter in _trainer_loaders(trainer).values():
+        try:
+            loader = getter()
+            batch = next(iter(loader)) if loader is not None else None
+        except Exception:  # noqa: BLE001 - a loader we cannot read here is read again after fit
+            continue
+        if batch is not None:
+            return extract_input(batch, config.parity.input)
+    return None
+
+
+def pick_weights(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Tuple[Any, str]:
+    """The module to fuse and a description of its weights: the LightningModule itself (``last``) or a copy
+    holding the ModelCheckpoint's best checkpoint (``best``)."""
+    if config.weights is WeightsSource.last:
+        return pl_module, "last (the LightningModule as training left it)"
+    ckpt_cb = trainer.checkpoint_callback
+    if not isinstance(ckpt_cb, ModelCheckpoint):
+        raise ConfigError(
+            "weights: 'best' needs a ModelCheckpoint callback in the Trainer, and there is none "
+            "(add ModelCheckpoint(monitor=...) or use weights: last)."
+        )
+    path = ckpt_cb.best_model_path
+    if not path:
+        raise ConfigError(
+            "weights: 'best', but the ModelCheckpoint saved no checkpoint (best_model_path is empty); "
+            "use weights: last or check the ModelCheckpoint's monitor/save settings."
+        )
+    from lightning.fabric.utilities.cloud_io import _load, get_filesystem
+
+    if not get_filesystem(path).exists(path):
+        # Under DDP every rank reads the checkpoint (each fuses and checks its own share of the data); on
+        # several nodes without a shared filesystem only rank zero's node has it.
+        raise ConfigError(
+            f"weights: 'best': the checkpoint {path} cannot be read on rank {trainer.global_rank} "
+            f"({platform.node()}); every rank fuses it, so it must be on a filesystem all nodes share "
+            "(or use weights: last)."
+        )
+    device, _ = model_device_dtype(pl_module)
+    # Our own trainer wrote this checkpoint during this fit, so full unpickling is trusted here.
+    checkpoint = _load(path, map_location=device or "cpu", weights_only=False)
+    # A copy takes the best weights: the LightningModule keeps its last-epoch weights.
+    best = copy.deepcopy(pl_module)
+    best.load_state_dict(checkpoint["state_dict"], strict=True)
+    score = ckpt_cb.best_model_score
+    score_text = f", {ckpt_cb.monitor}={float(score):.6g}" if score is not None and ckpt_cb.monitor else ""
+    return best, f"best checkpoint {path}{score_text}"
+
+
+def _checkpoint_callbacks(trainer: "pl.Trainer") -> List[ModelCheckpoint]:
+    return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+
+
+def checkpoint_files(trainer: "pl.Trainer") -> List[Path]:
+    """Every checkpoint the trainer's ModelCheckpoints know of (an export must never replace one)."""
+    files: List[Path] = []
+    for cb in _checkpoint_callbacks(trainer):
+        for p in (cb.best_model_path, cb.last_model_path, *cb.best_k_models):
+            if p:
+                files.append(Path(p))
+    return files
+
+
+def checkpoint_message(trainer: "pl.Trainer") -> str:
+    """Where the user's trained weights are, for error messages."""
+    callbacks = _checkpoint_callbacks(trainer)
+    if not callbacks:
+        return (
+            "No ModelCheckpoint was configured, so no checkpoint was written; the trained weights are in the "
+            "LightningModule, which FXFuseCallback never changes."
+        )
+    lines = ["Your trained checkpoints are intact (FXFuseCallback only reads them):"]
+    for cb in callbacks:
+        if cb.dirpath:
+            lines.append(f"  directory: {cb.dirpath}")
+        for label, p in (("best", cb.best_model_path), ("last", cb.last_model_path)):
+            if p:
+                lines.append(f"  {label}: {p}{'' if Path(p).exists() else ' (not on this filesystem)'}")
+    return "\n".join(lines)
+
+
+def fuse_metrics(outcome: Outcome) -> Dict[str, float]:
+    """The ``fx_fuse/*`` figures of an outcome, for the loggers."""
+    report = outcome.result.report
+    out: Dict[str, float] = {
+        "batchnorms_before": float(report.before.batchnorms),
+        "batchnorms_after": float(report.after.batchnorms),
+        "batchnorms_folded": float(report.batchnorms_folded),
+        "nodes_before": float(report.before.nodes),
+        "nodes_after": float(report.after.nodes),
+        "parameters_before": float(report.before.parameters),
+        "parameters_after": float(report.after.parameters),
+        "fuse_seconds": float(report.seconds),
+        "exported": 1.0 if outcome.export_dir is not None else 0.0,
+    }
+    if outcome.parity is not None:
+        out["parity_passed"] = 1.0 if outcome.parity.passed else 0.0
+        out["parity_batches"] = float(outcome.parity.batches)
+        for key, value in outcome.parity.metrics.items():
+            out[f"parity_{key}"] = float(value)
+    return {METRIC_PREFIX + k: v for k, v in out.items()}
+
+
+def log_metrics(trainer: "pl.Trainer", metrics: Dict[str, float]) -> None:
+    """Write to every logger (``pl_module.log()`` is refused in ``on_fit_end``)."""
+    for lg in trainer.loggers:
+        lg.log_metrics(metrics, step=trainer.global_step)
+        lg.save()

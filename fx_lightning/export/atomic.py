@@ -1,0 +1,92 @@
+"""Atomic directory writing: build in a temporary sibling, then rename into place.
+
+An export appears complete or not at all; an existing one is replaced only by a complete one, and restored
+if the rename fails. Directories created on the way are removed again on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator, List
+
+from fx_lightning.errors import ExportError
+
+__all__ = ["staging_directory", "list_files"]
+
+
+@contextlib.contextmanager
+def staging_directory(final: Path) -> Iterator[Path]:
+    """A fresh temporary sibling of ``final`` to write into; renamed to ``final`` when the block succeeds,
+    removed (with any parents created for it) when it raises."""
+    parent = final.parent
+    created = _make_parents(parent)
+    staging = parent / f".{final.name}.tmp-{uuid.uuid4().hex[:10]}"
+    try:
+        os.mkdir(staging)
+    except OSError as exc:
+        _remove_empty(created)
+        raise ExportError(f"{parent}: cannot write the export there: {exc.strerror or exc}.") from exc
+    try:
+        yield staging
+        _replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        raise
+
+
+def _replace(staging: Path, final: Path) -> None:
+    """Rename ``staging`` to ``final``; an existing ``final`` is moved aside first and restored on failure."""
+    if not final.exists():
+        os.rename(staging, final)
+        return
+    old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:10]}"
+    os.rename(final, old)
+    try:
+        os.rename(staging, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _make_parents(parent: Path) -> List[Path]:
+    """Create ``parent`` and missing ancestors; return those created (deepest last) for clean-up."""
+    missing: List[Path] = []
+    p = parent
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        raise ExportError(f"{parent}: cannot create the export directory: {p} is a file, not a directory.")
+    created: List[Path] = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            _remove_empty(created)
+            raise ExportError(f"{parent}: cannot create the export directory: {exc.strerror or exc}.") from exc
+        created.append(d)
+    return created
+
+
+def _remove_empty(created: List[Path]) -> None:
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def list_files(root: Path) -> List[str]:
+    """Every file under ``root`` as a relative posix path, sorted (``__pycache__`` left out)."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
+                  and "__pycache__" not in p.parts)

@@ -1,0 +1,32 @@
+"""The export formats: every module here declares one :class:`~fx_lightning.export.base.Format` as
+``FORMAT``. Adding a format is adding a module (and its tests); ``FORMATS`` is derived, in load_fused's
+order of preference."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Dict
+
+from fx_lightning.export.base import Format
+
+__all__ = ["FORMATS", "get_format"]
+
+
+def _discover() -> Dict[str, Format]:
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        record = getattr(importlib.import_module(f"{__name__}.{info.name}"), "FORMAT", None)
+        if isinstance(record, Format):
+            found.append(record)
+    return {f.name: f for f in sorted(found, key=lambda f: (f.preference, f.name))}
+
+
+FORMATS: Dict[str, Format] = _discover()
+
+
+def get_format(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise KeyError(f"unknown format {name!r}; allowed: {', '.join(FORMATS)}.") from None

@@ -1,0 +1,130 @@
+"""``onnx``: ONNX with a dynamic batch axis (``torch.onnx``, dynamo exporter, TorchScript as the fallback),
+checked with ONNX Runtime when it is installed. Optional extra: ``pip install 'fx-lightning[onnx]'``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from fx_lightning.batches import flat_tensors
+from fx_lightning.errors import ExportError, first_line
+from fx_lightning.export.base import Format, WriteContext
+
+__all__ = ["FORMAT", "OnnxRuntimeModule"]
+
+
+def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+    path = root / FORMAT.path
+    input_names = [n for n, a in zip(ctx.input_names, ctx.args) if isinstance(a, torch.Tensor)]
+    with torch.no_grad():
+        output_names = [f"output_{i}" for i in range(len(flat_tensors(ctx.model(*ctx.args))))]
+    exporter = "dynamo"
+    fallback_reason = None
+    try:
+        onnx_dynamo(ctx, path, input_names, output_names)
+    except Exception as exc:  # noqa: BLE001 - the TorchScript exporter handles some graphs dynamo cannot
+        fallback_reason = f"{type(exc).__name__}: {first_line(exc)}"
+        for leftover in root.glob(FORMAT.path + "*"):
+            leftover.unlink()
+        exporter = "torchscript"
+        try:
+            onnx_torchscript(ctx, path, input_names, output_names)
+        except Exception as exc2:  # noqa: BLE001
+            raise ExportError(
+                f"torch.onnx.export failed with both exporters: dynamo: {fallback_reason}; "
+                f"torchscript: {type(exc2).__name__}: {first_line(exc2)}"
+            ) from exc2
+    import onnx
+
+    onnx.checker.check_model(str(path))
+    model = onnx.load(str(path), load_external_data=False)
+    entry = {
+        "path": FORMAT.path,
+        "loader": "onnxruntime.InferenceSession(path)",
+        "weights_only": True,
+        "pickled_code": False,
+        "exporter": exporter,
+        "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
+        "input_names": [i.name for i in model.graph.input],
+        "output_names": [o.name for o in model.graph.output],
+    }
+    if fallback_reason:
+        entry["dynamo_failure"] = fallback_reason
+    return entry
+
+
+def onnx_dynamo(ctx: WriteContext, path: Path, input_names: List[str], output_names: List[str]) -> None:
+    """torch.onnx's dynamo exporter, quietly (it reports its steps with print())."""
+    kwargs: Dict[str, Any] = dict(dynamo=True, input_names=input_names, output_names=output_names,
+                                  dynamic_shapes=ctx.dynamic_shapes, verbose=False)
+    if ctx.onnx_opset is not None:
+        kwargs["opset_version"] = int(ctx.onnx_opset)
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(ctx.model, ctx.args, **kwargs)
+        if program is None:
+            raise ExportError("torch.onnx.export returned no program.")
+        program.save(str(path))
+
+
+def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], output_names: List[str]) -> None:
+    """torch.onnx's TorchScript exporter, for graphs the dynamo exporter cannot handle."""
+    dynamic_axes = None
+    if ctx.dynamic_shapes is not None:
+        dynamic_axes = {n: {0: "batch"} for n in input_names}
+        dynamic_axes.update({n: {0: "batch"} for n in output_names})
+    kwargs: Dict[str, Any] = dict(dynamo=False, input_names=input_names, output_names=output_names,
+                                  dynamic_axes=dynamic_axes)
+    if ctx.onnx_opset is not None:
+        kwargs["opset_version"] = int(ctx.onnx_opset)
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ctx.model, ctx.args, str(path), **kwargs)
+
+
+class OnnxRuntimeModule(nn.Module):
+    """An onnxruntime session behind the nn.Module interface: tensors in, tensors out (CPU)."""
+
+    def __init__(self, path: Any, providers: Optional[Sequence[str]] = None) -> None:
+        super().__init__()
+        import onnxruntime as ort
+
+        self.path = str(path)
+        self.session = ort.InferenceSession(self.path, providers=list(providers or ["CPUExecutionProvider"]))
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.eval()
+
+    def forward(self, *args: Any) -> Any:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(tensors) != len(self.input_names):
+            raise ValueError(f"the ONNX model takes {len(self.input_names)} tensor inputs "
+                             f"({', '.join(self.input_names)}), got {len(tensors)}.")
+        feed = {n: t.detach().cpu().contiguous().numpy() for n, t in zip(self.input_names, tensors)}
+        outs = [torch.from_numpy(o) for o in self.session.run(None, feed)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError("OnnxRuntimeModule wraps an onnxruntime session and cannot be pickled; load it again.")
+
+
+def _load(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module:
+    return OnnxRuntimeModule(root / entry["path"])
+
+
+FORMAT = Format(
+    name="onnx",
+    path="model.onnx",
+    write=_write,
+    load=_load,
+    preference=40,
+    requires=("onnx", "onnxscript"),
+    runtime_requires=("onnxruntime",),
+    install_hint="pip install 'fx-lightning[onnx]' (onnx, onnxscript, onnxruntime)",
+    readme="- `{path}` (onnx): `onnxruntime.InferenceSession('{path}')`; dynamic batch axis.",
+)

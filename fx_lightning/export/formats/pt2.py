@@ -1,0 +1,79 @@
+"""``pt2``: a ``torch.export`` ExportedProgram (``torch.export.save``): no pickled code, dynamic batch."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from fx_lightning.errors import ExportError, first_line
+from fx_lightning.export.base import Format, WriteContext
+
+__all__ = ["FORMAT", "export_program"]
+
+
+def export_program(ctx: WriteContext) -> "torch.export.ExportedProgram":
+    """``torch.export`` of the plain fused model with the context's example inputs and dynamic batch."""
+    try:
+        return torch.export.export(ctx.model, ctx.args, strict=False, dynamic_shapes=ctx.dynamic_shapes)
+    except Exception as exc:  # noqa: BLE001
+        hint = ""
+        if ctx.dynamic_shapes is not None and ("Constraint" in type(exc).__name__ or "specializ" in str(exc)
+                                               or "batch" in str(exc)):
+            hint = (" The model fixes its batch size (e.g. a reshape to a constant); "
+                    "set export.dynamic_batch: false, or make the reshape use x.shape[0] / -1.")
+        raise ExportError(f"torch.export failed: {type(exc).__name__}: {first_line(exc)}.{hint}") from exc
+
+
+def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+    program = export_program(ctx)
+    torch.export.save(program, root / FORMAT.path)
+    return {
+        "path": FORMAT.path,
+        "loader": "torch.export.load(path).module()",
+        "weights_only": True,
+        "pickled_code": False,
+        "range_constraints": {str(k): str(v) for k, v in program.range_constraints.items()},
+    }
+
+
+def _load(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module:
+    module = torch.export.load(str(root / entry["path"])).module()
+    _allow_eval(module)
+    if map_location is not None and str(map_location) != "cpu":
+        module = module.to(map_location)
+    return module
+
+
+def _allow_eval(module: nn.Module) -> None:
+    """``ExportedProgram.module()`` raises on ``eval()``; it is already an inference graph, so make
+    ``eval()`` a no-op (serving code calls it out of habit) and keep ``train()`` an error."""
+    for m in module.modules():
+        m.training = False  # the flags only; the graph was exported in eval mode
+
+    def _eval(self: nn.Module) -> nn.Module:
+        return self
+
+    def _train(self: nn.Module, mode: bool = True) -> nn.Module:
+        if mode:
+            raise NotImplementedError("a loaded pt2 export is an inference graph; train() is not supported.")
+        return self
+
+    module.eval = types.MethodType(_eval, module)  # type: ignore[method-assign]
+    module.train = types.MethodType(_train, module)  # type: ignore[method-assign]
+
+
+FORMAT = Format(
+    name="pt2",
+    path="model.pt2",
+    write=_write,
+    load=_load,
+    preference=10,
+    readme=(
+        "- `{path}` (pt2, recommended): `torch.export.load('{path}').module()`. No pickled code.\n"
+        "  Already an inference graph: `.eval()` on it raises in plain torch; just call it."
+    ),
+)

@@ -1,0 +1,64 @@
+"""``load_fused``: read back what :func:`~fx_lightning.export.writer.export_fused` wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from torch import nn
+
+from fx_lightning._imports import missing_modules
+from fx_lightning.errors import ExportError
+from fx_lightning.export.formats import FORMATS
+from fx_lightning.export.manifest import MANIFEST_NAME, read_manifest, verify_files
+
+__all__ = ["load_fused"]
+
+
+def load_fused(
+    directory: Any,
+    format: Optional[str] = None,
+    *,
+    verify: bool = True,
+    map_location: Any = "cpu",
+) -> nn.Module:
+    """Load an export written by :func:`export_fused`, in eval mode.
+
+    ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``...); ``None`` picks the first
+    available in order of preference (pt2 first). ``verify`` checks each file's size and sha256 against the
+    manifest first. Raises :class:`ExportError` for a missing or corrupt file, an unknown manifest version or
+    a format that is not in the export. Note: ``graph_module`` (and ``code`` when it holds pickled modules)
+    unpickles code: load only exports you trust.
+    """
+    root = Path(directory)
+    manifest = read_manifest(root)
+    chosen = _choose(root, manifest, format)
+    fmt = FORMATS[chosen]
+    entry = manifest["formats"][chosen]
+    if verify:
+        verify_files(root, manifest, chosen)
+    missing = missing_modules(fmt.runtime_requires)
+    if missing:
+        raise ExportError(f"format {chosen!r} needs {', '.join(missing)} to run: {fmt.install_hint}.")
+    try:
+        return fmt.load(root, entry, map_location)
+    except ExportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a file that passed (or skipped) verification still failed
+        raise ExportError(
+            f"{root / entry['path']}: could not load format {chosen!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _choose(root: Path, manifest: dict, format: Optional[str]) -> str:
+    available = [name for name in FORMATS if name in manifest["formats"]]
+    if format is None:
+        if not available:
+            raise ExportError(f"{root / MANIFEST_NAME}: lists no formats.")
+        return available[0]
+    chosen = str(getattr(format, "value", format))
+    if chosen not in FORMATS:
+        raise ExportError(f"unknown format {chosen!r}; allowed: {', '.join(FORMATS)}.")
+    if chosen not in manifest["formats"]:
+        raise ExportError(f"{root}: format {chosen!r} was not exported; available: {', '.join(available) or 'none'}.")
+    return chosen

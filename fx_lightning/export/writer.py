@@ -1,0 +1,264 @@
+"""``export_fused``: write a fused model in the configured formats plus ``manifest.json``, atomically.
+
+Every format is written into a temporary sibling directory, loaded back from there and compared with the
+fused model (batch sizes of the example and 1), and only then is the directory renamed into place. A
+failure removes the temporary directory and raises :class:`~fx_lightning.errors.ExportError`; an existing
+export is replaced only by a complete one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fx_lightning._imports import missing_modules
+from fx_lightning.batches import batch_at_least_two, batch_size_of, flat_tensors, take_rows
+from fx_lightning.config import FuseConfig, to_container
+from fx_lightning.errors import ExportError, first_line
+from fx_lightning.export.atomic import list_files, staging_directory
+from fx_lightning.export.base import FUSED_CLASS_NAME, Format, WriteContext
+from fx_lightning.export.formats import FORMATS
+from fx_lightning.export.manifest import MANIFEST_NAME, build_manifest, readme_text, sha256_file, write_manifest
+
+__all__ = ["export_fused", "plain_graph_module", "require_formats"]
+
+# Round-trip tolerance (max|loaded - fused| / max|fused|): the formats rerun the same arithmetic, so
+# anything beyond float rounding means the artifact is not the model.
+_ROUNDTRIP_RTOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def export_fused(
+    graph_module: nn.Module,
+    directory: Union[str, "os.PathLike[str]"],
+    *,
+    example_inputs: Any,
+    config: FuseConfig,
+    report: Any = None,
+    parity: Optional[dict] = None,
+    extra: Optional[dict] = None,
+) -> Path:
+    """Write ``graph_module`` in ``config.export.formats`` plus ``manifest.json`` into ``directory``.
+
+    ``graph_module`` is the fused model (``FuseResult.graph_module``: a symbolic-trace GraphModule or an
+    unlifted ``torch.export`` module); ``example_inputs`` are forward's arguments (the batch dimension is
+    dim 0 of every tensor). ``report`` (a FuseReport), ``parity`` (a dict with ``passed`` and ``metrics``) and
+    ``extra`` go into the manifest as given (made JSON-safe). Honours ``export.overwrite`` and
+    ``export.dynamic_batch``. Returns the directory's path.
+
+    Atomic: the export appears complete or not at all, and an existing export is replaced only by a
+    complete one. Raises :class:`ExportError` naming the cause. Under ``torch.distributed`` (world size > 1)
+    only rank zero writes: other ranks return the path at once.
+    """
+    final = Path(os.path.abspath(os.fspath(directory)))
+    if _rank() != 0:
+        return final
+    if not isinstance(graph_module, nn.Module):
+        raise ExportError(f"export_fused() takes the fused nn.Module, got {type(graph_module).__name__}.")
+    if example_inputs is None:
+        raise ExportError("export_fused() needs example_inputs: the formats are traced and checked with them.")
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    formats = [FORMATS[f.value] for f in config.export.formats]
+    if not formats:
+        raise ExportError("export.formats is empty: nothing to write.")
+    require_formats(formats)
+    _refuse_existing(final, config.export.overwrite)
+    ctx = _make_context(graph_module, args, config)
+    metadata = {"config": to_container(config), "report": report, "parity": parity, "extra": extra}
+    try:
+        with staging_directory(final) as staging:
+            _write_all(staging, ctx, formats, metadata)
+    except ExportError as exc:
+        raise ExportError(f"export to {final} failed: {exc}") from exc
+    except Exception as exc:
+        raise ExportError(f"export to {final} failed: {type(exc).__name__}: {exc}") from exc
+    return final
+
+
+def require_formats(formats: List[Format]) -> None:
+    """Raise :class:`ExportError` naming the format and the install command when a writer's modules are missing."""
+    for fmt in formats:
+        missing = missing_modules(fmt.requires)
+        if missing:
+            raise ExportError(
+                f"export.formats has {fmt.name!r} but {', '.join(missing)} is not installed: "
+                f"{fmt.install_hint}, or drop {fmt.name} from export.formats."
+            )
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _refuse_existing(final: Path, overwrite: bool) -> None:
+    """Refuse before any work: an existing export with overwrite off, or a directory that is not ours."""
+    if not (final.exists() or final.is_symlink()):
+        return
+    if not final.is_dir() or final.is_symlink():
+        raise ExportError(f"{final}: exists and is not a directory; choose another export.dir.")
+    if not overwrite:
+        raise ExportError(f"{final}: already exists and export.overwrite is false; remove it or set it true.")
+    if any(final.iterdir()) and not (final / MANIFEST_NAME).is_file():
+        raise ExportError(
+            f"{final}: exists and is not an fx-lightning export (no {MANIFEST_NAME}); refusing to replace it."
+        )
+
+
+def _write_all(staging: Path, ctx: WriteContext, formats: List[Format], metadata: Dict[str, Any]) -> None:
+    entries: Dict[str, Dict[str, Any]] = {}
+    for fmt in formats:
+        before = set(list_files(staging))
+        try:
+            entry = fmt.write(staging, ctx)
+        except ExportError as exc:
+            raise ExportError(f"format {fmt.name!r}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - name the format and the cause
+            raise ExportError(f"format {fmt.name!r}: writing failed: {type(exc).__name__}: {first_line(exc)}") from exc
+        entry["files"] = sorted(set(list_files(staging)) - before)
+        entries[fmt.name] = entry
+    for fmt in formats:  # every format loaded back from the staging directory and compared
+        entries[fmt.name]["check"] = _check_roundtrip(staging, ctx, fmt, entries[fmt.name])
+    (staging / "README.md").write_text(readme_text(entries), encoding="utf-8")
+    files = {name: {"size": (staging / name).stat().st_size, "sha256": sha256_file(staging / name)}
+             for name in list_files(staging)}
+    write_manifest(staging, build_manifest(ctx, entries, files, metadata))
+
+
+# --------------------------------------------------------------------------------------- normalising
+
+
+def _make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig) -> WriteContext:
+    plain = plain_graph_module(graph_module)
+    notes: List[str] = []
+    try:
+        args = batch_at_least_two(example_inputs)
+    except ValueError as exc:
+        raise ExportError(f"example_inputs: {exc}.") from None
+    dynamic = None
+    if config.export.dynamic_batch:
+        sizes = {a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0}
+        if sizes:
+            # One named Dim shared by all inputs when they agree (min 1: batch 1 must load too).
+            shared = torch.export.Dim("batch", min=1) if len(sizes) == 1 else None
+            dims = []
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and a.dim() > 0:
+                    dims.append({0: shared if shared is not None else torch.export.Dim(f"batch_{i}", min=1)})
+                else:
+                    dims.append(None)
+            dynamic = tuple(dims)
+        else:
+            notes.append("export.dynamic_batch: no tensor input has a batch dimension; exported static shapes")
+    names = [n.name for n in plain.graph.nodes if n.op == "placeholder"]
+    return WriteContext(plain, args, dynamic, names, onnx_opset=config.export.onnx_opset, notes=notes)
+
+
+def plain_graph_module(module: nn.Module) -> fx.GraphModule:
+    """A picklable copy of a fused GraphModule with the default code generator.
+
+    An unlifted ``torch.export`` module (capture mode ``export``) flattens its inputs with a pytree codegen,
+    checks them with a ``_guards_fn`` submodule and forward pre-hooks, and refuses ``eval()``: none of that
+    pickles or re-exports cleanly. The copy takes the flat tensors as arguments and rebuilds the output
+    structure in the graph itself. The weights are shared with ``module``, which is not changed.
+    """
+    if not isinstance(module, fx.GraphModule):
+        raise ExportError(
+            f"expected the fused torch.fx.GraphModule (FuseResult.graph_module), got {type(module).__name__}."
+        )
+    graph = fx.Graph()
+    out = graph.graph_copy(module.graph, {})
+    for node in list(graph.nodes):
+        # The export guard module only re-checks input shapes; the plain model has no use for it.
+        if node.op == "call_module" and str(node.target).split(".")[-1] == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+    info = getattr(module.graph._codegen, "pytree_info", None)
+    if info is not None:
+        out = _flat_io(graph, out, info)
+    graph.output(out)
+    for node in reversed(list(graph.nodes)):
+        # Unused attribute reads (export lists every buffer, num_batches_tracked included): pure, drop them.
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    plain = fx.GraphModule(module, graph, class_name=FUSED_CLASS_NAME)
+    plain.eval()
+    return plain
+
+
+def _flat_io(graph: fx.Graph, out: Any, info: Any) -> Any:
+    """Check the inputs are flat positional tensors; rebuild the output structure in the graph."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if info.in_spec is not None:
+        args_kwargs = pytree.tree_unflatten(placeholders, info.in_spec)
+        flat_ok = (
+            isinstance(args_kwargs, tuple) and len(args_kwargs) == 2 and not args_kwargs[1]
+            and list(args_kwargs[0]) == placeholders
+        )
+        if not flat_ok:
+            raise ExportError(
+                "the fused model takes nested or keyword inputs; exports support positional tensor "
+                "arguments (wrap the model so forward takes tensors)."
+            )
+    if info.out_spec is not None:
+        flat = list(out) if isinstance(out, (tuple, list)) else [out]
+        out = pytree.tree_unflatten(flat, info.out_spec)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- checking
+
+
+def _outputs(model: nn.Module, args: Tuple[Any, ...]) -> List[torch.Tensor]:
+    with torch.no_grad():
+        return flat_tensors(model(*args))
+
+
+def _check_roundtrip(staging: Path, ctx: WriteContext, fmt: Format, entry: Dict[str, Any]) -> Dict[str, Any]:
+    """Load ``fmt`` back and compare it with the fused model on the example batch and on batch 1."""
+    missing = missing_modules(fmt.runtime_requires)
+    if missing:
+        return {"checked": False, "reason": f"{', '.join(missing)} is not installed"}
+    batches = [ctx.args] + ([take_rows(ctx.args, 1)] if ctx.dynamic_shapes is not None else [])
+    # Load onto the model's device so a GPU model is checked where it runs (onnxruntime runs on CPU).
+    device = next((a.device for a in ctx.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    try:
+        loaded = fmt.load(staging, entry, device)
+    except Exception as exc:  # noqa: BLE001
+        raise ExportError(f"format {fmt.name!r}: written but cannot be loaded back: {type(exc).__name__}: "
+                          f"{first_line(exc)}") from exc
+    worst = 0.0
+    for batch in batches:
+        size = batch_size_of(batch)
+        want = _outputs(ctx.model, batch)
+        try:
+            got = _outputs(loaded, batch)
+        except Exception as exc:  # noqa: BLE001
+            raise ExportError(f"format {fmt.name!r}: the loaded model fails on batch size {size}: "
+                              f"{type(exc).__name__}: {first_line(exc)}") from exc
+        if len(got) != len(want):
+            raise ExportError(f"format {fmt.name!r}: the loaded model returns {len(got)} tensors, "
+                              f"the fused model {len(want)}.")
+        for g, w in zip(got, want):
+            if tuple(g.shape) != tuple(w.shape):
+                raise ExportError(f"format {fmt.name!r}: output shape {tuple(g.shape)} != {tuple(w.shape)} "
+                                  f"on batch size {size}.")
+            err = _rel_err(g, w)
+            tol = _ROUNDTRIP_RTOL.get(w.dtype, 1e-5) if w.is_floating_point() else 0.0
+            if not err <= tol:
+                raise ExportError(f"format {fmt.name!r}: the loaded model disagrees with the fused model on batch "
+                                  f"size {size}: relative error {err:.3e} > {tol:.0e}.")
+            worst = max(worst, err)
+    return {"checked": True, "batch_sizes": [batch_size_of(b) for b in batches], "max_rel_err": worst}
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    g, w = got.detach().cpu().double(), want.detach().cpu().double()
+    if w.numel() == 0:
+        return 0.0
+    return ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()

@@ -1,0 +1,414 @@
+"""The parity gate: measure (per process) -> merge (across ranks) -> judge (once).
+
+:func:`measure_parity` runs the reference (unfused, eval) and the candidate on real batches and updates
+torchmetrics metrics; nothing is computed or gated there and there is no collective call, so each rank of a
+distributed run measures its own share. :func:`merge_parity_states` combines the states of several ranks
+with torchmetrics' ``merge_state`` (sums, maxima, minima: the merge equals one pass over all the data), and
+:func:`judge_parity` computes the metrics and applies the thresholds. :func:`check_parity` does all three.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from fx_lightning.batches import (
+    InputRule,
+    as_args,
+    detached,
+    extract_input,
+    extract_labels,
+    flat_tensors,
+    model_device_dtype,
+    record_calls,
+    to_model,
+)
+from fx_lightning.config import ParityConfig, load_config
+from fx_lightning.errors import ParityError
+from fx_lightning.parity.metrics import (
+    CLASSIFICATION_KEYS,
+    LOCAL_ONLY,
+    OUTPUT_KEYS,
+    RelativeMaxError,
+    classification_metrics,
+    output_metrics,
+)
+
+__all__ = [
+    "LOW_PRECISION_FACTOR",
+    "ParityReport",
+    "ParityState",
+    "check_parity",
+    "measure_parity",
+    "merge_parity_states",
+    "judge_parity",
+    "parity_config",
+]
+
+# Low-precision targets are compared against their own rounding error (see check_parity's
+# ``precise_reference``): a correct fusion may differ from the unfused model by a few times that error.
+LOW_PRECISION_FACTOR = 4.0
+
+
+@dataclass
+class ParityReport:
+    passed: bool
+    metrics: Dict[str, float] = field(default_factory=dict)
+    # Each names the metric, the value and the threshold, e.g. "relative_max_error = 0.3 > rtol = 0.0001".
+    failures: List[str] = field(default_factory=list)
+    batches: int = 0
+    source: str = "val"  # val | train | example | given
+    notes: List[str] = field(default_factory=list)
+    thresholds: Dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-safe view (non-finite floats become strings, since JSON has no NaN)."""
+        def safe(v: float) -> Union[float, str]:
+            return float(v) if math.isfinite(v) else str(v)
+
+        out = dataclasses.asdict(self)
+        out["metrics"] = {k: safe(v) for k, v in self.metrics.items()}
+        out["thresholds"] = {k: safe(v) for k, v in self.thresholds.items()}
+        return out
+
+    def __str__(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED"
+        lines = [f"parity {verdict} on {self.batches} batch(es) of {self.source} data"]
+        for key, value in self.metrics.items():
+            lines.append(f"  {key:<28} {value:.6g}")
+        for failure in self.failures:
+            lines.append(f"  FAIL: {failure}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+
+@dataclass
+class ParityState:
+    """What parity measured on one process's batches, before the gate; states of several ranks merge.
+
+    Its metrics are on the CPU, so a state can travel through ``torch.distributed.all_gather_object``.
+    """
+
+    batches: int = 0
+    samples: int = 0
+    labels_seen: bool = False
+    num_classes: Optional[int] = None  # width of the class scores; None when the outputs are not class scores
+    source: str = "given"
+    failures: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    metrics: Dict[str, Metric] = field(default_factory=dict)
+
+
+def check_parity(
+    reference: nn.Module,
+    candidate: Callable[..., Any],
+    batches: Iterable[Any],
+    cfg: Union[ParityConfig, Mapping[str, Any], None] = None,
+    *,
+    whole_reference: Optional[nn.Module] = None,
+    whole_candidate: Optional[Callable[..., Any]] = None,
+    input_rule: InputRule = None,
+    label_rule: InputRule = None,
+    source: str = "given",
+    notes: Sequence[str] = (),
+    precise_reference: Optional[nn.Module] = None,
+) -> ParityReport:
+    """Compare ``candidate`` with ``reference`` (both in eval mode) on up to ``cfg.max_batches`` batches.
+
+    Without ``whole_*``, both are called on the inputs taken out of each batch (``input_rule``, default
+    ``cfg.input``). With ``whole_reference``/``whole_candidate`` (the complete models, the fused target in
+    place in the candidate), the batch inputs go through the whole models; ``reference`` must be a
+    submodule of ``whole_reference``: its inputs and outputs are recorded there and ``candidate`` is
+    called on the same inputs. ``precise_reference`` (an fp64 copy of ``reference``) makes the error gate
+    relative to the reference's own rounding error, for float16/bfloat16 models.
+
+    Nothing here changes a model's weights or training flags (the caller passes eval-mode models).
+    """
+    pcfg = parity_config(cfg)
+    state = measure_parity(
+        reference, candidate, batches, pcfg, whole_reference=whole_reference, whole_candidate=whole_candidate,
+        input_rule=pcfg.input if input_rule is None else input_rule, label_rule=label_rule, source=source,
+        notes=notes, precise_reference=precise_reference,
+    )
+    return judge_parity(state, pcfg)
+
+
+def parity_config(cfg: Union[ParityConfig, Mapping[str, Any], None]) -> ParityConfig:
+    """``cfg`` as a validated ParityConfig (a dict or None is loaded: these functions are entry points too)."""
+    if isinstance(cfg, ParityConfig):
+        return cfg
+    return load_config(parity=dict(cfg) if cfg is not None else None).parity
+
+
+# -------------------------------------------------------------------------------------------- measure
+
+
+class _Measurement:
+    """The metrics and counts of one measure_parity call, updated batch by batch."""
+
+    def __init__(self, cfg: ParityConfig, device: Optional[torch.device], notes: Sequence[str]) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.state = ParityState(notes=list(notes))
+        # The metrics live on the model's device while measuring, on the CPU in the state.
+        self.outputs = {k: self._here(m) for k, m in output_metrics().items()}
+        self.whole_error = self._here(RelativeMaxError(**LOCAL_ONLY))
+        self.own_error = self._here(RelativeMaxError(**LOCAL_ONLY))
+        self.classes: Optional[Dict[str, Metric]] = None
+
+    def _here(self, metric: Metric) -> Metric:
+        return metric.to(self.device) if self.device is not None else metric
+
+    def compare_target(self, calls: List[Tuple[tuple, dict, Any]], outputs: List[Any],
+                       precise: Optional[nn.Module]) -> bool:
+        """Update the output metrics for every call of the target; False when the outputs cannot be compared."""
+        for (args, kwargs, ref), cand in zip(calls, outputs):
+            refs, cands = flat_tensors(ref), flat_tensors(cand)
+            if len(refs) != len(cands):
+                self.state.failures.append(
+                    f"output structure: reference returns {len(refs)} tensor(s), fused returns {len(cands)}")
+                return False
+            for r, c in zip(refs, cands):
+                if r.shape != c.shape:
+                    self.state.failures.append(f"output shape: reference {tuple(r.shape)}, fused {tuple(c.shape)}")
+                    continue
+                # .contiguous(): torchmetrics' MAE uses .view(-1), which fails on channels_last.
+                r64, c64 = r.detach().double().contiguous(), c.detach().double().contiguous()
+                for metric in self.outputs.values():
+                    metric.update(c64, r64)
+            if precise is not None:
+                exact = precise(*to_model(args, None, torch.float64), **to_model(kwargs, None, torch.float64))
+                for r, p in zip(refs, flat_tensors(exact)):
+                    self.own_error.update(r.double(), p.double())
+        return not self.state.failures
+
+    def compare_whole(self, reference_out: Any, candidate_out: Any) -> None:
+        for r, c in zip(flat_tensors(reference_out), flat_tensors(candidate_out)):
+            if r.shape == c.shape:
+                self.whole_error.update(c.double(), r.double())
+
+    def compare_classes(self, reference_out: Any, candidate_out: Any, labels: Optional[torch.Tensor]) -> None:
+        """Top-1 agreement and accuracy, when the first output looks like class scores."""
+        refs, cands = flat_tensors(reference_out), flat_tensors(candidate_out)
+        if not refs or not cands or refs[0].shape != cands[0].shape:
+            return
+        lr, lc = refs[0].double(), cands[0].double()
+        self.state.samples += lr.shape[0] if lr.dim() else 1
+        if lr.dim() < 2 or lr.shape[-1] < 2:
+            return  # not class scores: no top-1
+        lr, lc = lr.reshape(-1, lr.shape[-1]), lc.reshape(-1, lc.shape[-1])
+        num_classes = lr.shape[-1]
+        if self.classes is None:
+            self.classes = {k: self._here(m) for k, m in classification_metrics(num_classes).items()}
+            self.state.num_classes = num_classes
+        ref_top1, cand_top1 = lr.argmax(dim=-1), lc.argmax(dim=-1)
+        # A near tie in the reference (top two within rtol of its scale) may flip under any rounding:
+        # count the candidate's pick as agreeing when the reference scores it within that tolerance.
+        tol = self.cfg.rtol * lr.abs().amax(dim=-1)
+        picked = lr.gather(-1, cand_top1[:, None])[:, 0]
+        tolerant = torch.where(picked >= lr.amax(dim=-1) - tol, ref_top1, cand_top1)
+        self.classes["top1_agreement"].update(tolerant, ref_top1)
+        self.classes["top1_agreement_strict"].update(cand_top1, ref_top1)
+        if labels is None:
+            return
+        labels = labels.reshape(-1).to(lr.device)
+        if labels.numel() != lr.shape[0]:
+            _note_once(self.state.notes,
+                       f"labels ({labels.numel()}) do not match the outputs ({lr.shape[0]} rows): accuracy not measured")
+        elif labels.min() < 0 or labels.max() >= num_classes:
+            _note_once(self.state.notes, f"labels outside [0, {num_classes}): accuracy not measured")
+        else:
+            self.state.labels_seen = True
+            self.classes["accuracy_reference"].update(ref_top1, labels)
+            self.classes["accuracy_fused"].update(cand_top1, labels)
+
+    def finish(self, source: str, whole: bool, precise: bool) -> ParityState:
+        metrics: Dict[str, Metric] = dict(self.outputs)
+        if whole:
+            metrics["whole_relative_max_error"] = self.whole_error
+        if precise:
+            metrics["reference_error_vs_fp64"] = self.own_error
+        metrics.update(self.classes or {})
+        self.state.source = source
+        self.state.metrics = {k: m.to("cpu") for k, m in metrics.items()}
+        return self.state
+
+
+def measure_parity(
+    reference: nn.Module,
+    candidate: Callable[..., Any],
+    batches: Iterable[Any],
+    cfg: Union[ParityConfig, Mapping[str, Any], None] = None,
+    *,
+    whole_reference: Optional[nn.Module] = None,
+    whole_candidate: Optional[Callable[..., Any]] = None,
+    input_rule: InputRule = None,
+    label_rule: InputRule = None,
+    source: str = "given",
+    notes: Sequence[str] = (),
+    precise_reference: Optional[nn.Module] = None,
+) -> ParityState:
+    """Run the comparison of :func:`check_parity` on this process's batches and return the metric states
+    (nothing is computed or gated here, and there is no collective call). ``input_rule`` takes forward's
+    inputs out of a batch (None: automatic)."""
+    cfg = parity_config(cfg)
+    if whole_reference is not None and whole_candidate is None:
+        raise ValueError("whole_candidate is required with whole_reference")
+    device, dtype = model_device_dtype(reference if whole_reference is None else whole_reference)
+    run = _Measurement(cfg, device, notes)
+    with torch.no_grad():
+        for batch in itertools.islice(iter(batches), cfg.max_batches):
+            args = as_args(to_model(extract_input(batch, input_rule), device, dtype))
+            if whole_reference is not None:
+                with record_calls(reference) as calls:
+                    whole_ref_out = whole_reference(*args)
+                if not calls:
+                    raise ParityError(
+                        "parity: the fused target was never called by the whole model's forward, so it "
+                        "cannot be compared; check `target`."
+                    )
+                whole_cand_out = whole_candidate(*args)  # type: ignore[misc]
+            else:
+                calls = [(args, {}, detached(reference(*args)))]
+            cand_outs = [candidate(*a, **k) for a, k, _ in calls]
+            if not run.compare_target(calls, cand_outs, precise_reference):
+                break
+            if whole_reference is not None:
+                run.compare_whole(whole_ref_out, whole_cand_out)
+            else:
+                whole_ref_out, whole_cand_out = calls[0][2], cand_outs[0]
+            run.state.batches += 1
+            run.compare_classes(whole_ref_out, whole_cand_out, extract_labels(batch, label_rule))
+    return run.finish(source, whole_reference is not None, precise_reference is not None)
+
+
+# ---------------------------------------------------------------------------------------------- merge
+
+
+def merge_parity_states(states: Sequence[ParityState]) -> ParityState:
+    """One state for the data of every rank: counts add up, metric states merge with torchmetrics'
+    ``merge_state``, failures and notes are united. Ranks whose class-score widths disagree make a failure
+    rather than a wrong accuracy."""
+    if not states:
+        raise ValueError("merge_parity_states() needs at least one state")
+    if len(states) == 1:
+        return states[0]
+    widths = sorted({s.num_classes for s in states if s.num_classes is not None})
+    merged = ParityState(
+        batches=sum(s.batches for s in states),
+        samples=sum(s.samples for s in states),
+        labels_seen=any(s.labels_seen for s in states),
+        num_classes=widths[0] if len(widths) == 1 else None,
+    )
+    sources = list(dict.fromkeys(s.source for s in states if s.batches) or [states[0].source])
+    merged.source = "+".join(sources)
+    for s in states:
+        for failure in s.failures:
+            _note_once(merged.failures, failure)
+        for note in s.notes:
+            _note_once(merged.notes, note)
+    if len(sources) > 1:
+        _note_once(merged.notes, f"ranks compared different data ({', '.join(sources)})")
+    if len(widths) > 1:
+        merged.failures.append(f"ranks disagree on the number of classes in the outputs ({widths})")
+    keys = list(dict.fromkeys(k for s in states for k in s.metrics))
+    for key in keys:
+        if key in CLASSIFICATION_KEYS and merged.num_classes is None:
+            continue  # no common width: accuracy cannot be merged (reported as a failure above)
+        merged.metrics[key] = _merged_metric([s.metrics[key] for s in states if key in s.metrics])
+    return merged
+
+
+def _merged_metric(metrics: List[Metric]) -> Metric:
+    # merge_state adds states, not update counts: start from a copy of one that was updated, so compute()
+    # knows it has data.
+    base_index = next((i for i, m in enumerate(metrics) if m.update_called), 0)
+    merged = copy.deepcopy(metrics[base_index])
+    for i, metric in enumerate(metrics):
+        if i != base_index and metric.update_called:
+            merged.merge_state(metric)
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------- judge
+
+
+def judge_parity(state: ParityState, cfg: Union[ParityConfig, Mapping[str, Any], None] = None) -> ParityReport:
+    """Compute the metrics of ``state`` (one rank's, or the merge of every rank's) and apply the gate."""
+    cfg = parity_config(cfg)
+    report = ParityReport(passed=False, failures=list(state.failures), batches=state.batches, source=state.source,
+                          notes=list(state.notes))
+    if state.batches == 0 and not report.failures:
+        report.failures.append(
+            "no batches: nothing was compared (give validation data, example_input_array, or set "
+            "parity.enabled: false)"
+        )
+    elif not report.failures:
+        _judge_outputs(state, cfg, report)
+        _judge_classes(state, cfg, report)
+        report.metrics["samples"] = float(state.samples)
+    report.passed = not report.failures
+    return report
+
+
+def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport) -> None:
+    for key in OUTPUT_KEYS:
+        report.metrics[key] = float(state.metrics[key].compute())
+    whole = state.metrics.get("whole_relative_max_error")
+    if whole is not None and whole.update_called:
+        report.metrics["whole_relative_max_error"] = float(whole.compute())
+    rtol = cfg.rtol
+    own = state.metrics.get("reference_error_vs_fp64")
+    if own is not None and own.update_called:
+        own_error = float(own.compute())
+        report.metrics["reference_error_vs_fp64"] = own_error
+        rtol = max(rtol, LOW_PRECISION_FACTOR * own_error)
+        report.notes.append(
+            f"low-precision model: error gate is max(rtol, {LOW_PRECISION_FACTOR:g} x the unfused model's own "
+            f"error against fp64) = {rtol:.3g}"
+        )
+    report.thresholds["relative_max_error"] = rtol
+    report.thresholds["cosine_similarity_min"] = cfg.min_cosine
+    _gate(report, "relative_max_error", report.metrics["relative_max_error"], "<=", rtol, "rtol")
+    _gate(report, "cosine_similarity_min", report.metrics["cosine_similarity_min"], ">=", cfg.min_cosine, "min_cosine")
+
+
+def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport) -> None:
+    if state.num_classes is None or "top1_agreement" not in state.metrics:
+        _note_once(report.notes, "outputs are not class scores: top-1 agreement not measured")
+        return
+    for key in ("top1_agreement", "top1_agreement_strict"):
+        report.metrics[key] = float(state.metrics[key].compute())
+    report.thresholds["top1_agreement"] = cfg.min_top1_agreement
+    _gate(report, "top1_agreement", report.metrics["top1_agreement"], ">=", cfg.min_top1_agreement,
+          "min_top1_agreement")
+    if not state.labels_seen:
+        _note_once(report.notes, "no integer labels in the batches: accuracy not measured")
+        return
+    acc_ref = float(state.metrics["accuracy_reference"].compute())
+    acc_fused = float(state.metrics["accuracy_fused"].compute())
+    report.metrics.update(accuracy_reference=acc_ref, accuracy_fused=acc_fused, accuracy_drop=acc_ref - acc_fused)
+    report.thresholds["accuracy_drop"] = cfg.max_accuracy_drop
+    _gate(report, "accuracy_drop", acc_ref - acc_fused, "<=", cfg.max_accuracy_drop, "max_accuracy_drop")
+
+
+def _gate(report: ParityReport, name: str, value: float, op: str, threshold: float, key: str) -> None:
+    # Written so that NaN fails: NaN compares False both ways.
+    ok = value <= threshold if op == "<=" else value >= threshold
+    if not ok:
+        bad = ">" if op == "<=" else "<"
+        report.failures.append(f"{name} = {value:.6g} {bad} parity.{key} = {threshold:.6g}")
+
+
+def _note_once(notes: List[str], note: str) -> None:
+    if note not in notes:
+        notes.append(note)
