@@ -335,8 +335,6 @@ def _random_input(shape_text: str, dtype_text: str) -> Any:
 
 
 def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
-    from rich.table import Table
-
     from fx_lightning.export import read_manifest, verify_files
 
     root = Path(args.directory)
@@ -346,20 +344,35 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
     if args.json:
         print(json.dumps(manifest, indent=2))
         return 0
+    for table in (_summary_table(root, manifest), _io_table(manifest), *_report_tables(manifest),
+                  _formats_table(manifest), _files_table(manifest)):
+        console.print(table)
+    if args.verify:
+        console.print("all files match their sha256", markup=False)
+    return 0
 
-    summary = Table(title=f"fx-lightning export: {root}", show_header=False, title_justify="left")
-    summary.add_column("key", style="bold")
-    summary.add_column("value")
+
+def _table(title: str, *columns: str, **kwargs: Any) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", **kwargs)
+    for col in columns:
+        table.add_column(col)
+    return table
+
+
+def _summary_table(root: Path, manifest: Dict[str, Any]) -> Any:
+    summary = _table(f"fx-lightning export: {root}", "key", "value", show_header=False)
     versions = manifest.get("versions", {})
+    extra = manifest.get("extra") or {}
     summary.add_row("format_version", str(manifest.get("format_version")))
     summary.add_row("created", str(manifest.get("created_utc")))
     summary.add_row("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v and k != "format_version"))
     config = manifest.get("config") or {}
-    summary.add_row("target", str(config.get("target") or (manifest.get("extra") or {}).get("target") or "<default>"))
+    summary.add_row("target", str(config.get("target") or extra.get("target") or "<default>"))
     for key in ("weights", "checkpoint", "lightning_module", "epoch", "global_step"):
-        value = (manifest.get("extra") or {}).get(key)
-        if value is not None:
-            summary.add_row(key, str(value))
+        if extra.get(key) is not None:
+            summary.add_row(key, str(extra[key]))
     parity = manifest.get("parity")
     if parity is None:
         summary.add_row("parity", "not checked")
@@ -371,55 +384,61 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
         for failure in parity.get("failures") or []:
             summary.add_row("  FAIL", str(failure))
     summary.add_row("dynamic batch", str(manifest.get("dynamic_batch")))
-    console.print(summary)
+    return summary
 
-    io_table = Table(title="inputs and outputs", title_justify="left")
-    for col in ("", "name", "shape", "dtype"):
-        io_table.add_column(col)
+
+def _io_table(manifest: Dict[str, Any]) -> Any:
+    table = _table("inputs and outputs", "", "name", "shape", "dtype")
     for kind in ("inputs", "outputs"):
         for spec in manifest.get(kind) or []:
-            io_table.add_row(kind[:-1], str(spec.get("name")), _shape(spec.get("shape", spec.get("value"))),
-                             str(spec.get("dtype", spec.get("kind", ""))))
-    console.print(io_table)
+            table.add_row(kind[:-1], str(spec.get("name")), _shape(spec.get("shape", spec.get("value"))),
+                          str(spec.get("dtype", spec.get("kind", ""))))
+    return table
 
+
+def _report_tables(manifest: Dict[str, Any]) -> List[Any]:
     report = manifest.get("report")
-    if report:
-        passes = Table(title=f"fuse report (capture: {report.get('capture_mode')}, "
-                             f"BatchNorms folded: {report.get('batchnorms_folded')})", title_justify="left")
-        for col in ("pass", "changed", "skipped"):
-            passes.add_column(col)
-        for p in report.get("passes", []):
-            passes.add_row(str(p.get("name")), str(len(p.get("changed", []))), str(len(p.get("skipped", []))))
-        console.print(passes)
-        stats = Table(title="graph", title_justify="left")
-        for col in ("", "nodes", "BatchNorms", "dropouts", "parameters"):
-            stats.add_column(col)
-        for label in ("before", "after"):
-            s = report.get(label) or {}
-            stats.add_row(label, str(s.get("nodes")), str(s.get("batchnorms")), str(s.get("dropouts")),
-                          f"{s.get('parameters', 0):,}")
-        console.print(stats)
+    if not report:
+        return []
+    passes = _table(f"fuse report (capture: {report.get('capture_mode')}, "
+                    f"BatchNorms folded: {report.get('batchnorms_folded')})", "pass", "changed", "skipped")
+    for p in report.get("passes", []):
+        passes.add_row(str(p.get("name")), str(len(p.get("changed", []))), str(len(p.get("skipped", []))))
+    stats = _table("graph", "", "nodes", "BatchNorms", "dropouts", "parameters")
+    for label in ("before", "after"):
+        s = report.get(label) or {}
+        stats.add_row(label, str(s.get("nodes")), str(s.get("batchnorms")), str(s.get("dropouts")),
+                      f"{s.get('parameters', 0):,}")
+    return [passes, stats]
 
-    formats = Table(title="formats", title_justify="left")
-    for col in ("format", "path", "loader", "pickled code", "round-trip check"):
-        formats.add_column(col)
+
+def _formats_table(manifest: Dict[str, Any]) -> Any:
+    table = _table("formats", "format", "path", "loader", "pickled code", "round-trip check")
+    inputs = [spec for spec in manifest.get("inputs") or [] if spec.get("kind", "tensor") == "tensor"]
     for name, entry in manifest["formats"].items():
-        check = entry.get("check") or {}
-        checked = (f"rel err {_fmt(check.get('max_rel_err'))} on batch {check.get('batch_sizes')}"
-                   if check.get("checked") else str(check.get("reason", "not checked")))
-        formats.add_row(name, str(entry.get("path")), str(entry.get("loader")),
-                        "yes (weights_only=False)" if entry.get("pickled_code") else "no", checked)
-    console.print(formats)
+        table.add_row(name, str(entry.get("path")), str(entry.get("loader")),
+                      "yes (weights_only=False)" if entry.get("pickled_code") else "no",
+                      roundtrip_text(name, entry.get("check") or {}, inputs))
+    return table
 
-    files = Table(title="files", title_justify="left")
-    for col in ("file", "bytes", "sha256"):
-        files.add_column(col)
+
+def roundtrip_text(name: str, check: Dict[str, Any], inputs: List[Dict[str, Any]]) -> str:
+    """The round-trip check of one format, in words: what was compared with what, on which batches."""
+    if not check.get("checked"):
+        return f"not checked: {check.get('reason', 'no check recorded')}"
+    shapes = []
+    for size in check.get("batch_sizes") or []:
+        dims = [size if d == "batch" else d for d in (inputs[0].get("shape") or [])] if inputs else []
+        shapes.append("x".join(str(d) for d in dims) if dims else f"batch {size}")
+    return (f"{name} loaded back and run on input {' and '.join(shapes)}: relative error "
+            f"{_fmt(check.get('max_rel_err'))} against the fused model (max|loaded - fused| / max|fused|)")
+
+
+def _files_table(manifest: Dict[str, Any]) -> Any:
+    table = _table("files", "file", "bytes", "sha256")
     for name, info in manifest["files"].items():
-        files.add_row(name, f"{info.get('size', 0):,}", str(info.get("sha256", ""))[:16] + "...")
-    console.print(files)
-    if args.verify:
-        console.print("all files match their sha256", markup=False)
-    return 0
+        table.add_row(name, f"{info.get('size', 0):,}", str(info.get("sha256", ""))[:16] + "...")
+    return table
 
 
 def _fmt(value: Any) -> str:

@@ -119,7 +119,7 @@ def foldable_after_conv(model: nn.Module) -> set:
     the passes: computed on a fresh capture of the model)."""
     from fx_lightning.capture import capture
     from fx_lightning.config import TraceConfig
-    from fx_lightning.passes.batchnorm import match_layer
+    from fx_lightning.passes.bn_views import match_layer
 
     gm = capture(model, TraceConfig(mode="fx")).graph_module
     found = set()

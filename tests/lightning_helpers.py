@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fusion_helpers import file_hashes, randomize_batchnorms, rel_err  # noqa: F401  (re-exported)
+from fusion_helpers import count_batchnorms, file_hashes, randomize_batchnorms, rel_err  # noqa: F401  (re-exported)
 from fusion_helpers import fingerprint as state_fingerprint  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,16 +174,6 @@ def make_trainer(tmp_path: Path, callbacks: List[Any], **kwargs: Any) -> pl.Trai
 
 
 
-
-
-def count_batchnorms(gm: nn.Module) -> int:
-    """BatchNorm modules and batch_norm calls (fx or ATen) left in a graph."""
-    n = sum(1 for m in gm.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
-    if isinstance(gm, fx.GraphModule):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and "batch_norm" in str(node.target):
-                n += 1
-    return n
 
 
 def fp64_copy(module: nn.Module) -> nn.Module:

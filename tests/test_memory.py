@@ -129,7 +129,7 @@ def test_replaced_constant_weights_are_freed_as_they_are_replaced() -> None:
     the end of the pass, and a weight another node still reads stays."""
     from fx_lightning.capture import capture
     from fx_lightning.config import TraceConfig
-    from fx_lightning.passes.batchnorm import apply_layer_weights, match_layer
+    from fx_lightning.passes.bn_views import apply_layer_weights, match_layer
 
     model = _randomise_bn(_Net())
     gm = capture(model, TraceConfig(mode="export"), (torch.randn(2, 3, 8, 8),)).graph_module

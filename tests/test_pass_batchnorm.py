@@ -19,7 +19,7 @@ from fusion_helpers import (
     reference_fp64,
 )
 from fx_lightning import fuse
-from fx_lightning.passes.batchnorm import bn_scale_shift, fold_bn_into_input, fold_bn_into_output
+from fx_lightning.passes.fold_math import bn_scale_shift, fold_bn_into_input, fold_bn_into_output
 
 MODES = ["fx", "export"]
 

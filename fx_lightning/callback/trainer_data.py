@@ -10,7 +10,7 @@ import copy
 import itertools
 import platform
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
