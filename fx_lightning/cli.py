@@ -189,10 +189,10 @@ def _cmd_fuse(args: argparse.Namespace, console: Any) -> int:
     export_dir = args.output or cfg.export.dir or "fx_fused"
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, dir=str(export_dir)))
     meta = _checkpoint_meta(args.checkpoint)
+    checkpoint = os.path.abspath(args.checkpoint)
     extra = {
-        "weights": f"checkpoint {os.path.abspath(args.checkpoint)}",
-        "epoch": meta.get("epoch"),
-        "global_step": meta.get("global_step"),
+        "weights": {"source": "checkpoint", "description": f"checkpoint {checkpoint}", "epoch": meta.get("epoch"),
+                    "global_step": meta.get("global_step"), "checkpoint": checkpoint},
         "lightning_module": f"{model_cls.__module__}.{model_cls.__qualname__}",
         "checkpoint": os.path.abspath(args.checkpoint),
         "model": args.model,
@@ -345,8 +345,14 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
         print(json.dumps(manifest, indent=2))
         return 0
     for table in (_summary_table(root, manifest), _io_table(manifest), *_report_tables(manifest),
-                  _formats_table(manifest), _files_table(manifest)):
+                  _formats_table(manifest)):
         console.print(table)
+    console.print("round-trip checks (each format loaded back from the export and compared before it was kept):",
+                  markup=False)
+    inputs = [spec for spec in manifest.get("inputs") or [] if spec.get("kind", "tensor") == "tensor"]
+    for name, entry in manifest["formats"].items():
+        console.print(f"  {roundtrip_text(name, entry.get('check') or {}, inputs)}", markup=False, soft_wrap=True)
+    console.print(_files_table(manifest))
     if args.verify:
         console.print("all files match their sha256", markup=False)
     return 0
@@ -370,9 +376,8 @@ def _summary_table(root: Path, manifest: Dict[str, Any]) -> Any:
     summary.add_row("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v and k != "format_version"))
     config = manifest.get("config") or {}
     summary.add_row("target", str(config.get("target") or extra.get("target") or "<default>"))
-    for key in ("weights", "checkpoint", "lightning_module", "epoch", "global_step"):
-        if extra.get(key) is not None:
-            summary.add_row(key, str(extra[key]))
+    for label, text in _weights_rows(extra):
+        summary.add_row(label, text)
     parity = manifest.get("parity")
     if parity is None:
         summary.add_row("parity", "not checked")
@@ -385,6 +390,23 @@ def _summary_table(root: Path, manifest: Dict[str, Any]) -> Any:
             summary.add_row("  FAIL", str(failure))
     summary.add_row("dynamic batch", str(manifest.get("dynamic_batch")))
     return summary
+
+
+def _weights_rows(extra: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """Which weights were fused and the counters they were saved at; the trainer's own final counters apart."""
+    rows = []
+    weights = extra.get("weights")
+    if isinstance(weights, dict):
+        rows.append(("weights", str(weights.get("description") or weights.get("source"))))
+        if weights.get("epoch") is not None or weights.get("global_step") is not None:
+            rows.append(("weights saved at", f"epoch {weights.get('epoch')}, global step {weights.get('global_step')}"))
+    trainer = extra.get("trainer")
+    if isinstance(trainer, dict):
+        rows.append(("trainer at end of fit", f"epoch {trainer.get('epoch')}, global step {trainer.get('global_step')}"))
+    for key in ("checkpoint", "lightning_module"):
+        if extra.get(key) is not None:
+            rows.append((key, str(extra[key])))
+    return rows
 
 
 def _io_table(manifest: Dict[str, Any]) -> Any:
@@ -413,24 +435,22 @@ def _report_tables(manifest: Dict[str, Any]) -> List[Any]:
 
 
 def _formats_table(manifest: Dict[str, Any]) -> Any:
-    table = _table("formats", "format", "path", "loader", "pickled code", "round-trip check")
-    inputs = [spec for spec in manifest.get("inputs") or [] if spec.get("kind", "tensor") == "tensor"]
+    table = _table("formats", "format", "path", "loader", "pickled code")
     for name, entry in manifest["formats"].items():
         table.add_row(name, str(entry.get("path")), str(entry.get("loader")),
-                      "yes (weights_only=False)" if entry.get("pickled_code") else "no",
-                      roundtrip_text(name, entry.get("check") or {}, inputs))
+                      "yes (weights_only=False)" if entry.get("pickled_code") else "no")
     return table
 
 
 def roundtrip_text(name: str, check: Dict[str, Any], inputs: List[Dict[str, Any]]) -> str:
     """The round-trip check of one format, in words: what was compared with what, on which batches."""
     if not check.get("checked"):
-        return f"not checked: {check.get('reason', 'no check recorded')}"
+        return f"{name}: not checked: {check.get('reason', 'no check recorded')}"
     shapes = []
     for size in check.get("batch_sizes") or []:
         dims = [size if d == "batch" else d for d in (inputs[0].get("shape") or [])] if inputs else []
         shapes.append("x".join(str(d) for d in dims) if dims else f"batch {size}")
-    return (f"{name} loaded back and run on input {' and '.join(shapes)}: relative error "
+    return (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error "
             f"{_fmt(check.get('max_rel_err'))} against the fused model (max|loaded - fused| / max|fused|)")
 
 

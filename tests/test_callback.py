@@ -305,3 +305,63 @@ def test_missing_target_is_still_caught_when_the_module_builds_later(tmp_path: P
     with pytest.raises(ConfigError, match="'encoder'"):
         trainer.fit(model, *H.loaders())
     assert model.training_steps == 0
+
+
+# ------------------------------------------------------------------- after fit (lightning-hydra-template)
+
+
+class FailingTest(H.LitClassifier):
+    """A template-style module whose test step raises (as the template's does under torch >= 2.6)."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        raise RuntimeError("test step broke")
+
+
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_exception_in_test_after_fit_leaves_the_export_standing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, on_error: str
+) -> None:
+    model = FailingTest()
+    fuse_cb = FXFuseCallback(on_error=on_error)
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    train, val = H.loaders()
+    trainer.fit(model, train, val)
+    export_dir, result = fuse_cb.export_dir, fuse_cb.result
+    assert export_dir is not None and (export_dir / "manifest.json").is_file() and result is not None
+    with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="test step broke"):
+        trainer.test(model, val)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "nothing was fused" not in messages and "did not finish" not in messages
+    assert f"the fused model exported at the end of fit stands: {export_dir}" in messages
+    assert fuse_cb.skipped is None and fuse_cb.export_dir == export_dir and fuse_cb.result is result
+    assert fuse_cb.error is None and (export_dir / "manifest.json").is_file()
+
+
+def test_weights_best_records_the_checkpoints_epoch_and_step(tmp_path: Path) -> None:
+    from fx_lightning.export import read_manifest
+
+    model = H.LitClassifier()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="score", mode="min", save_top_k=1)
+    fuse_cb = FXFuseCallback(weights="best", export={"formats": ["graph_module"]})
+    trainer = H.make_trainer(tmp_path, [ckpt, fuse_cb], max_epochs=3)
+    trainer.fit(model, *H.loaders())
+    saved = torch.load(ckpt.best_model_path, weights_only=False)
+    assert saved["epoch"] == 0 and saved["global_step"] == 4  # the best is epoch 0 of 3 (4 steps per epoch)
+    extra = read_manifest(fuse_cb.export_dir)["extra"]
+    assert extra["weights"]["source"] == "best" and extra["weights"]["checkpoint"] == ckpt.best_model_path
+    assert (extra["weights"]["epoch"], extra["weights"]["global_step"]) == (0, 4)
+    assert extra["trainer"] == {"epoch": 3, "global_step": 12}  # the trainer's final counters, apart
+
+
+@pytest.mark.parametrize("limit, expected", [(2, 2), (0.25, 2), (1.0, 5)])
+def test_parity_reads_no_more_than_the_trainer_validates(tmp_path: Path, limit: Any, expected: int) -> None:
+    train, _ = H.loaders()
+    val = DataLoader(H.tiny_dataset(64, 1), batch_size=8)  # 8 validation batches
+    fuse_cb = FXFuseCallback(parity={"max_batches": 5}, export={"enabled": False})
+    trainer = H.make_trainer(tmp_path, [fuse_cb], limit_val_batches=limit)
+    trainer.fit(H.LitClassifier(), train, val)
+    report = fuse_cb.parity_report
+    assert report is not None and report.passed and report.batches == expected
+    why = "parity.max_batches" if expected == 5 else f"the trainer's limit_val_batches={limit}"
+    assert any(f"parity read {expected} batch(es) of validation data (at most {expected}: {why}" in n
+               for n in fuse_cb.outcome.notes), fuse_cb.outcome.notes  # type: ignore[union-attr]

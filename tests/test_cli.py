@@ -77,8 +77,12 @@ def test_cli_fuse_gives_the_callbacks_manifest(trained, cli_export):
         assert cli["parity"]["metrics"][key] == pytest.approx(value, rel=1e-3, abs=1e-9), key
     assert cli["inputs"] == cb["inputs"] and cli["outputs"] == cb["outputs"]
     assert list(cli["formats"]) == list(cb["formats"])
-    for key in ("target", "epoch", "global_step", "lightning_module"):
+    for key in ("target", "lightning_module"):
         assert cli["extra"][key] == cb["extra"][key], key
+    # The same weights: the callback's last weights are the checkpoint the CLI fused, saved at the same counters.
+    for key in ("epoch", "global_step"):
+        assert cli["extra"]["weights"][key] == cb["extra"]["weights"][key] is not None, key
+    assert cb["extra"]["weights"]["source"] == "last" and cli["extra"]["weights"]["source"] == "checkpoint"
     assert cli["extra"]["checkpoint"] == str(trained["ckpt"].resolve())
 
     # Same weights, same answers: both exports against the original backbone in fp64.
@@ -162,6 +166,13 @@ def test_inspect_prints_the_manifest(cli_export, capsys):
                    "weights_only=False", "all files match their sha256", "(batch, 3, 8, 8)",
                    manifest["files"]["model.pt2"]["sha256"][:16]):
         assert needle in out, needle
+    # The round-trip check in words: which format, on which input shapes, what error against what.
+    example = "x".join(map(str, manifest["inputs"][0]["example_shape"]))
+    assert f"pt2: loaded back and run on input {example} and 1x3x8x8: relative error" in out
+    assert "against the fused model" in out and "rel err" not in out
+    weights = manifest["extra"]["weights"]
+    words = " ".join(out.replace("│", " ").split())
+    assert f"weights saved at epoch {weights['epoch']}, global step {weights['global_step']}" in words
     assert main(["inspect", str(cli_export), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == manifest
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fx_lightning.callback.preflight import check_capture, target_pending
@@ -178,6 +179,13 @@ class FXFuseCallback(Callback):
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if exception is self._raised:
             return  # our own error, already explained
+        if trainer.state.fn != TrainerFn.FITTING or self.outcome is not None:
+            # trainer.test/validate/predict after a completed fit (or a later callback's on_fit_end): what was
+            # fused and exported at the end of fit stands.
+            if self.export_dir is not None:
+                rank_zero_info(f"FXFuseCallback: {type(exception).__name__} raised after fit; the fused model "
+                               f"exported at the end of fit stands: {self.export_dir}")
+            return
         # Ctrl-C, a crash in training or another callback: on_fit_end will not run, and nothing is touched.
         self.skipped = f"fit did not finish ({type(exception).__name__})"
         rank_zero_info(

@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch
 
 from fx_lightning import errors
-from fx_lightning.callback.trainer_data import checkpoint_files, parity_batches, pick_weights
+from fx_lightning.callback.trainer_data import WeightsInfo, checkpoint_files, parity_batches, pick_weights
 from fx_lightning.config import FuseConfig, WeightsSource
 from fx_lightning.errors import FXLightningError
 from fx_lightning.parity import ParityReport, ParityState, merge_parity_states
@@ -115,7 +115,7 @@ class _Local:
     """This rank's share before the exchange."""
 
     measured: Optional[Measured] = None
-    weights: str = ""
+    weights: Optional[WeightsInfo] = None
     batches: int = 0
     buffers_differ: bool = False
     error: Optional[Exception] = None
@@ -228,7 +228,7 @@ def _measure(
         local.measured = fuse_and_measure(
             model, config, batches,
             example_inputs=getattr(pl_module, "example_input_array", None),
-            notes=[f"weights: {local.weights}"],
+            notes=[f"weights: {local.weights.description}"],
             buffers=reference_buffers if local.buffers_differ else None,
         )
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange, raised there
@@ -266,7 +266,7 @@ def _decide(
 
 def _export(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", outcome: Outcome, measured: Measured,
-    weights: str, log_dir: Optional[str],
+    weights: Optional[WeightsInfo], log_dir: Optional[str],
 ) -> Tuple[_Exported, Optional[Exception]]:
     """Rank zero: write the export (atomically: complete or not at all)."""
     config = measured.config
@@ -275,9 +275,9 @@ def _export(
         export_outcome(
             outcome, measured, export_dir=export_dir, protected_paths=checkpoint_files(trainer),
             extra={
-                "weights": weights,
-                "epoch": trainer.current_epoch,
-                "global_step": trainer.global_step,
+                "weights": weights.to_dict() if weights is not None else None,
+                # The counters at the end of fit; the weights' own are under "weights" (they differ for best).
+                "trainer": {"epoch": trainer.current_epoch, "global_step": trainer.global_step},
                 "world_size": trainer.world_size,
                 "lightning_module": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
             },

@@ -10,7 +10,8 @@ import copy
 import itertools
 import platform
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -22,6 +23,7 @@ from fx_lightning.pipeline import Batches, Outcome
 
 __all__ = [
     "METRIC_PREFIX",
+    "WeightsInfo",
     "first_loader",
     "choose_batches",
     "parity_batches",
@@ -55,19 +57,34 @@ def first_loader(loaders: Any) -> Any:
     return loaders
 
 
-def choose_batches(loaders: Mapping[str, Callable[[], Any]], parity: ParityConfig) -> Batches:
+# A source's own batch limit (the trainer's limit_val_batches, say): (batches, "why") or None for no limit.
+BatchLimit = Callable[[str, Any], Optional[Tuple[int, str]]]
+_SOURCE_NAMES = {"val": "validation", "train": "training"}
+
+
+def choose_batches(
+    loaders: Mapping[str, Callable[[], Any]], parity: ParityConfig, limit: Optional[BatchLimit] = None
+) -> Batches:
     """Up to ``parity.max_batches`` batches (one when parity is off: capture and export still need an input)
     from the first source in ``parity.data``'s order whose loader gives any; ``loaders`` maps a source name
-    (``val``, ``train``) to a function returning its loader(s) or None."""
+    (``val``, ``train``) to a function returning its loader(s) or None. ``limit`` caps what is read from a
+    source the way the training run capped it, and the note says so."""
     order = _SOURCE_ORDER[parity.data]
-    n = parity.max_batches if parity.enabled else 1
     for name in order:
         getter = loaders.get(name)
         loader = first_loader(getter()) if getter is not None else None
-        batches = list(itertools.islice(iter(loader), n)) if loader is not None else []
+        if loader is None:
+            continue
+        n, why = (parity.max_batches, "parity.max_batches") if parity.enabled else (1, "parity is disabled")
+        capped = limit(name, loader) if limit is not None else None
+        if capped is not None and capped[0] < n:
+            n, why = capped
+        batches = list(itertools.islice(iter(loader), n))
         if batches:
-            note = "no validation data: parity used training batches" if name == "train" and len(order) > 1 else None
-            return Batches(batches, name, note)
+            notes = [f"parity read {len(batches)} batch(es) of {_SOURCE_NAMES[name]} data (at most {n}: {why})"]
+            if name == "train" and len(order) > 1:
+                notes.insert(0, "no validation data: parity used training batches")
+            return Batches(batches, name, "; ".join(notes))
     note = None
     if parity.data is not ParityData.example:
         note = f"no {' or '.join(order)} data: parity used the LightningModule's example_input_array"
@@ -99,8 +116,26 @@ def _loader_from_source(loop: Any) -> Any:
 
 
 def parity_batches(trainer: "pl.Trainer", config: FuseConfig) -> Batches:
-    """Parity batches from the trainer's loaders (validation, else training data)."""
-    return choose_batches(_trainer_loaders(trainer), config.parity)
+    """Parity batches from the trainer's loaders (validation, else training data), never more than the
+    trainer's ``limit_val_batches`` / ``limit_train_batches`` let training read."""
+    return choose_batches(_trainer_loaders(trainer), config.parity, lambda name, loader: _trainer_limit(trainer, name, loader))
+
+
+def _trainer_limit(trainer: "pl.Trainer", name: str, loader: Any) -> Optional[Tuple[int, str]]:
+    """The number of batches the trainer reads from ``loader`` per epoch, as Lightning computes it."""
+    key = f"limit_{name}_batches"
+    value = getattr(trainer, key, None)
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return value, f"the trainer's {key}={value}"
+    try:
+        length = len(loader)
+    except TypeError:  # an iterable without a length: Lightning allows only 1.0 there
+        return None
+    if float(value) >= 1.0:
+        return None
+    return int(length * float(value)), f"the trainer's {key}={value} of {length} batches"
 
 
 def peek_inputs(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Any:
@@ -119,11 +154,29 @@ def peek_inputs(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: 
     return None
 
 
-def pick_weights(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Tuple[Any, str]:
-    """The module to fuse and a description of its weights: the LightningModule itself (``last``) or a copy
-    holding the ModelCheckpoint's best checkpoint (``best``)."""
+@dataclass
+class WeightsInfo:
+    """Which weights were fused: where they come from and the training counters they were saved at."""
+
+    source: str  # last | best | checkpoint
+    description: str
+    epoch: Optional[int] = None
+    global_step: Optional[int] = None
+    checkpoint: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"source": self.source, "description": self.description, "epoch": self.epoch,
+                "global_step": self.global_step, "checkpoint": self.checkpoint}
+
+
+def pick_weights(
+    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig
+) -> Tuple[Any, WeightsInfo]:
+    """The module to fuse and its weights' description: the LightningModule itself (``last``) or a copy
+    holding the ModelCheckpoint's best checkpoint (``best``), with that checkpoint's epoch and step."""
     if config.weights is WeightsSource.last:
-        return pl_module, "last (the LightningModule as training left it)"
+        return pl_module, WeightsInfo("last", "last (the LightningModule as training left it)",
+                                      trainer.current_epoch, trainer.global_step)
     ckpt_cb = trainer.checkpoint_callback
     if not isinstance(ckpt_cb, ModelCheckpoint):
         raise ConfigError(
@@ -154,7 +207,9 @@ def pick_weights(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config:
     best.load_state_dict(checkpoint["state_dict"], strict=True)
     score = ckpt_cb.best_model_score
     score_text = f", {ckpt_cb.monitor}={float(score):.6g}" if score is not None and ckpt_cb.monitor else ""
-    return best, f"best checkpoint {path}{score_text}"
+    epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")
+    where = f" (epoch {epoch}, global step {step})" if epoch is not None else ""
+    return best, WeightsInfo("best", f"best checkpoint {path}{score_text}{where}", epoch, step, str(path))
 
 
 def _checkpoint_callbacks(trainer: "pl.Trainer") -> List[ModelCheckpoint]:
