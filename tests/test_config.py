@@ -210,6 +210,7 @@ PRESETS = {
     "no_export": {"export": {"enabled": False}},
     "best": {"weights": "best"},
     "warn_only": {"on_error": "warn", "parity": {"on_failure": "warn"}},
+    "template": {"export": {"dir": "/runs/2026-11-22/fx_fused"}},
 }
 
 
@@ -220,7 +221,8 @@ def test_every_preset_file_is_tested() -> None:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_compose_and_instantiate(preset: str) -> None:
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose("train", overrides=[f"fx_fuse={preset}"])
+        # paths.output_dir is ${hydra:runtime.output_dir}, which only a running app resolves.
+        cfg = compose("train", overrides=[f"fx_fuse={preset}", "paths.output_dir=/runs/2026-11-22"])
     cb = instantiate(cfg.callbacks.fx_fuse)
     assert isinstance(cb, FXFuseCallback)
     expected = to_container(load_config(PRESETS[preset]))
