@@ -26,7 +26,9 @@ __all__ = [
     "identity_rule",
     "as_args",
     "as_example_inputs",
+    "map_tensors",
     "to_model",
+    "first_samples",
     "model_device_dtype",
     "flat_tensors",
     "detached",
@@ -149,20 +151,26 @@ def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
     return tuple(example_inputs)
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor nested in tuples, lists, named tuples and mappings."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(fn, v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(fn, v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    return value
+
+
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
     """Move tensors (nested in tuples, lists, named tuples, mappings) to ``device`` and floating ones to ``dtype``."""
-    if isinstance(args, torch.Tensor):
-        t = args.to(device) if device is not None else args
-        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
-        return t
-    if isinstance(args, tuple) and hasattr(args, "_fields"):
-        return type(args)(*(to_model(a, device, dtype) for a in args))
-    if isinstance(args, (tuple, list)):
-        return type(args)(to_model(a, device, dtype) for a in args)
-    if isinstance(args, Mapping):
-        return {k: to_model(v, device, dtype) for k, v in args.items()}
-    return args
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device) if device is not None else t
+        return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+    return map_tensors(move, args)
 
 
 def model_device_dtype(module: nn.Module) -> Tuple[Optional[torch.device], Optional[torch.dtype]]:
@@ -191,15 +199,12 @@ def flat_tensors(out: Any) -> List[torch.Tensor]:
 
 def detached(value: Any) -> Any:
     """A detached clone of every tensor in ``value``: a later in-place op (``ReLU(inplace=True)``) cannot change it."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(detached(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(detached(v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: detached(v) for k, v in value.items()}
-    return value
+    return map_tensors(lambda t: t.detach().clone(), value)
+
+
+def first_samples(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of a data batch: every batched tensor in it cut along dim 0."""
+    return map_tensors(lambda t: t[:n] if t.dim() > 0 else t, batch)
 
 
 @contextlib.contextmanager

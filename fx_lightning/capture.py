@@ -23,7 +23,16 @@ from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.passes.graph_utils import is_batchnorm_like
 
-__all__ = ["Capture", "capture", "eval_copy", "set_eval", "is_batchnorm_like", "FXLeafTracer"]
+__all__ = [
+    "Capture",
+    "capture",
+    "eval_copy",
+    "set_eval",
+    "strip_compiled",
+    "plain_state_dict",
+    "is_batchnorm_like",
+    "FXLeafTracer",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PKG_DIR = os.path.dirname(__file__)
@@ -39,9 +48,36 @@ def set_eval(module: nn.Module) -> None:
             m.training = False
 
 
-def eval_copy(module: nn.Module) -> nn.Module:
-    """A deep copy in eval mode with gradients off; the input keeps its weights, buffers and flags."""
-    working = copy.deepcopy(module)
+def _is_compiled(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def strip_compiled(module: nn.Module) -> nn.Module:
+    """``module`` with every ``torch.compile`` wrapper (``OptimizedModule``) replaced by the module it wraps,
+    in place (callers pass copies): tracing, hooks and parity must see the eager modules, not dynamo's."""
+    while _is_compiled(module):
+        module = module._orig_mod
+    for parent in list(module.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and _is_compiled(child):
+                while _is_compiled(child):
+                    child = child._orig_mod
+                parent._modules[name] = child
+    return module
+
+
+def plain_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """A state dict without the ``_orig_mod.`` segments that ``torch.compile``d submodules add to its keys
+    (Lightning #17415, #20233), so it loads into the uncompiled module."""
+    return {k.replace("._orig_mod.", ".").removeprefix("_orig_mod."): v for k, v in state_dict.items()}
+
+
+def eval_copy(module: nn.Module, device: Optional[torch.device] = None) -> nn.Module:
+    """A deep copy in eval mode with gradients off and ``torch.compile`` wrappers removed, moved to ``device``
+    when given; the input keeps its weights, buffers and flags."""
+    working = strip_compiled(copy.deepcopy(module))
+    if device is not None:
+        working.to(device)
     working.eval()
     working.requires_grad_(False)
     return working

@@ -29,6 +29,7 @@ __all__ = [
     "TraceMode",
     "WeightsSource",
     "OnError",
+    "Preflight",
     "ExportFormat",
     "ParityData",
     "TraceConfig",
@@ -66,6 +67,16 @@ OnError.__doc__ = "What to do when a step fails: raise, or warn and carry on."
 # One member per export format record (fx_lightning/export/formats/), in load_fused's order of preference.
 ExportFormat = Enum("ExportFormat", {name: name for name in FORMATS}, type=str)  # type: ignore[misc]
 ExportFormat.__doc__ = "The export formats: " + ", ".join(FORMATS) + "."
+
+
+class Preflight(str, Enum):
+    """What the callback proves before the first training step. ``full``: the whole pipeline once on the
+    untrained model (capture, passes, a parity smoke run on one batch, every export format written to a
+    temporary directory and loaded back); ``capture``: the target resolves and captures; ``off``: nothing."""
+
+    full = "full"
+    capture = "capture"
+    off = "off"
 
 
 class ParityData(str, Enum):
@@ -163,6 +174,10 @@ class FuseConfig:
     parity: ParityConfig = field(default_factory=ParityConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     on_error: OnError = OnError["raise"]  # type: ignore[valid-type]
+    preflight: Preflight = Preflight.full
+    # Where fusion, parity and export run: auto (the device training ran on), cpu, or a torch device
+    # ("cuda", "cuda:1"). Exported artifacts are built for it (the manifest records each one's device).
+    device: str = "auto"
 
 
 ConfigLike = Union[FuseConfig, DictConfig, Dict[str, Any], None]
@@ -388,9 +403,24 @@ def validate(cfg: FuseConfig) -> None:
             f"target: {cfg.target!r} is not a dotted attribute path (e.g. 'backbone' or 'model.encoder'); "
             "use null for the default (backbone if present, else the whole module)."
         )
+    _validate_device(cfg.device)
     _validate_parity(cfg.parity)
     _validate_export(cfg.export)
     _validate_trace(cfg.trace)
+
+
+def _validate_device(device: str) -> None:
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"device: {device!r} is not a torch device ({str(exc).splitlines()[0]}); allowed: auto (the device "
+            "training ran on), cpu, or a torch device such as cuda or cuda:1."
+        ) from None
 
 
 def _validate_parity(p: ParityConfig) -> None:

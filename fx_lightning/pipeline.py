@@ -44,6 +44,8 @@ __all__ = [
     "resolve_target",
     "whole_model_with",
     "target_example_inputs",
+    "own_rng",
+    "resolve_device",
     "fuse_and_measure",
     "judge",
     "parity_verdict",
@@ -153,11 +155,33 @@ def target_example_inputs(whole: nn.Module, target: nn.Module, inputs: Tuple[Any
     return calls[0][0], calls[0][1]
 
 
+def resolve_device(setting: str, auto: Optional[torch.device]) -> Optional[torch.device]:
+    """``device`` from the config as a torch.device (``auto``: ``auto``, e.g. where training ran; None: where
+    the model is). Raises :class:`ConfigError` when that device is not available in this process."""
+    if setting == "auto":
+        return auto
+    device = torch.device(setting)
+    available = True
+    if device.type == "cuda":
+        available = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    elif device.type == "mps":
+        available = torch.backends.mps.is_available()
+    if not available:
+        raise ConfigError(
+            f"device: {setting!r} is not available in this process (cuda available: {torch.cuda.is_available()}, "
+            f"{torch.cuda.device_count()} device(s)); use auto (where training ran) or cpu."
+        )
+    return device
+
+
 @contextlib.contextmanager
-def _own_rng(module: nn.Module) -> Iterator[None]:
-    # Parity runs forward passes (and shuffled loaders may draw); keep the caller's RNG streams as they were.
-    cuda = sorted({t.device.index or 0 for t in module.parameters() if t.is_cuda})
-    with torch.random.fork_rng(devices=cuda):
+def own_rng(module: nn.Module, device: Optional[torch.device] = None) -> Iterator[None]:
+    """Run a block without touching the caller's RNG streams (CPU, and the CUDA devices in use): parity
+    runs forward passes, and shuffled loaders may draw."""
+    cuda = {t.device.index or 0 for t in module.parameters() if t.is_cuda}
+    if device is not None and device.type == "cuda":
+        cuda.add(device.index or 0)
+    with torch.random.fork_rng(devices=sorted(cuda)):
         yield
 
 
@@ -169,17 +193,19 @@ def fuse_and_measure(
     example_inputs: Any = None,
     notes: Sequence[str] = (),
     buffers: Optional[Mapping[str, torch.Tensor]] = None,
+    device: Optional[torch.device] = None,
 ) -> Measured:
     """Fuse ``config.target`` of a copy of ``model`` and measure parity on ``batches`` (no verdict, no collective).
 
     When there are no batches, ``example_inputs`` (forward's arguments of the whole model) are used instead.
     ``buffers`` (name -> tensor, as ``model.named_buffers()``) are loaded into the working copy before fusing:
-    under DDP the callback passes rank zero's, since BatchNorm statistics can differ between ranks.
+    under DDP the callback passes rank zero's, since BatchNorm statistics can differ between ranks. ``device``:
+    where the copy is moved to be fused, checked and exported (default: where ``model`` is).
     """
     path, _ = resolve_target(model, config.target)
     out_notes = list(notes) + ([batches.note] if batches.note else [])
-    with _own_rng(model), torch.no_grad():
-        reference_whole = eval_copy(model)
+    with own_rng(model, device), torch.no_grad():
+        reference_whole = eval_copy(model, device)
         if buffers:
             _load_buffers(reference_whole, buffers)
         reference = reference_whole.get_submodule(path) if path else reference_whole
@@ -323,7 +349,8 @@ def fuse_verify_export(
     :class:`ParityError` (with ``.report`` and ``.outcome``) when ``parity.on_failure`` is ``raise``;
     otherwise it warns. Either way nothing is exported.
     """
-    measured = fuse_and_measure(model, config, batches, example_inputs=example_inputs)
+    device = resolve_device(config.device, None)
+    measured = fuse_and_measure(model, config, batches, example_inputs=example_inputs, device=device)
     outcome = judge(measured)
     error = parity_verdict(outcome, config)
     if error is not None:

@@ -33,3 +33,21 @@ def raises(gm: fx.GraphModule, options: dict, ctx) -> None:
 
 
 NOT_CALLABLE = 3
+
+
+def export_refuses(gm: fx.GraphModule, options: dict, ctx) -> "PassResult":
+    """Routes the graph's output through a call torch.export cannot capture (a branch on a tensor's value),
+    while the GraphModule itself still runs: only the export step fails."""
+    result = PassResult()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        gated = gm.graph.call_function(value_gate, (out.args[0],))
+    out.args = (gated,)
+    result.change(gated.name, "gated output")
+    return result
+
+
+def value_gate(x):
+    if float(x.abs().sum()) >= 0:  # data-dependent: torch.export cannot specialise on it
+        return x
+    return -x

@@ -116,12 +116,17 @@ def test_weights_best_fuses_the_best_checkpoint(tmp_path: Path) -> None:
     assert any("best checkpoint" in n and "epoch=0" in n for n in fuse_cb.outcome.notes)  # type: ignore[union-attr]
 
 
-def test_weights_best_without_checkpoint_callback_fails_clearly(tmp_path: Path) -> None:
-    fuse_cb = FXFuseCallback(weights="best", export={"enabled": False})
+@pytest.mark.parametrize("preflight", ["full", "off"])
+def test_weights_best_without_checkpoint_callback_fails_clearly(tmp_path: Path, preflight: str) -> None:
+    fuse_cb = FXFuseCallback(weights="best", export={"enabled": False}, preflight=preflight)
     trainer = H.make_trainer(tmp_path, [fuse_cb], enable_checkpointing=False)
+    model = H.LitClassifier()
     with pytest.raises(ConfigError, match="weights: 'best' needs a ModelCheckpoint") as info:
-        trainer.fit(H.LitClassifier(), *H.loaders())
-    assert "No ModelCheckpoint was configured" in str(info.value)
+        trainer.fit(model, *H.loaders())
+    if preflight == "full":  # found before training
+        assert "stage 'weights'" in str(info.value) and model.training_steps == 0
+    else:  # found after training: the message says where the trained weights are
+        assert "No ModelCheckpoint was configured" in str(info.value) and model.training_steps == 8
 
 
 def test_missing_target_fails_before_training(tmp_path: Path) -> None:
@@ -149,10 +154,10 @@ def test_untraceable_backbone_with_on_error_warn_trains_and_skips(tmp_path: Path
     model = H.LitClassifier(backbone=H.DataDependentBackbone())
     fuse_cb = FXFuseCallback(on_error="warn", trace={"mode": "fx"})
     trainer = H.make_trainer(tmp_path, [fuse_cb])
-    with pytest.warns(UserWarning, match="cannot be captured"):
+    with pytest.warns(UserWarning, match="stage 'capture'"):
         trainer.fit(model, *H.loaders())
     assert model.training_steps == 8
-    assert fuse_cb.result is None and fuse_cb.skipped and "pre-training check failed" in fuse_cb.skipped
+    assert fuse_cb.result is None and fuse_cb.skipped and "preflight failed" in fuse_cb.skipped
     assert not (Path(trainer.log_dir) / "fx_fused").exists()
 
 

@@ -130,6 +130,7 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     "parity.input": st.none() | IDENT | st.integers(0, 9).map(str)
     | st.sampled_from(["builtins:len", "sample_passes:raises"]),
     "export.onnx_opset": st.none() | st.integers(7, 30),
+    "device": st.sampled_from(["auto", "cpu", "cuda", "cuda:1", "meta", "mps"]),
     # Non-empty and unique (export.enabled may be true); a single name is accepted as a one-item list.
     "export.formats": st.lists(st.sampled_from(list(ExportFormat)), min_size=1, unique=True)
     | st.sampled_from([f.name for f in ExportFormat]),

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -57,6 +57,12 @@ def run_scenario(name: str, out: Path) -> Dict[int, Dict[str, Any]]:
     return records
 
 
+def _split_writes(writes: List[str]) -> Tuple[List[str], List[str]]:
+    """(the preflight's temporary exports, the real ones)."""
+    preflight = [w for w in writes if "fx_fused_preflight_" in w]
+    return preflight, [w for w in writes if w not in preflight]
+
+
 def _same_on_both(records: Dict[int, Dict[str, Any]], *keys: str) -> None:
     for key in keys:
         assert records[0][key] == records[1][key], f"{key}: rank 0 {records[0][key]!r} != rank 1 {records[1][key]!r}"
@@ -78,8 +84,10 @@ def test_ddp_happy_path_every_rank_checks_its_shard_rank_zero_exports(tmp_path: 
     assert r[0]["parity"]["batches"] == 4 and r[0]["parity"]["metrics"]["samples"] == 32
     # Each rank read its own shard: 32 validation samples / 2 ranks / batch 8.
     assert any("merged over 2 ranks" in n and "(batches per rank: rank 0: 2, rank 1: 2)" in n for n in r[0]["notes"])
-    # Only rank 0 wrote, into the log_dir every rank agreed on; the export is complete and loads.
-    assert len(r[0]["export_writes"]) == 1 and r[1]["export_writes"] == []
+    # Only rank 0 wrote (its preflight's temporary export before training, then the export), into the log_dir
+    # every rank agreed on; the export is complete and loads.
+    preflight, real = _split_writes(r[0]["export_writes"])
+    assert len(preflight) == 1 and len(real) == 1 and r[1]["export_writes"] == []
     export_dir = Path(r[0]["export_dir"])
     assert export_dir == Path(r[0]["log_dir"]) / "fx_fused" and export_dir.is_dir()
     assert read_manifest(export_dir)["extra"]["world_size"] == 2
@@ -101,6 +109,21 @@ def test_ddp_user_pass_raising_on_rank_1_only_raises_on_every_rank(tmp_path: Pat
         assert "on rank 1 of 2" in raised["message"] and "boom from a user pass on rank 1" in raised["message"]
         assert "checkpoints are intact" in raised["message"]
         assert r[rank]["export_dir"] is None and r[rank]["export_writes"] == []
+    assert r[0]["raised"]["message"] == r[1]["raised"]["message"]  # the same error text on both ranks
+    assert not list(tmp_path.rglob("fx_fused")) and not list(tmp_path.rglob(".fx_fused*"))
+
+
+@pytest.mark.ddp
+def test_ddp_preflight_failure_on_rank_1_stops_every_rank_before_training(tmp_path: Path) -> None:
+    r = run_scenario("preflight_rank1", tmp_path)
+    for rank in (0, 1):
+        raised = r[rank]["raised"]
+        assert raised is not None and raised["type"] == "PassError", r[rank]
+        assert "on rank 1 of 2" in raised["message"] and "boom from a user pass on rank 1" in raised["message"]
+        assert "stage 'passes'" in raised["message"] and "before the first training step" in raised["message"]
+        assert r[rank]["global_step"] == 0 and r[rank]["training_steps"] == 0
+        # Rank 0's own preflight got as far as its temporary export; nothing real was written anywhere.
+        assert r[rank]["export_dir"] is None and _split_writes(r[rank]["export_writes"])[1] == []
     assert r[0]["raised"]["message"] == r[1]["raised"]["message"]  # the same error text on both ranks
     assert not list(tmp_path.rglob("fx_fused")) and not list(tmp_path.rglob(".fx_fused*"))
 

@@ -12,6 +12,12 @@ wrote still has its bytes and still loads into a fresh model.
     Ctrl-C during training                 exits; on_exception says so       test_ctrl_c_during_training
     fast_dev_run                           returns; skipped, says so         test_fast_dev_run
     on_error=warn (any of the above)       returns; a warning names cause    test_on_error_warn_lets_fit_return
+    anything that does not depend on the   stops before the first training   test_preflight_stops_before_training
+    trained weights (preflight: full)      step, the stage named             test_preflight_warn_trains_unfused
+
+With the default ``preflight: full`` the first, second and fourth cases stop before training (the preflight
+runs the pipeline once on the untrained model); the after-training cases run with ``preflight: off``, the
+path a failure that depends on the trained weights still takes.
 
 Under DDP the same failures reach every rank: tests/test_ddp.py. Detailed checks of single cases (messages,
 logged metrics, best-checkpoint weights, pre-training checks) are in tests/test_callback.py.
@@ -105,7 +111,7 @@ def no_export_anywhere(root: Path) -> bool:
 def test_user_pass_that_raises(tmp_path: Path) -> None:
     model = H.LitClassifier()
     snap = Snapshot(tmp_path / "ckpts")
-    fuse_cb = FXFuseCallback(passes={"extra": ["sample_passes:raises"]})
+    fuse_cb = FXFuseCallback(passes={"extra": ["sample_passes:raises"]}, preflight="off")
     with pytest.raises(PassError) as info:
         fit(tmp_path, model, fuse_cb, snap)
     message = str(info.value)  # names the pass, its error and where the checkpoints are
@@ -118,7 +124,7 @@ def test_user_pass_that_raises(tmp_path: Path) -> None:
 def test_pass_that_breaks_the_graph(tmp_path: Path) -> None:
     model = H.LitClassifier()
     snap = Snapshot(tmp_path / "ckpts")
-    fuse_cb = FXFuseCallback(passes={"extra": ["sample_passes:breaks_graph"]})
+    fuse_cb = FXFuseCallback(passes={"extra": ["sample_passes:breaks_graph"]}, preflight="off")
     with pytest.raises(PassError, match="does not lint") as info:
         fit(tmp_path, model, fuse_cb, snap)
     assert "sample_passes:breaks_graph" in str(info.value)
@@ -150,7 +156,7 @@ def test_export_write_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(FORMATS, "graph_module", dataclasses.replace(FORMATS["graph_module"], write=disk_full))
     model = H.LitClassifier()
     snap = Snapshot(tmp_path / "ckpts")
-    fuse_cb = FXFuseCallback(export={"formats": ["graph_module"]})
+    fuse_cb = FXFuseCallback(export={"formats": ["graph_module"]}, preflight="off")
     with pytest.raises(ExportError, match="No space left on device") as info:
         fit(tmp_path, model, fuse_cb, snap)
     assert "checkpoints are intact" in str(info.value)
@@ -211,7 +217,7 @@ def test_on_error_warn_lets_fit_return(
     )
     model = make()
     snap = Snapshot(tmp_path / "ckpts")
-    fuse_cb = FXFuseCallback(on_error="warn", **fuse_kwargs)
+    fuse_cb = FXFuseCallback(on_error="warn", preflight="off", **fuse_kwargs)
     with pytest.warns(UserWarning, match="FXFuseCallback failed after training") as caught:
         trainer = fit(tmp_path, model, fuse_cb, snap)  # returns: no exception
     messages: List[str] = [str(w.message) for w in caught if "FXFuseCallback failed" in str(w.message)]
@@ -220,3 +226,107 @@ def test_on_error_warn_lets_fit_return(
     assert trainer.state.finished and model.training_steps == 8
     assert fuse_cb.export_dir is None and no_export_anywhere(tmp_path)
     assert_untouched(model, snap, make, min_checkpoints=3)
+
+
+# ------------------------------------------------------------------------- caught before training (preflight)
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """The training data, counting every sample read: the preflight must not consume any."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner, self.reads = inner, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        self.reads += 1
+        return self.inner[i]
+
+
+def _missing_onnxscript(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Dict[str, Any]:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else real(name, *a))
+    return {"export": {"formats": ["pt2", "onnx"]}}
+
+
+def _unwritable_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Dict[str, Any]:
+    (tmp_path / "a_file").write_text("not a directory")
+    return {"export": {"dir": str(tmp_path / "a_file" / "fused")}}
+
+
+PREFLIGHT_CASES = {
+    # case: (config or a function making it, the exception type, the stage, a fragment of the cause)
+    "missing dependency": (_missing_onnxscript, "ExportError", "export dependencies", "onnxscript is not installed"),
+    "unwritable export dir": (_unwritable_dir, "ExportError", "export directory", "cannot be created or written"),
+    "user pass raises": ({"passes": {"extra": ["sample_passes:raises"]}}, "PassError", "passes",
+                         "boom from a user pass"),
+    "pass breaks lint": ({"passes": {"extra": ["sample_passes:breaks_graph"]}}, "PassError", "passes",
+                         "does not lint"),
+    "export cannot capture": ({"passes": {"extra": ["sample_passes:export_refuses"]}, "export": {"formats": ["pt2"]}},
+                              "ExportError", "export", "torch.export failed"),
+    "parity input": ({"parity": {"input": "image"}}, "ConfigError", "parity input", "'image' names a key"),
+}
+
+
+def _preflight_case(case: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Tuple[Dict[str, Any], str, str, str]:
+    config, error_type, stage, cause = PREFLIGHT_CASES[case]
+    return (config(monkeypatch, tmp_path) if callable(config) else config), error_type, stage, cause
+
+
+def _fit_counting(tmp_path: Path, model: pl.LightningModule, fuse_cb: FXFuseCallback) -> Tuple[pl.Trainer, CountingDataset]:
+    train_set = CountingDataset(H.tiny_dataset(64, 0))
+    _, val = H.loaders()
+    trainer = H.make_trainer(tmp_path, [fuse_cb])
+    trainer.fit(model, torch.utils.data.DataLoader(train_set, batch_size=16, shuffle=True), val)
+    return trainer, train_set
+
+
+@pytest.mark.parametrize("case", sorted(PREFLIGHT_CASES))
+def test_preflight_stops_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    config, error_type, stage, cause = _preflight_case(case, monkeypatch, tmp_path)
+    model = H.LitClassifier()
+    before = H.state_fingerprint(model)
+    fuse_cb = FXFuseCallback(**config)
+    with pytest.raises(Exception) as info:
+        _fit_counting(tmp_path, model, fuse_cb)
+    assert type(info.value).__name__ == error_type, info.value
+    message = str(info.value)
+    assert f"stage '{stage}'" in message and cause in message and "before the first training step" in message
+    assert "Fix:" in message
+    assert model.training_steps == 0 and model.trainer.global_step == 0  # no optimizer step
+    assert H.state_fingerprint(model) == before and no_export_anywhere(tmp_path)
+    assert fuse_cb.preflight is None and fuse_cb.result is None
+
+
+@pytest.mark.parametrize("case", sorted(PREFLIGHT_CASES))
+def test_preflight_warn_trains_unfused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    config, error_type, stage, cause = _preflight_case(case, monkeypatch, tmp_path)
+    model = H.LitClassifier()
+    fuse_cb = FXFuseCallback(on_error="warn", **config)
+    with pytest.warns(UserWarning, match=f"stage '{stage}'") as caught:
+        trainer, train_set = _fit_counting(tmp_path, model, fuse_cb)
+    warned = [str(w.message) for w in caught if f"stage '{stage}'" in str(w.message)]
+    assert len(warned) == 1 and cause in warned[0] and "nothing will be fused" in warned[0]
+    assert trainer.state.finished and model.training_steps == 8 and train_set.reads == 8 * 16
+    assert fuse_cb.result is None and fuse_cb.export_dir is None and no_export_anywhere(tmp_path)
+    assert fuse_cb.skipped is not None and "preflight failed" in fuse_cb.skipped
+
+
+def test_preflight_passes_reads_no_training_data_and_reports_its_cost(tmp_path: Path) -> None:
+    from fx_lightning.export import read_manifest
+
+    model = H.LitClassifier()
+    fuse_cb = FXFuseCallback(export={"formats": ["graph_module", "pt2"]})
+    trainer, train_set = _fit_counting(tmp_path, model, fuse_cb)
+    assert train_set.reads == 8 * 16  # the preflight read validation data only, and training read its own
+    report = fuse_cb.preflight
+    assert report is not None and report.mode == "full" and report.seconds > 0
+    assert report.stages == ["device", "target", "weights", "export directory", "export dependencies",
+                             "parity input", "fuse", "export"]
+    assert f"preflight (full)" in (fuse_cb.summary or "") and f"{report.seconds:.2f} s" in (fuse_cb.summary or "")
+    assert read_manifest(fuse_cb.export_dir)["extra"]["preflight"] == report.to_dict()
+    assert not list(Path(trainer.log_dir).glob(".fx_fused*"))  # the probe left nothing

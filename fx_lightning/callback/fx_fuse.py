@@ -17,12 +17,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from fx_lightning.callback.preflight import check_capture, target_pending
+from fx_lightning.callback.preflight import PreflightReport, check_before_fit, target_pending
 from fx_lightning.callback.ranks import Failure, fuse_after_fit, unsupported_strategy
 from fx_lightning.callback.trainer_data import checkpoint_message, fuse_metrics, log_metrics
 from fx_lightning.config import ExportConfig, FuseConfig, OnError, ParityConfig, PassesConfig, TraceConfig, load_config
 from fx_lightning.engine import FuseResult
-from fx_lightning.errors import ConfigError, FXLightningError, TraceError
+from fx_lightning.errors import ConfigError, FXLightningError
 from fx_lightning.parity import ParityReport
 from fx_lightning.pipeline import Outcome, summary_text
 
@@ -59,6 +59,8 @@ class FXFuseCallback(Callback):
         parity: Optional[Union[Dict[str, Any], ParityConfig]] = None,
         export: Optional[Union[Dict[str, Any], ExportConfig]] = None,
         on_error: str = "raise",
+        preflight: str = "full",
+        device: str = "auto",
     ) -> None:
         """
         Args:
@@ -70,11 +72,15 @@ class FXFuseCallback(Callback):
                 ``max_accuracy_drop``, ``on_failure`` (raise | warn).
             export: ``enabled``, ``dir`` (default ``<trainer.log_dir>/fx_fused``), ``formats``...
             on_error: ``raise`` (fit raises, checkpoints intact) or ``warn`` (log and let fit return).
+            preflight: ``full`` (run the whole pipeline once on the untrained model before the first training
+                step), ``capture`` (resolve and capture the target only) or ``off``.
+            device: where fusion, parity and export run: ``auto`` (the device training ran on), ``cpu``, or a
+                torch device string.
         """
         super().__init__()
         self.config: FuseConfig = load_config(
             target=target, weights=weights, trace=trace, passes=passes, parity=parity, export=export,
-            on_error=on_error,
+            on_error=on_error, preflight=preflight, device=device,
         )
         self._reset()
 
@@ -86,6 +92,7 @@ class FXFuseCallback(Callback):
         self.summary: Optional[str] = None
         self.error: Optional[BaseException] = None
         self.skipped: Optional[str] = None
+        self.preflight: Optional[PreflightReport] = None
         self._preflight_pending = False
         self._raised: Optional[BaseException] = None
 
@@ -115,13 +122,13 @@ class FXFuseCallback(Callback):
             self._preflight(trainer, pl_module)
 
     def _preflight(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        try:
-            check_capture(trainer, pl_module, self.config)
-        except (ConfigError, TraceError) as exc:
-            what = "is misconfigured" if isinstance(exc, ConfigError) else "cannot be captured"
-            message = f"FXFuseCallback: the fusion target {what}, so it could not be fused after training; "
-            error = type(exc)(f"{message}stopping before the first training step.\n{exc}")
-            self._refuse_before_fit(error, f"pre-training check failed: {exc}", f"{message}\n{exc}", cause=exc)
+        self.preflight, failure = check_before_fit(trainer, pl_module, self.config)
+        if failure is not None:
+            exc = failure.error
+            message = (f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped before "
+                       f"the first training step ({failure.type_name or type(exc).__name__}).\n{exc}")
+            error = type(exc)(message) if isinstance(exc, FXLightningError) else FXLightningError(message)
+            self._refuse_before_fit(error, f"preflight failed: {exc}", message, cause=None if failure.remote else exc)
 
     def _refuse_before_fit(self, error: Exception, skipped: str, warning: str,
                            cause: Optional[BaseException] = None) -> None:
@@ -138,7 +145,8 @@ class FXFuseCallback(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         skip = self.skipped or ("fast_dev_run" if trainer.fast_dev_run else None) or (
             "training was interrupted" if trainer.interrupted else None)
-        run = fuse_after_fit(trainer, pl_module, self.config, skip)
+        preflight = self.preflight.to_dict() if self.preflight is not None else None
+        run = fuse_after_fit(trainer, pl_module, self.config, skip, preflight)
         if run.outcome is not None:
             self._record(trainer, run.outcome)
         if run.skipped is not None:
@@ -153,7 +161,8 @@ class FXFuseCallback(Callback):
         self.parity_report = outcome.parity
         self.export_dir = outcome.export_dir
         banner = "=" * 30 + " FXFuseCallback " + "=" * 30
-        self.summary = f"{banner}\n{summary_text(outcome)}\n{'=' * len(banner)}"
+        preflight = f"\n{self.preflight}" if self.preflight is not None else ""
+        self.summary = f"{banner}\n{summary_text(outcome)}{preflight}\n{'=' * len(banner)}"
         if trainer.is_global_zero:  # the ranks share one outcome: log it once
             log_metrics(trainer, fuse_metrics(outcome))
         rank_zero_info(self.summary)

@@ -30,11 +30,25 @@ import lightning.pytorch as pl
 import torch
 
 from fx_lightning import errors
-from fx_lightning.callback.trainer_data import WeightsInfo, checkpoint_files, parity_batches, pick_weights
+from fx_lightning.callback.trainer_data import (
+    WeightsInfo,
+    checkpoint_files,
+    export_directory,
+    parity_batches,
+    pick_weights,
+)
 from fx_lightning.config import FuseConfig, WeightsSource
 from fx_lightning.errors import FXLightningError
 from fx_lightning.parity import ParityReport, ParityState, merge_parity_states
-from fx_lightning.pipeline import Measured, Outcome, export_outcome, fuse_and_measure, judge, parity_verdict
+from fx_lightning.pipeline import (
+    Measured,
+    Outcome,
+    export_outcome,
+    fuse_and_measure,
+    judge,
+    parity_verdict,
+    resolve_device,
+)
 
 __all__ = ["ErrorInfo", "Failure", "AfterFit", "fuse_after_fit", "exchange", "failure_of", "unsupported_strategy"]
 
@@ -122,9 +136,11 @@ class _Local:
 
 
 def fuse_after_fit(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, skip: Optional[str]
+    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, skip: Optional[str],
+    preflight: Optional[Dict[str, Any]] = None,
 ) -> AfterFit:
-    """Run the protocol above on this rank and return what happened; raises nothing."""
+    """Run the protocol above on this rank and return what happened; raises nothing. ``preflight`` (what
+    was proven before training) goes into the manifest."""
     rank = int(trainer.global_rank)
     log_dir = trainer.log_dir  # 1. a collective under DDP: every rank asks, even those that then skip
     buffers = _rank_zero_buffers(trainer, pl_module, config)  # 2.
@@ -151,7 +167,8 @@ def fuse_after_fit(
     parity_error = parity_verdict(outcome, config)
     if parity_error is not None or (outcome.parity is not None and not outcome.parity.passed):
         return AfterFit(outcome, failure=Failure(parity_error) if parity_error is not None else None)
-    exported, export_error = (_export(trainer, pl_module, outcome, measured, local.weights, log_dir)
+    metadata = {"weights": local.weights.to_dict() if local.weights is not None else None, "preflight": preflight}
+    exported, export_error = (_export(trainer, pl_module, outcome, measured, metadata, log_dir)
                               if rank == 0 else (None, None))
     exported = trainer.strategy.broadcast(exported, src=0)  # 5. the barrier
     outcome.export_dir = Path(exported.export_dir) if exported.export_dir is not None else None
@@ -221,6 +238,7 @@ def _measure(
     """This rank's share: pick the weights, fuse a copy, measure parity on this rank's batches."""
     local = _Local()
     try:
+        device = resolve_device(config.device, trainer.strategy.root_device)
         model, local.weights = pick_weights(trainer, pl_module, config)
         batches = parity_batches(trainer, config)
         local.batches = len(batches.items)
@@ -230,6 +248,7 @@ def _measure(
             example_inputs=getattr(pl_module, "example_input_array", None),
             notes=[f"weights: {local.weights.description}"],
             buffers=reference_buffers if local.buffers_differ else None,
+            device=device,
         )
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange, raised there
         local.error = exc
@@ -266,16 +285,15 @@ def _decide(
 
 def _export(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", outcome: Outcome, measured: Measured,
-    weights: Optional[WeightsInfo], log_dir: Optional[str],
+    metadata: Dict[str, Any], log_dir: Optional[str],
 ) -> Tuple[_Exported, Optional[Exception]]:
     """Rank zero: write the export (atomically: complete or not at all)."""
-    config = measured.config
     try:
-        export_dir = Path(config.export.dir) if config.export.dir else Path(log_dir or trainer.default_root_dir) / "fx_fused"
         export_outcome(
-            outcome, measured, export_dir=export_dir, protected_paths=checkpoint_files(trainer),
+            outcome, measured, export_dir=export_directory(trainer, measured.config, log_dir),
+            protected_paths=checkpoint_files(trainer),
             extra={
-                "weights": weights.to_dict() if weights is not None else None,
+                **metadata,
                 # The counters at the end of fit; the weights' own are under "weights" (they differ for best).
                 "trainer": {"epoch": trainer.current_epoch, "global_step": trainer.global_step},
                 "world_size": trainer.world_size,

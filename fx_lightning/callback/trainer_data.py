@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fx_lightning.batches import extract_input, model_device_dtype
+from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
 from fx_lightning.errors import ConfigError
 from fx_lightning.pipeline import Batches, Outcome
@@ -27,6 +28,8 @@ __all__ = [
     "first_loader",
     "choose_batches",
     "parity_batches",
+    "trainer_loaders",
+    "export_directory",
     "peek_inputs",
     "pick_weights",
     "checkpoint_files",
@@ -91,7 +94,15 @@ def choose_batches(
     return Batches([], "example", note)
 
 
-def _trainer_loaders(trainer: "pl.Trainer") -> Dict[str, Callable[[], Any]]:
+def export_directory(trainer: "pl.Trainer", config: FuseConfig, log_dir: Optional[str]) -> Path:
+    """``export.dir``, else ``<trainer.log_dir>/fx_fused`` (``log_dir``: read by the caller on every rank)."""
+    if config.export.dir:
+        return Path(config.export.dir)
+    return Path(log_dir or trainer.default_root_dir) / "fx_fused"
+
+
+def trainer_loaders(trainer: "pl.Trainer") -> Dict[str, Callable[[], Any]]:
+    """Source name -> a function returning the trainer's loader for it (set up or not yet)."""
     # A loader that the fit loop has not set up yet (before training) comes from its data source.
     def val() -> Any:
         loader = first_loader(trainer.val_dataloaders)
@@ -118,7 +129,7 @@ def _loader_from_source(loop: Any) -> Any:
 def parity_batches(trainer: "pl.Trainer", config: FuseConfig) -> Batches:
     """Parity batches from the trainer's loaders (validation, else training data), never more than the
     trainer's ``limit_val_batches`` / ``limit_train_batches`` let training read."""
-    return choose_batches(_trainer_loaders(trainer), config.parity, lambda name, loader: _trainer_limit(trainer, name, loader))
+    return choose_batches(trainer_loaders(trainer), config.parity, lambda name, loader: _trainer_limit(trainer, name, loader))
 
 
 def _trainer_limit(trainer: "pl.Trainer", name: str, loader: Any) -> Optional[Tuple[int, str]]:
@@ -143,7 +154,7 @@ def peek_inputs(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: 
     example = getattr(pl_module, "example_input_array", None)
     if example is not None and not isinstance(example, dict):  # a dict means keyword arguments
         return example
-    for getter in _trainer_loaders(trainer).values():
+    for getter in trainer_loaders(trainer).values():
         try:
             loader = getter()
             batch = next(iter(loader)) if loader is not None else None
@@ -202,9 +213,10 @@ def pick_weights(
     device, _ = model_device_dtype(pl_module)
     # Our own trainer wrote this checkpoint during this fit, so full unpickling is trusted here.
     checkpoint = _load(path, map_location=device or "cpu", weights_only=False)
-    # A copy takes the best weights: the LightningModule keeps its last-epoch weights.
-    best = copy.deepcopy(pl_module)
-    best.load_state_dict(checkpoint["state_dict"], strict=True)
+    # A copy takes the best weights: the LightningModule keeps its last-epoch weights. torch.compile'd
+    # submodules are unwrapped in the copy, and their "_orig_mod." key segments dropped from the checkpoint.
+    best = strip_compiled(copy.deepcopy(pl_module))
+    best.load_state_dict(plain_state_dict(checkpoint["state_dict"]), strict=True)
     score = ckpt_cb.best_model_score
     score_text = f", {ckpt_cb.monitor}={float(score):.6g}" if score is not None and ckpt_cb.monitor else ""
     epoch, step = checkpoint.get("epoch"), checkpoint.get("global_step")

@@ -26,7 +26,7 @@ from fx_lightning.export.base import FUSED_CLASS_NAME, Format, WriteContext
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, build_manifest, readme_text, sha256_file, write_manifest
 
-__all__ = ["export_fused", "plain_graph_module", "require_formats"]
+__all__ = ["export_fused", "plain_graph_module", "require_formats", "refuse_existing"]
 
 # Round-trip tolerance (max|loaded - fused| / max|fused|): the formats rerun the same arithmetic, so
 # anything beyond float rounding means the artifact is not the model.
@@ -67,7 +67,7 @@ def export_fused(
     if not formats:
         raise ExportError("export.formats is empty: nothing to write.")
     require_formats(formats)
-    _refuse_existing(final, config.export.overwrite)
+    refuse_existing(final, config.export.overwrite)
     ctx = _make_context(graph_module, args, config)
     metadata = {"config": to_container(config), "report": report, "parity": parity, "extra": extra}
     try:
@@ -97,7 +97,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _refuse_existing(final: Path, overwrite: bool) -> None:
+def refuse_existing(final: Path, overwrite: bool) -> None:
     """Refuse before any work: an existing export with overwrite off, or a directory that is not ours."""
     if not (final.exists() or final.is_symlink()):
         return
@@ -215,7 +215,10 @@ def _flat_io(graph: fx.Graph, out: Any, info: Any) -> Any:
 
 
 def _outputs(model: nn.Module, args: Tuple[Any, ...]) -> List[torch.Tensor]:
-    with torch.no_grad():
+    # A fixed RNG: a model that draws random numbers in eval mode must match itself, not fail the check.
+    devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
         return flat_tensors(model(*args))
 
 

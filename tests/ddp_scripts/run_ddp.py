@@ -39,8 +39,12 @@ from fx_lightning import FXFuseCallback  # noqa: E402
 
 SCENARIOS: Dict[str, Dict[str, Any]] = {
     "happy": dict(sync_batchnorm=True, val=True, fuse={}),
-    "pass_rank1": dict(sync_batchnorm=True, val=True, fuse={"passes": {"extra": ["ddp_passes:raise_on_rank_1"]}}),
-    "export_rank0": dict(sync_batchnorm=False, val=False, fuse={"on_error": "warn"}, break_export_on_rank0=True),
+    "pass_rank1": dict(sync_batchnorm=True, val=True,
+                       fuse={"passes": {"extra": ["ddp_passes:raise_on_rank_1"]}, "preflight": "off"}),
+    "export_rank0": dict(sync_batchnorm=False, val=False, fuse={"on_error": "warn", "preflight": "off"},
+                         break_export_on_rank0=True),
+    # The default preflight: the pass raising on rank 1 stops both ranks before their first training step.
+    "preflight_rank1": dict(sync_batchnorm=True, val=True, fuse={"passes": {"extra": ["ddp_passes:raise_on_rank_1"]}}),
 }
 
 
@@ -138,6 +142,8 @@ def main(scenario: str, out: Path) -> None:
         "fused_hash": _hash_tensors(list(result.graph_module.state_dict().values())) if result is not None else None,
         "batchnorms_folded": result.report.batchnorms_folded if result is not None else None,
         "log_dir": trainer.log_dir if raised is None else None,
+        "global_step": trainer.global_step,
+        "training_steps": model.training_steps,
         **probe.seen,
     }
     (out / f"rank_{rank}.json").write_text(json.dumps(record, indent=1))
