@@ -52,9 +52,16 @@ def _is_compiled(module: nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
 
 
+# Methods Lightning replaces with dynamo-compiled versions on the instance of a LightningModule passed to
+# fit() compiled (lightning.pytorch.utilities.compile.from_compiled, which records them in _compiler_ctx).
+_LIGHTNING_COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+
+
 def strip_compiled(module: nn.Module) -> nn.Module:
-    """``module`` with every ``torch.compile`` wrapper (``OptimizedModule``) replaced by the module it wraps,
-    in place (callers pass copies): tracing, hooks and parity must see the eager modules, not dynamo's."""
+    """``module`` with every ``torch.compile`` wrapper (``OptimizedModule``) replaced by the module it wraps and
+    Lightning's compiled instance methods dropped, in place (callers pass copies): tracing, hooks and parity
+    must see the eager modules, not dynamo's (whose hooks do not run, and whose wrapped ``forward`` of a copied
+    LightningModule would still call the original)."""
     while _is_compiled(module):
         module = module._orig_mod
     for parent in list(module.modules()):
@@ -63,6 +70,11 @@ def strip_compiled(module: nn.Module) -> nn.Module:
                 while _is_compiled(child):
                     child = child._orig_mod
                 parent._modules[name] = child
+    for m in module.modules():
+        if getattr(m, "_compiler_ctx", None) is not None:
+            for method in _LIGHTNING_COMPILED_METHODS:
+                m.__dict__.pop(method, None)
+            m._compiler_ctx = None
     return module
 
 

@@ -249,7 +249,13 @@ def _load_lightning_module(cls: Any, checkpoint: str, kwargs: Dict[str, Any], un
     if unsafe:
         kwargs = {**kwargs, "weights_only": False}
     try:
-        model = cls.load_from_checkpoint(checkpoint, map_location="cpu", **kwargs)
+        try:
+            model = cls.load_from_checkpoint(checkpoint, map_location="cpu", **kwargs)
+        except RuntimeError as exc:
+            if "_orig_mod." not in str(exc):
+                raise
+            # Saved from torch.compile'd submodules (Lightning #17415, #20233): load the keys without "_orig_mod.".
+            model = cls.load_from_checkpoint(_without_compile_prefixes(checkpoint, unsafe), map_location="cpu", **kwargs)
     except pickle.UnpicklingError as exc:
         raise FXLightningError(
             f"{checkpoint}: the checkpoint holds objects that safe loading refuses ({str(exc).splitlines()[0]}); "
@@ -260,6 +266,22 @@ def _load_lightning_module(cls: Any, checkpoint: str, kwargs: Dict[str, Any], un
     if not isinstance(model, torch.nn.Module):
         raise _UsageError(f"--model: load_from_checkpoint returned a {type(model).__name__}, not a module")
     return model.eval()
+
+
+def _without_compile_prefixes(checkpoint: str, unsafe: bool) -> Any:
+    """The checkpoint, in memory, with the "_orig_mod." segments of torch.compile'd submodules dropped from its keys."""
+    import io
+
+    import torch
+
+    from fx_lightning.capture import plain_state_dict
+
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=not unsafe)
+    ckpt["state_dict"] = plain_state_dict(ckpt["state_dict"])
+    buffer = io.BytesIO()
+    torch.save(ckpt, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def _checkpoint_meta(checkpoint: str) -> Dict[str, Any]:

@@ -67,3 +67,12 @@ class CliData(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+
+class CompiledInSetupClassifier(CliClassifier):
+    """Compiles its backbone in setup("fit"), as lightning-hydra-template does with `compile: true`: its
+    checkpoints carry "backbone._orig_mod." keys, which an uncompiled instance does not expect."""
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and type(self.backbone).__name__ != "OptimizedModule":
+            self.backbone = torch.compile(self.backbone, backend="eager")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -32,10 +33,15 @@ class WriteContext:
     onnx_opset: Optional[int] = None
     notes: List[str] = field(default_factory=list)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model and its example inputs are: the device the artifacts are built for."""
+        return next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+
 
 # write(staging_dir, ctx) -> the format's manifest entry (at least "path" and "loader")
 Writer = Callable[[Path, WriteContext], Dict[str, Any]]
-# load(export_dir, manifest_entry, map_location) -> an eval-mode module
+# load(export_dir, manifest_entry, device) -> an eval-mode module on that device
 Loader = Callable[[Path, Dict[str, Any], Any], nn.Module]
 
 

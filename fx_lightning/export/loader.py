@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from fx_lightning._imports import missing_modules
@@ -20,15 +21,17 @@ def load_fused(
     format: Optional[str] = None,
     *,
     verify: bool = True,
-    map_location: Any = "cpu",
+    device: Any = None,
 ) -> nn.Module:
     """Load an export written by :func:`export_fused`, in eval mode.
 
     ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``...); ``None`` picks the first
-    available in order of preference (pt2 first). ``verify`` checks each file's size and sha256 against the
-    manifest first. Raises :class:`ExportError` for a missing or corrupt file, an unknown manifest version or
-    a format that is not in the export. Note: ``graph_module`` (and ``code`` when it holds pickled modules)
-    unpickles code: load only exports you trust.
+    available in order of preference (pt2 first). ``device``: where to load it (a torch device or its name);
+    ``None``: the device the artifact was built for (the manifest records it) when this process has it,
+    else the CPU. A format that cannot run on the device asked for raises an :class:`ExportError` saying so.
+    ``verify`` checks each file's size and sha256 against the manifest first. Raises :class:`ExportError` for
+    a missing or corrupt file, an unknown manifest version or a format that is not in the export. Note:
+    ``graph_module`` (and ``code`` when it holds pickled modules) unpickles code: load only exports you trust.
     """
     root = Path(directory)
     manifest = read_manifest(root)
@@ -40,14 +43,27 @@ def load_fused(
     missing = missing_modules(fmt.runtime_requires)
     if missing:
         raise ExportError(f"format {chosen!r} needs {', '.join(missing)} to run: {fmt.install_hint}.")
+    target = _device(device, entry)
     try:
-        return fmt.load(root, entry, map_location)
+        return fmt.load(root, entry, target)
     except ExportError:
         raise
     except Exception as exc:  # noqa: BLE001 - a file that passed (or skipped) verification still failed
         raise ExportError(
             f"{root / entry['path']}: could not load format {chosen!r}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _device(device: Any, entry: dict) -> torch.device:
+    """The device asked for, else the artifact's own when this process has it, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    built = torch.device(entry.get("device") or "cpu")
+    if built.type == "cuda" and not (torch.cuda.is_available() and (built.index or 0) < torch.cuda.device_count()):
+        return torch.device("cpu")
+    if built.type not in ("cpu", "cuda"):
+        return torch.device("cpu")
+    return built
 
 
 def _choose(root: Path, manifest: dict, format: Optional[str]) -> str:

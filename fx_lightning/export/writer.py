@@ -122,6 +122,7 @@ def _write_all(staging: Path, ctx: WriteContext, formats: List[Format], metadata
         except Exception as exc:  # noqa: BLE001 - name the format and the cause
             raise ExportError(f"format {fmt.name!r}: writing failed: {type(exc).__name__}: {first_line(exc)}") from exc
         entry["files"] = sorted(set(list_files(staging)) - before)
+        entry.setdefault("device", str(ctx.device))
         entries[fmt.name] = entry
     for fmt in formats:  # every format loaded back from the staging directory and compared
         entries[fmt.name]["check"] = _check_roundtrip(staging, ctx, fmt, entries[fmt.name])
@@ -228,10 +229,9 @@ def _check_roundtrip(staging: Path, ctx: WriteContext, fmt: Format, entry: Dict[
     if missing:
         return {"checked": False, "reason": f"{', '.join(missing)} is not installed"}
     batches = [ctx.args] + ([take_rows(ctx.args, 1)] if ctx.dynamic_shapes is not None else [])
-    # Load onto the model's device so a GPU model is checked where it runs (onnxruntime runs on CPU).
-    device = next((a.device for a in ctx.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    # Loaded where it was built, so a GPU model is checked where it runs (ONNX Runtime checks on the CPU).
     try:
-        loaded = fmt.load(staging, entry, device)
+        loaded = fmt.load(staging, entry, torch.device(entry["device"]))
     except Exception as exc:  # noqa: BLE001
         raise ExportError(f"format {fmt.name!r}: written but cannot be loaded back: {type(exc).__name__}: "
                           f"{first_line(exc)}") from exc

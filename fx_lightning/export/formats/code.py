@@ -42,7 +42,7 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
     }
 
 
-def _load(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module:
+def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
     folder = root / entry["path"]
     init = folder / "__init__.py"
     # A unique module name: two exports loaded in one process must not share sys.modules entries.
@@ -54,7 +54,7 @@ def _load(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module:
     sys.modules[name] = package
     try:
         spec.loader.exec_module(package)
-        return package.load(map_location=map_location)
+        return package.load(map_location=device)
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]

@@ -26,9 +26,9 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
     }
 
 
-def _load(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module:
+def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
     # weights_only=False is required: a GraphModule pickle carries its generated code (see the manifest).
-    module = torch.load(str(root / entry["path"]), map_location=map_location, weights_only=False)
+    module = torch.load(str(root / entry["path"]), map_location=device, weights_only=False)
     if not isinstance(module, nn.Module):
         raise ExportError(f"{root / entry['path']}: holds a {type(module).__name__}, not a module.")
     return module.eval()

@@ -50,6 +50,8 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
         "weights_only": True,
         "pickled_code": False,
         "exporter": exporter,
+        # ONNX itself is device-free; the round-trip check runs it with ONNX Runtime on the CPU.
+        "device": "cpu",
         "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
         "input_names": [i.name for i in model.graph.input],
         "output_names": [o.name for o in model.graph.output],
@@ -89,13 +91,14 @@ def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], outp
 
 
 class OnnxRuntimeModule(nn.Module):
-    """An onnxruntime session behind the nn.Module interface: tensors in, tensors out (CPU)."""
+    """An onnxruntime session behind the nn.Module interface: tensors in, tensors out (on ``device``)."""
 
-    def __init__(self, path: Any, providers: Optional[Sequence[str]] = None) -> None:
+    def __init__(self, path: Any, providers: Optional[Sequence[str]] = None, device: Any = "cpu") -> None:
         super().__init__()
         import onnxruntime as ort
 
         self.path = str(path)
+        self.device = torch.device(device)
         self.session = ort.InferenceSession(self.path, providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.eval()
@@ -106,15 +109,24 @@ class OnnxRuntimeModule(nn.Module):
             raise ValueError(f"the ONNX model takes {len(self.input_names)} tensor inputs "
                              f"({', '.join(self.input_names)}), got {len(tensors)}.")
         feed = {n: t.detach().cpu().contiguous().numpy() for n, t in zip(self.input_names, tensors)}
-        outs = [torch.from_numpy(o) for o in self.session.run(None, feed)]
+        outs = [torch.from_numpy(o).to(self.device) for o in self.session.run(None, feed)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError("OnnxRuntimeModule wraps an onnxruntime session and cannot be pickled; load it again.")
 
 
-def _load(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module:
-    return OnnxRuntimeModule(root / entry["path"])
+def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
+    import onnxruntime as ort
+
+    provider = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}.get(device.type)
+    available = ort.get_available_providers()
+    if provider not in available:
+        raise ExportError(
+            f"format 'onnx' cannot run on {device}: ONNX Runtime here has {', '.join(available)}"
+            + (" (install onnxruntime-gpu for CUDA)" if device.type == "cuda" else "") + "; load it with device='cpu'."
+        )
+    return OnnxRuntimeModule(root / entry["path"], [provider], device)
 
 
 FORMAT = Format(

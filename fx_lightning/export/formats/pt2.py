@@ -40,11 +40,15 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
     }
 
 
-def _load(root: Path, entry: Dict[str, Any], map_location: Any) -> nn.Module:
-    module = torch.export.load(str(root / entry["path"])).module()
+def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
+    program = torch.export.load(str(root / entry["path"]))
+    if torch.device(entry.get("device") or "cpu") != device:
+        # ExportedProgram.module().to() would leave devices written into the graph (factory calls) behind.
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, device)
+    module = program.module()
     _allow_eval(module)
-    if map_location is not None and str(map_location) != "cpu":
-        module = module.to(map_location)
     return module
 
 
