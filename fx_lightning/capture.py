@@ -19,9 +19,10 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning._imports import import_object
+from fx_lightning.batches import batch_at_least_two, flat_tensors
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
-from fx_lightning.passes.graph_utils import is_batchnorm_like
+from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
 
 __all__ = [
     "Capture",
@@ -34,8 +35,9 @@ __all__ = [
     "FXLeafTracer",
 ]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PKG_DIR = os.path.dirname(__file__)
+# With the separator: a bare prefix would also match site-packages/torchvision, torchmetrics...
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PKG_DIR = os.path.dirname(__file__) + os.sep
 
 
 def set_eval(module: nn.Module) -> None:
@@ -100,11 +102,14 @@ class Capture:
     graph_module: fx.GraphModule
     mode: str  # "fx" or "export"
     notes: List[str] = field(default_factory=list)
+    # BatchNorm-like modules (running statistics, unknown forward) traced into plain arithmetic: not foldable.
+    inlined_batchnorms: List[Dict[str, str]] = field(default_factory=list)
 
 
 class FXLeafTracer(fx.Tracer):
-    """Symbolic tracer whose leaves are the standard torch.nn modules, BatchNorm-like modules and
-    the configured leaf types; it remembers which module was being traced when tracing failed."""
+    """Symbolic tracer whose leaves are the standard torch.nn modules, the BatchNorms the folds understand and
+    the configured leaf types; it remembers which module was being traced when tracing failed, and which
+    BatchNorm-like modules it traced through."""
 
     def __init__(
         self,
@@ -116,10 +121,13 @@ class FXLeafTracer(fx.Tracer):
         self.leaf_types = leaf_types
         self._module_stack: List[Tuple[str, str]] = []
         self.failed_in: Optional[List[Tuple[str, str]]] = None
+        self.traced_through: Dict[str, str] = {}  # path -> class of BatchNorm-like modules inlined
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if is_batchnorm_like(m) or (self.leaf_types and isinstance(m, self.leaf_types)):
+        if is_known_batchnorm(m) or (self.leaf_types and isinstance(m, self.leaf_types)):
             return True
+        if is_batchnorm_like(m) or looks_like_batchnorm(m):
+            return False  # traced through: the F.batch_norm in its forward (if any) becomes visible
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -128,6 +136,8 @@ class FXLeafTracer(fx.Tracer):
         except NameError:
             name = "<unregistered>"
         self._module_stack.append((name, type(m).__qualname__))
+        if looks_like_batchnorm(m) and not self.is_leaf_module(m, name):
+            self.traced_through[name] = type(m).__qualname__
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -155,7 +165,9 @@ def capture(
     if mode is TraceMode.export:
         return _capture_export(working, trace, example_inputs)
     try:
-        return _capture_fx(working, trace)
+        result = _capture_fx(working, trace)
+        _raise_if_unfaithful(result, working, example_inputs)
+        return result
     except TraceError as fx_error:
         if mode is TraceMode.fx:
             raise
@@ -170,7 +182,8 @@ def capture(
             raise TraceError(
                 f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
             ) from export_error.__cause__
-        result.notes.insert(0, f"symbolic tracing failed, captured with torch.export instead: {first_line(fx_error)}")
+        result.notes.insert(0, f"symbolic tracing did not give the model's graph, captured with torch.export "
+                               f"instead: {first_line(fx_error)}")
         return result
 
 
@@ -193,20 +206,58 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
     tracer.root = None  # type: ignore[assignment]
     tracer.tensor_attrs = {}
     set_eval(gm)
-    return Capture(gm, "fx")
+    inlined = [{"node": path, "reason": f"{cls} holds BatchNorm statistics but its forward is not a BatchNorm's: "
+                                        "traced into plain arithmetic, not folded; declare it under "
+                                        "passes.batchnorm_forms.modules"}
+               for path, cls in tracer.traced_through.items() if not _has_batch_norm_call(gm, path)]
+    return Capture(gm, "fx", inlined_batchnorms=inlined)
+
+
+def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
+    """Whether the traced-through module at ``path`` left a batch_norm call on its own statistics in the graph
+    (a BatchNorm subclass with its own forward: the folds see that call)."""
+    return any(n.op == "call_function" and "batch_norm" in str(n.target) and
+               any(a.op == "get_attr" and str(a.target).startswith(path + ".") for a in n.all_input_nodes)
+               for n in gm.graph.nodes)
 
 
 def _capture_export(working: nn.Module, trace: TraceConfig, example_inputs: Optional[Sequence[Any]]) -> Capture:
+    """torch.export (non-strict) with a dynamic batch, checked against the eager module on the example inputs.
+
+    A batch of one would be specialised (and warned about): it is captured with the batch repeated to two,
+    which keeps the graph batch-generic, unless the model's own guards then refuse a batch of one (code that
+    splits a batch it concatenated, say): then it is captured for the example's batch size alone.
+    """
     if example_inputs is None:
         raise TraceError(
             "trace.mode=export needs example inputs: pass example_inputs=(tensor, ...) to fuse() "
             "(the callback takes them from the validation data)."
         )
     args = tuple(example_inputs)
+    attempts: List[Tuple[Tuple[Any, ...], bool]] = [(args, trace.dynamic_batch)]
+    if trace.dynamic_batch and any(isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == 1 for a in args):
+        attempts = [(batch_at_least_two(args), True), (args, False)]
+    error: Optional[TraceError] = None
+    for capture_args, dynamic in attempts:
+        try:
+            result = _export_once(working, capture_args, dynamic)
+            _raise_if_unfaithful(result, working, args)
+        except TraceError as exc:
+            error = error or exc
+            continue
+        if not dynamic and trace.dynamic_batch:
+            result.notes.append("captured for the example's batch size only: with a batch of two the model's "
+                                "graph refuses a batch of one")
+        return result
+    assert error is not None
+    raise error
+
+
+def _export_once(working: nn.Module, args: Tuple[Any, ...], dynamic: bool) -> Capture:
     dynamic_shapes = None
-    if trace.dynamic_batch:
-        batch = torch.export.Dim.AUTO
-        dynamic_shapes = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args)
+    if dynamic:
+        dynamic_shapes = tuple({0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 else None
+                               for a in args)
     try:
         program = torch.export.export(working, args, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as exc:  # noqa: BLE001
@@ -216,15 +267,127 @@ def _capture_export(working: nn.Module, trace: TraceConfig, example_inputs: Opti
             + (f"\n  at {frame}" if frame else "")
             + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
         ) from exc
-    gm = program.module()
-    return Capture(gm, "export", notes=["captured with torch.export (ATen-level graph)"])
+    return Capture(program.module(), "export", notes=["captured with torch.export (ATen-level graph)"])
+
+
+# ------------------------------------------------------------------------------ is the capture faithful?
+
+# Relative error (max|traced - eager| / max|eager|) a faithful capture stays within: the same kernels run, so
+# anything beyond float rounding means the graph is not the model.
+_FAITHFUL_RTOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def _run(fn: Any, inputs: Sequence[Any]) -> Any:
+    # Same inputs, eval mode, no grad, a fixed RNG: a faithful graph gives the same numbers as eager.
+    with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(inputs)):
+        torch.manual_seed(0)
+        return fn(*inputs)
+
+
+def _cuda_indices(inputs: Sequence[Any]) -> List[int]:
+    return sorted({a.device.index or 0 for a in inputs if isinstance(a, torch.Tensor) and a.is_cuda})
+
+
+def _raise_if_unfaithful(captured: Capture, working: nn.Module, example_inputs: Optional[Sequence[Any]]) -> None:
+    """Run the captured graph once against the eager module on the example inputs (when known); raise a
+    TraceError saying where it goes wrong when it raises or gives other numbers."""
+    if example_inputs is None:
+        return
+    inputs = tuple(example_inputs)
+    expected = flat_tensors(_run(working, inputs))
+    try:
+        got = flat_tensors(_run(captured.graph_module, inputs))
+    except Exception as exc:  # noqa: BLE001 - a graph that raises is the clearest sign of a wrong trace
+        problem = f"the captured graph raises {first_line(exc, with_type=True)}"
+    else:
+        problem = _difference(got, expected)
+    if problem is None:
+        return
+    where = _first_divergence(captured.graph_module, working, inputs) if captured.mode == "fx" else None
+    raise TraceError(
+        f"the {captured.mode} capture of {type(working).__qualname__} is unfaithful: on the example inputs {problem}"
+        + (f"\n  first difference at {where}" if where else "")
+        + (_FX_UNFAITHFUL_FIXES if captured.mode == "fx" else _EXPORT_UNFAITHFUL_FIXES)
+    )
+
+
+_FX_UNFAITHFUL_FIXES = (
+    "\n  Python code that depends on shapes or types can be recorded wrongly by symbolic tracing. Fixes:"
+    "\n  - trace.mode: export (or auto, the default, which falls back to it)"
+    "\n  - keep the module that differs opaque: trace.leaf_modules: ['pkg.module:Class']"
+)
+_EXPORT_UNFAITHFUL_FIXES = (
+    "\n  torch.export specialised the graph to something the example inputs do not meet. Fixes:"
+    "\n  - trace.mode: fx, with the offending module kept opaque: trace.leaf_modules: ['pkg.module:Class']"
+    "\n  - trace.dynamic_batch: false, when the model fixes its batch size"
+)
+
+
+def _difference(got: List[torch.Tensor], expected: List[torch.Tensor]) -> Optional[str]:
+    if len(got) != len(expected):
+        return f"the captured graph returns {len(got)} tensor(s), the model {len(expected)}"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if g.shape != e.shape:
+            return f"output {i} has shape {tuple(g.shape)}, the model's {tuple(e.shape)}"
+        if not e.is_floating_point():
+            if not torch.equal(g, e):
+                return f"output {i} differs from the model's"
+            continue
+        gd, ed = g.detach().double(), e.detach().double()
+        if not torch.equal(torch.isnan(gd), torch.isnan(ed)):
+            return f"output {i} has NaNs where the model's has none (or the reverse)"
+        gd, ed = torch.nan_to_num(gd), torch.nan_to_num(ed)
+        err = float((gd - ed).abs().max() / ed.abs().max().clamp_min(1e-30)) if ed.numel() else 0.0
+        if not err <= _FAITHFUL_RTOL.get(e.dtype, 1e-5):
+            return f"output {i} differs from the model's by {err:.3g} (relative)"
+    return None
+
+
+def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Sequence[Any]) -> Optional[str]:
+    """The first module call of the graph whose output differs from (or raises unlike) the eager module's."""
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    eager: Dict[str, Any] = {}
+    handles = []
+    def record(name: str) -> Any:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
+            eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
+        return hook
+
+    for name, sub in working.named_modules():
+        if name in targets:
+            handles.append(sub.register_forward_hook(record(name)))
+    try:
+        _run(working, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    found: List[str] = []
+
+    class Watch(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            try:
+                out = super().run_node(n)
+            except Exception as exc:
+                found.append(f"node {n.name} ({n.op} {n.target}): it raises {first_line(exc, with_type=True)}")
+                raise
+            if n.op == "call_module" and not found and str(n.target) in eager:
+                problem = _difference(flat_tensors(out), eager[str(n.target)])
+                if problem is not None:
+                    found.append(f"module '{n.target}' ({n.name}): {problem.replace('the captured graph', 'it')}")
+            return out
+
+    try:
+        _run(Watch(gm).run, inputs)
+    except Exception:  # noqa: BLE001 - recorded in `found`
+        pass
+    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------------------- error explanation
 
 
 def _explain_fx_failure(root: nn.Module, tracer: FXLeafTracer, exc: BaseException) -> TraceError:
-    stack = tracer.failed_in or []
+    stack = [(p, c) for p, c in (tracer.failed_in or []) if p]  # the root's own frame has no path
     if stack:
         path, cls = stack[-1]
         where = f"module '{path}' ({cls})"
@@ -237,21 +400,23 @@ def _explain_fx_failure(root: nn.Module, tracer: FXLeafTracer, exc: BaseExceptio
     if frame:
         lines.append(f"  at {frame}")
     lines.append("  Fixes that apply:")
-    data_dependent = "control flow" in message or "iterate" in message or "bool" in message.lower()
-    mod_path = f"{type(root).__module__}.{cls}" if not stack else _class_path(root, path)
-    lines.append(f"  - keep the module opaque: trace.leaf_modules: ['{mod_path}'] (it stays unfused inside)")
+    lines.append(
+        "  - trace.mode: export (or auto, the default, with example inputs): torch.export follows code that "
+        "depends on shapes, such as `if x.shape[0] > 1` or torch.zeros(x.shape[0], ...)"
+    )
+    if "control flow" in message or "iterate" in message or "bool" in message.lower():
+        lines.append(
+            "  - a Python branch on a traced value: on a shape, torch.export captures it (above); on tensor "
+            "values, no tracer can, so move it into a leaf module or an autowrapped function; on a flag "
+            "argument, pin it with trace.concrete_args"
+        )
+    if stack:  # a leaf at the root would keep the whole model opaque: nothing would be fused
+        lines.append(
+            f"  - keep that module opaque: trace.leaf_modules: ['{_class_path(root, path)}'] (it stays unfused inside)"
+        )
     lines.append(
         "  - move the offending code into a free function and list it in trace.autowrap_functions "
         "(['pkg.module:function'])"
-    )
-    if data_dependent:
-        lines.append(
-            "  - data-dependent control flow (a branch on tensor values) cannot be captured by any tracer; "
-            "for a branch on a flag, pin it with trace.concrete_args"
-        )
-    lines.append(
-        "  - trace.mode: export (or auto, the default, with example inputs) captures shape-dependent code "
-        "such as torch.zeros(x.shape[0], ...)"
     )
     return TraceError("\n".join(lines))
 

@@ -407,6 +407,11 @@ def validate(cfg: FuseConfig) -> None:
     _validate_parity(cfg.parity)
     _validate_export(cfg.export)
     _validate_trace(cfg.trace)
+    for spec in builtin_passes():
+        try:
+            getattr(cfg.passes, spec.name).check()
+        except ValueError as exc:
+            raise ConfigError(f"passes.{spec.name}.{exc}") from None
 
 
 def _validate_device(device: str) -> None:

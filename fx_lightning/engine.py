@@ -1,7 +1,8 @@
-"""``fuse()``: capture -> passes, the engine behind the callback and the CLI."""
+"""``fuse()``: module passes -> capture -> graph passes, the engine behind the callback and the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -12,11 +13,12 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.batches import as_example_inputs
-from fx_lightning.capture import capture, set_eval
+from fx_lightning.capture import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
-from fx_lightning.passes import PassContext, plan_passes, run_passes
+from fx_lightning.passes import PassContext, Stage, plan_passes, run_passes
 from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
-from fx_lightning.report import FuseReport, PassReport, graph_stats
+from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
+from fx_lightning.report import FuseReport, GraphStats, PassReport, graph_stats
 
 __all__ = ["FuseResult", "fuse"]
 
@@ -52,28 +54,42 @@ def fuse(
     cfg = config if isinstance(config, FuseConfig) else load_config(config)
     inputs = as_example_inputs(example_inputs)
     start = time.perf_counter()
-    captured = capture(module, cfg.trace, inputs)
+    plan = plan_passes(cfg.passes)
+    working = eval_copy(module)
+    batchnorm_modules = _count_batchnorm_modules(working)
+    module_runs = run_passes(working, plan, PassContext(capture_mode="module", example_inputs=inputs), Stage.module)
+    removed = batchnorm_modules - _count_batchnorm_modules(working)  # by deploy-form conversions
+    captured = capture(working, cfg.trace, inputs, already_copied=True)
+    del working  # the graph module holds what it uses
     gm = captured.graph_module
     if captured.mode == "export":
         # torch.export leaves the working copy and its ExportedProgram in reference cycles: collect them
         # now (cheap beside export itself), so the passes' fused weights do not sit beside a dead copy.
         gc.collect()
-    before = graph_stats(gm)
+    inlined = len(captured.inlined_batchnorms)
+    before = _with_batchnorms(graph_stats(gm), removed + inlined)
     ctx = PassContext(capture_mode=captured.mode, example_inputs=inputs, shapes_known=captured.mode == "export")
-    reports = [
-        PassReport(spec.name, spec.preserves_computation, result.changed, result.skipped, seconds)
-        for spec, result, seconds in run_passes(gm, plan_passes(cfg.passes), ctx)
-    ]
+    graph_runs = run_passes(gm, plan, ctx, Stage.graph)
     report = FuseReport(
         capture_mode=captured.mode,
         before=before,
-        after=graph_stats(gm),
-        passes=reports,
-        remaining_batchnorms=unfused_batchnorm_reasons(gm),
+        after=_with_batchnorms(graph_stats(gm), inlined),
+        passes=[PassReport(spec.name, spec.preserves_computation, result.changed, result.skipped, seconds)
+                for spec, result, seconds in module_runs + graph_runs],
+        remaining_batchnorms=captured.inlined_batchnorms + unfused_batchnorm_reasons(gm),
         notes=list(captured.notes),
         seconds=time.perf_counter() - start,
     )
     if inputs is None and captured.mode == "fx":
-        report.notes.append("no example inputs: shapes unknown, so Linear + BatchNorm1d pairs were not folded")
+        report.notes.append("no example inputs: shapes unknown (Linear + BatchNorm1d pairs not folded) and the "
+                            "capture not run against the model")
     set_eval(gm)
     return FuseResult(gm, report, cfg, inputs)
+
+
+def _count_batchnorm_modules(module: nn.Module) -> int:
+    return sum(1 for m in module.modules() if is_batchnorm_like(m) or looks_like_batchnorm(m))
+
+
+def _with_batchnorms(stats: GraphStats, extra: int) -> GraphStats:
+    return dataclasses.replace(stats, batchnorms=stats.batchnorms + extra)

@@ -1,7 +1,9 @@
 """What a pass is, the registry, and the runner that applies a configured sequence of passes.
 
-A pass is a function ``(gm, options, ctx) -> PassResult | None`` over a GraphModule, registered under a
-name with its options dataclass and whether it preserves computation (like optimum's transformations).
+A pass is a function ``(gm, options, ctx) -> PassResult | None`` over a GraphModule (stage ``graph``), or
+``(module, options, ctx)`` over the working copy of the module before it is captured (stage ``module``: a
+model's own deploy-form conversion, say), registered under a name with its options dataclass and whether
+it preserves computation (like optimum's transformations).
 A *built-in* pass is declared once, with :func:`builtin_pass`: its options dataclass becomes its key in
 ``FuseConfig.passes`` and its ``position`` its place in the default order, so nothing else lists it.
 The runner lints and recompiles after every pass and turns any failure into a :class:`PassError`.
@@ -13,6 +15,7 @@ import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
@@ -21,6 +24,7 @@ from fx_lightning._imports import import_object
 from fx_lightning.errors import PassError
 
 __all__ = [
+    "Stage",
     "PassOptions",
     "PassContext",
     "PassResult",
@@ -41,11 +45,22 @@ __all__ = [
 USER_PASSES_POSITION = 900
 
 
+class Stage(str, Enum):
+    """What a pass works on: the working copy of the module before capture, or the captured graph."""
+
+    module = "module"
+    graph = "graph"
+
+
 @dataclass
 class PassOptions:
     """Options every built-in pass has; a pass's own options dataclass subclasses this."""
 
     enabled: bool = True
+
+    def check(self) -> None:
+        """Value checks the types cannot express: raise ``ValueError("<key>: <what is wrong and allowed>")``
+        (the key relative to the pass's options); the config loader names the full key."""
 
 
 @dataclass
@@ -106,6 +121,7 @@ class PassSpec:
     reports_changes: bool = False
     # Built-in passes only: the place in the default order (see USER_PASSES_POSITION).
     position: Optional[int] = None
+    stage: Stage = Stage.graph
 
     @property
     def builtin(self) -> bool:
@@ -171,15 +187,16 @@ def builtin_pass(
     options: type,
     preserves_computation: bool = True,
     reports_changes: bool = True,
+    stage: Stage = Stage.graph,
 ) -> Callable[[PassFn], PassFn]:
     """Declare a built-in pass: ``options`` (a :class:`PassOptions` dataclass) becomes ``passes.<name>`` in
-    the config schema and ``position`` its place in the default order."""
+    the config schema, ``position`` its place in the default order and ``stage`` what it works on."""
     if not (isinstance(options, type) and issubclass(options, PassOptions)):
         raise TypeError(f"built-in pass {name!r}: options must subclass PassOptions")
 
     def decorator(fn: PassFn) -> PassFn:
-        _register(PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes, position),
-                  replace=False)
+        spec = PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes, position, stage)
+        _register(spec, replace=False)
         return fn
 
     return decorator
@@ -239,8 +256,8 @@ def plan_passes(passes: Any) -> List[Tuple[PassSpec, Any]]:
     return plan
 
 
-def run_pass(spec: PassSpec, gm: fx.GraphModule, options: Any, ctx: PassContext) -> PassResult:
-    """Apply one pass, then lint and recompile. Any failure becomes a PassError naming the pass."""
+def run_pass(spec: PassSpec, gm: Any, options: Any, ctx: PassContext) -> PassResult:
+    """Apply one pass; after a graph pass, lint and recompile. Any failure becomes a PassError naming the pass."""
     try:
         built = spec.build_options(options)
     except TypeError as exc:
@@ -255,6 +272,8 @@ def run_pass(spec: PassSpec, gm: fx.GraphModule, options: Any, ctx: PassContext)
         result = PassResult()
     if not isinstance(result, PassResult):
         raise PassError(f"pass {spec.name!r} returned {type(result).__name__}; expected PassResult or None")
+    if spec.stage is Stage.module:
+        return result
     try:
         gm.graph.lint()
         if result.changed or not spec.reports_changes:
@@ -265,12 +284,15 @@ def run_pass(spec: PassSpec, gm: fx.GraphModule, options: Any, ctx: PassContext)
 
 
 def run_passes(
-    gm: fx.GraphModule, plan: Sequence[Tuple[PassSpec, Any]], ctx: PassContext
+    target: Any, plan: Sequence[Tuple[PassSpec, Any]], ctx: PassContext, stage: Stage = Stage.graph
 ) -> List[Tuple[PassSpec, PassResult, float]]:
-    """Apply ``plan`` to ``gm`` in place; returns (pass, result, seconds) per pass."""
+    """Apply the passes of ``plan`` at ``stage`` to ``target`` (the working module, or the GraphModule) in
+    place; returns (pass, result, seconds) per pass."""
     out = []
     for spec, options in plan:
+        if spec.stage is not stage:
+            continue
         start = time.perf_counter()
-        result = run_pass(spec, gm, options, ctx)
+        result = run_pass(spec, target, options, ctx)
         out.append((spec, result, time.perf_counter() - start))
     return out

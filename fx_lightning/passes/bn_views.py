@@ -19,6 +19,7 @@ from torch import nn
 
 from fx_lightning.passes.fold_math import bn_scale_shift
 from fx_lightning.passes.graph_utils import (
+    KNOWN_BATCHNORM_FORWARDS,
     add_constant,
     attr_tensor,
     call_sites,
@@ -37,6 +38,8 @@ __all__ = [
     "layer_kind",
     "is_batchnorm_node",
     "apply_layer_weights",
+    "weights_refusal",
+    "node_arg",
     "remove_batchnorm",
     "describe",
 ]
@@ -101,7 +104,8 @@ def _zero(padding: Any) -> bool:
     return padding == 0
 
 
-def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` (positional) or ``name`` (keyword) of a call node."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
@@ -129,19 +133,19 @@ def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, str, None]:
     if target in _LINEAR_FN:
         kind, groups, padding = "linear", 1, 0
     elif target in _CONV_FN:
-        kind, groups, padding = "conv", _arg(node, 6, "groups", 1), _arg(node, 4, "padding", 0)
+        kind, groups, padding = "conv", node_arg(node, 6, "groups", 1), node_arg(node, 4, "padding", 0)
     elif target in _CONVT_FN:
-        kind, groups, padding = "conv_transpose", _arg(node, 6, "groups", 1), _arg(node, 4, "padding", 0)
+        kind, groups, padding = "conv_transpose", node_arg(node, 6, "groups", 1), node_arg(node, 4, "padding", 0)
     elif target in _CONVOLUTION_FN:
-        transposed = _arg(node, 6, "transposed", False)
+        transposed = node_arg(node, 6, "transposed", False)
         kind = "conv_transpose" if transposed else "conv"
-        groups, padding = _arg(node, 8, "groups", 1), _arg(node, 4, "padding", 0)
+        groups, padding = node_arg(node, 8, "groups", 1), node_arg(node, 4, "padding", 0)
     else:
         return None
-    weight = attr_tensor(gm, _arg(node, 1, "weight"))
+    weight = attr_tensor(gm, node_arg(node, 1, "weight"))
     if weight is None:
         return f"{describe(node)}: weight is computed in the graph, not a constant"
-    bias_arg = _arg(node, 2, "bias")
+    bias_arg = node_arg(node, 2, "bias")
     bias = attr_tensor(gm, bias_arg)
     if bias_arg is not None and bias is None:
         return f"{describe(node)}: bias is computed in the graph, not a constant"
@@ -184,23 +188,29 @@ def _module_is_exclusive(gm: fx.GraphModule, target: str) -> bool:
     return call_sites(gm, target) == 1 and not any(t.startswith(prefix) for t in get_attr_targets(gm))
 
 
+def weights_refusal(gm: fx.GraphModule, layer: Layer, copy_shared: bool) -> Optional[str]:
+    """Why :func:`apply_layer_weights` would refuse ``layer`` (None: it will not)."""
+    target = str(layer.node.target)
+    if layer.module is not None and not copy_shared and not _module_is_exclusive(gm, target):
+        return f"module '{target}' is called at {call_sites(gm, target)} sites and copy_shared_modules is off"
+    return None
+
+
 def apply_layer_weights(
     gm: fx.GraphModule, layer: Layer, weight: torch.Tensor, bias: torch.Tensor, copy_shared: bool
 ) -> Optional[str]:
     """Point ``layer.node`` at new weights without touching other call sites. Returns a skip reason or None."""
     node = layer.node
+    refusal = weights_refusal(gm, layer, copy_shared)
+    if refusal is not None:
+        return refusal
     if layer.module is not None:
         exclusive = _module_is_exclusive(gm, str(node.target))
-        if not exclusive and not copy_shared:
-            return (
-                f"module '{node.target}' is called at {call_sites(gm, str(node.target))} sites and "
-                "copy_shared_modules is off"
-            )
         install_module(gm, node, _fresh_module(layer.module, weight, bias), exclusive=exclusive)
         return None
     w_node = add_constant(gm, node, f"{node.name}_weight", weight)
     b_node = add_constant(gm, node, f"{node.name}_bias", bias)
-    old_w, old_b = _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    old_w, old_b = node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
     _set_arg(node, 1, "weight", w_node)
     _set_arg(node, 2, "bias", b_node)
     # Free the unfused weight now, not at the end of the pass (peak memory: one copy of the weights).
@@ -228,7 +238,6 @@ def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:
 
 _F_BN = {F.batch_norm}
 _TORCH_BN = {torch.batch_norm} | _ops("batch_norm.default")
-_KNOWN_BN_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
 
 
 @dataclass
@@ -247,10 +256,16 @@ class BatchNorm:
 
 
 def is_batchnorm_node(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A BatchNorm call: a BatchNorm module, or a functional/ATen batch_norm with running statistics (without
+    them it normalises with batch statistics, e.g. weight standardisation: not a BatchNorm at inference)."""
     if node.op == "call_module":
         m = module_of(gm, node)
         return m is not None and is_batchnorm_like(m)
-    return node.op == "call_function" and (node.target in _F_BN or node.target in _TORCH_BN)
+    if node.op != "call_function":
+        return False
+    if node.target in _F_BN:
+        return node_arg(node, 1, "running_mean") is not None
+    return node.target in _TORCH_BN and node_arg(node, 3, "running_mean") is not None
 
 
 def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, str, None]:
@@ -264,8 +279,9 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, str, None]:
         assert m is not None
         name = type(m).__qualname__
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            if type(m).forward not in _KNOWN_BN_FORWARDS:
-                return f"{name} overrides BatchNorm's forward"
+            if type(m).forward not in KNOWN_BATCHNORM_FORWARDS:
+                return (f"{name} overrides BatchNorm's forward (kept whole by trace.leaf_modules?): declare it "
+                        "under passes.batchnorm_forms.modules, or let it be traced through")
             if m.training:
                 return f"{name} is in training mode"
         elif not type(m).__module__.startswith("torchvision"):
@@ -278,13 +294,13 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, str, None]:
         bias = m.bias if getattr(m, "affine", True) else None
         return BatchNorm(node, node.args[0], m.running_mean.numel(), m.running_mean, m.running_var, weight, bias, float(m.eps))
     if node.target in _F_BN:  # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-        rm_a, rv_a = _arg(node, 1, "running_mean"), _arg(node, 2, "running_var")
-        w_a, b_a = _arg(node, 3, "weight"), _arg(node, 4, "bias")
-        training, eps = _arg(node, 5, "training", False), _arg(node, 7, "eps", 1e-5)
+        rm_a, rv_a = node_arg(node, 1, "running_mean"), node_arg(node, 2, "running_var")
+        w_a, b_a = node_arg(node, 3, "weight"), node_arg(node, 4, "bias")
+        training, eps = node_arg(node, 5, "training", False), node_arg(node, 7, "eps", 1e-5)
     else:  # torch.batch_norm / aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn)
-        w_a, b_a = _arg(node, 1, "weight"), _arg(node, 2, "bias")
-        rm_a, rv_a = _arg(node, 3, "running_mean"), _arg(node, 4, "running_var")
-        training, eps = _arg(node, 5, "training", False), _arg(node, 7, "eps", 1e-5)
+        w_a, b_a = node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
+        rm_a, rv_a = node_arg(node, 3, "running_mean"), node_arg(node, 4, "running_var")
+        training, eps = node_arg(node, 5, "training", False), node_arg(node, 7, "eps", 1e-5)
     if training is not False:
         return "functional batch_norm with training=True (or not a constant) uses batch statistics"
     rm, rv = attr_tensor(gm, rm_a), attr_tensor(gm, rv_a)

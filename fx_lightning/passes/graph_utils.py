@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -11,6 +11,11 @@ from torch import nn
 
 __all__ = [
     "is_batchnorm_like",
+    "is_known_batchnorm",
+    "KNOWN_BATCHNORM_FORWARDS",
+    "looks_like_batchnorm",
+    "shape_only_use",
+    "value_users",
     "fetch_attr",
     "node_shape",
     "call_sites",
@@ -60,6 +65,71 @@ def is_batchnorm_like(module: nn.Module) -> bool:
     return type(module).__name__ == "FrozenBatchNorm2d" and all(
         hasattr(module, a) for a in ("weight", "bias", "running_mean", "running_var", "eps")
     )
+
+
+# The forwards the folds know: torch's BatchNorm (every _BatchNormXd) and SyncBatchNorm.
+KNOWN_BATCHNORM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
+
+
+def is_known_batchnorm(module: nn.Module) -> bool:
+    """A BatchNorm whose forward the folds understand, kept as one call when tracing: torch's BatchNorms and
+    subclasses that keep their forward, and torchvision's FrozenBatchNorm2d. Other BatchNorm subclasses are
+    traced through, so the ``F.batch_norm`` inside their forward is what the folds see."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return type(module).forward in KNOWN_BATCHNORM_FORWARDS
+    return is_batchnorm_like(module) and type(module).__module__.startswith("torchvision")
+
+
+def looks_like_batchnorm(module: nn.Module) -> bool:
+    """Holds BatchNorm statistics (``running_mean`` and ``running_var`` tensors): a BatchNorm of some form."""
+    return all(isinstance(getattr(module, a, None), torch.Tensor) for a in ("running_mean", "running_var"))
+
+
+# Uses of a value that read only its shape, rank, dtype or device: they do not see the numbers, so folding a
+# BatchNorm into the layer that produced the value does not change them (BatchNorm keeps the shape).
+_META_ATTRIBUTES = {"ndim", "shape", "dtype", "device", "is_cuda", "layout", "requires_grad"}
+_META_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous", "get_device"}
+_SHAPE_DONOR_METHODS = {"reshape_as", "view_as", "expand_as"}  # x.view_as(value) reads value's shape only
+
+
+def _aten_meta_ops() -> set:
+    aten = torch.ops.aten
+    names = ("sym_size.int", "sym_size.default", "sym_numel.default", "sym_stride.int", "sym_storage_offset.default")
+    found = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(aten, packet, None), overload, None)
+        if op is not None:
+            found.add(op)
+    return found
+
+
+_ATEN_META_OPS = _aten_meta_ops()
+_ATEN_SHAPE_DONORS = {op for op in (getattr(getattr(torch.ops.aten, n, None), "default", None)
+                                    for n in ("reshape_as", "view_as", "expand_as")) if op is not None}
+
+
+def shape_only_use(user: fx.Node, value: fx.Node) -> bool:
+    """True when ``user`` reads only metadata of ``value`` (``.ndim``, ``.shape``, ``.size()``, the shape
+    argument of ``reshape_as``/``view_as``, ``aten.sym_size``...)."""
+    args = user.args
+    if user.op == "call_function" and user.target is getattr:
+        return len(args) >= 2 and args[0] is value and args[1] in _META_ATTRIBUTES
+    if user.op == "call_function" and user.target in _ATEN_META_OPS:
+        return all(a is not value for a in args[1:]) and args[0] is value
+    if user.op == "call_function" and user.target is len:
+        return True
+    if user.op == "call_method" and user.target in _META_METHODS:
+        return bool(args) and args[0] is value and all(a is not value for a in args[1:])
+    if (user.op == "call_method" and user.target in _SHAPE_DONOR_METHODS) or (
+            user.op == "call_function" and user.target in _ATEN_SHAPE_DONORS):
+        return len(args) == 2 and args[1] is value and args[0] is not value
+    return False
+
+
+def value_users(node: fx.Node) -> List[fx.Node]:
+    """The users of ``node`` that read its values (shape-only uses left out)."""
+    return [u for u in node.users if not shape_only_use(u, node)]
 
 
 def _unique_name(parent: nn.Module, base: str) -> str:

@@ -1,0 +1,165 @@
+"""``fx-lightning fuse CKPT``: the callback's pipeline (fuse -> parity -> export) on a checkpoint, after the fact."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from fx_lightning.cli.common import UsageError, import_path, json_arg, load_lightning_module, print_error
+
+__all__ = ["run", "load_cli_config"]
+
+
+def load_cli_config(path: Optional[str], overrides: Sequence[str]) -> Any:
+    """The FuseConfig from a YAML file (a FuseConfig, or a Hydra node with ``_target_``) and dotlist overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fx_lightning.config import load_config
+    from fx_lightning.errors import ConfigError
+
+    merged = OmegaConf.create({})
+    if path:
+        if not os.path.isfile(path):
+            raise UsageError(f"--config: no such file: {path}")
+        try:
+            loaded = OmegaConf.load(path)
+        except (OSError, OmegaConfBaseException, ValueError) as exc:
+            raise ConfigError(f"--config {path}: cannot read it: {exc}") from None
+        if not isinstance(loaded, type(merged)):
+            raise ConfigError(f"--config {path}: expected a mapping of FuseConfig keys, got a list.")
+        loaded.pop("_target_", None)  # a Hydra callback node: the rest are FuseConfig's keys
+        merged = loaded
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise UsageError(f"overrides must look like dotted.key=value; got {', '.join(map(repr, bad))}")
+    if overrides:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"overrides: {exc}") from None
+    return load_config(merged)
+
+
+def run(args: argparse.Namespace, console: Any) -> int:
+    """``fx-lightning fuse``: the callback's pipeline on a checkpoint."""
+    import dataclasses
+
+    import torch
+
+    from fx_lightning.pipeline import Batches, fuse_verify_export, summary_text
+
+    cfg = load_cli_config(args.config, args.overrides)
+    if not os.path.isfile(args.checkpoint):
+        raise UsageError(f"checkpoint: no such file: {args.checkpoint}")
+    model_cls = import_path(args.model, "--model")
+    model = load_lightning_module(model_cls, args.checkpoint, json_arg(args.model_args, "--model-args"),
+                                   args.unsafe_load)
+
+    batches = _datamodule_batches(args, cfg) if args.datamodule else Batches([], "example")
+    example = getattr(model, "example_input_array", None)
+    if args.input_shape:
+        example = _random_input(args.input_shape, args.input_dtype)
+    if not batches.items and example is None:
+        raise UsageError(
+            "no inputs for parity and export: give --datamodule pkg.mod:Class or --input-shape N,C,H,W "
+            f"({args.model} has no example_input_array)"
+        )
+
+    export_dir = args.output or cfg.export.dir or "fx_fused"
+    cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, dir=str(export_dir)))
+    meta = _checkpoint_meta(args.checkpoint)
+    checkpoint = os.path.abspath(args.checkpoint)
+    extra = {
+        "weights": {"source": "checkpoint", "description": f"checkpoint {checkpoint}", "epoch": meta.get("epoch"),
+                    "global_step": meta.get("global_step"), "checkpoint": checkpoint},
+        "lightning_module": f"{model_cls.__module__}.{model_cls.__qualname__}",
+        "checkpoint": os.path.abspath(args.checkpoint),
+        "model": args.model,
+        "written_by": "fx-lightning fuse",
+    }
+    console.print(f"fusing {args.checkpoint} ({args.model})", markup=False)
+    with torch.no_grad():
+        outcome = fuse_verify_export(
+            model, cfg, batches, example_inputs=example, export_dir=Path(export_dir), write=not args.dry_run,
+            protected_paths=[args.checkpoint], extra=extra,
+        )
+    console.print(summary_text(outcome), markup=False)
+    if outcome.parity is not None and not outcome.parity.passed:
+        print_error(console, "parity failed: nothing was exported")
+        return 1
+    if outcome.export_dir is None and args.dry_run:
+        console.print("dry run: nothing written", markup=False)
+    return 0
+
+
+def _checkpoint_meta(checkpoint: str) -> Dict[str, Any]:
+    """Epoch and step from the checkpoint, read with the safe loader (fields we cannot read stay absent)."""
+    import torch
+
+    try:
+        ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - metadata only; the model loaded already
+        return {}
+    return {k: ckpt.get(k) for k in ("epoch", "global_step") if isinstance(ckpt.get(k), int)}
+
+
+def _datamodule_batches(args: argparse.Namespace, cfg: Any) -> Any:
+    """Parity batches from --datamodule, following parity.data (auto: val, else train)."""
+    from fx_lightning.callback.trainer_data import choose_batches
+
+    dm_cls = import_path(args.datamodule, "--datamodule")
+    kwargs = json_arg(args.datamodule_args, "--datamodule-args")
+    if not kwargs and hasattr(dm_cls, "load_from_checkpoint") and _has_datamodule_hparams(args.checkpoint):
+        datamodule = dm_cls.load_from_checkpoint(args.checkpoint, map_location="cpu")
+    else:
+        datamodule = dm_cls(**kwargs)
+    if hasattr(datamodule, "prepare_data"):
+        datamodule.prepare_data()
+    if hasattr(datamodule, "setup"):
+        datamodule.setup("fit")
+
+    def loader(name: str) -> Any:
+        method = getattr(datamodule, f"{name}_dataloader", None)
+        try:
+            return method() if method is not None else None
+        except NotImplementedError:  # Lightning's hook default when the datamodule defines no such loader
+            return None
+
+    return choose_batches({"val": lambda: loader("val"), "train": lambda: loader("train")}, cfg.parity)
+
+
+def _has_datamodule_hparams(checkpoint: str) -> bool:
+    import torch
+
+    try:
+        ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(ckpt.get("datamodule_hyper_parameters"))
+
+
+_DTYPES = {"float32": "float32", "float": "float32", "float64": "float64", "double": "float64",
+           "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "int64": "int64", "long": "int64",
+           "int32": "int32", "int": "int32"}
+
+
+def _random_input(shape_text: str, dtype_text: str) -> Any:
+    import torch
+
+    try:
+        shape = [int(s) for s in shape_text.strip().replace("x", ",").split(",")]  # 8,3,32,32 or 8x3x32x32
+    except ValueError:
+        raise UsageError(f"--input-shape: expected integers like 8,3,32,32, got {shape_text!r}") from None
+    if not shape or any(s < 1 for s in shape):
+        raise UsageError(f"--input-shape: expected positive integers like 8,3,32,32, got {shape_text!r}")
+    if dtype_text not in _DTYPES:
+        raise UsageError(f"--input-dtype: {dtype_text!r}; allowed: {', '.join(sorted(set(_DTYPES.values())))}")
+    dtype = getattr(torch, _DTYPES[dtype_text])
+    g = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 10, shape, generator=g, dtype=dtype)
+

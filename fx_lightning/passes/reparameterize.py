@@ -1,0 +1,158 @@
+"""``reparameterize``: apply a model's own deploy-form conversion to the working copy before capture.
+
+Re-parameterisable blocks (RepVGG, MobileOne, FastViT, RepGhost, LeViT's ConvNorm/LinearNorm...) train with
+several branches and serve as one conv. They follow timm's protocol, which any module can implement:
+
+- ``fuse()`` returns a new module that replaces this one;
+- ``reparameterize()`` converts this module in place;
+- ``switch_to_deploy()`` converts this module in place;
+
+tried in that order (as ``timm.utils.reparameterize_model`` does), parents before their children. Only
+methods that take no arguments are called (a VAE's ``reparameterize(mu, logvar)`` is not a conversion).
+With example inputs every converted module is checked on the input it received, against its own output
+before the conversion, and put back when it differs beyond ``rtol``. The input module is never changed:
+this runs on the working copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fx_lightning.batches import flat_tensors
+from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
+
+__all__ = ["ReparameterizeOptions", "reparameterize", "DEPLOY_METHODS"]
+
+# The conversion protocol, in order of precedence (timm's).
+DEPLOY_METHODS: Tuple[str, ...] = ("fuse", "reparameterize", "switch_to_deploy")
+
+
+@dataclass
+class ReparameterizeOptions(PassOptions):
+    # A converted module whose output moves by more than this (max|after - before| / max|before|, on the
+    # input it received) is put back as it was.
+    rtol: float = 1e-4
+
+    def check(self) -> None:
+        if not math.isfinite(self.rtol) or self.rtol < 0:
+            raise ValueError(f"rtol: must be a finite number >= 0, got {self.rtol}.")
+
+
+def _deploy_method(module: nn.Module) -> Optional[str]:
+    """The first protocol method of ``module`` that can be called without arguments."""
+    for name in DEPLOY_METHODS:
+        method = getattr(type(module), name, None)
+        if not callable(method):
+            continue
+        try:
+            params = list(inspect.signature(getattr(module, name)).parameters.values())
+        except (TypeError, ValueError):
+            continue
+        if all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return name
+    return None
+
+
+def _record_inputs(module: nn.Module, ctx: PassContext) -> Dict[int, Tuple[tuple, dict]]:
+    """The first (args, kwargs) every submodule with a deploy method receives on the example inputs."""
+    seen: Dict[int, Tuple[tuple, dict]] = {}
+    if ctx.example_inputs is None:
+        return seen
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault(id(mod), (args, kwargs))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+               for m in module.modules() if _deploy_method(m) is not None]
+    try:
+        with torch.no_grad():
+            module(*ctx.example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _relative_change(before: Any, after: Any) -> float:
+    a, b = flat_tensors(after), flat_tensors(before)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(a, b):
+        if y.numel() and y.is_floating_point():
+            scale = y.detach().double().abs().max().clamp_min(1e-30)
+            worst = max(worst, float((x.detach().double() - y.detach().double()).abs().max() / scale))
+    return worst
+
+
+def _convert(module: nn.Module, method: str) -> nn.Module:
+    """Run the protocol method; the module that now stands in ``module``'s place."""
+    result = getattr(module, method)()
+    if method == "fuse":
+        if not isinstance(result, nn.Module):
+            raise TypeError(f"fuse() returned a {type(result).__name__}, not a module")
+        return result.eval()
+    return module.eval()
+
+
+def _visit(parent: nn.Module, prefix: str, inputs: Dict[int, Tuple[tuple, dict]], options: ReparameterizeOptions,
+           result: PassResult) -> None:
+    for name, child in list(parent.named_children()):
+        path = f"{prefix}{name}"
+        method = _deploy_method(child)
+        walk = child
+        if method is not None:
+            walk = _convert_checked(parent, name, path, child, method, inputs.get(id(child)), options, result)
+        if walk is not None:
+            _visit(walk, f"{path}.", inputs, options, result)
+
+
+def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, method: str,
+                     recorded: Optional[Tuple[tuple, dict]], options: ReparameterizeOptions,
+                     result: PassResult) -> Optional[nn.Module]:
+    """Convert ``child`` in ``parent``, or put it back; returns the module whose children are walked next
+    (None for a ``fuse()`` replacement, which is already in deploy form)."""
+    kind = type(child).__qualname__
+    backup = copy.deepcopy(child) if method != "fuse" else child
+    try:
+        with torch.no_grad():
+            before = child(*recorded[0], **recorded[1]) if recorded is not None else None
+            new = _convert(child, method)
+            change = _relative_change(before, new(*recorded[0], **recorded[1])) if recorded is not None else None
+    except Exception as exc:  # noqa: BLE001 - a model's own conversion code; put the module back
+        setattr(parent, name, backup)
+        result.skip(path, f"{kind}.{method}() raised {type(exc).__name__}: {exc}", module=kind)
+        return backup
+    if change is not None and not change <= options.rtol:
+        setattr(parent, name, backup)
+        result.skip(path, f"{kind}.{method}() changed the module's output by {change:.2e} (relative) > rtol "
+                          f"{options.rtol:g}: left as trained", module=kind)
+        return backup
+    setattr(parent, name, new)
+    detail: Dict[str, Any] = {"module": kind, "method": method}
+    if change is None:
+        detail["checked"] = "no example inputs: not checked here (parity checks the whole model)"
+    else:
+        detail["relative_change"] = change
+    result.change(path, "reparameterized", **detail)
+    return None if method == "fuse" else new
+
+
+# First of all: the deploy form removes whole branches (and their BatchNorms) that no fold can reach.
+@builtin_pass("reparameterize", position=1, options=ReparameterizeOptions, stage=Stage.module)
+def reparameterize(module: nn.Module, options: ReparameterizeOptions, ctx: PassContext) -> PassResult:
+    """Convert re-parameterisable blocks to their deploy form (fuse / reparameterize / switch_to_deploy)."""
+    result = PassResult()
+    if _deploy_method(module) is not None:
+        result.skip("<root>", f"the fused module itself ({type(module).__qualname__}) has a deploy method; "
+                              "only its submodules are converted (call it yourself before fusing)")
+    inputs = _record_inputs(module, ctx) if any(_deploy_method(m) is not None for m in module.modules()) else {}
+    _visit(module, "", inputs, options, result)
+    return result
