@@ -8,6 +8,7 @@ graph. ``auto`` tries fx first, then export when example inputs are known.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import traceback
 import types
@@ -104,6 +105,8 @@ class Capture:
     notes: List[str] = field(default_factory=list)
     # BatchNorm-like modules (running statistics, unknown forward) traced into plain arithmetic: not foldable.
     inlined_batchnorms: List[Dict[str, str]] = field(default_factory=list)
+    # BatchNorm subclasses symbolic tracing had to keep whole (their forward does not trace): not foldable by fx.
+    opaque_batchnorms: List[str] = field(default_factory=list)
 
 
 class FXLeafTracer(fx.Tracer):
@@ -122,13 +125,30 @@ class FXLeafTracer(fx.Tracer):
         self._module_stack: List[Tuple[str, str]] = []
         self.failed_in: Optional[List[Tuple[str, str]]] = None
         self.traced_through: Dict[str, str] = {}  # path -> class of BatchNorm-like modules inlined
+        self.opaque_batchnorms: Dict[str, str] = {}  # path -> class of BatchNorms that could not be traced into
+        self._traceable: Dict[type, bool] = {}
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if is_known_batchnorm(m) or (self.leaf_types and isinstance(m, self.leaf_types)):
             return True
         if is_batchnorm_like(m) or looks_like_batchnorm(m):
-            return False  # traced through: the F.batch_norm in its forward (if any) becomes visible
+            # Traced through, so the F.batch_norm in its forward (if any) becomes visible, when that forward
+            # traces at all (one calling torch's BatchNorm.forward does not: it branches on the input's rank).
+            if self._traces_alone(m):
+                return False
+            self.opaque_batchnorms[module_qualified_name] = type(m).__qualname__
+            return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def _traces_alone(self, m: nn.Module) -> bool:
+        cls = type(m)
+        if cls not in self._traceable:
+            try:
+                fx.Tracer(autowrap_modules=(math,)).trace(m)
+                self._traceable[cls] = True
+            except Exception:  # noqa: BLE001 - any failure means: keep it whole
+                self._traceable[cls] = False
+        return self._traceable[cls]
 
     def call_module(self, m: nn.Module, forward: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
@@ -167,6 +187,8 @@ def capture(
     try:
         result = _capture_fx(working, trace)
         _raise_if_unfaithful(result, working, example_inputs)
+        if result.opaque_batchnorms and mode is TraceMode.auto and example_inputs is not None:
+            return _prefer_export(result, working, trace, example_inputs)
         return result
     except TraceError as fx_error:
         if mode is TraceMode.fx:
@@ -182,9 +204,21 @@ def capture(
             raise TraceError(
                 f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
             ) from export_error.__cause__
-        result.notes.insert(0, f"symbolic tracing did not give the model's graph, captured with torch.export "
-                               f"instead: {first_line(fx_error)}")
+        what = "gave a graph that differs from the model" if "unfaithful" in str(fx_error) else "failed"
+        result.notes.insert(0, f"symbolic tracing {what}, captured with torch.export instead: {first_line(fx_error)}")
         return result
+
+
+def _prefer_export(fx_result: Capture, working: nn.Module, trace: TraceConfig, example_inputs: Sequence[Any]) -> Capture:
+    """Symbolic tracing had to keep some BatchNorms whole; torch.export traces their forward, so they fold."""
+    try:
+        result = _capture_export(working, trace, example_inputs)
+    except TraceError:
+        return fx_result
+    names = ", ".join(fx_result.opaque_batchnorms[:3]) + (" ..." if len(fx_result.opaque_batchnorms) > 3 else "")
+    result.notes.insert(0, f"captured with torch.export: symbolic tracing cannot follow the forward of {names}, "
+                           "so their BatchNorms would have stayed")
+    return result
 
 
 def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
@@ -210,7 +244,8 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
                                         "traced into plain arithmetic, not folded; declare it under "
                                         "passes.batchnorm_forms.modules"}
                for path, cls in tracer.traced_through.items() if not _has_batch_norm_call(gm, path)]
-    return Capture(gm, "fx", inlined_batchnorms=inlined)
+    opaque = [f"{path} ({cls})" for path, cls in tracer.opaque_batchnorms.items()]
+    return Capture(gm, "fx", inlined_batchnorms=inlined, opaque_batchnorms=opaque)
 
 
 def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fx_lightning._imports import exception_text, import_object
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.formats import FORMATS
-from fx_lightning.passes import USER_PASSES_POSITION, builtin_passes, resolve_pass
+from fx_lightning.passes import USER_PASSES_POSITION, Stage, builtin_passes, resolve_pass
 
 __all__ = [
     "TraceMode",
@@ -325,6 +325,10 @@ def _check_keys(value: Any, schema: type, path: str) -> None:
                             )
                     elif isinstance(item_type, type) and issubclass(item_type, Enum):
                         _check_enum(item, item_type, f"{full}[{i}]")
+                    elif item_type in (str, int, float, bool) and isinstance(item, (list, tuple, dict)):
+                        raise ConfigError(
+                            f"{full}[{i}]: expected a {item_type.__name__}, got {type(item).__name__} {item!r:.80}."
+                        )
             elif sub is not None and not (isinstance(sub, str) and full == "export.formats"):
                 raise ConfigError(f"{full}: expected a list, got {type(sub).__name__} {sub!r:.80}.")
         elif typing.get_origin(inner) in (dict, Dict):
@@ -489,6 +493,11 @@ def _typed_pass_options(extra: ExtraPassConfig, i: int) -> Dict[str, Any]:
         raise ConfigError(f"passes.extra[{i}].name: {exc.args[0] if exc.args else exc}") from None
     except Exception as exc:  # noqa: BLE001 - importing a user pass may raise anything
         raise ConfigError(f"passes.extra[{i}].name: cannot import {extra.name!r}: {exception_text(exc)}.") from exc
+    if spec.stage is not Stage.graph:
+        raise ConfigError(
+            f"passes.extra[{i}].name: {extra.name!r} works on the module before capture, not on the graph; "
+            f"configure it under passes.{extra.name} instead."
+        )
     if spec.options_type is None or not extra.options:
         return dict(extra.options)
     option_fields = {f.name for f in dataclasses.fields(spec.options_type)}

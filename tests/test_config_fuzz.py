@@ -106,7 +106,8 @@ SITE_BY_PATTERN = {s.dotted: s for s in SITES}
 
 # ----------------------------------------------------------------------------------------- valid values
 
-BUILTIN_PASSES = sorted(registered_passes())
+# The registered passes a user may list under passes.extra: those that work on the graph.
+BUILTIN_PASSES = sorted(n for n in registered_passes() if get_pass(n).stage.value == "graph")
 USER_PASS = "sample_passes:double_output"  # tests/sample_passes.py, importable from the tests directory
 IDENT = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,7}", fullmatch=True)
 # Text that YAML and OmegaConf must carry unchanged: any printable Unicode, but not OmegaConf's own
@@ -131,6 +132,12 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     | st.sampled_from(["builtins:len", "sample_passes:raises"]),
     "export.onnx_opset": st.none() | st.integers(7, 30),
     "device": st.sampled_from(["auto", "cpu", "cuda", "cuda:1", "meta", "mps"]),
+    "passes.reparameterize.rtol": st.floats(0, 1e300),
+    # "module" is required in an item (its default is '???'); the others are optional.
+    "passes.batchnorm_forms.modules[]": st.fixed_dictionaries(
+        {"module": st.sampled_from(["torch.nn:ReLU", "torch.nn.modules.batchnorm:BatchNorm2d",
+                                    "timm.layers.norm_act.BatchNormAct2d", "my_pkg.layers.*Norm"])},
+        optional={"epilogue": st.lists(IDENT, max_size=2), "eps": st.none() | st.floats(1e-12, 1.0)}),
     # Non-empty and unique (export.enabled may be true); a single name is accepted as a one-item list.
     "export.formats": st.lists(st.sampled_from(list(ExportFormat)), min_size=1, unique=True)
     | st.sampled_from([f.name for f in ExportFormat]),

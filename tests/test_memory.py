@@ -96,12 +96,15 @@ def test_working_copy_is_freed_before_fuse_returns(mode: str, monkeypatch: pytes
     refs: List[weakref.ref] = []
     real_eval_copy = capture_mod.eval_copy
 
-    def recording_eval_copy(module: nn.Module) -> nn.Module:
-        working = real_eval_copy(module)
+    def recording_eval_copy(module: nn.Module, device: Any = None) -> nn.Module:
+        working = real_eval_copy(module, device)
         refs.extend(weakref.ref(t) for t in _tensors(working))
         return working
 
+    import fx_lightning.engine as engine_mod
+
     monkeypatch.setattr(capture_mod, "eval_copy", recording_eval_copy)
+    monkeypatch.setattr(engine_mod, "eval_copy", recording_eval_copy)  # fuse() makes the working copy
     model = _randomise_bn(torchvision.models.resnet18(weights=None))
     x = torch.randn(1, 3, 64, 64)
     gc.collect()

@@ -115,10 +115,36 @@ def test_batchnorm_subclass_keeping_forward_is_folded():
     check(seq(nn.Conv2d(3, 5, 3), MyBN(5)), torch.randn(2, 3, 7, 7), bn_after=0)
 
 
-def test_batchnorm_subclass_overriding_forward_is_left_with_reason():
-    result = check(seq(nn.Conv2d(3, 5, 3), BNPlusOne(5)), torch.randn(2, 3, 7, 7), bn_after=1)
+class BNThenReLU(nn.BatchNorm2d):
+    """Its own forward (as timm's BatchNormAct2d): F.batch_norm on its statistics, then an activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._assert(x.ndim == 4, "expected 4-D input")  # a shape-only use of the conv's output
+        return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                                   0.1, self.eps))
+
+
+def test_batchnorm_subclass_with_a_traceable_forward_is_traced_through_and_folded():
+    """fx follows its forward, so the F.batch_norm inside is folded and the ReLU stays."""
+    result = check(seq(nn.Conv2d(3, 5, 3), BNThenReLU(5)), torch.randn(2, 3, 7, 7), bn_after=0)
+    assert result.report.capture_mode == "fx"
+
+
+def test_batchnorm_subclass_calling_torchs_forward_folds_through_export_in_auto_mode():
+    """torch's BatchNorm.forward branches on the input's rank, which symbolic tracing cannot follow: auto mode
+    captures with torch.export instead, and the BatchNorm folds (the +1 stays)."""
+    result = check(seq(nn.Conv2d(3, 5, 3), BNPlusOne(5)), torch.randn(2, 3, 7, 7), bn_after=0, mode="auto")
+    assert result.report.capture_mode == "export" and "BNPlusOne" in result.report.notes[0]
+
+
+@pytest.mark.parametrize("config", [{}, {"trace": {"leaf_modules": [f"{__name__}:BNThenReLU"]}}])
+def test_batchnorm_subclass_kept_whole_in_fx_mode_is_left_with_reason(config):
+    model = seq(nn.Conv2d(3, 5, 3), BNPlusOne(5) if not config else BNThenReLU(5))
+    cfg = {"trace": {"mode": "fx", **config.get("trace", {})}}
+    result = check(model, torch.randn(2, 3, 7, 7), bn_after=1, config=cfg)
     reasons = [s["reason"] for s in result.report.pass_report("fuse_conv_bn").skipped]
-    assert any("overrides BatchNorm's forward" in r for r in reasons), reasons
+    assert any("overrides BatchNorm's forward" in r and "trace.mode: export" in r and "passes.batchnorm_forms" in r
+               for r in reasons), reasons
 
 
 def test_frozen_batchnorm2d():

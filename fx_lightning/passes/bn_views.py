@@ -280,8 +280,9 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, str, None]:
         name = type(m).__qualname__
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             if type(m).forward not in KNOWN_BATCHNORM_FORWARDS:
-                return (f"{name} overrides BatchNorm's forward (kept whole by trace.leaf_modules?): declare it "
-                        "under passes.batchnorm_forms.modules, or let it be traced through")
+                return (f"{name} overrides BatchNorm's forward and was kept whole (symbolic tracing cannot follow "
+                        "it, or trace.leaf_modules lists it): trace.mode: export (or auto) folds it, or declare it "
+                        "under passes.batchnorm_forms.modules")
             if m.training:
                 return f"{name} is in training mode"
         elif not type(m).__module__.startswith("torchvision"):
