@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.passes.batchnorm import is_batchnorm_node
-from fx_lightning.passes.graph_utils import is_batchnorm_like
+from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
 
 
 def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -23,15 +23,16 @@ def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:
     """
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for m in model.modules():
-            if not is_batchnorm_like(m):
+        for m in model.modules():  # frozen forms (statistics as buffers, e.g. timm's FrozenBatchNormAct2d) too
+            if not (is_batchnorm_like(m) or looks_like_batchnorm(m)):
                 continue
             if getattr(m, "running_mean", None) is not None:
                 n = m.running_mean.numel()
                 m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
                 m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.25)
-            if getattr(m, "weight", None) is not None:
+            if isinstance(getattr(m, "weight", None), torch.Tensor):
                 m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.3 + 1.0)
+            if isinstance(getattr(m, "bias", None), torch.Tensor):
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.3)
     return model
 

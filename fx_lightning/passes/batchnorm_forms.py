@@ -6,8 +6,8 @@ Face's ``*FrozenBatchNorm2d`` hold the statistics as buffers and compute ``x * s
 :class:`BatchNormForm` declares such a class as "BatchNorm, then these submodules" (an *epilogue*); this pass
 replaces every instance in the working copy by ``Sequential(bn=<plain BatchNorm on the same tensors>,
 <epilogue...>)``, which every fold understands, and the epilogue (an activation, an eval-mode dropout)
-stays in the graph. The capture that follows is run against the eager model before it is trusted, so a
-wrong declaration cannot give wrong numbers silently.
+stays in the graph. With example inputs every replacement is run on the input the module received, beside
+the module itself, and refused when its output differs: a wrong declaration cannot give wrong numbers.
 
 Declare your own with :func:`register_batchnorm_form` or in config::
 
@@ -30,6 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fx_lightning._imports import import_object
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
+from fx_lightning.passes.module_check import output_change, record_module_inputs
 
 __all__ = [
     "BatchNormForm",
@@ -93,8 +94,12 @@ class BatchNormFormsOptions(PassOptions):
     # Your own declarations, tried before the built-in ones (timm's BatchNormAct2d family, Hugging Face's
     # frozen BatchNorms).
     modules: List[BatchNormFormConfig] = field(default_factory=list)
+    # A replacement whose output moves by more than this (relative) on the module's own input is refused.
+    rtol: float = 1e-4
 
     def check(self) -> None:
+        if not math.isfinite(self.rtol) or self.rtol < 0:
+            raise ValueError(f"rtol: must be a finite number >= 0, got {self.rtol}.")
         for i, item in enumerate(self.modules):
             if ":" in item.module:
                 try:
@@ -181,17 +186,24 @@ def batchnorm_forms(module: nn.Module, options: BatchNormFormsOptions, ctx: Pass
     """Replace declared BatchNorm forms (BatchNorm + epilogue, frozen BatchNorms) by a plain BatchNorm + epilogue."""
     result = PassResult()
     forms = _config_forms(options) + list(_FORMS)
+    inputs = record_module_inputs(module, lambda m: declared_form(m, forms) is not None, ctx.example_inputs)
     for path, sub in list(module.named_modules()):
         form = declared_form(sub, forms) if path else None
         if form is None:
             continue
         parent_path, _, name = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module
+        kind = type(sub).__qualname__
         try:
-            setattr(parent, name, _replacement(sub, form))
+            replacement, change = output_change(sub, lambda: _replacement(sub, form), inputs.get(id(sub)))
         except ValueError as exc:
-            result.skip(path, f"{type(sub).__qualname__} is declared as a BatchNorm form ({form.match}) but {exc}")
+            result.skip(path, f"{kind} is declared as a BatchNorm form ({form.match}) but {exc}")
             continue
-        result.change(path, "BatchNorm form made plain", module=type(sub).__qualname__,
-                      epilogue=list(form.epilogue))
+        if change is not None and not change <= options.rtol:
+            result.skip(path, f"{kind}'s declaration as a BatchNorm form ({form.match}, epilogue "
+                              f"{list(form.epilogue)}) does not match its forward: the output differs by {change:.2e} "
+                              "(relative); left as it is")
+            continue
+        setattr(parent, name, replacement)
+        result.change(path, "BatchNorm form made plain", module=kind, epilogue=list(form.epilogue))
     return result

@@ -22,11 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 from torch import nn
 
-from fx_lightning.batches import flat_tensors
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
+from fx_lightning.passes.module_check import output_change, record_module_inputs
 
 __all__ = ["ReparameterizeOptions", "reparameterize", "DEPLOY_METHODS"]
 
@@ -60,38 +59,6 @@ def _deploy_method(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _record_inputs(module: nn.Module, ctx: PassContext) -> Dict[int, Tuple[tuple, dict]]:
-    """The first (args, kwargs) every submodule with a deploy method receives on the example inputs."""
-    seen: Dict[int, Tuple[tuple, dict]] = {}
-    if ctx.example_inputs is None:
-        return seen
-
-    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        seen.setdefault(id(mod), (args, kwargs))
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-               for m in module.modules() if _deploy_method(m) is not None]
-    try:
-        with torch.no_grad():
-            module(*ctx.example_inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
-def _relative_change(before: Any, after: Any) -> float:
-    a, b = flat_tensors(after), flat_tensors(before)
-    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
-        return float("inf")
-    worst = 0.0
-    for x, y in zip(a, b):
-        if y.numel() and y.is_floating_point():
-            scale = y.detach().double().abs().max().clamp_min(1e-30)
-            worst = max(worst, float((x.detach().double() - y.detach().double()).abs().max() / scale))
-    return worst
-
-
 def _convert(module: nn.Module, method: str) -> nn.Module:
     """Run the protocol method; the module that now stands in ``module``'s place."""
     result = getattr(module, method)()
@@ -122,10 +89,7 @@ def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, 
     kind = type(child).__qualname__
     backup = copy.deepcopy(child) if method != "fuse" else child
     try:
-        with torch.no_grad():
-            before = child(*recorded[0], **recorded[1]) if recorded is not None else None
-            new = _convert(child, method)
-            change = _relative_change(before, new(*recorded[0], **recorded[1])) if recorded is not None else None
+        new, change = output_change(child, lambda: _convert(child, method), recorded)
     except Exception as exc:  # noqa: BLE001 - a model's own conversion code; put the module back
         setattr(parent, name, backup)
         result.skip(path, f"{kind}.{method}() raised {type(exc).__name__}: {exc}", module=kind)
@@ -153,6 +117,6 @@ def reparameterize(module: nn.Module, options: ReparameterizeOptions, ctx: PassC
     if _deploy_method(module) is not None:
         result.skip("<root>", f"the fused module itself ({type(module).__qualname__}) has a deploy method; "
                               "only its submodules are converted (call it yourself before fusing)")
-    inputs = _record_inputs(module, ctx) if any(_deploy_method(m) is not None for m in module.modules()) else {}
+    inputs = record_module_inputs(module, lambda m: _deploy_method(m) is not None, ctx.example_inputs)
     _visit(module, "", inputs, options, result)
     return result

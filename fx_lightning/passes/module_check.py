@@ -1,0 +1,66 @@
+"""Checks for the module-stage passes: a submodule replaced before capture must compute what it did.
+
+Each candidate's input is recorded on the example inputs (one forward of the working copy), and the
+replacement is run on it beside the original; a replacement whose output moves beyond a tolerance is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fx_lightning.batches import flat_tensors
+
+__all__ = ["record_module_inputs", "output_change"]
+
+Recorded = Tuple[tuple, dict]
+
+
+def record_module_inputs(
+    root: nn.Module, wanted: Callable[[nn.Module], bool], example_inputs: Optional[tuple]
+) -> Dict[int, Recorded]:
+    """The first (args, kwargs) each submodule for which ``wanted`` holds receives when ``root`` runs on
+    ``example_inputs`` (keyed by ``id(module)``; empty without inputs)."""
+    seen: Dict[int, Recorded] = {}
+    if example_inputs is None:
+        return seen
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault(id(mod), (args, kwargs))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in root.modules() if wanted(m)]
+    if not handles:
+        return seen
+    try:
+        with torch.no_grad():
+            root(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def output_change(before: nn.Module, after: Callable[[], nn.Module], recorded: Optional[Recorded]) -> Tuple[nn.Module, Optional[float]]:
+    """Run ``before`` on its recorded input, build the replacement (``after()``, which may change ``before`` in
+    place) and run it on the same input: ``(replacement, max|new - old| / max|old|)``; the change is None
+    without a recorded input (then nothing is run)."""
+    with torch.no_grad():
+        old = before(*recorded[0], **recorded[1]) if recorded is not None else None
+        new_module = after()
+        if recorded is None:
+            return new_module, None
+        return new_module, _relative_change(old, new_module(*recorded[0], **recorded[1]))
+
+
+def _relative_change(before: Any, after: Any) -> float:
+    a, b = flat_tensors(after), flat_tensors(before)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(a, b):
+        if y.numel() and y.is_floating_point():
+            scale = y.detach().double().abs().max().clamp_min(1e-30)
+            worst = max(worst, float((x.detach().double() - y.detach().double()).abs().max() / scale))
+    return worst
