@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch.fx as fx
 
@@ -13,7 +14,7 @@ from fx_lightning._json import json_safe
 from fx_lightning.passes.batchnorm import is_batchnorm_node
 from fx_lightning.passes.dropout import is_dropout_node
 
-__all__ = ["GraphStats", "PassReport", "FuseReport", "graph_stats"]
+__all__ = ["GraphStats", "PassReport", "FuseReport", "graph_stats", "reason_kind"]
 
 
 @dataclass
@@ -88,15 +89,32 @@ class FuseReport:
             passes.add_row(p.name, str(len(p.changed)), str(len(p.skipped)),
                            "yes" if p.preserves_computation else "no", f"{p.seconds:.3f}")
         console.print(passes)
-        skipped = [(p.name, s) for p in self.passes for s in p.skipped]
+        skipped = [(f"[{p.name}] ", s) for p in self.passes for s in p.skipped]
         if skipped:
             console.print("left alone:")
-            for name, s in skipped:
-                console.print(f"  [{name}] {s['node']}: {s['reason']}", markup=False)
+            _print_grouped(console, skipped)
         if self.remaining_batchnorms:
             console.print(f"BatchNorms still in the graph: {len(self.remaining_batchnorms)}")
-            for r in self.remaining_batchnorms:
-                console.print(f"  {r['node']}: {r['reason']}", markup=False)
+            _print_grouped(console, [("", r) for r in self.remaining_batchnorms])
         for note in self.notes:
             console.print(f"note: {note}", markup=False)
         return buf.getvalue().rstrip()
+
+
+# "conv_3 (Conv2d 'layer1.0.conv')" / "add_2 (add)" -> "<Conv2d>" / "<add>": what stays the same across modules.
+_NODE = re.compile(r"\b[\w.]+ \(([\w.]+)(?: '[^']*')?\)")
+
+
+def reason_kind(reason: str) -> str:
+    """A reason with its node names taken out, so that the same reason for many modules reads as one."""
+    return _NODE.sub(lambda m: f"<{m.group(1)}>", reason)
+
+
+def _print_grouped(console: Any, entries: List[Tuple[str, Dict[str, Any]]], examples: int = 3) -> None:
+    """One line per distinct reason: how many, a few of the nodes, and the reason."""
+    groups: Dict[Tuple[str, str], List[str]] = {}
+    for prefix, entry in entries:
+        groups.setdefault((prefix, reason_kind(str(entry["reason"]))), []).append(str(entry["node"]))
+    for (prefix, kind), nodes in groups.items():
+        more = f", ... ({len(nodes) - examples} more)" if len(nodes) > examples else ""
+        console.print(f"  {prefix}{len(nodes)} x {kind}  [{', '.join(nodes[:examples])}{more}]", markup=False)

@@ -167,3 +167,30 @@ def test_a_wrong_symbolic_trace_falls_back_to_export_or_raises_in_fx_mode() -> N
     with pytest.raises(TraceError, match="unfaithful") as info:
         fuse(model, {"trace": {"mode": "fx"}}, example_inputs=inputs)
     assert "first difference at" in str(info.value) and "trace.mode: export" in str(info.value)
+
+
+def test_callback_end_to_end_with_a_timm_backbone(tmp_path) -> None:
+    """A LightningModule whose backbone is timm's mobilenetv3 (BatchNormAct2d throughout): the callback folds
+    every BatchNorm, passes parity on the validation batches and exports a model that loads without timm."""
+    timm = pytest.importorskip("timm")
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback, load_fused
+
+    torch.manual_seed(0)
+    backbone = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=0)
+    assert sum(type(m).__name__ == "BatchNormAct2d" for m in backbone.modules()) >= 30
+    with torch.no_grad():
+        width = backbone.eval()(torch.randn(2, 3, 8, 8)).shape[1]
+    model = H.LitClassifier(backbone=backbone.train(), width=width)
+    fuse_cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    trainer = H.make_trainer(tmp_path, [fuse_cb], max_epochs=1, limit_train_batches=2)
+    train, val = H.loaders()
+    trainer.fit(model, train, val)
+    report = fuse_cb.result.report  # type: ignore[union-attr]
+    assert report.before.batchnorms >= 30 and report.after.batchnorms == 0, str(report)
+    assert report.pass_report("batchnorm_forms").changed  # the BatchNormAct2d layers, made plain
+    assert fuse_cb.parity_report is not None and fuse_cb.parity_report.passed
+    x = torch.randn(3, 3, 8, 8)
+    ref = H.fp64_copy(model.backbone)(x.double())
+    with torch.no_grad():
+        assert H.rel_err(load_fused(fuse_cb.export_dir)(x), ref) <= 1e-5
