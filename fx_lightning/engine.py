@@ -6,7 +6,7 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -76,7 +76,7 @@ def fuse(
         after=_with_batchnorms(graph_stats(gm), inlined),
         passes=[PassReport(spec.name, spec.preserves_computation, result.changed, result.skipped, seconds)
                 for spec, result, seconds in module_runs + graph_runs],
-        remaining_batchnorms=captured.inlined_batchnorms + unfused_batchnorm_reasons(gm),
+        remaining_batchnorms=captured.inlined_batchnorms + _with_pass_reasons(unfused_batchnorm_reasons(gm), graph_runs),
         notes=list(captured.notes),
         seconds=time.perf_counter() - start,
     )
@@ -85,6 +85,12 @@ def fuse(
                             "capture not run against the model")
     set_eval(gm)
     return FuseResult(gm, report, cfg, inputs)
+
+
+def _with_pass_reasons(remaining: List[Dict[str, Any]], runs: List[Any]) -> List[Dict[str, Any]]:
+    """Each BatchNorm left, with the reason a pass gave for leaving it when one did (the most specific)."""
+    given = {s["node"]: s["reason"] for _, result, _ in runs for s in result.skipped}
+    return [{**r, "reason": given.get(r["node"], r["reason"])} for r in remaining]
 
 
 def _count_batchnorm_modules(module: nn.Module) -> int:

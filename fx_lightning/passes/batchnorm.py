@@ -139,7 +139,7 @@ def _fold_output(gm: fx.GraphModule, layer: Layer, bn: BatchNorm, dtype: torch.d
 
 def _only_feeds(node: fx.Node, user: fx.Node) -> Optional[str]:
     """Why folding would change other readers of ``node``'s values (shape-only readers do not count)."""
-    others = [u.name for u in value_users(node) if u is not user]
+    others = [describe(u) for u in value_users(node) if u is not user]
     if others:
         return f"the output of {describe(node)} also feeds {', '.join(others)}; folding would change them"
     return None
