@@ -194,3 +194,20 @@ def test_callback_end_to_end_with_a_timm_backbone(tmp_path) -> None:
     ref = H.fp64_copy(model.backbone)(x.double())
     with torch.no_grad():
         assert H.rel_err(load_fused(fuse_cb.export_dir)(x), ref) <= 1e-5
+
+
+def test_a_trace_error_points_at_the_model_librarys_line() -> None:
+    """Frames under site-packages/torchvision are the model's code, not torch's: the error names raft.py."""
+    from fx_lightning import TraceError
+
+    model, inputs = _build("torchvision/raft_large")
+    with pytest.raises(TraceError) as info:
+        fuse(model, {"trace": {"mode": "fx"}}, example_inputs=inputs)
+    assert "torchvision/models/optical_flow/raft.py:" in str(info.value).replace("\\", "/")
+
+
+def test_the_report_groups_one_reason_given_for_many_batchnorms() -> None:
+    model, inputs = _build("timm/densenet121")
+    text = str(fuse(model, example_inputs=inputs).report)
+    assert "62 x follows <cat> (not a conv/linear it can fold into) and feeds <ReLU>" in text
+    assert text.count("not a conv/linear it can fold into") == 1  # one line, not 62
