@@ -36,6 +36,7 @@ __all__ = [
     "batch_size_of",
     "take_rows",
     "batch_at_least_two",
+    "with_batch_size",
 ]
 
 # Keys tried, in order, when a batch is a mapping and no input rule is configured.
@@ -243,5 +244,16 @@ def batch_at_least_two(args: Sequence[Any]) -> Tuple[Any, ...]:
             if a.shape[0] == 0:
                 raise ValueError("a tensor argument has batch size 0; give at least one sample")
             a = torch.cat([a, a], dim=0)
+        out.append(a)
+    return tuple(out)
+
+
+def with_batch_size(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
+    """``args`` with every batched tensor cut or repeated along dim 0 to ``n`` samples."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] != n:
+            reps = -(-n // a.shape[0])
+            a = a.repeat(reps, *([1] * (a.dim() - 1)))[:n]
         out.append(a)
     return tuple(out)

@@ -30,6 +30,8 @@ __all__ = [
     "WeightsSource",
     "OnError",
     "Preflight",
+    "FormatFailure",
+    "Selection",
     "ExportFormat",
     "ParityData",
     "TraceConfig",
@@ -77,6 +79,20 @@ class Preflight(str, Enum):
     full = "full"
     capture = "capture"
     off = "off"
+
+
+FormatFailure = Enum("FormatFailure", {"skip": "skip", "raise": "raise"}, type=str)  # type: ignore[misc]
+FormatFailure.__doc__ = ("What a format that cannot be written or fails its check does to the export: skip (the "
+                         "other formats are exported, the manifest and a warning say why it is missing) or raise "
+                         "(nothing is exported).")
+
+
+class Selection(str, Enum):
+    """Which artifact ``load_fused(dir)`` loads by default: ``preference`` (pt2 first), or ``fastest``: every
+    artifact timed side by side after export, the fastest that passes its check."""
+
+    preference = "preference"
+    fastest = "fastest"
 
 
 class ParityData(str, Enum):
@@ -162,6 +178,12 @@ class ExportConfig:
     dynamic_batch: bool = True
     overwrite: bool = True
     onnx_opset: Optional[int] = None
+    # aoti: one package per batch size listed (compiled for it: faster), or one with a dynamic batch.
+    aoti_batch_sizes: List[int] = field(default_factory=list)
+    on_format_failure: FormatFailure = FormatFailure["skip"]  # type: ignore[valid-type]
+    select: Selection = Selection.preference
+    # The batch size the fastest artifact is chosen at (the table shows 1 and this one).
+    select_batch_size: int = 1
 
 
 @dataclass
@@ -458,6 +480,11 @@ def _validate_export(e: ExportConfig) -> None:
         if fmt in seen:
             raise ConfigError(f"export.formats[{i}]: {fmt.name!r} is listed twice.")
         seen.add(fmt)
+    if any(b < 1 for b in e.aoti_batch_sizes) or len(set(e.aoti_batch_sizes)) != len(e.aoti_batch_sizes):
+        raise ConfigError(f"export.aoti_batch_sizes: positive and distinct batch sizes, or [] for one dynamic-batch "
+                          f"package; got {list(e.aoti_batch_sizes)}.")
+    if e.select_batch_size < 1:
+        raise ConfigError(f"export.select_batch_size: must be >= 1, got {e.select_batch_size}.")
     if e.onnx_opset is not None and not 7 <= e.onnx_opset <= 30:
         raise ConfigError(f"export.onnx_opset: must be between 7 and 30 or null, got {e.onnx_opset}.")
 

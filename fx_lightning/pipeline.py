@@ -327,6 +327,10 @@ def export_outcome(
         parity=outcome.parity.to_dict() if outcome.parity is not None else None,
         extra={"target": outcome.target, **(extra or {})},
     )
+    from fx_lightning.export import read_manifest
+
+    for name, reason in read_manifest(outcome.export_dir).get("failed_formats", {}).items():
+        outcome.notes.append(f"format {name} not exported ({reason.split(': ', 1)[-1]})")
     return outcome
 
 

@@ -169,7 +169,7 @@ def test_inspect_prints_the_manifest(cli_export, capsys):
     # The round-trip check in words: which format, on which input shapes, what error against what.
     example = "x".join(map(str, manifest["inputs"][0]["example_shape"]))
     assert f"pt2: loaded back and run on input {example} and 1x3x8x8: relative error" in out
-    assert "against the fused model" in out and "rel err" not in out
+    assert "against an fp64 copy of the fused model" in out and "the fused model itself" in out and "rel err" not in out
     weights = manifest["extra"]["weights"]
     words = " ".join(out.replace("│", " ").split())
     assert f"weights saved at epoch {weights['epoch']}, global step {weights['global_step']}" in words

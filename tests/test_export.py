@@ -279,7 +279,7 @@ def test_overwrite_false_refuses_and_keeps_existing(tmp_path):
 def test_overwrite_replaces_whole_export(tmp_path):
     out = quick_export(tmp_path / "exp", formats=["graph_module", "code"])
     out = quick_export(tmp_path / "exp", seed=1, formats=["pt2"])
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "manifest.json", "model.pt2"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "check.pt", "manifest.json", "model.pt2"]
     x = example(2)
     assert rel_err(load_fused(out)(x), reference_fp64(make_model(1), x)) <= TOL
     assert leftovers(tmp_path, "exp") == []
@@ -344,11 +344,11 @@ def test_writer_failing_halfway_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.export, "save", half_save)
     with pytest.raises(ExportError, match=r"format 'pt2'.*No space left on device"):
-        quick_export(tmp_path / "exp", seed=1)
+        quick_export(tmp_path / "exp", seed=1, on_format_failure="raise")
     assert snapshot(out) == before
     assert leftovers(tmp_path, "exp") == []
     with pytest.raises(ExportError):
-        quick_export(tmp_path / "new", seed=1)
+        quick_export(tmp_path / "new", seed=1, on_format_failure="raise")
     assert not (tmp_path / "new").exists() and leftovers(tmp_path, "new") == []
 
 
@@ -366,7 +366,7 @@ def test_wrong_artifact_is_caught_before_rename(tmp_path, monkeypatch):
 
     monkeypatch.setitem(FORMATS, "graph_module", dataclasses.replace(FORMATS["graph_module"], write=wrong_weights))
     with pytest.raises(ExportError, match=r"format 'graph_module': the loaded model disagrees.*relative error"):
-        quick_export(tmp_path / "exp")
+        quick_export(tmp_path / "exp", on_format_failure="raise")
     assert not (tmp_path / "exp").exists() and leftovers(tmp_path, "exp") == []
 
 
@@ -475,3 +475,44 @@ def test_ddp_only_rank_zero_writes(tmp_path):
     assert results[0]["wrote"] and not results[1]["wrote"]
     assert results[0]["returned"] == results[1]["returned"] == str(tmp_path / "exp")
     assert results[0]["saw_manifest_after_barrier"] and results[1]["saw_manifest_after_barrier"]
+
+
+def test_a_failing_format_is_dropped_and_reported_the_others_exported(tmp_path, monkeypatch):
+    """on_format_failure: skip (the default): the user gets the formats that work, and is told which did not."""
+    real = FORMATS["graph_module"].write
+
+    def wrong_weights(root, ctx):
+        entry = real(root, ctx)
+        bad = torch.load(root / "model.pt", weights_only=False)
+        with torch.no_grad():
+            next(bad.parameters()).mul_(1.01)
+        torch.save(bad, root / "model.pt")
+        return entry
+
+    monkeypatch.setitem(FORMATS, "graph_module", dataclasses.replace(FORMATS["graph_module"], write=wrong_weights))
+    with pytest.warns(UserWarning, match=r"format 'graph_module': the loaded model disagrees"):
+        out = quick_export(tmp_path / "exp")
+    manifest = read_manifest(out)
+    assert list(manifest["formats"]) == ["pt2"] and not (out / "model.pt").exists()
+    assert "disagrees" in manifest["failed_formats"]["graph_module"]
+    x = example(3)
+    assert rel_err(load_fused(out)(x), reference_fp64(make_model(), x)) <= TOL
+    monkeypatch.setitem(FORMATS, "pt2", dataclasses.replace(FORMATS["pt2"], write=wrong_weights))
+    with pytest.raises(ExportError, match="no format could be written"), pytest.warns(UserWarning):
+        quick_export(tmp_path / "none", formats=["graph_module"])
+    assert not (tmp_path / "none").exists()
+
+
+def test_artifacts_are_judged_against_fp64_scaled_to_the_fused_models_own_error(tmp_path):
+    """A runtime with other kernels is not expected to match the fused model bit for bit: each artifact is
+    judged against an fp64 copy of the fused model, allowing a few times the fused model's own error."""
+    out = quick_export(tmp_path / "exp", formats=["pt2", "onnx"])
+    manifest = read_manifest(out)
+    for name in ("pt2", "onnx"):
+        check = manifest["formats"][name]["check"]
+        assert check["against"] == "an fp64 copy of the fused model"
+        assert check["max_rel_err"] <= check["tolerance"] and check["fused_rel_err"] > 0
+        assert check["tolerance"] >= 1e-5
+    assert manifest["formats"]["onnx"]["session_options"]["graph_optimization_level"] == "ORT_ENABLE_ALL"
+    saved = torch.load(out / "check.pt", weights_only=True)
+    assert saved["expected"][0].dtype == torch.float64 and len(saved["inputs"]) == 1

@@ -29,7 +29,7 @@ from fx_lightning.batches import as_args, first_samples, model_device_dtype, to_
 from fx_lightning.callback.ranks import ErrorInfo, Failure, exchange, failure_of
 from fx_lightning.callback.trainer_data import choose_batches, export_directory, peek_inputs, trainer_loaders
 from fx_lightning.capture import capture, eval_copy
-from fx_lightning.config import FuseConfig, Preflight, WeightsSource
+from fx_lightning.config import FormatFailure, FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ParityError, PassError, TraceError
 from fx_lightning.pipeline import Batches, fuse_and_measure, judge, own_rng, resolve_device, resolve_target
 from fx_lightning.pipeline import target_example_inputs
@@ -253,9 +253,11 @@ def _export_to_temporary(measured: Any, config: FuseConfig) -> None:
 
     if measured.target_inputs is None:
         raise ExportError("no example inputs to trace the export with")
+    # Strict here: a format that fails now would be missing after training.
+    strict = dataclasses.replace(config, export=dataclasses.replace(config.export, on_format_failure=FormatFailure["raise"]))
     root = Path(tempfile.mkdtemp(prefix="fx_fused_preflight_"))
     try:
         export_fused(measured.result.graph_module, root / "fx_fused", example_inputs=measured.target_inputs,
-                     config=config)
+                     config=strict)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -31,6 +31,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     inputs = [spec for spec in manifest.get("inputs") or [] if spec.get("kind", "tensor") == "tensor"]
     for name, entry in manifest["formats"].items():
         console.print(f"  {roundtrip_text(name, entry.get('check') or {}, inputs)}", markup=False, soft_wrap=True)
+    for name, reason in (manifest.get("failed_formats") or {}).items():
+        console.print(f"  {name}: NOT EXPORTED: {reason}", markup=False, soft_wrap=True)
     console.print(_files_table(manifest))
     if args.verify:
         console.print("all files match their sha256", markup=False)
@@ -129,8 +131,12 @@ def roundtrip_text(name: str, check: Dict[str, Any], inputs: List[Dict[str, Any]
     for size in check.get("batch_sizes") or []:
         dims = [size if d == "batch" else d for d in (inputs[0].get("shape") or [])] if inputs else []
         shapes.append("x".join(str(d) for d in dims) if dims else f"batch {size}")
-    return (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error "
-            f"{fmt(check.get('max_rel_err'))} against the fused model (max|loaded - fused| / max|fused|)")
+    against = check.get("against", "the fused model")
+    text = (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error "
+            f"{fmt(check.get('max_rel_err'))} against {against} (max|loaded - reference| / max|reference|)")
+    if check.get("fused_rel_err") is not None:
+        text += f"; the fused model itself: {fmt(check['fused_rel_err'])}, allowed: {fmt(check.get('tolerance'))}"
+    return text
 
 
 def _files_table(manifest: Dict[str, Any]) -> Any:

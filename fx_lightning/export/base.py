@@ -31,6 +31,8 @@ class WriteContext:
     dynamic_shapes: Optional[Tuple[Any, ...]]  # torch.export's dynamic_shapes for args (None: static)
     input_names: List[str]
     onnx_opset: Optional[int] = None
+    # AOTInductor: one package per batch size listed (compiled for it), or one with a dynamic batch when empty.
+    aoti_batch_sizes: List[int] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -59,6 +61,8 @@ class Format:
     preference: int
     # Modules needed to write it; checked before any work starts (pip extra named in install_hint).
     requires: Tuple[str, ...] = ()
+    # What else writing it needs (a C++ compiler, say): None when available here, else what is missing.
+    unavailable: Optional[Callable[[], Optional[str]]] = None
     # Modules needed to load and run it; without them the round-trip check is skipped and said so.
     runtime_requires: Tuple[str, ...] = ()
     install_hint: str = ""

@@ -16,7 +16,7 @@ from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.export.base import Format, WriteContext
 
-__all__ = ["FORMAT", "OnnxRuntimeModule"]
+__all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL"]
 
 
 def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
@@ -52,6 +52,7 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
         "exporter": exporter,
         # ONNX itself is device-free; the round-trip check runs it with ONNX Runtime on the CPU.
         "device": "cpu",
+        "session_options": {"graph_optimization_level": SESSION_LEVEL, "intra_op_num_threads": torch.get_num_threads()},
         "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
         "input_names": [i.name for i in model.graph.input],
         "output_names": [o.name for o in model.graph.output],
@@ -90,16 +91,32 @@ def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], outp
         torch.onnx.export(ctx.model, ctx.args, str(path), **kwargs)
 
 
+# How the artifact is checked, and run by load_fused: what an inference server uses (all graph optimisations,
+# ONNX Runtime's default) with as many intra-op threads as torch uses in this process.
+SESSION_LEVEL = "ORT_ENABLE_ALL"
+
+
+def session_options(threads: Optional[int] = None, level: str = SESSION_LEVEL) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    return options
+
+
 class OnnxRuntimeModule(nn.Module):
     """An onnxruntime session behind the nn.Module interface: tensors in, tensors out (on ``device``)."""
 
-    def __init__(self, path: Any, providers: Optional[Sequence[str]] = None, device: Any = "cpu") -> None:
+    def __init__(self, path: Any, providers: Optional[Sequence[str]] = None, device: Any = "cpu",
+                 threads: Optional[int] = None, level: str = SESSION_LEVEL) -> None:
         super().__init__()
         import onnxruntime as ort
 
         self.path = str(path)
         self.device = torch.device(device)
-        self.session = ort.InferenceSession(self.path, providers=list(providers or ["CPUExecutionProvider"]))
+        self.session = ort.InferenceSession(self.path, sess_options=session_options(threads, level),
+                                            providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.eval()
 
@@ -126,7 +143,8 @@ def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
             f"format 'onnx' cannot run on {device}: ONNX Runtime here has {', '.join(available)}"
             + (" (install onnxruntime-gpu for CUDA)" if device.type == "cuda" else "") + "; load it with device='cpu'."
         )
-    return OnnxRuntimeModule(root / entry["path"], [provider], device)
+    level = (entry.get("session_options") or {}).get("graph_optimization_level", SESSION_LEVEL)
+    return OnnxRuntimeModule(root / entry["path"], [provider], device, level=level)
 
 
 FORMAT = Format(
