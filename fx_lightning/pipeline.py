@@ -32,7 +32,7 @@ from fx_lightning.batches import (
     to_model,
 )
 from fx_lightning.capture import eval_copy, set_eval
-from fx_lightning.config import FuseConfig, OnError
+from fx_lightning.config import FuseConfig, OnError, Selection
 from fx_lightning.engine import FuseResult, fuse
 from fx_lightning.errors import ConfigError, ExportError, ParityError
 from fx_lightning.parity import ParityReport, ParityState, judge_parity, measure_parity
@@ -81,6 +81,7 @@ class Measured:
     parity_state: Optional[ParityState]  # None when parity is disabled
     target_inputs: Optional[tuple]  # the target's example inputs (the exporter traces with them)
     notes: List[str] = field(default_factory=list)
+    reference: Optional[nn.Module] = None  # the unfused target (eval copy): the eager baseline when timing
 
 
 @dataclass
@@ -226,7 +227,7 @@ def fuse_and_measure(
             )
         else:
             out_notes.append("parity check disabled (parity.enabled: false): the fused model was not verified")
-    return Measured(config, result, path, whole_candidate, state, target_inputs, out_notes)
+    return Measured(config, result, path, whole_candidate, state, target_inputs, out_notes, reference)
 
 
 def _parity_data(
@@ -331,7 +332,25 @@ def export_outcome(
 
     for name, reason in read_manifest(outcome.export_dir).get("failed_formats", {}).items():
         outcome.notes.append(f"format {name} not exported ({reason.split(': ', 1)[-1]})")
+    if config.export.select is Selection.fastest:
+        outcome.notes.append(_select_fastest(outcome.export_dir, measured))
     return outcome
+
+
+def _select_fastest(directory: Path, measured: Measured) -> str:
+    """Time the export's artifacts against the unfused target (eager), record the fastest that passed."""
+    from fx_lightning.export import bench_export, record_selection, select_fastest
+
+    size = measured.config.export.select_batch_size
+    baselines = {"eager": measured.reference} if measured.reference is not None else {}
+    table = bench_export(directory, batch_sizes=sorted({1, size}), baselines=baselines, rounds=15, warmup=3)
+    selected = select_fastest(table, size)
+    record_selection(directory, table, selected)
+    if selected is None:
+        return "export.select: fastest: no artifact passed its check; load_fused falls back to the order of preference"
+    eager = table.median("eager", size)
+    speedup = f", {eager / selected['median_ms']:.2f}x eager" if eager else ""
+    return f"load_fused selects {selected['format']}: {selected['why']}{speedup}"
 
 
 def fuse_verify_export(

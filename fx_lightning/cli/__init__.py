@@ -59,17 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_.add_argument("--verify", action="store_true", help="also check every file's sha256")
 
     bench = sub.add_parser(
-        "bench", help="latency of an export against the unfused model, on random inputs",
+        "bench", help="time every artifact of an export side by side, check each, and pick the fastest",
         description="Times each exported format (and the unfused model, when its class and checkpoint are known) "
-                    "on random inputs shaped as the manifest says.",
+                    "interleaved, in one process, with fixed threads; checks every artifact's outputs on the "
+                    "export's check batch; --select records the fastest that passed in the manifest, which "
+                    "load_fused(dir) then loads.",
     )
     bench.add_argument("directory")
     bench.add_argument("--format", action="append", dest="formats", metavar="FORMAT",
                        help="format(s) to time (repeatable; default: every format in the export)")
-    bench.add_argument("--batch-size", type=int, default=8)
-    bench.add_argument("--iters", type=int, default=50, help="timed iterations per model")
+    bench.add_argument("--batch-size", type=int, action="append", dest="batch_sizes", metavar="N",
+                       help="batch size(s) to time (repeatable; default: 1 and 8)")
+    bench.add_argument("--iters", type=int, default=30, help="timed rounds (each runs every model once)")
     bench.add_argument("--warmup", type=int, default=5)
     bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    bench.add_argument("--select", action="store_true",
+                       help="record the table and the fastest artifact that passed its check in the manifest")
+    bench.add_argument("--select-batch-size", type=int, default=None,
+                       help="the batch size the fastest is chosen at (default: the first --batch-size)")
     bench.add_argument("--model", metavar="PKG.MODULE:CLASS",
                        help="unfused LightningModule class (default: the one recorded in the manifest)")
     bench.add_argument("--checkpoint", help="its checkpoint (default: the one recorded in the manifest)")

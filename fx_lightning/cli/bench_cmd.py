@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import math
+import contextlib
 import os
-import statistics
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from fx_lightning.cli.common import UsageError, import_path, load_lightning_module
 
@@ -16,83 +14,73 @@ __all__ = ["run"]
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    """``fx-lightning bench``: latency of an export's formats against the unfused model."""
-    import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
+    """``fx-lightning bench``: every artifact timed side by side and checked; optionally, select the fastest."""
+    from fx_lightning.export import bench_export, read_manifest, record_selection, select_fastest
 
-    from fx_lightning.export import load_fused, read_manifest
-
-    if args.batch_size < 1 or args.iters < 1 or args.warmup < 0:
+    sizes = args.batch_sizes or [1, 8]
+    if any(b < 1 for b in sizes) or args.iters < 1 or args.warmup < 0:
         raise UsageError("--batch-size and --iters must be >= 1, --warmup >= 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     root = Path(args.directory)
     manifest = read_manifest(root)
     formats = args.formats or list(manifest["formats"])
     unknown = [f for f in formats if f not in manifest["formats"]]
     if unknown:
         raise UsageError(f"--format: {', '.join(unknown)} not in this export (it has {', '.join(manifest['formats'])})")
-    inputs = _bench_inputs(manifest, args.batch_size)
-
-    candidates: List[Tuple[str, Callable[[], Any]]] = []
+    baselines: Dict[str, Any] = {}
     unfused_note = None
     if not args.no_unfused:
         unfused, unfused_note = _unfused_model(args, manifest)
         if unfused is not None:
-            candidates.append(("unfused", lambda m=unfused: m))
-    for fmt in formats:
-        candidates.append((fmt, lambda f=fmt: load_fused(root, f)))
-
-    rows: List[Tuple[str, List[float]]] = []
-    columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        tasks = {name: progress.add_task(name, total=args.warmup + args.iters) for name, _ in candidates}
-        for name, make in candidates:
-            model = make()
-            times: List[float] = []
-            with torch.no_grad():
-                for i in range(args.warmup + args.iters):
-                    start = time.perf_counter()
-                    model(*inputs)
-                    elapsed = time.perf_counter() - start
-                    if i >= args.warmup:
-                        times.append(elapsed)
-                    progress.advance(tasks[name])
-            rows.append((name, times))
-
-    table = Table(title=f"latency, batch {args.batch_size}, {args.iters} iterations "
-                        f"({torch.get_num_threads()} threads)", title_justify="left")
-    for col in ("model", "mean ms", "median ms", "p90 ms", "samples/s", "speed-up vs unfused"):
-        table.add_column(col, justify="right" if col != "model" else "left")
-    base = next((statistics.median(t) for n, t in rows if n == "unfused"), None)
-    for name, times in rows:
-        med = statistics.median(times)
-        p90 = sorted(times)[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)]
-        speedup = f"{base / med:.2f}x" if base is not None and med > 0 else "-"
-        table.add_row(name, f"{1e3 * statistics.fmean(times):.3f}", f"{1e3 * med:.3f}", f"{1e3 * p90:.3f}",
-                      f"{args.batch_size / med:,.0f}" if med > 0 else "-", speedup)
-    console.print(table)
+            baselines["unfused"] = unfused
+    with _progress(console) as update:
+        table = bench_export(root, batch_sizes=sizes, formats=formats, baselines=baselines, rounds=args.iters,
+                             warmup=args.warmup, threads=args.threads, progress=update)
+    for size in sizes:
+        console.print(_table(table, size, args.iters, "unfused" if baselines else None))
     if unfused_note:
         console.print(f"note: {unfused_note}", markup=False)
+    for name, check in table.checks.items():
+        if not check.get("passed"):
+            console.print(f"{name}: check FAILED ({check.get('reason')}): never selected", markup=False)
+    if args.select:
+        selected = select_fastest(table, args.select_batch_size or sizes[0])
+        record_selection(root, table, selected)
+        console.print(f"selected: {selected['format']} ({selected['why']})" if selected else
+                      "selected: nothing (no artifact passed its check)", markup=False)
     return 0
 
 
-def _bench_inputs(manifest: Dict[str, Any], batch_size: int) -> List[Any]:
-    import torch
+@contextlib.contextmanager
+def _progress(console: Any) -> Iterator[Callable[[str, int, int], None]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    g = torch.Generator().manual_seed(0)
-    inputs = []
-    for spec in manifest.get("inputs") or []:
-        if spec.get("kind", "tensor") != "tensor":
-            raise UsageError(f"input {spec.get('name')!r} is not a tensor ({spec.get('kind')}); bench needs tensors")
-        shape = [batch_size if d == "batch" else int(d) for d in spec["shape"]]
-        dtype = getattr(torch, spec.get("dtype", "float32"))
-        x = torch.randn(shape, generator=g).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
-        inputs.append(x)
-    if not inputs:
-        raise UsageError("the manifest lists no inputs")
-    return inputs
+    columns = (TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("timing", total=None)
+
+        def update(what: str, done: int, total: int) -> None:
+            progress.update(task, description=what, completed=done, total=total)
+
+        yield update
+
+
+def _table(table: Any, size: int, iters: int, baseline: Optional[str]) -> Any:
+    from rich.table import Table
+
+    out = Table(title=f"latency, batch {size}, {iters} iterations ({table.threads} threads, {table.isa})",
+                title_justify="left")
+    columns = ("model", "check", "median ms", "p90 ms", "samples/s") + ((f"speed-up vs {baseline}",) if baseline else ())
+    for col in columns:
+        out.add_column(col, justify="left" if col in ("model", "check") else "right")
+    base = table.median(baseline, size) if baseline else None
+    for t in sorted((t for t in table.timings if t.batch_size == size), key=lambda t: t.median_ms):
+        check = table.checks.get(t.artifact)
+        verdict = "-" if check is None else (f"ok {check.get('relative_error', 0):.1e}" if check.get("passed") else "FAILED")
+        row = [t.artifact, verdict, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}", f"{1e3 * size / t.median_ms:,.0f}"]
+        if baseline:
+            row.append(f"{base / t.median_ms:.2f}x" if base else "-")
+        out.add_row(*row)
+    return out
 
 
 def _unfused_model(args: argparse.Namespace, manifest: Dict[str, Any]) -> Tuple[Any, Optional[str]]:

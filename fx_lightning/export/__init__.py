@@ -30,6 +30,9 @@ __all__ = [
     "read_manifest",
     "verify_files",
     "sha256_file",
+    "bench_export",
+    "select_fastest",
+    "record_selection",
 ]
 
 _HOMES = {
@@ -42,6 +45,9 @@ _HOMES = {
     "Format": "base",
     "export_fused": "writer",
     "load_fused": "loader",
+    "bench_export": "selection",
+    "select_fastest": "selection",
+    "record_selection": "selection",
 }
 
 

@@ -13,7 +13,7 @@ from fx_lightning.errors import ExportError
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, read_manifest, verify_files
 
-__all__ = ["load_fused"]
+__all__ = ["load_fused", "CompiledForServing"]
 
 
 def load_fused(
@@ -22,16 +22,21 @@ def load_fused(
     *,
     verify: bool = True,
     device: Any = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Load an export written by :func:`export_fused`, in eval mode.
 
-    ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``...); ``None`` picks the first
-    available in order of preference (pt2 first). ``device``: where to load it (a torch device or its name);
+    ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``, ``aoti``...); ``None`` picks the
+    artifact the export selected as the fastest that passed its check (``export.select: fastest`` or
+    ``fx-lightning bench --select``), else the first available in order of preference (pt2 first). ``device``: where to load it (a torch device or its name);
     ``None``: the device the artifact was built for (the manifest records it) when this process has it,
     else the CPU. A format that cannot run on the device asked for raises an :class:`ExportError` saying so.
     ``verify`` checks each file's size and sha256 against the manifest first. Raises :class:`ExportError` for
     a missing or corrupt file, an unknown manifest version or a format that is not in the export. Note:
     ``graph_module`` (and ``code`` when it holds pickled modules) unpickles code: load only exports you trust.
+
+    ``compile=True``: for a Python server, the loaded module wrapped in ``torch.compile`` (Inductor, freezing
+    on) and run under ``torch.no_grad()``, which freezing needs; the first call compiles.
     """
     root = Path(directory)
     manifest = read_manifest(root)
@@ -45,13 +50,28 @@ def load_fused(
         raise ExportError(f"format {chosen!r} needs {', '.join(missing)} to run: {fmt.install_hint}.")
     target = _device(device, entry)
     try:
-        return fmt.load(root, entry, target)
+        module = fmt.load(root, entry, target)
+        return CompiledForServing(module) if compile else module
     except ExportError:
         raise
     except Exception as exc:  # noqa: BLE001 - a file that passed (or skipped) verification still failed
         raise ExportError(
             f"{root / entry['path']}: could not load format {chosen!r}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+class CompiledForServing(nn.Module):
+    """``torch.compile`` (Inductor with freezing: weights folded into the generated code) for inference."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.compiled = torch.compile(module, options={"freezing": True})  # this module's compile only
+        self.eval()
+
+    def forward(self, *args: Any) -> Any:
+        with torch.no_grad():  # freezing is skipped with gradients on
+            return self.compiled(*args)
 
 
 def _device(device: Any, entry: dict) -> torch.device:
@@ -69,6 +89,9 @@ def _device(device: Any, entry: dict) -> torch.device:
 def _choose(root: Path, manifest: dict, format: Optional[str]) -> str:
     available = [name for name in FORMATS if name in manifest["formats"]]
     if format is None:
+        selected = (manifest.get("selected") or {}).get("format")
+        if selected in available:
+            return selected
         if not available:
             raise ExportError(f"{root / MANIFEST_NAME}: lists no formats.")
         return available[0]

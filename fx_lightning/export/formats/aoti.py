@@ -12,6 +12,7 @@ In C++, ``torch::inductor::AOTIModelPackageLoader loader("aoti/batch_1.pt2"); lo
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -36,10 +37,14 @@ def cpu_capability() -> str:
 
 
 def _compiler() -> Optional[str]:
+    """The C++ compiler Inductor would use: its configured one (or $CXX), else the usual names."""
     from torch._inductor import config
 
-    return shutil.which(config.cpp.cxx[0] if isinstance(config.cpp.cxx, (tuple, list)) else str(config.cpp.cxx)) \
-        or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    configured = config.cpp.cxx[0] if isinstance(config.cpp.cxx, (tuple, list)) else config.cpp.cxx
+    for name in (configured, os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(str(name)):
+            return shutil.which(str(name))
+    return None
 
 
 def _unavailable() -> Optional[str]:
