@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from fx_lightning.config import FuseConfig, OnError, Selection
 from fx_lightning.engine import FuseResult, fuse
 from fx_lightning.errors import ConfigError, ExportError, ParityError
 from fx_lightning.parity import ParityReport, ParityState, judge_parity, measure_parity
+from fx_lightning.passes import PassContext, Stage, plan_passes, run_pass
 
 __all__ = [
     "Batches",
@@ -82,6 +84,9 @@ class Measured:
     target_inputs: Optional[tuple]  # the target's example inputs (the exporter traces with them)
     notes: List[str] = field(default_factory=list)
     reference: Optional[nn.Module] = None  # the unfused target (eval copy): the eager baseline when timing
+    data: List[Any] = field(default_factory=list)  # the parity batches, and the rule taking inputs out of them
+    input_rule: InputRule = None
+    calibration: List[tuple] = field(default_factory=list)  # the target's inputs on calibration batches
 
 
 @dataclass
@@ -195,13 +200,15 @@ def fuse_and_measure(
     notes: Sequence[str] = (),
     buffers: Optional[Mapping[str, torch.Tensor]] = None,
     device: Optional[torch.device] = None,
+    calibration: Optional[Batches] = None,
 ) -> Measured:
     """Fuse ``config.target`` of a copy of ``model`` and measure parity on ``batches`` (no verdict, no collective).
 
     When there are no batches, ``example_inputs`` (forward's arguments of the whole model) are used instead.
     ``buffers`` (name -> tensor, as ``model.named_buffers()``) are loaded into the working copy before fusing:
     under DDP the callback passes rank zero's, since BatchNorm statistics can differ between ranks. ``device``:
-    where the copy is moved to be fused, checked and exported (default: where ``model`` is).
+    where the copy is moved to be fused, checked and exported (default: where ``model`` is). ``calibration``:
+    batches for the variant passes (int8), default the parity batches.
     """
     path, _ = resolve_target(model, config.target)
     out_notes = list(notes) + ([batches.note] if batches.note else [])
@@ -227,7 +234,23 @@ def fuse_and_measure(
             )
         else:
             out_notes.append("parity check disabled (parity.enabled: false): the fused model was not verified")
-    return Measured(config, result, path, whole_candidate, state, target_inputs, out_notes, reference)
+        calibration_inputs = _calibration_inputs(config, reference_whole, reference, calibration, data, rule)
+    return Measured(config, result, path, whole_candidate, state, target_inputs, out_notes, reference, data, rule,
+                    calibration_inputs)
+
+
+def _calibration_inputs(config: FuseConfig, whole: nn.Module, target: nn.Module, calibration: Optional[Batches],
+                        data: List[Any], rule: InputRule) -> List[tuple]:
+    """The target's inputs on the calibration batches, when a variant pass (int8) is enabled."""
+    wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
+    if not wanted:
+        return []
+    count = max(getattr(options, "calibration_batches", 8) for options in wanted)
+    items = calibration.items if calibration is not None and calibration.items else data
+    rule = config.parity.input if calibration is not None and calibration.items else rule
+    device, dtype = model_device_dtype(whole)
+    return [target_example_inputs(whole, target, as_args(to_model(extract_input(b, rule), device, dtype)))[0]
+            for b in items[:count]]
 
 
 def _parity_data(
@@ -332,9 +355,47 @@ def export_outcome(
 
     for name, reason in read_manifest(outcome.export_dir).get("failed_formats", {}).items():
         outcome.notes.append(f"format {name} not exported ({reason.split(': ', 1)[-1]})")
+    outcome.notes.extend(_export_variants(outcome, measured))
     if config.export.select is Selection.fastest:
         outcome.notes.append(_select_fastest(outcome.export_dir, measured))
     return outcome
+
+
+def _export_variants(outcome: Outcome, measured: Measured) -> List[str]:
+    """Make each enabled variant (int8) of the verified fused model, write it beside the fp32 artifacts and keep
+    the artifacts that pass the variant's gate; the notes say what each did."""
+    from fx_lightning.export.variants import add_variant
+
+    notes = []
+    config = measured.config
+    ctx = PassContext(capture_mode=measured.result.report.capture_mode, example_inputs=measured.target_inputs,
+                      calibration=measured.calibration)
+    for spec, options in plan_passes(config.passes):
+        if spec.stage is not Stage.variant:
+            continue
+        made = run_pass(spec, measured.result.graph_module, options, ctx)
+        gate_config = dataclasses.replace(
+            config.parity, rtol=1.0, min_cosine=0.99, min_top1_agreement=options.min_top1_agreement,
+            max_accuracy_drop=options.max_accuracy_drop)
+        results = add_variant(outcome.export_dir, made.variant_name, made.variant, tuple(measured.target_inputs),
+                              config, lambda loaded: _gate_variant(measured, loaded, gate_config))
+        for name, report in results.items():
+            verdict = "passed its gate" if report.get("passed") else "missed its gate: " + "; ".join(report.get("failures", []))
+            figures = {k: v for k, v in (report.get("metrics") or {}).items()
+                       if k in ("top1_agreement", "accuracy_drop", "cosine_similarity_min")}
+            notes.append(f"{name} {verdict} {figures}" + ("" if report.get("passed") else "; the fp32 artifacts stand"))
+    return notes
+
+
+def _gate_variant(measured: Measured, loaded: nn.Module, cfg: Any) -> ParityReport:
+    """A lossy variant against the fp32 fused model on the parity batches: top-1 agreement, accuracy drop."""
+    path = measured.target
+    whole = whole_model_with(measured.fused_model, path, loaded) if path else loaded
+    state = measure_parity(measured.result.graph_module, loaded, measured.data, cfg,
+                           whole_reference=measured.fused_model if path else None,
+                           whole_candidate=whole if path else None, input_rule=measured.input_rule,
+                           source="val")
+    return judge_parity(state, cfg)
 
 
 def _select_fastest(directory: Path, measured: Measured) -> str:

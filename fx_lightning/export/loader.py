@@ -41,8 +41,8 @@ def load_fused(
     root = Path(directory)
     manifest = read_manifest(root)
     chosen = _choose(root, manifest, format)
-    fmt = FORMATS[chosen]
     entry = manifest["formats"][chosen]
+    fmt = FORMATS[entry.get("format", chosen)]  # a variant (aoti-int8) says which format it is
     if verify:
         verify_files(root, manifest, chosen)
     missing = missing_modules(fmt.runtime_requires)
@@ -88,16 +88,20 @@ def _device(device: Any, entry: dict) -> torch.device:
 
 def _choose(root: Path, manifest: dict, format: Optional[str]) -> str:
     available = [name for name in FORMATS if name in manifest["formats"]]
+    variants = [name for name, entry in manifest["formats"].items() if entry.get("variant")]
     if format is None:
         selected = (manifest.get("selected") or {}).get("format")
-        if selected in available:
+        if selected in available + variants:
             return selected
         if not available:
             raise ExportError(f"{root / MANIFEST_NAME}: lists no formats.")
         return available[0]
     chosen = str(getattr(format, "value", format))
+    if chosen in variants:
+        return chosen
     if chosen not in FORMATS:
-        raise ExportError(f"unknown format {chosen!r}; allowed: {', '.join(FORMATS)}.")
+        raise ExportError(f"unknown format {chosen!r}; allowed: {', '.join(FORMATS)}"
+                          + (f", or the variants {', '.join(variants)}" if variants else "") + ".")
     if chosen not in manifest["formats"]:
         raise ExportError(f"{root}: format {chosen!r} was not exported; available: {', '.join(available) or 'none'}.")
     return chosen

@@ -16,20 +16,26 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from fx_lightning._imports import missing_modules
-from fx_lightning.batches import batch_at_least_two, batch_size_of, flat_tensors, map_tensors, take_rows
+from fx_lightning.batches import (
+    batch_at_least_two,
+    batch_size_of,
+    flat_tensors,
+    map_tensors,
+    take_rows,
+    with_batch_size,
+)
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
-from fx_lightning.errors import ExportError, first_line
+from fx_lightning.errors import ExportError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
 from fx_lightning.export.base import FUSED_CLASS_NAME, Format, WriteContext
 from fx_lightning.export.formats import FORMATS
+from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.export.manifest import MANIFEST_NAME, build_manifest, readme_text, sha256_file, write_manifest
 
-__all__ = ["CHECK_FILE", "Reference", "export_fused", "plain_graph_module", "require_formats", "refuse_existing",
+__all__ = ["CHECK_FILE", "Reference", "export_fused", "make_context", "require_formats", "refuse_existing",
            "write_check_file"]
 
 # A few example inputs and their fp64 reference outputs, saved beside the artifacts.
@@ -75,7 +81,10 @@ def export_fused(
         raise ExportError("export.formats is empty: nothing to write.")
     require_formats(formats)
     refuse_existing(final, config.export.overwrite)
-    ctx = _make_context(graph_module, args, config)
+    try:
+        ctx = make_context(graph_module, args, config)
+    except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take
+        raise ExportError(str(exc)) from exc
     metadata = {"config": to_container(config), "report": report, "parity": parity, "extra": extra}
     strict = config.export.on_format_failure is FormatFailure["raise"]
     try:
@@ -168,8 +177,8 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
 # --------------------------------------------------------------------------------------- normalising
 
 
-def _make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig) -> WriteContext:
-    plain = plain_graph_module(graph_module)
+def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig) -> WriteContext:
+    plain = plain_graph_module(graph_module, FUSED_CLASS_NAME)
     notes: List[str] = []
     try:
         args = batch_at_least_two(example_inputs)
@@ -195,57 +204,6 @@ def _make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], conf
                         aoti_batch_sizes=list(config.export.aoti_batch_sizes), notes=notes)
 
 
-def plain_graph_module(module: nn.Module) -> fx.GraphModule:
-    """A picklable copy of a fused GraphModule with the default code generator.
-
-    An unlifted ``torch.export`` module (capture mode ``export``) flattens its inputs with a pytree codegen,
-    checks them with a ``_guards_fn`` submodule and forward pre-hooks, and refuses ``eval()``: none of that
-    pickles or re-exports cleanly. The copy takes the flat tensors as arguments and rebuilds the output
-    structure in the graph itself. The weights are shared with ``module``, which is not changed.
-    """
-    if not isinstance(module, fx.GraphModule):
-        raise ExportError(
-            f"expected the fused torch.fx.GraphModule (FuseResult.graph_module), got {type(module).__name__}."
-        )
-    graph = fx.Graph()
-    out = graph.graph_copy(module.graph, {})
-    for node in list(graph.nodes):
-        # The export guard module only re-checks input shapes; the plain model has no use for it.
-        if node.op == "call_module" and str(node.target).split(".")[-1] == "_guards_fn" and not node.users:
-            graph.erase_node(node)
-    info = getattr(module.graph._codegen, "pytree_info", None)
-    if info is not None:
-        out = _flat_io(graph, out, info)
-    graph.output(out)
-    for node in reversed(list(graph.nodes)):
-        # Unused attribute reads (export lists every buffer, num_batches_tracked included): pure, drop them.
-        if node.op == "get_attr" and not node.users:
-            graph.erase_node(node)
-    plain = fx.GraphModule(module, graph, class_name=FUSED_CLASS_NAME)
-    plain.eval()
-    return plain
-
-
-def _flat_io(graph: fx.Graph, out: Any, info: Any) -> Any:
-    """Check the inputs are flat positional tensors; rebuild the output structure in the graph."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if info.in_spec is not None:
-        args_kwargs = pytree.tree_unflatten(placeholders, info.in_spec)
-        flat_ok = (
-            isinstance(args_kwargs, tuple) and len(args_kwargs) == 2 and not args_kwargs[1]
-            and list(args_kwargs[0]) == placeholders
-        )
-        if not flat_ok:
-            raise ExportError(
-                "the fused model takes nested or keyword inputs; exports support positional tensor "
-                "arguments (wrap the model so forward takes tensors)."
-            )
-    if info.out_spec is not None:
-        flat = list(out) if isinstance(out, (tuple, list)) else [out]
-        out = pytree.tree_unflatten(flat, info.out_spec)
-    return out
-
-
 # ------------------------------------------------------------------------------------------- checking
 
 
@@ -259,16 +217,29 @@ def _outputs(model: nn.Module, args: Tuple[Any, ...]) -> List[torch.Tensor]:
 
 @dataclass
 class Reference:
-    """What every artifact is judged against: an fp64 copy of the fused model on the example batch (and on
-    batch 1), and the fused model's own error against it. Another runtime's kernels (ONNX Runtime, Inductor)
-    round differently, so an artifact passes when its error is of the order of the fused model's own."""
+    """What every artifact is judged against: an fp64 copy of the fused model (on the example batch and batch 1,
+    and on any batch size an artifact is built for), and the fused model's own error against it. Another
+    runtime's kernels (ONNX Runtime, Inductor) round differently, so an artifact passes when its error is of
+    the order of the fused model's own."""
 
     batches: List[Tuple[Any, ...]]
     exact: List[List[torch.Tensor]]
     fused_error: float
+    exact_model: Optional[nn.Module] = None  # None when some op has no fp64 kernel: judged against fp32 then
+    fused_model: Optional[nn.Module] = None
 
     def tolerance(self, dtype: torch.dtype) -> float:
         return max(_ROUNDTRIP_RTOL.get(dtype, 1e-5), ROUNDTRIP_FACTOR * self.fused_error)
+
+    def for_batch_size(self, size: int) -> Tuple[Tuple[Any, ...], List[torch.Tensor]]:
+        """An example batch of ``size`` samples and its reference outputs."""
+        for batch, exact in zip(self.batches, self.exact):
+            if batch_size_of(batch) == size:
+                return batch, exact
+        batch = with_batch_size(self.batches[0], size)
+        if self.exact_model is not None:
+            return batch, [t.double() for t in _outputs(self.exact_model, map_tensors(_as_double, batch))]
+        return batch, [t.double() for t in _outputs(self.fused_model, batch)]  # type: ignore[arg-type]
 
 
 # An artifact may be this many times further from the fp64 reference than the fused model itself is.
@@ -278,14 +249,14 @@ ROUNDTRIP_FACTOR = 8.0
 def _reference(ctx: WriteContext) -> Reference:
     batches = [ctx.args] + ([take_rows(ctx.args, 1)] if ctx.dynamic_shapes is not None else [])
     fused = [_outputs(ctx.model, b) for b in batches]
+    exact_model: Optional[nn.Module] = copy.deepcopy(ctx.model).double()
     try:
-        exact_model = copy.deepcopy(ctx.model).double()
         exact = [[t.double() for t in _outputs(exact_model, map_tensors(_as_double, b))] for b in batches]
-        del exact_model
     except RuntimeError:  # no fp64 kernel for some op: judge against the fused model itself
+        exact_model = None
         exact = [[t.double() for t in out] for out in fused]
     errors = [_rel_err(f, e) for out, ex in zip(fused, exact) for f, e in zip(out, ex) if e.is_floating_point()]
-    return Reference(batches, exact, max(errors, default=0.0))
+    return Reference(batches, exact, max(errors, default=0.0), exact_model, ctx.model)
 
 
 def _as_double(t: torch.Tensor) -> torch.Tensor:
@@ -313,8 +284,10 @@ def _check_roundtrip(staging: Path, fmt: Format, entry: Dict[str, Any], referenc
         raise ExportError(f"format {fmt.name!r}: written but cannot be loaded back: {type(exc).__name__}: "
                           f"{first_line(exc)}") from exc
     worst, tolerance = 0.0, 0.0
-    for batch, want in zip(reference.batches, reference.exact):
-        size = batch_size_of(batch)
+    # The batch sizes the artifact is built for (an AOTInductor package per size), else the example's and 1.
+    sizes = entry.get("batch_sizes") or [batch_size_of(b) for b in reference.batches]
+    for size in sizes:
+        batch, want = reference.for_batch_size(size)
         try:
             got = _outputs(loaded, batch)
         except Exception as exc:  # noqa: BLE001
@@ -336,7 +309,7 @@ def _check_roundtrip(staging: Path, fmt: Format, entry: Dict[str, Any], referenc
                     f"itself is at {reference.fused_error:.1e} (allowed: {tol:.1e})."
                 )
             worst, tolerance = max(worst, err), max(tolerance, tol)
-    return {"checked": True, "batch_sizes": [batch_size_of(b) for b in reference.batches], "max_rel_err": worst,
+    return {"checked": True, "batch_sizes": list(sizes), "max_rel_err": worst,
             "fused_rel_err": reference.fused_error, "tolerance": tolerance,
             "against": "an fp64 copy of the fused model"}
 

@@ -46,10 +46,13 @@ USER_PASSES_POSITION = 900
 
 
 class Stage(str, Enum):
-    """What a pass works on: the working copy of the module before capture, or the captured graph."""
+    """What a pass works on: the working copy of the module before capture, the captured graph, or (``variant``)
+    the verified fused graph, from which a lossy pass makes a serving variant (``PassResult.variant``) that is
+    gated on its own accuracy before it is exported beside the exact model."""
 
     module = "module"
     graph = "graph"
+    variant = "variant"
 
 
 @dataclass
@@ -74,6 +77,8 @@ class PassContext:
     capture_mode: str = "fx"
     example_inputs: Optional[tuple] = None
     shapes_known: bool = False
+    # Stage "variant": the target's inputs on a few data batches (calibration for quantisation).
+    calibration: List[tuple] = field(default_factory=list)
 
     def ensure_shapes(self, gm: fx.GraphModule) -> bool:
         """Annotate ``gm``'s nodes with shapes (ShapeProp on the example inputs); False if impossible."""
@@ -96,6 +101,8 @@ class PassResult:
 
     changed: List[Dict[str, Any]] = field(default_factory=list)
     skipped: List[Dict[str, Any]] = field(default_factory=list)
+    variant: Any = None  # stage "variant": the model it made (the input graph is left as it was)
+    variant_name: str = ""  # and its name in the export ("int8": artifacts aoti-int8, pt2-int8)
 
     def change(self, node: str, what: str, **detail: Any) -> None:
         self.changed.append({"node": node, "what": what, **detail})
@@ -272,7 +279,7 @@ def run_pass(spec: PassSpec, gm: Any, options: Any, ctx: PassContext) -> PassRes
         result = PassResult()
     if not isinstance(result, PassResult):
         raise PassError(f"pass {spec.name!r} returned {type(result).__name__}; expected PassResult or None")
-    if spec.stage is Stage.module:
+    if spec.stage is not Stage.graph:
         return result
     try:
         gm.graph.lint()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 from torch import nn
+
+from fx_lightning.errors import TraceError
 
 __all__ = [
     "is_batchnorm_like",
@@ -23,6 +26,8 @@ __all__ = [
     "install_module",
     "add_constant",
     "delete_unused_attributes",
+    "unique_module_stacks",
+    "plain_graph_module",
     "drop_replaced_attribute",
 ]
 
@@ -254,3 +259,78 @@ def attr_tensor(gm: fx.GraphModule, arg: Any) -> Optional[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+def unique_module_stacks(gm: fx.GraphModule) -> int:
+    """Make each call of a module called at several sites (a ResNet block's ``relu``, used twice) a module of
+    its own in the graph's ``nn_module_stack`` metadata, which quantisers use to find patterns: pt2e refuses a
+    "partition with more than one output node" otherwise. Consecutive nodes with the same innermost module
+    are one call; a later run of it is another. Returns how many calls were renamed; the graph is unchanged."""
+    runs: Dict[str, int] = {}
+    previous = None
+    renamed = 0
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            previous = None
+            continue
+        key = next(reversed(stack))
+        path, kind = stack[key]  # partitions are keyed on the module path, not on the stack's own keys
+        if path != previous:
+            runs[path] = runs.get(path, 0) + 1
+            renamed += runs[path] > 1
+        previous = path
+        if runs[path] > 1:
+            node.meta["nn_module_stack"] = {**stack, key: (f"{path}@{runs[path]}", kind)}
+    return renamed
+
+
+def plain_graph_module(module: nn.Module, class_name: str = "FusedModule") -> fx.GraphModule:
+    """A picklable copy of a fused GraphModule with the default code generator.
+
+    An unlifted ``torch.export`` module (capture mode ``export``) flattens its inputs with a pytree codegen,
+    checks them with a ``_guards_fn`` submodule and forward pre-hooks, and refuses ``eval()``: none of that
+    pickles or re-exports cleanly. The copy takes the flat tensors as arguments and rebuilds the output
+    structure in the graph itself. The weights are shared with ``module``, which is not changed.
+    """
+    if not isinstance(module, fx.GraphModule):
+        raise TraceError(
+            f"expected the fused torch.fx.GraphModule (FuseResult.graph_module), got {type(module).__name__}."
+        )
+    graph = fx.Graph()
+    out = graph.graph_copy(module.graph, {})
+    for node in list(graph.nodes):
+        # The export guard module only re-checks input shapes; the plain model has no use for it.
+        if node.op == "call_module" and str(node.target).split(".")[-1] == "_guards_fn" and not node.users:
+            graph.erase_node(node)
+    info = getattr(module.graph._codegen, "pytree_info", None)
+    if info is not None:
+        out = _flat_io(graph, out, info)
+    graph.output(out)
+    for node in reversed(list(graph.nodes)):
+        # Unused attribute reads (export lists every buffer, num_batches_tracked included): pure, drop them.
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    plain = fx.GraphModule(module, graph, class_name=class_name)
+    plain.eval()
+    return plain
+
+
+def _flat_io(graph: fx.Graph, out: Any, info: Any) -> Any:
+    """Check the inputs are flat positional tensors; rebuild the output structure in the graph."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if info.in_spec is not None:
+        args_kwargs = pytree.tree_unflatten(placeholders, info.in_spec)
+        flat_ok = (
+            isinstance(args_kwargs, tuple) and len(args_kwargs) == 2 and not args_kwargs[1]
+            and list(args_kwargs[0]) == placeholders
+        )
+        if not flat_ok:
+            raise TraceError(
+                "the fused model takes nested or keyword inputs; exports support positional tensor "
+                "arguments (wrap the model so forward takes tensors)."
+            )
+    if info.out_spec is not None:
+        flat = list(out) if isinstance(out, (tuple, list)) else [out]
+        out = pytree.tree_unflatten(flat, info.out_spec)
+    return out

@@ -82,6 +82,7 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
         "weights_only": True,
         "pickled_code": False,
         "packages": packages,
+        "batch_sizes": [int(k) for k in packages if k != "dynamic"] or None,  # None: any
         "built_for": {
             "device": str(device),
             "machine": platform.machine(),
