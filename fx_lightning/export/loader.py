@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,6 +49,11 @@ def load_fused(
     missing = missing_modules(fmt.runtime_requires)
     if missing:
         raise ExportError(f"format {chosen!r} needs {', '.join(missing)} to run: {fmt.install_hint}.")
+    for name in entry.get("imports", []):  # modules that register a variant's ops (torchao for int8)
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ExportError(f"{chosen!r} needs {name} to load ({exc}): pip install {name}.") from None
     target = _device(device, entry)
     try:
         module = fmt.load(root, entry, target)

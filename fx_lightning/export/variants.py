@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Sequence
 
 import torch
 from torch import nn
@@ -33,10 +33,11 @@ Gate = Callable[[nn.Module], Any]  # loaded artifact -> a report with .passed, .
 
 
 def add_variant(root: Path, name: str, module: nn.Module, example_inputs: tuple, config: FuseConfig,
-                gate: Gate) -> Dict[str, Any]:
+                gate: Gate, imports: Sequence[str] = ()) -> Dict[str, Any]:
     """Write ``module`` as variant ``name`` in the configured formats that serve variants (pt2 when none is
     configured), gate each loaded artifact, keep those that pass; returns ``{entry name: gate report dict}``
-    (kept or not) and records the kept ones in the manifest."""
+    (kept or not) and records the kept ones in the manifest. ``imports``: modules a process must import to load
+    the variant (the ones that register its ops)."""
     wanted = [f.value for f in config.export.formats if f.value in VARIANT_FORMATS] or ["pt2"]
     formats = [FORMATS[f] for f in wanted]
     require_formats(formats)
@@ -50,7 +51,7 @@ def add_variant(root: Path, name: str, module: nn.Module, example_inputs: tuple,
         before = set(list_files(folder))
         try:
             entry = fmt.write(folder, ctx)
-            entry.update(path=f"{name}/{entry['path']}", format=fmt.name, variant=name,
+            entry.update(path=f"{name}/{entry['path']}", format=fmt.name, variant=name, imports=list(imports),
                          files=[f"{name}/{f}" for f in sorted(set(list_files(folder)) - before)],
                          device=entry.get("device", str(ctx.device)))
             report = gate(fmt.load(root, entry, torch.device(entry["device"])))

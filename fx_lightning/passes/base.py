@@ -103,6 +103,7 @@ class PassResult:
     skipped: List[Dict[str, Any]] = field(default_factory=list)
     variant: Any = None  # stage "variant": the model it made (the input graph is left as it was)
     variant_name: str = ""  # and its name in the export ("int8": artifacts aoti-int8, pt2-int8)
+    variant_imports: List[str] = field(default_factory=list)  # modules that register its ops (to load it)
 
     def change(self, node: str, what: str, **detail: Any) -> None:
         self.changed.append({"node": node, "what": what, **detail})

@@ -78,5 +78,6 @@ def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: PassCon
             prepared(*batch)
         result.variant = convert_pt2e(prepared)
     result.variant_name = "int8"
+    result.variant_imports = ["torchao"]  # its quantize/dequantize ops: a saved program needs them to load
     result.change("<graph>", "quantized to int8", calibration_batches=len(batches), calls_made_unique=renamed)
     return result

@@ -1,0 +1,210 @@
+"""Serving artifacts: AOTInductor packages, int8 variants gated on accuracy, ONNX Runtime, and the selection of
+the fastest artifact that passes its check. Every artifact is loaded in a fresh ``python -I`` process that
+cannot see the training code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from export_helpers import run_fresh
+from fusion_helpers import randomize_batchnorms, reference_fp64, rel_err
+from fx_lightning import ExportError, load_fused
+from fx_lightning.config import load_config
+from fx_lightning.export import read_manifest
+from fx_lightning.export.selection import BenchTable, Timing, bench_export, select_fastest
+from fx_lightning.pipeline import Batches, fuse_verify_export
+
+pytest.importorskip("torchao")
+
+
+class SmallNet(nn.Module):
+    """conv-BN-ReLU x2, pooling, a Linear head: 10 class scores."""
+
+    def __init__(self, margin: float = 1.0) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 10)
+        with torch.no_grad():  # margin -> 0: rows that differ by less than int8's rounding, so top-1 flips
+            base = self.fc.weight[:1].clone()
+            self.fc.weight.copy_(base + margin * (self.fc.weight - base))
+            self.fc.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.relu(self.b2(self.c2(x)))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def _data(n: int = 4, batch: int = 8, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+def _export(model: nn.Module, directory: Path, **config: Any) -> Any:
+    torch.manual_seed(0)
+    return fuse_verify_export(randomize_batchnorms(model).eval(), load_config(config), Batches(_data(), "val"),
+                              export_dir=directory)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Dict[str, Any]:
+    """One export with every serving artifact: pt2, onnx, a dynamic-batch AOTInductor package, int8 variants,
+    the fastest selected; then every artifact loaded in one fresh process."""
+    base = tmp_path_factory.mktemp("served")
+    model = randomize_batchnorms(SmallNet()).eval()
+    outcome = _export(model, base / "exp", export={"formats": ["pt2", "onnx", "aoti"], "select": "fastest"},
+                      passes={"quantize_int8": {"enabled": True, "calibration_batches": 4,
+                                                "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5}})
+    out = outcome.export_dir
+    manifest = read_manifest(out)
+    specs = {name: {"dir": str(out), "format": name, "loader": "load_fused"} for name in manifest["formats"]}
+    specs["selected"] = {"dir": str(out), "format": None, "loader": "load_fused"}
+    inputs = [torch.randn(b, 3, 16, 16, generator=torch.Generator().manual_seed(b)) for b in (1, 7)]
+    return {"model": model, "dir": out, "manifest": manifest, "outcome": outcome, "inputs": inputs,
+            "fresh": run_fresh(base / "fresh", specs, inputs)}
+
+
+def test_the_export_has_every_artifact_and_says_what_each_is_built_for(served):
+    manifest = served["manifest"]
+    assert set(manifest["formats"]) == {"pt2", "onnx", "aoti", "pt2-int8", "aoti-int8"}, manifest.get("failed_formats")
+    built = manifest["formats"]["aoti"]["built_for"]
+    assert built["isa"] == torch.backends.cpu.get_cpu_capability() and built["torch"] == torch.__version__
+    assert built["compiler"] and built["machine"]
+    for name in ("pt2-int8", "aoti-int8"):
+        gate = manifest["formats"][name]["gate"]
+        assert gate["passed"] and gate["metrics"]["top1_agreement"] >= 0.5 and "accuracy_drop" in gate["metrics"]
+
+
+@pytest.mark.parametrize("name", ["pt2", "onnx", "aoti", "aoti-int8", "pt2-int8", "selected"])
+def test_every_artifact_runs_in_a_fresh_process_at_batch_1_and_7(served, name):
+    fresh = served["fresh"]
+    assert fresh["bad_imports"] == [] and name not in fresh["errors"], fresh["errors"].get(name)
+    for x, out in zip(served["inputs"], fresh["results"][name]):
+        ref = reference_fp64(served["model"], x)
+        if name.endswith("int8"):  # lossy: the same classes, close scores
+            assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.5 and rel_err(out, ref) < 0.2
+        else:
+            assert rel_err(out, ref) <= 1e-5, (name, x.shape[0])
+
+
+def test_the_fastest_artifact_that_passed_is_selected_and_loaded_by_default(served):
+    manifest = served["manifest"]
+    selected = manifest["selected"]
+    table = manifest["bench"]
+    passed = {n for n, c in table["checks"].items() if c["passed"]}
+    at = [t for t in table["timings"] if t["batch_size"] == selected["batch_size"] and t["artifact"] in passed]
+    assert selected["format"] == min(at, key=lambda t: t["median_ms"])["artifact"]
+    assert any(t["artifact"] == "eager" for t in table["timings"])  # timed against the unfused model
+    assert any("load_fused selects" in n for n in served["outcome"].notes)
+    default = load_fused(served["dir"])
+    chosen = load_fused(served["dir"], selected["format"])
+    assert type(default) is type(chosen)
+
+
+def test_a_corrupted_package_is_refused(served, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(served["dir"], copy)
+    with open(copy / "aoti" / "dynamic.pt2", "ab") as fh:
+        fh.write(b"x")
+    with pytest.raises(ExportError, match="corrupt file"):
+        load_fused(copy, "aoti")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("isa", "AMX", "built for CPUs with AMX"),
+    ("torch", "1.13.0", "built with torch 1.13.0"),
+    ("machine", "aarch64", "built for aarch64"),
+])
+def test_a_package_for_another_machine_is_refused_clearly(served, tmp_path, field, value, message):
+    copy = tmp_path / "copy"
+    shutil.copytree(served["dir"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["formats"]["aoti"]["built_for"][field] = value
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match=f"format 'aoti' cannot run here: {message}.*pt2 runs anywhere"):
+        load_fused(copy, "aoti")
+
+
+def test_load_fused_compiled_for_a_python_server(served):
+    x = served["inputs"][1]
+    model = load_fused(served["dir"], "pt2", compile=True)
+    assert rel_err(model(x), reference_fp64(served["model"], x)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------- the int8 gate
+
+
+def test_int8_that_misses_its_gate_is_not_exported_and_the_fp32_model_is(tmp_path):
+    """Class scores closer than int8's rounding: top-1 flips, so a strict gate refuses int8; fp32 stands."""
+    model = SmallNet(margin=1e-3)
+    outcome = _export(model, tmp_path / "exp", export={"formats": ["pt2"]},
+                      passes={"quantize_int8": {"enabled": True, "min_top1_agreement": 1.0, "max_accuracy_drop": 0.0}})
+    manifest = read_manifest(outcome.export_dir)
+    assert list(manifest["formats"]) == ["pt2"] and not (outcome.export_dir / "int8").exists()
+    missed = manifest["variants"]["int8"]["pt2-int8"]
+    assert missed["passed"] is False and any("top1_agreement" in f for f in missed["failures"])
+    note = next(n for n in outcome.notes if n.startswith("pt2-int8 missed its gate"))
+    assert "top1_agreement" in note and "the fp32 artifacts stand" in note
+    x = _data(1)[0][0]
+    assert rel_err(load_fused(outcome.export_dir)(x), reference_fp64(model, x)) <= 1e-5
+
+
+def test_int8_within_its_gate_is_exported(tmp_path):
+    outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["pt2"]},
+                      passes={"quantize_int8": {"enabled": True, "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5}})
+    manifest = read_manifest(outcome.export_dir)
+    assert "pt2-int8" in manifest["formats"] and manifest["formats"]["pt2-int8"]["gate"]["passed"]
+    assert any(n.startswith("pt2-int8 passed its gate") for n in outcome.notes)
+
+
+# ---------------------------------------------------------------------------------------- the selection
+
+
+def _table(checks: Dict[str, bool], medians: Dict[str, float]) -> BenchTable:
+    table = BenchTable(2, "AVX2", "x86_64", torch.__version__)
+    table.timings = [Timing(name, 1, ms, ms, 10) for name, ms in medians.items()]
+    table.checks = {name: {"passed": ok} for name, ok in checks.items()}
+    return table
+
+
+def test_selection_picks_the_fastest_artifact_that_passed():
+    table = _table({"pt2": True, "onnx": True, "aoti": True}, {"eager": 5.0, "pt2": 4.0, "onnx": 2.5, "aoti": 3.0})
+    assert select_fastest(table, 1)["format"] == "onnx"
+
+
+def test_an_artifact_whose_outputs_disagree_is_never_selected():
+    table = _table({"pt2": True, "onnx": False, "aoti": True}, {"eager": 0.5, "pt2": 4.0, "onnx": 1.0, "aoti": 3.0})
+    assert select_fastest(table, 1)["format"] == "aoti"  # neither the failed onnx nor the eager baseline
+    assert select_fastest(_table({"pt2": False}, {"pt2": 1.0}), 1) is None
+
+
+def test_bench_checks_each_artifact_on_the_saved_batch(tmp_path, monkeypatch):
+    import dataclasses
+
+    from fx_lightning.export import FORMATS
+
+    outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["graph_module", "pt2"]})
+    real = FORMATS["graph_module"].load
+
+    class OffByOne(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + 1.0
+
+    monkeypatch.setitem(FORMATS, "graph_module", dataclasses.replace(
+        FORMATS["graph_module"], load=lambda *a: OffByOne(real(*a))))
+    table = bench_export(outcome.export_dir, batch_sizes=[1], rounds=3, warmup=1)
+    assert table.checks["graph_module"]["passed"] is False and table.checks["pt2"]["passed"] is True
+    assert select_fastest(table, 1)["format"] == "pt2"
