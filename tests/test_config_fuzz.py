@@ -133,6 +133,12 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     "export.onnx_opset": st.none() | st.integers(7, 30),
     "device": st.sampled_from(["auto", "cpu", "cuda", "cuda:1", "meta", "mps"]),
     "passes.reparameterize.rtol": st.floats(0, 1e300),
+    "passes.batchnorm_forms.rtol": st.floats(0, 1e300),
+    "passes.quantize_int8.calibration_batches": st.integers(1, 2**62),
+    "passes.quantize_int8.min_top1_agreement": st.floats(0, 1),
+    "passes.quantize_int8.max_accuracy_drop": st.floats(0, 1e300),
+    "export.aoti_batch_sizes": st.lists(st.integers(1, 2**31), max_size=4, unique=True),
+    "export.select_batch_size": st.integers(1, 2**31),
     # "module" is required in an item (its default is '???'); the others are optional.
     "passes.batchnorm_forms.modules[]": st.fixed_dictionaries(
         {"module": st.sampled_from(["torch.nn:ReLU", "torch.nn.modules.batchnorm:BatchNorm2d",
@@ -247,6 +253,14 @@ BAD_LEAVES: Dict[str, st.SearchStrategy] = {
     | st.just(math.nan),
     "parity.input": st.sampled_from([p for p in BAD_IMPORT_PATHS if ":" in p] + ["math:pi", "sample_passes:NOT_CALLABLE"]),
     "export.onnx_opset": st.integers(-(2**40), 6) | st.integers(31, 2**40),
+    "passes.batchnorm_forms.rtol": st.floats(max_value=-1e-300) | st.sampled_from([math.inf, math.nan]),
+    "passes.quantize_int8.calibration_batches": st.integers(-(2**62), 0),
+    "passes.quantize_int8.min_top1_agreement": st.floats(min_value=1.0, exclude_min=True)
+    | st.floats(max_value=0.0, exclude_max=True) | st.just(math.nan),
+    "passes.quantize_int8.max_accuracy_drop": st.floats(max_value=-1e-300) | st.sampled_from([math.inf, math.nan]),
+    "export.aoti_batch_sizes": st.lists(st.integers(-(2**31), 0), min_size=1, max_size=3)
+    | st.integers(1, 64).map(lambda b: [b, b]),
+    "export.select_batch_size": st.integers(-(2**31), 0),
     "trace.leaf_modules[]": st.sampled_from(BAD_IMPORT_PATHS + ["builtins:len", "math:pi", "torch.nn.functional:relu"]),
     "trace.autowrap_functions[]": st.sampled_from(BAD_IMPORT_PATHS + ["math:pi", "sample_passes:NOT_CALLABLE"]),
     "trace.autowrap_modules[]": st.sampled_from([NO_MODULE, ".relative", "..x", "", "math.", "1abc", "math:sqrt"]),

@@ -1,0 +1,177 @@
+"""Serving latency on CPU: every artifact an export writes against eager PyTorch and the peers a user would pick
+instead (``torch.compile`` of the unfused model, ONNX Runtime on its own export is one of our formats).
+
+For each torchvision model (random weights, BatchNorm statistics set by a few training-mode batches of
+synthetic images, so they are not the identity) the script runs fx-lightning's pipeline - fuse, parity,
+export in pt2, onnx and aoti (one AOTInductor package per batch size), and the int8 variant - then times, in
+one process, interleaved in shuffled rounds at a fixed thread count:
+
+- ``eager``: the unfused model; ``torch.compile``: the unfused model through ``torch.compile`` (Inductor
+  defaults), the peer a Python server would pick;
+- ``pt2``, ``onnx``, ``aoti``: the artifacts as ``load_fused`` gives them; ``pt2+compile``:
+  ``load_fused(dir, "pt2", compile=True)`` (Inductor with freezing);
+- ``aoti-int8``, ``pt2-int8+compile``: the int8 variant. Its gate is opened for the benchmark (every
+  variant is kept so it can be timed); the table shows its top-1 agreement with the fp32 model on the
+  parity batches and its error, which is what the gate reads.
+
+Every row's relative error is measured the same way: max|out - ref| / max|ref| on one batch of 8 against an
+fp64 copy of the unfused model in eval mode.
+
+    python benchmarks/serving.py                                      # the README table (4 models)
+    python benchmarks/serving.py --models resnet18 --rounds 5         # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torchvision
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from fx_lightning import load_fused
+from fx_lightning.batches import flat_tensors
+from fx_lightning.config import load_config
+from fx_lightning.export import bench_export, read_manifest
+from fx_lightning.pipeline import Batches, fuse_verify_export
+
+MODELS = ["resnet18", "resnet50", "mobilenet_v3_large", "efficientnet_b0"]
+ORDER = ["eager", "torch.compile", "pt2", "pt2+compile", "onnx", "aoti", "pt2-int8+compile", "aoti-int8"]
+
+
+def trained_looking(name: str, size: int) -> nn.Module:
+    """The model with random weights and BatchNorm statistics gathered from synthetic batches."""
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, weights=None)
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(8, 3, size, size))
+    return model.eval()
+
+
+def relative_error(module: nn.Module, reference: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        got = flat_tensors(module(x))[0].double()
+        want = flat_tensors(reference(x.double()))[0]
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: bool, console: Console) -> Dict:
+    model = trained_looking(name, size)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 3, size, size, generator=g) for _ in range(4)]
+    passes = {"quantize_int8": {"enabled": True, "calibration_batches": 4, "min_top1_agreement": 0.0,
+                                "max_accuracy_drop": 1.0}} if int8 else {}
+    config = load_config({"export": {"formats": ["pt2", "onnx", "aoti"], "aoti_batch_sizes": batches},
+                          "parity": {"max_batches": 4}, "passes": passes})
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        outcome = fuse_verify_export(model, config, Batches(data, "given"), export_dir=Path(tmp) / name)
+        export_s = time.perf_counter() - start
+        root = outcome.export_dir
+        manifest = read_manifest(root)
+        baselines: Dict[str, nn.Module] = {"eager": model, "torch.compile": torch.compile(model)}
+        baselines["pt2+compile"] = load_fused(root, "pt2", compile=True)
+        if "pt2-int8" in manifest["formats"]:
+            baselines["pt2-int8+compile"] = load_fused(root, "pt2-int8", compile=True)
+        formats = [f for f in ("pt2", "onnx", "aoti", "aoti-int8") if f in manifest["formats"]]
+        with torch.no_grad():  # compile outside the timing (warm-up would do it, but a compile is not a call)
+            for module in baselines.values():
+                for b in batches:
+                    module(data[0][:b])
+        table = bench_export(root, batch_sizes=batches, formats=formats, baselines=baselines, rounds=rounds,
+                             warmup=2, threads=torch.get_num_threads())
+        reference = trained_looking(name, size).double()
+        modules = {**baselines, **{f: load_fused(root, f, device="cpu") for f in formats}}
+        errors = {artifact: relative_error(module, reference, data[0]) for artifact, module in modules.items()}
+        gates = {f: manifest["formats"][f].get("gate") for f in manifest["formats"] if manifest["formats"][f].get("gate")}
+    int8_gate = next(iter(gates.values()), None)
+    agreement = None if int8_gate is None else int8_gate["metrics"].get("top1_agreement_strict")
+    rows = []
+    for b in batches:
+        eager, compiled = table.median("eager", b), table.median("torch.compile", b)
+        for artifact in ORDER:
+            ms = table.median(artifact, b)
+            if ms is None:
+                continue
+            rows.append({"model": name, "batch": b, "artifact": artifact, "median_ms": ms,
+                         "vs_eager": eager / ms, "vs_torch_compile": compiled / ms,
+                         "relative_error": errors.get(artifact),
+                         "top1_agreement": agreement if "int8" in artifact else None,
+                         "check": table.checks.get(artifact, {}).get("passed")})
+    console.print(f"{name}: export {export_s:.0f} s, folded {outcome.result.report.batchnorms_folded} BatchNorms")
+    return {"model": name, "export_s": export_s, "rows": rows, "skipped": outcome.notes,
+            "threads": table.threads, "isa": table.isa}
+
+
+def to_markdown(results: List[Dict], meta: Dict) -> str:
+    lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']} ({meta['isa']}), input "
+             f"{meta['size']}x{meta['size']}, median of {meta['rounds']} interleaved rounds in shuffled order. "
+             "Speed-up = eager (or torch.compile) median / this median; error: max|out - ref| / max|ref| against "
+             "an fp64 copy of the unfused model; int8 agreement: strict top-1 agreement with the fp32 model on "
+             "the parity batches (random weights: a weak test of int8, see the README).",
+             "",
+             "| model | batch | artifact | median ms | vs eager | vs torch.compile | rel. error | int8 top-1 agreement |",
+             "|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        for r in result["rows"]:
+            agree = "" if r["top1_agreement"] is None else f"{r['top1_agreement']:.3f}"
+            lines.append(f"| {r['model']} | {r['batch']} | {r['artifact']} | {r['median_ms']:.1f} | "
+                         f"{r['vs_eager']:.2f}x | {r['vs_torch_compile']:.2f}x | {r['relative_error']:.1e} | {agree} |")
+    lines += ["", "| model | export (fuse, parity, pt2, onnx, aoti per batch size, int8) s |", "|---|---|"]
+    lines += [f"| {r['model']} | {r['export_s']:.0f} |" for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--no-int8", action="store_true", help="skip the int8 variant (no torchao)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serving"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    console = Console()
+    results = [bench_model(m, args.batches, args.rounds, args.size, not args.no_int8, console) for m in args.models]
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "isa": results[0]["isa"],
+            "cpu": _cpu_name(), "machine": platform.machine(), "size": args.size, "rounds": args.rounds}
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    markdown = to_markdown(results, meta)
+    out.with_suffix(".md").write_text(markdown)
+    table = Table(title="serving latency")
+    for col in ("model", "batch", "artifact", "ms", "vs eager", "vs compile", "error"):
+        table.add_column(col)
+    for result in results:
+        for r in result["rows"]:
+            table.add_row(r["model"], str(r["batch"]), r["artifact"], f"{r['median_ms']:.1f}",
+                          f"{r['vs_eager']:.2f}x", f"{r['vs_torch_compile']:.2f}x", f"{r['relative_error']:.1e}")
+    console.print(table)
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
