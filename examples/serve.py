@@ -1,17 +1,22 @@
 """Serve an fx-lightning export: load the fused model and run a batch, without the training code.
 
-    python examples/serve.py path/to/fx_fused                    # best format (pt2 first), random batch of 4
+    python examples/serve.py path/to/fx_fused                    # the selected artifact, random batch of 4
     python examples/serve.py path/to/fx_fused --format onnx --batch-size 7
+    python examples/serve.py path/to/fx_fused --format aoti-int8 --batch-size 8
     python examples/serve.py path/to/fx_fused --input batch.pt --save out.pt
 
-Only torch is needed (and onnxruntime for ONNX). fx-lightning is used when installed (it verifies each
-file's sha256 against the manifest); without it the plain torch loaders below do the same job. Nothing
-here imports the code that trained the model: the export carries the graph and the weights.
+Only torch is needed (onnxruntime for ONNX, torchao for an int8 variant). fx-lightning is used when
+installed (it verifies each file's sha256 against the manifest and refuses an AOTInductor package built for
+another CPU or torch); without it the plain torch loaders below do the same job. The default artifact is the
+one the export selected as the fastest that passed its check (``export.select: fastest`` or
+``fx-lightning bench --select``), else the first by preference. Nothing here imports the code that trained
+the model: the export carries the graph and the weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -32,28 +37,51 @@ def load(directory: str, fmt: str | None = None) -> torch.nn.Module:
     return load_fused(directory, fmt)
 
 
+PREFERENCE = ("pt2", "graph_module", "code", "onnx", "aoti")
+
+
 def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
     with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as fh:
-        formats = json.load(fh)["formats"]
-    fmt = fmt or next(f for f in ("pt2", "graph_module", "code", "onnx") if f in formats)
-    if fmt == "pt2":
-        return torch.export.load(os.path.join(directory, "model.pt2")).module()
-    if fmt == "graph_module":
+        manifest = json.load(fh)
+    formats = manifest["formats"]
+    selected = (manifest.get("selected") or {}).get("format")
+    name = fmt or (selected if selected in formats else next(f for f in PREFERENCE if f in formats))
+    if name not in formats:
+        raise SystemExit(f"format {name!r} is not in this export (it has {', '.join(formats)})")
+    entry = formats[name]
+    for module in entry.get("imports", []):  # e.g. torchao: registers the int8 ops of a variant
+        importlib.import_module(module)
+    path = os.path.join(directory, entry["path"])
+    kind = entry.get("format", name)  # a variant (pt2-int8) says which format it is written in
+    if kind == "pt2":
+        return torch.export.load(path).module()
+    if kind == "aoti":
+        runners = {size: torch._inductor.aoti_load_package(os.path.join(path, package))
+                   for size, package in entry["packages"].items()}
+
+        def run_aoti(*xs: torch.Tensor) -> Any:
+            runner = runners.get(str(xs[0].shape[0])) or runners.get("dynamic")
+            if runner is None:
+                raise SystemExit(f"the packages are compiled for batch sizes {sorted(runners)}; got {xs[0].shape[0]}")
+            return runner(*xs)
+
+        return run_aoti  # type: ignore[return-value]
+    if kind == "graph_module":
         # Pickled code: weights_only=False executes it. Load only exports you trust.
-        return torch.load(os.path.join(directory, "model.pt"), weights_only=False).eval()
-    if fmt == "code":
-        for name in [m for m in sys.modules if m == "fused_module" or m.startswith("fused_module.")]:
-            del sys.modules[name]  # another export's package, imported earlier in this process
+        return torch.load(path, weights_only=False).eval()
+    if kind == "code":
+        for mod in [m for m in sys.modules if m == "fused_module" or m.startswith("fused_module.")]:
+            del sys.modules[mod]  # another export's package, imported earlier in this process
         sys.path.insert(0, directory)
         try:
             from fused_module import load as load_code  # the generated package inside the export
         finally:
             sys.path.remove(directory)
         return load_code()
-    if fmt == "onnx":
+    if kind == "onnx":
         import onnxruntime as ort
 
-        session = ort.InferenceSession(os.path.join(directory, "model.onnx"), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
 
         def run(*xs: torch.Tensor) -> Any:
@@ -61,7 +89,7 @@ def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
             return torch.from_numpy(outs[0]) if len(outs) == 1 else tuple(torch.from_numpy(o) for o in outs)
 
         return run  # type: ignore[return-value]
-    raise SystemExit(f"unknown format {fmt!r}")
+    raise SystemExit(f"unknown format {kind!r}")
 
 
 def random_inputs(manifest: Dict[str, Any], batch_size: int, seed: int = 0) -> List[torch.Tensor]:
@@ -81,7 +109,8 @@ def random_inputs(manifest: Dict[str, Any], batch_size: int, seed: int = 0) -> L
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="the export directory (holds manifest.json)")
-    parser.add_argument("--format", choices=["pt2", "graph_module", "code", "onnx"], default=None)
+    parser.add_argument("--format", default=None,
+                        help="an artifact of the export: pt2, graph_module, code, onnx, aoti, pt2-int8, aoti-int8...")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--input", help="a .pt file with a tensor (or a list of tensors) to run instead of random data")
     parser.add_argument("--save", help="write {'inputs': [...], 'output': ...} to this .pt file")
@@ -99,7 +128,8 @@ def main(argv: List[str] | None = None) -> int:
         output = model(*inputs)
     first = output if isinstance(output, torch.Tensor) else output[0]
     parity = manifest.get("parity") or {}
-    print(f"loaded {args.directory} ({args.format or 'best format'}; parity passed: {parity.get('passed')})")
+    chosen = args.format or (manifest.get("selected") or {}).get("format") or "first by preference"
+    print(f"loaded {args.directory} ({chosen}; parity passed: {parity.get('passed')})")
     print(f"inputs {[tuple(x.shape) for x in inputs]} -> output {tuple(first.shape)} {str(first.dtype)}")
     if args.save:
         torch.save({"inputs": inputs, "output": output}, args.save)

@@ -253,6 +253,13 @@ def _missing_onnxscript(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Dict
     return {"export": {"formats": ["pt2", "onnx"]}}
 
 
+def _no_cxx_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Dict[str, Any]:
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)  # no g++, c++, clang++ or $CXX on PATH
+    return {"export": {"formats": ["pt2", "aoti"]}}
+
+
 def _unwritable_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Dict[str, Any]:
     (tmp_path / "a_file").write_text("not a directory")
     return {"export": {"dir": str(tmp_path / "a_file" / "fused")}}
@@ -261,6 +268,7 @@ def _unwritable_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Dict[str
 PREFLIGHT_CASES = {
     # case: (config or a function making it, the exception type, the stage, a fragment of the cause)
     "missing dependency": (_missing_onnxscript, "ExportError", "export dependencies", "onnxscript is not installed"),
+    "no C++ compiler for aoti": (_no_cxx_compiler, "ExportError", "export dependencies", "a C++ compiler"),
     "unwritable export dir": (_unwritable_dir, "ExportError", "export directory", "cannot be created or written"),
     "user pass raises": ({"passes": {"extra": ["sample_passes:raises"]}}, "PassError", "passes",
                          "boom from a user pass"),

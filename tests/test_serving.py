@@ -88,9 +88,10 @@ def test_the_export_has_every_artifact_and_says_what_each_is_built_for(served):
 def test_every_artifact_runs_in_a_fresh_process_at_batch_1_and_7(served, name):
     fresh = served["fresh"]
     assert fresh["bad_imports"] == [] and name not in fresh["errors"], fresh["errors"].get(name)
+    resolved = served["manifest"]["selected"]["format"] if name == "selected" else name
     for x, out in zip(served["inputs"], fresh["results"][name]):
         ref = reference_fp64(served["model"], x)
-        if name.endswith("int8"):  # lossy: the same classes, close scores
+        if resolved.endswith("int8"):  # (the selection may pick a variant: it passed its gate)  # lossy: the same classes, close scores
             assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.5 and rel_err(out, ref) < 0.2
         else:
             assert rel_err(out, ref) <= 1e-5, (name, x.shape[0])
@@ -108,6 +109,23 @@ def test_the_fastest_artifact_that_passed_is_selected_and_loaded_by_default(serv
     default = load_fused(served["dir"])
     chosen = load_fused(served["dir"], selected["format"])
     assert type(default) is type(chosen)
+
+
+def test_the_serve_example_loads_every_artifact_with_torch_alone(served):
+    """examples/serve.py without fx_lightning: the plain loaders follow the manifest (aoti packages by batch
+    size, a variant's format and imports, the selected artifact by default)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_example", Path(__file__).parents[1] / "examples" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    selected = served["manifest"]["selected"]["format"]  # may be an int8 variant: it passed its gate
+    for name in [None, *served["manifest"]["formats"]]:
+        model = serve._load_with_torch(str(served["dir"]), name)
+        lossy = (name or selected).endswith("int8")
+        for x in served["inputs"]:
+            out, ref = model(x), reference_fp64(served["model"], x)
+            assert rel_err(out, ref) <= (0.2 if lossy else 1e-5), (name, x.shape[0])
 
 
 def test_a_corrupted_package_is_refused(served, tmp_path):
