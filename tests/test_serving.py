@@ -152,10 +152,11 @@ def test_a_package_for_another_machine_is_refused_clearly(served, tmp_path, fiel
         load_fused(copy, "aoti")
 
 
-def test_load_fused_compiled_for_a_python_server(served):
-    x = served["inputs"][1]
-    model = load_fused(served["dir"], "pt2", compile=True)
-    assert rel_err(model(x), reference_fp64(served["model"], x)) <= 1e-5
+@pytest.mark.parametrize("name", ["pt2", "pt2-int8"])
+def test_load_fused_compiled_for_a_python_server(served, name):
+    model = load_fused(served["dir"], name, compile=True)
+    for x in served["inputs"]:  # a second batch size recompiles
+        assert rel_err(model(x), reference_fp64(served["model"], x)) <= (0.2 if "int8" in name else 1e-5)
 
 
 # ----------------------------------------------------------------------------------------- the int8 gate

@@ -72,11 +72,16 @@ class CompiledForServing(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
-        self.compiled = torch.compile(module, options={"freezing": True})  # this module's compile only
+        self.compiled = torch.compile(module)
         self.eval()
 
     def forward(self, *args: Any) -> Any:
-        with torch.no_grad():  # freezing is skipped with gradients on
+        from torch._inductor import config as inductor_config
+
+        # Freezing is skipped with gradients on. It is set around the call (compiling happens in the first
+        # call, and again for a new shape) rather than as torch.compile(options=...): with the options an
+        # int8 (pt2e) graph fails to compile (onednn.qconv_prepack has no fake-tensor kernel; torch 2.14).
+        with torch.no_grad(), inductor_config.patch(freezing=True):
             return self.compiled(*args)
 
 
