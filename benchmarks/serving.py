@@ -7,15 +7,15 @@ export in pt2, onnx and aoti (one AOTInductor package per batch size), and the i
 one process, interleaved in shuffled rounds at a fixed thread count:
 
 - ``eager``: the unfused model; ``torch.compile``: the unfused model through ``torch.compile`` (Inductor
-  defaults), the peer a Python server would pick;
+  defaults), the peer a Python server would pick; ``fused``: the fused GraphModule run eagerly;
 - ``pt2``, ``onnx``, ``aoti``: the artifacts as ``load_fused`` gives them; ``pt2+compile``:
   ``load_fused(dir, "pt2", compile=True)`` (Inductor with freezing);
 - ``aoti-int8``, ``pt2-int8+compile``: the int8 variant. Its gate is opened for the benchmark (every
   variant is kept so it can be timed); the table shows its top-1 agreement with the fp32 model on the
   parity batches and its error, which is what the gate reads.
 
-Every row's relative error is measured the same way: max|out - ref| / max|ref| on one batch of 8 against an
-fp64 copy of the unfused model in eval mode.
+Every row's relative error is measured the same way: max|out - ref| / max|ref| against an fp64 copy of the
+unfused model in eval mode, on one batch of images at each batch size timed (the worst is shown).
 
     python benchmarks/serving.py                                      # the README table (4 models)
     python benchmarks/serving.py --models resnet18 --rounds 5         # quick look
@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import torch
 import torchvision
@@ -41,11 +41,12 @@ from torch import nn
 from fx_lightning import load_fused
 from fx_lightning.batches import flat_tensors
 from fx_lightning.config import load_config
-from fx_lightning.export import bench_export, read_manifest
+from fx_lightning.export import bench_export, read_manifest, select_fastest
+from fx_lightning.export.selection import BenchTable
 from fx_lightning.pipeline import Batches, fuse_verify_export
 
 MODELS = ["resnet18", "resnet50", "mobilenet_v3_large", "efficientnet_b0"]
-ORDER = ["eager", "torch.compile", "pt2", "pt2+compile", "onnx", "aoti", "pt2-int8+compile", "aoti-int8"]
+ORDER = ["eager", "torch.compile", "fused", "pt2", "pt2+compile", "onnx", "aoti", "pt2-int8+compile", "aoti-int8"]
 
 
 def trained_looking(name: str, size: int) -> nn.Module:
@@ -80,7 +81,8 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
         export_s = time.perf_counter() - start
         root = outcome.export_dir
         manifest = read_manifest(root)
-        baselines: Dict[str, nn.Module] = {"eager": model, "torch.compile": torch.compile(model)}
+        baselines: Dict[str, nn.Module] = {"eager": model, "torch.compile": torch.compile(model),
+                                           "fused": outcome.result.graph_module}
         baselines["pt2+compile"] = load_fused(root, "pt2", compile=True)
         if "pt2-int8" in manifest["formats"]:
             baselines["pt2-int8+compile"] = load_fused(root, "pt2-int8", compile=True)
@@ -93,10 +95,15 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
                              warmup=2, threads=torch.get_num_threads())
         reference = trained_looking(name, size).double()
         modules = {**baselines, **{f: load_fused(root, f, device="cpu") for f in formats}}
-        errors = {artifact: relative_error(module, reference, data[0]) for artifact, module in modules.items()}
+        errors = {artifact: max(relative_error(module, reference, data[0][:b]) for b in batches)
+                  for artifact, module in modules.items()}
         gates = {f: manifest["formats"][f].get("gate") for f in manifest["formats"] if manifest["formats"][f].get("gate")}
     int8_gate = next(iter(gates.values()), None)
     agreement = None if int8_gate is None else int8_gate["metrics"].get("top1_agreement_strict")
+    fp32 = BenchTable(table.threads, table.isa, table.machine, table.torch, table.timings,
+                      {k: v for k, v in table.checks.items() if "int8" not in k})
+    selected = {b: {"fp32": (select_fastest(fp32, b) or {}).get("format"),
+                    "any": (select_fastest(table, b) or {}).get("format")} for b in batches}
     rows = []
     for b in batches:
         eager, compiled = table.median("eager", b), table.median("torch.compile", b)
@@ -108,7 +115,8 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
                          "vs_eager": eager / ms, "vs_torch_compile": compiled / ms,
                          "relative_error": errors.get(artifact),
                          "top1_agreement": agreement if "int8" in artifact else None,
-                         "check": table.checks.get(artifact, {}).get("passed")})
+                         "check": table.checks.get(artifact, {}).get("passed"),
+                         "selected": [k for k, v in selected[b].items() if v == artifact]})
     console.print(f"{name}: export {export_s:.0f} s, folded {outcome.result.report.batchnorms_folded} BatchNorms")
     return {"model": name, "export_s": export_s, "rows": rows, "skipped": outcome.notes,
             "threads": table.threads, "isa": table.isa}
@@ -121,16 +129,23 @@ def to_markdown(results: List[Dict], meta: Dict) -> str:
              "an fp64 copy of the unfused model; int8 agreement: strict top-1 agreement with the fp32 model on "
              "the parity batches (random weights: a weak test of int8, see the README).",
              "",
-             "| model | batch | artifact | median ms | vs eager | vs torch.compile | rel. error | int8 top-1 agreement |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | batch | artifact | median ms | vs eager | vs torch.compile | rel. error | int8 top-1 agreement | selected |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         for r in result["rows"]:
             agree = "" if r["top1_agreement"] is None else f"{r['top1_agreement']:.3f}"
             lines.append(f"| {r['model']} | {r['batch']} | {r['artifact']} | {r['median_ms']:.1f} | "
-                         f"{r['vs_eager']:.2f}x | {r['vs_torch_compile']:.2f}x | {r['relative_error']:.1e} | {agree} |")
+                         f"{r['vs_eager']:.2f}x | {r['vs_torch_compile']:.2f}x | {r['relative_error']:.1e} | {agree} | "
+                         f"{_selected(r['selected'])} |")
     lines += ["", "| model | export (fuse, parity, pt2, onnx, aoti per batch size, int8) s |", "|---|---|"]
     lines += [f"| {r['model']} | {r['export_s']:.0f} |" for r in results]
     return "\n".join(lines) + "\n"
+
+
+def _selected(kinds: List[str]) -> str:
+    if kinds == ["fp32", "any"]:
+        return "**fastest**"
+    return {("fp32",): "fastest fp32", ("any",): "fastest (int8 allowed)"}.get(tuple(kinds), "")
 
 
 def main(argv: List[str]) -> int:

@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn

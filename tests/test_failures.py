@@ -335,6 +335,6 @@ def test_preflight_passes_reads_no_training_data_and_reports_its_cost(tmp_path: 
     assert report is not None and report.mode == "full" and report.seconds > 0
     assert report.stages == ["device", "target", "weights", "export directory", "export dependencies",
                              "parity input", "fuse", "export"]
-    assert f"preflight (full)" in (fuse_cb.summary or "") and f"{report.seconds:.2f} s" in (fuse_cb.summary or "")
+    assert "preflight (full)" in (fuse_cb.summary or "") and f"{report.seconds:.2f} s" in (fuse_cb.summary or "")
     assert read_manifest(fuse_cb.export_dir)["extra"]["preflight"] == report.to_dict()
     assert not list(Path(trainer.log_dir).glob(".fx_fused*"))  # the probe left nothing

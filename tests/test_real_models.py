@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch

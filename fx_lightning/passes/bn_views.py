@@ -21,6 +21,7 @@ from fx_lightning.passes.fold_math import bn_scale_shift
 from fx_lightning.passes.graph_utils import (
     KNOWN_BATCHNORM_FORWARDS,
     add_constant,
+    aten_ops,
     attr_tensor,
     call_sites,
     drop_replaced_attribute,
@@ -44,27 +45,14 @@ __all__ = [
     "describe",
 ]
 
-aten = torch.ops.aten
-
-
-def _ops(*names: str) -> set:
-    found = set()
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(aten, packet, None), overload, None)
-        if op is not None:
-            found.add(op)
-    return found
-
-
-_CONV_FN = {F.conv1d, F.conv2d, F.conv3d} | _ops(
+_CONV_FN = {F.conv1d, F.conv2d, F.conv3d} | aten_ops(
     "conv1d.default", "conv2d.default", "conv3d.default", "conv1d.padding", "conv2d.padding", "conv3d.padding"
 )
-_CONVT_FN = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d} | _ops(
+_CONVT_FN = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d} | aten_ops(
     "conv_transpose1d.default", "conv_transpose2d.input", "conv_transpose3d.input"
 )
-_CONVOLUTION_FN = _ops("convolution.default")
-_LINEAR_FN = {F.linear} | _ops("linear.default")
+_CONVOLUTION_FN = aten_ops("convolution.default")
+_LINEAR_FN = {F.linear} | aten_ops("linear.default")
 
 _CONV_MODULES: Tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONVT_MODULES: Tuple[type, ...] = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -237,7 +225,7 @@ def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:
 
 
 _F_BN = {F.batch_norm}
-_TORCH_BN = {torch.batch_norm} | _ops("batch_norm.default")
+_TORCH_BN = {torch.batch_norm} | aten_ops("batch_norm.default")
 
 
 @dataclass

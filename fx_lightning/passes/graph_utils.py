@@ -13,6 +13,7 @@ from torch import nn
 from fx_lightning.errors import TraceError
 
 __all__ = [
+    "aten_ops",
     "is_batchnorm_like",
     "is_known_batchnorm",
     "KNOWN_BATCHNORM_FORWARDS",
@@ -97,19 +98,19 @@ _META_METHODS = {"size", "dim", "ndimension", "numel", "nelement", "stride", "is
 _SHAPE_DONOR_METHODS = {"reshape_as", "view_as", "expand_as"}  # x.view_as(value) reads value's shape only
 
 
-def _aten_meta_ops() -> set:
-    aten = torch.ops.aten
-    names = ("sym_size.int", "sym_size.default", "sym_numel.default", "sym_stride.int", "sym_storage_offset.default")
+def aten_ops(*names: str) -> set:
+    """The aten overloads named ``"packet.overload"`` that this torch has (missing ones are left out)."""
     found = set()
     for name in names:
         packet, _, overload = name.partition(".")
-        op = getattr(getattr(aten, packet, None), overload, None)
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
         if op is not None:
             found.add(op)
     return found
 
 
-_ATEN_META_OPS = _aten_meta_ops()
+_ATEN_META_OPS = aten_ops("sym_size.int", "sym_size.default", "sym_numel.default", "sym_stride.int",
+                          "sym_storage_offset.default")
 _ATEN_SHAPE_DONORS = {op for op in (getattr(getattr(torch.ops.aten, n, None), "default", None)
                                     for n in ("reshape_as", "view_as", "expand_as")) if op is not None}
 
