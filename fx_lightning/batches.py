@@ -37,6 +37,7 @@ __all__ = [
     "take_rows",
     "batch_at_least_two",
     "with_batch_size",
+    "concat_outputs",
 ]
 
 # Keys tried, in order, when a batch is a mapping and no input rule is configured.
@@ -257,3 +258,18 @@ def with_batch_size(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
             a = a.repeat(reps, *([1] * (a.dim() - 1)))[:n]
         out.append(a)
     return tuple(out)
+
+
+def concat_outputs(parts: Sequence[Any]) -> Any:
+    """Outputs of one model on consecutive pieces of a batch, joined into the output on the whole batch: every
+    batched tensor (nested as in ``map_tensors``) concatenated along dim 0; anything else taken from the first."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts)) if first.dim() > 0 else first
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concat_outputs([p[i] for p in parts]) for i in range(len(first))))
+    if isinstance(first, (tuple, list)):
+        return type(first)(concat_outputs([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return {k: concat_outputs([p[k] for p in parts]) for k in first}
+    return first

@@ -91,7 +91,7 @@ def test_every_artifact_runs_in_a_fresh_process_at_batch_1_and_7(served, name):
     resolved = served["manifest"]["selected"]["format"] if name == "selected" else name
     for x, out in zip(served["inputs"], fresh["results"][name]):
         ref = reference_fp64(served["model"], x)
-        if resolved.endswith("int8"):  # (the selection may pick a variant: it passed its gate)  # lossy: the same classes, close scores
+        if resolved.endswith("int8"):  # lossy (the selection may pick a variant that passed its gate)
             assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.5 and rel_err(out, ref) < 0.2
         else:
             assert rel_err(out, ref) <= 1e-5, (name, x.shape[0])
@@ -227,3 +227,42 @@ def test_bench_checks_each_artifact_on_the_saved_batch(tmp_path, monkeypatch):
     table = bench_export(outcome.export_dir, batch_sizes=[1], rounds=3, warmup=1)
     assert table.checks["graph_module"]["passed"] is False and table.checks["pt2"]["passed"] is True
     assert select_fastest(table, 1)["format"] == "pt2"
+
+
+@pytest.mark.parametrize("compiled, size", [((1, 4), 7), ((4,), 6), ((8,), 3), ((2, 3), 5)])
+def test_aoti_packages_run_a_batch_size_they_were_not_built_for_as_pieces(compiled, size):
+    """Each fake package accepts only its own batch size; the output (a dict with a batched tensor and a
+    scalar) on the whole batch equals the function on the whole batch."""
+    from fx_lightning.export.formats.aoti import AotiModule
+
+    weight = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+
+    def model(x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"logits": x @ weight.T, "temperature": torch.tensor(2.0)}
+
+    def package(n: int):
+        def run(x: torch.Tensor) -> Dict[str, torch.Tensor]:
+            assert x.shape[0] == n, f"package for batch {n} called with {x.shape[0]}"
+            return model(x)
+        return run
+
+    aoti = AotiModule({str(n): package(n) for n in compiled})
+    x = torch.randn(size, 3)
+    with pytest.warns(UserWarning, match=f"no AOTInductor package for batch size {size}"):
+        out = aoti(x)
+    assert set(out) == {"logits", "temperature"} and out["temperature"].item() == 2.0
+    assert out["logits"].shape == (size, 5) and rel_err(out["logits"], model(x)["logits"]) == 0.0
+
+
+def test_aoti_built_for_batch_1_is_checked_and_selectable_on_batches_of_8(tmp_path):
+    """The parity and check batches hold 8 samples; packages built for batch 1 alone still pass the check,
+    the int8 package its gate, and the selection can pick either."""
+    outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["aoti"], "aoti_batch_sizes": [1],
+                                                            "select": "fastest", "select_batch_size": 1},
+                      passes={"quantize_int8": {"enabled": True, "calibration_batches": 2,
+                                                "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5}})
+    manifest = read_manifest(outcome.export_dir)
+    assert manifest["formats"]["aoti"]["packages"] == {"1": "batch_1.pt2"}
+    assert manifest["bench"]["checks"]["aoti"]["passed"], manifest["bench"]["checks"]["aoti"]
+    assert "aoti-int8" in manifest["formats"], manifest["variants"]
+    assert manifest["selected"]["format"] in {"aoti", "aoti-int8"}

@@ -16,13 +16,14 @@ import os
 import platform
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from fx_lightning.batches import batch_size_of, with_batch_size
+from fx_lightning.batches import batch_size_of, concat_outputs, map_tensors, with_batch_size
 from fx_lightning.errors import ExportError
 from fx_lightning.export.base import Format, WriteContext
 
@@ -112,7 +113,10 @@ def _refusal(built: Dict[str, Any], device: torch.device) -> Optional[str]:
 
 class AotiModule(nn.Module):
     """AOTInductor packages behind the nn.Module interface: the package for the input's batch size, else the
-    dynamic one."""
+    dynamic one, else the batch run as pieces of the compiled sizes (largest first; the last piece padded by
+    repeating its samples and the padding's outputs dropped). Pieces give the same numbers for a model whose
+    samples do not interact in eval mode, but run slower than a package built for that size: list the sizes
+    a server sees in ``export.aoti_batch_sizes``."""
 
     def __init__(self, runners: Dict[str, Any]) -> None:
         super().__init__()
@@ -126,10 +130,27 @@ class AotiModule(nn.Module):
     def forward(self, *args: Any) -> Any:
         size = batch_size_of(args)
         runner = self.runners.get(str(size)) or self.runners.get("dynamic")
-        if runner is None:
-            raise ValueError(f"these AOTInductor packages are compiled for batch sizes {', '.join(self.batch_sizes)}; "
-                             f"got {size} (list it in export.aoti_batch_sizes, or leave that empty for a dynamic batch)")
-        return runner(*args)
+        if runner is not None or size is None:
+            return (runner or next(iter(self.runners.values())))(*args)
+        return concat_outputs(list(self._pieces(args, size)))
+
+    def _pieces(self, args: Tuple[Any, ...], size: int) -> Iterator[Any]:
+        compiled = sorted((int(k) for k in self.runners), reverse=True)
+        warnings.warn(f"no AOTInductor package for batch size {size} (compiled: {', '.join(map(str, compiled[::-1]))}): "
+                      "running it as pieces of those; add it to export.aoti_batch_sizes to serve it at full speed",
+                      stacklevel=2)
+        start = 0
+        while start < size:
+            left = size - start
+            piece = next((k for k in compiled if k <= left), compiled[-1])
+            rows = tuple(a[start:start + min(piece, left)] if _batched(a, size) else a for a in args)
+            out = self.runners[str(piece)](*with_batch_size(rows, piece))
+            yield out if piece <= left else map_tensors(lambda t: t[:left] if t.dim() > 0 else t, out)
+            start += piece
+
+
+def _batched(value: Any, size: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
 
 
 def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
