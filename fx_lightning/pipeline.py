@@ -375,10 +375,10 @@ def _export_variants(outcome: Outcome, measured: Measured) -> List[str]:
             continue
         made = run_pass(spec, measured.result.graph_module, options, ctx)
         gate_config = dataclasses.replace(
-            config.parity, min_cosine=0.99, min_top1_agreement=options.min_top1_agreement,
+            config.parity, min_cosine=options.min_cosine, min_top1_agreement=options.min_top1_agreement,
             max_accuracy_drop=options.max_accuracy_drop)
         results = add_variant(outcome.export_dir, made.variant_name, made.variant, tuple(measured.target_inputs),
-                              config, lambda loaded: _gate_variant(measured, loaded, gate_config),
+                              config, lambda loaded: _gate_variant(measured, loaded, gate_config, f"passes.{spec.name}"),
                               imports=made.variant_imports)
         for name, report in results.items():
             verdict = "passed its gate" if report.get("passed") else "missed its gate: " + "; ".join(report.get("failures", []))
@@ -388,7 +388,7 @@ def _export_variants(outcome: Outcome, measured: Measured) -> List[str]:
     return notes
 
 
-def _gate_variant(measured: Measured, loaded: nn.Module, cfg: Any) -> ParityReport:
+def _gate_variant(measured: Measured, loaded: nn.Module, cfg: Any, config_key: str) -> ParityReport:
     """A lossy variant against the fp32 fused model on the parity batches: top-1 agreement, accuracy drop."""
     path = measured.target
     whole = whole_model_with(measured.fused_model, path, loaded) if path else loaded
@@ -396,7 +396,7 @@ def _gate_variant(measured: Measured, loaded: nn.Module, cfg: Any) -> ParityRepo
                            whole_reference=measured.fused_model if path else None,
                            whole_candidate=whole if path else None, input_rule=measured.input_rule,
                            source="val")
-    return judge_parity(state, cfg, lossy=True)
+    return judge_parity(state, cfg, lossy=True, config_key=config_key)
 
 
 def _select_fastest(directory: Path, measured: Measured) -> str:

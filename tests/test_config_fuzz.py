@@ -137,6 +137,7 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     "passes.quantize_int8.calibration_batches": st.integers(1, 2**62),
     "passes.quantize_int8.min_top1_agreement": st.floats(0, 1),
     "passes.quantize_int8.max_accuracy_drop": st.floats(0, 1e300),
+    "passes.quantize_int8.min_cosine": st.floats(-1, 1),
     "export.aoti_batch_sizes": st.lists(st.integers(1, 2**31), max_size=4, unique=True),
     "export.select_batch_size": st.integers(1, 2**31),
     # "module" is required in an item (its default is '???'); the others are optional.
@@ -258,6 +259,8 @@ BAD_LEAVES: Dict[str, st.SearchStrategy] = {
     "passes.quantize_int8.min_top1_agreement": st.floats(min_value=1.0, exclude_min=True)
     | st.floats(max_value=0.0, exclude_max=True) | st.just(math.nan),
     "passes.quantize_int8.max_accuracy_drop": st.floats(max_value=-1e-300) | st.sampled_from([math.inf, math.nan]),
+    "passes.quantize_int8.min_cosine": st.floats(min_value=1.0, exclude_min=True)
+    | st.floats(max_value=-1.0, exclude_max=True) | st.just(math.nan),
     "export.aoti_batch_sizes": st.lists(st.integers(-(2**31), 0), min_size=1, max_size=3)
     | st.integers(1, 64).map(lambda b: [b, b]),
     "export.select_batch_size": st.integers(-(2**31), 0),

@@ -162,17 +162,23 @@ def test_load_fused_compiled_for_a_python_server(served, name):
 # ----------------------------------------------------------------------------------------- the int8 gate
 
 
-def test_int8_that_misses_its_gate_is_not_exported_and_the_fp32_model_is(tmp_path):
-    """Class scores closer than int8's rounding: top-1 flips, so a strict gate refuses int8; fp32 stands."""
-    model = SmallNet(margin=1e-3)
+@pytest.mark.parametrize("margin, gate, key", [
+    # Class scores closer than int8's rounding: top-1 flips, so a strict agreement gate refuses int8.
+    (1e-3, {"min_top1_agreement": 1.0, "max_accuracy_drop": 0.0}, "min_top1_agreement"),
+    # The classes hold, but no int8 model reaches a cosine of exactly 1 with the fp32 scores.
+    (1.0, {"min_top1_agreement": 0.0, "max_accuracy_drop": 1.0, "min_cosine": 1.0}, "min_cosine"),
+])
+def test_int8_that_misses_its_gate_is_not_exported_and_the_fp32_model_is(tmp_path, margin, gate, key):
+    model = SmallNet(margin=margin)
     outcome = _export(model, tmp_path / "exp", export={"formats": ["pt2"]},
-                      passes={"quantize_int8": {"enabled": True, "min_top1_agreement": 1.0, "max_accuracy_drop": 0.0}})
+                      passes={"quantize_int8": {"enabled": True, **gate}})
     manifest = read_manifest(outcome.export_dir)
     assert list(manifest["formats"]) == ["pt2"] and not (outcome.export_dir / "int8").exists()
     missed = manifest["variants"]["int8"]["pt2-int8"]
-    assert missed["passed"] is False and any("top1_agreement" in f for f in missed["failures"])
+    assert missed["passed"] is False
+    assert any(f"passes.quantize_int8.{key} = " in f for f in missed["failures"]), missed["failures"]
     note = next(n for n in outcome.notes if n.startswith("pt2-int8 missed its gate"))
-    assert "top1_agreement" in note and "the fp32 artifacts stand" in note
+    assert f"passes.quantize_int8.{key}" in note and "the fp32 artifacts stand" in note
     x = _data(1)[0][0]
     assert rel_err(load_fused(outcome.export_dir)(x), reference_fp64(model, x)) <= 1e-5
 

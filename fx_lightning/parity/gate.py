@@ -343,11 +343,12 @@ def _merged_metric(metrics: List[Metric]) -> Metric:
 
 
 def judge_parity(state: ParityState, cfg: Union[ParityConfig, Mapping[str, Any], None] = None, *,
-                 lossy: bool = False) -> ParityReport:
+                 lossy: bool = False, config_key: str = "parity") -> ParityReport:
     """Compute the metrics of ``state`` (one rank's, or the merge of every rank's) and apply the gate.
 
     ``lossy``: a model meant to differ (int8) is judged on cosine similarity, top-1 agreement and accuracy
-    drop; its relative error is reported, not gated."""
+    drop; its relative error is reported, not gated. ``config_key``: where the user sets the thresholds,
+    named in the failures (``passes.quantize_int8`` for the int8 gate)."""
     cfg = parity_config(cfg)
     report = ParityReport(passed=False, failures=list(state.failures), batches=state.batches, source=state.source,
                           notes=list(state.notes))
@@ -357,14 +358,14 @@ def judge_parity(state: ParityState, cfg: Union[ParityConfig, Mapping[str, Any],
             "parity.enabled: false)"
         )
     elif not report.failures:
-        _judge_outputs(state, cfg, report, lossy)
-        _judge_classes(state, cfg, report)
+        _judge_outputs(state, cfg, report, lossy, config_key)
+        _judge_classes(state, cfg, report, config_key)
         report.metrics["samples"] = float(state.samples)
     report.passed = not report.failures
     return report
 
 
-def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, lossy: bool) -> None:
+def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, lossy: bool, config_key: str) -> None:
     for key in OUTPUT_KEYS:
         report.metrics[key] = float(state.metrics[key].compute())
     whole = state.metrics.get("whole_relative_max_error")
@@ -385,11 +386,12 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
         _note_once(report.notes, "lossy model: relative error reported, not gated")
     else:
         report.thresholds["relative_max_error"] = rtol
-        _gate(report, "relative_max_error", report.metrics["relative_max_error"], "<=", rtol, "rtol")
-    _gate(report, "cosine_similarity_min", report.metrics["cosine_similarity_min"], ">=", cfg.min_cosine, "min_cosine")
+        _gate(report, "relative_max_error", report.metrics["relative_max_error"], "<=", rtol, f"{config_key}.rtol")
+    _gate(report, "cosine_similarity_min", report.metrics["cosine_similarity_min"], ">=", cfg.min_cosine,
+          f"{config_key}.min_cosine")
 
 
-def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport) -> None:
+def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport, config_key: str) -> None:
     if state.num_classes is None or "top1_agreement" not in state.metrics:
         _note_once(report.notes, "outputs are not class scores: top-1 agreement not measured")
         return
@@ -397,7 +399,7 @@ def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport) 
         report.metrics[key] = float(state.metrics[key].compute())
     report.thresholds["top1_agreement"] = cfg.min_top1_agreement
     _gate(report, "top1_agreement", report.metrics["top1_agreement"], ">=", cfg.min_top1_agreement,
-          "min_top1_agreement")
+          f"{config_key}.min_top1_agreement")
     if not state.labels_seen:
         _note_once(report.notes, "no integer labels in the batches: accuracy not measured")
         return
@@ -405,7 +407,7 @@ def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport) 
     acc_fused = float(state.metrics["accuracy_fused"].compute())
     report.metrics.update(accuracy_reference=acc_ref, accuracy_fused=acc_fused, accuracy_drop=acc_ref - acc_fused)
     report.thresholds["accuracy_drop"] = cfg.max_accuracy_drop
-    _gate(report, "accuracy_drop", acc_ref - acc_fused, "<=", cfg.max_accuracy_drop, "max_accuracy_drop")
+    _gate(report, "accuracy_drop", acc_ref - acc_fused, "<=", cfg.max_accuracy_drop, f"{config_key}.max_accuracy_drop")
 
 
 def _gate(report: ParityReport, name: str, value: float, op: str, threshold: float, key: str) -> None:
@@ -413,7 +415,7 @@ def _gate(report: ParityReport, name: str, value: float, op: str, threshold: flo
     ok = value <= threshold if op == "<=" else value >= threshold
     if not ok:
         bad = ">" if op == "<=" else "<"
-        report.failures.append(f"{name} = {value:.6g} {bad} parity.{key} = {threshold:.6g}")
+        report.failures.append(f"{name} = {value:.6g} {bad} {key} = {threshold:.6g}")
 
 
 def _note_once(notes: List[str], note: str) -> None:

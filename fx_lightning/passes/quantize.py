@@ -34,12 +34,17 @@ class QuantizeInt8Options(PassOptions):
     # The gate, on validation data: top-1 agreement with the fp32 model, and the accuracy drop against labels.
     min_top1_agreement: float = 0.98
     max_accuracy_drop: float = 0.01
+    # A floor on the cosine similarity of each sample's outputs with the fp32 model's: catches an int8 model
+    # whose scores drift while the top class holds (regression heads, embeddings).
+    min_cosine: float = 0.99
 
     def check(self) -> None:
         if self.calibration_batches < 1:
             raise ValueError(f"calibration_batches: must be >= 1, got {self.calibration_batches}.")
         if not 0.0 <= self.min_top1_agreement <= 1.0:
             raise ValueError(f"min_top1_agreement: must be in [0, 1], got {self.min_top1_agreement}.")
+        if not -1.0 <= self.min_cosine <= 1.0:
+            raise ValueError(f"min_cosine: must be in [-1, 1], got {self.min_cosine}.")
         if not math.isfinite(self.max_accuracy_drop) or self.max_accuracy_drop < 0:
             raise ValueError(f"max_accuracy_drop: must be a finite number >= 0, got {self.max_accuracy_drop}.")
 
