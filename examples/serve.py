@@ -81,7 +81,13 @@ def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
     if kind == "onnx":
         import onnxruntime as ort
 
-        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        recorded = entry.get("session_options") or {}  # as the export checked it (threads: this machine's)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                                   recorded.get("graph_optimization_level", "ORT_ENABLE_ALL"))
+        for key, value in (recorded.get("config_entries") or {}).items():
+            options.add_session_config_entry(key, str(value))
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
 
         def run(*xs: torch.Tensor) -> Any:

@@ -52,7 +52,8 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
         "exporter": exporter,
         # ONNX itself is device-free; the round-trip check runs it with ONNX Runtime on the CPU.
         "device": "cpu",
-        "session_options": {"graph_optimization_level": SESSION_LEVEL, "intra_op_num_threads": torch.get_num_threads()},
+        "session_options": {"graph_optimization_level": SESSION_LEVEL, "intra_op_num_threads": torch.get_num_threads(),
+                            "config_entries": dict(SESSION_CONFIG)},
         "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
         "input_names": [i.name for i in model.graph.input],
         "output_names": [o.name for o in model.graph.output],
@@ -94,14 +95,22 @@ def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], outp
 # How the artifact is checked, and run by load_fused: what an inference server uses (all graph optimisations,
 # ONNX Runtime's default) with as many intra-op threads as torch uses in this process.
 SESSION_LEVEL = "ORT_ENABLE_ALL"
+# ONNX Runtime's intra-op threads spin between runs by default and take the cores from anything else in the
+# process: with one spinning session, eager torch ran resnet18 at 127 ms instead of 78 (2 cores), and the session
+# itself was no faster (59-63 ms spinning, 56-57 not). A server that also runs torch (pre-processing, other
+# models) wants them off; so does a side-by-side benchmark.
+SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 
 
-def session_options(threads: Optional[int] = None, level: str = SESSION_LEVEL) -> Any:
+def session_options(threads: Optional[int] = None, level: str = SESSION_LEVEL,
+                    config_entries: Optional[Dict[str, str]] = None) -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
     options.intra_op_num_threads = threads or torch.get_num_threads()
+    for key, value in (SESSION_CONFIG if config_entries is None else config_entries).items():
+        options.add_session_config_entry(key, str(value))
     return options
 
 
@@ -109,13 +118,14 @@ class OnnxRuntimeModule(nn.Module):
     """An onnxruntime session behind the nn.Module interface: tensors in, tensors out (on ``device``)."""
 
     def __init__(self, path: Any, providers: Optional[Sequence[str]] = None, device: Any = "cpu",
-                 threads: Optional[int] = None, level: str = SESSION_LEVEL) -> None:
+                 threads: Optional[int] = None, level: str = SESSION_LEVEL,
+                 config_entries: Optional[Dict[str, str]] = None) -> None:
         super().__init__()
         import onnxruntime as ort
 
         self.path = str(path)
         self.device = torch.device(device)
-        self.session = ort.InferenceSession(self.path, sess_options=session_options(threads, level),
+        self.session = ort.InferenceSession(self.path, sess_options=session_options(threads, level, config_entries),
                                             providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.eval()
@@ -143,8 +153,10 @@ def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
             f"format 'onnx' cannot run on {device}: ONNX Runtime here has {', '.join(available)}"
             + (" (install onnxruntime-gpu for CUDA)" if device.type == "cuda" else "") + "; load it with device='cpu'."
         )
-    level = (entry.get("session_options") or {}).get("graph_optimization_level", SESSION_LEVEL)
-    return OnnxRuntimeModule(root / entry["path"], [provider], device, level=level)
+    recorded = entry.get("session_options") or {}
+    return OnnxRuntimeModule(root / entry["path"], [provider], device,
+                             level=recorded.get("graph_optimization_level", SESSION_LEVEL),
+                             config_entries=recorded.get("config_entries", SESSION_CONFIG))
 
 
 FORMAT = Format(
