@@ -19,6 +19,7 @@ unfused model in eval mode, on one batch of images at each batch size timed (the
 
     python benchmarks/serving.py                                      # the README table (4 models)
     python benchmarks/serving.py --models resnet18 --rounds 5         # quick look
+    python benchmarks/serving.py --render                             # the tables again from the JSON
 """
 
 from __future__ import annotations
@@ -165,6 +166,28 @@ def to_markdown(results: List[Dict], meta: Dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SUMMARY = ["torch.compile", "fused", "pt2", "pt2+compile", "onnx", "aoti", "aoti-int8"]
+
+
+def to_summary(results: List[Dict], meta: Dict) -> str:
+    """The README's table: speed-up over eager per artifact, and what the selection picks (fp32) with its error."""
+    lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']} ({meta['isa']}), input "
+             f"{meta['size']}x{meta['size']}, median of {meta['rounds']} interleaved rounds; speed-up over eager.",
+             "",
+             "| model | batch | eager ms | " + " | ".join(SUMMARY) + " | selected (fp32) | its rel. error |",
+             "|---|---|---" + "|---" * len(SUMMARY) + "|---|---|"]
+    for result in results:
+        for b in sorted({r["batch"] for r in result["rows"]}):
+            rows = {r["artifact"]: r for r in result["rows"] if r["batch"] == b}
+            pick = next((r for r in rows.values() if "fp32" in r["selected"]), None)
+            cells = [f"{rows[a]['vs_eager']:.2f}x" if a in rows else "-" for a in SUMMARY]
+            if pick is not None:
+                cells = [f"**{c}**" if a == pick["artifact"] else c for a, c in zip(SUMMARY, cells)]
+            lines.append(f"| {result['model']} | {b} | {rows['eager']['median_ms']:.1f} | " + " | ".join(cells)
+                         + (f" | {pick['artifact']} | {pick['relative_error']:.1e} |" if pick else " | - | - |"))
+    return "\n".join(lines) + "\n"
+
+
 def _selected(kinds: List[str]) -> str:
     if kinds == ["fp32", "any"]:
         return "**fastest**"
@@ -180,16 +203,20 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--no-int8", action="store_true", help="skip the int8 variant (no torchao)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serving"))
+    parser.add_argument("--render", action="store_true", help="only write the tables again from OUT.json")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.render:
+        saved = json.loads(out.with_suffix(".json").read_text())
+        write_tables(out, saved["results"], saved["meta"])
+        return 0
     torch.set_num_threads(args.threads)
     console = Console()
     results = [bench_model(m, args.batches, args.rounds, args.size, not args.no_int8, console) for m in args.models]
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "isa": results[0]["isa"],
             "cpu": _cpu_name(), "machine": platform.machine(), "size": args.size, "rounds": args.rounds}
-    out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    markdown = to_markdown(results, meta)
-    out.with_suffix(".md").write_text(markdown)
+    write_tables(out, results, meta)
     table = Table(title="serving latency")
     for col in ("model", "batch", "artifact", "ms", "vs eager", "vs compile", "error"):
         table.add_column(col)
@@ -199,6 +226,12 @@ def main(argv: List[str]) -> int:
                           f"{r['vs_eager']:.2f}x", f"{r['vs_torch_compile']:.2f}x", f"{r['relative_error']:.1e}")
     console.print(table)
     return 0
+
+
+def write_tables(out: Path, results: List[Dict], meta: Dict) -> None:
+    """OUT.md (every row) and OUT_summary.md (the README's table)."""
+    out.with_suffix(".md").write_text(to_markdown(results, meta))
+    out.with_name(out.name + "_summary.md").write_text(to_summary(results, meta))
 
 
 def _cpu_name() -> str:
