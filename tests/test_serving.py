@@ -272,3 +272,19 @@ def test_aoti_built_for_batch_1_is_checked_and_selectable_on_batches_of_8(tmp_pa
     assert manifest["bench"]["checks"]["aoti"]["passed"], manifest["bench"]["checks"]["aoti"]
     assert "aoti-int8" in manifest["formats"], manifest["variants"]
     assert manifest["selected"]["format"] in {"aoti", "aoti-int8"}
+
+
+def test_every_timed_call_is_preceded_by_a_settle_pause(tmp_path, monkeypatch):
+    """torch's OpenMP threads spin after a call and slowed ONNX Runtime timed right after by 12%: the bench
+    pauses before every timed call, so each artifact is timed as it runs alone."""
+    from fx_lightning.export import selection
+
+    outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["pt2", "onnx"]})
+    events = []
+    real_perf_counter = selection.time.perf_counter
+    monkeypatch.setattr(selection.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(selection.time, "perf_counter", lambda: events.append(("clock", None)) or real_perf_counter())
+    bench_export(outcome.export_dir, batch_sizes=[1, 2], rounds=3, warmup=1)
+    starts = [i for i, (kind, _) in enumerate(events) if kind == "clock"][::2]  # start, stop per call
+    assert len(starts) == (1 + 3) * 2 * 2
+    assert all(events[i - 1] == ("sleep", selection.SETTLE_S) for i in starts) and selection.SETTLE_S >= 0.01

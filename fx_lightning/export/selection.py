@@ -2,7 +2,8 @@
 check batch, and the fastest that passed recorded in the manifest (``load_fused(dir)`` then loads it).
 
 Timing is interleaved: every round runs every artifact once, in a shuffled order, so a slow minute on a
-shared machine lands on all of them; the table keeps medians and the 90th percentile. The check compares each
+shared machine lands on all of them, with a short pause before each call so one runtime's spinning threads do
+not slow the next; the table keeps medians and the 90th percentile. The check compares each
 artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the export's own rule (a
 few times the fused model's own error), so an artifact that disagrees is never selected.
 """
@@ -30,6 +31,10 @@ __all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "record_sel
 
 # An artifact may be this many times further from the fp64 reference than the fused model (as at export).
 CHECK_FACTOR = 8.0
+# A pause before each timed call: torch's OpenMP threads spin for a while after a call and take the cores from
+# whatever runs next. Measured (resnet18, batch 1, 2 cores): ONNX Runtime ran 55.2 ms right after torch calls,
+# 49.1 ms alone and 49.2 ms after this pause; torch artifacts were unchanged. Each artifact is timed as if alone.
+SETTLE_S = 0.02
 _FLOOR = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
@@ -151,6 +156,7 @@ def _time_interleaved(table: BenchTable, models: Dict[str, nn.Module], inputs: S
             for cell in order:
                 done += 1
                 if cell in runnable:
+                    time.sleep(SETTLE_S)
                     try:
                         start = time.perf_counter()
                         models[cell[0]](*args[cell[1]])
