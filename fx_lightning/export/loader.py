@@ -31,7 +31,8 @@ def load_fused(
     artifact the export selected as the fastest that passed its check (``export.select: fastest`` or
     ``fx-lightning bench --select``), else the first available in order of preference (pt2 first).
     ``device``: where to load it (a torch device or its name); ``None``: the device the artifact was built for
-    (the manifest records it) when this process has it, else the CPU. A format that cannot run on the device asked for raises an :class:`ExportError` saying so.
+    (the manifest records it) when this process has it, else the CPU. A format that cannot run on the device
+    asked for raises an :class:`ExportError` saying so.
     ``verify`` checks each file's size and sha256 against the manifest first. Raises :class:`ExportError` for
     a missing or corrupt file, an unknown manifest version or a format that is not in the export. Note:
     ``graph_module`` (and ``code`` when it holds pickled modules) unpickles code: load only exports you trust.

@@ -7,6 +7,7 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -25,6 +26,7 @@ __all__ = [
     "MANIFEST_NAME",
     "build_manifest",
     "write_manifest",
+    "replace_manifest",
     "read_manifest",
     "verify_files",
     "sha256_file",
@@ -72,6 +74,14 @@ def build_manifest(
 def write_manifest(root: Path, manifest: Dict[str, Any]) -> None:
     text = json.dumps(manifest, indent=2, allow_nan=False, sort_keys=False)
     (root / MANIFEST_NAME).write_text(text + "\n", encoding="utf-8")
+
+
+def replace_manifest(root: Path, manifest: Dict[str, Any]) -> None:
+    """Rewrite the manifest of a finished export atomically (a reader sees the old one or the new one)."""
+    path = Path(root) / MANIFEST_NAME
+    staging = path.with_name(f".{MANIFEST_NAME}.tmp")
+    staging.write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(staging, path)
 
 
 def read_manifest(directory: Any) -> Dict[str, Any]:

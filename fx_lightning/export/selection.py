@@ -10,8 +10,6 @@ few times the fused model's own error), so an artifact that disagrees is never s
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import random
 import statistics
@@ -25,7 +23,7 @@ from torch import nn
 
 from fx_lightning.batches import flat_tensors, with_batch_size
 from fx_lightning.errors import ExportError
-from fx_lightning.export.manifest import MANIFEST_NAME, read_manifest
+from fx_lightning.export.manifest import read_manifest, replace_manifest
 
 __all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "record_selection"]
 
@@ -189,10 +187,7 @@ def select_fastest(table: BenchTable, batch_size: int) -> Optional[Dict[str, Any
 
 def record_selection(root: Any, table: BenchTable, selected: Optional[Dict[str, Any]]) -> None:
     """Write the table and the selection into the manifest (atomically; the manifest is not in the file hashes)."""
-    path = Path(root) / MANIFEST_NAME
-    manifest = json.loads(path.read_text(encoding="utf-8"))
+    manifest = read_manifest(root)
     manifest["bench"] = table.to_dict()
     manifest["selected"] = selected
-    staging = path.with_name(f".{MANIFEST_NAME}.tmp")
-    staging.write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(staging, path)
+    replace_manifest(Path(root), manifest)

@@ -7,8 +7,6 @@ report replaces the round-trip check (a lossy model is not expected to match the
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Sequence
@@ -20,7 +18,7 @@ from fx_lightning.config import FuseConfig
 from fx_lightning.errors import first_line
 from fx_lightning.export.atomic import list_files
 from fx_lightning.export.formats import FORMATS
-from fx_lightning.export.manifest import MANIFEST_NAME, sha256_file
+from fx_lightning.export.manifest import read_manifest, replace_manifest, sha256_file
 from fx_lightning.export.writer import make_context, require_formats
 
 __all__ = ["VARIANT_FORMATS", "add_variant"]
@@ -80,13 +78,10 @@ def _remove(folder: Path, names: set) -> None:
 
 
 def _record(root: Path, name: str, kept: Dict[str, Dict[str, Any]], outcome: Dict[str, Any]) -> None:
-    path = root / MANIFEST_NAME
-    manifest = json.loads(path.read_text(encoding="utf-8"))
+    manifest = read_manifest(root)
     for entry_name, entry in kept.items():
         manifest["formats"][entry_name] = entry
         for rel in entry["files"]:
             manifest["files"][rel] = {"size": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
     manifest.setdefault("variants", {})[name] = outcome
-    staging = path.with_name(f".{MANIFEST_NAME}.tmp")
-    staging.write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(staging, path)
+    replace_manifest(root, manifest)

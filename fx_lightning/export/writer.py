@@ -217,29 +217,21 @@ def _outputs(model: nn.Module, args: Tuple[Any, ...]) -> List[torch.Tensor]:
 
 @dataclass
 class Reference:
-    """What every artifact is judged against: an fp64 copy of the fused model (on the example batch and batch 1,
-    and on any batch size an artifact is built for), and the fused model's own error against it. Another
-    runtime's kernels (ONNX Runtime, Inductor) round differently, so an artifact passes when its error is of
-    the order of the fused model's own."""
+    """What every artifact is judged against: an fp64 copy of the fused model (on the example batch, batch 1,
+    and each batch size an AOTInductor package is built for), and the fused model's own error against it.
+    Another runtime's kernels (ONNX Runtime, Inductor) round differently, so an artifact passes when its error
+    is of the order of the fused model's own."""
 
     batches: List[Tuple[Any, ...]]
     exact: List[List[torch.Tensor]]
     fused_error: float
-    exact_model: Optional[nn.Module] = None  # None when some op has no fp64 kernel: judged against fp32 then
-    fused_model: Optional[nn.Module] = None
 
     def tolerance(self, dtype: torch.dtype) -> float:
         return max(_ROUNDTRIP_RTOL.get(dtype, 1e-5), ROUNDTRIP_FACTOR * self.fused_error)
 
     def for_batch_size(self, size: int) -> Tuple[Tuple[Any, ...], List[torch.Tensor]]:
-        """An example batch of ``size`` samples and its reference outputs."""
-        for batch, exact in zip(self.batches, self.exact):
-            if batch_size_of(batch) == size:
-                return batch, exact
-        batch = with_batch_size(self.batches[0], size)
-        if self.exact_model is not None:
-            return batch, [t.double() for t in _outputs(self.exact_model, map_tensors(_as_double, batch))]
-        return batch, [t.double() for t in _outputs(self.fused_model, batch)]  # type: ignore[arg-type]
+        """The example batch of ``size`` samples and its reference outputs."""
+        return next((b, e) for b, e in zip(self.batches, self.exact) if batch_size_of(b) == size)
 
 
 # An artifact may be this many times further from the fp64 reference than the fused model itself is.
@@ -248,15 +240,17 @@ ROUNDTRIP_FACTOR = 8.0
 
 def _reference(ctx: WriteContext) -> Reference:
     batches = [ctx.args] + ([take_rows(ctx.args, 1)] if ctx.dynamic_shapes is not None else [])
+    sizes = {batch_size_of(b) for b in batches}
+    batches += [with_batch_size(ctx.args, n) for n in ctx.aoti_batch_sizes if n not in sizes]
     fused = [_outputs(ctx.model, b) for b in batches]
-    exact_model: Optional[nn.Module] = copy.deepcopy(ctx.model).double()
-    try:
+    try:  # the fp64 copy is made, used and freed here: no second copy of the model lives through the export
+        exact_model = copy.deepcopy(ctx.model).double()
         exact = [[t.double() for t in _outputs(exact_model, map_tensors(_as_double, b))] for b in batches]
+        del exact_model
     except RuntimeError:  # no fp64 kernel for some op: judge against the fused model itself
-        exact_model = None
         exact = [[t.double() for t in out] for out in fused]
     errors = [_rel_err(f, e) for out, ex in zip(fused, exact) for f, e in zip(out, ex) if e.is_floating_point()]
-    return Reference(batches, exact, max(errors, default=0.0), exact_model, ctx.model)
+    return Reference(batches, exact, max(errors, default=0.0))
 
 
 def _as_double(t: torch.Tensor) -> torch.Tensor:
