@@ -5,7 +5,7 @@
     python examples/serve.py path/to/fx_fused --format aoti-int8 --batch-size 8
     python examples/serve.py path/to/fx_fused --input batch.pt --save out.pt
 
-Only torch is needed (onnxruntime for ONNX, torchao for an int8 variant). fx-lightning is used when
+Only torch is needed (onnxruntime for ONNX, openvino for OpenVINO IR, torchao for an int8 variant). fx-lightning is used when
 installed (it verifies each file's sha256 against the manifest and refuses an AOTInductor package built for
 another CPU or torch); without it the plain torch loaders below do the same job. The default artifact is the
 one the export selected as the fastest that passed its check (``export.select: fastest`` or
@@ -37,7 +37,7 @@ def load(directory: str, fmt: str | None = None) -> torch.nn.Module:
     return load_fused(directory, fmt)
 
 
-PREFERENCE = ("pt2", "graph_module", "code", "onnx", "aoti")
+PREFERENCE = ("pt2", "graph_module", "code", "onnx", "openvino", "aoti")
 
 
 def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
@@ -95,6 +95,19 @@ def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
             return torch.from_numpy(outs[0]) if len(outs) == 1 else tuple(torch.from_numpy(o) for o in outs)
 
         return run  # type: ignore[return-value]
+    if kind == "openvino":
+        import openvino as ov
+
+        config = {k: v for k, v in (entry.get("compile_config") or {}).items() if k != "INFERENCE_NUM_THREADS"}
+        compiled = ov.Core().compile_model(os.path.join(path, "model.xml"), "CPU",
+                                           {"INFERENCE_PRECISION_HINT": "f32", **config})
+
+        def run_openvino(*xs: torch.Tensor) -> Any:
+            result = compiled([x.numpy() for x in xs])
+            outs = [torch.from_numpy(result[port]) for port in compiled.outputs]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+        return run_openvino  # type: ignore[return-value]
     raise SystemExit(f"unknown format {kind!r}")
 
 
@@ -116,7 +129,7 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="the export directory (holds manifest.json)")
     parser.add_argument("--format", default=None,
-                        help="an artifact of the export: pt2, graph_module, code, onnx, aoti, pt2-int8, aoti-int8...")
+                        help="an artifact of the export: pt2, graph_module, code, onnx, openvino, aoti, pt2-int8, aoti-int8...")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--input", help="a .pt file with a tensor (or a list of tensors) to run instead of random data")
     parser.add_argument("--save", help="write {'inputs': [...], 'output': ...} to this .pt file")

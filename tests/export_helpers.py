@@ -77,6 +77,11 @@ SERVE_CHECK = textwrap.dedent(
                 sess = ort.InferenceSession(os.path.join(spec["dir"], "model.onnx"), providers=["CPUExecutionProvider"])
                 name = sess.get_inputs()[0].name
                 model = lambda x: torch.from_numpy(sess.run(None, {name: x.numpy()})[0])
+            elif spec["loader"] == "openvino":
+                import openvino as ov
+                compiled = ov.Core().compile_model(os.path.join(spec["dir"], "openvino", "model.xml"), "CPU",
+                                                   {"INFERENCE_PRECISION_HINT": "f32"})
+                model = lambda x, c=compiled: torch.from_numpy(c([x.numpy()])[c.outputs[0]])
             else:
                 raise ValueError(spec["loader"])
             with torch.no_grad():

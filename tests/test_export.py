@@ -32,7 +32,7 @@ from export_helpers import (
     snapshot,
 )
 
-ALL_FORMATS = ["graph_module", "code", "pt2", "onnx"]
+ALL_FORMATS = ["graph_module", "code", "pt2", "onnx", "openvino"]
 MODES = ["fx", "export"]
 TOL = 1e-5
 
@@ -99,9 +99,9 @@ def fresh_run(tmp_path_factory) -> Dict[str, Any]:
                            parity={"passed": True, "metrics": {}})
         for fmt in ALL_FORMATS:
             specs[f"{mode}/{fmt}/load_fused"] = {"dir": str(out), "format": fmt, "loader": "load_fused"}
-        # Plain torch / onnxruntime, without fx_lightning's loader.
+        # Plain torch / onnxruntime / openvino, without fx_lightning's loader.
         for fmt, loader in (("pt2", "torch.export"), ("graph_module", "torch.load"), ("code", "code"),
-                            ("onnx", "onnxruntime")):
+                            ("onnx", "onnxruntime"), ("openvino", "openvino")):
             specs[f"{mode}/{fmt}/{loader}"] = {"dir": str(out), "format": fmt, "loader": loader}
     inputs = [torch.randn(b, 3, 8, 8, generator=torch.Generator().manual_seed(b)) for b in (1, 7)]
     run = run_fresh(base / "fresh", specs, inputs)
@@ -113,7 +113,8 @@ def fresh_run(tmp_path_factory) -> Dict[str, Any]:
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 @pytest.mark.parametrize("mode", MODES)
 def test_format_matches_original_in_fresh_process(fresh_run, mode, fmt, loader):
-    plain = {"pt2": "torch.export", "graph_module": "torch.load", "code": "code", "onnx": "onnxruntime"}[fmt]
+    plain = {"pt2": "torch.export", "graph_module": "torch.load", "code": "code", "onnx": "onnxruntime",
+             "openvino": "openvino"}[fmt]
     key = f"{mode}/{fmt}/{'load_fused' if loader == 'load_fused' else plain}"
     assert fresh_run["bad_imports"] == [], f"the fresh process imported training code: {fresh_run['bad_imports']}"
     assert key not in fresh_run["errors"], fresh_run["errors"].get(key)
@@ -148,7 +149,7 @@ def test_serve_example_random_inputs_from_manifest(fresh_run, capsys):
         assert "inputs [(3, 3, 8, 8)] -> output (3, 5)" in capsys.readouterr().out
     # Without fx_lightning: the plain torch loaders give the same answers.
     x = torch.randn(3, 3, 8, 8)
-    for fmt in ("pt2", "graph_module", "code", "onnx"):
+    for fmt in ("pt2", "graph_module", "code", "onnx", "openvino"):
         model = serve._load_with_torch(str(fresh_run["base"] / "export"), fmt)
         assert rel_err(model(x), reference_fp64(fresh_run["model"], x)) <= TOL, fmt
 
@@ -465,6 +466,61 @@ def test_onnx_falls_back_to_torchscript_exporter(tmp_path, monkeypatch):
     for b in (1, 7):
         x = example(b)
         assert rel_err(loaded(x), reference_fp64(model, x)) <= TOL
+
+
+def test_openvino_falls_back_to_torchscript_route_and_keeps_fp32(tmp_path, monkeypatch):
+    import fx_lightning.export.formats.pt2 as pt2_format
+
+    def broken(ctx):
+        raise RuntimeError("torch.export cannot handle this graph")
+
+    monkeypatch.setattr(pt2_format, "export_program", broken)
+    model = make_model()
+    out = export_fused(fused(model).graph_module, tmp_path / "exp", example_inputs=(example(),),
+                       config=cfg(formats=["openvino"]))
+    entry = read_manifest(out)["formats"]["openvino"]
+    assert entry["converted_from"] == "torchscript" and "cannot handle this graph" in entry["export_failure"]
+    assert entry["input_shapes"] == [[-1, 3, 8, 8]] and entry["compile_config"]["INFERENCE_PRECISION_HINT"] == "f32"
+    # fp32 weights: ov.save_model halves them to fp16 unless told not to; fp16 would miss 1e-5 by far.
+    weights = sum(p.numel() for p in fused(model).graph_module.parameters())
+    assert (out / "openvino" / "model.bin").stat().st_size >= 4 * weights
+    loaded = load_fused(out, "openvino")
+    for b in (1, 7):
+        x = example(b)
+        assert rel_err(loaded(x), reference_fp64(model, x)) <= TOL
+    with pytest.raises(ExportError, match=r"format 'openvino' runs on the CPU.*device='cpu'"):
+        FORMATS["openvino"].load(out, entry, torch.device("cuda"))
+
+
+def test_openvino_compiles_one_static_copy_per_shape_and_keeps_a_few(tmp_path):
+    from fx_lightning.export.formats.openvino import MAX_SHAPES
+
+    model = make_model()
+    out = quick_export(tmp_path / "exp", formats=["openvino"])
+    loaded = load_fused(out, "openvino")
+    sizes = [1, 7, 1, *range(2, 2 + MAX_SHAPES)]
+    for b in sizes:
+        x = example(b)
+        assert rel_err(loaded(x), reference_fp64(model, x)) <= TOL, b
+    assert len(loaded.compiled) == MAX_SHAPES and ((1, 3, 8, 8),) not in loaded.compiled
+    assert next(reversed(loaded.compiled)) == ((1 + MAX_SHAPES, 3, 8, 8),)
+    # Another spatial size: the IR is reshaped to it, as the fused model (adaptive pooling) would run it.
+    x = torch.randn(2, 3, 9, 9)
+    assert rel_err(loaded(x), reference_fp64(model, x)) <= TOL
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        import pickle
+
+        pickle.dumps(loaded)
+
+
+def test_openvino_requested_but_not_installed(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    with pytest.raises(ExportError, match=r"'openvino' but openvino is not installed.*fx-lightning\[openvino\]"):
+        quick_export(tmp_path / "exp", formats=["pt2", "openvino"])
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.ddp
