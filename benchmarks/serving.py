@@ -3,12 +3,12 @@ instead (``torch.compile`` of the unfused model, ONNX Runtime on its own export 
 
 For each torchvision model (random weights, BatchNorm statistics set by a few training-mode batches of
 synthetic images, so they are not the identity) the script runs fx-lightning's pipeline - fuse, parity,
-export in pt2, onnx and aoti (one AOTInductor package per batch size), and the int8 variant - then times, in
-one process, interleaved in shuffled rounds at a fixed thread count:
+export in pt2, onnx, openvino (when installed) and aoti (one AOTInductor package per batch size), and the
+int8 variant - then times, in one process, interleaved in shuffled rounds at a fixed thread count:
 
 - ``eager``: the unfused model; ``torch.compile``: the unfused model through ``torch.compile`` (Inductor
   defaults), the peer a Python server would pick; ``fused``: the fused GraphModule run eagerly;
-- ``pt2``, ``onnx``, ``aoti``: the artifacts as ``load_fused`` gives them; ``pt2+compile``:
+- ``pt2``, ``onnx``, ``openvino``, ``aoti``: the artifacts as ``load_fused`` gives them; ``pt2+compile``:
   ``load_fused(dir, "pt2", compile=True)`` (Inductor with freezing);
 - ``aoti-int8``, ``pt2-int8+compile``: the int8 variant. Its gate is opened for the benchmark (every
   variant is kept so it can be timed); the table shows its top-1 agreement with the fp32 model on the
@@ -16,6 +16,12 @@ one process, interleaved in shuffled rounds at a fixed thread count:
 
 Every row's relative error is measured the same way: max|out - ref| / max|ref| against an fp64 copy of the
 unfused model in eval mode, on one batch of images at each batch size timed (the worst is shown).
+
+The limit: the model's multiply-adds (``torch.utils.flop_counter``) at the rate this machine multiplies large
+fp32 matrices (``torch.mm`` of 2048x2048, same threads, measured in the same run). An fp32 runtime that does
+the same arithmetic cannot go much past it; ``sgemm limit`` is eager's median over that time, and each row's
+``of limit`` is the share of that rate it reaches. Depthwise convolutions cannot run at matrix speed, so for
+the MobileNet/EfficientNet rows it is a loose bound.
 
     python benchmarks/serving.py                                      # the README table (4 models)
     python benchmarks/serving.py --models resnet18 --rounds 5         # quick look
@@ -25,6 +31,7 @@ unfused model in eval mode, on one batch of images at each batch size timed (the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -42,13 +49,15 @@ from torch import nn
 from fx_lightning import load_fused
 from fx_lightning.batches import flat_tensors
 from fx_lightning.config import load_config
-from fx_lightning.export import bench_export, read_manifest, select_fastest
+from fx_lightning.export import FORMATS, bench_export, read_manifest, select_fastest
 from fx_lightning.export.selection import BenchTable
 from fx_lightning.passes.quantize import QuantizeInt8Options
 from fx_lightning.pipeline import Batches, fuse_verify_export
 
 MODELS = ["resnet18", "resnet50", "mobilenet_v3_large", "efficientnet_b0"]
-ORDER = ["eager", "torch.compile", "fused", "pt2", "pt2+compile", "onnx", "aoti", "pt2-int8+compile", "aoti-int8"]
+ORDER = ["eager", "torch.compile", "fused", "pt2", "pt2+compile", "onnx", "openvino", "aoti", "pt2-int8+compile",
+         "aoti-int8"]
+FP32_FORMATS = ["pt2", "onnx", "openvino", "aoti"]
 
 
 def trained_looking(name: str, size: int) -> nn.Module:
@@ -69,13 +78,38 @@ def relative_error(module: nn.Module, reference: nn.Module, x: torch.Tensor) -> 
     return float((got - want).abs().max() / want.abs().max())
 
 
-def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: bool, console: Console) -> Dict:
+def model_flops(model: nn.Module, x: torch.Tensor) -> float:
+    """Floating-point operations of one call (a multiply-add counts two), as torch's flop counter sees them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    return float(counter.get_total_flops())
+
+
+def sgemm_flops_per_second(n: int = 2048, rounds: int = 10) -> float:
+    """How fast this machine multiplies large fp32 matrices at torch's thread count (median of ``rounds``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times = []
+    for r in range(rounds + 2):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if r >= 2:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return 2 * n ** 3 / times[len(times) // 2]
+
+
+def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: bool, console: Console,
+                sgemm_flops_per_s: float) -> Dict:
     model = trained_looking(name, size)
+    flops = {b: model_flops(model, torch.randn(b, 3, size, size)) for b in batches}
     g = torch.Generator().manual_seed(1)
     data = [torch.randn(8, 3, size, size, generator=g) for _ in range(4)]
     passes = {"quantize_int8": {"enabled": True, "calibration_batches": 4, "min_top1_agreement": 0.0,
                                 "max_accuracy_drop": 1.0, "min_cosine": -1.0}} if int8 else {}
-    config = load_config({"export": {"formats": ["pt2", "onnx", "aoti"], "aoti_batch_sizes": batches},
+    wanted = [f for f in FP32_FORMATS if all(importlib.util.find_spec(m) for m in FORMATS[f].requires)]
+    config = load_config({"export": {"formats": wanted, "aoti_batch_sizes": batches},
                           "parity": {"max_batches": 4}, "passes": passes})
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -88,7 +122,7 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
         baselines["pt2+compile"] = load_fused(root, "pt2", compile=True)
         if "pt2-int8" in manifest["formats"]:
             baselines["pt2-int8+compile"] = load_fused(root, "pt2-int8", compile=True)
-        formats = [f for f in ("pt2", "onnx", "aoti", "aoti-int8") if f in manifest["formats"]]
+        formats = [f for f in (*FP32_FORMATS, "aoti-int8") if f in manifest["formats"]]
         with torch.no_grad():  # compile outside the timing (warm-up would do it, but a compile is not a call)
             for module in baselines.values():
                 for b in batches:
@@ -112,12 +146,14 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
     rows = []
     for b in batches:
         eager, compiled = table.median("eager", b), table.median("torch.compile", b)
+        limit_ms = 1e3 * flops[b] / sgemm_flops_per_s
         for artifact in ORDER:
             ms = table.median(artifact, b)
             if ms is None:
                 continue
             rows.append({"model": name, "batch": b, "artifact": artifact, "median_ms": ms,
                          "vs_eager": eager / ms, "vs_torch_compile": compiled / ms,
+                         "limit_ms": limit_ms, "of_limit": limit_ms / ms,
                          "relative_error": errors.get(artifact),
                          "top1_agreement": _metric(gates, artifact, "top1_agreement_strict"),
                          "cosine": _metric(gates, artifact, "cosine_similarity_min"),
@@ -126,7 +162,7 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
                          "selected": [k for k, v in selected[b].items() if v == artifact]})
     console.print(f"{name}: export {export_s:.0f} s, folded {outcome.result.report.batchnorms_folded} BatchNorms")
     return {"model": name, "export_s": export_s, "rows": rows, "skipped": outcome.notes,
-            "threads": table.threads, "isa": table.isa}
+            "threads": table.threads, "isa": table.isa, "gflops": {str(b): flops[b] / 1e9 for b in batches}}
 
 
 def passes_default_gate(metrics: Dict[str, float]) -> bool:
@@ -149,33 +185,36 @@ def to_markdown(results: List[Dict], meta: Dict) -> str:
              "with the fp32 model on the parity batches (random weights: a weak test of int8, see the README), "
              "and whether that passes quantize_int8's default gate (agreement >= 0.98, cosine >= 0.99); the "
              "gate was opened to time every variant, and the selection counts a variant only if it passes. "
-             "Selected: what `export.select: fastest` picks, among the fp32 artifacts and with int8 allowed.",
+             "Selected: what `export.select: fastest` picks, among the fp32 artifacts and with int8 allowed. "
+             f"Of limit: the model's FLOPs at this machine's sgemm rate ({_sgemm(meta)}) over this median.",
              "",
-             "| model | batch | artifact | median ms | vs eager | vs torch.compile | rel. error "
+             "| model | batch | artifact | median ms | vs eager | vs torch.compile | of limit | rel. error "
              "| int8 agreement / cosine / default gate | selected |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         for r in result["rows"]:
             int8 = "" if r["top1_agreement"] is None else (
                 f"{r['top1_agreement']:.3f} / {r['cosine']:.4f} / {'passes' if r['default_gate'] else 'misses'}")
             lines.append(f"| {r['model']} | {r['batch']} | {r['artifact']} | {r['median_ms']:.1f} | "
-                         f"{r['vs_eager']:.2f}x | {r['vs_torch_compile']:.2f}x | {r['relative_error']:.1e} | {int8} | "
+                         f"{r['vs_eager']:.2f}x | {r['vs_torch_compile']:.2f}x | {_share(r.get('of_limit'))} | "
+                         f"{r['relative_error']:.1e} | {int8} | "
                          f"{_selected(r['selected'])} |")
-    lines += ["", "| model | export (fuse, parity, pt2, onnx, aoti per batch size, int8) s |", "|---|---|"]
-    lines += [f"| {r['model']} | {r['export_s']:.0f} |" for r in results]
+    lines += ["", "| model | GFLOPs at batch 1 | export (fuse, parity, every format, int8) s |", "|---|---|---|"]
+    lines += [f"| {r['model']} | {_gflops(r)} | {r['export_s']:.0f} |" for r in results]
     return "\n".join(lines) + "\n"
 
 
-SUMMARY = ["torch.compile", "fused", "pt2", "pt2+compile", "onnx", "aoti", "aoti-int8"]
+SUMMARY = ["torch.compile", "fused", "pt2", "pt2+compile", "onnx", "openvino", "aoti", "aoti-int8"]
 
 
 def to_summary(results: List[Dict], meta: Dict) -> str:
     """The README's table: speed-up over eager per artifact, and what the selection picks (fp32) with its error."""
     lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']} ({meta['isa']}), input "
-             f"{meta['size']}x{meta['size']}, median of {meta['rounds']} interleaved rounds; speed-up over eager.",
+             f"{meta['size']}x{meta['size']}, median of {meta['rounds']} interleaved rounds; speed-up over eager. "
+             f"sgemm limit: eager over the model's FLOPs at this machine's sgemm rate ({_sgemm(meta)}).",
              "",
-             "| model | batch | eager ms | " + " | ".join(SUMMARY) + " | selected (fp32) | its rel. error |",
-             "|---|---|---" + "|---" * len(SUMMARY) + "|---|---|"]
+             "| model | batch | eager ms | " + " | ".join(SUMMARY) + " | sgemm limit | selected (fp32) | its rel. error |",
+             "|---|---|---" + "|---" * len(SUMMARY) + "|---|---|---|"]
     for result in results:
         for b in sorted({r["batch"] for r in result["rows"]}):
             rows = {r["artifact"]: r for r in result["rows"] if r["batch"] == b}
@@ -183,9 +222,23 @@ def to_summary(results: List[Dict], meta: Dict) -> str:
             cells = [f"{rows[a]['vs_eager']:.2f}x" if a in rows else "-" for a in SUMMARY]
             if pick is not None:
                 cells = [f"**{c}**" if a == pick["artifact"] else c for a, c in zip(SUMMARY, cells)]
+            limit = rows["eager"].get("limit_ms")
+            cells.append(f"{rows['eager']['median_ms'] / limit:.2f}x" if limit else "-")
             lines.append(f"| {result['model']} | {b} | {rows['eager']['median_ms']:.1f} | " + " | ".join(cells)
                          + (f" | {pick['artifact']} | {pick['relative_error']:.1e} |" if pick else " | - | - |"))
     return "\n".join(lines) + "\n"
+
+
+def _sgemm(meta: Dict) -> str:
+    return f"{meta['sgemm_gflops']:.0f} GFLOP/s" if "sgemm_gflops" in meta else "not measured"
+
+
+def _share(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _gflops(result: Dict) -> str:
+    return f"{result['gflops']['1']:.2f}" if "1" in result.get("gflops", {}) else "-"
 
 
 def _selected(kinds: List[str]) -> str:
@@ -212,9 +265,12 @@ def main(argv: List[str]) -> int:
         return 0
     torch.set_num_threads(args.threads)
     console = Console()
-    results = [bench_model(m, args.batches, args.rounds, args.size, not args.no_int8, console) for m in args.models]
+    sgemm = sgemm_flops_per_second()
+    results = [bench_model(m, args.batches, args.rounds, args.size, not args.no_int8, console, sgemm)
+               for m in args.models]
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "isa": results[0]["isa"],
-            "cpu": _cpu_name(), "machine": platform.machine(), "size": args.size, "rounds": args.rounds}
+            "cpu": _cpu_name(), "machine": platform.machine(), "size": args.size, "rounds": args.rounds,
+            "sgemm_gflops": sgemm / 1e9}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     write_tables(out, results, meta)
     table = Table(title="serving latency")
