@@ -211,7 +211,7 @@ PRESETS = {
     "best": {"weights": "best"},
     "warn_only": {"on_error": "warn", "parity": {"on_failure": "warn"}},
     "template": {"export": {"dir": "/runs/2026-11-22/fx_fused"}},
-    "serving": {"export": {"formats": ["pt2", "onnx", "aoti"], "aoti_batch_sizes": [1, 8], "select": "fastest",
+    "serving": {"export": {"formats": ["pt2", "onnx", "openvino", "aoti"], "aoti_batch_sizes": [1, 8], "select": "fastest",
                            "select_batch_size": 1}},
 }
 

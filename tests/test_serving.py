@@ -57,11 +57,11 @@ def _export(model: nn.Module, directory: Path, **config: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Dict[str, Any]:
-    """One export with every serving artifact: pt2, onnx, a dynamic-batch AOTInductor package, int8 variants,
+    """One export with every serving artifact: pt2, onnx, openvino, a dynamic-batch AOTInductor package, int8 variants,
     the fastest selected; then every artifact loaded in one fresh process."""
     base = tmp_path_factory.mktemp("served")
     model = randomize_batchnorms(SmallNet()).eval()
-    outcome = _export(model, base / "exp", export={"formats": ["pt2", "onnx", "aoti"], "select": "fastest"},
+    outcome = _export(model, base / "exp", export={"formats": ["pt2", "onnx", "openvino", "aoti"], "select": "fastest"},
                       passes={"quantize_int8": {"enabled": True, "calibration_batches": 4,
                                                 "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5}})
     out = outcome.export_dir
@@ -75,7 +75,8 @@ def served(tmp_path_factory) -> Dict[str, Any]:
 
 def test_the_export_has_every_artifact_and_says_what_each_is_built_for(served):
     manifest = served["manifest"]
-    assert set(manifest["formats"]) == {"pt2", "onnx", "aoti", "pt2-int8", "aoti-int8"}, manifest.get("failed_formats")
+    assert set(manifest["formats"]) == {"pt2", "onnx", "openvino", "aoti", "pt2-int8", "aoti-int8"}, \
+        manifest.get("failed_formats")
     built = manifest["formats"]["aoti"]["built_for"]
     assert built["isa"] == torch.backends.cpu.get_cpu_capability() and built["torch"] == torch.__version__
     assert built["compiler"] and built["machine"]
@@ -84,7 +85,7 @@ def test_the_export_has_every_artifact_and_says_what_each_is_built_for(served):
         assert gate["passed"] and gate["metrics"]["top1_agreement"] >= 0.5 and "accuracy_drop" in gate["metrics"]
 
 
-@pytest.mark.parametrize("name", ["pt2", "onnx", "aoti", "aoti-int8", "pt2-int8", "selected"])
+@pytest.mark.parametrize("name", ["pt2", "onnx", "openvino", "aoti", "aoti-int8", "pt2-int8", "selected"])
 def test_every_artifact_runs_in_a_fresh_process_at_batch_1_and_7(served, name):
     fresh = served["fresh"]
     assert fresh["bad_imports"] == [] and name not in fresh["errors"], fresh["errors"].get(name)

@@ -74,7 +74,8 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
     model, route, fallback_reason = _convert(ctx)
     shapes = _input_shapes(ctx)
     if len(model.inputs) != len(shapes):
-        raise ExportError(f"the OpenVINO model takes {len(model.inputs)} inputs, the fused model {len(shapes)} tensors.")
+        raise ExportError(f"the OpenVINO model takes {len(model.inputs)} inputs, "
+                          f"the fused model {len(shapes)} tensors.")
     model.reshape({port: ov.PartialShape(shape) for port, shape in zip(model.inputs, shapes)})
     folder = root / FORMAT.path
     folder.mkdir()
