@@ -31,7 +31,6 @@ the MobileNet/EfficientNet rows it is a loose bound.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
@@ -49,8 +48,10 @@ from torch import nn
 from fx_lightning import load_fused
 from fx_lightning.batches import flat_tensors
 from fx_lightning.config import load_config
+from fx_lightning.errors import ExportError
 from fx_lightning.export import FORMATS, bench_export, read_manifest, select_fastest
 from fx_lightning.export.selection import BenchTable
+from fx_lightning.export.writer import require_formats
 from fx_lightning.passes.quantize import QuantizeInt8Options
 from fx_lightning.pipeline import Batches, fuse_verify_export
 
@@ -76,6 +77,15 @@ def relative_error(module: nn.Module, reference: nn.Module, x: torch.Tensor) -> 
         got = flat_tensors(module(x))[0].double()
         want = flat_tensors(reference(x.double()))[0]
     return float((got - want).abs().max() / want.abs().max())
+
+
+def installed(fmt: str) -> bool:
+    """Whether the format can be written here (its extra installed, a compiler for aoti)."""
+    try:
+        require_formats([FORMATS[fmt]])
+    except ExportError:
+        return False
+    return True
 
 
 def model_flops(model: nn.Module, x: torch.Tensor) -> float:
@@ -108,7 +118,7 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
     data = [torch.randn(8, 3, size, size, generator=g) for _ in range(4)]
     passes = {"quantize_int8": {"enabled": True, "calibration_batches": 4, "min_top1_agreement": 0.0,
                                 "max_accuracy_drop": 1.0, "min_cosine": -1.0}} if int8 else {}
-    wanted = [f for f in FP32_FORMATS if all(importlib.util.find_spec(m) for m in FORMATS[f].requires)]
+    wanted = [f for f in FP32_FORMATS if installed(f)]
     config = load_config({"export": {"formats": wanted, "aoti_batch_sizes": batches},
                           "parity": {"max_batches": 4}, "passes": passes})
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,12 +5,12 @@
     python examples/serve.py path/to/fx_fused --format aoti-int8 --batch-size 8
     python examples/serve.py path/to/fx_fused --input batch.pt --save out.pt
 
-Only torch is needed (onnxruntime for ONNX, openvino for OpenVINO IR, torchao for an int8 variant). fx-lightning is used when
-installed (it verifies each file's sha256 against the manifest and refuses an AOTInductor package built for
-another CPU or torch); without it the plain torch loaders below do the same job. The default artifact is the
-one the export selected as the fastest that passed its check (``export.select: fastest`` or
-``fx-lightning bench --select``), else the first by preference. Nothing here imports the code that trained
-the model: the export carries the graph and the weights.
+Only torch is needed (onnxruntime for ONNX, openvino for OpenVINO IR, torchao for an int8 variant).
+fx-lightning is used when installed (it verifies each file's sha256 against the manifest and refuses an
+AOTInductor package built for another CPU or torch); without it the plain torch loaders below do the same
+job. The default artifact is the one the export selected as the fastest that passed its check
+(``export.select: fastest`` or ``fx-lightning bench --select``), else the first by preference. Nothing here
+imports the code that trained the model: the export carries the graph and the weights.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="the export directory (holds manifest.json)")
     parser.add_argument("--format", default=None,
-                        help="an artifact of the export: pt2, graph_module, code, onnx, openvino, aoti, pt2-int8, aoti-int8...")
+                        help="an artifact of the export: pt2, graph_module, code, onnx, openvino, aoti, "
+                             "pt2-int8, aoti-int8...")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--input", help="a .pt file with a tensor (or a list of tensors) to run instead of random data")
     parser.add_argument("--save", help="write {'inputs': [...], 'output': ...} to this .pt file")

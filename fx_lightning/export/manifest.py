@@ -71,17 +71,16 @@ def build_manifest(
     return json_safe(manifest)
 
 
-def write_manifest(root: Path, manifest: Dict[str, Any]) -> None:
+def write_manifest(root: Path, manifest: Dict[str, Any], name: str = MANIFEST_NAME) -> None:
     text = json.dumps(manifest, indent=2, allow_nan=False, sort_keys=False)
-    (root / MANIFEST_NAME).write_text(text + "\n", encoding="utf-8")
+    (root / name).write_text(text + "\n", encoding="utf-8")
 
 
 def replace_manifest(root: Path, manifest: Dict[str, Any]) -> None:
     """Rewrite the manifest of a finished export atomically (a reader sees the old one or the new one)."""
-    path = Path(root) / MANIFEST_NAME
-    staging = path.with_name(f".{MANIFEST_NAME}.tmp")
-    staging.write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(staging, path)
+    staging = f".{MANIFEST_NAME}.tmp"
+    write_manifest(Path(root), manifest, staging)
+    os.replace(Path(root) / staging, Path(root) / MANIFEST_NAME)
 
 
 def read_manifest(directory: Any) -> Dict[str, Any]:

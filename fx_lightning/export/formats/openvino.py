@@ -61,11 +61,9 @@ def _convert(ctx: WriteContext) -> Tuple[Any, str, Optional[str]]:
 
 def _input_shapes(ctx: WriteContext) -> List[List[int]]:
     """Each tensor input's shape for the IR: the example's, with -1 (any) on the batch axis when it is dynamic."""
-    shapes = []
-    for i, arg in enumerate(a for a in ctx.args if isinstance(a, torch.Tensor)):
-        dynamic = ctx.dynamic_shapes is not None and arg.dim() > 0 and bool(ctx.dynamic_shapes[i])
-        shapes.append([-1 if dynamic and d == 0 else int(s) for d, s in enumerate(arg.shape)])
-    return shapes
+    dims = ctx.dynamic_shapes if ctx.dynamic_shapes is not None else [None] * len(ctx.args)
+    return [[-1 if spec and d == 0 else int(size) for d, size in enumerate(arg.shape)]
+            for arg, spec in zip(ctx.args, dims) if isinstance(arg, torch.Tensor)]
 
 
 def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
@@ -114,12 +112,17 @@ class OpenVinoModule(nn.Module):
         self.config["INFERENCE_NUM_THREADS"] = int(threads or torch.get_num_threads())
         self.static_shapes = static_shapes
         self.compiled: "OrderedDict[Any, Any]" = OrderedDict()
-        self.dynamic = self.core.compile_model(self.model, "CPU", self.config)
+        self.dynamic: Any = None  # compiled on first need: a second copy of the weights otherwise
         self.eval()
+
+    def _dynamic(self) -> Any:
+        if self.dynamic is None:
+            self.dynamic = self.core.compile_model(self.model, "CPU", self.config)
+        return self.dynamic
 
     def _request(self, shapes: Tuple[Tuple[int, ...], ...]) -> Any:
         if not self.static_shapes:
-            return self.dynamic
+            return self._dynamic()
         if shapes in self.compiled:
             self.compiled.move_to_end(shapes)
             return self.compiled[shapes]
@@ -130,7 +133,7 @@ class OpenVinoModule(nn.Module):
             model.reshape({port: ov.PartialShape(list(s)) for port, s in zip(model.inputs, shapes)})
             compiled = self.core.compile_model(model, "CPU", self.config)
         except RuntimeError:  # shapes the IR cannot take statically: the dynamic model says why, if it must
-            return self.dynamic
+            return self._dynamic()
         self.compiled[shapes] = compiled
         if len(self.compiled) > MAX_SHAPES:
             self.compiled.popitem(last=False)
