@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fx_lightning._imports import exception_text, import_object
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.formats import FORMATS
-from fx_lightning.passes import USER_PASSES_POSITION, Stage, builtin_passes, resolve_pass
+from fx_lightning.passes import DEFAULT_ORDER, USER_PASSES, Stage, builtin_passes, resolve_pass
 
 __all__ = [
     "TraceMode",
@@ -131,13 +131,13 @@ def _passes_schema() -> type:
     """``PassesConfig``: one field per built-in pass (its options dataclass), in the default order, with the
     user passes (``extra``) at their place in it. Derived from the pass declarations, so a new built-in
     pass needs no edit here."""
+    builtins = {spec.name: spec for spec in builtin_passes()}
     fields: List[Any] = []
-    for spec in builtin_passes():
-        if spec.position >= USER_PASSES_POSITION and not any(f[0] == "extra" for f in fields):
-            fields.append(("extra", List[ExtraPassConfig], field(default_factory=list)))
-        fields.append((spec.name, spec.options_type, field(default_factory=spec.options_type)))
-    if not any(f[0] == "extra" for f in fields):
-        fields.append(("extra", List[ExtraPassConfig], field(default_factory=list)))
+    for name in DEFAULT_ORDER:
+        if name == USER_PASSES:
+            fields.append((USER_PASSES, List[ExtraPassConfig], field(default_factory=list)))
+        else:
+            fields.append((name, builtins[name].options_type, field(default_factory=builtins[name].options_type)))
     cls = dataclasses.make_dataclass("PassesConfig", fields)
     cls.__module__ = __name__  # picklable by name (Lightning copies callbacks across processes)
     cls.__doc__ = "Options of every built-in pass, in order; ``extra``: the user's passes, run in place."

@@ -10,7 +10,8 @@ import importlib
 import pkgutil
 
 from fx_lightning.passes.base import (
-    USER_PASSES_POSITION,
+    DEFAULT_ORDER,
+    USER_PASSES,
     PassContext,
     PassOptions,
     PassResult,
@@ -33,7 +34,8 @@ __all__ = [
     "PassResult",
     "PassSpec",
     "Stage",
-    "USER_PASSES_POSITION",
+    "USER_PASSES",
+    "DEFAULT_ORDER",
     "builtin_pass",
     "builtin_passes",
     "get_pass",

@@ -5,7 +5,8 @@ A pass is a function ``(gm, options, ctx) -> PassResult | None`` over a GraphMod
 model's own deploy-form conversion, say), registered under a name with its options dataclass and whether
 it preserves computation (like optimum's transformations).
 A *built-in* pass is declared once, with :func:`builtin_pass`: its options dataclass becomes its key in
-``FuseConfig.passes`` and its ``position`` its place in the default order, so nothing else lists it.
+``FuseConfig.passes``; its place in the default order is its place in :data:`DEFAULT_ORDER`, the one list of
+that order (the config schema and the planner both read it).
 The runner lints and recompiles after every pass and turns any failure into a :class:`PassError`.
 """
 
@@ -29,7 +30,8 @@ __all__ = [
     "PassContext",
     "PassResult",
     "PassSpec",
-    "USER_PASSES_POSITION",
+    "USER_PASSES",
+    "DEFAULT_ORDER",
     "register_pass",
     "builtin_pass",
     "builtin_passes",
@@ -41,8 +43,22 @@ __all__ = [
     "run_passes",
 ]
 
-# Built-in passes at positions below this run before the user's passes (passes.extra), the others after.
-USER_PASSES_POSITION = 900
+# Where the user's passes (``passes.extra``) run among the built-ins.
+USER_PASSES = "extra"
+
+# The default order of the built-in passes, declared once. Why each is where it is:
+DEFAULT_ORDER: Tuple[str, ...] = (
+    "reparameterize",  # module stage, first: a deploy form removes whole branches (and their BatchNorms)
+    "batchnorm_forms",  # module stage: third-party BatchNorm forms made plain (after the deploy forms)
+    "remove_dropout",  # conv -> Dropout -> BN chains become adjacent for the folds
+    "remove_identity",  # conv -> Identity -> BN likewise
+    "fuse_conv_bn",
+    "fuse_linear_bn",
+    "fuse_bn_into_next",  # after the producer folds: a BatchNorm that could fold backwards already has
+    USER_PASSES,
+    "eliminate_dead_code",  # after the user's passes: whatever they left unused goes too
+    "quantize_int8",  # variant stage, last: it works on the fused, cleaned-up graph
+)
 
 
 class Stage(str, Enum):
@@ -127,13 +143,8 @@ class PassSpec:
     # The pass records every graph edit in its PassResult: an empty result means an unchanged graph,
     # and the runner skips the recompile (it is the costliest step of a no-op pass on a large graph).
     reports_changes: bool = False
-    # Built-in passes only: the place in the default order (see USER_PASSES_POSITION).
-    position: Optional[int] = None
+    builtin: bool = False  # declared with builtin_pass: configured under passes.<name>, ordered by DEFAULT_ORDER
     stage: Stage = Stage.graph
-
-    @property
-    def builtin(self) -> bool:
-        return self.position is not None
 
     def build_options(self, options: Any) -> Any:
         if self.options_type is None:
@@ -191,19 +202,21 @@ def register_pass(
 def builtin_pass(
     name: str,
     *,
-    position: int,
     options: type,
     preserves_computation: bool = True,
     reports_changes: bool = True,
     stage: Stage = Stage.graph,
 ) -> Callable[[PassFn], PassFn]:
     """Declare a built-in pass: ``options`` (a :class:`PassOptions` dataclass) becomes ``passes.<name>`` in
-    the config schema, ``position`` its place in the default order and ``stage`` what it works on."""
+    the config schema and ``stage`` says what it works on; its place in the default order is in
+    :data:`DEFAULT_ORDER`, which must list it."""
     if not (isinstance(options, type) and issubclass(options, PassOptions)):
         raise TypeError(f"built-in pass {name!r}: options must subclass PassOptions")
+    if name not in DEFAULT_ORDER:
+        raise ValueError(f"built-in pass {name!r} is not in DEFAULT_ORDER; add it there, at its place in the order")
 
     def decorator(fn: PassFn) -> PassFn:
-        spec = PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes, position, stage)
+        spec = PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes, True, stage)
         _register(spec, replace=False)
         return fn
 
@@ -212,7 +225,7 @@ def builtin_pass(
 
 def builtin_passes() -> List[PassSpec]:
     """The built-in passes in their default order."""
-    return sorted((s for s in _REGISTRY.values() if s.builtin), key=lambda s: (s.position, s.name))
+    return [_REGISTRY[name] for name in DEFAULT_ORDER if name in _REGISTRY and _REGISTRY[name].builtin]
 
 
 def get_pass(name: str) -> PassSpec:
@@ -246,21 +259,16 @@ def registered_passes() -> List[str]:
 
 
 def plan_passes(passes: Any) -> List[Tuple[PassSpec, Any]]:
-    """The (pass, options) sequence a ``PassesConfig`` asks for: enabled built-ins in their order, with the
-    enabled ``extra`` user passes at ``USER_PASSES_POSITION``."""
+    """The (pass, options) sequence a ``PassesConfig`` asks for: the enabled built-ins and the enabled user
+    passes (``extra``), in :data:`DEFAULT_ORDER`."""
     plan: List[Tuple[PassSpec, Any]] = []
-    builtins = builtin_passes()
-    for spec in (s for s in builtins if s.position < USER_PASSES_POSITION):  # type: ignore[operator]
-        options = getattr(passes, spec.name)
+    for name in DEFAULT_ORDER:
+        if name == USER_PASSES:
+            plan.extend((resolve_pass(extra.name), extra.options) for extra in passes.extra if extra.enabled)
+            continue
+        options = getattr(passes, name)
         if options.enabled:
-            plan.append((spec, options))
-    for extra in passes.extra:
-        if extra.enabled:
-            plan.append((resolve_pass(extra.name), extra.options))
-    for spec in (s for s in builtins if s.position >= USER_PASSES_POSITION):  # type: ignore[operator]
-        options = getattr(passes, spec.name)
-        if options.enabled:
-            plan.append((spec, options))
+            plan.append((_REGISTRY[name], options))
     return plan
 
 

@@ -277,7 +277,7 @@ def _linear_check(gm: fx.GraphModule, ctx: PassContext, bn: BatchNorm, layer: La
     return None
 
 
-@builtin_pass("fuse_conv_bn", position=30, options=FuseConvBNOptions)
+@builtin_pass("fuse_conv_bn", options=FuseConvBNOptions)
 def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContext) -> PassResult:
     """Fold every BatchNorm that follows a Conv/ConvTranspose (any groups), or a concatenation of them, into it."""
     result = PassResult()
@@ -285,7 +285,7 @@ def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContex
     return result
 
 
-@builtin_pass("fuse_linear_bn", position=40, options=FuseLinearBNOptions)
+@builtin_pass("fuse_linear_bn", options=FuseLinearBNOptions)
 def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm1d that follows a Linear (directly, or over its flattened leading axes) when the shapes
     show it normalises the Linear's outputs."""
@@ -294,8 +294,7 @@ def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassCo
     return result
 
 
-# After the producer folds: a BatchNorm that could fold backwards already has.
-@builtin_pass("fuse_bn_into_next", position=50, options=FuseBNIntoNextOptions)
+@builtin_pass("fuse_bn_into_next", options=FuseBNIntoNextOptions)
 def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm into the Linear or unpadded conv that is its only consumer."""
     result = PassResult()

@@ -180,8 +180,7 @@ def _replacement(module: nn.Module, form: BatchNormForm) -> nn.Module:
     return nn.Sequential(OrderedDict(parts)).eval()
 
 
-# Before the capture, after the deploy-form conversions (which handle some of these forms themselves).
-@builtin_pass("batchnorm_forms", position=2, options=BatchNormFormsOptions, stage=Stage.module)
+@builtin_pass("batchnorm_forms", options=BatchNormFormsOptions, stage=Stage.module)
 def batchnorm_forms(module: nn.Module, options: BatchNormFormsOptions, ctx: PassContext) -> PassResult:
     """Replace declared BatchNorm forms (BatchNorm + epilogue, frozen BatchNorms) by a plain BatchNorm + epilogue."""
     result = PassResult()

@@ -23,8 +23,7 @@ class EliminateDeadCodeOptions(PassOptions):
     pass
 
 
-# Before the folds: conv -> Identity -> BN chains become adjacent.
-@builtin_pass("remove_identity", position=20, options=RemoveIdentityOptions)
+@builtin_pass("remove_identity", options=RemoveIdentityOptions)
 def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: PassContext) -> PassResult:
     """Replace calls of ``nn.Identity`` by their input."""
     result = PassResult()
@@ -43,8 +42,7 @@ def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: Pas
     return result
 
 
-# Last, after the user's passes: whatever they left unused goes too.
-@builtin_pass("eliminate_dead_code", position=1000, options=EliminateDeadCodeOptions)
+@builtin_pass("eliminate_dead_code", options=EliminateDeadCodeOptions)
 def eliminate_dead_code(gm: fx.GraphModule, options: EliminateDeadCodeOptions, ctx: PassContext) -> PassResult:
     """Drop nodes whose results nobody uses (impure ones stay), then the attributes nobody reads."""
     result = PassResult()

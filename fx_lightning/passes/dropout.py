@@ -48,8 +48,7 @@ def is_dropout_node(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS
 
 
-# First: conv -> Dropout -> BN chains become adjacent for the folds.
-@builtin_pass("remove_dropout", position=10, options=RemoveDropoutOptions)
+@builtin_pass("remove_dropout", options=RemoveDropoutOptions)
 def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassContext) -> PassResult:
     """Replace dropout (modules, F.* and ATen forms) by its input; it is the identity in eval mode."""
     result = PassResult()

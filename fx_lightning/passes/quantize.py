@@ -59,8 +59,7 @@ def _quantizer() -> object:
     return quantizer
 
 
-# Last: it works on the fused, cleaned-up graph.
-@builtin_pass("quantize_int8", position=1100, options=QuantizeInt8Options, stage=Stage.variant,
+@builtin_pass("quantize_int8", options=QuantizeInt8Options, stage=Stage.variant,
               preserves_computation=False)
 def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: PassContext) -> PassResult:
     """Post-training static int8 (torchao pt2e, X86InductorQuantizer), calibrated on data batches."""

@@ -109,8 +109,7 @@ def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, 
     return None if method == "fuse" else new
 
 
-# First of all: the deploy form removes whole branches (and their BatchNorms) that no fold can reach.
-@builtin_pass("reparameterize", position=1, options=ReparameterizeOptions, stage=Stage.module)
+@builtin_pass("reparameterize", options=ReparameterizeOptions, stage=Stage.module)
 def reparameterize(module: nn.Module, options: ReparameterizeOptions, ctx: PassContext) -> PassResult:
     """Convert re-parameterisable blocks to their deploy form (fuse / reparameterize / switch_to_deploy)."""
     result = PassResult()
