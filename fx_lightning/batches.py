@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, T
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from fx_lightning._imports import import_object
 from fx_lightning.errors import ConfigError
@@ -28,7 +29,6 @@ __all__ = [
     "as_example_inputs",
     "map_tensors",
     "to_model",
-    "first_samples",
     "model_device_dtype",
     "flat_tensors",
     "detached",
@@ -154,16 +154,9 @@ def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor nested in tuples, lists, named tuples and mappings."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(map_tensors(fn, v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(fn, v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: map_tensors(fn, v) for k, v in value.items()}
-    return value
+    """``value`` with ``fn`` applied to every tensor nested in the containers torch's pytree knows: tuples, lists,
+    named tuples, dicts and the types libraries register (Hugging Face ``ModelOutput``)."""
+    return pytree.tree_map_only(torch.Tensor, fn, value)
 
 
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
@@ -202,11 +195,6 @@ def flat_tensors(out: Any) -> List[torch.Tensor]:
 def detached(value: Any) -> Any:
     """A detached clone of every tensor in ``value``: a later in-place op (``ReLU(inplace=True)``) cannot change it."""
     return map_tensors(lambda t: t.detach().clone(), value)
-
-
-def first_samples(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of a data batch: every batched tensor in it cut along dim 0."""
-    return map_tensors(lambda t: t[:n] if t.dim() > 0 else t, batch)
 
 
 @contextlib.contextmanager
@@ -263,13 +251,8 @@ def with_batch_size(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
 def concat_outputs(parts: Sequence[Any]) -> Any:
     """Outputs of one model on consecutive pieces of a batch, joined into the output on the whole batch: every
     batched tensor (nested as in ``map_tensors``) concatenated along dim 0; anything else taken from the first."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(parts)) if first.dim() > 0 else first
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(concat_outputs([p[i] for p in parts]) for i in range(len(first))))
-    if isinstance(first, (tuple, list)):
-        return type(first)(concat_outputs([p[i] for p in parts]) for i in range(len(first)))
-    if isinstance(first, Mapping):
-        return {k: concat_outputs([p[k] for p in parts]) for k in first}
-    return first
+    flat = [pytree.tree_flatten(part)[0] for part in parts]
+    spec = pytree.tree_flatten(parts[0])[1]
+    joined = [torch.cat([leaves[i] for leaves in flat]) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
+              for i, leaf in enumerate(flat[0])]
+    return pytree.tree_unflatten(joined, spec)

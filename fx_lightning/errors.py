@@ -1,6 +1,17 @@
-"""The project's exceptions. Every error we raise on purpose derives from :class:`FXLightningError`."""
+"""The project's exceptions: one type per condition. Every error we raise on purpose derives from
+:class:`FXLightningError`.
+
+Context is added once, where the error crosses into the user's code (the callback names the pipeline step and
+where the checkpoints are), with :meth:`FXLightningError.add_context` on the same object, which is then raised
+again; a foreign exception is wrapped once with ``raise ... from``. Nothing rebuilds an exception from its type.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+
+if TYPE_CHECKING:  # records of higher layers, carried as fields
+    from fx_lightning.parity.report import ParityReport
 
 __all__ = [
     "FXLightningError",
@@ -9,16 +20,38 @@ __all__ = [
     "PassError",
     "ParityError",
     "ExportError",
+    "error_class",
     "first_line",
 ]
 
 
 class FXLightningError(RuntimeError):
-    """Base class of fx-lightning's errors."""
+    """Base class of fx-lightning's errors.
+
+    ``message`` is the cause; ``headline`` (before it) and ``context`` (lines after it) are added where the
+    error reaches the user; ``step`` is the pipeline step it came from (set by the driver)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headline: Optional[str] = None
+        self.context: List[str] = []
+        self.step: Optional[str] = None
+
+    def add_context(self, headline: Optional[str] = None, after: Sequence[str] = ()) -> "FXLightningError":
+        """Put ``headline`` before the message and ``after`` below it; returns the error itself (raise it again)."""
+        if headline is not None:
+            self.headline = headline
+        self.context.extend(after)
+        return self
+
+    def __str__(self) -> str:
+        return "\n".join(([self.headline] if self.headline else []) + [self.message] + self.context)
 
 
 class ConfigError(FXLightningError, ValueError):
-    """A configuration key has a bad value; the message names the full key, the value and what is allowed."""
+    """A configuration value, or an input the configuration points at, is wrong or missing; the message names
+    the full key, the value and what is allowed."""
 
 
 class TraceError(FXLightningError):
@@ -30,20 +63,34 @@ class PassError(FXLightningError):
 
 
 class ParityError(FXLightningError):
-    """The fused model does not give the same answers as the original."""
+    """The fused model does not give the same answers as the original. ``report``: the gate's
+    :class:`~fx_lightning.parity.ParityReport`; ``outcome``: what the pipeline did up to the verdict."""
+
+    def __init__(self, message: str, report: Optional["ParityReport"] = None, outcome: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
+        self.outcome = outcome
 
 
 class ExportError(FXLightningError):
     """An export could not be written or read back."""
 
 
+_CLASSES = {cls.__name__: cls for cls in (FXLightningError, ConfigError, TraceError, PassError, ParityError, ExportError)}
+
+
+def error_class(name: str) -> type:
+    """Our error class of that name (an error that crossed between processes by name), else the base class."""
+    return _CLASSES.get(name, FXLightningError)
+
+
 def first_line(exc: BaseException, *, with_type: bool = False) -> str:
-    """The first line of ``exc``'s message (its type name when it has none), for one-line summaries.
+    """The first line of ``exc``'s cause (its type name when it has none), for one-line summaries.
 
     ``with_type``: prefix the type name (``"KeyError: 'x'"``), except for our own errors, whose first line
     already says what failed.
     """
-    text = str(exc).strip()
+    text = (exc.message if isinstance(exc, FXLightningError) else str(exc)).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
     if with_type and text and not isinstance(exc, FXLightningError):
         return f"{type(exc).__name__}: {line}"

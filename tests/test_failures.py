@@ -333,8 +333,9 @@ def test_preflight_passes_reads_no_training_data_and_reports_its_cost(tmp_path: 
     assert train_set.reads == 8 * 16  # the preflight read validation data only, and training read its own
     report = fuse_cb.preflight
     assert report is not None and report.mode == "full" and report.seconds > 0
+    # The checks that need no model, then every step of the end of fit's own driver.
     assert report.stages == ["device", "target", "weights", "export directory", "export dependencies",
-                             "parity input", "fuse", "export"]
+                             "parity input", "capture", "passes", "parity", "export"]
     assert "preflight (full)" in (fuse_cb.summary or "") and f"{report.seconds:.2f} s" in (fuse_cb.summary or "")
-    assert read_manifest(fuse_cb.export_dir)["extra"]["preflight"] == report.to_dict()
+    assert read_manifest(fuse_cb.export_dir).provenance.preflight == report
     assert not list(Path(trainer.log_dir).glob(".fx_fused*"))  # the probe left nothing

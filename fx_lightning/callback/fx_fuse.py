@@ -1,9 +1,9 @@
 """``FXFuseCallback``: Lightning glue that runs the fusion pipeline when ``fit`` ends.
 
-Hooks of a few lines over free functions: :mod:`.preflight` (checks before the first training step),
-:mod:`.ranks` (the end of fit on every rank) and :mod:`.trainer_data` (loaders, weights, checkpoints,
-loggers). It owns no fusion logic (that is :mod:`fx_lightning.pipeline`). The LightningModule is never
-changed, and no checkpoint is ever touched.
+Hooks of a few lines over free functions: :mod:`.preflight` (the pipeline rehearsed before the first training
+step), :mod:`.ranks` (the end of fit on every rank, through the strategy's collectives) and :mod:`.trainer_data`
+(loaders, weights, checkpoints, loggers). It owns no fusion logic: both run the one driver,
+:func:`fx_lightning.pipeline.run_pipeline`. The LightningModule is never changed, and no checkpoint is touched.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from fx_lightning.callback.preflight import PreflightReport, check_before_fit, target_pending
-from fx_lightning.callback.ranks import Failure, fuse_after_fit, unsupported_strategy
+from fx_lightning.callback.preflight import FIXES, check_before_fit, target_pending
+from fx_lightning.callback.ranks import fuse_after_fit, unsupported_strategy
 from fx_lightning.callback.trainer_data import checkpoint_message, fuse_metrics, log_metrics
 from fx_lightning.config import ExportConfig, FuseConfig, OnError, ParityConfig, PassesConfig, TraceConfig, load_config
 from fx_lightning.engine import FuseResult
 from fx_lightning.errors import ConfigError, FXLightningError
-from fx_lightning.parity import ParityReport
-from fx_lightning.pipeline import Outcome, summary_text
+from fx_lightning.parity.report import ParityReport
+from fx_lightning.pipeline import Failure, Outcome, summary_text
+from fx_lightning.provenance import PreflightReport
 
 __all__ = ["FXFuseCallback"]
 
@@ -32,9 +33,9 @@ __all__ = ["FXFuseCallback"]
 class FXFuseCallback(Callback):
     """Fuse (fold BatchNorms), verify and export the model when ``trainer.fit`` ends.
 
-    Keyword arguments are the top-level keys of :class:`~fx_lightning.config.FuseConfig`; each nested
-    one takes a dict, a DictConfig or the dataclass. Everything is validated here, so a typo fails
-    before training starts.
+    The keyword arguments are the top-level keys of :class:`~fx_lightning.config.FuseConfig`, where each is
+    documented (the signature lists them for LightningCLI and Hydra; a test keeps the two equal); each nested one
+    takes a dict, a DictConfig or the dataclass. Everything is validated here, so a typo fails before training.
 
     Example::
 
@@ -47,7 +48,8 @@ class FXFuseCallback(Callback):
                        export={"formats": ["graph_module"]}, on_error="warn")
 
     After fit: ``result`` (:class:`~fx_lightning.engine.FuseResult`), ``parity_report``
-    (:class:`~fx_lightning.parity.ParityReport`), ``export_dir`` (Path or None), ``summary`` (str).
+    (:class:`~fx_lightning.parity.ParityReport`), ``export_dir`` (Path or None), ``outcome`` (everything the
+    pipeline did), ``summary`` (str); before it, ``preflight`` (what was proven).
     """
 
     def __init__(
@@ -62,21 +64,6 @@ class FXFuseCallback(Callback):
         preflight: str = "full",
         device: str = "auto",
     ) -> None:
-        """
-        Args:
-            target: dotted attribute of the LightningModule to fuse; default ``backbone`` if present, else the module.
-            weights: ``last`` (the module as training left it) or ``best`` (the ModelCheckpoint's best checkpoint).
-            trace: capture options (``mode``: auto | fx | export, ``leaf_modules``, ``autowrap_functions``...).
-            passes: one options node per built-in pass (``{fuse_conv_bn: {enabled: false}}``) and ``extra`` user passes.
-            parity: ``enabled``, ``max_batches``, ``data``, ``input``, ``rtol``, ``min_cosine``, ``min_top1_agreement``,
-                ``max_accuracy_drop``, ``on_failure`` (raise | warn).
-            export: ``enabled``, ``dir`` (default ``<trainer.log_dir>/fx_fused``), ``formats``...
-            on_error: ``raise`` (fit raises, checkpoints intact) or ``warn`` (log and let fit return).
-            preflight: ``full`` (run the whole pipeline once on the untrained model before the first training
-                step), ``capture`` (resolve and capture the target only) or ``off``.
-            device: where fusion, parity and export run: ``auto`` (the device training ran on), ``cpu``, or a
-                torch device string.
-        """
         super().__init__()
         self.config: FuseConfig = load_config(
             target=target, weights=weights, trace=trace, passes=passes, parity=parity, export=export,
@@ -104,11 +91,11 @@ class FXFuseCallback(Callback):
         self._reset()
         unsupported = unsupported_strategy(trainer.strategy)
         if unsupported is not None:
-            message = f"FXFuseCallback cannot run with this strategy: {unsupported}. "
-            advice = ("Train with strategy='ddp' (or on one device), or remove FXFuseCallback and fuse the "
-                      "consolidated checkpoint afterwards (fx-lightning fuse CKPT --model ...).")
-            self._refuse_before_fit(ConfigError(f"{message}Stopping before the first training step. {advice}"),
-                                    f"unsupported strategy: {unsupported}", message + advice)
+            error = ConfigError(
+                f"FXFuseCallback cannot run with this strategy: {unsupported}. Stopping before the first training "
+                "step. Train with strategy='ddp' (or on one device), or remove FXFuseCallback and fuse the "
+                "consolidated checkpoint afterwards (fx-lightning fuse CKPT --model ...).")
+            self._refuse_before_fit(Failure(error), f"unsupported strategy: {unsupported}")
             return
         # The target may be built by LightningModule.setup/configure_model, which run after this hook:
         # then check at on_fit_start, still before the first training step.
@@ -124,42 +111,41 @@ class FXFuseCallback(Callback):
     def _preflight(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.preflight, failure = check_before_fit(trainer, pl_module, self.config)
         if failure is not None:
-            exc = failure.error
-            message = (f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped before "
-                       f"the first training step ({failure.type_name or type(exc).__name__}).\n{exc}")
-            error = type(exc)(message) if isinstance(exc, FXLightningError) else FXLightningError(message)
-            self._refuse_before_fit(error, f"preflight failed: {exc}", message, cause=None if failure.remote else exc)
+            stage = failure.step or "preflight"
+            failure.error = _user_facing(failure).add_context(
+                headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped before the "
+                         f"first training step ({failure.type_name or type(failure.error).__name__}).\npreflight "
+                         f"failed at stage '{stage}' (before the first training step; nothing was trained):",
+                after=[f"  Fix: {FIXES.get(stage, 'see the error above')}."])
+            self._refuse_before_fit(failure, f"preflight failed: {failure.error}")
 
-    def _refuse_before_fit(self, error: Exception, skipped: str, warning: str,
-                           cause: Optional[BaseException] = None) -> None:
-        """Raise ``error`` before training (on_error=raise), or warn and let training go on unfused."""
+    def _refuse_before_fit(self, failure: Failure, skipped: str) -> None:
+        """Raise the failure's error before training (on_error=raise), or warn and let training go on unfused."""
+        error = failure.error
         if self.config.on_error is OnError["raise"]:
             self._raised = error
-            raise error from cause
+            _raise(error, failure)
         self.skipped = skipped
-        self.error = cause or error
-        rank_zero_warn(f"{warning} Training goes on (on_error=warn) and nothing will be fused.")
+        self.error = error
+        rank_zero_warn(f"{error} Training goes on (on_error=warn) and nothing will be fused.")
 
     # ------------------------------------------------------------------------------- after training
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         skip = self.skipped or ("fast_dev_run" if trainer.fast_dev_run else None) or (
             "training was interrupted" if trainer.interrupted else None)
-        preflight = self.preflight.to_dict() if self.preflight is not None else None
-        run = fuse_after_fit(trainer, pl_module, self.config, skip, preflight)
-        if run.outcome is not None:
-            self._record(trainer, run.outcome)
-        if run.skipped is not None:
-            self.skipped = self.skipped or run.skipped
-            rank_zero_info(f"FXFuseCallback: skipped ({run.skipped}).")
-        if run.failure is not None:
-            self._fail(trainer, run.failure)
+        outcome = fuse_after_fit(trainer, pl_module, self.config, skip, self.preflight)
+        if outcome.result is not None:
+            self._record(trainer, outcome)
+        if outcome.skipped is not None:
+            self.skipped = self.skipped or outcome.skipped
+            rank_zero_info(f"FXFuseCallback: skipped ({outcome.skipped}).")
+        if outcome.failure is not None:
+            self._fail(trainer, outcome.failure)
 
     def _record(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
-        self.outcome = outcome
-        self.result = outcome.result
-        self.parity_report = outcome.parity
-        self.export_dir = outcome.export_dir
+        self.outcome, self.result, self.parity_report, self.export_dir = (
+            outcome, outcome.result, outcome.parity, outcome.export_dir)
         banner = "=" * 30 + " FXFuseCallback " + "=" * 30
         preflight = f"\n{self.preflight}" if self.preflight is not None else ""
         self.summary = f"{banner}\n{summary_text(outcome)}{preflight}\n{'=' * len(banner)}"
@@ -169,21 +155,17 @@ class FXFuseCallback(Callback):
 
     def _fail(self, trainer: "pl.Trainer", failure: Failure) -> None:
         """Raise (on_error=raise) or warn (on_error=warn) with the cause and where the checkpoints are."""
-        exc = failure.error
-        self.error = exc
-        message = (
-            f"FXFuseCallback failed after training{failure.where} ({failure.type_name or type(exc).__name__}): "
-            f"{exc}\n{checkpoint_message(trainer)}"
-        )
+        cause = failure.error
+        error = _user_facing(failure).add_context(
+            headline=f"FXFuseCallback failed after training{failure.where} "
+                     f"({failure.type_name or type(cause).__name__}):",
+            after=[checkpoint_message(trainer)])
+        self.error = error
         if self.config.on_error is OnError["raise"]:
-            new: Exception = type(exc)(message) if isinstance(exc, FXLightningError) else FXLightningError(message)
-            for attr in ("report", "outcome"):
-                if hasattr(exc, attr):
-                    setattr(new, attr, getattr(exc, attr))
-            self._raised = new
-            raise new from (None if failure.remote else exc)
+            self._raised = error
+            _raise(error, failure)
         # Every rank warns (not rank zero only): each rank's log must say why nothing was exported.
-        warnings.warn(message + "\n(on_error=warn: fit returns normally)", UserWarning, stacklevel=2)
+        warnings.warn(f"{error}\n(on_error=warn: fit returns normally)", UserWarning, stacklevel=2)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if exception is self._raised:
@@ -201,3 +183,19 @@ class FXFuseCallback(Callback):
             f"FXFuseCallback: fit did not finish ({type(exception).__name__}), so nothing was fused or exported; "
             "the LightningModule and the checkpoints are untouched."
         )
+
+
+def _raise(error: FXLightningError, failure: Failure) -> None:
+    """Raise ``error`` keeping its cause; one rebuilt from another rank's message has none here."""
+    if failure.remote:
+        raise error from None
+    raise error
+
+
+def _user_facing(failure: Failure) -> FXLightningError:
+    """The failure's error as ours: an fx-lightning error as it is, anything else wrapped once (its type named)."""
+    if isinstance(failure.error, FXLightningError):
+        return failure.error
+    wrapped = FXLightningError(f"{type(failure.error).__name__}: {failure.error}")
+    wrapped.__cause__ = failure.error
+    return wrapped

@@ -1,11 +1,12 @@
-"""Before the first training step: prove that the end-of-fit work can run, so that nothing that does not
-depend on the trained weights fails after hours of training.
+"""Before the first training step: prove that the end of fit can run, so that nothing that does not depend on
+the trained weights fails after hours of training.
 
-``preflight: full`` runs the whole pipeline once on a copy of the untrained model: the target, the export
-directory and every format's dependencies, one batch of parity input (one sample), capture, every
-configured pass, a parity smoke run (it must not raise; the gate is for after training) and every export
-format written to a temporary directory and loaded back. ``capture`` resolves and captures the target only.
-Under DDP every rank runs it and the ranks agree on the outcome (``reduce_boolean_decision``), so a failure
+``preflight: full`` checks what needs no model (device, target, weights, the export directory and every format's
+dependencies), then runs **the same driver the end of fit runs** (:func:`fx_lightning.pipeline.run_pipeline`) on a
+copy of the untrained model, with the batches parity will read (one of each input shape) and a temporary export
+directory: capture, passes, parity (measured; the gate is for after training), every format written and loaded
+back, the variants (int8) made and gated, and the selection's bench run once. ``capture`` resolves the target and
+captures it on those batches only. Under DDP every rank runs it through the strategy's collectives, so a failure
 on one rank stops every rank before training.
 """
 
@@ -14,27 +15,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from fx_lightning.batches import as_args, first_samples, model_device_dtype, to_model
-from fx_lightning.callback.ranks import ErrorInfo, Failure, exchange, failure_of
-from fx_lightning.callback.trainer_data import choose_batches, export_directory, peek_inputs, trainer_loaders
-from fx_lightning.capture import capture, eval_copy
-from fx_lightning.config import FormatFailure, FuseConfig, Preflight, WeightsSource
-from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ParityError, PassError, TraceError
-from fx_lightning.pipeline import Batches, fuse_and_measure, judge, own_rng, resolve_device, resolve_target
-from fx_lightning.pipeline import target_example_inputs
+from fx_lightning.batches import as_args, extract_input, flat_tensors
+from fx_lightning.callback.ranks import StrategyCollectives
+from fx_lightning.callback.trainer_data import export_directory, parity_batches
+from fx_lightning.config import FuseConfig, Preflight, WeightsSource
+from fx_lightning.errors import ConfigError, ExportError, FXLightningError
+from fx_lightning.pipeline import Batches, Destination, Failure, Mode, Source, resolve_device, resolve_target, run_pipeline
+from fx_lightning.provenance import PreflightReport
 
-__all__ = ["PreflightReport", "target_pending", "check_before_fit", "run_preflight"]
+__all__ = ["PreflightReport", "FIXES", "target_pending", "check_before_fit", "preflight_source"]
 
 # What to do about a failure at each stage (the error itself says what failed).
 FIXES: Dict[str, str] = {
@@ -49,24 +46,10 @@ FIXES: Dict[str, str] = {
     "passes": "fix the pass named above, or disable it under passes",
     "parity": "check parity.input and the model's outputs (the gate itself is applied after training only)",
     "export": "drop the failing format from export.formats, or fix what the error names",
+    "variants": "install what the variant needs (pip install 'fx-lightning[int8]' for quantize_int8), or disable it "
+                "under passes",
+    "selection": "drop the artifact that cannot run from export.formats, or set export.select: preference",
 }
-
-
-@dataclass
-class PreflightReport:
-    """What the preflight proved before training, and what it cost."""
-
-    mode: str
-    seconds: float = 0.0
-    device: Optional[str] = None
-    stages: List[str] = field(default_factory=list)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def __str__(self) -> str:
-        return (f"preflight ({self.mode}): {', '.join(self.stages) or 'nothing'} proven before training in "
-                f"{self.seconds:.2f} s" + (f" on {self.device}" if self.device else ""))
 
 
 def target_pending(pl_module: "pl.LightningModule", config: FuseConfig) -> bool:
@@ -86,112 +69,99 @@ def target_pending(pl_module: "pl.LightningModule", config: FuseConfig) -> bool:
 def check_before_fit(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig
 ) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
-    """Run the preflight on this rank and agree with the other ranks: the report, or the failure that every
-    rank raises (the lowest failing rank's, naming it). Every rank makes the same collective calls."""
+    """Run the preflight on this rank, with the other ranks: the report, or the failure every rank gets (the
+    lowest failing rank's, naming it)."""
+    if config.preflight is Preflight.off:
+        return None, None
     log_dir = trainer.log_dir  # a collective under DDP: first, on every rank
-    report: Optional[PreflightReport] = None
-    error: Optional[Exception] = None
-    try:
-        report = run_preflight(trainer, pl_module, config, log_dir)
-    except Exception as exc:  # noqa: BLE001 - carried to every rank, raised there
-        error = exc
-    if trainer.strategy.reduce_boolean_decision(error is None, all=True):
-        return report, None
-    rank = int(trainer.global_rank)
-    infos = exchange(trainer, ErrorInfo.of(rank, error) if error is not None else None)
-    return None, failure_of(trainer, [i for i in infos if i is not None], error)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fx_fused_preflight_") as tmp:
+        outcome = run_pipeline(
+            rehearsal_config(config), lambda: preflight_source(trainer, pl_module, config, log_dir),
+            Destination(Path(tmp) / "fx_fused"), collectives=StrategyCollectives(trainer), mode=Mode.rehearsal)
+    if outcome.failure is not None:
+        return None, outcome.failure
+    steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != "passes"]
+    return PreflightReport(config.preflight.value, time.perf_counter() - start, _device_name(trainer, config),
+                           steps), None
+
+
+def rehearsal_config(config: FuseConfig) -> FuseConfig:
+    """The config the preflight runs: as given for ``full``; for ``capture``, capture alone (no pass, parity or
+    export)."""
+    if config.preflight is not Preflight.capture:
+        return config
+    passes = config.passes
+    off = {f.name: dataclasses.replace(getattr(passes, f.name), enabled=False) for f in dataclasses.fields(passes)
+           if f.name != "extra"}
+    return dataclasses.replace(config, passes=dataclasses.replace(passes, extra=[], **off),
+                               parity=dataclasses.replace(config.parity, enabled=False),
+                               export=dataclasses.replace(config.export, enabled=False))
+
+
+def _device_name(trainer: "pl.Trainer", config: FuseConfig) -> Optional[str]:
+    device = resolve_device(config.device, trainer.strategy.root_device)
+    return str(device) if device is not None else None
 
 
 @contextlib.contextmanager
-def _stage(report: PreflightReport, name: str) -> Iterator[None]:
-    """Name the stage in any error raised inside the block (keeping our error types), and record success."""
+def _stage(name: str, checked: List[str]) -> Iterator[None]:
+    """Name the stage in an error leaving the block (a foreign one is wrapped once); record success."""
     try:
         yield
+    except FXLightningError as exc:
+        exc.step = exc.step or name
+        raise
     except Exception as exc:
-        stage = _stage_of(exc, name)
-        cls = type(exc) if isinstance(exc, FXLightningError) else FXLightningError
-        text = str(exc) if isinstance(exc, FXLightningError) else f"{type(exc).__name__}: {exc}"
-        raise cls(f"preflight failed at stage '{stage}' (before the first training step; nothing was trained): "
-                  f"{text}\n  Fix: {FIXES[stage]}.") from exc
-    report.stages.append(name)
+        error = FXLightningError(f"{type(exc).__name__}: {exc}")
+        error.step = name
+        raise error from exc
+    checked.append(name)
 
 
-def _stage_of(exc: Exception, name: str) -> str:
-    """The fuse step covers capture, passes and parity: the error's type says which of them failed."""
-    if name != "fuse":
-        return name
-    if isinstance(exc, TraceError):
-        return "capture"
-    if isinstance(exc, PassError):
-        return "passes"
-    if isinstance(exc, ConfigError):
-        return "target"
-    return "parity"
-
-
-def run_preflight(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, log_dir: Optional[str]
-) -> Optional[PreflightReport]:
-    """The checks of ``config.preflight`` on this rank; raises the first failure with its stage named."""
-    if config.preflight is Preflight.off:
-        return None
-    start = time.perf_counter()
-    report = PreflightReport(config.preflight.value)
-    with _stage(report, "device"):
+def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
+                     log_dir: Optional[str]) -> Source:
+    """The checks that need no model run, then the untrained model with the batches the end of fit will use."""
+    checked: List[str] = []
+    with _stage("device", checked):
         device = resolve_device(config.device, trainer.strategy.root_device)
-        report.device = str(device) if device is not None else None
-    with _stage(report, "target"):
-        path, _ = resolve_target(pl_module, config.target)
-    with own_rng(pl_module, device), torch.no_grad():
-        if config.preflight is Preflight.capture:
-            with _stage(report, "capture"):
-                _check_capture(trainer, pl_module, config, path, device)
-        else:
-            _check_full(trainer, pl_module, config, report, device, log_dir)
-    report.seconds = time.perf_counter() - start
-    return report
+    with _stage("target", checked):
+        resolve_target(pl_module, config.target)
+    if config.preflight is Preflight.full:
+        with _stage("weights", checked):
+            _check_weights(trainer, config)
+        if config.export.enabled:
+            with _stage("export directory", checked):
+                _probe_writable(export_directory(trainer, config, log_dir), config.export.overwrite)
+            with _stage("export dependencies", checked):
+                from fx_lightning.export import FORMATS
+                from fx_lightning.export.writer import require_formats
+
+                require_formats([FORMATS[f.value] for f in config.export.formats])
+    with _stage("parity input", checked):
+        batches = preflight_batches(trainer, pl_module, config)
+    return Source(pl_module, batches, getattr(pl_module, "example_input_array", None), device=device,
+                  checked=checked)
 
 
-def _check_capture(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, path: str,
-    device: Optional[torch.device],
-) -> None:
-    """Capture a copy of the target on the inputs of one batch (or example_input_array) when there is one."""
-    inputs = peek_inputs(trainer, pl_module, config)
-    work = eval_copy(pl_module, device)
-    work_target = work.get_submodule(path) if path else work
-    if inputs is None:
-        capture(work_target, config.trace, already_copied=True)  # fx needs no inputs; auto/export explain
-        return
-    device_, dtype = model_device_dtype(work)
-    args, _ = target_example_inputs(work, work_target, as_args(to_model(inputs, device_, dtype)))
-    capture(work_target, config.trace, args, already_copied=True)
-
-
-def _check_full(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, report: PreflightReport,
-    device: Optional[torch.device], log_dir: Optional[str],
-) -> None:
-    with _stage(report, "weights"):
-        _check_weights(trainer, config)
-    if config.export.enabled:
-        with _stage(report, "export directory"):
-            _probe_writable(export_directory(trainer, config, log_dir), config.export.overwrite)
-        with _stage(report, "export dependencies"):
-            from fx_lightning.export import FORMATS
-            from fx_lightning.export.writer import require_formats
-
-            require_formats([FORMATS[f.value] for f in config.export.formats])
-    with _stage(report, "parity input"):
-        batches = _one_sample(trainer, pl_module, config)
+def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Batches:
+    """The batches parity will read after training (validation, else training data, within the trainer's limits),
+    one of each input shape, the first first: capture, parity and every format see the shapes the end of fit
+    will. Checked for an input that can be taken out of them."""
+    batches = parity_batches(trainer, config)
+    if batches.items:
+        seen: Dict[Tuple[Any, ...], Any] = {}
+        for batch in batches.items:
+            tensors = flat_tensors(as_args(extract_input(batch, config.parity.input)))  # raises, naming parity.input
+            seen.setdefault(tuple((tuple(t.shape), t.dtype) for t in tensors), batch)
+        return Batches(list(seen.values()), batches.source, batches.notes)
     example = getattr(pl_module, "example_input_array", None)
-    with _stage(report, "fuse"):
-        measured = fuse_and_measure(pl_module, config, batches, example_inputs=example, device=device)
-        if measured.parity_state is not None:
-            judge(measured)  # computes every metric; the verdict is for after training
-    if config.export.enabled:
-        with _stage(report, "export"):
-            _export_to_temporary(measured, config)
+    if (example is None or isinstance(example, dict)) and (config.parity.enabled or config.export.enabled):
+        raise ConfigError(
+            "parity.data: no validation or training batch could be read before training and the LightningModule "
+            "has no example_input_array: parity and export need inputs"
+        )
+    return batches
 
 
 def _check_weights(trainer: "pl.Trainer", config: FuseConfig) -> None:
@@ -226,38 +196,3 @@ def _probe_writable(directory: Path, overwrite: bool) -> None:
         for p in reversed(created):
             with contextlib.suppress(OSError):
                 p.rmdir()
-
-
-def _one_sample(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Batches:
-    """One sample of the first parity batch (the smoke run needs no more), checked for an extractable input."""
-    from fx_lightning.batches import extract_input
-
-    one = dataclasses.replace(config.parity, max_batches=1)
-    batches = choose_batches(trainer_loaders(trainer), one)
-    if batches.items:
-        batch = first_samples(batches.items[0], 1)
-        extract_input(batch, config.parity.input)  # raises ConfigError naming parity.input
-        return Batches([batch], batches.source)
-    example = getattr(pl_module, "example_input_array", None)
-    if (example is None or isinstance(example, dict)) and (config.parity.enabled or config.export.enabled):
-        raise ParityError(
-            "no validation or training batch could be read before training and the LightningModule has no "
-            "example_input_array: parity and export need inputs"
-        )
-    return batches
-
-
-def _export_to_temporary(measured: Any, config: FuseConfig) -> None:
-    """Write every configured format to a temporary directory (loaded back and compared there), then remove it."""
-    from fx_lightning.export import export_fused
-
-    if measured.target_inputs is None:
-        raise ExportError("no example inputs to trace the export with")
-    # Strict here: a format that fails now would be missing after training.
-    strict = dataclasses.replace(config, export=dataclasses.replace(config.export, on_format_failure=FormatFailure["raise"]))
-    root = Path(tempfile.mkdtemp(prefix="fx_fused_preflight_"))
-    try:
-        export_fused(measured.result.graph_module, root / "fx_fused", example_inputs=measured.target_inputs,
-                     config=strict)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)

@@ -10,7 +10,6 @@ import copy
 import itertools
 import platform
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
@@ -20,17 +19,17 @@ from fx_lightning.batches import extract_input, model_device_dtype
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
 from fx_lightning.errors import ConfigError
+from fx_lightning.notes import NoteKind
 from fx_lightning.pipeline import Batches, Outcome
+from fx_lightning.provenance import WeightsInfo
 
 __all__ = [
     "METRIC_PREFIX",
-    "WeightsInfo",
     "first_loader",
     "choose_batches",
     "parity_batches",
     "trainer_loaders",
     "export_directory",
-    "peek_inputs",
     "pick_weights",
     "checkpoint_files",
     "checkpoint_message",
@@ -39,6 +38,11 @@ __all__ = [
 ]
 
 METRIC_PREFIX = "fx_fuse/"
+
+BATCHES_READ = NoteKind("batches_read", "parity read {count} batch(es) of {source} data (at most {limit}: {why})")
+NO_VALIDATION_DATA = NoteKind("no_validation_data", "no validation data: parity used training batches")
+EXAMPLE_INPUT_ARRAY_USED = NoteKind("example_input_array_used", "no {sources} data: parity used the "
+                                                                "LightningModule's example_input_array")
 
 # parity.data -> the sources tried, in order (example_input_array is the pipeline's own fallback).
 _SOURCE_ORDER: Dict[ParityData, Tuple[str, ...]] = {
@@ -84,14 +88,11 @@ def choose_batches(
             n, why = capped
         batches = list(itertools.islice(iter(loader), n))
         if batches:
-            notes = [f"parity read {len(batches)} batch(es) of {_SOURCE_NAMES[name]} data (at most {n}: {why})"]
-            if name == "train" and len(order) > 1:
-                notes.insert(0, "no validation data: parity used training batches")
-            return Batches(batches, name, "; ".join(notes))
-    note = None
-    if parity.data is not ParityData.example:
-        note = f"no {' or '.join(order)} data: parity used the LightningModule's example_input_array"
-    return Batches([], "example", note)
+            notes = [NO_VALIDATION_DATA()] if name == "train" and len(order) > 1 else []
+            notes.append(BATCHES_READ(count=len(batches), source=_SOURCE_NAMES[name], limit=n, why=why))
+            return Batches(batches, name, notes)
+    notes = [EXAMPLE_INPUT_ARRAY_USED(sources=" or ".join(order))] if parity.data is not ParityData.example else []
+    return Batches([], "example", notes)
 
 
 def export_directory(trainer: "pl.Trainer", config: FuseConfig, log_dir: Optional[str]) -> Path:
@@ -147,37 +148,6 @@ def _trainer_limit(trainer: "pl.Trainer", name: str, loader: Any) -> Optional[Tu
     if float(value) >= 1.0:
         return None
     return int(length * float(value)), f"the trainer's {key}={value} of {length} batches"
-
-
-def peek_inputs(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Any:
-    """Whole-model inputs before training: example_input_array, else the input of one val/train batch."""
-    example = getattr(pl_module, "example_input_array", None)
-    if example is not None and not isinstance(example, dict):  # a dict means keyword arguments
-        return example
-    for getter in trainer_loaders(trainer).values():
-        try:
-            loader = getter()
-            batch = next(iter(loader)) if loader is not None else None
-        except Exception:  # noqa: BLE001 - a loader we cannot read here is read again after fit
-            continue
-        if batch is not None:
-            return extract_input(batch, config.parity.input)
-    return None
-
-
-@dataclass
-class WeightsInfo:
-    """Which weights were fused: where they come from and the training counters they were saved at."""
-
-    source: str  # last | best | checkpoint
-    description: str
-    epoch: Optional[int] = None
-    global_step: Optional[int] = None
-    checkpoint: Optional[str] = None
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"source": self.source, "description": self.description, "epoch": self.epoch,
-                "global_step": self.global_step, "checkpoint": self.checkpoint}
 
 
 def pick_weights(

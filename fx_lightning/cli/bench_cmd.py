@@ -22,10 +22,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
         raise UsageError("--batch-size and --iters must be >= 1, --warmup >= 0")
     root = Path(args.directory)
     manifest = read_manifest(root)
-    formats = args.formats or list(manifest["formats"])
-    unknown = [f for f in formats if f not in manifest["formats"]]
+    formats = args.formats or list(manifest.formats)
+    unknown = [f for f in formats if f not in manifest.formats]
     if unknown:
-        raise UsageError(f"--format: {', '.join(unknown)} not in this export (it has {', '.join(manifest['formats'])})")
+        raise UsageError(f"--format: {', '.join(unknown)} not in this export (it has {', '.join(manifest.formats)})")
     baselines: Dict[str, Any] = {}
     unfused_note = None
     if not args.no_unfused:
@@ -33,19 +33,19 @@ def run(args: argparse.Namespace, console: Any) -> int:
         if unfused is not None:
             baselines["unfused"] = unfused
     with _progress(console) as update:
-        table = bench_export(root, batch_sizes=sizes, formats=formats, baselines=baselines, rounds=args.iters,
-                             warmup=args.warmup, threads=args.threads, progress=update)
+        table = bench_export(root, manifest=manifest, batch_sizes=sizes, formats=formats, baselines=baselines,
+                             rounds=args.iters, warmup=args.warmup, threads=args.threads, progress=update)
     for size in sizes:
         console.print(_table(table, size, args.iters, "unfused" if baselines else None))
     if unfused_note:
         console.print(f"note: {unfused_note}", markup=False)
     for name, check in table.checks.items():
-        if not check.get("passed"):
-            console.print(f"{name}: check FAILED ({check.get('reason')}): never selected", markup=False)
+        if not check.passed:
+            console.print(f"{name}: check FAILED ({check.reason}): never selected", markup=False)
     if args.select:
         selected = select_fastest(table, args.select_batch_size or sizes[0])
         record_selection(root, table, selected)
-        console.print(f"selected: {selected['format']} ({selected['why']})" if selected else
+        console.print(f"selected: {selected.format} ({selected.why})" if selected else
                       "selected: nothing (no artifact passed its check)", markup=False)
     return 0
 
@@ -75,7 +75,7 @@ def _table(table: Any, size: int, iters: int, baseline: Optional[str]) -> Any:
     base = table.median(baseline, size) if baseline else None
     for t in sorted((t for t in table.timings if t.batch_size == size), key=lambda t: t.median_ms):
         check = table.checks.get(t.artifact)
-        verdict = "-" if check is None else (f"ok {check.get('relative_error', 0):.1e}" if check.get("passed") else "FAILED")
+        verdict = "-" if check is None else (f"ok {check.relative_error or 0:.1e}" if check.passed else "FAILED")
         row = [t.artifact, verdict, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}", f"{1e3 * size / t.median_ms:,.0f}"]
         if baseline:
             row.append(f"{base / t.median_ms:.2f}x" if base else "-")
@@ -83,13 +83,13 @@ def _table(table: Any, size: int, iters: int, baseline: Optional[str]) -> Any:
     return out
 
 
-def _unfused_model(args: argparse.Namespace, manifest: Dict[str, Any]) -> Tuple[Any, Optional[str]]:
+def _unfused_model(args: argparse.Namespace, manifest: Any) -> Tuple[Any, Optional[str]]:
     """The original (unfused) target, from --model/--checkpoint or what the manifest recorded."""
     from fx_lightning.pipeline import resolve_target
 
-    extra = manifest.get("extra") or {}
-    model_path = args.model or extra.get("model") or extra.get("lightning_module")
-    checkpoint = args.checkpoint or extra.get("checkpoint")
+    origin = manifest.provenance
+    model_path = args.model or origin.model or origin.lightning_module
+    checkpoint = args.checkpoint or origin.checkpoint
     if not model_path or not checkpoint:
         return None, ("unfused model not timed: give --model pkg.mod:Class and --checkpoint CKPT "
                       "(the manifest does not record both)")
@@ -102,10 +102,9 @@ def _unfused_model(args: argparse.Namespace, manifest: Dict[str, Any]) -> Tuple[
             raise
         return None, f"unfused model not timed: {exc}"
     model = load_lightning_module(cls, checkpoint, {}, args.unsafe_load)
-    target = extra.get("target")
+    target = origin.target
     if target is None:
-        target = (manifest.get("config") or {}).get("target")
-        _, sub = resolve_target(model, target)
+        _, sub = resolve_target(model, (manifest.config or {}).get("target"))
     else:
         sub = model.get_submodule(target) if target else model
     return sub.eval(), None

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     import torch
 
     from fx_lightning.pipeline import Batches, fuse_verify_export, summary_text
+    from fx_lightning.provenance import Provenance, WeightsInfo
 
     cfg = load_cli_config(args.config, args.overrides)
     if not os.path.isfile(args.checkpoint):
@@ -72,14 +73,14 @@ def run(args: argparse.Namespace, console: Any) -> int:
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, dir=str(export_dir)))
     meta = _checkpoint_meta(args.checkpoint)
     checkpoint = os.path.abspath(args.checkpoint)
-    extra = {
-        "weights": {"source": "checkpoint", "description": f"checkpoint {checkpoint}", "epoch": meta.get("epoch"),
-                    "global_step": meta.get("global_step"), "checkpoint": checkpoint},
-        "lightning_module": f"{model_cls.__module__}.{model_cls.__qualname__}",
-        "checkpoint": os.path.abspath(args.checkpoint),
-        "model": args.model,
-        "written_by": "fx-lightning fuse",
-    }
+    extra = Provenance(
+        weights=WeightsInfo("checkpoint", f"checkpoint {checkpoint}", meta.get("epoch"), meta.get("global_step"),
+                            checkpoint),
+        lightning_module=f"{model_cls.__module__}.{model_cls.__qualname__}",
+        checkpoint=checkpoint,
+        model=args.model,
+        written_by="fx-lightning fuse",
+    )
     console.print(f"fusing {args.checkpoint} ({args.model})", markup=False)
     with torch.no_grad():
         outcome = fuse_verify_export(
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def _checkpoint_meta(checkpoint: str) -> Dict[str, Any]:
+def _checkpoint_meta(checkpoint: str) -> Dict[str, int]:
     """Epoch and step from the checkpoint, read with the safe loader (fields we cannot read stay absent)."""
     import torch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from fx_lightning.cli.common import fmt, shape_text
 
@@ -21,17 +21,17 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if args.verify:
         verify_files(root, manifest)
     if args.json:
-        print(json.dumps(manifest, indent=2))
+        print(json.dumps(manifest.to_dict(), indent=2))
         return 0
     for table in (_summary_table(root, manifest), _io_table(manifest), *_report_tables(manifest),
                   _formats_table(manifest)):
         console.print(table)
     console.print("round-trip checks (each format loaded back from the export and compared before it was kept):",
                   markup=False)
-    inputs = [spec for spec in manifest.get("inputs") or [] if spec.get("kind", "tensor") == "tensor"]
-    for name, entry in manifest["formats"].items():
-        console.print(f"  {roundtrip_text(name, entry.get('check') or {}, inputs)}", markup=False, soft_wrap=True)
-    for name, reason in (manifest.get("failed_formats") or {}).items():
+    inputs = [spec for spec in manifest.inputs if spec.kind == "tensor"]
+    for name, entry in manifest.formats.items():
+        console.print(f"  {roundtrip_text(name, entry.check, inputs)}", markup=False, soft_wrap=True)
+    for name, reason in manifest.failed_formats.items():
         console.print(f"  {name}: NOT EXPORTED: {reason}", markup=False, soft_wrap=True)
     console.print(_files_table(manifest))
     if args.verify:
@@ -48,59 +48,57 @@ def _table(title: str, *columns: str, **kwargs: Any) -> Any:
     return table
 
 
-def _summary_table(root: Path, manifest: Dict[str, Any]) -> Any:
+def _summary_table(root: Path, manifest: Any) -> Any:
     summary = _table(f"fx-lightning export: {root}", "key", "value", show_header=False)
-    versions = manifest.get("versions", {})
-    extra = manifest.get("extra") or {}
-    summary.add_row("format_version", str(manifest.get("format_version")))
-    summary.add_row("created", str(manifest.get("created_utc")))
-    summary.add_row("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v and k != "format_version"))
-    config = manifest.get("config") or {}
-    summary.add_row("target", str(config.get("target") or extra.get("target") or "<default>"))
-    for label, text in _weights_rows(extra):
+    origin = manifest.provenance
+    summary.add_row("format_version", str(manifest.format_version))
+    summary.add_row("created", str(manifest.created_utc))
+    summary.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.versions.items()
+                                          if v and k != "format_version"))
+    summary.add_row("target", str((manifest.config or {}).get("target") or origin.target or "<default>"))
+    for label, text in _weights_rows(origin):
         summary.add_row(label, text)
-    parity = manifest.get("parity")
+    parity = manifest.parity
     if parity is None:
         summary.add_row("parity", "not checked")
     else:
-        verdict = "PASSED" if parity.get("passed") else "FAILED"
-        summary.add_row("parity", f"{verdict} ({parity.get('batches', '?')} batch(es) of {parity.get('source', '?')} data)")
-        for key, value in (parity.get("metrics") or {}).items():
+        verdict = "PASSED" if parity.passed else "FAILED"
+        summary.add_row("parity", f"{verdict} ({parity.batches} batch(es) of {parity.source} data)")
+        for key, value in parity.metrics.items():
             summary.add_row(f"  {key}", fmt(value))
-        for failure in parity.get("failures") or []:
+        for failure in parity.failures:
             summary.add_row("  FAIL", str(failure))
-    summary.add_row("dynamic batch", str(manifest.get("dynamic_batch")))
+    summary.add_row("dynamic batch", str(manifest.dynamic_batch))
     return summary
 
 
-def _weights_rows(extra: Dict[str, Any]) -> List[Tuple[str, str]]:
+def _weights_rows(origin: Any) -> List[Tuple[str, str]]:
     """Which weights were fused and the counters they were saved at; the trainer's own final counters apart."""
     rows = []
-    weights = extra.get("weights")
-    if isinstance(weights, dict):
-        rows.append(("weights", str(weights.get("description") or weights.get("source"))))
-        if weights.get("epoch") is not None or weights.get("global_step") is not None:
-            rows.append(("weights saved at", f"epoch {weights.get('epoch')}, global step {weights.get('global_step')}"))
-    trainer = extra.get("trainer")
-    if isinstance(trainer, dict):
-        rows.append(("trainer at end of fit", f"epoch {trainer.get('epoch')}, global step {trainer.get('global_step')}"))
+    weights = origin.weights
+    if weights is not None:
+        rows.append(("weights", str(weights.description or weights.source)))
+        if weights.epoch is not None or weights.global_step is not None:
+            rows.append(("weights saved at", f"epoch {weights.epoch}, global step {weights.global_step}"))
+    if origin.trainer is not None:
+        rows.append(("trainer at end of fit", f"epoch {origin.trainer.epoch}, global step {origin.trainer.global_step}"))
     for key in ("checkpoint", "lightning_module"):
-        if extra.get(key) is not None:
-            rows.append((key, str(extra[key])))
+        if getattr(origin, key) is not None:
+            rows.append((key, str(getattr(origin, key))))
     return rows
 
 
-def _io_table(manifest: Dict[str, Any]) -> Any:
+def _io_table(manifest: Any) -> Any:
     table = _table("inputs and outputs", "", "name", "shape", "dtype")
-    for kind in ("inputs", "outputs"):
-        for spec in manifest.get(kind) or []:
-            table.add_row(kind[:-1], str(spec.get("name")), shape_text(spec.get("shape", spec.get("value"))),
-                          str(spec.get("dtype", spec.get("kind", ""))))
+    for kind, specs in (("input", manifest.inputs), ("output", manifest.outputs)):
+        for spec in specs:
+            table.add_row(kind, str(spec.name), shape_text(spec.shape if spec.shape is not None else spec.value),
+                          str(spec.dtype or spec.kind))
     return table
 
 
-def _report_tables(manifest: Dict[str, Any]) -> List[Any]:
-    report = manifest.get("report")
+def _report_tables(manifest: Any) -> List[Any]:
+    report = manifest.report
     if not report:
         return []
     passes = _table(f"fuse report (capture: {report.get('capture_mode')}, "
@@ -115,32 +113,31 @@ def _report_tables(manifest: Dict[str, Any]) -> List[Any]:
     return [passes, stats]
 
 
-def _formats_table(manifest: Dict[str, Any]) -> Any:
+def _formats_table(manifest: Any) -> Any:
     table = _table("formats", "format", "path", "loader", "pickled code")
-    for name, entry in manifest["formats"].items():
-        table.add_row(name, str(entry.get("path")), str(entry.get("loader")),
-                      "yes (weights_only=False)" if entry.get("pickled_code") else "no")
+    for name, entry in manifest.formats.items():
+        table.add_row(name, entry.path, entry.loader, "yes (weights_only=False)" if entry.pickled_code else "no")
     return table
 
 
-def roundtrip_text(name: str, check: Dict[str, Any], inputs: List[Dict[str, Any]]) -> str:
-    """The round-trip check of one format, in words: what was compared with what, on which batches."""
-    if not check.get("checked"):
-        return f"{name}: not checked: {check.get('reason', 'no check recorded')}"
+def roundtrip_text(name: str, check: Optional[Any], inputs: List[Any]) -> str:
+    """The round-trip check of one format (a RoundTrip record), in words: what was compared with what, on which
+    batches. A lossy variant has none: its gate judged it."""
+    if check is None:
+        return f"{name}: not checked: no round trip recorded (a variant is judged by its gate)"
+    if not check.checked:
+        return f"{name}: not checked: {check.reason or 'no check recorded'}"
     shapes = []
-    for size in check.get("batch_sizes") or []:
-        dims = [size if d == "batch" else d for d in (inputs[0].get("shape") or [])] if inputs else []
+    for size in check.batch_sizes:
+        dims = [size if d == "batch" else d for d in (inputs[0].shape or [])] if inputs else []
         shapes.append("x".join(str(d) for d in dims) if dims else f"batch {size}")
-    against = check.get("against", "the fused model")
-    text = (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error "
-            f"{fmt(check.get('max_rel_err'))} against {against} (max|loaded - reference| / max|reference|)")
-    if check.get("fused_rel_err") is not None:
-        text += f"; the fused model itself: {fmt(check['fused_rel_err'])}, allowed: {fmt(check.get('tolerance'))}"
-    return text
+    return (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error {fmt(check.max_rel_err)} "
+            f"against {check.against} (max|loaded - reference| / max|reference|); the fused model itself: "
+            f"{fmt(check.fused_rel_err)}, allowed: {fmt(check.tolerance)}")
 
 
-def _files_table(manifest: Dict[str, Any]) -> Any:
+def _files_table(manifest: Any) -> Any:
     table = _table("files", "file", "bytes", "sha256")
-    for name, info in manifest["files"].items():
-        table.add_row(name, f"{info.get('size', 0):,}", str(info.get("sha256", ""))[:16] + "...")
+    for name, info in manifest.files.items():
+        table.add_row(name, f"{info.size:,}", info.sha256[:16] + "...")
     return table

@@ -8,15 +8,114 @@ and the export's README are all derived from these records.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["FUSED_CLASS_NAME", "Format", "WriteContext", "Writer", "Loader", "pickled_classes"]
+from fx_lightning._json import json_safe
+from fx_lightning.notes import Note
+from fx_lightning.parity.report import ParityReport
+
+__all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "WriteContext", "Writer", "Loader",
+           "fields_from", "pickled_classes"]
+
+Json = Mapping[str, Any]  # one JSON object as json.loads gives it
+
+
+def fields_from(cls: type, data: Json) -> Dict[str, object]:
+    """The keys of ``data`` that are fields of the dataclass ``cls`` (records read back from JSON)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass
+class RoundTrip:
+    """A format loaded back from the export and compared with an fp64 copy of the fused model."""
+
+    checked: bool
+    reason: Optional[str] = None  # why not checked
+    batch_sizes: List[int] = field(default_factory=list)
+    max_rel_err: float = 0.0
+    fused_rel_err: float = 0.0
+    tolerance: float = 0.0
+    against: str = "an fp64 copy of the fused model"
+
+    def to_dict(self) -> Dict[str, object]:
+        if not self.checked:
+            return {"checked": False, "reason": self.reason}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "reason"}
+
+    @classmethod
+    def from_dict(cls, data: Json) -> "RoundTrip":
+        return cls(**fields_from(cls, data))  # type: ignore[arg-type]
+
+
+# The fields every format entry has; the rest of a writer's entry is the format's own (``options``).
+_ENTRY_FIELDS = ("path", "loader", "files", "device", "batch_sizes", "weights_only", "pickled_code", "check", "format",
+                 "variant", "imports", "gate")
+
+
+@dataclass
+class FormatEntry:
+    """One artifact: where it is, how to load it, its files and how it was checked. ``format`` and ``variant``
+    name a lossy variant's base format and variant (``aoti-int8``: ``aoti``, ``int8``), which is judged by its
+    ``gate`` instead of a round trip. ``options``: what the format's own writer records for its loader."""
+
+    path: str
+    loader: str = ""
+    files: List[str] = field(default_factory=list)
+    device: str = ""  # where it runs; the writer may set it (ONNX, OpenVINO: cpu), else the export fills it in
+    batch_sizes: Optional[List[int]] = None  # the batch sizes it is built for (None: any)
+    weights_only: bool = True
+    pickled_code: bool = False
+    check: Optional[RoundTrip] = None
+    format: Optional[str] = None
+    variant: Optional[str] = None
+    imports: List[str] = field(default_factory=list)
+    gate: Optional[ParityReport] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def format_name(self) -> str:
+        """The :class:`~fx_lightning.export.base.Format` that loads it."""
+        return self.format or ""
+
+    def to_dict(self) -> Dict[str, object]:
+        out: Dict[str, object] = {"path": self.path, "loader": self.loader, "weights_only": self.weights_only,
+                                  "pickled_code": self.pickled_code, **self.options, "files": list(self.files),
+                                  "device": self.device}
+        if self.batch_sizes is not None:
+            out["batch_sizes"] = list(self.batch_sizes)
+        if self.check is not None:
+            out["check"] = self.check.to_dict()
+        if self.variant is not None:
+            out.update(format=self.format, variant=self.variant, imports=list(self.imports))
+        if self.gate is not None:
+            out["gate"] = self.gate.to_dict()
+        return json_safe(out)
+
+    @classmethod
+    def from_dict(cls, name: str, data: Json) -> "FormatEntry":
+        check, gate = data.get("check"), data.get("gate")
+        return cls(
+            path=str(data["path"]), loader=str(data.get("loader", "")), files=[str(f) for f in data.get("files", [])],
+            device=str(data.get("device") or "cpu"), weights_only=bool(data.get("weights_only", True)),
+            batch_sizes=[int(b) for b in data["batch_sizes"]] if data.get("batch_sizes") else None,
+            pickled_code=bool(data.get("pickled_code", False)),
+            check=RoundTrip.from_dict(check) if isinstance(check, Mapping) else None,
+            format=str(data.get("format") or name), variant=data.get("variant"),
+            imports=[str(i) for i in data.get("imports", [])],
+            gate=ParityReport.from_dict(gate) if isinstance(gate, Mapping) else None,
+            options={k: v for k, v in data.items() if k not in _ENTRY_FIELDS},
+        )
+
+
+
 
 # The class name of the plain fused GraphModule and of the generated code's module.
 FUSED_CLASS_NAME = "FusedModule"
@@ -33,7 +132,7 @@ class WriteContext:
     onnx_opset: Optional[int] = None
     # AOTInductor: one package per batch size listed (compiled for it), or one with a dynamic batch when empty.
     aoti_batch_sizes: List[int] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
+    notes: List[Note] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
@@ -41,10 +140,11 @@ class WriteContext:
         return next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
 
-# write(staging_dir, ctx) -> the format's manifest entry (at least "path" and "loader")
-Writer = Callable[[Path, WriteContext], Dict[str, Any]]
+# write(staging_dir, ctx) -> the format's manifest entry (the writer fills path, loader, trust and its options;
+# files, device and the round-trip check are filled in by the export)
+Writer = Callable[[Path, WriteContext], FormatEntry]
 # load(export_dir, manifest_entry, device) -> an eval-mode module on that device
-Loader = Callable[[Path, Dict[str, Any], Any], nn.Module]
+Loader = Callable[[Path, FormatEntry, torch.device], nn.Module]
 
 
 @dataclass(frozen=True)
@@ -69,9 +169,9 @@ class Format:
     # Loading it unpickles Python objects (torch.load(weights_only=False)): only for trusted files.
     pickled_code: bool = False
 
-    def readme_text(self, entry: Dict[str, Any]) -> str:
+    def readme_text(self, options: Mapping[str, Any]) -> str:
         """The README lines for this format; ``{pickled_note}`` expands when the entry pickled modules."""
-        note = "; modules listed under `pickled_modules` in the manifest are pickled" if entry.get("pickled_modules") else ""
+        note = "; modules listed under `pickled_modules` in the manifest are pickled" if options.get("pickled_modules") else ""
         return self.readme.format(path=self.path, pickled_note=note)
 
 

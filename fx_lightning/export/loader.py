@@ -11,10 +11,11 @@ from torch import nn
 
 from fx_lightning._imports import missing_modules
 from fx_lightning.errors import ExportError
+from fx_lightning.export.base import FormatEntry
 from fx_lightning.export.formats import FORMATS
-from fx_lightning.export.manifest import MANIFEST_NAME, read_manifest, verify_files
+from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 
-__all__ = ["load_fused", "CompiledForServing"]
+__all__ = ["load_fused", "load_artifact", "CompiledForServing"]
 
 
 def load_fused(
@@ -41,16 +42,22 @@ def load_fused(
     on) and run under ``torch.no_grad()``, which freezing needs; the first call compiles.
     """
     root = Path(directory)
-    manifest = read_manifest(root)
+    return load_artifact(root, read_manifest(root), format, verify=verify, device=device, compile=compile)
+
+
+def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, *, verify: bool = True,
+                  device: Any = None, compile: bool = False) -> nn.Module:
+    """:func:`load_fused` with the manifest given: an export whose manifest is not on disk yet (the selection
+    times the artifacts of an export being written) loads the same way."""
     chosen = _choose(root, manifest, format)
-    entry = manifest["formats"][chosen]
-    fmt = FORMATS[entry.get("format", chosen)]  # a variant (aoti-int8) says which format it is
+    entry = manifest.formats[chosen]
+    fmt = FORMATS[entry.format_name or chosen]  # a variant (aoti-int8) says which format it is
     if verify:
         verify_files(root, manifest, chosen)
     missing = missing_modules(fmt.runtime_requires)
     if missing:
         raise ExportError(f"format {chosen!r} needs {', '.join(missing)} to run: {fmt.install_hint}.")
-    for name in entry.get("imports", []):  # modules that register a variant's ops (torchao for int8)
+    for name in entry.imports:  # modules that register a variant's ops (torchao for int8)
         try:
             importlib.import_module(name)
         except ImportError as exc:
@@ -63,7 +70,7 @@ def load_fused(
         raise
     except Exception as exc:  # noqa: BLE001 - a file that passed (or skipped) verification still failed
         raise ExportError(
-            f"{root / entry['path']}: could not load format {chosen!r}: {type(exc).__name__}: {exc}"
+            f"{root / entry.path}: could not load format {chosen!r}: {type(exc).__name__}: {exc}"
         ) from exc
 
 
@@ -86,11 +93,11 @@ class CompiledForServing(nn.Module):
             return self.compiled(*args)
 
 
-def _device(device: Any, entry: dict) -> torch.device:
+def _device(device: Any, entry: FormatEntry) -> torch.device:
     """The device asked for, else the artifact's own when this process has it, else the CPU."""
     if device is not None:
         return torch.device(device)
-    built = torch.device(entry.get("device") or "cpu")
+    built = torch.device(entry.device or "cpu")
     if built.type == "cuda" and not (torch.cuda.is_available() and (built.index or 0) < torch.cuda.device_count()):
         return torch.device("cpu")
     if built.type not in ("cpu", "cuda"):
@@ -98,13 +105,13 @@ def _device(device: Any, entry: dict) -> torch.device:
     return built
 
 
-def _choose(root: Path, manifest: dict, format: Optional[str]) -> str:
-    available = [name for name in FORMATS if name in manifest["formats"]]
-    variants = [name for name, entry in manifest["formats"].items() if entry.get("variant")]
+def _choose(root: Path, manifest: Manifest, format: Optional[str]) -> str:
+    available = [name for name in FORMATS if name in manifest.formats]
+    variants = [name for name, entry in manifest.formats.items() if entry.variant]
     if format is None:
-        selected = (manifest.get("selected") or {}).get("format")
+        selected = manifest.selected.format if manifest.selected is not None else None
         if selected in available + variants:
-            return selected
+            return str(selected)
         if not available:
             raise ExportError(f"{root / MANIFEST_NAME}: lists no formats.")
         return available[0]
@@ -114,6 +121,6 @@ def _choose(root: Path, manifest: dict, format: Optional[str]) -> str:
     if chosen not in FORMATS:
         raise ExportError(f"unknown format {chosen!r}; allowed: {', '.join(FORMATS)}"
                           + (f", or the variants {', '.join(variants)}" if variants else "") + ".")
-    if chosen not in manifest["formats"]:
+    if chosen not in manifest.formats:
         raise ExportError(f"{root}: format {chosen!r} was not exported; available: {', '.join(available) or 'none'}.")
     return chosen

@@ -1,16 +1,22 @@
-"""``manifest.json`` and the export's ``README.md``: what an export holds, how to load it, and each file's
-size and sha256; reading and checking them back."""
+"""``manifest.json``: what an export holds, as typed records, and the export's ``README.md``.
+
+:class:`Manifest` is the one place the JSON is written (:meth:`Manifest.to_dict`) and read
+(:meth:`Manifest.from_dict`). Format version 2 writes notes and parity failures as objects (``kind``, ``facts``,
+``text``); version 1 wrote them as strings and is still read. A newer version is refused with a message naming it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
 import os
 import platform
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -18,23 +24,40 @@ from fx_lightning._json import dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.batches import batch_size_of, flat_tensors
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import WriteContext
+from fx_lightning.export.base import FormatEntry, RoundTrip, WriteContext, fields_from
 from fx_lightning.export.formats import FORMATS
+from fx_lightning.notes import Note
+from fx_lightning.parity.report import ParityReport
+from fx_lightning.provenance import Provenance
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
     "MANIFEST_NAME",
-    "build_manifest",
+    "FileInfo",
+    "TensorSpec",
+    "CheckInfo",
+    "VariantOutcome",
+    "ArtifactCheck",
+    "Timing",
+    "BenchTable",
+    "Selected",
+    "Manifest",
+    "new_manifest",
     "write_manifest",
     "replace_manifest",
     "read_manifest",
     "verify_files",
     "sha256_file",
+    "file_infos",
     "readme_text",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
+
+Json = Mapping[str, Any]  # one JSON object as json.loads gives it
 
 
 def sha256_file(path: Any) -> str:
@@ -45,46 +68,219 @@ def sha256_file(path: Any) -> str:
     return h.hexdigest()
 
 
-def build_manifest(
-    ctx: WriteContext,
-    entries: Dict[str, Dict[str, Any]],
-    files: Dict[str, Dict[str, Any]],
-    metadata: Dict[str, Any],
-) -> Dict[str, Any]:
-    """The manifest of an export: versions, inputs and outputs, formats, files, and the caller's
-    ``metadata`` (config, report, parity, extra), made JSON-safe."""
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "versions": _versions(entries),
-        "config": metadata.get("config"),
-        "report": metadata.get("report"),
-        "parity": metadata.get("parity"),
-        "inputs": _input_specs(ctx),
-        "outputs": _output_specs(ctx),
-        "dynamic_batch": ctx.dynamic_shapes is not None,
-        "formats": entries,
-        "files": files,
-        "notes": ctx.notes,
-        "extra": metadata.get("extra") or {},
-    }
-    return json_safe(manifest)
+@dataclass
+class FileInfo:
+    size: int
+    sha256: str
 
 
-def write_manifest(root: Path, manifest: Dict[str, Any], name: str = MANIFEST_NAME) -> None:
-    text = json.dumps(manifest, indent=2, allow_nan=False, sort_keys=False)
+@dataclass
+class TensorSpec:
+    """One input or output: a tensor (shape with ``"batch"`` on a dynamic batch axis) or another value."""
+
+    name: str
+    kind: str = "tensor"  # "tensor", else the Python type of a non-tensor input
+    shape: Optional[List[Union[int, str]]] = None
+    dtype: Optional[str] = None
+    example_shape: Optional[List[int]] = None
+    device: Optional[str] = None
+    value: Optional[str] = None  # repr of a non-tensor input
+
+    def to_dict(self) -> Dict[str, object]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "name"}
+
+    @classmethod
+    def from_dict(cls, data: Json) -> "TensorSpec":
+        return cls(**fields_from(cls, data))  # type: ignore[arg-type]
+
+
+@dataclass
+class CheckInfo:
+    """``check.pt``: example inputs and fp64 outputs any process can check an artifact with."""
+
+    path: str
+    batch_size: Optional[int]
+    fused_error: float
+
+
+@dataclass
+class VariantOutcome:
+    """One artifact of a lossy variant (``aoti-int8``): its gate report when it ran, else the error; ``kept``
+    when it passed and is in the export."""
+
+    entry: str
+    kept: bool
+    gate: Optional[ParityReport] = None
+    error: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, object]:
+        if self.gate is not None:
+            return self.gate.to_dict()
+        return {"passed": False, "failures": [self.error or "not made"]}
+
+    @classmethod
+    def from_dict(cls, entry: str, data: Json) -> "VariantOutcome":
+        report = ParityReport.from_dict(data)
+        ran = "metrics" in data or "thresholds" in data
+        return cls(entry, report.passed, report if ran else None,
+                   None if ran else "; ".join(str(f) for f in report.failures))
+
+
+@dataclass
+class ArtifactCheck:
+    """An artifact run on ``check.pt`` (or, for a lossy variant, its gate at export) before it is timed."""
+
+    passed: bool
+    relative_error: Optional[float] = None
+    tolerance: Optional[float] = None
+    reason: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, object]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "passed"}
+
+
+@dataclass
+class Timing:
+    artifact: str
+    batch_size: int
+    median_ms: float
+    p90_ms: float
+    rounds: int
+
+
+@dataclass
+class BenchTable:
+    """Timings of every artifact (and of the eager baselines given), and each artifact's check."""
+
+    threads: int
+    isa: str
+    machine: str
+    torch: str
+    timings: List[Timing] = field(default_factory=list)
+    checks: Dict[str, ArtifactCheck] = field(default_factory=dict)
+
+    def median(self, artifact: str, batch_size: int) -> Optional[float]:
+        return next((t.median_ms for t in self.timings if t.artifact == artifact and t.batch_size == batch_size), None)
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"threads": self.threads, "isa": self.isa, "machine": self.machine, "torch": self.torch,
+                "timings": [dataclasses.asdict(t) for t in self.timings],
+                "checks": {k: c.to_dict() for k, c in self.checks.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Json) -> "BenchTable":
+        return cls(int(data.get("threads", 0)), str(data.get("isa", "")), str(data.get("machine", "")),
+                   str(data.get("torch", "")), [Timing(**fields_from(Timing, t)) for t in data.get("timings", [])],
+                   {k: ArtifactCheck(**fields_from(ArtifactCheck, c)) for k, c in (data.get("checks") or {}).items()})
+
+
+@dataclass
+class Selected:
+    """The artifact ``load_fused(dir)`` loads: the fastest at ``batch_size`` whose check passed."""
+
+    format: str
+    batch_size: int
+    median_ms: float
+    why: str
+
+
+@dataclass
+class Manifest:
+    """Everything an export records. ``config`` is the resolved FuseConfig and ``report`` the FuseReport, both as
+    their JSON views; ``provenance`` is written under the key ``extra``."""
+
+    formats: Dict[str, FormatEntry]
+    files: Dict[str, FileInfo] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    created_utc: str = ""
+    versions: Dict[str, Optional[str]] = field(default_factory=dict)
+    config: Optional[Dict[str, Any]] = None
+    report: Optional[Dict[str, Any]] = None
+    parity: Optional[ParityReport] = None
+    inputs: List[TensorSpec] = field(default_factory=list)
+    outputs: List[TensorSpec] = field(default_factory=list)
+    dynamic_batch: bool = False
+    notes: List[Note] = field(default_factory=list)
+    provenance: Provenance = field(default_factory=Provenance)
+    failed_formats: Dict[str, str] = field(default_factory=dict)
+    check: Optional[CheckInfo] = None
+    variants: Dict[str, List[VariantOutcome]] = field(default_factory=dict)
+    bench: Optional[BenchTable] = None
+    selected: Optional[Selected] = None
+
+    def to_dict(self) -> Dict[str, object]:
+        out: Dict[str, object] = {
+            "format_version": self.format_version, "created_utc": self.created_utc, "versions": self.versions,
+            "config": self.config, "report": self.report,
+            "parity": self.parity.to_dict() if self.parity is not None else None,
+            "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
+            "dynamic_batch": self.dynamic_batch, "formats": {k: e.to_dict() for k, e in self.formats.items()},
+            "files": {k: dataclasses.asdict(v) for k, v in self.files.items()},
+            "notes": [n.to_dict() for n in self.notes], "extra": self.provenance.to_dict(),
+            "failed_formats": self.failed_formats,
+            "check": dataclasses.asdict(self.check) if self.check is not None else None,
+        }
+        if self.variants:
+            out["variants"] = {v: {o.entry: o.to_dict() for o in outs} for v, outs in self.variants.items()}
+        if self.bench is not None or self.selected is not None:
+            out["bench"] = self.bench.to_dict() if self.bench is not None else None
+            out["selected"] = dataclasses.asdict(self.selected) if self.selected is not None else None
+        return json_safe(out)
+
+    @classmethod
+    def from_dict(cls, data: Json) -> "Manifest":
+        """Read a manifest of any version in :data:`READABLE_VERSIONS` (raises ValueError, KeyError or TypeError
+        on a malformed one; :func:`read_manifest` turns those into an ExportError naming the file)."""
+        parity, check, bench, selected = (data.get(k) for k in ("parity", "check", "bench", "selected"))
+        return cls(
+            formats={str(k): FormatEntry.from_dict(str(k), v) for k, v in data["formats"].items()},
+            files={str(k): FileInfo(int(v["size"]), str(v["sha256"])) for k, v in data["files"].items()},
+            format_version=int(data["format_version"]), created_utc=str(data.get("created_utc", "")),
+            versions=dict(data.get("versions") or {}), config=data.get("config"), report=data.get("report"),
+            parity=ParityReport.from_dict(parity) if isinstance(parity, Mapping) else None,
+            inputs=[TensorSpec.from_dict(s) for s in data.get("inputs") or []],
+            outputs=[TensorSpec.from_dict(s) for s in data.get("outputs") or []],
+            dynamic_batch=bool(data.get("dynamic_batch", False)),
+            notes=[Note.from_dict(n) for n in data.get("notes") or []],
+            provenance=Provenance.from_dict(data.get("extra")),
+            failed_formats={str(k): str(v) for k, v in (data.get("failed_formats") or {}).items()},
+            check=CheckInfo(**fields_from(CheckInfo, check)) if isinstance(check, Mapping) else None,  # type: ignore[arg-type]
+            variants={str(v): [VariantOutcome.from_dict(str(e), r) for e, r in outs.items()]
+                      for v, outs in (data.get("variants") or {}).items()},
+            bench=BenchTable.from_dict(bench) if isinstance(bench, Mapping) else None,
+            selected=Selected(**fields_from(Selected, selected)) if isinstance(selected, Mapping) else None,  # type: ignore[arg-type]
+        )
+
+
+def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: Optional[Dict[str, Any]],
+                 report: Optional[Dict[str, Any]], parity: Optional[ParityReport], provenance: Provenance) -> Manifest:
+    """The manifest of a fresh export: versions, inputs and outputs, formats, and what the caller knows."""
+    return Manifest(
+        formats=entries, created_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        versions=_versions(entries), config=config, report=report, parity=parity, inputs=_input_specs(ctx),
+        outputs=_output_specs(ctx), dynamic_batch=ctx.dynamic_shapes is not None, notes=list(ctx.notes),
+        provenance=provenance,
+    )
+
+
+def file_infos(root: Path, names: Sequence[str]) -> Dict[str, FileInfo]:
+    return {name: FileInfo((root / name).stat().st_size, sha256_file(root / name)) for name in names}
+
+
+def write_manifest(root: Path, manifest: Manifest, name: str = MANIFEST_NAME) -> None:
+    text = json.dumps(manifest.to_dict(), indent=2, allow_nan=False, sort_keys=False)
     (root / name).write_text(text + "\n", encoding="utf-8")
 
 
-def replace_manifest(root: Path, manifest: Dict[str, Any]) -> None:
+def replace_manifest(root: Path, manifest: Manifest) -> None:
     """Rewrite the manifest of a finished export atomically (a reader sees the old one or the new one)."""
     staging = f".{MANIFEST_NAME}.tmp"
     write_manifest(Path(root), manifest, staging)
     os.replace(Path(root) / staging, Path(root) / MANIFEST_NAME)
 
 
-def read_manifest(directory: Any) -> Dict[str, Any]:
-    """The manifest of an export directory, checked for a supported ``format_version``."""
+def read_manifest(directory: Any) -> Manifest:
+    """The manifest of an export directory, checked for a readable ``format_version``."""
     root = Path(directory)
     path = root / MANIFEST_NAME
     if not root.is_dir():
@@ -95,52 +291,54 @@ def read_manifest(directory: Any) -> Dict[str, Any]:
             "written atomically, so look for the error of the run that wrote it)."
         )
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ExportError(f"{path}: unreadable or corrupt manifest: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise ExportError(f"{path}: corrupt manifest: expected a JSON object, got {type(manifest).__name__}.")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: corrupt manifest: expected a JSON object, got {type(data).__name__}.")
+    version = data.get("format_version")
+    if version not in READABLE_VERSIONS:
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
         raise ExportError(
-            f"{path}: unknown manifest format_version {version!r}; this fx_lightning "
-            f"({__version__}) reads format_version {FORMAT_VERSION}. "
-            + ("Upgrade fx-lightning to load it." if isinstance(version, int) and version > FORMAT_VERSION
-               else "The file was not written by fx-lightning or is damaged.")
+            f"{path}: manifest format_version {version!r} is "
+            + (f"newer than this fx-lightning ({__version__}) reads (versions {', '.join(map(str, READABLE_VERSIONS))})"
+               "; upgrade fx-lightning to load it." if newer else
+               f"unknown; this fx-lightning ({__version__}) reads versions {', '.join(map(str, READABLE_VERSIONS))}. "
+               "The file was not written by fx-lightning or is damaged.")
         )
     for key in ("formats", "files"):
-        if not isinstance(manifest.get(key), dict):
+        if not isinstance(data.get(key), dict):
             raise ExportError(f"{path}: corrupt manifest: '{key}' is missing or not an object.")
-    return manifest
+    try:
+        return Manifest.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ExportError(f"{path}: corrupt manifest: {type(exc).__name__}: {exc}") from None
 
 
-def verify_files(root: Path, manifest: Dict[str, Any], fmt: Optional[str] = None) -> None:
+def verify_files(root: Path, manifest: Manifest, fmt: Optional[str] = None) -> None:
     """Check size and sha256 of the manifest's files (those of ``fmt`` only, when given)."""
-    files: Dict[str, Any] = manifest["files"]
-    names = sorted(files) if fmt is None else manifest["formats"][fmt].get("files", [])
+    names = sorted(manifest.files) if fmt is None else manifest.formats[fmt].files
     if not names:
         raise ExportError(f"{root / MANIFEST_NAME}: corrupt manifest: no files listed for format {fmt!r}.")
     for name in names:
-        info = files.get(name)
+        info = manifest.files.get(name)
         path = root / name
-        if not isinstance(info, dict):
+        if info is None:
             raise ExportError(f"{root / MANIFEST_NAME}: corrupt manifest: no size/sha256 entry for {name!r}.")
         if not path.is_file():
             raise ExportError(f"{path}: missing file of format {fmt or 'export'!r} (listed in the manifest).")
         size = path.stat().st_size
-        if size != info.get("size"):
-            raise ExportError(
-                f"{path}: corrupt file: size {size} bytes, the manifest says {info.get('size')} bytes."
-            )
+        if size != info.size:
+            raise ExportError(f"{path}: corrupt file: size {size} bytes, the manifest says {info.size} bytes.")
         digest = sha256_file(path)
-        if digest != info.get("sha256"):
+        if digest != info.sha256:
             raise ExportError(
                 f"{path}: corrupt file: sha256 {digest[:16]}... does not match the manifest's "
-                f"{str(info.get('sha256'))[:16]}...; re-export rather than load it."
+                f"{info.sha256[:16]}...; re-export rather than load it."
             )
 
 
-def readme_text(entries: Dict[str, Dict[str, Any]]) -> str:
+def readme_text(entries: Dict[str, FormatEntry]) -> str:
     """The export's README.md: how to load each written format, with and without fx-lightning."""
     lines = [
         "# Fused model exported by fx-lightning",
@@ -155,39 +353,38 @@ def readme_text(entries: Dict[str, Dict[str, Any]]) -> str:
         "",
     ]
     for name, entry in entries.items():
-        lines.append(FORMATS[name].readme_text(entry))
+        lines.append(FORMATS[entry.format_name or name].readme_text(entry.options))
     return "\n".join(lines) + "\n"
 
 
-def _input_specs(ctx: WriteContext) -> List[Dict[str, Any]]:
+def _input_specs(ctx: WriteContext) -> List[TensorSpec]:
     specs = []
     for i, (name, a) in enumerate(zip(ctx.input_names, ctx.args)):
         if isinstance(a, torch.Tensor):
             dyn = ctx.dynamic_shapes is not None and ctx.dynamic_shapes[i] is not None
-            shape: List[Any] = list(a.shape)
+            shape: List[Union[int, str]] = list(a.shape)
             if dyn:
                 shape[0] = "batch"
-            specs.append({"name": name, "kind": "tensor", "shape": shape, "dtype": dtype_name(a.dtype),
-                          "example_shape": list(a.shape), "device": str(a.device)})
+            specs.append(TensorSpec(name, "tensor", shape, dtype_name(a.dtype), list(a.shape), str(a.device)))
         else:
-            specs.append({"name": name, "kind": type(a).__name__, "value": repr(a)[:200]})
+            specs.append(TensorSpec(name, type(a).__name__, value=repr(a)[:200]))
     return specs
 
 
-def _output_specs(ctx: WriteContext) -> List[Dict[str, Any]]:
+def _output_specs(ctx: WriteContext) -> List[TensorSpec]:
     with torch.no_grad():
         outs = flat_tensors(ctx.model(*ctx.args))
     batch = batch_size_of(ctx.args)
     specs = []
     for i, t in enumerate(outs):
-        shape: List[Any] = list(t.shape)
+        shape: List[Union[int, str]] = list(t.shape)
         if ctx.dynamic_shapes is not None and shape and shape[0] == batch:
             shape[0] = "batch"
-        specs.append({"name": f"output_{i}", "shape": shape, "dtype": dtype_name(t.dtype)})
+        specs.append(TensorSpec(f"output_{i}", "tensor", shape, dtype_name(t.dtype)))
     return specs
 
 
-def _versions(entries: Sequence[str]) -> Dict[str, Optional[str]]:
+def _versions(entries: Mapping[str, FormatEntry]) -> Dict[str, Optional[str]]:
     out: Dict[str, Optional[str]] = {
         "format_version": str(FORMAT_VERSION),
         "fx_lightning": __version__,
@@ -195,8 +392,8 @@ def _versions(entries: Sequence[str]) -> Dict[str, Optional[str]]:
         "lightning": _dist_version("lightning"),
         "python": platform.python_version(),
     }
-    for name in entries:
-        fmt = FORMATS[name]
+    for name, entry in entries.items():
+        fmt = FORMATS[entry.format_name or name]
         for module in (*fmt.requires, *fmt.runtime_requires):
             out[module] = _dist_version(module)
     return out

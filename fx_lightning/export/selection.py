@@ -10,87 +10,56 @@ few times the fused model's own error), so an artifact that disagrees is never s
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from fx_lightning.batches import flat_tensors, with_batch_size
-from fx_lightning.errors import ExportError
-from fx_lightning.export.manifest import read_manifest, replace_manifest
+from fx_lightning.batches import with_batch_size
+from fx_lightning.errors import ExportError, first_line
+from fx_lightning.export.loader import load_artifact
+from fx_lightning.export.manifest import (
+    ArtifactCheck,
+    BenchTable,
+    Manifest,
+    Selected,
+    Timing,
+    read_manifest,
+    replace_manifest,
+)
+from fx_lightning.export.writer import CHECK_FILE, check_artifact
 
-__all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "record_selection"]
-
-# An artifact may be this many times further from the fp64 reference than the fused model (as at export).
-CHECK_FACTOR = 8.0
+__all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "record_selection", "with_selection"]
 # A pause before each timed call: torch's OpenMP threads spin for a while after a call and take the cores from
 # whatever runs next. Measured (resnet18, batch 1, 2 cores): ONNX Runtime ran 55.2 ms right after torch calls,
 # 49.1 ms alone and 49.2 ms after this pause; torch artifacts were unchanged. Each artifact is timed as if alone.
 SETTLE_S = 0.02
-_FLOOR = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
-@dataclass
-class Timing:
-    artifact: str
-    batch_size: int
-    median_ms: float
-    p90_ms: float
-    rounds: int
-
-
-@dataclass
-class BenchTable:
-    """Timings of every artifact (and of the eager baselines given), and each artifact's check."""
-
-    threads: int
-    isa: str
-    machine: str
-    torch: str
-    timings: List[Timing] = field(default_factory=list)
-    checks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-
-    def median(self, artifact: str, batch_size: int) -> Optional[float]:
-        return next((t.median_ms for t in self.timings if t.artifact == artifact and t.batch_size == batch_size), None)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
-
-def _check(module: nn.Module, saved: Dict[str, Any]) -> Dict[str, Any]:
-    """The artifact's outputs on the saved check inputs against the saved fp64 outputs."""
+def _check(module: nn.Module, saved: Dict[str, Any]) -> ArtifactCheck:
+    """The artifact's outputs on the saved check inputs against the saved fp64 outputs, as at export."""
     try:
-        with torch.no_grad():
-            got = flat_tensors(module(*saved["inputs"]))
+        comparison = check_artifact(module, tuple(saved["inputs"]), saved["expected"], float(saved.get("fused_error", 0.0)))
     except Exception as exc:  # noqa: BLE001
-        return {"passed": False, "reason": f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-    expected = saved["expected"]
-    if len(got) != len(expected) or any(g.shape != e.shape for g, e in zip(got, expected)):
-        return {"passed": False, "reason": "outputs of another structure or shape"}
-    worst, tolerance = 0.0, 0.0
-    for g, e in zip(got, expected):
-        if not e.is_floating_point():
-            continue
-        g64, e64 = g.detach().cpu().double(), e.double()
-        err = float((g64 - e64).abs().max() / e64.abs().max().clamp_min(1e-30)) if e64.numel() else 0.0
-        tol = max(_FLOOR.get(g.dtype, 1e-5), CHECK_FACTOR * float(saved.get("fused_error", 0.0)))
-        worst, tolerance = max(worst, err), max(tolerance, tol)
-    passed = worst <= tolerance
-    return {"passed": passed, "relative_error": worst, "tolerance": tolerance,
-            **({} if passed else {"reason": f"relative error {worst:.2e} > {tolerance:.1e}"})}
+        return ArtifactCheck(False, reason=f"raises {type(exc).__name__}: {first_line(exc)[:200]}")
+    if comparison.mismatch is not None:
+        return ArtifactCheck(False, reason=f"outputs of another structure or shape: {comparison.mismatch}")
+    return ArtifactCheck(comparison.passed, comparison.relative_error, comparison.tolerance,
+                         None if comparison.passed else comparison.describe())
 
 
 def bench_export(
     root: Any,
     *,
+    manifest: Optional[Manifest] = None,
     batch_sizes: Sequence[int] = (1, 8),
     formats: Optional[Sequence[str]] = None,
     baselines: Optional[Dict[str, nn.Module]] = None,
@@ -100,40 +69,38 @@ def bench_export(
     progress: Optional[Progress] = None,
 ) -> BenchTable:
     """Time the export's artifacts (``formats``, default all) and ``baselines`` (name -> eager module, e.g.
-    ``{"eager": unfused}``) at each batch size, interleaved; check every artifact on ``check.pt``."""
-    from fx_lightning.export.loader import load_fused  # the selection module is loaded by the loader too
-    from fx_lightning.export.writer import CHECK_FILE
-
+    ``{"eager": unfused}``) at each batch size, interleaved; check every artifact on ``check.pt``. ``manifest``:
+    the export's manifest when it is not on disk yet (an export being written), else it is read from ``root``."""
     root = Path(root)
-    manifest = read_manifest(root)
+    manifest = manifest if manifest is not None else read_manifest(root)
     if threads:
         torch.set_num_threads(threads)
     saved = torch.load(root / CHECK_FILE, weights_only=True) if (root / CHECK_FILE).is_file() else None
     table = BenchTable(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), platform.machine(),
                        torch.__version__)
     models: Dict[str, nn.Module] = dict(baselines or {})
-    for name in formats or list(manifest["formats"]):
+    for name in formats or list(manifest.formats):
         try:
-            models[name] = load_fused(root, name, device="cpu")
+            models[name] = load_artifact(root, manifest, name, device="cpu")
         except ExportError as exc:
-            table.checks[name] = {"passed": False, "reason": str(exc).splitlines()[0]}
+            table.checks[name] = ArtifactCheck(False, reason=first_line(exc))
             continue
-        check = _check(models[name], saved) if saved is not None else {"passed": True, "reason": "no check.pt"}
-        gate = manifest["formats"][name].get("gate")
+        check = _check(models[name], saved) if saved is not None else ArtifactCheck(True, reason="no check.pt")
+        gate = manifest.formats[name].gate
         if gate is not None:  # a lossy variant: its accuracy gate decides, the fp64 error is for information
-            check = {**check, "passed": bool(gate.get("passed")), "reason": "accuracy gate at export"}
+            check = dataclasses.replace(check, passed=gate.passed, reason="accuracy gate at export")
         table.checks[name] = check
     inputs = saved["inputs"] if saved is not None else _random_inputs(manifest)
     _time_interleaved(table, models, inputs, batch_sizes, rounds, warmup, progress)
     return table
 
 
-def _random_inputs(manifest: Dict[str, Any]) -> List[torch.Tensor]:
+def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = []
-    for spec in manifest.get("inputs") or []:
-        shape = [2 if d == "batch" else int(d) for d in spec["shape"]]
-        dtype = getattr(torch, spec.get("dtype", "float32"))
+    for spec in manifest.inputs:
+        shape = [2 if d == "batch" else int(d) for d in spec.shape or []]
+        dtype = getattr(torch, spec.dtype or "float32")
         out.append(torch.randn(shape, generator=g).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype))
     return out
 
@@ -173,21 +140,24 @@ def _time_interleaved(table: BenchTable, models: Dict[str, nn.Module], inputs: S
                                         1e3 * ts[min(len(ts) - 1, int(0.9 * len(ts)))], len(ts)))
 
 
-def select_fastest(table: BenchTable, batch_size: int) -> Optional[Dict[str, Any]]:
+def select_fastest(table: BenchTable, batch_size: int) -> Optional[Selected]:
     """The fastest artifact at ``batch_size`` whose check passed (baselines are not artifacts), or None."""
     candidates = [(t.median_ms, t.artifact) for t in table.timings
-                  if t.batch_size == batch_size and table.checks.get(t.artifact, {}).get("passed")]
+                  if t.batch_size == batch_size and t.artifact in table.checks and table.checks[t.artifact].passed]
     if not candidates:
         return None
     median, name = min(candidates)
-    return {"format": name, "batch_size": batch_size, "median_ms": median,
-            "why": f"fastest at batch {batch_size} ({median:.2f} ms median, {table.threads} threads, {table.isa}) "
-                   "of the artifacts that passed their check"}
+    return Selected(name, batch_size, median,
+                    f"fastest at batch {batch_size} ({median:.2f} ms median, {table.threads} threads, {table.isa}) "
+                    "of the artifacts that passed their check")
 
 
-def record_selection(root: Any, table: BenchTable, selected: Optional[Dict[str, Any]]) -> None:
-    """Write the table and the selection into the manifest (atomically; the manifest is not in the file hashes)."""
-    manifest = read_manifest(root)
-    manifest["bench"] = table.to_dict()
-    manifest["selected"] = selected
-    replace_manifest(Path(root), manifest)
+def with_selection(manifest: Manifest, table: BenchTable, selected: Optional[Selected]) -> Manifest:
+    """``manifest`` with the table and the selection recorded."""
+    return dataclasses.replace(manifest, bench=table, selected=selected)
+
+
+def record_selection(root: Any, table: BenchTable, selected: Optional[Selected]) -> None:
+    """Write the table and the selection into a finished export's manifest (atomically; the manifest is not in
+    the file hashes)."""
+    replace_manifest(Path(root), with_selection(read_manifest(root), table, selected))

@@ -32,7 +32,10 @@ from fx_lightning.batches import (
     to_model,
 )
 from fx_lightning.config import ParityConfig, load_config
-from fx_lightning.errors import ParityError
+from fx_lightning.errors import ConfigError
+from fx_lightning.notes import Note, NoteKind
+from fx_lightning.parity.compare import LOW_PRECISION_FACTOR, structure_mismatch
+from fx_lightning.parity.report import ParityReport
 from fx_lightning.parity.metrics import (
     CLASSIFICATION_KEYS,
     LOCAL_ONLY,
@@ -44,6 +47,9 @@ from fx_lightning.parity.metrics import (
 
 __all__ = [
     "LOW_PRECISION_FACTOR",
+    "GATE_MISSED",
+    "OUTPUT_STRUCTURE",
+    "NO_BATCHES",
     "ParityReport",
     "ParityState",
     "check_parity",
@@ -53,42 +59,23 @@ __all__ = [
     "parity_config",
 ]
 
-# Low-precision targets are compared against their own rounding error (see check_parity's
-# ``precise_reference``): a correct fusion may differ from the unfused model by a few times that error.
-LOW_PRECISION_FACTOR = 4.0
-
-
-@dataclass
-class ParityReport:
-    passed: bool
-    metrics: Dict[str, float] = field(default_factory=dict)
-    # Each names the metric, the value and the threshold, e.g. "relative_max_error = 0.3 > rtol = 0.0001".
-    failures: List[str] = field(default_factory=list)
-    batches: int = 0
-    source: str = "val"  # val | train | example | given
-    notes: List[str] = field(default_factory=list)
-    thresholds: Dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """JSON-safe view (non-finite floats become strings, since JSON has no NaN)."""
-        def safe(v: float) -> Union[float, str]:
-            return float(v) if math.isfinite(v) else str(v)
-
-        out = dataclasses.asdict(self)
-        out["metrics"] = {k: safe(v) for k, v in self.metrics.items()}
-        out["thresholds"] = {k: safe(v) for k, v in self.thresholds.items()}
-        return out
-
-    def __str__(self) -> str:
-        verdict = "PASSED" if self.passed else "FAILED"
-        lines = [f"parity {verdict} on {self.batches} batch(es) of {self.source} data"]
-        for key, value in self.metrics.items():
-            lines.append(f"  {key:<28} {value:.6g}")
-        for failure in self.failures:
-            lines.append(f"  FAIL: {failure}")
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        return "\n".join(lines)
+# Why the gate failed: each names the metric, the value and the key that sets the threshold.
+GATE_MISSED = NoteKind("gate_missed", "{metric} = {value:.6g} {relation} {key} = {threshold:.6g}")
+OUTPUT_STRUCTURE = NoteKind("output_structure", "output structure: {mismatch}")
+NO_BATCHES = NoteKind("no_batches", "no batches: nothing was compared (give validation data, example_input_array, "
+                                    "or set parity.enabled: false)")
+CLASS_WIDTHS_DISAGREE = NoteKind("class_widths_disagree",
+                                 "ranks disagree on the number of classes in the outputs ({widths})")
+# What the gate could not measure, and how it judged.
+LABELS_MISMATCH = NoteKind("labels_mismatch", "labels ({labels}) do not match the outputs ({rows} rows): accuracy "
+                                              "not measured")
+LABELS_OUT_OF_RANGE = NoteKind("labels_out_of_range", "labels outside [0, {classes}): accuracy not measured")
+RANKS_DIFFERENT_DATA = NoteKind("ranks_different_data", "ranks compared different data ({sources})")
+LOW_PRECISION_GATE = NoteKind("low_precision_gate", "low-precision model: error gate is max(rtol, {factor:g} x the "
+                                                    "unfused model's own error against fp64) = {rtol:.3g}")
+LOSSY_NOT_GATED = NoteKind("lossy_not_gated", "lossy model: relative error reported, not gated")
+NOT_CLASS_SCORES = NoteKind("not_class_scores", "outputs are not class scores: top-1 agreement not measured")
+NO_LABELS = NoteKind("no_labels", "no integer labels in the batches: accuracy not measured")
 
 
 @dataclass
@@ -103,8 +90,8 @@ class ParityState:
     labels_seen: bool = False
     num_classes: Optional[int] = None  # width of the class scores; None when the outputs are not class scores
     source: str = "given"
-    failures: List[str] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
+    failures: List[Note] = field(default_factory=list)
+    notes: List[Note] = field(default_factory=list)
     metrics: Dict[str, Metric] = field(default_factory=dict)
 
 
@@ -119,7 +106,7 @@ def check_parity(
     input_rule: InputRule = None,
     label_rule: InputRule = None,
     source: str = "given",
-    notes: Sequence[str] = (),
+    notes: Sequence[Note] = (),
     precise_reference: Optional[nn.Module] = None,
 ) -> ParityReport:
     """Compare ``candidate`` with ``reference`` (both in eval mode) on up to ``cfg.max_batches`` batches.
@@ -155,8 +142,9 @@ def parity_config(cfg: Union[ParityConfig, Mapping[str, Any], None]) -> ParityCo
 class _Measurement:
     """The metrics and counts of one measure_parity call, updated batch by batch."""
 
-    def __init__(self, cfg: ParityConfig, device: Optional[torch.device], notes: Sequence[str]) -> None:
+    def __init__(self, cfg: ParityConfig, device: Optional[torch.device], notes: Sequence[Note], nested: bool) -> None:
         self.cfg = cfg
+        self.nested = nested
         self.device = device
         self.state = ParityState(notes=list(notes))
         # The metrics live on the model's device while measuring, on the CPU in the state.
@@ -172,15 +160,12 @@ class _Measurement:
                        precise: Optional[nn.Module]) -> bool:
         """Update the output metrics for every call of the target; False when the outputs cannot be compared."""
         for (args, kwargs, ref), cand in zip(calls, outputs):
-            refs, cands = flat_tensors(ref), flat_tensors(cand)
-            if len(refs) != len(cands):
-                self.state.failures.append(
-                    f"output structure: reference returns {len(refs)} tensor(s), fused returns {len(cands)}")
+            mismatch = structure_mismatch(cand, ref, nested=self.nested)
+            if mismatch is not None:
+                self.state.failures.append(OUTPUT_STRUCTURE(mismatch=mismatch))
                 return False
+            refs, cands = flat_tensors(ref), flat_tensors(cand)
             for r, c in zip(refs, cands):
-                if r.shape != c.shape:
-                    self.state.failures.append(f"output shape: reference {tuple(r.shape)}, fused {tuple(c.shape)}")
-                    continue
                 # .contiguous(): torchmetrics' MAE uses .view(-1), which fails on channels_last.
                 r64, c64 = r.detach().double().contiguous(), c.detach().double().contiguous()
                 for metric in self.outputs.values():
@@ -222,10 +207,9 @@ class _Measurement:
             return
         labels = labels.reshape(-1).to(lr.device)
         if labels.numel() != lr.shape[0]:
-            _note_once(self.state.notes,
-                       f"labels ({labels.numel()}) do not match the outputs ({lr.shape[0]} rows): accuracy not measured")
+            _note_once(self.state.notes, LABELS_MISMATCH(labels=labels.numel(), rows=lr.shape[0]))
         elif labels.min() < 0 or labels.max() >= num_classes:
-            _note_once(self.state.notes, f"labels outside [0, {num_classes}): accuracy not measured")
+            _note_once(self.state.notes, LABELS_OUT_OF_RANGE(classes=num_classes))
         else:
             self.state.labels_seen = True
             self.classes["accuracy_reference"].update(ref_top1, labels)
@@ -254,8 +238,9 @@ def measure_parity(
     input_rule: InputRule = None,
     label_rule: InputRule = None,
     source: str = "given",
-    notes: Sequence[str] = (),
+    notes: Sequence[Note] = (),
     precise_reference: Optional[nn.Module] = None,
+    nested: bool = True,
 ) -> ParityState:
     """Run the comparison of :func:`check_parity` on this process's batches and return the metric states
     (nothing is computed or gated here, and there is no collective call). ``input_rule`` takes forward's
@@ -264,7 +249,7 @@ def measure_parity(
     if whole_reference is not None and whole_candidate is None:
         raise ValueError("whole_candidate is required with whole_reference")
     device, dtype = model_device_dtype(reference if whole_reference is None else whole_reference)
-    run = _Measurement(cfg, device, notes)
+    run = _Measurement(cfg, device, notes, nested)
     with torch.no_grad():
         for batch in itertools.islice(iter(batches), cfg.max_batches):
             args = as_args(to_model(extract_input(batch, input_rule), device, dtype))
@@ -272,9 +257,9 @@ def measure_parity(
                 with record_calls(reference) as calls:
                     whole_ref_out = whole_reference(*args)
                 if not calls:
-                    raise ParityError(
-                        "parity: the fused target was never called by the whole model's forward, so it "
-                        "cannot be compared; check `target`."
+                    raise ConfigError(
+                        "target: the target module is never called by the model's forward, so the fused target "
+                        "cannot be compared; point `target` at a module that forward uses."
                     )
                 whole_cand_out = whole_candidate(*args)  # type: ignore[misc]
             else:
@@ -317,9 +302,9 @@ def merge_parity_states(states: Sequence[ParityState]) -> ParityState:
         for note in s.notes:
             _note_once(merged.notes, note)
     if len(sources) > 1:
-        _note_once(merged.notes, f"ranks compared different data ({', '.join(sources)})")
+        _note_once(merged.notes, RANKS_DIFFERENT_DATA(sources=", ".join(sources)))
     if len(widths) > 1:
-        merged.failures.append(f"ranks disagree on the number of classes in the outputs ({widths})")
+        merged.failures.append(CLASS_WIDTHS_DISAGREE(widths=", ".join(map(str, widths))))
     keys = list(dict.fromkeys(k for s in states for k in s.metrics))
     for key in keys:
         if key in CLASSIFICATION_KEYS and merged.num_classes is None:
@@ -353,10 +338,7 @@ def judge_parity(state: ParityState, cfg: Union[ParityConfig, Mapping[str, Any],
     report = ParityReport(passed=False, failures=list(state.failures), batches=state.batches, source=state.source,
                           notes=list(state.notes))
     if state.batches == 0 and not report.failures:
-        report.failures.append(
-            "no batches: nothing was compared (give validation data, example_input_array, or set "
-            "parity.enabled: false)"
-        )
+        report.failures.append(NO_BATCHES())
     elif not report.failures:
         _judge_outputs(state, cfg, report, lossy, config_key)
         _judge_classes(state, cfg, report, config_key)
@@ -377,13 +359,10 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
         own_error = float(own.compute())
         report.metrics["reference_error_vs_fp64"] = own_error
         rtol = max(rtol, LOW_PRECISION_FACTOR * own_error)
-        report.notes.append(
-            f"low-precision model: error gate is max(rtol, {LOW_PRECISION_FACTOR:g} x the unfused model's own "
-            f"error against fp64) = {rtol:.3g}"
-        )
+        report.notes.append(LOW_PRECISION_GATE(factor=LOW_PRECISION_FACTOR, rtol=rtol))
     report.thresholds["cosine_similarity_min"] = cfg.min_cosine
     if lossy:
-        _note_once(report.notes, "lossy model: relative error reported, not gated")
+        _note_once(report.notes, LOSSY_NOT_GATED())
     else:
         report.thresholds["relative_max_error"] = rtol
         _gate(report, "relative_max_error", report.metrics["relative_max_error"], "<=", rtol, f"{config_key}.rtol")
@@ -393,7 +372,7 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
 
 def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport, config_key: str) -> None:
     if state.num_classes is None or "top1_agreement" not in state.metrics:
-        _note_once(report.notes, "outputs are not class scores: top-1 agreement not measured")
+        _note_once(report.notes, NOT_CLASS_SCORES())
         return
     for key in ("top1_agreement", "top1_agreement_strict"):
         report.metrics[key] = float(state.metrics[key].compute())
@@ -401,7 +380,7 @@ def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport, 
     _gate(report, "top1_agreement", report.metrics["top1_agreement"], ">=", cfg.min_top1_agreement,
           f"{config_key}.min_top1_agreement")
     if not state.labels_seen:
-        _note_once(report.notes, "no integer labels in the batches: accuracy not measured")
+        _note_once(report.notes, NO_LABELS())
         return
     acc_ref = float(state.metrics["accuracy_reference"].compute())
     acc_fused = float(state.metrics["accuracy_fused"].compute())
@@ -414,10 +393,10 @@ def _gate(report: ParityReport, name: str, value: float, op: str, threshold: flo
     # Written so that NaN fails: NaN compares False both ways.
     ok = value <= threshold if op == "<=" else value >= threshold
     if not ok:
-        bad = ">" if op == "<=" else "<"
-        report.failures.append(f"{name} = {value:.6g} {bad} {key} = {threshold:.6g}")
+        report.failures.append(GATE_MISSED(metric=name, value=value, relation=">" if op == "<=" else "<", key=key,
+                                           threshold=threshold))
 
 
-def _note_once(notes: List[str], note: str) -> None:
+def _note_once(notes: List[Note], note: Note) -> None:
     if note not in notes:
         notes.append(note)

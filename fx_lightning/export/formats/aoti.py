@@ -25,7 +25,7 @@ from torch import nn
 
 from fx_lightning.batches import batch_size_of, concat_outputs, map_tensors, with_batch_size
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import Format, WriteContext
+from fx_lightning.export.base import Format, FormatEntry, WriteContext
 
 __all__ = ["FORMAT", "AotiModule", "cpu_capability"]
 
@@ -63,7 +63,7 @@ def _compiler_version() -> str:
     return out.splitlines()[0] if out else cxx
 
 
-def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     folder = root / FORMAT.path
     folder.mkdir()
     packages: Dict[str, str] = {}
@@ -77,13 +77,9 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
                                                      inductor_configs={"freezing": True})
         packages["dynamic" if size is None else str(size)] = name
     device = ctx.device
-    return {
-        "path": FORMAT.path,
-        "loader": "torch._inductor.aoti_load_package(path)",
-        "weights_only": True,
-        "pickled_code": False,
+    sizes = [int(k) for k in packages if k != "dynamic"] or None  # None: any
+    return FormatEntry(FORMAT.path, "torch._inductor.aoti_load_package(path)", batch_sizes=sizes, options={
         "packages": packages,
-        "batch_sizes": [int(k) for k in packages if k != "dynamic"] or None,  # None: any
         "built_for": {
             "device": str(device),
             "machine": platform.machine(),
@@ -92,7 +88,7 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
             "compiler": _compiler_version(),
             "torch": torch.__version__,
         },
-    }
+    })
 
 
 def _refusal(built: Dict[str, Any], device: torch.device) -> Optional[str]:
@@ -153,13 +149,13 @@ def _batched(value: Any, size: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
 
 
-def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
-    refusal = _refusal(entry.get("built_for") or {}, device)
+def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
+    refusal = _refusal(entry.options.get("built_for") or {}, device)
     if refusal is not None:
         raise ExportError(f"format 'aoti' cannot run here: {refusal}. Load another format (pt2 runs anywhere torch "
                           "does) or rebuild the package on this machine.")
-    folder = root / entry["path"]
-    runners = {key: torch._inductor.aoti_load_package(str(folder / name)) for key, name in entry["packages"].items()}
+    folder = root / entry.path
+    runners = {key: torch._inductor.aoti_load_package(str(folder / name)) for key, name in entry.options["packages"].items()}
     return AotiModule(runners)
 
 

@@ -6,14 +6,13 @@ import importlib.util
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Dict
 
 import torch
 from torch import nn
 
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import FUSED_CLASS_NAME, Format, WriteContext, pickled_classes
+from fx_lightning.export.base import FUSED_CLASS_NAME, Format, FormatEntry, WriteContext, pickled_classes
 from fx_lightning.export.codegen import generate_code
 
 __all__ = ["FORMAT"]
@@ -21,7 +20,7 @@ __all__ = ["FORMAT"]
 PACKAGE = "fused_module"
 
 
-def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     folder = root / PACKAGE
     folder.mkdir()
     source, weights, pickled = generate_code(ctx.model, folder, PACKAGE, __version__)
@@ -32,18 +31,15 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
         f"from .module import {FUSED_CLASS_NAME}, load\n\n__all__ = [\"{FUSED_CLASS_NAME}\", \"load\"]\n",
         encoding="utf-8",
     )
-    return {
-        "path": PACKAGE,
-        "loader": f"sys.path.insert(0, export_dir); from {PACKAGE} import load; model = load()",
-        "weights_only": not pickled,
-        "pickled_code": bool(pickled),
-        "pickled_modules": pickled,
-        "requires_classes": pickled_classes(ctx.model) if pickled else [],
-    }
+    return FormatEntry(
+        PACKAGE, f"sys.path.insert(0, export_dir); from {PACKAGE} import load; model = load()",
+        weights_only=not pickled, pickled_code=bool(pickled),
+        options={"pickled_modules": pickled, "requires_classes": pickled_classes(ctx.model) if pickled else []},
+    )
 
 
-def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
-    folder = root / entry["path"]
+def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
+    folder = root / entry.path
     init = folder / "__init__.py"
     # A unique module name: two exports loaded in one process must not share sys.modules entries.
     name = f"_fx_fused_{uuid.uuid4().hex[:12]}"

@@ -3,34 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
-
 import torch
 from torch import nn
 
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import Format, WriteContext, pickled_classes
+from fx_lightning.export.base import Format, FormatEntry, WriteContext, pickled_classes
 
 __all__ = ["FORMAT"]
 
 
-def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     torch.save(ctx.model, root / FORMAT.path)
-    return {
-        "path": FORMAT.path,
-        "loader": "torch.load(path, weights_only=False)",
-        "weights_only": False,
-        "pickled_code": True,
-        "warning": "pickled Python objects: torch.load(..., weights_only=False) runs code; load only trusted files",
-        "requires_classes": pickled_classes(ctx.model),
-    }
+    return FormatEntry(
+        FORMAT.path, "torch.load(path, weights_only=False)", weights_only=False, pickled_code=True,
+        options={"warning": "pickled Python objects: torch.load(..., weights_only=False) runs code; load only "
+                            "trusted files",
+                 "requires_classes": pickled_classes(ctx.model)},
+    )
 
 
-def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
+def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
     # weights_only=False is required: a GraphModule pickle carries its generated code (see the manifest).
-    module = torch.load(str(root / entry["path"]), map_location=device, weights_only=False)
+    module = torch.load(str(root / entry.path), map_location=device, weights_only=False)
     if not isinstance(module, nn.Module):
-        raise ExportError(f"{root / entry['path']}: holds a {type(module).__name__}, not a module.")
+        raise ExportError(f"{root / entry.path}: holds a {type(module).__name__}, not a module.")
     return module.eval()
 
 

@@ -14,12 +14,12 @@ from torch import nn
 
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, WriteContext
+from fx_lightning.export.base import Format, FormatEntry, WriteContext
 
 __all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL"]
 
 
-def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     path = root / FORMAT.path
     input_names = [n for n, a in zip(ctx.input_names, ctx.args) if isinstance(a, torch.Tensor)]
     with torch.no_grad():
@@ -44,14 +44,8 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
 
     onnx.checker.check_model(str(path))
     model = onnx.load(str(path), load_external_data=False)
-    entry = {
-        "path": FORMAT.path,
-        "loader": "onnxruntime.InferenceSession(path)",
-        "weights_only": True,
-        "pickled_code": False,
+    options: Dict[str, Any] = {
         "exporter": exporter,
-        # ONNX itself is device-free; the round-trip check runs it with ONNX Runtime on the CPU.
-        "device": "cpu",
         "session_options": {"graph_optimization_level": SESSION_LEVEL, "intra_op_num_threads": torch.get_num_threads(),
                             "config_entries": dict(SESSION_CONFIG)},
         "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
@@ -59,8 +53,9 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
         "output_names": [o.name for o in model.graph.output],
     }
     if fallback_reason:
-        entry["dynamo_failure"] = fallback_reason
-    return entry
+        options["dynamo_failure"] = fallback_reason
+    # ONNX itself is device-free; the round-trip check runs it with ONNX Runtime on the CPU.
+    return FormatEntry(FORMAT.path, "onnxruntime.InferenceSession(path)", device="cpu", options=options)
 
 
 def onnx_dynamo(ctx: WriteContext, path: Path, input_names: List[str], output_names: List[str]) -> None:
@@ -143,7 +138,7 @@ class OnnxRuntimeModule(nn.Module):
         raise TypeError("OnnxRuntimeModule wraps an onnxruntime session and cannot be pickled; load it again.")
 
 
-def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
+def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
     import onnxruntime as ort
 
     provider = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}.get(device.type)
@@ -153,8 +148,8 @@ def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
             f"format 'onnx' cannot run on {device}: ONNX Runtime here has {', '.join(available)}"
             + (" (install onnxruntime-gpu for CUDA)" if device.type == "cuda" else "") + "; load it with device='cpu'."
         )
-    recorded = entry.get("session_options") or {}
-    return OnnxRuntimeModule(root / entry["path"], [provider], device,
+    recorded = entry.options.get("session_options") or {}
+    return OnnxRuntimeModule(root / entry.path, [provider], device,
                              level=recorded.get("graph_optimization_level", SESSION_LEVEL),
                              config_entries=recorded.get("config_entries", SESSION_CONFIG))
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, WriteContext
+from fx_lightning.export.base import Format, FormatEntry, WriteContext
 
 __all__ = ["FORMAT", "OpenVinoModule", "COMPILE_CONFIG"]
 
@@ -66,7 +66,7 @@ def _input_shapes(ctx: WriteContext) -> List[List[int]]:
             for arg, spec in zip(ctx.args, dims) if isinstance(arg, torch.Tensor)]
 
 
-def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     import openvino as ov
 
     model, route, fallback_reason = _convert(ctx)
@@ -78,20 +78,16 @@ def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
     folder = root / FORMAT.path
     folder.mkdir()
     ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=False)  # fp16 weights would break parity
-    entry = {
-        "path": FORMAT.path,
-        "loader": "openvino.Core().compile_model(path + '/model.xml', 'CPU', compile_config)",
-        "weights_only": True,
-        "pickled_code": False,
-        "device": "cpu",
+    options: Dict[str, Any] = {
         "converted_from": route,
         "input_shapes": shapes,  # -1: any size
         "compile_config": {**COMPILE_CONFIG, "INFERENCE_NUM_THREADS": torch.get_num_threads()},
         "built_with": {"openvino": ov.__version__},
     }
     if fallback_reason:
-        entry["export_failure"] = fallback_reason
-    return entry
+        options["export_failure"] = fallback_reason
+    return FormatEntry(FORMAT.path, "openvino.Core().compile_model(path + '/model.xml', 'CPU', compile_config)",
+                       device="cpu", options=options)
 
 
 class OpenVinoModule(nn.Module):
@@ -152,17 +148,18 @@ class OpenVinoModule(nn.Module):
         raise TypeError("OpenVinoModule wraps compiled OpenVINO models and cannot be pickled; load it again.")
 
 
-def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
+def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
     if device.type != "cpu":
         raise ExportError(f"format 'openvino' runs on the CPU here (OpenVINO's CPU runtime), not on {device}; "
                           "load it with device='cpu'.")
     import openvino as ov
 
-    config = {k: v for k, v in (entry.get("compile_config") or COMPILE_CONFIG).items() if k != "INFERENCE_NUM_THREADS"}
+    recorded = entry.options.get("compile_config") or COMPILE_CONFIG
+    config = {k: v for k, v in recorded.items() if k != "INFERENCE_NUM_THREADS"}
     try:
-        return OpenVinoModule(root / entry["path"] / "model.xml", config)
+        return OpenVinoModule(root / entry.path / "model.xml", config)
     except RuntimeError as exc:
-        built = (entry.get("built_with") or {}).get("openvino", "unknown")
+        built = (entry.options.get("built_with") or {}).get("openvino", "unknown")
         raise ExportError(f"format 'openvino': OpenVINO {ov.__version__} cannot read or compile the IR written by "
                           f"OpenVINO {built}: {first_line(exc)}") from exc
 

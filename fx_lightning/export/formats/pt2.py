@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
-from typing import Any, Dict
 
 import torch
 from torch import nn
 
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, WriteContext
+from fx_lightning.export.base import Format, FormatEntry, WriteContext
 
 __all__ = ["FORMAT", "export_program"]
 
@@ -28,21 +27,16 @@ def export_program(ctx: WriteContext) -> "torch.export.ExportedProgram":
         raise ExportError(f"torch.export failed: {type(exc).__name__}: {first_line(exc)}.{hint}") from exc
 
 
-def _write(root: Path, ctx: WriteContext) -> Dict[str, Any]:
+def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     program = export_program(ctx)
     torch.export.save(program, root / FORMAT.path)
-    return {
-        "path": FORMAT.path,
-        "loader": "torch.export.load(path).module()",
-        "weights_only": True,
-        "pickled_code": False,
-        "range_constraints": {str(k): str(v) for k, v in program.range_constraints.items()},
-    }
+    return FormatEntry(FORMAT.path, "torch.export.load(path).module()",
+                       options={"range_constraints": {str(k): str(v) for k, v in program.range_constraints.items()}})
 
 
-def _load(root: Path, entry: Dict[str, Any], device: torch.device) -> nn.Module:
-    program = torch.export.load(str(root / entry["path"]))
-    if torch.device(entry.get("device") or "cpu") != device:
+def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
+    program = torch.export.load(str(root / entry.path))
+    if torch.device(entry.device or "cpu") != device:
         # ExportedProgram.module().to() would leave devices written into the graph (factory calls) behind.
         from torch.export.passes import move_to_device_pass
 

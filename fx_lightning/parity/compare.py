@@ -1,0 +1,179 @@
+"""Does an output match its reference? The one comparison, used by the capture check, the module passes'
+checks, the export's round trip, the selection's check and the parity gate's structure check.
+
+Structure first (how many tensors, how they nest, their shapes and dtypes), then values: the error of each
+floating output is relative to the reference's scale, ``max|got - want| / max|want|`` (the functional core of
+:mod:`.metrics`), and NaNs must sit where the reference has them. The tolerance table is :data:`ROUNDING_RTOL`:
+rerunning the same arithmetic stays within float rounding, so anything beyond it means the graph or artifact is
+not the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from fx_lightning.parity.metrics import relative_max_error, relative_max_error_parts
+
+__all__ = [
+    "ROUNDING_RTOL",
+    "RUNTIME_FACTOR",
+    "LOW_PRECISION_FACTOR",
+    "rounding_tolerance",
+    "Comparison",
+    "compare_outputs",
+    "structure_mismatch",
+    "relative_error",
+]
+
+# Relative error a rerun of the same arithmetic stays within, by dtype (the one tolerance table).
+ROUNDING_RTOL: Dict[torch.dtype, float] = {
+    torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2,
+}
+# Another runtime's kernels (ONNX Runtime, Inductor) round differently: an artifact may be this many times
+# further from an fp64 reference than the fused model itself is.
+RUNTIME_FACTOR = 8.0
+# A low-precision model is compared against its own rounding error: a correct fusion may differ from the
+# unfused model by a few times that error.
+LOW_PRECISION_FACTOR = 4.0
+
+
+def rounding_tolerance(dtype: torch.dtype, own_error: float = 0.0, factor: float = RUNTIME_FACTOR) -> float:
+    """What an output of ``dtype`` may differ by: float rounding, or ``factor`` times a known own error."""
+    return max(ROUNDING_RTOL.get(dtype, ROUNDING_RTOL[torch.float32]), factor * own_error)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of :func:`compare_outputs`.
+
+    ``mismatch``: how the structures differ (None: they match); ``relative_error``: the worst over the
+    outputs (inf on a mismatch); ``tolerance``: the largest allowed; ``failure``: the first output beyond its
+    tolerance, in words (None: every output is within)."""
+
+    mismatch: Optional[str]
+    relative_error: float
+    tolerance: float
+    failure: Optional[str] = None
+    outputs: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return self.mismatch is None and self.failure is None
+
+    def describe(self) -> str:
+        """Why it failed, or how close it is."""
+        if self.mismatch is not None:
+            return self.mismatch
+        if self.failure is not None:
+            return self.failure
+        return f"relative error {self.relative_error:.3g} (allowed {self.tolerance:.1e})"
+
+
+def _tree(value: Any) -> Any:
+    """The nesting of ``value`` with tensors as leaves: sequences as lists, mappings and dataclasses (Hugging
+    Face ``ModelOutput``) as dicts; anything else is not an output and is left out."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _tree(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_tree(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _tree(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return None
+
+
+def _leaves(tree: Any) -> List[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _leaves(v)]
+    if isinstance(tree, list):
+        return [t for v in tree for t in _leaves(v)]
+    return []
+
+
+def _nesting(got: Any, want: Any, path: str) -> Optional[str]:
+    """Where two trees nest differently (None: the same)."""
+    kind = lambda t: "tensor" if isinstance(t, torch.Tensor) else type(t).__name__  # noqa: E731
+    if kind(got) != kind(want):
+        what = {"tensor": "a tensor", "list": "a sequence", "dict": "a mapping", "NoneType": "no tensor"}
+        return f"{path or 'the output'} is {what[kind(got)]}, the reference's is {what[kind(want)]}"
+    if isinstance(want, list):
+        if len(got) != len(want):
+            return f"{path or 'the output'} has {len(got)} items, the reference's {len(want)}"
+        return next((m for i, (g, w) in enumerate(zip(got, want)) if (m := _nesting(g, w, f"{path}[{i}]"))), None)
+    if isinstance(want, dict):
+        if list(got) != list(want):
+            return f"{path or 'the output'} has keys {list(got)}, the reference's {list(want)}"
+        return next((m for k in want if (m := _nesting(got[k], want[k], f"{path}[{k!r}]"))), None)
+    return None
+
+
+def structure_mismatch(got: Any, want: Any, *, nested: bool = True) -> Optional[str]:
+    """How ``got`` differs from ``want`` in structure: tensor count, nesting (``nested``), shapes, dtypes.
+    None when they match. ``nested=False`` compares the flat tensor lists only (a runtime such as ONNX Runtime
+    returns its outputs flat)."""
+    g_tree, w_tree = _tree(got), _tree(want)
+    g, w = _leaves(g_tree), _leaves(w_tree)
+    if len(g) != len(w):
+        return f"the output has {len(g)} tensor(s), the reference {len(w)}"
+    if nested:
+        problem = _nesting(g_tree, w_tree, "")
+        if problem is not None:
+            return problem
+    for i, (a, b) in enumerate(zip(g, w)):
+        if tuple(a.shape) != tuple(b.shape):
+            return f"output {i} has shape {tuple(a.shape)}, the reference's {tuple(b.shape)}"
+        if a.dtype != b.dtype:
+            return f"output {i} is {str(a.dtype).replace('torch.', '')}, the reference's {str(b.dtype).replace('torch.', '')}"
+    return None
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` in float64 (0 for empty tensors; exact equality for non-floating ones)."""
+    if want.numel() == 0:
+        return 0.0
+    if not want.is_floating_point():
+        return 0.0 if torch.equal(got.detach().cpu(), want.detach().cpu()) else float("inf")
+    diff, scale = relative_max_error_parts(got.detach().cpu().double(), want.detach().cpu().double())
+    return float(relative_max_error(diff, scale))
+
+
+def compare_outputs(
+    got: Any,
+    want: Any,
+    *,
+    rtol: Optional[float] = None,
+    own_error: float = 0.0,
+    nested: bool = True,
+) -> Comparison:
+    """Compare ``got`` with the reference ``want`` (tensors, nested in sequences, mappings or dataclasses).
+
+    The tolerance of each output is ``rtol`` when given, else :func:`rounding_tolerance` of its dtype and
+    ``own_error`` (the reference's own error, for artifacts judged against an fp64 copy). Non-floating outputs
+    must be equal. NaNs must be where the reference has them (and are then ignored)."""
+    mismatch = structure_mismatch(got, want, nested=nested)
+    if mismatch is not None:
+        return Comparison(mismatch, float("inf"), rtol or 0.0)
+    worst, allowed, failure = 0.0, 0.0, None
+    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(_leaves(_tree(got)), _leaves(_tree(want))))
+    for i, (g, w) in enumerate(pairs):
+        tol = rtol if rtol is not None else rounding_tolerance(w.dtype, own_error) if w.is_floating_point() else 0.0
+        if w.is_floating_point():
+            g_nan, w_nan = torch.isnan(g.detach().cpu()), torch.isnan(w.detach().cpu())
+            if not torch.equal(g_nan, w_nan):
+                failure = failure or f"output {i} has NaNs where the reference has none (or the reverse)"
+                worst = float("inf")
+                continue
+            if bool(w_nan.any()):
+                g, w = torch.nan_to_num(g.detach().cpu(), nan=0.0), torch.nan_to_num(w.detach().cpu(), nan=0.0)
+        err = relative_error(g, w)
+        if not err <= tol and failure is None:
+            failure = f"output {i} differs from the reference by {err:.3g} (relative; allowed {tol:.1e})"
+        worst, allowed = max(worst, err), max(allowed, tol)
+    return Comparison(None, worst, allowed, failure, len(pairs))

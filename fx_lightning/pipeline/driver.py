@@ -1,0 +1,365 @@
+"""The one driver: :func:`run_pipeline` runs the steps (:mod:`.steps`) for every caller: the callback at the end of
+fit, the preflight before training (the same steps on a copy of the untrained model, into a temporary directory:
+``Mode.rehearsal``) and the command line (:func:`fuse_verify_export`).
+
+In several processes every rank makes the same collective calls in the same order, whatever happens to it:
+
+  -- local: load the source (weights, batches), fuse, measure parity on this rank's share (errors are caught)
+  1. exchange   (all_gather: every rank's skip reason, error or parity measurements)
+  -- any error: every rank returns the lowest failing rank's, named; any skip: every rank skips
+  2. verdict    (broadcast from rank zero, which merges the measurements and judges them once)
+  -- parity failed: every rank raises or warns alike, nothing is written
+  3. export     (broadcast from rank zero, which writes: no rank returns before the export is complete or failed)
+
+In one process (:data:`~fx_lightning.pipeline.collectives.LOCAL`) these calls cost nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+from torch import nn
+
+from fx_lightning.config import FuseConfig, OnError
+from fx_lightning.engine import FuseResult
+from fx_lightning.errors import FXLightningError, ParityError, error_class, first_line
+from fx_lightning.notes import Note, NoteKind
+from fx_lightning.parity.gate import ParityState, merge_parity_states
+from fx_lightning.parity.report import ParityReport
+from fx_lightning.pipeline.collectives import LOCAL, Collectives
+from fx_lightning.pipeline.steps import (
+    Batches,
+    Fused,
+    Source,
+    Step,
+    export,
+    fuse_target,
+    judge,
+    measure,
+    provenance_for,
+    sequence_steps,
+)
+from fx_lightning.pipeline.targets import refuse_protected, resolve_device
+from fx_lightning.provenance import Provenance
+
+__all__ = [
+    "Mode",
+    "Destination",
+    "Failure",
+    "Outcome",
+    "ErrorInfo",
+    "run_pipeline",
+    "fuse_verify_export",
+    "summary_text",
+    "PARITY_FAILED",
+    "NO_EXPORT_DIRECTORY",
+    "PARITY_MERGED",
+    "BUFFERS_DIFFERED",
+]
+
+PARITY_FAILED = NoteKind("parity_failed", "parity failed: nothing was exported")
+NO_EXPORT_DIRECTORY = NoteKind("no_export_directory", "export skipped: no export directory (set export.dir)")
+PARITY_MERGED = NoteKind("parity_merged", "parity merged over {ranks} ranks, each on its own share of the data "
+                                          "(batches per rank: {shares})")
+BUFFERS_DIFFERED = NoteKind("buffers_differed", "buffers (BatchNorm running statistics) on rank(s) {ranks} differed "
+                                                "from rank 0's (no sync_batchnorm): every rank fused rank 0's, the "
+                                                "weights that are exported")
+
+
+class Mode(str, Enum):
+    """``final``: the real run. ``rehearsal``: the preflight's run on the untrained model; the parity gate is
+    measured but not applied, and any format, variant or selection that cannot run is an error."""
+
+    final = "final"
+    rehearsal = "rehearsal"
+
+
+@dataclass
+class Destination:
+    """Where the export goes: ``directory`` (None: nowhere, with a note saying so), files it must never replace
+    (checkpoints), what the manifest records about the model's origin, and ``dry_run`` (write nothing, quietly)."""
+
+    directory: Optional[Path]
+    protected: Sequence[Union[str, Path]] = ()
+    provenance: Provenance = field(default_factory=Provenance)
+    dry_run: bool = False
+
+
+@dataclass
+class ErrorInfo:
+    """An error as it travels between ranks: its rank, type name, cause and step (never the object: it may not
+    pickle, and its class may not exist on the other side)."""
+
+    rank: int
+    type_name: str
+    message: str
+    step: Optional[str] = None
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> "ErrorInfo":
+        if isinstance(exc, FXLightningError):
+            return cls(rank, type(exc).__name__, exc.message, exc.step)
+        return cls(rank, type(exc).__name__, str(exc))
+
+    def rebuild(self) -> FXLightningError:
+        """The same fx_lightning error class when it is one of ours, else :class:`FXLightningError`."""
+        error = error_class(self.type_name)(self.message)
+        error.step = self.step
+        return error
+
+
+@dataclass
+class Failure:
+    """What failed: ``error`` (this process's own, or rebuilt from another rank's when ``remote``; ``type_name``
+    is then the original type) and ``where`` (" on rank 1 of 2")."""
+
+    error: Exception
+    where: str = ""
+    type_name: Optional[str] = None
+    remote: bool = False
+
+    @property
+    def step(self) -> Optional[str]:
+        return self.error.step if isinstance(self.error, FXLightningError) else None
+
+
+@dataclass
+class Outcome:
+    """What the pipeline did. ``result`` is None when it failed before a verdict; ``failure`` says what failed
+    (the caller raises or warns); ``steps`` are the steps that completed, in order."""
+
+    target: str = ""
+    result: Optional[FuseResult] = None
+    fused_model: Optional[nn.Module] = None
+    parity: Optional[ParityReport] = None
+    export_dir: Optional[Path] = None
+    manifest: Any = None  # fx_lightning.export.manifest.Manifest when exported
+    notes: List[Note] = field(default_factory=list)
+    skipped: Optional[str] = None
+    failure: Optional[Failure] = None
+    steps: List[str] = field(default_factory=list)
+
+
+@dataclass
+class _RankReport:
+    """What each rank sends in the exchange (1)."""
+
+    rank: int
+    skip: Optional[str] = None
+    error: Optional[ErrorInfo] = None
+    state: Optional[ParityState] = None
+    buffers_differ: bool = False
+    batches: int = 0
+
+
+@dataclass
+class _Verdict:
+    """Rank zero's decision (2): the merged parity report, the outcome's notes and steps, or its error."""
+
+    parity: Optional[ParityReport]
+    notes: List[Note] = field(default_factory=list)
+    steps: List[str] = field(default_factory=list)
+    error: Optional[ErrorInfo] = None
+
+
+@dataclass
+class _Written:
+    """Rank zero's export result (3)."""
+
+    directory: Optional[str]
+    manifest: Any = None
+    notes: List[Note] = field(default_factory=list)
+    steps: List[str] = field(default_factory=list)
+    error: Optional[ErrorInfo] = None
+
+
+@dataclass
+class _Local:
+    source: Optional[Source] = None
+    fused: Optional[Fused] = None
+    state: Optional[ParityState] = None
+    error: Optional[Exception] = None
+
+
+def run_pipeline(
+    config: FuseConfig,
+    load: Callable[[], Source],
+    destination: Destination,
+    *,
+    collectives: Collectives = LOCAL,
+    mode: Mode = Mode.final,
+    skip: Optional[str] = None,
+) -> Outcome:
+    """Load the source (``load()``, in this process), fuse its target, verify parity and export, with the
+    collective protocol above. Raises nothing: the outcome's ``failure`` says what failed, and every rank gets
+    the same. ``skip``: a reason not to run on this rank (every rank then skips)."""
+    rank = collectives.rank
+    local = _run_locally(config, load) if skip is None else _Local()
+    mine = _RankReport(rank, skip, ErrorInfo.of(rank, local.error) if local.error is not None else None, local.state,
+                       local.source.buffers_differ if local.source is not None else False,
+                       len(local.fused.data) if local.fused is not None else 0)
+    everyone: List[_RankReport] = collectives.all_gather(mine)  # 1.
+    failed = [r.error for r in everyone if r.error is not None]
+    if failed:
+        return Outcome(failure=_failure_of(collectives, failed, local.error))
+    skipped = next((r.skip for r in everyone if r.skip is not None), None)
+    if skipped is not None:
+        return Outcome(skipped=skipped)
+    fused, source = local.fused, local.source
+    assert fused is not None and source is not None  # no rank skipped or failed, so this one fused
+    verdict, decide_error = _decide(collectives, config, fused, source, everyone) if rank == 0 else (None, None)
+    verdict = collectives.broadcast(verdict, src=0)  # 2.
+    if verdict.error is not None:
+        return Outcome(failure=_failure_of(collectives, [verdict.error], decide_error))
+    outcome = Outcome(fused.target, fused.result, fused.fused_model, verdict.parity, notes=list(verdict.notes),
+                      steps=list(verdict.steps))
+    if mode is Mode.final and outcome.parity is not None and not outcome.parity.passed:
+        outcome.failure = _parity_failure(outcome, config)  # the same report everywhere: the same on every rank
+        return outcome
+    if not config.export.enabled or destination.dry_run:
+        return outcome
+    if destination.directory is None:
+        outcome.notes.append(NO_EXPORT_DIRECTORY())
+        return outcome
+    written, export_error = _write(config, fused, source, outcome.parity, destination, mode) if rank == 0 else (None, None)
+    written = collectives.broadcast(written, src=0)  # 3.
+    outcome.export_dir = Path(written.directory) if written.directory is not None else None
+    outcome.manifest = written.manifest
+    outcome.notes += written.notes
+    outcome.steps += written.steps
+    if written.error is not None:
+        outcome.failure = _failure_of(collectives, [written.error], export_error)
+    return outcome
+
+
+def _run_locally(config: FuseConfig, load: Callable[[], Source]) -> _Local:
+    """This rank's share: load the source, fuse a copy, measure parity on this rank's batches."""
+    local = _Local()
+    try:
+        local.source = load()
+        local.fused = fuse_target(local.source, config)
+        local.state = measure(local.fused, config)
+    except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange, raised by the caller
+        local.error = exc
+    return local
+
+
+def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: Source,
+            everyone: List[_RankReport]) -> tuple:
+    """Rank zero: merge every rank's parity measurements and judge them once."""
+    try:
+        states = [r.state for r in everyone]
+        if config.parity.enabled and any(s is None for s in states):
+            raise FXLightningError("a rank sent no parity measurements (ranks disagree on parity.enabled)")
+        parity = judge(merge_parity_states([s for s in states if s is not None]) if config.parity.enabled else None,
+                       config)
+        notes = list(fused.notes)
+        if collectives.world_size > 1:
+            shares = ", ".join(f"rank {r.rank}: {r.batches}" for r in everyone)
+            notes.append(PARITY_MERGED(ranks=collectives.world_size, shares=shares))
+            differ = [str(r.rank) for r in everyone if r.buffers_differ]
+            if differ:
+                notes.append(BUFFERS_DIFFERED(ranks=", ".join(differ)))
+        steps = sequence_steps(source.checked, [Step.parity_input.value, Step.capture.value, Step.passes.value],
+                               [Step.parity.value] if parity is not None else [])
+        return _Verdict(parity, notes, steps), None
+    except Exception as exc:  # noqa: BLE001 - carried to every rank by the verdict broadcast
+        return _Verdict(None, error=ErrorInfo.of(0, exc)), exc
+
+
+def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[ParityReport],
+           destination: Destination, mode: Mode) -> tuple:
+    """Rank zero: the export step (atomically: complete or not at all)."""
+    assert destination.directory is not None
+    try:
+        refuse_protected(destination.directory, destination.protected)
+        exported = export(fused, config, parity, destination.directory,
+                          provenance_for(fused, source, destination.provenance), rehearsal=mode is Mode.rehearsal)
+        return _Written(str(exported.directory), exported.manifest, exported.notes, exported.steps), None
+    except Exception as exc:  # noqa: BLE001 - carried to every rank by the export broadcast
+        if isinstance(exc, FXLightningError):
+            exc.step = exc.step or Step.export.value
+        return _Written(None, error=ErrorInfo.of(0, exc)), exc
+
+
+def _failure_of(collectives: Collectives, failed: List[ErrorInfo], local: Optional[Exception]) -> Failure:
+    """Every rank gets the same error: the lowest failing rank's, naming it."""
+    first = failed[0]
+    where = ""
+    if collectives.world_size > 1:
+        where = f" on rank {first.rank} of {collectives.world_size}"
+        if len(failed) > 1:
+            where += " (also on " + ", ".join(f"rank {f.rank}: {f.type_name}" for f in failed[1:]) + ")"
+    if local is not None and first.rank == collectives.rank:
+        return Failure(local, where)
+    return Failure(first.rebuild(), where, first.type_name, remote=True)
+
+
+def _parity_failure(outcome: Outcome, config: FuseConfig) -> Optional[Failure]:
+    """A failed gate under ``parity.on_failure``: the :class:`ParityError` to raise (``raise``), or None after a
+    warning (``warn``). Either way nothing is exported."""
+    assert outcome.parity is not None
+    message = (f"parity FAILED for target {outcome.target or '<whole model>'!r}: "
+               + "; ".join(str(f) for f in outcome.parity.failures) + ". Nothing was exported.")
+    outcome.notes.append(PARITY_FAILED())
+    if config.parity.on_failure is OnError["raise"]:
+        error = ParityError(message + " (set parity.on_failure: warn to only warn)", report=outcome.parity,
+                            outcome=outcome)
+        error.step = Step.parity.value
+        return Failure(error)
+    warnings.warn(message, UserWarning, stacklevel=4)
+    return None
+
+
+def fuse_verify_export(
+    model: nn.Module,
+    config: FuseConfig,
+    batches: Batches,
+    *,
+    example_inputs: Any = None,
+    export_dir: Union[str, Path, None] = None,
+    write: bool = True,
+    protected_paths: Sequence[Union[str, Path]] = (),
+    extra: Union[Provenance, dict, None] = None,
+) -> Outcome:
+    """The pipeline in this process: fuse ``config.target`` of ``model``, check parity on ``batches``, export
+    when parity passed, and raise what failed.
+
+    ``export_dir``: where to write (default ``config.export.dir``; nothing is written when both are None or
+    ``write`` is false). ``protected_paths``: files (checkpoints) the export must never replace. ``extra``:
+    where the model came from (a Provenance or its dict), for the manifest. A failed parity check raises
+    :class:`ParityError` (with ``.report`` and ``.outcome``) when ``parity.on_failure`` is ``raise``; otherwise
+    it warns. Either way nothing is exported.
+    """
+    directory = export_dir if export_dir is not None else config.export.dir
+    provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
+    destination = Destination(Path(directory) if directory is not None else None, protected_paths, provenance,
+                              dry_run=not write)
+
+    def load() -> Source:
+        return Source(model, batches, example_inputs, device=resolve_device(config.device, None))
+
+    outcome = run_pipeline(config, load, destination)
+    if outcome.failure is not None:
+        raise outcome.failure.error
+    return outcome
+
+
+def summary_text(outcome: Outcome) -> str:
+    """What happened, for people: the target, the fuse report, the parity verdict, notes and the export."""
+    lines = [f"target: {outcome.target or '<the whole LightningModule>'}"]
+    if outcome.result is not None:
+        report = outcome.result.report
+        lines += [str(report), f"BatchNorms folded: {report.batchnorms_folded}, left: {report.after.batchnorms}"]
+    if outcome.parity is not None:
+        lines.append(str(outcome.parity))
+    lines += [f"note: {note}" for note in outcome.notes]
+    lines.append(f"fused model exported to {outcome.export_dir}" if outcome.export_dir is not None
+                 else "fused model not exported")
+    if outcome.failure is not None:
+        lines.append(f"failed{outcome.failure.where}: {first_line(outcome.failure.error)}")
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""What the pipeline fuses and where: the target submodule, its inputs inside the whole model, the device, and
+the model-level helpers every step shares. None of them changes the model they are given."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from fx_lightning.batches import record_calls
+from fx_lightning.capture import set_eval
+from fx_lightning.errors import ConfigError, ExportError
+
+__all__ = [
+    "resolve_target",
+    "whole_model_with",
+    "target_example_inputs",
+    "resolve_device",
+    "own_rng",
+    "load_buffers",
+    "refuse_protected",
+]
+
+
+def resolve_target(module: nn.Module, target: Optional[str]) -> Tuple[str, nn.Module]:
+    """``(dotted path, submodule)`` to fuse. ``None``: ``backbone`` when the module has one, else the module.
+
+    Raises :class:`ConfigError` naming the target and listing the module's children when it is missing.
+    """
+    if target is None:
+        backbone = getattr(module, "backbone", None) if "backbone" in dir(module) else None
+        if isinstance(backbone, nn.Module):
+            return "backbone", backbone
+        return "", module
+    if target == "":
+        return "", module
+    current: Any = module
+    walked: List[str] = []
+    for part in target.split("."):
+        parent = current
+        current = getattr(parent, part, None) if isinstance(parent, nn.Module) else None
+        if not isinstance(current, nn.Module):
+            where = ".".join(walked) or "<root>"
+            children = ", ".join(f"{n} ({type(c).__name__})" for n, c in parent.named_children()) or "none"
+            what = "is not a submodule" if current is None else f"is a {type(current).__name__}, not a torch.nn.Module"
+            raise ConfigError(
+                f"target: {target!r}: {part!r} {what} of {where} ({type(parent).__name__}). "
+                f"Children of {where}: {children}."
+            )
+        walked.append(part)
+    return target, current
+
+
+def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose submodule at ``path`` is ``replacement``; ``model`` is not changed.
+
+    Parameters and buffers are shared with ``model`` rather than copied (neither side is ever trained),
+    so this costs module objects, not weights.
+    """
+    if not path:
+        return replacement
+    original = model.get_submodule(path)
+    memo: Dict[int, Any] = {id(original): replacement}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        memo[id(t)] = t
+    whole = copy.deepcopy(model, memo)
+    set_eval(whole)  # not .eval(): a torch.export-captured replacement refuses it
+    return whole
+
+
+def target_example_inputs(whole: nn.Module, target: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[tuple, dict]:
+    """The ``(args, kwargs)`` ``target`` receives when ``whole`` runs on ``inputs`` (first call)."""
+    if whole is target:
+        return inputs, {}
+    with torch.no_grad(), record_calls(target) as calls:
+        whole(*inputs)
+    if not calls:
+        raise ConfigError(
+            "target: the target module is never called by the model's forward, so it cannot be fused "
+            "in place; point `target` at a module that forward uses."
+        )
+    return calls[0][0], calls[0][1]
+
+
+def resolve_device(setting: str, auto: Optional[torch.device]) -> Optional[torch.device]:
+    """``device`` from the config as a torch.device (``auto``: ``auto``, e.g. where training ran; None: where
+    the model is). Raises :class:`ConfigError` when that device is not available in this process."""
+    if setting == "auto":
+        return auto
+    device = torch.device(setting)
+    available = True
+    if device.type == "cuda":
+        available = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    elif device.type == "mps":
+        available = torch.backends.mps.is_available()
+    if not available:
+        raise ConfigError(
+            f"device: {setting!r} is not available in this process (cuda available: {torch.cuda.is_available()}, "
+            f"{torch.cuda.device_count()} device(s)); use auto (where training ran) or cpu."
+        )
+    return device
+
+
+@contextlib.contextmanager
+def own_rng(module: nn.Module, device: Optional[torch.device] = None) -> Iterator[None]:
+    """Run a block without touching the caller's RNG streams (CPU, and the CUDA devices in use): parity
+    runs forward passes, and shuffled loaders may draw."""
+    cuda = {t.device.index or 0 for t in module.parameters() if t.is_cuda}
+    if device is not None and device.type == "cuda":
+        cuda.add(device.index or 0)
+    with torch.random.fork_rng(devices=sorted(cuda)):
+        yield
+
+
+def load_buffers(module: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``buffers`` (name -> tensor, as ``named_buffers()``) into ``module``'s buffers of the same shape."""
+    own = dict(module.named_buffers())
+    for name, value in buffers.items():
+        mine = own.get(name)
+        if mine is not None and mine.shape == value.shape:
+            mine.copy_(value.to(device=mine.device, dtype=mine.dtype))
+
+
+def refuse_protected(directory: Path, protected: Sequence[Union[str, Path]]) -> None:
+    """An export replaces its directory atomically: it must never be (or contain) a checkpoint."""
+    target = directory.resolve()
+    for item in protected:
+        p = Path(item).resolve()
+        if p == target or target in p.parents:
+            raise ExportError(
+                f"export.dir: {str(directory)!r} is or contains {str(item)!r}; exporting there could replace a "
+                "checkpoint. Choose another export.dir."
+            )
