@@ -63,7 +63,7 @@ def bench_model(name: str, batches: List[int], repeats: int, warmup: int, size: 
         fuse_times["torch_fx_fuse"].append(time_once(lambda: torch_fx_fuse(model)))
         fuse_times["fx_lightning"].append(time_once(lambda: fx_lightning.fuse(model)))
     ours = fx_lightning.fuse(model)
-    folded = {c["node"] for p in ours.report.passes if p.name.startswith("fuse_") for c in p.changed}
+    folded = {c.node for p in ours.report.passes if p.name.startswith("fuse_") for c in p.changed}
     variants = {
         "eager": model,
         "torch_fx_fuse": torch_fx_fuse(model),

@@ -64,7 +64,7 @@ def one(name: str) -> Dict[str, Any]:
         row["error"] = _error(result.graph_module(*inputs), ref)
     report = result.report
     row.update(capture=report.capture_mode, before=report.before.batchnorms, after=report.after.batchnorms,
-               reasons=dict(Counter(reason_kind(r["reason"]) for r in report.remaining_batchnorms)))
+               reasons=dict(Counter(reason_kind(r.reason) for r in report.remaining_batchnorms)))
     row["torch_fx"] = _torch_fx(model, inputs, ref)
     return row
 

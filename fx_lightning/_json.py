@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict
 
 import torch
 
-__all__ = ["json_safe", "dtype_name"]
+__all__ = ["JsonObject", "json_safe", "dtype_name"]
+
+# A JSON object as json.loads gives it: the JSON view of a typed record (a config dump, a report), or a format's
+# own fields for its loader. Records are dataclasses; this is their serialised form only.
+JsonObject = Dict[str, Any]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -8,6 +8,7 @@ graph. ``auto`` tries fx first, then export when example inputs are known.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import traceback
@@ -23,6 +24,9 @@ from fx_lightning._imports import import_object
 from fx_lightning.batches import batch_at_least_two, flat_tensors
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
+from fx_lightning.notes import Note, NoteKind
+from fx_lightning.parity.compare import compare_outputs
+from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
 
 __all__ = [
@@ -34,7 +38,20 @@ __all__ = [
     "plain_state_dict",
     "is_batchnorm_like",
     "FXLeafTracer",
+    "CAPTURE_FELL_BACK",
+    "CAPTURE_PREFERRED_EXPORT",
+    "CAPTURED_WITH_EXPORT",
+    "STATIC_BATCH_CAPTURE",
 ]
+
+CAPTURE_FELL_BACK = NoteKind("capture_fell_back", "symbolic tracing {what}, captured with torch.export instead: "
+                                                  "{reason}")
+CAPTURE_PREFERRED_EXPORT = NoteKind("capture_preferred_export", "captured with torch.export: symbolic tracing cannot "
+                                                                "follow the forward of {modules}, so their BatchNorms "
+                                                                "would have stayed")
+CAPTURED_WITH_EXPORT = NoteKind("captured_with_export", "captured with torch.export (ATen-level graph)")
+STATIC_BATCH_CAPTURE = NoteKind("static_batch_capture", "captured for the example's batch size only: with a batch "
+                                                        "of two the model's graph refuses a batch of one")
 
 # With the separator: a bare prefix would also match site-packages/torchvision, torchmetrics...
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -81,7 +98,7 @@ def strip_compiled(module: nn.Module) -> nn.Module:
     return module
 
 
-def plain_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+def plain_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """A state dict without the ``_orig_mod.`` segments that ``torch.compile``d submodules add to its keys
     (Lightning #17415, #20233), so it loads into the uncompiled module."""
     return {k.replace("._orig_mod.", ".").removeprefix("_orig_mod."): v for k, v in state_dict.items()}
@@ -102,9 +119,9 @@ def eval_copy(module: nn.Module, device: Optional[torch.device] = None) -> nn.Mo
 class Capture:
     graph_module: fx.GraphModule
     mode: str  # "fx" or "export"
-    notes: List[str] = field(default_factory=list)
+    notes: List[Note] = field(default_factory=list)
     # BatchNorm-like modules (running statistics, unknown forward) traced into plain arithmetic: not foldable.
-    inlined_batchnorms: List[Dict[str, str]] = field(default_factory=list)
+    inlined_batchnorms: List[RemainingBatchNorm] = field(default_factory=list)
     # BatchNorm subclasses symbolic tracing had to keep whole (their forward does not trace): not foldable by fx.
     opaque_batchnorms: List[str] = field(default_factory=list)
 
@@ -205,7 +222,7 @@ def capture(
                 f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
             ) from export_error.__cause__
         what = "gave a graph that differs from the model" if "unfaithful" in str(fx_error) else "failed"
-        result.notes.insert(0, f"symbolic tracing {what}, captured with torch.export instead: {first_line(fx_error)}")
+        result.notes.insert(0, CAPTURE_FELL_BACK(what=what, reason=first_line(fx_error)))
         return result
 
 
@@ -216,8 +233,7 @@ def _prefer_export(fx_result: Capture, working: nn.Module, trace: TraceConfig, e
     except TraceError:
         return fx_result
     names = ", ".join(fx_result.opaque_batchnorms[:3]) + (" ..." if len(fx_result.opaque_batchnorms) > 3 else "")
-    result.notes.insert(0, f"captured with torch.export: symbolic tracing cannot follow the forward of {names}, "
-                           "so their BatchNorms would have stayed")
+    result.notes.insert(0, CAPTURE_PREFERRED_EXPORT(modules=names))
     return result
 
 
@@ -240,9 +256,9 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
     tracer.root = None  # type: ignore[assignment]
     tracer.tensor_attrs = {}
     set_eval(gm)
-    inlined = [{"node": path, "reason": f"{cls} holds BatchNorm statistics but its forward is not a BatchNorm's: "
+    inlined = [RemainingBatchNorm(path, f"{cls} holds BatchNorm statistics but its forward is not a BatchNorm's: "
                                         "traced into plain arithmetic, not folded; declare it under "
-                                        "passes.batchnorm_forms.modules"}
+                                        "passes.batchnorm_forms.modules")
                for path, cls in tracer.traced_through.items() if not _has_batch_norm_call(gm, path)]
     opaque = [f"{path} ({cls})" for path, cls in tracer.opaque_batchnorms.items()]
     return Capture(gm, "fx", inlined_batchnorms=inlined, opaque_batchnorms=opaque)
@@ -281,18 +297,29 @@ def _capture_export(working: nn.Module, trace: TraceConfig, example_inputs: Opti
             error = error or exc
             continue
         if not dynamic and trace.dynamic_batch:
-            result.notes.append("captured for the example's batch size only: with a batch of two the model's "
-                                "graph refuses a batch of one")
+            result.notes.append(STATIC_BATCH_CAPTURE())
         return result
     assert error is not None
     raise error
 
 
+def batch_dynamic_shapes(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """torch.export's ``dynamic_shapes`` marking dim 0 of every tensor argument, nested as ``module.forward``'s
+    signature takes them: the arguments a ``*args`` parameter collects form one tuple of their own
+    (``forward(self, *args, **kwargs)`` wrappers are common in trainer libraries)."""
+    specs = [{0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args]
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return tuple(specs)
+    star = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    if star is None or star > len(specs):
+        return tuple(specs)
+    return tuple(specs[:star]) + (tuple(specs[star:]),)
+
+
 def _export_once(working: nn.Module, args: Tuple[Any, ...], dynamic: bool) -> Capture:
-    dynamic_shapes = None
-    if dynamic:
-        dynamic_shapes = tuple({0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 else None
-                               for a in args)
+    dynamic_shapes = batch_dynamic_shapes(working, args) if dynamic else None
     try:
         program = torch.export.export(working, args, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as exc:  # noqa: BLE001
@@ -302,15 +329,10 @@ def _export_once(working: nn.Module, args: Tuple[Any, ...], dynamic: bool) -> Ca
             + (f"\n  at {frame}" if frame else "")
             + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
         ) from exc
-    return Capture(program.module(), "export", notes=["captured with torch.export (ATen-level graph)"])
+    return Capture(program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
 
 
 # ------------------------------------------------------------------------------ is the capture faithful?
-
-# Relative error (max|traced - eager| / max|eager|) a faithful capture stays within: the same kernels run, so
-# anything beyond float rounding means the graph is not the model.
-_FAITHFUL_RTOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
-
 
 def _run(fn: Any, inputs: Sequence[Any]) -> Any:
     # Same inputs, eval mode, no grad, a fixed RNG: a faithful graph gives the same numbers as eager.
@@ -329,9 +351,9 @@ def _raise_if_unfaithful(captured: Capture, working: nn.Module, example_inputs: 
     if example_inputs is None:
         return
     inputs = tuple(example_inputs)
-    expected = flat_tensors(_run(working, inputs))
+    expected = _run(working, inputs)
     try:
-        got = flat_tensors(_run(captured.graph_module, inputs))
+        got = _run(captured.graph_module, inputs)
     except Exception as exc:  # noqa: BLE001 - a graph that raises is the clearest sign of a wrong trace
         problem = f"the captured graph raises {first_line(exc, with_type=True)}"
     else:
@@ -358,30 +380,17 @@ _EXPORT_UNFAITHFUL_FIXES = (
 )
 
 
-def _difference(got: List[torch.Tensor], expected: List[torch.Tensor]) -> Optional[str]:
-    if len(got) != len(expected):
-        return f"the captured graph returns {len(got)} tensor(s), the model {len(expected)}"
-    for i, (g, e) in enumerate(zip(got, expected)):
-        if g.shape != e.shape:
-            return f"output {i} has shape {tuple(g.shape)}, the model's {tuple(e.shape)}"
-        if not e.is_floating_point():
-            if not torch.equal(g, e):
-                return f"output {i} differs from the model's"
-            continue
-        gd, ed = g.detach().double(), e.detach().double()
-        if not torch.equal(torch.isnan(gd), torch.isnan(ed)):
-            return f"output {i} has NaNs where the model's has none (or the reverse)"
-        gd, ed = torch.nan_to_num(gd), torch.nan_to_num(ed)
-        err = float((gd - ed).abs().max() / ed.abs().max().clamp_min(1e-30)) if ed.numel() else 0.0
-        if not err <= _FAITHFUL_RTOL.get(e.dtype, 1e-5):
-            return f"output {i} differs from the model's by {err:.3g} (relative)"
-    return None
+def _difference(got: Any, expected: Any) -> Optional[str]:
+    """How the captured graph's outputs differ from the model's (None: within float rounding, the same kernels
+    having run; structure included: count, nesting, shapes, dtypes)."""
+    comparison = compare_outputs(got, expected)
+    return None if comparison.passed else comparison.describe().replace("the reference", "the model")
 
 
 def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Sequence[Any]) -> Optional[str]:
     """The first module call of the graph whose output differs from (or raises unlike) the eager module's."""
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    eager: Dict[str, Any] = {}
+    eager: Dict[str, List[torch.Tensor]] = {}
     handles = []
     def record(name: str) -> Any:
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's

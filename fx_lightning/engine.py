@@ -6,7 +6,7 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -15,7 +15,15 @@ from torch import nn
 from fx_lightning.batches import as_example_inputs
 from fx_lightning.capture import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
-from fx_lightning.passes import PassContext, Stage, plan_passes, run_passes
+from fx_lightning.passes import (
+    PassContext,
+    PassResult,
+    PassSpec,
+    RemainingBatchNorm,
+    Stage,
+    plan_passes,
+    run_passes,
+)
 from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
 from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
 from fx_lightning.report import FuseReport, GraphStats, PassReport, graph_stats
@@ -87,10 +95,12 @@ def fuse(
     return FuseResult(gm, report, cfg, inputs)
 
 
-def _with_pass_reasons(remaining: List[Dict[str, Any]], runs: List[Any]) -> List[Dict[str, Any]]:
+def _with_pass_reasons(
+    remaining: List[RemainingBatchNorm], runs: List[Tuple[PassSpec, PassResult, float]]
+) -> List[RemainingBatchNorm]:
     """Each BatchNorm left, with the reason a pass gave for leaving it when one did (the most specific)."""
-    given = {s["node"]: s["reason"] for _, result, _ in runs for s in result.skipped}
-    return [{**r, "reason": given.get(r["node"], r["reason"])} for r in remaining]
+    given = {s.node: s.reason for _, result, _ in runs for s in result.skipped}
+    return [dataclasses.replace(r, reason=given.get(r.node, r.reason)) for r in remaining]
 
 
 def _count_batchnorm_modules(module: nn.Module) -> int:

@@ -6,11 +6,12 @@ import io
 import itertools
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 import torch.fx as fx
 
 from fx_lightning._json import json_safe
+from fx_lightning.passes.base import Change, RemainingBatchNorm, Skip
 from fx_lightning.passes.batchnorm import is_batchnorm_node
 from fx_lightning.passes.dropout import is_dropout_node
 
@@ -45,9 +46,16 @@ def graph_stats(gm: fx.GraphModule) -> GraphStats:
 class PassReport:
     name: str
     preserves_computation: bool
-    changed: List[Dict[str, Any]] = field(default_factory=list)
-    skipped: List[Dict[str, Any]] = field(default_factory=list)
+    changed: List[Change] = field(default_factory=list)
+    skipped: List[Skip] = field(default_factory=list)
     seconds: float = 0.0
+
+    def to_dict(self) -> Dict[str, object]:
+        # Field by field, not asdict(): asdict would turn each record into its fields (details nested), while
+        # manifests hold each as one flat object (its to_dict()).
+        return {"name": self.name, "preserves_computation": self.preserves_computation,
+                "changed": [c.to_dict() for c in self.changed], "skipped": [s.to_dict() for s in self.skipped],
+                "seconds": self.seconds}
 
 
 @dataclass
@@ -56,7 +64,7 @@ class FuseReport:
     before: GraphStats
     after: GraphStats
     passes: List[PassReport] = field(default_factory=list)
-    remaining_batchnorms: List[Dict[str, Any]] = field(default_factory=list)
+    remaining_batchnorms: List[RemainingBatchNorm] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -71,7 +79,16 @@ class FuseReport:
         raise KeyError(f"no pass named {name!r} ran; ran: {', '.join(p.name for p in self.passes)}")
 
     def to_dict(self) -> Dict[str, Any]:
-        return json_safe(asdict(self)) | {"batchnorms_folded": self.batchnorms_folded}
+        """JSON-safe, in the shape manifests have always had: each record one flat object."""
+        return json_safe({
+            "capture_mode": self.capture_mode,
+            "before": asdict(self.before),
+            "after": asdict(self.after),
+            "passes": [p.to_dict() for p in self.passes],
+            "remaining_batchnorms": [r.to_dict() for r in self.remaining_batchnorms],
+            "notes": list(self.notes),
+            "seconds": self.seconds,
+        }) | {"batchnorms_folded": self.batchnorms_folded}
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -110,11 +127,14 @@ def reason_kind(reason: str) -> str:
     return _NODE.sub(lambda m: f"<{m.group(1)}>", reason)
 
 
-def _print_grouped(console: Any, entries: List[Tuple[str, Dict[str, Any]]], examples: int = 3) -> None:
+def _print_grouped(
+    console: Any, entries: List[Tuple[str, Union[Skip, RemainingBatchNorm]]], examples: int = 3
+) -> None:
     """One line per distinct reason: how many, a few of the nodes, and the reason."""
     groups: Dict[Tuple[str, str], List[str]] = {}
     for prefix, entry in entries:
-        groups.setdefault((prefix, reason_kind(str(entry["reason"]))), []).append(str(entry["node"]))
+        # str(): a user pass's skip() is not type-checked and may give a node or reason of another type.
+        groups.setdefault((prefix, reason_kind(str(entry.reason))), []).append(str(entry.node))
     for (prefix, kind), nodes in groups.items():
         more = f", ... ({len(nodes) - examples} more)" if len(nodes) > examples else ""
         console.print(f"  {prefix}{len(nodes)} x {kind}  [{', '.join(nodes[:examples])}{more}]", markup=False)

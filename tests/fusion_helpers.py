@@ -120,7 +120,7 @@ def foldable_after_conv(model: nn.Module) -> set:
     the passes: computed on a fresh capture of the model)."""
     from fx_lightning.capture import capture
     from fx_lightning.config import TraceConfig
-    from fx_lightning.passes.bn_views import match_layer
+    from fx_lightning.passes.bn_views import Layer, match_layer
 
     gm = capture(model, TraceConfig(mode="fx")).graph_module
     found = set()
@@ -128,6 +128,6 @@ def foldable_after_conv(model: nn.Module) -> set:
         if is_batchnorm_node(gm, node):
             producer = node.args[0]
             layer = match_layer(gm, producer)
-            if layer is not None and not isinstance(layer, str) and layer.kind != "linear" and len(producer.users) == 1:
+            if isinstance(layer, Layer) and layer.kind != "linear" and len(producer.users) == 1:
                 found.add(node.name)
     return found

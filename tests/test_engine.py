@@ -115,3 +115,71 @@ def test_every_builtin_can_be_disabled_and_result_stays_exact():
     result = fuse(model, cfg, example_inputs=x)
     assert result.report.passes == [] and result.report.after.batchnorms == 2
     assert_exact(model, result.graph_module, (x,))
+
+
+# ------------------------------------------------------------------------------------ the pass records
+
+
+def test_change_and_skip_are_typed_and_keep_their_json_shape():
+    from fx_lightning.passes import Change, PassResult, Skip
+
+    result = PassResult()
+    result.change("bn1", "folded", into="conv1 (Conv2d 'conv1')", kind="conv")
+    result.change("blocks.0", "reparameterized", module="RepBlock", method="fuse", relative_change=1e-7)
+    result.skip("bn2", "in training mode", into="conv2 (Conv2d 'conv2')")
+    folded, rep = result.changed
+    assert isinstance(folded, Change) and isinstance(result.skipped[0], Skip)
+    assert (folded.node, folded.what, folded.into, folded.kind, folded.module) == (
+        "bn1", "folded", "conv1 (Conv2d 'conv1')", "conv", None)
+    assert rep.module == "RepBlock" and dict(rep.details) == {"method": "fuse", "relative_change": 1e-7}
+    # Flat, None-valued typed facts left out, in the order the pass gave them (the manifests' shape).
+    assert list(folded.to_dict().items()) == [("node", "bn1"), ("what", "folded"),
+                                              ("into", "conv1 (Conv2d 'conv1')"), ("kind", "conv")]
+    assert list(rep.to_dict()) == ["node", "what", "module", "method", "relative_change"]
+    assert result.skipped[0].to_dict() == {"node": "bn2", "reason": "in training mode",
+                                           "into": "conv2 (Conv2d 'conv2')"}
+
+
+def test_a_user_pass_keeps_any_fact_exactly_as_given():
+    from fx_lightning.passes import PassResult
+
+    result = PassResult()
+    result.change("n", "did", kind=3, into=None, extra=[1, 2])  # not strings: kept as given, in details
+    change = result.changed[0]
+    assert change.kind is None and change.into is None
+    assert change.to_dict() == {"node": "n", "what": "did", "kind": 3, "into": None, "extra": [1, 2]}
+
+
+def test_a_record_refuses_details_that_repeat_a_field():
+    from fx_lightning.passes import Change, Skip
+
+    with pytest.raises(ValueError, match="into"):
+        Change("n", "did", into="a", details={"into": "b"})
+    with pytest.raises(ValueError, match="reason"):
+        Skip("n", "why", details={"reason": "other"})
+
+
+def test_reading_a_record_like_a_dict_still_works_but_is_deprecated():
+    from fx_lightning.passes import Skip
+
+    skip = Skip.of("bn", "why", op="x")
+    with pytest.warns(DeprecationWarning, match=r"read \.reason"):
+        assert skip["reason"] == "why"
+    with pytest.warns(DeprecationWarning, match=r"read \.details\['op'\]"):
+        assert skip["op"] == "x"
+
+
+def test_report_records_are_typed_and_its_json_keeps_them_flat():
+    from fx_lightning.passes import Change, RemainingBatchNorm
+
+    model = randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4)))
+    result = fuse(model, example_inputs=torch.randn(2, 3, 6, 6))
+    report = result.report
+    assert all(isinstance(c, Change) for p in report.passes for c in p.changed)
+    (left,) = report.remaining_batchnorms  # after a ReLU, before the output: nothing to fold into
+    assert isinstance(left, RemainingBatchNorm) and "feeds output" in left.reason
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["remaining_batchnorms"] == [{"node": left.node, "reason": left.reason}]
+    for p in data["passes"]:  # every record one flat object, as manifests have always held them
+        assert all(set(c) >= {"node", "what"} and "details" not in c for c in p["changed"])
+        assert all(set(s) >= {"node", "reason"} and "details" not in s for s in p["skipped"])

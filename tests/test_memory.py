@@ -132,12 +132,12 @@ def test_replaced_constant_weights_are_freed_as_they_are_replaced() -> None:
     the end of the pass, and a weight another node still reads stays."""
     from fx_lightning.capture import capture
     from fx_lightning.config import TraceConfig
-    from fx_lightning.passes.bn_views import apply_layer_weights, match_layer
+    from fx_lightning.passes.bn_views import Layer, apply_layer_weights, match_layer
 
     model = _randomise_bn(_Net())
     gm = capture(model, TraceConfig(mode="export"), (torch.randn(2, 3, 8, 8),)).graph_module
     gc.collect()  # as fuse() does after an export capture: torch.export's cycles hold the working copy
-    layers = [lay for n in gm.graph.nodes if not isinstance(lay := match_layer(gm, n), (str, type(None)))]
+    layers = [lay for n in gm.graph.nodes if isinstance(lay := match_layer(gm, n), Layer)]
     convs = [lay for lay in layers if lay.kind == "conv"]
     assert len(convs) == 3 and all(lay.module is None for lay in convs)
     first, second = convs[0], convs[1]

@@ -142,7 +142,7 @@ def test_batchnorm_subclass_kept_whole_in_fx_mode_is_left_with_reason(config):
     model = seq(nn.Conv2d(3, 5, 3), BNPlusOne(5) if not config else BNThenReLU(5))
     cfg = {"trace": {"mode": "fx", **config.get("trace", {})}}
     result = check(model, torch.randn(2, 3, 7, 7), bn_after=1, config=cfg)
-    reasons = [s["reason"] for s in result.report.pass_report("fuse_conv_bn").skipped]
+    reasons = [s.reason for s in result.report.pass_report("fuse_conv_bn").skipped]
     assert any("overrides BatchNorm's forward" in r and "trace.mode: export" in r and "passes.batchnorm_forms" in r
                for r in reasons), reasons
 
@@ -195,7 +195,7 @@ def test_batchnorm_without_running_stats_is_left_with_reason():
     x = torch.randn(4, 3, 6, 6)
     result = fuse(model, example_inputs=x)
     assert count_batchnorms(result.graph_module) == 1
-    reasons = " ".join(s["reason"] for p in result.report.passes for s in p.skipped)
+    reasons = " ".join(s.reason for p in result.report.passes for s in p.skipped)
     assert "no running statistics" in reasons
     with torch.no_grad():
         assert rel_err(result.graph_module(x), model.eval()(x)) < 1e-6
@@ -215,7 +215,7 @@ def test_linear_bn1d_on_3d_input_equal_sizes_is_not_folded(mode):
     """(N, L, C) with L == C: BatchNorm1d normalises L, not the Linear's C. torch.fx's fuse gets this wrong."""
     model = seq(nn.Linear(6, 6), nn.BatchNorm1d(6))
     result = check(model, torch.randn(3, 6, 6), bn_after=1, mode=mode)
-    reasons = [s["reason"] for s in result.report.pass_report("fuse_linear_bn").skipped]
+    reasons = [s.reason for s in result.report.pass_report("fuse_linear_bn").skipped]
     assert any("rank-3" in r for r in reasons), reasons
 
 
@@ -228,7 +228,7 @@ def test_linear_bn_without_shapes_is_left_with_reason():
     model = randomize_batchnorms(seq(nn.Linear(6, 6), nn.BatchNorm1d(6)))
     result = fuse(model)  # no example inputs: rank unknown
     assert count_batchnorms(result.graph_module) == 1
-    assert "example_inputs" in result.report.pass_report("fuse_linear_bn").skipped[0]["reason"]
+    assert "example_inputs" in result.report.pass_report("fuse_linear_bn").skipped[0].reason
     x = torch.randn(3, 6)
     assert rel_err(result.graph_module(x), reference_fp64(model, (x,))) < 1e-5
 
@@ -277,7 +277,7 @@ def test_reused_conv_with_copy_disabled_is_skipped():
         ReusedConv(), torch.randn(2, 4, 6, 6), bn_after=2,
         config={"passes": {"fuse_conv_bn": {"copy_shared_modules": False}}},
     )
-    reasons = [s["reason"] for s in result.report.pass_report("fuse_conv_bn").skipped]
+    reasons = [s.reason for s in result.report.pass_report("fuse_conv_bn").skipped]
     assert any("called at 2 sites" in r for r in reasons), reasons
 
 
@@ -295,7 +295,7 @@ class BranchingConv(nn.Module):
 @pytest.mark.parametrize("mode", MODES)
 def test_conv_output_with_two_users_is_skipped_with_reason(mode):
     result = check(BranchingConv(), torch.randn(2, 3, 6, 6), bn_after=1, mode=mode)
-    reasons = [s["reason"] for s in result.report.pass_report("fuse_conv_bn").skipped]
+    reasons = [s.reason for s in result.report.pass_report("fuse_conv_bn").skipped]
     assert any("also feeds" in r for r in reasons), reasons
 
 
@@ -362,7 +362,7 @@ def test_bn_before_unpadded_conv_is_folded_forward(groups):
 def test_bn_before_padded_conv_is_left_with_reason():
     model = seq(nn.ReLU(), nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3, padding=1))
     result = check(model, torch.randn(2, 4, 6, 6), bn_after=1)
-    reasons = [s["reason"] for s in result.report.pass_report("fuse_bn_into_next").skipped]
+    reasons = [s.reason for s in result.report.pass_report("fuse_bn_into_next").skipped]
     assert any("pads its input" in r for r in reasons), reasons
 
 
@@ -374,7 +374,7 @@ def test_remaining_batchnorm_is_explained():
     model = seq(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4), nn.ReLU())
     result = check(model, torch.randn(2, 3, 6, 6), bn_after=1)
     assert len(result.report.remaining_batchnorms) == 1
-    assert "relu" in result.report.remaining_batchnorms[0]["reason"].lower()
+    assert "relu" in result.report.remaining_batchnorms[0].reason.lower()
 
 
 # --------------------------------------------------------------------------------- dtypes and the math
@@ -440,3 +440,25 @@ def test_fused_modules_are_plain_and_frozen():
     assert count_bn_modules(fused) == 0, "unused BatchNorm modules must be dropped from the GraphModule"
     assert not any(p.requires_grad for p in fused.parameters())
     assert not fused.training
+
+
+# ------------------------------------------------------------------------------------------ the matchers
+
+
+def test_matchers_return_the_view_a_typed_refusal_or_none():
+    from fx_lightning.capture import capture
+    from fx_lightning.config import TraceConfig
+    from fx_lightning.passes.bn_views import BatchNorm, Layer, Refused, match_bn, match_layer
+
+    hooked = nn.Conv2d(4, 4, 1)
+    hooked.register_forward_hook(lambda m, i, o: None)
+    model = seq(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), hooked, nn.BatchNorm2d(4, track_running_stats=False),
+                nn.ReLU())
+    gm = capture(model, TraceConfig(mode="fx")).graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert isinstance(match_layer(gm, nodes["_0"]), Layer) and isinstance(match_bn(gm, nodes["_1"]), BatchNorm)
+    refused = match_layer(gm, nodes["_2"])
+    assert isinstance(refused, Refused) and refused.reason == "Conv2d has forward hooks"
+    no_stats = match_bn(gm, nodes["_3"])
+    assert isinstance(no_stats, Refused) and "no running statistics" in no_stats.reason
+    assert match_layer(gm, nodes["_4"]) is None and match_bn(gm, nodes["_4"]) is None  # a ReLU: neither kind

@@ -64,7 +64,7 @@ def test_active_functional_dropout_is_left_with_reason():
     result = fuse(ActiveDropout())
     skipped = result.report.pass_report("remove_dropout").skipped
     assert dropout_nodes(result.graph_module) == 1
-    assert "active even in eval mode" in skipped[0]["reason"]
+    assert "active even in eval mode" in skipped[0].reason
     forced = fuse(ActiveDropout(), {"passes": {"remove_dropout": {"remove_active_functional": True}}})
     assert dropout_nodes(forced.graph_module) == 0
 

@@ -95,7 +95,7 @@ def check(model: nn.Sequential, seed: int, shape: tuple, mode: str) -> None:
     before = fingerprint(model)
     result = fuse(model, {"trace": {"mode": mode}}, example_inputs=x)
     assert fingerprint(model) == before
-    left = {r["node"] for r in result.report.remaining_batchnorms}
+    left = {r.node for r in result.report.remaining_batchnorms}
     must_fold = foldable_after_conv(model)
     assert not (must_fold & left), f"left unfused: {must_fold & left}\n{result.report}"
     ref = reference_fp64(model, (x,))

@@ -61,7 +61,7 @@ class ConvFeedsTwo(nn.Module):
 def test_a_value_user_still_blocks_the_fold_with_its_reason() -> None:
     result = fused(ConvFeedsTwo(), torch.randn(2, 3, 8, 8))
     assert count_batchnorms(result.graph_module) == 1
-    reasons = [s["reason"] for s in result.report.pass_report("fuse_conv_bn").skipped]
+    reasons = [s.reason for s in result.report.pass_report("fuse_conv_bn").skipped]
     assert any("also feeds sum" in r for r in reasons), reasons
 
 
@@ -86,7 +86,7 @@ class TokensBN(nn.Module):
 def test_linear_flatten_batchnorm1d_folds_into_the_linear(mode: str, how: str) -> None:
     result = fused(TokensBN(how), torch.randn(3, 5, 8), {"trace": {"mode": mode}})
     assert count_batchnorms(result.graph_module) == 0
-    assert result.report.pass_report("fuse_linear_bn").changed[0]["what"] == "folded through a reshape"
+    assert result.report.pass_report("fuse_linear_bn").changed[0].what == "folded through a reshape"
 
 
 class TokensBNWrongAxis(nn.Module):
@@ -126,7 +126,7 @@ class MixedConv(nn.Module):
 def test_batchnorm_after_a_concat_of_convs_folds_into_each(mode: str) -> None:
     result = fused(MixedConv(), torch.randn(2, 4, 9, 9), {"trace": {"mode": mode}})
     assert count_batchnorms(result.graph_module) == 0
-    assert result.report.pass_report("fuse_conv_bn").changed[0]["what"] == "folded into a concatenation"
+    assert result.report.pass_report("fuse_conv_bn").changed[0].what == "folded into a concatenation"
 
 
 def test_a_concat_along_another_axis_is_left() -> None:
@@ -182,7 +182,7 @@ def test_a_frozen_batchnorm_traced_into_arithmetic_is_reported_not_hidden() -> N
     result = fused(_conv_then(FrozenBNSiLU(6)), torch.randn(2, 3, 8, 8), {"trace": {"mode": "fx"}})
     report = result.report
     assert report.before.batchnorms == 1 and report.after.batchnorms == 1  # not "0 -> 0"
-    assert any("traced into plain arithmetic" in r["reason"] and "passes.batchnorm_forms" in r["reason"]
+    assert any("traced into plain arithmetic" in r.reason and "passes.batchnorm_forms" in r.reason
                for r in report.remaining_batchnorms), report.remaining_batchnorms
 
 
@@ -192,7 +192,7 @@ def test_a_declared_form_folds_and_keeps_its_epilogue(cls: type) -> None:
               "passes": {"batchnorm_forms": {"modules": [{"module": f"{__name__}:{cls.__name__}", "epilogue": ["act"]}]}}}
     result = fused(_conv_then(cls(6)), torch.randn(2, 3, 8, 8), config)
     assert result.report.before.batchnorms == 1 and result.report.after.batchnorms == 0
-    assert result.report.pass_report("batchnorm_forms").changed[0]["epilogue"] == ["act"]
+    assert result.report.pass_report("batchnorm_forms").changed[0].details["epilogue"] == ["act"]
     kinds = {type(m).__name__ for m in result.graph_module.modules()}
     assert {"ReLU", "SiLU"} & kinds  # the epilogue stays
 
@@ -213,7 +213,7 @@ def test_a_wrong_declaration_cannot_give_wrong_numbers() -> None:
               "passes": {"batchnorm_forms": {"modules": [{"module": f"{__name__}:BNReLU", "epilogue": []}]}}}
     result = fused(_conv_then(BNReLU(6)), torch.randn(2, 3, 8, 8), config)  # asserts exactness
     skipped = result.report.pass_report("batchnorm_forms").skipped
-    assert len(skipped) == 1 and "does not match its forward" in skipped[0]["reason"]
+    assert len(skipped) == 1 and "does not match its forward" in skipped[0].reason
 
 
 def test_a_declaration_that_cannot_be_imported_is_a_config_error() -> None:
@@ -271,7 +271,7 @@ def test_deploy_forms_are_applied_to_the_copy_and_checked() -> None:
     result = fused(model, torch.randn(2, 3, 8, 8))
     assert result.report.after.batchnorms == 0 and result.report.before.batchnorms == 6
     changed = result.report.pass_report("reparameterize").changed
-    assert [c["node"] for c in changed] == ["blocks.0", "blocks.1"] and all(c["relative_change"] < 1e-5 for c in changed)
+    assert [c.node for c in changed] == ["blocks.0", "blocks.1"] and all(c.details["relative_change"] < 1e-5 for c in changed)
     convs = [m for m in result.graph_module.modules() if isinstance(m, nn.Conv2d)]
     assert len(convs) == 3  # the stem and one conv per block
     assert model.blocks[0].deployed is None  # the input module keeps its training form
@@ -280,8 +280,8 @@ def test_deploy_forms_are_applied_to_the_copy_and_checked() -> None:
 def test_a_conversion_that_changes_outputs_is_put_back() -> None:
     result = fused(RepNet(break_second=True), torch.randn(2, 3, 8, 8))
     report = result.report.pass_report("reparameterize")
-    assert [c["node"] for c in report.changed] == ["blocks.0"]
-    assert report.skipped[0]["node"] == "blocks.1" and "changed the module's output" in report.skipped[0]["reason"]
+    assert [c.node for c in report.changed] == ["blocks.0"]
+    assert report.skipped[0].node == "blocks.1" and "changed the module's output" in report.skipped[0].reason
 
 
 def test_methods_that_need_arguments_are_not_conversions() -> None:

@@ -121,9 +121,9 @@ def test_real_model_fuses_exactly_and_folds_what_it_can(name: str) -> None:
     missed = [n.name for n in left if must_have_folded(gm, n)]
     assert not missed, f"BatchNorms left where a fold applies: {missed}\n{report}"
     assert report.after.batchnorms == len(left) + len([r for r in report.remaining_batchnorms
-                                                       if "traced into plain arithmetic" in r["reason"]])
+                                                       if "traced into plain arithmetic" in r.reason])
     assert len(report.remaining_batchnorms) == report.after.batchnorms  # a reason for every one left
-    assert all(r["reason"] for r in report.remaining_batchnorms)
+    assert all(r.reason for r in report.remaining_batchnorms)
 
 
 def _deploy_blocks(model: nn.Module) -> int:
@@ -140,7 +140,7 @@ def test_reparameterisable_models_come_out_with_one_conv_per_block(name: str) ->
     assert blocks > 10 and convs == blocks, (convs, blocks)
     assert result.report.after.batchnorms == 0
     changed = result.report.pass_report("reparameterize").changed
-    assert len(changed) == blocks and all(c["relative_change"] <= 1e-4 for c in changed)
+    assert len(changed) == blocks and all(c.details["relative_change"] <= 1e-4 for c in changed)
 
 
 def test_the_zoo_has_what_the_issue_asks_for() -> None:

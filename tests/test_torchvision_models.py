@@ -74,7 +74,7 @@ def check_model(name: str, ddp: bool) -> None:
     before = fingerprint(model)
     result = fuse(model, example_inputs=x)
     assert fingerprint(model) == before
-    left = {r["node"] for r in result.report.remaining_batchnorms}
+    left = {r.node for r in result.report.remaining_batchnorms}
     assert not (expected & left), f"{name}: BNs after a single-use conv left unfused: {sorted(expected & left)}"
     assert result.report.batchnorms_folded >= len(expected)
     assert count_batchnorms(result.graph_module) == result.report.after.batchnorms

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from torch import nn
+
 from fx_lightning.cli.common import UsageError, import_path, load_lightning_module
 
 __all__ = ["run"]
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     unknown = [f for f in formats if f not in manifest.formats]
     if unknown:
         raise UsageError(f"--format: {', '.join(unknown)} not in this export (it has {', '.join(manifest.formats)})")
-    baselines: Dict[str, Any] = {}
+    baselines: Dict[str, nn.Module] = {}
     unfused_note = None
     if not args.no_unfused:
         unfused, unfused_note = _unfused_model(args, manifest)

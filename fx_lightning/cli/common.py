@@ -41,7 +41,7 @@ def import_path(path: str, flag: str) -> Any:
         raise UsageError(f"{flag}: cannot import {path!r}: {exc}") from None
 
 
-def json_arg(text: Optional[str], flag: str) -> Dict[str, Any]:
+def json_arg(text: Optional[str], flag: str) -> Dict[str, object]:
     if not text:
         return {}
     try:
@@ -53,7 +53,7 @@ def json_arg(text: Optional[str], flag: str) -> Dict[str, Any]:
     return value
 
 
-def load_lightning_module(cls: Any, checkpoint: str, kwargs: Dict[str, Any], unsafe: bool) -> Any:
+def load_lightning_module(cls: Any, checkpoint: str, kwargs: Dict[str, object], unsafe: bool) -> Any:
     import pickle
 
     import torch

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning._json import json_safe
+from fx_lightning._json import JsonObject, json_safe
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 
@@ -78,7 +78,7 @@ class FormatEntry:
     variant: Optional[str] = None
     imports: List[str] = field(default_factory=list)
     gate: Optional[ParityReport] = None
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: JsonObject = field(default_factory=dict)
 
     @property
     def format_name(self) -> str:

@@ -158,7 +158,7 @@ def _constructor(module: nn.Module) -> Optional[str]:
     text = repr(module)
     if "\n" in text:
         return None
-    namespace: Dict[str, Any] = {}
+    namespace: Dict[str, object] = {}
     exec("from torch.nn import *\nimport torch", namespace)  # noqa: S102 - torch's own reprs only
     try:
         rebuilt = eval(text, namespace)  # noqa: S307
@@ -180,7 +180,7 @@ def _constructor(module: nn.Module) -> Optional[str]:
     return text
 
 
-def _public_state(module: nn.Module) -> Dict[str, Any]:
+def _public_state(module: nn.Module) -> Dict[str, object]:
     return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
 
 

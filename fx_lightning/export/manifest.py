@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from fx_lightning._json import dtype_name, json_safe
+from fx_lightning._json import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.batches import batch_size_of, flat_tensors
 from fx_lightning.errors import ExportError
@@ -194,8 +194,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     created_utc: str = ""
     versions: Dict[str, Optional[str]] = field(default_factory=dict)
-    config: Optional[Dict[str, Any]] = None
-    report: Optional[Dict[str, Any]] = None
+    config: Optional[JsonObject] = None
+    report: Optional[JsonObject] = None
     parity: Optional[ParityReport] = None
     inputs: List[TensorSpec] = field(default_factory=list)
     outputs: List[TensorSpec] = field(default_factory=list)
@@ -252,8 +252,8 @@ class Manifest:
         )
 
 
-def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: Optional[Dict[str, Any]],
-                 report: Optional[Dict[str, Any]], parity: Optional[ParityReport], provenance: Provenance) -> Manifest:
+def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: Optional[JsonObject],
+                 report: Optional[JsonObject], parity: Optional[ParityReport], provenance: Provenance) -> Manifest:
     """The manifest of a fresh export: versions, inputs and outputs, formats, and what the caller knows."""
     return Manifest(
         formats=entries, created_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

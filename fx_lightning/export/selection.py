@@ -33,7 +33,7 @@ from fx_lightning.export.manifest import (
     read_manifest,
     replace_manifest,
 )
-from fx_lightning.export.writer import CHECK_FILE, check_artifact
+from fx_lightning.export.writer import CheckData, check_artifact, read_check_file
 
 __all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "record_selection", "with_selection"]
 # A pause before each timed call: torch's OpenMP threads spin for a while after a call and take the cores from
@@ -44,10 +44,10 @@ SETTLE_S = 0.02
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
-def _check(module: nn.Module, saved: Dict[str, Any]) -> ArtifactCheck:
+def _check(module: nn.Module, saved: CheckData) -> ArtifactCheck:
     """The artifact's outputs on the saved check inputs against the saved fp64 outputs, as at export."""
     try:
-        comparison = check_artifact(module, tuple(saved["inputs"]), saved["expected"], float(saved.get("fused_error", 0.0)))
+        comparison = check_artifact(module, tuple(saved.inputs), saved.expected, saved.fused_error)
     except Exception as exc:  # noqa: BLE001
         return ArtifactCheck(False, reason=f"raises {type(exc).__name__}: {first_line(exc)[:200]}")
     if comparison.mismatch is not None:
@@ -75,7 +75,7 @@ def bench_export(
     manifest = manifest if manifest is not None else read_manifest(root)
     if threads:
         torch.set_num_threads(threads)
-    saved = torch.load(root / CHECK_FILE, weights_only=True) if (root / CHECK_FILE).is_file() else None
+    saved = read_check_file(root)
     table = BenchTable(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), platform.machine(),
                        torch.__version__)
     models: Dict[str, nn.Module] = dict(baselines or {})
@@ -90,7 +90,7 @@ def bench_export(
         if gate is not None:  # a lossy variant: its accuracy gate decides, the fp64 error is for information
             check = dataclasses.replace(check, passed=gate.passed, reason="accuracy gate at export")
         table.checks[name] = check
-    inputs = saved["inputs"] if saved is not None else _random_inputs(manifest)
+    inputs = saved.inputs if saved is not None else _random_inputs(manifest)
     _time_interleaved(table, models, inputs, batch_sizes, rounds, warmup, progress)
     return table
 

@@ -42,7 +42,8 @@ from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.provenance import Provenance
 
 __all__ = ["CHECK_FILE", "Reference", "export_fused", "prepare_export", "write_formats", "make_context",
-           "require_formats", "refuse_existing", "write_check_file", "check_artifact", "STATIC_SHAPES"]
+           "require_formats", "refuse_existing", "CheckData", "write_check_file", "read_check_file", "check_artifact",
+           "STATIC_SHAPES"]
 
 # A few example inputs and their fp64 reference outputs, saved beside the artifacts.
 CHECK_FILE = "check.pt"
@@ -261,6 +262,15 @@ def _as_double(t: torch.Tensor) -> torch.Tensor:
     return t.double() if t.is_floating_point() else t
 
 
+@dataclass
+class CheckData:
+    """``check.pt``: example inputs, the fp64 outputs of the fused model on them, and its own error."""
+
+    inputs: List[Any]
+    expected: List[torch.Tensor]
+    fused_error: float
+
+
 def write_check_file(root: Path, reference: Reference, samples: int = 8) -> None:
     """``check.pt``: a few example inputs and the fp64 reference outputs, so a fresh process (``fx-lightning
     bench``, a serving health check) can verify any artifact without the training code."""
@@ -268,6 +278,15 @@ def write_check_file(root: Path, reference: Reference, samples: int = 8) -> None
     exact = [t[:samples].cpu() if t.dim() and t.shape[0] == batch_size_of(reference.batches[0]) else t.cpu()
              for t in reference.exact[0]]
     torch.save({"inputs": inputs, "expected": exact, "fused_error": reference.fused_error}, root / CHECK_FILE)
+
+
+def read_check_file(root: Path) -> Optional[CheckData]:
+    """What :func:`write_check_file` wrote (None when the export has no ``check.pt``); loaded without pickled code."""
+    path = Path(root) / CHECK_FILE
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    return CheckData(list(saved["inputs"]), list(saved["expected"]), float(saved.get("fused_error", 0.0)))
 
 
 def check_artifact(module: nn.Module, inputs: Tuple[Any, ...], expected: List[torch.Tensor],

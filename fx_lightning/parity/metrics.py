@@ -32,7 +32,7 @@ __all__ = [
 # (and not at all by a rank that failed): ranks merge their states explicitly instead (merge_parity_states), so
 # compute() must stay local. These go to the constructor: torchmetrics reads sync_on_compute in __init__ only
 # (setting the attribute afterwards leaves compute() syncing, which hangs a rank that computes alone).
-LOCAL_ONLY: Dict[str, Any] = {"sync_on_compute": False, "dist_sync_on_step": False}
+LOCAL_ONLY: Dict[str, bool] = {"sync_on_compute": False, "dist_sync_on_step": False}
 
 OUTPUT_KEYS: Tuple[str, ...] = ("relative_max_error", "mean_absolute_error", "cosine_similarity", "cosine_similarity_min")
 CLASSIFICATION_KEYS: Tuple[str, ...] = ("top1_agreement", "top1_agreement_strict", "accuracy_reference", "accuracy_fused")

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -29,6 +30,9 @@ __all__ = [
     "PassOptions",
     "PassContext",
     "PassResult",
+    "Change",
+    "Skip",
+    "RemainingBatchNorm",
     "PassSpec",
     "USER_PASSES",
     "DEFAULT_ORDER",
@@ -111,21 +115,127 @@ class PassContext:
         return True
 
 
+# The facts passes commonly give, typed; any other fact (``op=``, ``epilogue=``, ``relative_change=``...) is kept
+# by name in ``details``. ``to_dict()`` writes them back flat, in this order, because manifests on disk have
+# always held each record as one flat JSON object.
+_TYPED_FACTS: Tuple[str, ...] = ("into", "kind", "module")
+
+
+def _split_facts(facts: Mapping[str, object]) -> Tuple[Dict[str, str], Dict[str, object]]:
+    """(typed facts, the rest): a common fact goes to its typed field only when it is a string, so a user pass
+    that gives, say, ``kind=3`` or ``into=None`` keeps exactly what it gave (in ``details``)."""
+    typed = {k: v for k, v in facts.items() if k in _TYPED_FACTS and isinstance(v, str)}
+    return typed, {k: v for k, v in facts.items() if k not in typed}
+
+
+def _check_details(record: object, head: Tuple[str, ...], details: Mapping[str, object]) -> None:
+    """A detail may not repeat a field that is set: ``to_dict()`` would have to pick one of the two."""
+    taken = set(head) | {k for k in _TYPED_FACTS if getattr(record, k) is not None}
+    clash = sorted(taken & set(details))
+    if clash:
+        raise ValueError(f"{type(record).__name__}: details repeat the field(s) {', '.join(clash)}")
+
+
+def _flat(head: Dict[str, object], record: object, details: Mapping[str, object]) -> Dict[str, object]:
+    typed = {k: getattr(record, k) for k in _TYPED_FACTS if getattr(record, k) is not None}
+    return {**head, **typed, **details}
+
+
+class _DictReadable:
+    """``record["reason"]``: the records used to be plain dicts and user code reads them that way; it keeps
+    working, with a DeprecationWarning that points at the attribute to read instead."""
+
+    def to_dict(self) -> Dict[str, object]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> object:
+        named = key in {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        read = f".{key}" if named else f".details[{key!r}]"
+        warnings.warn(f"{type(self).__name__} is a dataclass: read {read} (or to_dict()[{key!r}]) instead of "
+                      f"[{key!r}]", DeprecationWarning, stacklevel=2)
+        return self.to_dict()[key]
+
+
+@dataclass(frozen=True)
+class Change(_DictReadable):
+    """One edit a pass made: the node (or module path, ``<graph>``...) it made it at and what it did."""
+
+    node: str
+    what: str
+    into: Optional[str] = None  # what a BatchNorm was folded into (``describe()`` of the node(s))
+    kind: Optional[str] = None  # the kind of layer it went into: "conv", "conv_transpose", "linear"
+    module: Optional[str] = None  # the module (class name or path) the edit concerns
+    # Any other fact, by name. Left out of the hash (a dict has none), so records still go into sets.
+    details: Mapping[str, object] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_details(self, ("node", "what"), self.details)
+
+    @classmethod
+    def of(cls, node: str, what: str, **facts: object) -> "Change":
+        """From ``PassResult.change``'s arguments: the common facts typed, the others in ``details``."""
+        typed, details = _split_facts(facts)
+        return cls(node, what, typed.get("into"), typed.get("kind"), typed.get("module"), details)
+
+    def to_dict(self) -> Dict[str, object]:
+        """``{"node", "what", **facts}``: the JSON shape manifests keep (facts that are None left out)."""
+        return _flat({"node": self.node, "what": self.what}, self, self.details)
+
+
+@dataclass(frozen=True)
+class Skip(_DictReadable):
+    """A candidate a pass left alone, and why."""
+
+    node: str
+    reason: str
+    into: Optional[str] = None  # what it would have been folded into
+    kind: Optional[str] = None
+    module: Optional[str] = None  # the module (class name or path) left alone
+    # Any other fact, by name. Left out of the hash (a dict has none), so records still go into sets.
+    details: Mapping[str, object] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_details(self, ("node", "reason"), self.details)
+
+    @classmethod
+    def of(cls, node: str, reason: str, **facts: object) -> "Skip":
+        """From ``PassResult.skip``'s arguments: the common facts typed, the others in ``details``."""
+        typed, details = _split_facts(facts)
+        return cls(node, reason, typed.get("into"), typed.get("kind"), typed.get("module"), details)
+
+    def to_dict(self) -> Dict[str, object]:
+        """``{"node", "reason", **facts}``: the JSON shape manifests keep (facts that are None left out)."""
+        return _flat({"node": self.node, "reason": self.reason}, self, self.details)
+
+
+@dataclass(frozen=True)
+class RemainingBatchNorm(_DictReadable):
+    """A BatchNorm still in the fused graph (or traced into arithmetic by the capture), and why it is there."""
+
+    node: str
+    reason: str
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"node": self.node, "reason": self.reason}
+
+
 @dataclass
 class PassResult:
     """What a pass did: ``changed`` entries and ``skipped`` candidates with a reason each."""
 
-    changed: List[Dict[str, Any]] = field(default_factory=list)
-    skipped: List[Dict[str, Any]] = field(default_factory=list)
+    changed: List[Change] = field(default_factory=list)
+    skipped: List[Skip] = field(default_factory=list)
     variant: Any = None  # stage "variant": the model it made (the input graph is left as it was)
     variant_name: str = ""  # and its name in the export ("int8": artifacts aoti-int8, pt2-int8)
     variant_imports: List[str] = field(default_factory=list)  # modules that register its ops (to load it)
 
-    def change(self, node: str, what: str, **detail: Any) -> None:
-        self.changed.append({"node": node, "what": what, **detail})
+    def change(self, node: str, what: str, **detail: object) -> None:
+        """Record an edit: ``result.change("bn1", "folded", into="conv1 (Conv2d 'conv1')", kind="conv")``."""
+        self.changed.append(Change.of(node, what, **detail))
 
-    def skip(self, node: str, reason: str, **detail: Any) -> None:
-        self.skipped.append({"node": node, "reason": reason, **detail})
+    def skip(self, node: str, reason: str, **detail: object) -> None:
+        """Record a candidate left alone: ``result.skip("bn2", "in training mode")``."""
+        self.skipped.append(Skip.of(node, reason, **detail))
 
 
 PassFn = Callable[..., Optional[PassResult]]

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
 
-from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
+from fx_lightning.passes.base import PassContext, PassOptions, PassResult, RemainingBatchNorm, builtin_pass
 from fx_lightning.passes.bn_views import (
     BatchNorm,
     Layer,
+    Refused,
     apply_layer_weights,
     describe,
     is_batchnorm_node,
@@ -103,14 +104,14 @@ def _fold_producer(
         layer = match_layer(gm, producer)
         if layer is None:
             continue
-        if isinstance(layer, str):
+        if isinstance(layer, Refused):
             if layer_kind(gm, producer) in kinds:
-                result.skip(node.name, f"follows {describe(producer)}, which cannot be folded: {layer}")
+                result.skip(node.name, f"follows {describe(producer)}, which cannot be folded: {layer.reason}")
             continue
         if layer.kind not in kinds:
             continue
-        if isinstance(bn, str):
-            result.skip(node.name, bn)
+        if isinstance(bn, Refused):
+            result.skip(node.name, bn.reason)
             continue
         reason = _common_checks(bn, layer) or check(gm, ctx, bn, layer)
         if reason is None:
@@ -169,14 +170,14 @@ def _flattened(node: Any) -> Optional[fx.Node]:
 
 
 def _fold_through_flatten(gm: fx.GraphModule, ctx: PassContext, result: PassResult, node: fx.Node,
-                          bn: Any, reshape: fx.Node, options: Any) -> None:
+                          bn: Union[BatchNorm, Refused], reshape: fx.Node, options: Any) -> None:
     """Linear -> (merge the leading axes) -> BatchNorm1d: the BatchNorm normalises the Linear's output features,
     so it folds into the Linear exactly; the reshape stays."""
     layer = match_layer(gm, _flattened(reshape))
-    if layer is None or isinstance(layer, str) or layer.kind != "linear":
+    if not isinstance(layer, Layer) or layer.kind != "linear":
         return  # not a Linear behind the reshape: unfused_batchnorm_reasons describes it
-    if isinstance(bn, str):
-        result.skip(node.name, bn)
+    if isinstance(bn, Refused):
+        result.skip(node.name, bn.reason)
         return
     ctx.ensure_shapes(gm)
     out, flat = node_shape(layer.node), node_shape(reshape)
@@ -211,15 +212,16 @@ def _concat_parts(node: Any) -> Optional[Tuple[list, Any]]:
 
 
 def _fold_into_concat(gm: fx.GraphModule, ctx: PassContext, result: PassResult, node: fx.Node,
-                      bn: Any, cat: fx.Node, options: Any) -> None:
+                      bn: Union[BatchNorm, Refused], cat: fx.Node, options: Any) -> None:
     """cat([conv_a, conv_b, ...], dim=channels) -> BatchNorm: each conv owns a slice of the channels, and that
     slice of the BatchNorm folds into it exactly."""
     parts, dim = _concat_parts(cat)  # type: ignore[misc]
-    layers = [match_layer(gm, p) for p in parts]
-    if not layers or not all(isinstance(x, Layer) and x.kind in ("conv", "conv_transpose") for x in layers):
+    matched = [match_layer(gm, p) for p in parts]
+    layers = [x for x in matched if isinstance(x, Layer) and x.kind in ("conv", "conv_transpose")]
+    if not layers or len(layers) != len(matched):
         return  # not all convs: unfused_batchnorm_reasons describes it
-    if isinstance(bn, str):
-        result.skip(node.name, bn)
+    if isinstance(bn, Refused):
+        result.skip(node.name, bn.reason)
         return
     reason = _concat_refusal(gm, ctx, node, bn, cat, layers, dim, options)
     if reason is not None:
@@ -302,11 +304,11 @@ def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: P
     for node in list(gm.graph.nodes):
         bn = match_bn(gm, node)
         consumers = value_users(node)
-        if bn is None or isinstance(bn, str) or len(consumers) != 1:
+        if not isinstance(bn, BatchNorm) or len(consumers) != 1:
             continue
         (consumer,) = consumers
         layer = match_layer(gm, consumer)
-        if layer is None or isinstance(layer, str) or consumer.args[0] is not node:
+        if not isinstance(layer, Layer) or consumer.args[0] is not node:
             continue
         reason = _into_next_refusal(gm, ctx, node, bn, layer)
         if reason is None:
@@ -348,19 +350,17 @@ def _into_next_refusal(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: 
     return None
 
 
-def unfused_batchnorm_reasons(gm: fx.GraphModule) -> List[Dict[str, Any]]:
+def unfused_batchnorm_reasons(gm: fx.GraphModule) -> List[RemainingBatchNorm]:
     """For each BatchNorm still in the graph, what surrounds it (used when no pass gave a reason)."""
     out = []
     for node in gm.graph.nodes:
         bn = match_bn(gm, node)
         if bn is None:
             continue
-        if isinstance(bn, str):
-            out.append({"node": node.name, "reason": bn})
+        if isinstance(bn, Refused):
+            out.append(RemainingBatchNorm(node.name, bn.reason))
             continue
         users = ", ".join(describe(u) for u in node.users)
-        out.append({
-            "node": node.name,
-            "reason": f"follows {describe(bn.input)} (not a conv/linear it can fold into) and feeds {users}",
-        })
+        reason = f"follows {describe(bn.input)} (not a conv/linear it can fold into) and feeds {users}"
+        out.append(RemainingBatchNorm(node.name, reason))
     return out

@@ -3,14 +3,14 @@ foldable BatchNorm (:class:`BatchNorm`), in every form the capture step produces
 
 Modules (Conv*/ConvTranspose*/Linear; BatchNorm*/SyncBatchNorm/_BatchNormXd/subclasses keeping BatchNorm's
 forward/FrozenBatchNorm2d), ``F.conv*``/``F.linear``/``F.batch_norm`` with constant (get_attr) weights, and
-the ATen ops of a ``torch.export`` graph. A matcher returns the view, a reason why the node cannot take part
-in a fold, or None when the node is not of that kind.
+the ATen ops of a ``torch.export`` graph. A matcher returns the view, a :class:`Refused` saying why the node
+cannot take part in a fold, or None when the node is not of that kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -34,6 +34,7 @@ from fx_lightning.passes.graph_utils import (
 __all__ = [
     "Layer",
     "BatchNorm",
+    "Refused",
     "match_layer",
     "match_bn",
     "layer_kind",
@@ -84,6 +85,14 @@ class Layer:
         return self.weight.shape[1] * self.groups
 
 
+@dataclass(frozen=True)
+class Refused:
+    """What a matcher returns for a node of its kind that cannot take part in a fold: a type of its own, so a
+    caller tells it from the view by type, and ``reason`` goes into the pass's Skip as it is."""
+
+    reason: str
+
+
 def _zero(padding: Any) -> bool:
     if isinstance(padding, str):
         return padding == "valid"
@@ -99,8 +108,8 @@ def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
-def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, str, None]:
-    """A Layer, a reason why this conv/linear cannot absorb anything, or None (not a conv/linear)."""
+def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, Refused, None]:
+    """A Layer, why this conv/linear cannot absorb anything (:class:`Refused`), or None (not a conv/linear)."""
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_module":
@@ -108,9 +117,9 @@ def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, str, None]:
         if not isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)):
             return None
         if type(m).forward not in _KNOWN_LAYER_FORWARDS:
-            return f"{type(m).__qualname__} overrides forward"
+            return Refused(f"{type(m).__qualname__} overrides forward")
         if m._forward_hooks or m._forward_pre_hooks:
-            return f"{type(m).__qualname__} has forward hooks"
+            return Refused(f"{type(m).__qualname__} has forward hooks")
         if isinstance(m, nn.Linear):
             return Layer(node, "linear", m.weight, m.bias, 1, True, m)
         kind = "conv_transpose" if isinstance(m, _CONVT_MODULES) else "conv"
@@ -132,13 +141,13 @@ def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, str, None]:
         return None
     weight = attr_tensor(gm, node_arg(node, 1, "weight"))
     if weight is None:
-        return f"{describe(node)}: weight is computed in the graph, not a constant"
+        return Refused(f"{describe(node)}: weight is computed in the graph, not a constant")
     bias_arg = node_arg(node, 2, "bias")
     bias = attr_tensor(gm, bias_arg)
     if bias_arg is not None and bias is None:
-        return f"{describe(node)}: bias is computed in the graph, not a constant"
+        return Refused(f"{describe(node)}: bias is computed in the graph, not a constant")
     if not isinstance(groups, int):
-        return f"{describe(node)}: groups is not a constant"
+        return Refused(f"{describe(node)}: groups is not a constant")
     return Layer(node, kind, weight, bias, groups, _zero(padding))
 
 
@@ -159,13 +168,11 @@ def _fresh_module(m: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> nn.
         new: nn.Module = nn.Linear(m.in_features, m.out_features, bias=True, device="meta")
     else:
         base = next(c for c in _CONV_MODULES + _CONVT_MODULES if isinstance(m, c))
-        kwargs: Dict[str, Any] = dict(
-            stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups, bias=True,
-            padding_mode=m.padding_mode, device="meta",
-        )
-        if base in _CONVT_MODULES:
-            kwargs["output_padding"] = m.output_padding
-        new = base(m.in_channels, m.out_channels, m.kernel_size, **kwargs)
+        # Only the transposed convs take output_padding (the plain ones refuse the keyword).
+        transposed = {"output_padding": m.output_padding} if base in _CONVT_MODULES else {}
+        new = base(m.in_channels, m.out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
+                   dilation=m.dilation, groups=m.groups, bias=True, padding_mode=m.padding_mode, device="meta",
+                   **transposed)
     new.weight = nn.Parameter(weight, requires_grad=False)
     new.bias = nn.Parameter(bias, requires_grad=False)
     return new.eval()
@@ -256,29 +263,30 @@ def is_batchnorm_node(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.target in _TORCH_BN and node_arg(node, 3, "running_mean") is not None
 
 
-def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, str, None]:
-    """A foldable BatchNorm, a reason why this BatchNorm is not foldable, or None (not a BatchNorm)."""
+def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, None]:
+    """A foldable BatchNorm, why this BatchNorm is not foldable (:class:`Refused`), or None (not a BatchNorm)."""
     if not is_batchnorm_node(gm, node):
         return None
     if not node.args or not isinstance(node.args[0], fx.Node):
-        return "input is not a graph value"
+        return Refused("input is not a graph value")
     if node.op == "call_module":
         m = module_of(gm, node)
         assert m is not None
         name = type(m).__qualname__
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             if type(m).forward not in KNOWN_BATCHNORM_FORWARDS:
-                return (f"{name} overrides BatchNorm's forward and was kept whole (symbolic tracing cannot follow "
-                        "it, or trace.leaf_modules lists it): trace.mode: export (or auto) folds it, or declare it "
-                        "under passes.batchnorm_forms.modules")
+                return Refused(f"{name} overrides BatchNorm's forward and was kept whole (symbolic tracing cannot "
+                               "follow it, or trace.leaf_modules lists it): trace.mode: export (or auto) folds it, or "
+                               "declare it under passes.batchnorm_forms.modules")
             if m.training:
-                return f"{name} is in training mode"
+                return Refused(f"{name} is in training mode")
         elif not type(m).__module__.startswith("torchvision"):
-            return f"{name} is not torchvision's FrozenBatchNorm2d (unknown forward)"
+            return Refused(f"{name} is not torchvision's FrozenBatchNorm2d (unknown forward)")
         if m._forward_hooks or m._forward_pre_hooks:
-            return f"{name} has forward hooks"
+            return Refused(f"{name} has forward hooks")
         if getattr(m, "running_mean", None) is None or getattr(m, "running_var", None) is None:
-            return f"{name} has no running statistics (track_running_stats=False): it normalises with batch statistics even in eval mode"
+            return Refused(f"{name} has no running statistics (track_running_stats=False): it normalises with batch "
+                           "statistics even in eval mode")
         weight = m.weight if getattr(m, "affine", True) else None
         bias = m.bias if getattr(m, "affine", True) else None
         return BatchNorm(node, node.args[0], m.running_mean.numel(), m.running_mean, m.running_var, weight, bias, float(m.eps))
@@ -291,15 +299,15 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, str, None]:
         rm_a, rv_a = node_arg(node, 3, "running_mean"), node_arg(node, 4, "running_var")
         training, eps = node_arg(node, 5, "training", False), node_arg(node, 7, "eps", 1e-5)
     if training is not False:
-        return "functional batch_norm with training=True (or not a constant) uses batch statistics"
+        return Refused("functional batch_norm with training=True (or not a constant) uses batch statistics")
     rm, rv = attr_tensor(gm, rm_a), attr_tensor(gm, rv_a)
     if rm is None or rv is None:
-        return "functional batch_norm: running statistics are not constants"
+        return Refused("functional batch_norm: running statistics are not constants")
     w, b = attr_tensor(gm, w_a), attr_tensor(gm, b_a)
     if (w_a is not None and w is None) or (b_a is not None and b is None):
-        return "functional batch_norm: weight or bias is computed, not a constant"
+        return Refused("functional batch_norm: weight or bias is computed, not a constant")
     if not isinstance(eps, (int, float)):
-        return "functional batch_norm: eps is not a constant"
+        return Refused("functional batch_norm: eps is not a constant")
     return BatchNorm(node, node.args[0], rm.numel(), rm, rv, w, b, float(eps))
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import flat_tensors
+from fx_lightning.parity.compare import compare_outputs
 
 __all__ = ["record_module_inputs", "output_change"]
 
@@ -44,23 +44,12 @@ def record_module_inputs(
 
 def output_change(before: nn.Module, after: Callable[[], nn.Module], recorded: Optional[Recorded]) -> Tuple[nn.Module, Optional[float]]:
     """Run ``before`` on its recorded input, build the replacement (``after()``, which may change ``before`` in
-    place) and run it on the same input: ``(replacement, max|new - old| / max|old|)``; the change is None
-    without a recorded input (then nothing is run)."""
+    place) and run it on the same input: ``(replacement, max|new - old| / max|old|)``, infinite when the outputs
+    differ in structure (count, nesting, shapes, dtypes); the change is None without a recorded input (then
+    nothing is run)."""
     with torch.no_grad():
         old = before(*recorded[0], **recorded[1]) if recorded is not None else None
         new_module = after()
         if recorded is None:
             return new_module, None
-        return new_module, _relative_change(old, new_module(*recorded[0], **recorded[1]))
-
-
-def _relative_change(before: Any, after: Any) -> float:
-    a, b = flat_tensors(after), flat_tensors(before)
-    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
-        return float("inf")
-    worst = 0.0
-    for x, y in zip(a, b):
-        if y.numel() and y.is_floating_point():
-            scale = y.detach().double().abs().max().clamp_min(1e-30)
-            worst = max(worst, float((x.detach().double() - y.detach().double()).abs().max() / scale))
-    return worst
+        return new_module, compare_outputs(new_module(*recorded[0], **recorded[1]), old).relative_error

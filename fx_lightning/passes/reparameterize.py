@@ -20,7 +20,7 @@ import copy
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from torch import nn
 
@@ -100,12 +100,11 @@ def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, 
                           f"{options.rtol:g}: left as trained", module=kind)
         return backup
     setattr(parent, name, new)
-    detail: Dict[str, Any] = {"module": kind, "method": method}
     if change is None:
-        detail["checked"] = "no example inputs: not checked here (parity checks the whole model)"
+        result.change(path, "reparameterized", module=kind, method=method,
+                      checked="no example inputs: not checked here (parity checks the whole model)")
     else:
-        detail["relative_change"] = change
-    result.change(path, "reparameterized", **detail)
+        result.change(path, "reparameterized", module=kind, method=method, relative_change=change)
     return None if method == "fuse" else new
 
 

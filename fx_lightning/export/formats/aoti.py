@@ -12,22 +12,24 @@ In C++, ``torch::inductor::AOTIModelPackageLoader loader("aoti/batch_1.pt2"); lo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import shutil
 import subprocess
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from fx_lightning.batches import batch_size_of, concat_outputs, map_tensors, with_batch_size
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import Format, FormatEntry, WriteContext
+from fx_lightning.export.base import Format, FormatEntry, WriteContext, fields_from
 
-__all__ = ["FORMAT", "AotiModule", "cpu_capability"]
+__all__ = ["FORMAT", "AotiModule", "BuiltFor", "cpu_capability"]
 
 # CPU instruction-set levels as torch reports them (torch.backends.cpu.get_cpu_capability()), lowest first.
 _ISA_ORDER = ("DEFAULT", "NO AVX", "AVX2", "AVX512", "AMX")
@@ -80,30 +82,47 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     sizes = [int(k) for k in packages if k != "dynamic"] or None  # None: any
     return FormatEntry(FORMAT.path, "torch._inductor.aoti_load_package(path)", batch_sizes=sizes, options={
         "packages": packages,
-        "built_for": {
-            "device": str(device),
-            "machine": platform.machine(),
-            "isa": cpu_capability() if device.type == "cpu" else None,
-            "cuda_capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
-            "compiler": _compiler_version(),
-            "torch": torch.__version__,
-        },
+        "built_for": dataclasses.asdict(BuiltFor(
+            str(device), platform.machine(), cpu_capability() if device.type == "cpu" else None,
+            list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
+            _compiler_version(), torch.__version__)),
     })
 
 
-def _refusal(built: Dict[str, Any], device: torch.device) -> Optional[str]:
+@dataclass
+class BuiltFor:
+    """What an AOTInductor package is tied to (recorded in the manifest, checked when loading)."""
+
+    device: Optional[str] = None
+    machine: Optional[str] = None
+    isa: Optional[str] = None  # torch.backends.cpu.get_cpu_capability() where it was built (CPU packages)
+    cuda_capability: Optional[List[int]] = None
+    compiler: Optional[str] = None
+    torch: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> "BuiltFor":
+        return cls(**fields_from(cls, data))  # type: ignore[arg-type]
+
+
+def _minor(version: Optional[str]) -> str:
+    return str(version or "").split("+")[0].rsplit(".", 1)[0]
+
+
+def _refusal(built: BuiltFor, device: torch.device) -> Optional[str]:
     """Why the packages cannot run here on ``device`` (None: they can)."""
-    if torch.__version__.split("+")[0].rsplit(".", 1)[0] != str(built.get("torch", "")).split("+")[0].rsplit(".", 1)[0]:
-        return f"built with torch {built.get('torch')}, this process has torch {torch.__version__}"
-    if built.get("machine") not in (None, platform.machine()):
-        return f"built for {built.get('machine')}, this machine is {platform.machine()}"
-    if torch.device(built.get("device") or "cpu").type != device.type:
-        return f"built for {built.get('device')}; an AOTInductor package runs only on the device type it was built for"
-    isa, here = built.get("isa"), cpu_capability()
-    if device.type == "cpu" and isa in _ISA_ORDER and here in _ISA_ORDER and _ISA_ORDER.index(here) < _ISA_ORDER.index(isa):
-        return f"built for CPUs with {isa}, this CPU has {here}"
-    if device.type == "cuda" and built.get("cuda_capability") not in (None, list(torch.cuda.get_device_capability(device))):
-        return f"built for CUDA capability {built.get('cuda_capability')}"
+    if _minor(torch.__version__) != _minor(built.torch):
+        return f"built with torch {built.torch}, this process has torch {torch.__version__}"
+    if built.machine not in (None, platform.machine()):
+        return f"built for {built.machine}, this machine is {platform.machine()}"
+    if torch.device(built.device or "cpu").type != device.type:
+        return f"built for {built.device}; an AOTInductor package runs only on the device type it was built for"
+    here = cpu_capability()
+    if device.type == "cpu" and built.isa in _ISA_ORDER and here in _ISA_ORDER and \
+            _ISA_ORDER.index(here) < _ISA_ORDER.index(built.isa):
+        return f"built for CPUs with {built.isa}, this CPU has {here}"
+    if device.type == "cuda" and built.cuda_capability not in (None, list(torch.cuda.get_device_capability(device))):
+        return f"built for CUDA capability {built.cuda_capability}"
     return None
 
 
@@ -114,7 +133,7 @@ class AotiModule(nn.Module):
     samples do not interact in eval mode, but run slower than a package built for that size: list the sizes
     a server sees in ``export.aoti_batch_sizes``."""
 
-    def __init__(self, runners: Dict[str, Any]) -> None:
+    def __init__(self, runners: Dict[str, Callable[..., Any]]) -> None:
         super().__init__()
         self.runners = runners
         self.eval()
@@ -150,7 +169,7 @@ def _batched(value: Any, size: int) -> bool:
 
 
 def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
-    refusal = _refusal(entry.options.get("built_for") or {}, device)
+    refusal = _refusal(BuiltFor.from_dict(entry.options.get("built_for") or {}), device)
     if refusal is not None:
         raise ExportError(f"format 'aoti' cannot run here: {refusal}. Load another format (pt2 runs anywhere torch "
                           "does) or rebuild the package on this machine.")

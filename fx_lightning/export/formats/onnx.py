@@ -7,11 +7,12 @@ import contextlib
 import io
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 import torch
 from torch import nn
 
+from fx_lightning._json import JsonObject
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.export.base import Format, FormatEntry, WriteContext
@@ -44,7 +45,7 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
 
     onnx.checker.check_model(str(path))
     model = onnx.load(str(path), load_external_data=False)
-    options: Dict[str, Any] = {
+    options: JsonObject = {
         "exporter": exporter,
         "session_options": {"graph_optimization_level": SESSION_LEVEL, "intra_op_num_threads": torch.get_num_threads(),
                             "config_entries": dict(SESSION_CONFIG)},
@@ -60,13 +61,11 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
 
 def onnx_dynamo(ctx: WriteContext, path: Path, input_names: List[str], output_names: List[str]) -> None:
     """torch.onnx's dynamo exporter, quietly (it reports its steps with print())."""
-    kwargs: Dict[str, Any] = dict(dynamo=True, input_names=input_names, output_names=output_names,
-                                  dynamic_shapes=ctx.dynamic_shapes, verbose=False)
-    if ctx.onnx_opset is not None:
-        kwargs["opset_version"] = int(ctx.onnx_opset)
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(ctx.model, ctx.args, **kwargs)
+        program = torch.onnx.export(ctx.model, ctx.args, dynamo=True, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=ctx.dynamic_shapes, verbose=False,
+                                    opset_version=ctx.onnx_opset)
         if program is None:
             raise ExportError("torch.onnx.export returned no program.")
         program.save(str(path))
@@ -78,13 +77,10 @@ def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], outp
     if ctx.dynamic_shapes is not None:
         dynamic_axes = {n: {0: "batch"} for n in input_names}
         dynamic_axes.update({n: {0: "batch"} for n in output_names})
-    kwargs: Dict[str, Any] = dict(dynamo=False, input_names=input_names, output_names=output_names,
-                                  dynamic_axes=dynamic_axes)
-    if ctx.onnx_opset is not None:
-        kwargs["opset_version"] = int(ctx.onnx_opset)
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(ctx.model, ctx.args, str(path), **kwargs)
+        torch.onnx.export(ctx.model, ctx.args, str(path), dynamo=False, input_names=input_names,
+                          output_names=output_names, dynamic_axes=dynamic_axes, opset_version=ctx.onnx_opset)
 
 
 # How the artifact is checked, and run by load_fused: what an inference server uses (all graph optimisations,
@@ -134,7 +130,7 @@ class OnnxRuntimeModule(nn.Module):
         outs = [torch.from_numpy(o).to(self.device) for o in self.session.run(None, feed)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> NoReturn:
         raise TypeError("OnnxRuntimeModule wraps an onnxruntime session and cannot be pickled; load it again.")
 
 

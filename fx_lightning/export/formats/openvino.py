@@ -18,11 +18,12 @@ import io
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from fx_lightning._json import JsonObject
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.export.base import Format, FormatEntry, WriteContext
 
@@ -78,7 +79,7 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     folder = root / FORMAT.path
     folder.mkdir()
     ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=False)  # fp16 weights would break parity
-    options: Dict[str, Any] = {
+    options: JsonObject = {
         "converted_from": route,
         "input_shapes": shapes,  # -1: any size
         "compile_config": {**COMPILE_CONFIG, "INFERENCE_NUM_THREADS": torch.get_num_threads()},
@@ -96,7 +97,7 @@ class OpenVinoModule(nn.Module):
     ``static_shapes`` (default): each new combination of input shapes gets its own compiled copy with those
     shapes fixed (the ``MAX_SHAPES`` most recent are kept); else one compiled model takes every shape."""
 
-    def __init__(self, xml_path: Any, config: Optional[Dict[str, Any]] = None, threads: Optional[int] = None,
+    def __init__(self, xml_path: Any, config: Optional[Mapping[str, Union[str, int]]] = None, threads: Optional[int] = None,
                  static_shapes: bool = True) -> None:
         super().__init__()
         import openvino as ov
@@ -144,7 +145,7 @@ class OpenVinoModule(nn.Module):
         outs = [torch.from_numpy(results[port]) for port in compiled.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> NoReturn:
         raise TypeError("OpenVinoModule wraps compiled OpenVINO models and cannot be pickled; load it again.")
 
 
