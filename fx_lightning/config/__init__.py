@@ -1,0 +1,54 @@
+"""fx-lightning's configuration: the public names, from the modules that each do one job.
+
+- :mod:`~fx_lightning.config.schema`: the enums and the dataclasses (:class:`FuseConfig` and its sections),
+  each dataclass checking its own values (``check()``);
+- :mod:`~fx_lightning.config.loading`: :func:`load_config` (every source merged into the schema, every
+  failure a :class:`ConfigError` naming the full key), :func:`to_yaml`, :func:`to_container`;
+- :mod:`~fx_lightning.config.hydra`: :func:`register_hydra_configs`.
+"""
+
+from __future__ import annotations
+
+from fx_lightning.config.hydra import register_hydra_configs
+from fx_lightning.config.loading import ConfigLike, load_config, to_container, to_yaml, validate
+from fx_lightning.config.schema import (
+    ExportConfig,
+    ExportFormat,
+    ExtraPassConfig,
+    FormatFailure,
+    FuseConfig,
+    OnError,
+    OnFailure,
+    ParityConfig,
+    ParityData,
+    PassesConfig,
+    Preflight,
+    Selection,
+    TraceConfig,
+    TraceMode,
+    WeightsSource,
+)
+from fx_lightning.errors import ConfigError
+
+__all__ = [
+    "TraceMode",
+    "WeightsSource",
+    "OnError",
+    "Preflight",
+    "FormatFailure",
+    "Selection",
+    "ExportFormat",
+    "ParityData",
+    "TraceConfig",
+    "ExtraPassConfig",
+    "PassesConfig",
+    "ParityConfig",
+    "ExportConfig",
+    "FuseConfig",
+    "ConfigError",
+    "ConfigLike",
+    "load_config",
+    "to_yaml",
+    "to_container",
+    "register_hydra_configs",
+]

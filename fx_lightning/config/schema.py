@@ -1,0 +1,275 @@
+"""The configuration schema: its enums and dataclasses, and the value checks each dataclass makes of itself.
+
+Types are OmegaConf's to check (:mod:`fx_lightning.config.loading` merges sources into this schema); what a
+type cannot say (a range, a set, an import path that must import) each dataclass says in its ``check()``,
+which raises ``ValueError("<key relative to the dataclass>: <what is wrong and what is allowed>")`` as the
+pass options do (:class:`fx_lightning.passes.PassOptions`). The loader prefixes the full key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, Iterable, List, Optional
+
+from fx_lightning._imports import exception_text, import_object
+from fx_lightning.export.formats import FORMATS
+from fx_lightning.passes import DEFAULT_ORDER, USER_PASSES, builtin_passes
+
+__all__ = [
+    "TraceMode",
+    "WeightsSource",
+    "OnError",
+    "OnFailure",
+    "Preflight",
+    "FormatFailure",
+    "Selection",
+    "ExportFormat",
+    "ParityData",
+    "TraceConfig",
+    "ExtraPassConfig",
+    "PassesConfig",
+    "ParityConfig",
+    "ExportConfig",
+    "FuseConfig",
+]
+
+
+# ------------------------------------------------------------------------------------------------ enums
+
+
+def _str_enum(name: str, members: Iterable[str], doc: str) -> Any:
+    """A ``str`` Enum whose members are named as their values: the one style of every enum here.
+
+    OmegaConf validates an enum value by member *name* and rejects ``typing.Literal``; a ``str`` member
+    compares equal to its value; the functional API allows members named after keywords (``raise``:
+    ``OnError["raise"]``); ``module`` makes members picklable by name (Lightning copies callbacks across
+    processes).
+    """
+    cls = Enum(name, [(m, m) for m in members], type=str, module=__name__, qualname=name)  # type: ignore[misc]
+    cls.__doc__ = doc
+    return cls
+
+
+TraceMode = _str_enum("TraceMode", ["auto", "fx", "export"], "How the target is captured: auto (torch.fx, then "
+                      "torch.export), fx or export.")
+
+WeightsSource = _str_enum("WeightsSource", ["last", "best"], "Which weights are fused: the last ones, or the "
+                          "ModelCheckpoint's best checkpoint (loaded into a copy).")
+
+OnError = _str_enum("OnError", ["raise", "warn"], "What to do when a step fails: raise, or warn and carry on.")
+
+OnFailure = OnError  # parity.on_failure takes the same values
+
+# One member per export format record (fx_lightning/export/formats/), in load_fused's order of preference.
+ExportFormat = _str_enum("ExportFormat", FORMATS, "The export formats: " + ", ".join(FORMATS) + ".")
+
+Preflight = _str_enum("Preflight", ["full", "capture", "off"], (
+    "What the callback proves before the first training step. ``full``: the whole pipeline once on the "
+    "untrained model (capture, passes, a parity smoke run on one batch, every export format written to a "
+    "temporary directory and loaded back); ``capture``: the target resolves and captures; ``off``: nothing."))
+
+FormatFailure = _str_enum("FormatFailure", ["skip", "raise"], (
+    "What a format that cannot be written or fails its check does to the export: skip (the other formats are "
+    "exported, the manifest and a warning say why it is missing) or raise (nothing is exported)."))
+
+Selection = _str_enum("Selection", ["preference", "fastest"], (
+    "Which artifact ``load_fused(dir)`` loads by default: ``preference`` (pt2 first), or ``fastest``: every "
+    "artifact timed side by side after export, the fastest that passes its check."))
+
+ParityData = _str_enum("ParityData", ["auto", "val", "train", "example"], (
+    "Where parity batches come from. ``auto``: validation, else training data, else example_input_array."))
+
+
+# ----------------------------------------------------------------------------------------- dataclasses
+
+
+@dataclass
+class TraceConfig:
+    mode: TraceMode = TraceMode.auto
+    # Import paths ("pkg.mod:Class" or "pkg.mod.Class") of modules to keep opaque while tracing.
+    leaf_modules: List[str] = field(default_factory=list)
+    # Import paths of free functions to record as single calls instead of tracing through them.
+    autowrap_functions: List[str] = field(default_factory=list)
+    autowrap_modules: List[str] = field(default_factory=lambda: ["math"])
+    # Arguments of forward to specialise on (symbolic tracing's concrete_args).
+    concrete_args: Dict[str, Any] = field(default_factory=dict)
+    # For mode=export: mark dim 0 of every tensor input dynamic.
+    dynamic_batch: bool = True
+
+    def check(self) -> None:
+        """Every import path imports: leaf modules to ``torch.nn.Module`` classes, functions to callables."""
+        import torch
+
+        for i, path in enumerate(self.leaf_modules):
+            obj = _import_checked(path, f"leaf_modules[{i}]")
+            if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
+                raise ValueError(f"leaf_modules[{i}]: {path!r} is not a torch.nn.Module subclass.")
+        for i, path in enumerate(self.autowrap_functions):
+            _import_checked(path, f"autowrap_functions[{i}]", callable_required=True)
+        for i, path in enumerate(self.autowrap_modules):
+            try:
+                if not path or path.startswith("."):
+                    raise ImportError("not an absolute module name")
+                importlib.import_module(path)
+            except Exception as exc:  # noqa: BLE001 - importing user code may raise anything
+                raise ValueError(
+                    f"autowrap_modules[{i}]: cannot import module {path!r}: {exception_text(exc)}."
+                ) from (None if isinstance(exc, ImportError) else exc)
+
+
+@dataclass
+class ExtraPassConfig:
+    """A user pass: a name given to ``register_pass`` or an import path ``"pkg.module:function"``."""
+
+    name: str = "???"
+    enabled: bool = True
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+def _passes_schema() -> type:
+    """``PassesConfig``: one field per built-in pass (its options dataclass), in the default order, with the
+    user passes (``extra``) at their place in it. Derived from the pass declarations, so a new built-in
+    pass needs no edit here."""
+    builtins = {spec.name: spec for spec in builtin_passes()}
+    fields: List[Any] = []
+    for name in DEFAULT_ORDER:
+        if name == USER_PASSES:
+            fields.append((USER_PASSES, List[ExtraPassConfig], field(default_factory=list)))
+        else:
+            fields.append((name, builtins[name].options_type, field(default_factory=builtins[name].options_type)))
+    cls = dataclasses.make_dataclass("PassesConfig", fields)
+    cls.__module__ = __name__  # picklable by name (Lightning copies callbacks across processes)
+    cls.__doc__ = "Options of every built-in pass, in order; ``extra``: the user's passes, run in place."
+    return cls
+
+
+PassesConfig: Any = _passes_schema()
+
+
+@dataclass
+class ParityConfig:
+    enabled: bool = True
+    max_batches: int = 8
+    data: ParityData = ParityData.auto
+    # How to take the model input out of a batch: null = automatic (tensor; first item of a tuple/list;
+    # dict key x/input/inputs/image/images), a dict key, an integer index, or "pkg.module:function".
+    input: Optional[str] = None
+    # Gate: max|fused - ref| / max|ref| over all batches.
+    rtol: float = 1e-4
+    min_cosine: float = 0.9999
+    min_top1_agreement: float = 0.999
+    # Allowed accuracy drop (fraction, 0.001 = 0.1 points) when labels are in the batch.
+    max_accuracy_drop: float = 0.001
+    on_failure: OnFailure = OnFailure["raise"]
+
+    def check(self) -> None:
+        """The gate's thresholds in range; an ``input`` import path imports to a callable."""
+        if self.max_batches < 1:
+            raise ValueError(f"max_batches: must be >= 1, got {self.max_batches}.")
+        for name in ("rtol", "max_accuracy_drop"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value}.")
+        if not 0.0 <= self.min_top1_agreement <= 1.0:
+            raise ValueError(f"min_top1_agreement: must be in [0, 1], got {self.min_top1_agreement}.")
+        if not -1.0 <= self.min_cosine <= 1.0:
+            raise ValueError(f"min_cosine: must be in [-1, 1], got {self.min_cosine}.")
+        if self.input is not None and ":" in self.input:
+            _import_checked(self.input, "input", callable_required=True)
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = True
+    # null: <trainer.log_dir>/fx_fused (callback) or ./fx_fused (CLI).
+    dir: Optional[str] = None
+    formats: List[ExportFormat] = field(
+        default_factory=lambda: [ExportFormat.graph_module, ExportFormat.pt2]
+    )
+    dynamic_batch: bool = True
+    overwrite: bool = True
+    onnx_opset: Optional[int] = None
+    # aoti: one package per batch size listed (compiled for it: faster), or one with a dynamic batch.
+    aoti_batch_sizes: List[int] = field(default_factory=list)
+    on_format_failure: FormatFailure = FormatFailure["skip"]
+    select: Selection = Selection.preference
+    # The batch size the fastest artifact is chosen at (the table shows 1 and this one).
+    select_batch_size: int = 1
+
+    def check(self) -> None:
+        """Formats listed (when enabled) and once each; batch sizes positive (and distinct); opset in range."""
+        if self.enabled and not self.formats:
+            raise ValueError(
+                "formats: empty while export.enabled is true; allowed: "
+                f"{', '.join(f.name for f in ExportFormat)} (or set export.enabled: false)."
+            )
+        seen = set()
+        for i, fmt in enumerate(self.formats):
+            if fmt in seen:
+                raise ValueError(f"formats[{i}]: {fmt.name!r} is listed twice.")
+            seen.add(fmt)
+        sizes = self.aoti_batch_sizes
+        if any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+            raise ValueError(f"aoti_batch_sizes: positive and distinct batch sizes, or [] for one dynamic-batch "
+                             f"package; got {list(sizes)}.")
+        if self.select_batch_size < 1:
+            raise ValueError(f"select_batch_size: must be >= 1, got {self.select_batch_size}.")
+        if self.onnx_opset is not None and not 7 <= self.onnx_opset <= 30:
+            raise ValueError(f"onnx_opset: must be between 7 and 30 or null, got {self.onnx_opset}.")
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass
+class FuseConfig:
+    # Dotted attribute of the LightningModule to fuse; null: `backbone` if present, else the module.
+    target: Optional[str] = None
+    weights: WeightsSource = WeightsSource.last
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    passes: PassesConfig = field(default_factory=PassesConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    on_error: OnError = OnError["raise"]
+    preflight: Preflight = Preflight.full
+    # Where fusion, parity and export run: auto (the device training ran on), cpu, or a torch device
+    # ("cuda", "cuda:1"). Exported artifacts are built for it (the manifest records each one's device).
+    device: str = "auto"
+
+    def check(self) -> None:
+        """The top-level values: ``target`` a dotted attribute path, ``device`` auto or a torch device. The
+        nested sections check themselves (the loader calls every node's ``check()``)."""
+        if self.target is not None and not _DOTTED.match(self.target):
+            raise ValueError(
+                f"target: {self.target!r} is not a dotted attribute path (e.g. 'backbone' or 'model.encoder'); "
+                "use null for the default (backbone if present, else the whole module)."
+            )
+        if self.device == "auto":
+            return
+        import torch
+
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"device: {self.device!r} is not a torch device ({str(exc).splitlines()[0]}); allowed: auto (the "
+                "device training ran on), cpu, or a torch device such as cuda or cuda:1."
+            ) from None
+
+
+def _import_checked(path: str, key: str, callable_required: bool = False) -> Any:
+    """The object at import path ``path``; a failure is a ``ValueError`` naming ``key`` (relative)."""
+    try:
+        obj = import_object(path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{key}: cannot import {path!r}: {exc}.") from None
+    except Exception as exc:  # noqa: BLE001 - importing user code may raise anything; name the key
+        raise ValueError(f"{key}: cannot import {path!r}: {exception_text(exc)}.") from exc
+    if callable_required and not callable(obj):
+        raise ValueError(f"{key}: {path!r} is not callable.")
+    return obj
