@@ -40,6 +40,7 @@ __all__ = [
     "VariantOutcome",
     "ArtifactCheck",
     "Timing",
+    "TimingFailure",
     "BenchTable",
     "Selected",
     "Manifest",
@@ -149,8 +150,18 @@ class Timing:
 
 
 @dataclass
+class TimingFailure:
+    """An artifact that raised when timed at a batch size (and was not timed there again)."""
+
+    artifact: str
+    batch_size: int
+    reason: str
+
+
+@dataclass
 class BenchTable:
-    """Timings of every artifact (and of the eager baselines given), and each artifact's check."""
+    """Timings of every artifact (and of the eager baselines given), each artifact's check, and what could not be
+    timed."""
 
     threads: int
     isa: str
@@ -158,6 +169,7 @@ class BenchTable:
     torch: str
     timings: List[Timing] = field(default_factory=list)
     checks: Dict[str, ArtifactCheck] = field(default_factory=dict)
+    failures: List[TimingFailure] = field(default_factory=list)
 
     def median(self, artifact: str, batch_size: int) -> Optional[float]:
         return next((t.median_ms for t in self.timings if t.artifact == artifact and t.batch_size == batch_size), None)
@@ -165,13 +177,15 @@ class BenchTable:
     def to_dict(self) -> Dict[str, object]:
         return {"threads": self.threads, "isa": self.isa, "machine": self.machine, "torch": self.torch,
                 "timings": [dataclasses.asdict(t) for t in self.timings],
-                "checks": {k: c.to_dict() for k, c in self.checks.items()}}
+                "checks": {k: c.to_dict() for k, c in self.checks.items()},
+                "failures": [dataclasses.asdict(f) for f in self.failures]}
 
     @classmethod
     def from_dict(cls, data: Json) -> "BenchTable":
         return cls(int(data.get("threads", 0)), str(data.get("isa", "")), str(data.get("machine", "")),
                    str(data.get("torch", "")), [Timing(**fields_from(Timing, t)) for t in data.get("timings", [])],
-                   {k: ArtifactCheck(**fields_from(ArtifactCheck, c)) for k, c in (data.get("checks") or {}).items()})
+                   {k: ArtifactCheck(**fields_from(ArtifactCheck, c)) for k, c in (data.get("checks") or {}).items()},
+                   [TimingFailure(**fields_from(TimingFailure, f)) for f in data.get("failures") or []])
 
 
 @dataclass

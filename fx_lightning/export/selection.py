@@ -30,6 +30,7 @@ from fx_lightning.export.manifest import (
     Manifest,
     Selected,
     Timing,
+    TimingFailure,
     read_manifest,
     replace_manifest,
 )
@@ -126,8 +127,10 @@ def _time_interleaved(table: BenchTable, models: Dict[str, nn.Module], inputs: S
                         start = time.perf_counter()
                         models[cell[0]](*args[cell[1]])
                         elapsed = time.perf_counter() - start
-                    except Exception:  # noqa: BLE001 - e.g. an AOTI package compiled for other batch sizes
+                    except Exception as exc:  # noqa: BLE001 - e.g. a model exported for another batch size
                         runnable.discard(cell)
+                        table.failures.append(TimingFailure(cell[0], cell[1], f"{type(exc).__name__}: "
+                                                                              f"{first_line(exc)[:200]}"))
                         continue
                     if r >= warmup:
                         times[cell].append(elapsed)

@@ -385,12 +385,12 @@ def select_artifact(staging: Path, manifest: Any, fused: Fused, config: FuseConf
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
                              baselines={"eager": fused.reference}, rounds=rounds, warmup=warmup)
-        broken = [name for name, check in table.checks.items() if not check.passed and check.reason
-                  and check.reason.startswith("raises")]
-        if rehearsal and broken:
-            raise ExportError(f"the selection cannot run {', '.join(broken)}: "
-                              + "; ".join(f"{n}: {table.checks[n].reason}" for n in broken))
         selected = select_fastest(table, size)
+        if rehearsal and selected is None:  # after training, nothing would be selected either
+            why = [f"{n}: check failed ({c.reason})" for n, c in table.checks.items() if not c.passed]
+            why += [f"{f.artifact} at batch {f.batch_size}: {f.reason}" for f in table.failures if f.artifact != "eager"]
+            raise ExportError(f"export.select: fastest: no artifact can be selected at export.select_batch_size "
+                              f"{size}: " + ("; ".join(why) or "none was timed"))
     manifest = with_selection(manifest, table, selected)
     if selected is None:
         return manifest, NOTHING_SELECTED()
