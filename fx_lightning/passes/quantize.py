@@ -63,10 +63,10 @@ def _quantizer() -> object:
               preserves_computation=False)
 def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: PassContext) -> PassResult:
     """Post-training static int8 (torchao pt2e, X86InductorQuantizer), calibrated on data batches."""
+    quantizer = _quantizer()  # first: without torchao it says what to install
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     result = PassResult()
-    quantizer = _quantizer()
     batches = ctx.calibration[: options.calibration_batches]
     if not batches:
         raise PassError("quantize_int8: no calibration batches (the model's inputs on data batches are needed)")
