@@ -50,7 +50,7 @@ from fx_lightning.batches import flat_tensors
 from fx_lightning.config import load_config
 from fx_lightning.errors import ExportError
 from fx_lightning.export import FORMATS, bench_export, read_manifest, select_fastest
-from fx_lightning.export.selection import BenchTable
+from fx_lightning.export.manifest import ArtifactCheck, BenchTable
 from fx_lightning.export.writer import require_formats
 from fx_lightning.passes.quantize import QuantizeInt8Options
 from fx_lightning.pipeline import Batches, fuse_verify_export
@@ -130,9 +130,9 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
         baselines: Dict[str, nn.Module] = {"eager": model, "torch.compile": torch.compile(model),
                                            "fused": outcome.result.graph_module}
         baselines["pt2+compile"] = load_fused(root, "pt2", compile=True)
-        if "pt2-int8" in manifest["formats"]:
+        if "pt2-int8" in manifest.formats:
             baselines["pt2-int8+compile"] = load_fused(root, "pt2-int8", compile=True)
-        formats = [f for f in (*FP32_FORMATS, "aoti-int8") if f in manifest["formats"]]
+        formats = [f for f in (*FP32_FORMATS, "aoti-int8") if f in manifest.formats]
         with torch.no_grad():  # compile outside the timing (warm-up would do it, but a compile is not a call)
             for module in baselines.values():
                 for b in batches:
@@ -143,16 +143,16 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
         modules = {**baselines, **{f: load_fused(root, f, device="cpu") for f in formats}}
         errors = {artifact: max(relative_error(module, reference, data[0][:b]) for b in batches)
                   for artifact, module in modules.items()}
-        gates = {f: manifest["formats"][f].get("gate") for f in manifest["formats"] if manifest["formats"][f].get("gate")}
+        gates = {f: entry.gate.metrics for f, entry in manifest.formats.items() if entry.gate is not None}
     # The gate was opened so every variant is timed; the selection counts a variant only if it passes the
     # default gate (what a user gets without loosening it).
-    default_pass = {entry: passes_default_gate(gate["metrics"]) for entry, gate in gates.items()}
+    default_pass = {entry: passes_default_gate(metrics) for entry, metrics in gates.items()}
     checks = {k: v for k, v in table.checks.items() if "int8" not in k}
     fp32 = BenchTable(table.threads, table.isa, table.machine, table.torch, table.timings, checks)
     gated = BenchTable(table.threads, table.isa, table.machine, table.torch, table.timings,
-                       {**checks, **{k: {"passed": ok} for k, ok in default_pass.items()}})
-    selected = {b: {"fp32": (select_fastest(fp32, b) or {}).get("format"),
-                    "any": (select_fastest(gated, b) or {}).get("format")} for b in batches}
+                       {**checks, **{k: ArtifactCheck(ok) for k, ok in default_pass.items()}})
+    selected = {b: {kind: getattr(select_fastest(t, b), "format", None) for kind, t in (("fp32", fp32), ("any", gated))}
+                for b in batches}
     rows = []
     for b in batches:
         eager, compiled = table.median("eager", b), table.median("torch.compile", b)
@@ -168,10 +168,10 @@ def bench_model(name: str, batches: List[int], rounds: int, size: int, int8: boo
                          "top1_agreement": _metric(gates, artifact, "top1_agreement_strict"),
                          "cosine": _metric(gates, artifact, "cosine_similarity_min"),
                          "default_gate": default_pass.get(artifact.replace("+compile", "")),
-                         "check": table.checks.get(artifact, {}).get("passed"),
+                         "check": table.checks[artifact].passed if artifact in table.checks else None,
                          "selected": [k for k, v in selected[b].items() if v == artifact]})
     console.print(f"{name}: export {export_s:.0f} s, folded {outcome.result.report.batchnorms_folded} BatchNorms")
-    return {"model": name, "export_s": export_s, "rows": rows, "skipped": outcome.notes,
+    return {"model": name, "export_s": export_s, "rows": rows, "skipped": [str(n) for n in outcome.notes],
             "threads": table.threads, "isa": table.isa, "gflops": {str(b): flops[b] / 1e9 for b in batches}}
 
 
@@ -182,9 +182,9 @@ def passes_default_gate(metrics: Dict[str, float]) -> bool:
             and metrics.get("cosine_similarity_min", -1.0) >= default.min_cosine)
 
 
-def _metric(gates: Dict[str, Dict], artifact: str, key: str) -> Optional[float]:
-    gate = gates.get(artifact.replace("+compile", ""))
-    return None if gate is None else gate["metrics"].get(key)
+def _metric(gates: Dict[str, Dict[str, float]], artifact: str, key: str) -> Optional[float]:
+    metrics = gates.get(artifact.replace("+compile", ""))
+    return None if metrics is None else metrics.get(key)
 
 
 def to_markdown(results: List[Dict], meta: Dict) -> str:

@@ -15,6 +15,7 @@ from torch import nn
 from fx_lightning.batches import as_example_inputs
 from fx_lightning.capture import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
+from fx_lightning.notes import NoteKind
 from fx_lightning.passes import (
     PassContext,
     PassResult,
@@ -28,7 +29,10 @@ from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
 from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
 from fx_lightning.report import FuseReport, GraphStats, PassReport, graph_stats
 
-__all__ = ["FuseResult", "fuse"]
+__all__ = ["FuseResult", "fuse", "NO_EXAMPLE_INPUTS"]
+
+NO_EXAMPLE_INPUTS = NoteKind("no_example_inputs", "no example inputs: shapes unknown (Linear + BatchNorm1d pairs not "
+                                                  "folded) and the capture not run against the model")
 
 
 @dataclass
@@ -89,8 +93,7 @@ def fuse(
         seconds=time.perf_counter() - start,
     )
     if inputs is None and captured.mode == "fx":
-        report.notes.append("no example inputs: shapes unknown (Linear + BatchNorm1d pairs not folded) and the "
-                            "capture not run against the model")
+        report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
     return FuseResult(gm, report, cfg, inputs)
 

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Tuple, Union
 import torch.fx as fx
 
 from fx_lightning._json import json_safe
+from fx_lightning.notes import Note
 from fx_lightning.passes.base import Change, RemainingBatchNorm, Skip
 from fx_lightning.passes.batchnorm import is_batchnorm_node
 from fx_lightning.passes.dropout import is_dropout_node
@@ -65,7 +66,7 @@ class FuseReport:
     after: GraphStats
     passes: List[PassReport] = field(default_factory=list)
     remaining_batchnorms: List[RemainingBatchNorm] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
+    notes: List[Note] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -86,7 +87,7 @@ class FuseReport:
             "after": asdict(self.after),
             "passes": [p.to_dict() for p in self.passes],
             "remaining_batchnorms": [r.to_dict() for r in self.remaining_batchnorms],
-            "notes": list(self.notes),
+            "notes": [n.to_dict() for n in self.notes],
             "seconds": self.seconds,
         }) | {"batchnorms_folded": self.batchnorms_folded}
 

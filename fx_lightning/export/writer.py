@@ -59,15 +59,15 @@ def export_fused(
     example_inputs: Any,
     config: FuseConfig,
     report: Any = None,
-    parity: Optional[ParityReport] = None,
+    parity: Union[ParityReport, Dict[str, object], None] = None,
     extra: Union[Provenance, Dict[str, object], None] = None,
 ) -> Path:
     """Write ``graph_module`` in ``config.export.formats`` plus ``manifest.json`` into ``directory``.
 
     ``graph_module`` is the fused model (``FuseResult.graph_module``: a symbolic-trace GraphModule or an
     unlifted ``torch.export`` module); ``example_inputs`` are forward's arguments (the batch dimension is
-    dim 0 of every tensor). ``report`` (a FuseReport), ``parity`` (a ParityReport) and ``extra`` (where the
-    model came from: a :class:`~fx_lightning.provenance.Provenance` or its dict) go into the manifest. Honours
+    dim 0 of every tensor). ``report`` (a FuseReport), ``parity`` (a ParityReport or its dict) and ``extra``
+    (where the model came from: a :class:`~fx_lightning.provenance.Provenance` or its dict) go into the manifest. Honours
     ``export.overwrite`` and ``export.dynamic_batch``. Returns the directory's path.
 
     Atomic: the export appears complete or not at all, and an existing export is replaced only by a
@@ -79,6 +79,8 @@ def export_fused(
         return final
     ctx = prepare_export(graph_module, example_inputs, config, final)
     provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
+    if parity is not None and not isinstance(parity, ParityReport):
+        parity = ParityReport.from_dict(parity)
     try:
         with staging_directory(final) as staging:
             manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance)
