@@ -241,12 +241,12 @@ def test_variants_and_selection_are_written_before_the_rename(tmp_path: Path,
 
 
 def test_a_failing_selection_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fx_lightning.export import selection
+    from fx_lightning.pipeline import steps
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("the bench broke (simulated)")
 
-    monkeypatch.setattr(selection, "bench_export", broken)
+    monkeypatch.setattr(steps, "bench_export", broken)
     with pytest.raises(ExportError, match="the bench broke") as info:
         _export(tmp_path, {"export": {"formats": ["pt2"], "select": "fastest"}})
     assert info.value.step == "selection"

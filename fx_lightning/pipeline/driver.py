@@ -20,13 +20,14 @@ import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
 from fx_lightning.config import FuseConfig, OnError
 from fx_lightning.engine import FuseResult
 from fx_lightning.errors import FXLightningError, ParityError, error_class, first_line
+from fx_lightning.export.manifest import Manifest
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
@@ -137,7 +138,7 @@ class Outcome:
     fused_model: Optional[nn.Module] = None
     parity: Optional[ParityReport] = None
     export_dir: Optional[Path] = None
-    manifest: Any = None  # fx_lightning.export.manifest.Manifest when exported
+    manifest: Optional[Manifest] = None
     notes: List[Note] = field(default_factory=list)
     skipped: Optional[str] = None
     failure: Optional[Failure] = None
@@ -171,7 +172,7 @@ class _Written:
     """Rank zero's export result (3)."""
 
     directory: Optional[str]
-    manifest: Any = None
+    manifest: Optional[Manifest] = None
     notes: List[Note] = field(default_factory=list)
     steps: List[str] = field(default_factory=list)
     error: Optional[ErrorInfo] = None
@@ -249,7 +250,7 @@ def _run_locally(config: FuseConfig, load: Callable[[], Source]) -> _Local:
 
 
 def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: Source,
-            everyone: List[_RankReport]) -> tuple:
+            everyone: List[_RankReport]) -> Tuple[_Verdict, Optional[Exception]]:
     """Rank zero: merge every rank's parity measurements and judge them once."""
     try:
         states = [r.state for r in everyone]
@@ -272,7 +273,7 @@ def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: 
 
 
 def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[ParityReport],
-           destination: Destination, mode: Mode) -> tuple:
+           destination: Destination, mode: Mode) -> Tuple[_Written, Optional[Exception]]:
     """Rank zero: the export step (atomically: complete or not at all)."""
     assert destination.directory is not None
     try:
@@ -320,7 +321,7 @@ def fuse_verify_export(
     config: FuseConfig,
     batches: Batches,
     *,
-    example_inputs: Any = None,
+    example_inputs: object = None,
     export_dir: Union[str, Path, None] = None,
     write: bool = True,
     protected_paths: Sequence[Union[str, Path]] = (),

@@ -40,6 +40,11 @@ from fx_lightning.capture import eval_copy
 from fx_lightning.config import FormatFailure, FuseConfig, ParityConfig, Selection
 from fx_lightning.engine import FuseResult, fuse
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ParityError, PassError, TraceError
+from fx_lightning.export.atomic import staging_directory
+from fx_lightning.export.manifest import Manifest, write_manifest
+from fx_lightning.export.selection import bench_export, select_fastest, with_selection
+from fx_lightning.export.variants import add_variant
+from fx_lightning.export.writer import prepare_export, write_formats
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
@@ -151,7 +156,7 @@ class Fused:
 @dataclass
 class Exported:
     directory: Path
-    manifest: Any  # fx_lightning.export.manifest.Manifest (imported with the writers, on first export)
+    manifest: Optional[Manifest] = None
     notes: List[Note] = field(default_factory=list)
     steps: List[str] = field(default_factory=list)
 
@@ -280,10 +285,6 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
     one staging directory renamed to ``directory`` at the end, so the export appears complete or not at all.
     ``rehearsal`` (the preflight): a format, a variant or the selection that cannot run is an error, a variant's
     gate is measured but not required, and the selection times each artifact once."""
-    from fx_lightning.export.atomic import staging_directory
-    from fx_lightning.export.manifest import write_manifest
-    from fx_lightning.export.writer import prepare_export, write_formats
-
     if fused.example_inputs is None:
         raise ConfigError(f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
                           "exporter needs them to write the fused model")
@@ -292,7 +293,7 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
             config.export, on_format_failure=FormatFailure["raise"]))
     with in_step(Step.export):
         ctx = prepare_export(fused.result.graph_module, tuple(detached(fused.example_inputs)), config, directory)
-    exported = Exported(directory, None, steps=[Step.export.value])
+    exported = Exported(directory, steps=[Step.export.value])
     try:
         with staging_directory(directory) as staging:
             with in_step(Step.export):
@@ -315,12 +316,10 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
     return exported
 
 
-def add_variants(staging: Path, manifest: Any, fused: Fused, config: FuseConfig, *,
-                 rehearsal: bool = False) -> Tuple[Any, List[Note]]:
+def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
+                 rehearsal: bool = False) -> Tuple[Manifest, List[Note]]:
     """Make each enabled variant (int8) of the verified fused model, write it beside the fp32 artifacts and keep
     the artifacts that pass the variant's gate. Returns the manifest and a note per artifact."""
-    from fx_lightning.export.variants import add_variant
-
     notes: List[Note] = []
     ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
                       calibration=fused.calibration)
@@ -374,12 +373,10 @@ def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_
     return judge_parity(state, config, lossy=True, config_key=config_key)
 
 
-def select_artifact(staging: Path, manifest: Any, fused: Fused, config: FuseConfig, *,
-                    rehearsal: bool = False) -> Tuple[Any, Note]:
+def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
+                    rehearsal: bool = False) -> Tuple[Manifest, Note]:
     """Time the export's artifacts against the unfused target (eager) and record the fastest that passed its
     check. ``rehearsal``: one round each, proving every artifact loads and runs at the timed batch sizes."""
-    from fx_lightning.export.selection import bench_export, select_fastest, with_selection
-
     size = config.export.select_batch_size
     rounds, warmup = (1, 0) if rehearsal else (15, 3)
     with in_step(Step.selection):
