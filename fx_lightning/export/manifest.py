@@ -24,7 +24,7 @@ from fx_lightning._json import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.batches import batch_size_of, flat_tensors
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import FormatEntry, RoundTrip, WriteContext, fields_from
+from fx_lightning.export.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport

@@ -10,9 +10,7 @@ with torchmetrics' ``merge_state`` (sums, maxima, minima: the merge equals one p
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 

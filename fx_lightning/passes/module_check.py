@@ -6,7 +6,7 @@ replacement is run on it beside the original; a replacement whose output moves b
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn

@@ -18,7 +18,7 @@ import io
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple, Union
+from typing import Any, List, Mapping, NoReturn, Optional, Tuple, Union
 
 import torch
 from torch import nn
