@@ -13,8 +13,10 @@ Notes are frozen and hashable (the same note from several ranks is kept once) an
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
-from typing import Iterable, List, Mapping, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Tuple, Union
+
+from fx_lightning._json import json_safe
 
 __all__ = ["Fact", "NoteKind", "Note", "unique_notes"]
 
@@ -29,13 +31,25 @@ def _frozen(value: object) -> Fact:
     return str(value)
 
 
+# Every kind declared in a loaded module, by name: a note read back from a manifest gets its declared kind.
+_DECLARED: Dict[str, "NoteKind"] = {}
+
+
 @dataclass(frozen=True)
 class NoteKind:
     """One kind of note: its name (stable, recorded in manifests) and the sentence that renders it, a
-    ``str.format`` template over its facts."""
+    ``str.format`` template over its facts. Declaring two kinds of one name is an error."""
 
     name: str
     template: str
+    declared: bool = field(default=True, compare=False, repr=False)  # False: rebuilt from a manifest's text
+
+    def __post_init__(self) -> None:
+        if not self.declared:
+            return
+        known = _DECLARED.setdefault(self.name, self)
+        if known.template != self.template:
+            raise ValueError(f"note kind {self.name!r} is declared twice, with different sentences")
 
     def fields(self) -> List[str]:
         return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
@@ -65,21 +79,31 @@ class Note:
         return self.kind.template.format(**self.facts_dict())
 
     def to_dict(self) -> Mapping[str, object]:
-        """JSON view: the kind, the facts and the sentence."""
-        return {"kind": self.kind.name, "facts": {k: list(v) if isinstance(v, tuple) else v for k, v in self.facts},
-                "text": str(self)}
+        """JSON view: the kind, the facts (non-finite numbers as text: JSON has none) and the sentence."""
+        return {"kind": self.kind.name, "facts": json_safe(dict(self.facts)), "text": str(self)}
 
     @classmethod
     def from_dict(cls, data: object) -> "Note":
-        """A note read back from a manifest; a plain string (manifests of format version 1) is a ``text`` note."""
+        """A note read back from a manifest: its declared kind when the module declaring it is loaded (else a kind
+        of that name rendering the recorded sentence); a plain string (format version 1) is a ``text`` note."""
         if isinstance(data, str):
             return TEXT(text=data)
         if not isinstance(data, Mapping):
             raise ValueError(f"a note is a string or an object with 'kind' and 'text', got {type(data).__name__}")
-        text = str(data.get("text", ""))
-        kind = NoteKind(str(data.get("kind", "text")), text.replace("{", "{{").replace("}", "}}"))
-        facts = data.get("facts") or {}
-        return Note(kind, tuple((str(k), _frozen(v)) for k, v in dict(facts).items()))
+        text, name = str(data.get("text", "")), str(data.get("kind", "text"))
+        facts = tuple((str(k), _frozen(v)) for k, v in dict(data.get("facts") or {}).items())
+        kind = _DECLARED.get(name)
+        if kind is None or _rendered(Note(kind, facts)) != text:  # unknown here, or its sentence changed since
+            kind = NoteKind(name, text.replace("{", "{{").replace("}", "}}"), declared=False)
+        return Note(kind, facts)
+
+
+def _rendered(note: Note) -> str:
+    """The note's sentence, or "" when its facts do not fit the kind's sentence (a NaN written as text)."""
+    try:
+        return str(note)
+    except (KeyError, ValueError, TypeError, IndexError):
+        return ""
 
 
 # A note known only by its text (manifests of format version 1).

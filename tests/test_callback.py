@@ -15,6 +15,9 @@ from torch.utils.data import DataLoader
 
 import lightning_helpers as H
 from fx_lightning import ConfigError, ExportError, FXFuseCallback, ParityError, TraceError
+from fx_lightning.callback.ranks import WEIGHTS
+from fx_lightning.callback.trainer_data import BATCHES_READ, NO_VALIDATION_DATA
+from fx_lightning.provenance import TrainerCounters
 
 
 class Snapshot(pl.Callback):
@@ -113,7 +116,8 @@ def test_weights_best_fuses_the_best_checkpoint(tmp_path: Path) -> None:
     assert H.rel_err(out, best_ref) < 1e-5
     assert H.rel_err(out, last_ref) > 1e-2
     assert fuse_cb.parity_report.passed  # type: ignore[union-attr]
-    assert any("best checkpoint" in n and "epoch=0" in n for n in fuse_cb.outcome.notes)  # type: ignore[union-attr]
+    assert any(n.kind == WEIGHTS and "best checkpoint" in n["description"] and "epoch=0" in n["description"]
+               for n in fuse_cb.outcome.notes)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("preflight", ["full", "off"])
@@ -249,7 +253,7 @@ def test_module_without_backbone_and_train_data_fallback(tmp_path: Path) -> None
     assert fuse_cb.outcome is not None and fuse_cb.outcome.target == ""
     report = fuse_cb.parity_report
     assert report is not None and report.passed and report.source == "train"
-    assert any("training batches" in n for n in fuse_cb.outcome.notes)
+    assert any(n.kind == NO_VALIDATION_DATA for n in fuse_cb.outcome.notes)
     assert H.count_batchnorms(fuse_cb.result.graph_module) == 0  # type: ignore[union-attr]
 
 
@@ -353,10 +357,11 @@ def test_weights_best_records_the_checkpoints_epoch_and_step(tmp_path: Path) -> 
     trainer.fit(model, *H.loaders())
     saved = torch.load(ckpt.best_model_path, weights_only=False)
     assert saved["epoch"] == 0 and saved["global_step"] == 4  # the best is epoch 0 of 3 (4 steps per epoch)
-    extra = read_manifest(fuse_cb.export_dir)["extra"]
-    assert extra["weights"]["source"] == "best" and extra["weights"]["checkpoint"] == ckpt.best_model_path
-    assert (extra["weights"]["epoch"], extra["weights"]["global_step"]) == (0, 4)
-    assert extra["trainer"] == {"epoch": 3, "global_step": 12}  # the trainer's final counters, apart
+    extra = read_manifest(fuse_cb.export_dir).provenance
+    assert extra.weights is not None
+    assert extra.weights.source == "best" and extra.weights.checkpoint == ckpt.best_model_path
+    assert (extra.weights.epoch, extra.weights.global_step) == (0, 4)
+    assert extra.trainer == TrainerCounters(epoch=3, global_step=12)  # the trainer's final counters, apart
 
 
 @pytest.mark.parametrize("limit, expected", [(2, 2), (0.25, 2), (1.0, 5)])
@@ -369,5 +374,6 @@ def test_parity_reads_no_more_than_the_trainer_validates(tmp_path: Path, limit: 
     report = fuse_cb.parity_report
     assert report is not None and report.passed and report.batches == expected
     why = "parity.max_batches" if expected == 5 else f"the trainer's limit_val_batches={limit}"
-    assert any(f"parity read {expected} batch(es) of validation data (at most {expected}: {why}" in n
+    assert any(n.kind == BATCHES_READ and (n["count"], n["source"], n["limit"]) == (expected, "validation", expected)
+               and n["why"].startswith(why)  # type: ignore[union-attr]
                for n in fuse_cb.outcome.notes), fuse_cb.outcome.notes  # type: ignore[union-attr]

@@ -61,29 +61,33 @@ def cli_export(trained) -> Path:
 def test_cli_fuse_gives_the_callbacks_manifest(trained, cli_export):
     cb, cli = read_manifest(trained["callback_dir"]), read_manifest(cli_export)
     for m in (cb, cli):
-        m["config"]["export"].pop("dir")
-    assert cli["config"] == cb["config"]
+        assert m.config is not None and m.report is not None
+        m.config["export"].pop("dir")
+    assert cli.config == cb.config
     for key in ("capture_mode", "before", "after", "remaining_batchnorms", "batchnorms_folded"):
-        assert cli["report"][key] == cb["report"][key], key
+        assert cli.report[key] == cb.report[key], key
     strip = lambda passes: [(p["name"], p["changed"], p["skipped"]) for p in passes]  # noqa: E731
-    assert strip(cli["report"]["passes"]) == strip(cb["report"]["passes"])
-    assert cb["report"]["batchnorms_folded"] == 3
-    assert cli["parity"]["passed"] is True and cb["parity"]["passed"] is True
+    assert strip(cli.report["passes"]) == strip(cb.report["passes"])
+    assert cb.report["batchnorms_folded"] == 3
+    assert cli.parity is not None and cb.parity is not None
+    assert cli.parity.passed is True and cb.parity.passed is True
     for key in ("batches", "source", "failures", "thresholds"):
-        assert cli["parity"][key] == cb["parity"][key], key
-    assert cli["parity"]["source"] == "val"
-    assert cli["parity"]["metrics"].keys() == cb["parity"]["metrics"].keys()
-    for key, value in cb["parity"]["metrics"].items():
-        assert cli["parity"]["metrics"][key] == pytest.approx(value, rel=1e-3, abs=1e-9), key
-    assert cli["inputs"] == cb["inputs"] and cli["outputs"] == cb["outputs"]
-    assert list(cli["formats"]) == list(cb["formats"])
+        assert getattr(cli.parity, key) == getattr(cb.parity, key), key
+    assert cli.parity.source == "val"
+    assert cli.parity.metrics.keys() == cb.parity.metrics.keys()
+    for key, value in cb.parity.metrics.items():
+        assert cli.parity.metrics[key] == pytest.approx(value, rel=1e-3, abs=1e-9), key
+    assert cli.inputs == cb.inputs and cli.outputs == cb.outputs
+    assert list(cli.formats) == list(cb.formats)
     for key in ("target", "lightning_module"):
-        assert cli["extra"][key] == cb["extra"][key], key
+        assert getattr(cli.provenance, key) == getattr(cb.provenance, key), key
     # The same weights: the callback's last weights are the checkpoint the CLI fused, saved at the same counters.
+    cli_weights, cb_weights = cli.provenance.weights, cb.provenance.weights
+    assert cli_weights is not None and cb_weights is not None
     for key in ("epoch", "global_step"):
-        assert cli["extra"]["weights"][key] == cb["extra"]["weights"][key] is not None, key
-    assert cb["extra"]["weights"]["source"] == "last" and cli["extra"]["weights"]["source"] == "checkpoint"
-    assert cli["extra"]["checkpoint"] == str(trained["ckpt"].resolve())
+        assert getattr(cli_weights, key) == getattr(cb_weights, key) is not None, key
+    assert cb_weights.source == "last" and cli_weights.source == "checkpoint"
+    assert cli.provenance.checkpoint == str(trained["ckpt"].resolve())
 
     # Same weights, same answers: both exports against the original backbone in fp64.
     backbone = CliClassifier.load_from_checkpoint(trained["ckpt"], map_location="cpu").backbone.eval()
@@ -104,12 +108,13 @@ def test_cli_fuse_config_file_overrides_and_example_input_array(trained, tmp_pat
                  "parity.rtol=1e-3", "export.formats=[pt2,code]", "passes.remove_dropout.enabled=false"])
     assert code == 0, capsys.readouterr().err
     manifest = read_manifest(out)
-    assert manifest["config"]["parity"]["rtol"] == 1e-3  # the command line beats the file
-    assert manifest["config"]["parity"]["max_batches"] == 2  # the file beats the default
-    assert manifest["config"]["passes"]["remove_dropout"]["enabled"] is False
-    assert list(manifest["formats"]) == ["pt2", "code"]
-    assert manifest["parity"]["source"] == "example" and manifest["parity"]["passed"] is True
-    assert "remove_dropout" not in [p["name"] for p in manifest["report"]["passes"]]
+    assert manifest.config is not None and manifest.report is not None and manifest.parity is not None
+    assert manifest.config["parity"]["rtol"] == 1e-3  # the command line beats the file
+    assert manifest.config["parity"]["max_batches"] == 2  # the file beats the default
+    assert manifest.config["passes"]["remove_dropout"]["enabled"] is False
+    assert list(manifest.formats) == ["pt2", "code"]
+    assert manifest.parity.source == "example" and manifest.parity.passed is True
+    assert "remove_dropout" not in [p["name"] for p in manifest.report["passes"]]
     assert f"exported to {out}" in capsys.readouterr().out
 
 
@@ -164,17 +169,20 @@ def test_inspect_prints_the_manifest(cli_export, capsys):
     manifest = read_manifest(cli_export)
     for needle in ("format_version", "PASSED", "fuse_conv_bn", "fuse_linear_bn", "model.pt2", "model.pt",
                    "weights_only=False", "all files match their sha256", "(batch, 3, 8, 8)",
-                   manifest["files"]["model.pt2"]["sha256"][:16]):
+                   manifest.files["model.pt2"].sha256[:16]):
         assert needle in out, needle
     # The round-trip check in words: which format, on which input shapes, what error against what.
-    example = "x".join(map(str, manifest["inputs"][0]["example_shape"]))
+    assert manifest.inputs[0].example_shape is not None
+    example = "x".join(map(str, manifest.inputs[0].example_shape))
     assert f"pt2: loaded back and run on input {example} and 1x3x8x8: relative error" in out
     assert "against an fp64 copy of the fused model" in out and "the fused model itself" in out and "rel err" not in out
-    weights = manifest["extra"]["weights"]
+    weights = manifest.provenance.weights
+    assert weights is not None
     words = " ".join(out.replace("│", " ").split())
-    assert f"weights saved at epoch {weights['epoch']}, global step {weights['global_step']}" in words
+    assert f"weights saved at epoch {weights.epoch}, global step {weights.global_step}" in words
     assert main(["inspect", str(cli_export), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == manifest
+    # --json prints the manifest as written: the file's JSON
+    assert json.loads(capsys.readouterr().out) == json.loads((cli_export / "manifest.json").read_text())
 
 
 def test_inspect_reports_corruption_and_non_exports(cli_export, tmp_path, capsys):

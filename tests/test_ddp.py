@@ -26,6 +26,8 @@ import lightning_helpers as H
 from fx_lightning import ConfigError, FXFuseCallback, load_fused
 from fx_lightning.export import read_manifest
 from fx_lightning.parity import check_parity, judge_parity, measure_parity, merge_parity_states
+from fx_lightning.parity.gate import CLASS_WIDTHS_DISAGREE, NO_BATCHES
+from fx_lightning.pipeline.driver import BUFFERS_DIFFERED, PARITY_MERGED
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_scripts" / "run_ddp.py"
 WALL_LIMIT_S = 180  # a limit, not a timing assertion: a scenario takes ~15 s on 2 cores
@@ -83,14 +85,15 @@ def test_ddp_happy_path_every_rank_checks_its_shard_rank_zero_exports(tmp_path: 
     _same_on_both(r, "parity", "notes", "export_dir", "fused_hash")
     assert r[0]["parity"]["batches"] == 4 and r[0]["parity"]["metrics"]["samples"] == 32
     # Each rank read its own shard: 32 validation samples / 2 ranks / batch 8.
-    assert any("merged over 2 ranks" in n and "(batches per rank: rank 0: 2, rank 1: 2)" in n for n in r[0]["notes"])
+    assert any(n["kind"] == PARITY_MERGED.name and n["facts"]["ranks"] == 2
+               and n["facts"]["shares"] == "rank 0: 2, rank 1: 2" for n in r[0]["notes"]), r[0]["notes"]
     # Only rank 0 wrote (its preflight's temporary export before training, then the export), into the log_dir
     # every rank agreed on; the export is complete and loads.
     preflight, real = _split_writes(r[0]["export_writes"])
     assert len(preflight) == 1 and len(real) == 1 and r[1]["export_writes"] == []
     export_dir = Path(r[0]["export_dir"])
     assert export_dir == Path(r[0]["log_dir"]) / "fx_fused" and export_dir.is_dir()
-    assert read_manifest(export_dir)["extra"]["world_size"] == 2
+    assert read_manifest(export_dir).provenance.world_size == 2
     x = torch.randn(3, 3, 8, 8)
     with torch.no_grad():
         assert load_fused(export_dir)(x).shape == (3, 8)
@@ -145,7 +148,7 @@ def test_ddp_export_failure_on_rank_0_warns_on_every_rank_leaves_nothing(tmp_pat
     assert r[0]["norm_types"] == ["BatchNorm2d"]
     assert r[0]["buffers_hash"] != r[1]["buffers_hash"]
     _same_on_both(r, "fused_hash")
-    assert any("differed from rank 0's" in n for n in r[0]["notes"])
+    assert any(n["kind"] == BUFFERS_DIFFERED.name for n in r[0]["notes"]), r[0]["notes"]
     assert r[0]["parity"]["source"] == "train" and r[0]["parity"]["batches"] == 8
 
 
@@ -238,7 +241,7 @@ def test_a_rank_with_no_batches_merges_without_changing_the_verdict() -> None:
     assert merged.metrics == alone.metrics
     # Every rank empty: a failure, not a silent pass.
     nothing = judge_parity(merge_parity_states([empty, empty]))
-    assert not nothing.passed and "no batches" in nothing.failures[0]
+    assert not nothing.passed and nothing.failures[0].kind == NO_BATCHES
 
 
 def test_ranks_with_different_class_counts_fail_instead_of_mixing_accuracies() -> None:
@@ -247,7 +250,7 @@ def test_ranks_with_different_class_counts_fail_instead_of_mixing_accuracies() -
     b = measure_parity(model, model, _batches(8))
     b.num_classes = 5
     report = judge_parity(merge_parity_states([a, b]))
-    assert not report.passed and any("disagree on the number of classes" in f for f in report.failures)
+    assert not report.passed and any(f.kind == CLASS_WIDTHS_DISAGREE for f in report.failures), report.failures
 
 
 def test_parity_never_makes_a_torchmetrics_collective(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 import lightning_helpers as H
-from fx_lightning import ConfigError, ParityError, fuse
+from fx_lightning import ConfigError, fuse
 from fx_lightning.batches import extract_input, extract_labels
 from fx_lightning.parity import ParityReport, RelativeMaxError, check_parity
+from fx_lightning.notes import TEXT
+from fx_lightning.parity.gate import GATE_MISSED, NO_BATCHES, OUTPUT_STRUCTURE
 
 
 def pick_second(batch: Any) -> Any:
@@ -119,8 +121,9 @@ def test_relative_error_matches_a_hand_computation_and_fails_the_gate() -> None:
     assert report.metrics["relative_max_error"] == pytest.approx(expected, rel=1e-9)
     assert report.metrics["mean_absolute_error"] == pytest.approx((cands - refs).abs().mean().item(), rel=1e-9)
     assert not report.passed
-    failure = next(f for f in report.failures if f.startswith("relative_max_error"))
-    assert "parity.rtol" in failure and "0.0001" in failure and f"{expected:.6g}"[:4] in failure
+    failure = next(f for f in report.failures if f.kind == GATE_MISSED and f["metric"] == "relative_max_error")
+    assert failure["key"] == "parity.rtol" and failure["threshold"] == 0.0001
+    assert failure["value"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_gate_is_relative_to_the_reference_scale() -> None:
@@ -166,7 +169,8 @@ def test_top1_agreement_is_micro_averaged() -> None:
     # macro averaging would give (1.0 + 0.0) / 2 = 0.5
     assert report.metrics["top1_agreement"] == pytest.approx(0.9)
     assert not report.passed
-    assert any("top1_agreement = 0.9" in f and "min_top1_agreement" in f for f in report.failures)
+    assert any(f.kind == GATE_MISSED and f["metric"] == "top1_agreement" and f["value"] == pytest.approx(0.9)
+               and f["key"] == "parity.min_top1_agreement" for f in report.failures), report.failures
 
 
 def test_near_ties_do_not_count_as_disagreement() -> None:
@@ -188,9 +192,10 @@ def test_accuracy_drop_against_labels() -> None:
     assert report.metrics["accuracy_reference"] == 1.0
     assert report.metrics["accuracy_fused"] == pytest.approx(0.7)
     assert report.metrics["accuracy_drop"] == pytest.approx(0.3)
-    assert [f for f in report.failures if f.startswith("accuracy_drop")] == [
-        "accuracy_drop = 0.3 > parity.max_accuracy_drop = 0.001"
-    ]
+    drops = [f for f in report.failures if f.kind == GATE_MISSED and f["metric"] == "accuracy_drop"]
+    assert len(drops) == 1, report.failures
+    assert drops[0]["value"] == pytest.approx(0.3) and drops[0]["relation"] == ">"
+    assert drops[0]["key"] == "parity.max_accuracy_drop" and drops[0]["threshold"] == 0.001
 
 
 def test_nan_output_fails_and_report_stays_json_safe() -> None:
@@ -205,14 +210,14 @@ def test_nan_output_fails_and_report_stays_json_safe() -> None:
 def test_no_batches_fails_with_a_reason() -> None:
     report = check_parity(_conv_model(), _conv_model(), [])
     assert not report.passed and report.batches == 0
-    assert "no batches" in report.failures[0]
+    assert report.failures[0].kind == NO_BATCHES
 
 
 def test_output_structure_mismatch_fails() -> None:
     model = _conv_model()
     report = check_parity(model, lambda x: (model(x), model(x)), _batches(1))
     assert not report.passed
-    assert "output structure" in report.failures[0]
+    assert report.failures[0].kind == OUTPUT_STRUCTURE
 
 
 def test_relative_max_error_metric_alone() -> None:
@@ -245,7 +250,7 @@ def test_whole_models_compare_the_target_on_its_recorded_inputs() -> None:
 
 def test_target_not_called_by_whole_model_is_an_error() -> None:
     lit = H.LitClassifier().eval()
-    with pytest.raises(ParityError, match="never called"):
+    with pytest.raises(ConfigError, match="never called"):
         check_parity(nn.Linear(2, 2), nn.Linear(2, 2), [torch.randn(2, 3, 8, 8)], whole_reference=lit,
                      whole_candidate=lit)
 
@@ -258,7 +263,8 @@ def test_dict_config_and_defaults_are_validated() -> None:
 
 
 def test_report_str_lists_figures_and_failures() -> None:
-    report = ParityReport(passed=False, metrics={"relative_max_error": 0.5}, failures=["x = 1 > y = 0"],
-                          batches=2, source="train", notes=["hello"])
+    failure = GATE_MISSED(metric="x", value=1, relation=">", key="y", threshold=0)
+    report = ParityReport(passed=False, metrics={"relative_max_error": 0.5}, failures=[failure],
+                          batches=2, source="train", notes=[TEXT(text="hello")])
     text = str(report)
     assert "FAILED" in text and "relative_max_error" in text and "FAIL: x = 1 > y = 0" in text and "train" in text

@@ -19,6 +19,7 @@ from fusion_helpers import (
     reference_fp64,
 )
 from fx_lightning import fuse
+from fx_lightning.capture import CAPTURE_PREFERRED_EXPORT
 from fx_lightning.passes.fold_math import bn_scale_shift, fold_bn_into_input, fold_bn_into_output
 
 MODES = ["fx", "export"]
@@ -134,7 +135,9 @@ def test_batchnorm_subclass_calling_torchs_forward_folds_through_export_in_auto_
     """torch's BatchNorm.forward branches on the input's rank, which symbolic tracing cannot follow: auto mode
     captures with torch.export instead, and the BatchNorm folds (the +1 stays)."""
     result = check(seq(nn.Conv2d(3, 5, 3), BNPlusOne(5)), torch.randn(2, 3, 7, 7), bn_after=0, mode="auto")
-    assert result.report.capture_mode == "export" and "BNPlusOne" in result.report.notes[0]
+    note = result.report.notes[0]
+    assert result.report.capture_mode == "export" and note.kind == CAPTURE_PREFERRED_EXPORT
+    assert "BNPlusOne" in note["modules"]  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("config", [{}, {"trace": {"leaf_modules": [f"{__name__}:BNThenReLU"]}}])

@@ -22,6 +22,7 @@ from torch import nn
 from fusion_helpers import fingerprint, randomize_batchnorms, rel_err
 from zoo_models import ZOO
 from fx_lightning import fuse
+from fx_lightning.capture import CAPTURE_FELL_BACK
 from fx_lightning.batches import flat_tensors
 from fx_lightning.passes.bn_views import is_batchnorm_node
 
@@ -163,7 +164,9 @@ def test_a_wrong_symbolic_trace_falls_back_to_export_or_raises_in_fx_mode() -> N
 
     model, inputs = _build("monai/BasicUNet-2d")
     result = fuse(model, example_inputs=inputs)
-    assert result.report.capture_mode == "export" and "symbolic tracing" in result.report.notes[0]
+    note = result.report.notes[0]
+    assert result.report.capture_mode == "export" and note.kind == CAPTURE_FELL_BACK
+    assert note["what"] == "gave a graph that differs from the model"
     with pytest.raises(TraceError, match="unfaithful") as info:
         fuse(model, {"trace": {"mode": "fx"}}, example_inputs=inputs)
     assert "first difference at" in str(info.value) and "trace.mode: export" in str(info.value)

@@ -19,8 +19,11 @@ from fusion_helpers import randomize_batchnorms, reference_fp64, rel_err
 from fx_lightning import ExportError, load_fused
 from fx_lightning.config import load_config
 from fx_lightning.export import read_manifest
+from fx_lightning.export.manifest import ArtifactCheck
 from fx_lightning.export.selection import BenchTable, Timing, bench_export, select_fastest
+from fx_lightning.parity.gate import GATE_MISSED
 from fx_lightning.pipeline import Batches, fuse_verify_export
+from fx_lightning.pipeline.steps import SELECTED, VARIANT_GATED
 
 pytest.importorskip("torchao")
 
@@ -66,7 +69,7 @@ def served(tmp_path_factory) -> Dict[str, Any]:
                                                 "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5}})
     out = outcome.export_dir
     manifest = read_manifest(out)
-    specs = {name: {"dir": str(out), "format": name, "loader": "load_fused"} for name in manifest["formats"]}
+    specs = {name: {"dir": str(out), "format": name, "loader": "load_fused"} for name in manifest.formats}
     specs["selected"] = {"dir": str(out), "format": None, "loader": "load_fused"}
     inputs = [torch.randn(b, 3, 16, 16, generator=torch.Generator().manual_seed(b)) for b in (1, 7)]
     return {"model": model, "dir": out, "manifest": manifest, "outcome": outcome, "inputs": inputs,
@@ -75,21 +78,24 @@ def served(tmp_path_factory) -> Dict[str, Any]:
 
 def test_the_export_has_every_artifact_and_says_what_each_is_built_for(served):
     manifest = served["manifest"]
-    assert set(manifest["formats"]) == {"pt2", "onnx", "openvino", "aoti", "pt2-int8", "aoti-int8"}, \
-        manifest.get("failed_formats")
-    built = manifest["formats"]["aoti"]["built_for"]
+    assert set(manifest.formats) == {"pt2", "onnx", "openvino", "aoti", "pt2-int8", "aoti-int8"}, \
+        manifest.failed_formats
+    built = manifest.formats["aoti"].options["built_for"]
     assert built["isa"] == torch.backends.cpu.get_cpu_capability() and built["torch"] == torch.__version__
     assert built["compiler"] and built["machine"]
     for name in ("pt2-int8", "aoti-int8"):
-        gate = manifest["formats"][name]["gate"]
-        assert gate["passed"] and gate["metrics"]["top1_agreement"] >= 0.5 and "accuracy_drop" in gate["metrics"]
+        gate = manifest.formats[name].gate
+        assert gate is not None
+        assert gate.passed and gate.metrics["top1_agreement"] >= 0.5 and "accuracy_drop" in gate.metrics
 
 
 @pytest.mark.parametrize("name", ["pt2", "onnx", "openvino", "aoti", "aoti-int8", "pt2-int8", "selected"])
 def test_every_artifact_runs_in_a_fresh_process_at_batch_1_and_7(served, name):
     fresh = served["fresh"]
     assert fresh["bad_imports"] == [] and name not in fresh["errors"], fresh["errors"].get(name)
-    resolved = served["manifest"]["selected"]["format"] if name == "selected" else name
+    selected = served["manifest"].selected
+    assert selected is not None
+    resolved = selected.format if name == "selected" else name
     for x, out in zip(served["inputs"], fresh["results"][name]):
         ref = reference_fp64(served["model"], x)
         if resolved.endswith("int8"):  # lossy (the selection may pick a variant that passed its gate)
@@ -100,15 +106,16 @@ def test_every_artifact_runs_in_a_fresh_process_at_batch_1_and_7(served, name):
 
 def test_the_fastest_artifact_that_passed_is_selected_and_loaded_by_default(served):
     manifest = served["manifest"]
-    selected = manifest["selected"]
-    table = manifest["bench"]
-    passed = {n for n, c in table["checks"].items() if c["passed"]}
-    at = [t for t in table["timings"] if t["batch_size"] == selected["batch_size"] and t["artifact"] in passed]
-    assert selected["format"] == min(at, key=lambda t: t["median_ms"])["artifact"]
-    assert any(t["artifact"] == "eager" for t in table["timings"])  # timed against the unfused model
-    assert any("load_fused selects" in n for n in served["outcome"].notes)
+    selected = manifest.selected
+    table = manifest.bench
+    assert selected is not None and table is not None
+    passed = {n for n, c in table.checks.items() if c.passed}
+    at = [t for t in table.timings if t.batch_size == selected.batch_size and t.artifact in passed]
+    assert selected.format == min(at, key=lambda t: t.median_ms).artifact
+    assert any(t.artifact == "eager" for t in table.timings)  # timed against the unfused model
+    assert any(n.kind == SELECTED for n in served["outcome"].notes)
     default = load_fused(served["dir"])
-    chosen = load_fused(served["dir"], selected["format"])
+    chosen = load_fused(served["dir"], selected.format)
     assert type(default) is type(chosen)
 
 
@@ -120,8 +127,9 @@ def test_the_serve_example_loads_every_artifact_with_torch_alone(served):
     spec = importlib.util.spec_from_file_location("serve_example", Path(__file__).parents[1] / "examples" / "serve.py")
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
-    selected = served["manifest"]["selected"]["format"]  # may be an int8 variant: it passed its gate
-    for name in [None, *served["manifest"]["formats"]]:
+    assert served["manifest"].selected is not None
+    selected = served["manifest"].selected.format  # may be an int8 variant: it passed its gate
+    for name in [None, *served["manifest"].formats]:
         model = serve._load_with_torch(str(served["dir"]), name)
         lossy = (name or selected).endswith("int8")
         for x in served["inputs"]:
@@ -174,12 +182,16 @@ def test_int8_that_misses_its_gate_is_not_exported_and_the_fp32_model_is(tmp_pat
     outcome = _export(model, tmp_path / "exp", export={"formats": ["pt2"]},
                       passes={"quantize_int8": {"enabled": True, **gate}})
     manifest = read_manifest(outcome.export_dir)
-    assert list(manifest["formats"]) == ["pt2"] and not (outcome.export_dir / "int8").exists()
-    missed = manifest["variants"]["int8"]["pt2-int8"]
-    assert missed["passed"] is False
-    assert any(f"passes.quantize_int8.{key} = " in f for f in missed["failures"]), missed["failures"]
-    note = next(n for n in outcome.notes if n.startswith("pt2-int8 missed its gate"))
-    assert f"passes.quantize_int8.{key}" in note and "the fp32 artifacts stand" in note
+    assert list(manifest.formats) == ["pt2"] and not (outcome.export_dir / "int8").exists()
+    missed = {o.entry: o for o in manifest.variants["int8"]}["pt2-int8"]
+    assert missed.kept is False and missed.gate is not None, missed
+    assert missed.gate.passed is False
+    # Read back from the manifest, a failure is its declared kind again.
+    assert any(f.kind == GATE_MISSED and f["key"] == f"passes.quantize_int8.{key}"
+               for f in missed.gate.failures), missed.gate.failures
+    note = next(n for n in outcome.notes if n.kind == VARIANT_GATED and n["artifact"] == "pt2-int8"
+                and n["passed"] is False)
+    assert f"passes.quantize_int8.{key}" in note["verdict"] and "the fp32 artifacts stand" in note["consequence"]  # type: ignore[operator]
     x = _data(1)[0][0]
     assert rel_err(load_fused(outcome.export_dir)(x), reference_fp64(model, x)) <= 1e-5
 
@@ -188,8 +200,10 @@ def test_int8_within_its_gate_is_exported(tmp_path):
     outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["pt2"]},
                       passes={"quantize_int8": {"enabled": True, "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5}})
     manifest = read_manifest(outcome.export_dir)
-    assert "pt2-int8" in manifest["formats"] and manifest["formats"]["pt2-int8"]["gate"]["passed"]
-    assert any(n.startswith("pt2-int8 passed its gate") for n in outcome.notes)
+    assert "pt2-int8" in manifest.formats
+    gate = manifest.formats["pt2-int8"].gate
+    assert gate is not None and gate.passed
+    assert any(n.kind == VARIANT_GATED and n["artifact"] == "pt2-int8" and n["passed"] is True for n in outcome.notes)
 
 
 # ---------------------------------------------------------------------------------------- the selection
@@ -198,18 +212,20 @@ def test_int8_within_its_gate_is_exported(tmp_path):
 def _table(checks: Dict[str, bool], medians: Dict[str, float]) -> BenchTable:
     table = BenchTable(2, "AVX2", "x86_64", torch.__version__)
     table.timings = [Timing(name, 1, ms, ms, 10) for name, ms in medians.items()]
-    table.checks = {name: {"passed": ok} for name, ok in checks.items()}
+    table.checks = {name: ArtifactCheck(passed=ok) for name, ok in checks.items()}
     return table
 
 
 def test_selection_picks_the_fastest_artifact_that_passed():
     table = _table({"pt2": True, "onnx": True, "aoti": True}, {"eager": 5.0, "pt2": 4.0, "onnx": 2.5, "aoti": 3.0})
-    assert select_fastest(table, 1)["format"] == "onnx"
+    selected = select_fastest(table, 1)
+    assert selected is not None and selected.format == "onnx"
 
 
 def test_an_artifact_whose_outputs_disagree_is_never_selected():
     table = _table({"pt2": True, "onnx": False, "aoti": True}, {"eager": 0.5, "pt2": 4.0, "onnx": 1.0, "aoti": 3.0})
-    assert select_fastest(table, 1)["format"] == "aoti"  # neither the failed onnx nor the eager baseline
+    selected = select_fastest(table, 1)
+    assert selected is not None and selected.format == "aoti"  # neither the failed onnx nor the eager baseline
     assert select_fastest(_table({"pt2": False}, {"pt2": 1.0}), 1) is None
 
 
@@ -232,8 +248,9 @@ def test_bench_checks_each_artifact_on_the_saved_batch(tmp_path, monkeypatch):
     monkeypatch.setitem(FORMATS, "graph_module", dataclasses.replace(
         FORMATS["graph_module"], load=lambda *a: OffByOne(real(*a))))
     table = bench_export(outcome.export_dir, batch_sizes=[1], rounds=3, warmup=1)
-    assert table.checks["graph_module"]["passed"] is False and table.checks["pt2"]["passed"] is True
-    assert select_fastest(table, 1)["format"] == "pt2"
+    assert table.checks["graph_module"].passed is False and table.checks["pt2"].passed is True
+    selected = select_fastest(table, 1)
+    assert selected is not None and selected.format == "pt2"
 
 
 @pytest.mark.parametrize("compiled, size", [((1, 4), 7), ((4,), 6), ((8,), 3), ((2, 3), 5)])
@@ -269,10 +286,11 @@ def test_aoti_built_for_batch_1_is_checked_and_selectable_on_batches_of_8(tmp_pa
                       passes={"quantize_int8": {"enabled": True, "calibration_batches": 2,
                                                 "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5}})
     manifest = read_manifest(outcome.export_dir)
-    assert manifest["formats"]["aoti"]["packages"] == {"1": "batch_1.pt2"}
-    assert manifest["bench"]["checks"]["aoti"]["passed"], manifest["bench"]["checks"]["aoti"]
-    assert "aoti-int8" in manifest["formats"], manifest["variants"]
-    assert manifest["selected"]["format"] in {"aoti", "aoti-int8"}
+    assert manifest.formats["aoti"].options["packages"] == {"1": "batch_1.pt2"}
+    assert manifest.bench is not None
+    assert manifest.bench.checks["aoti"].passed, manifest.bench.checks["aoti"]
+    assert "aoti-int8" in manifest.formats, manifest.variants
+    assert manifest.selected is not None and manifest.selected.format in {"aoti", "aoti-int8"}
 
 
 def test_every_timed_call_is_preceded_by_a_settle_pause(tmp_path, monkeypatch):

@@ -121,15 +121,15 @@ def test_device_auto_is_where_training_ran_and_recorded(tmp_path: Path) -> None:
     trainer = _fit(tmp_path, H.LitClassifier(), fuse_cb)
     assert fuse_cb.preflight is not None and fuse_cb.preflight.device == str(trainer.strategy.root_device) == "cpu"
     manifest = read_manifest(fuse_cb.export_dir)
-    assert {entry["device"] for entry in manifest["formats"].values()} == {"cpu"}
-    assert manifest["inputs"][0]["device"] == "cpu"
+    assert {entry.device for entry in manifest.formats.values()} == {"cpu"}
+    assert manifest.inputs[0].device == "cpu"
 
 
 def test_unavailable_device_fails_before_training(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     model = H.LitClassifier()
-    with pytest.raises(ConfigError, match=r"stage 'device'.*device: 'cuda' is not available") as info:
+    with pytest.raises(ConfigError, match=r"(?s)stage 'device'.*device: 'cuda' is not available") as info:
         _fit(tmp_path, model, FXFuseCallback(device="cuda"))
     assert model.training_steps == 0 and "Fix:" in str(info.value)
     with pytest.raises(ConfigError, match="device: 'gpu' is not a torch device"):

@@ -80,7 +80,7 @@ class TensorSpec:
     """One input or output: a tensor (shape with ``"batch"`` on a dynamic batch axis) or another value."""
 
     name: str
-    kind: str = "tensor"  # "tensor", else the Python type of a non-tensor input
+    kind: Optional[str] = None  # inputs: "tensor", else the Python type of a non-tensor input; outputs: none
     shape: Optional[List[Union[int, str]]] = None
     dtype: Optional[str] = None
     example_shape: Optional[List[int]] = None
@@ -394,7 +394,7 @@ def _output_specs(ctx: WriteContext) -> List[TensorSpec]:
         shape: List[Union[int, str]] = list(t.shape)
         if ctx.dynamic_shapes is not None and shape and shape[0] == batch:
             shape[0] = "batch"
-        specs.append(TensorSpec(f"output_{i}", "tensor", shape, dtype_name(t.dtype)))
+        specs.append(TensorSpec(f"output_{i}", None, shape, dtype_name(t.dtype)))
     return specs
 
 

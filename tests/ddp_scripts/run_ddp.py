@@ -136,7 +136,8 @@ def main(scenario: str, out: Path) -> None:
         "skipped": fuse_cb.skipped,
         "passed": report.passed if report is not None else None,
         "parity": report.to_dict() if report is not None else None,
-        "notes": list(fuse_cb.outcome.notes) if fuse_cb.outcome is not None else [],
+        # Each note as its JSON view: {"kind", "facts", "text"}.
+        "notes": [n.to_dict() for n in fuse_cb.outcome.notes] if fuse_cb.outcome is not None else [],
         "export_dir": str(fuse_cb.export_dir) if fuse_cb.export_dir is not None else None,
         "export_writes": writes,
         "fused_hash": _hash_tensors(list(result.graph_module.state_dict().values())) if result is not None else None,

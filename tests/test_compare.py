@@ -1,0 +1,87 @@
+"""compare_outputs: the one answer to "does this output match its reference?" (capture, module checks, export
+round trip, selection, parity gate): structure first (count, nesting, shapes, dtypes), then relative error."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+from fx_lightning.parity.compare import ROUNDING_RTOL, RUNTIME_FACTOR, compare_outputs, rounding_tolerance
+
+
+def test_equal_outputs_pass_with_their_dtypes_rounding() -> None:
+    want = (torch.randn(2, 3), {"a": torch.randn(4)})
+    got = (want[0] * (1 + 5e-6), {"a": want[1]["a"].clone()})
+    result = compare_outputs(got, want)
+    assert result.passed and result.outputs == 2 and result.tolerance == ROUNDING_RTOL[torch.float32]
+    assert 0 < result.relative_error < 1e-5
+
+
+def test_relative_error_is_against_the_references_scale() -> None:
+    want = torch.tensor([1000.0, 1.0])
+    got = torch.tensor([1000.0, 1.5])  # 0.5 off where the scale is 1000: 5e-4 relative
+    result = compare_outputs(got, want)
+    assert result.relative_error == pytest.approx(5e-4)
+    assert not result.passed and "differs from the reference by 0.0005" in result.describe()
+    assert compare_outputs(got, want, rtol=1e-3).passed
+
+
+@pytest.mark.parametrize("got, want, fragment", [
+    ((torch.ones(2),), (torch.ones(2), torch.ones(2)), "1 tensor(s), the reference 2"),
+    ([torch.ones(2), [torch.ones(2)]], [[torch.ones(2)], torch.ones(2)], "is a tensor, the reference's is a sequence"),
+    ({"a": torch.ones(1)}, {"b": torch.ones(1)}, "has keys ['a'], the reference's ['b']"),
+    (torch.ones(2, 3), torch.ones(3, 2), "output 0 has shape (2, 3), the reference's (3, 2)"),
+    (torch.ones(2), torch.ones(2, dtype=torch.float64), "output 0 is float32, the reference's float64"),
+])
+def test_structure_mismatches_are_named(got: object, want: object, fragment: str) -> None:
+    result = compare_outputs(got, want)
+    assert not result.passed and result.relative_error == float("inf")
+    assert result.mismatch is not None and fragment in result.mismatch
+
+
+def test_flat_comparison_ignores_nesting_only() -> None:
+    want = {"logits": torch.ones(2, 3), "aux": [torch.zeros(2)]}
+    got = (torch.ones(2, 3), torch.zeros(2))  # a runtime (ONNX Runtime) returns its outputs flat
+    assert not compare_outputs(got, want).passed
+    assert compare_outputs(got, want, nested=False).passed
+
+
+def test_named_tuples_and_dataclass_outputs_are_compared_by_their_fields() -> None:
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        hidden: torch.Tensor
+
+    x = torch.randn(3)
+    assert compare_outputs(Pair(x, x), (x, x)).passed  # a named tuple is a sequence
+    assert compare_outputs(Output(x, x), {"logits": x, "hidden": x}).passed
+    assert not compare_outputs(Output(x, x), {"logits": x, "hidden": x + 1}).passed
+
+
+def test_nans_must_sit_where_the_reference_has_them() -> None:
+    want = torch.tensor([1.0, float("nan"), 3.0])
+    assert compare_outputs(want.clone(), want).passed
+    moved = torch.tensor([float("nan"), 2.0, 3.0])
+    result = compare_outputs(moved, want)
+    assert not result.passed and "NaNs where the reference has none" in result.describe()
+
+
+def test_integer_outputs_must_be_equal() -> None:
+    want = torch.tensor([1, 2, 3])
+    assert compare_outputs(want.clone(), want).passed
+    assert not compare_outputs(torch.tensor([1, 2, 4]), want).passed
+
+
+def test_an_artifacts_tolerance_grows_with_the_fused_models_own_error() -> None:
+    assert rounding_tolerance(torch.float32) == 1e-5
+    assert rounding_tolerance(torch.float32, own_error=1e-5) == pytest.approx(RUNTIME_FACTOR * 1e-5)
+    assert rounding_tolerance(torch.bfloat16) == 2e-2
+    want = torch.ones(4)
+    got = want * (1 + 5e-5)
+    assert not compare_outputs(got, want).passed
+    assert compare_outputs(got, want, own_error=1e-5).passed
