@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fx_lightning import FXFuseCallback
+from machine import cpu_description  # benchmarks/machine.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [run(m, mode, Path(args.root)) for m in args.models for mode in ("full", "capture")]
-    table = Table(title=f"preflight cost, torch {torch.__version__}, {args.threads} threads, {platform.machine()}")
+    table = Table(title=f"preflight cost, torch {torch.__version__}, {args.threads} threads, {cpu_description()}")
     for col in ("model", "input", "preflight", "seconds", "one training step s", "end of fit s", "x epoch"):
         table.add_column(col)
     for r in rows:
@@ -145,7 +145,7 @@ def markdown(rows: List[Dict[str, Any]], threads: int) -> str:
         epoch = r["train_step_s"] * r["epoch_steps"]
         lines.append(f"| {r['model']} | {r['input']} | {r['preflight_mode']} | {r['preflight_s']:.2f} | "
                      f"{r['train_step_s']:.3f} | {r['end_of_fit_s']:.2f} | {r['preflight_s'] / epoch:.2f} |")
-    lines.append(f"\ntorch {torch.__version__}, {threads} threads, {platform.machine()}, CPU only; "
+    lines.append(f"\ntorch {torch.__version__}, {threads} threads, {cpu_description()}, CPU only; "
                  "end of fit = fuse + parity (2 batches) + export (graph_module, pt2).")
     return "\n".join(lines) + "\n"
 

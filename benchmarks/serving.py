@@ -54,6 +54,7 @@ from fx_lightning.export.manifest import ArtifactCheck, BenchTable
 from fx_lightning.export.writer import require_formats
 from fx_lightning.passes.quantize import QuantizeInt8Options
 from fx_lightning.pipeline import Batches, fuse_verify_export
+from machine import cpu_description  # benchmarks/machine.py
 
 MODELS = ["resnet18", "resnet50", "mobilenet_v3_large", "efficientnet_b0"]
 ORDER = ["eager", "torch.compile", "fused", "pt2", "pt2+compile", "onnx", "openvino", "aoti", "pt2-int8+compile",
@@ -188,7 +189,7 @@ def _metric(gates: Dict[str, Dict[str, float]], artifact: str, key: str) -> Opti
 
 
 def to_markdown(results: List[Dict], meta: Dict) -> str:
-    lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']} ({meta['isa']}), input "
+    lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, input "
              f"{meta['size']}x{meta['size']}, median of {meta['rounds']} interleaved rounds in shuffled order. "
              "Speed-up = eager (or torch.compile) median / this median; error: max|out - ref| / max|ref| against "
              "an fp64 copy of the unfused model. int8: strict top-1 agreement and the lowest per-sample cosine "
@@ -219,7 +220,7 @@ SUMMARY = ["torch.compile", "fused", "pt2", "pt2+compile", "onnx", "openvino", "
 
 def to_summary(results: List[Dict], meta: Dict) -> str:
     """The README's table: speed-up over eager per artifact, and what the selection picks (fp32) with its error."""
-    lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']} ({meta['isa']}), input "
+    lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, input "
              f"{meta['size']}x{meta['size']}, median of {meta['rounds']} interleaved rounds; speed-up over eager. "
              f"sgemm limit: eager over the model's FLOPs at this machine's sgemm rate ({_sgemm(meta)}).",
              "",
@@ -279,7 +280,7 @@ def main(argv: List[str]) -> int:
     results = [bench_model(m, args.batches, args.rounds, args.size, not args.no_int8, console, sgemm)
                for m in args.models]
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "isa": results[0]["isa"],
-            "cpu": _cpu_name(), "machine": platform.machine(), "size": args.size, "rounds": args.rounds,
+            "cpu": cpu_description(), "machine": platform.machine(), "size": args.size, "rounds": args.rounds,
             "sgemm_gflops": sgemm / 1e9}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     write_tables(out, results, meta)
@@ -298,16 +299,6 @@ def write_tables(out: Path, results: List[Dict], meta: Dict) -> None:
     """OUT.md (every row) and OUT_summary.md (the README's table)."""
     out.with_suffix(".md").write_text(to_markdown(results, meta))
     out.with_name(out.name + "_summary.md").write_text(to_summary(results, meta))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
