@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, T
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from fx_lightning._imports import import_object
 from fx_lightning.errors import ConfigError
@@ -153,10 +152,23 @@ def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
     return tuple(example_inputs)
 
 
+def _rebuilt(like: Any, items: List[Any]) -> Any:
+    """A sequence of ``like``'s kind holding ``items``: a named tuple, a tuple or a list."""
+    if isinstance(like, tuple) and hasattr(like, "_make"):
+        return like._make(items)
+    return tuple(items) if isinstance(like, tuple) else list(items)
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor nested in the containers torch's pytree knows: tuples, lists,
-    named tuples, dicts and the types libraries register (Hugging Face ``ModelOutput``)."""
-    return pytree.tree_map_only(torch.Tensor, fn, value)
+    """``value`` with ``fn`` applied to every tensor nested in tuples, lists, named tuples and mappings (any
+    ``Mapping``: a dict, an OrderedDict, Hugging Face's ``BatchEncoding``, a UserDict; each becomes a dict)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return _rebuilt(value, [map_tensors(fn, v) for v in value])
+    if isinstance(value, Mapping):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    return value
 
 
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
@@ -251,8 +263,11 @@ def with_batch_size(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
 def concat_outputs(parts: Sequence[Any]) -> Any:
     """Outputs of one model on consecutive pieces of a batch, joined into the output on the whole batch: every
     batched tensor (nested as in ``map_tensors``) concatenated along dim 0; anything else taken from the first."""
-    flat = [pytree.tree_flatten(part)[0] for part in parts]
-    spec = pytree.tree_flatten(parts[0])[1]
-    joined = [torch.cat([leaves[i] for leaves in flat]) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else leaf
-              for i, leaf in enumerate(flat[0])]
-    return pytree.tree_unflatten(joined, spec)
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts)) if first.dim() > 0 else first
+    if isinstance(first, (tuple, list)):
+        return _rebuilt(first, [concat_outputs([p[i] for p in parts]) for i in range(len(first))])
+    if isinstance(first, Mapping):
+        return {k: concat_outputs([p[k] for p in parts]) for k in first}
+    return first

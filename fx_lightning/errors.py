@@ -38,6 +38,11 @@ class FXLightningError(RuntimeError):
         self.context: List[str] = []
         self.step: Optional[str] = None
 
+    def within(self, place: str) -> "FXLightningError":
+        """Say where it happened, in front of the cause (``export to DIR failed: ...``); returns the error itself."""
+        self.message = f"{place}: {self.message}"
+        return self
+
     def add_context(self, headline: Optional[str] = None, after: Sequence[str] = ()) -> "FXLightningError":
         """Put ``headline`` before the message and ``after`` below it; returns the error itself (raise it again)."""
         if headline is not None:

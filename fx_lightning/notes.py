@@ -37,11 +37,11 @@ _DECLARED: Dict[str, "NoteKind"] = {}
 
 @dataclass(frozen=True)
 class NoteKind:
-    """One kind of note: its name (stable, recorded in manifests) and the sentence that renders it, a
-    ``str.format`` template over its facts. Declaring two kinds of one name is an error."""
+    """One kind of note: its name (stable, recorded in manifests; what kinds compare by) and the sentence that
+    renders it, a ``str.format`` template over its facts. Declaring two kinds of one name is an error."""
 
     name: str
-    template: str
+    template: str = field(compare=False)
     declared: bool = field(default=True, compare=False, repr=False)  # False: rebuilt from a manifest's text
 
     def __post_init__(self) -> None:

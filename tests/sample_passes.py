@@ -51,3 +51,12 @@ def value_gate(x):
     if float(x.abs().sum()) >= 0:  # data-dependent: torch.export cannot specialise on it
         return x
     return -x
+
+
+# What record_dtypes saw, in call order: the dtype of the graph's floating parameters each time it ran.
+SEEN_DTYPES: list = []
+
+
+def record_dtypes(gm: fx.GraphModule, options: dict, ctx) -> None:
+    """Changes nothing; records the dtype the graph's weights are in (the preflight's run, then the end of fit's)."""
+    SEEN_DTYPES.append(next(p.dtype for p in gm.parameters() if p.is_floating_point()))

@@ -86,7 +86,7 @@ def test_ddp_happy_path_every_rank_checks_its_shard_rank_zero_exports(tmp_path: 
     assert r[0]["parity"]["batches"] == 4 and r[0]["parity"]["metrics"]["samples"] == 32
     # Each rank read its own shard: 32 validation samples / 2 ranks / batch 8.
     assert any(n["kind"] == PARITY_MERGED.name and n["facts"]["ranks"] == 2
-               and n["facts"]["shares"] == "rank 0: 2, rank 1: 2" for n in r[0]["notes"]), r[0]["notes"]
+               and n["facts"]["batches"] == [2, 2] for n in r[0]["notes"]), r[0]["notes"]
     # Only rank 0 wrote (its preflight's temporary export before training, then the export), into the log_dir
     # every rank agreed on; the export is complete and loads.
     preflight, real = _split_writes(r[0]["export_writes"])

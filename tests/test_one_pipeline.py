@@ -251,3 +251,120 @@ def test_a_failing_selection_leaves_nothing(tmp_path: Path, monkeypatch: pytest.
         _export(tmp_path, {"export": {"formats": ["pt2"], "select": "fastest"}})
     assert info.value.step == "selection"
     assert not (tmp_path / "fused").exists() and not list(tmp_path.glob(".fused*"))
+
+
+# ------------------------------------------------------------------ the preflight leaves the run as it was
+
+
+def _trained_weights(tmp_path: Path, callbacks: List[Any]) -> Dict[str, torch.Tensor]:
+    pl.seed_everything(0, verbose=False)
+    model = H.LitClassifier()
+    train, val = H.loaders()  # shuffled training data: the RNG decides the batches
+    H.make_trainer(tmp_path, callbacks).fit(model, train, val)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_preflight_does_not_change_the_training_run(tmp_path: Path) -> None:
+    """The preflight reads loaders and runs the model (every DataLoader iterator draws a seed): with the caller's
+    RNG streams restored, the same seed trains the same weights with and without the callback."""
+    alone = _trained_weights(tmp_path / "alone", [])
+    fused = _trained_weights(tmp_path / "fused", [FXFuseCallback(export={"formats": ["pt2"]})])
+    assert alone.keys() == fused.keys()
+    assert all(torch.equal(alone[k], fused[k]) for k in alone), [k for k in alone if not torch.equal(alone[k], fused[k])]
+
+
+def test_the_preflight_sees_the_precision_training_converts_to(tmp_path: Path) -> None:
+    """bf16-true converts the module after the callbacks' setup: the preflight runs after it, as the end of fit."""
+    import sample_passes
+
+    sample_passes.SEEN_DTYPES.clear()
+    cb = FXFuseCallback(passes={"extra": ["sample_passes:record_dtypes"]}, export={"formats": ["pt2"]})
+    H.make_trainer(tmp_path, [cb], precision="bf16-true").fit(H.LitClassifier(), *H.loaders())
+    assert sample_passes.SEEN_DTYPES == [torch.bfloat16, torch.bfloat16]  # the preflight's run, the end of fit's
+
+
+def test_an_export_directory_that_holds_the_checkpoints_stops_before_training(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = H.LitClassifier()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "run" / "checkpoints")
+    cb = FXFuseCallback(export={"dir": str(tmp_path / "run")})  # replacing it would take the checkpoints along
+    with pytest.raises(ExportError) as info:
+        H.make_trainer(tmp_path, [ckpt, cb]).fit(model, *H.loaders())
+    assert "stage 'export directory'" in str(info.value) and "checkpoint" in str(info.value)
+    assert model.training_steps == 0
+
+
+def test_an_int8_pass_that_fails_after_training_leaves_the_fp32_export(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from fx_lightning.pipeline.steps import VARIANT_FAILED
+
+    _hide_module(monkeypatch, "torchao")
+    cb = FXFuseCallback(passes={"quantize_int8": {"enabled": True}}, export={"formats": ["pt2"]}, preflight="off")
+    H.make_trainer(tmp_path, [cb]).fit(H.LitClassifier(), *H.loaders())
+    assert cb.export_dir is not None and list(read_manifest(cb.export_dir).formats) == ["pt2"]
+    note = next(n for n in cb.outcome.notes if n.kind == VARIANT_FAILED)  # type: ignore[union-attr]
+    assert note["artifact"] == "quantize_int8" and "torchao" in str(note["error"])
+
+
+def test_export_dir_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = fuse_verify_export(H.LitClassifier(), load_config({"export": {"formats": ["pt2"]}}),
+                             Batches(list(H.loaders()[1]), "val"), export_dir="relative/fused")
+    assert out.export_dir == tmp_path / "relative" / "fused" and out.export_dir.is_absolute()
+
+
+def test_mappings_of_any_kind_carry_their_tensors_to_the_model() -> None:
+    """Hugging Face's BatchEncoding is a UserDict: its tensors must still be moved and cast."""
+    from collections import UserDict
+
+    from fx_lightning.batches import to_model
+
+    moved = to_model(UserDict({"pixel_values": torch.ones(2, 3)}), None, torch.float64)
+    assert moved["pixel_values"].dtype == torch.float64
+
+
+def test_a_richer_version_1_export_still_loads_with_its_notes_and_variants() -> None:
+    """tests/data/export_v1_rich (make_export_v1_rich.py): notes, parity notes, a failed int8 gate, provenance."""
+    from fx_lightning.notes import TEXT
+
+    root = DATA / "export_v1_rich"
+    manifest = read_manifest(root)
+    assert manifest.format_version == 1 and set(manifest.formats) == {"graph_module", "pt2", "onnx"}
+    assert [str(n) for n in manifest.report["notes"]] == ["captured with torch.export (ATen-level graph)"]  # type: ignore[index]
+    assert manifest.parity is not None and [n.kind for n in manifest.parity.notes] == [TEXT]
+    assert str(manifest.parity.notes[0]) == "no integer labels in the batches: accuracy not measured"
+    (missed,) = manifest.variants["int8"]
+    assert missed.entry == "pt2-int8" and not missed.kept and missed.gate is not None
+    assert str(missed.gate.failures[0]).startswith("cosine_similarity_min = 0.999902 < passes.quantize_int8.min_cosine")
+    origin = manifest.provenance
+    assert origin.weights is not None and origin.weights.global_step == 8
+    assert origin.preflight is not None and origin.preflight.seconds == 1.25
+    assert origin.lightning_module == "my_pkg.models.Classifier" and origin.other == {"my_own_key": [1, 2]}
+    again = Manifest.from_dict(manifest.to_dict())  # written back as version 2, read again: the same records
+    assert again.to_dict() == manifest.to_dict() and manifest.to_dict()["format_version"] == FORMAT_VERSION
+    saved = torch.load(DATA / "export_v1_rich_inputs.pt", weights_only=True)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 3))
+    model.load_state_dict(saved["model"])
+    x = saved["batches"][0]
+    for fmt in ("graph_module", "pt2", "onnx"):
+        assert H.rel_err(load_fused(root, fmt)(x), H.fp64_copy(model)(x.double())) < 1e-5
+
+
+def test_the_selection_is_written_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the variants test above, with the selection alone (no torchao needed)."""
+    from fx_lightning.export import atomic
+
+    at_rename: List[Dict[str, Any]] = []
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if Path(dst).name == "fused":
+            at_rename.append(json.loads((Path(src) / "manifest.json").read_text()))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    root = _export(tmp_path, {"export": {"formats": ["pt2", "graph_module"], "select": "fastest"}})
+    assert len(at_rename) == 1 and at_rename[0]["selected"] is not None and at_rename[0]["bench"]["timings"]
+    assert json.loads((root / "manifest.json").read_text()) == at_rename[0]

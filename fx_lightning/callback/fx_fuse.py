@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from fx_lightning.callback.preflight import FIXES, check_before_fit, target_pending
+from fx_lightning.callback.preflight import FIXES, check_before_fit
 from fx_lightning.callback.ranks import fuse_after_fit, unsupported_strategy
 from fx_lightning.callback.trainer_data import checkpoint_message, fuse_metrics, log_metrics
 from fx_lightning.config import ExportConfig, FuseConfig, OnError, ParityConfig, PassesConfig, TraceConfig, load_config
@@ -80,7 +80,6 @@ class FXFuseCallback(Callback):
         self.error: Optional[BaseException] = None
         self.skipped: Optional[str] = None
         self.preflight: Optional[PreflightReport] = None
-        self._preflight_pending = False
         self._raised: Optional[BaseException] = None
 
     # ------------------------------------------------------------------------------ before training
@@ -96,19 +95,12 @@ class FXFuseCallback(Callback):
                 "step. Train with strategy='ddp' (or on one device), or remove FXFuseCallback and fuse the "
                 "consolidated checkpoint afterwards (fx-lightning fuse CKPT --model ...).")
             self._refuse_before_fit(Failure(error), f"unsupported strategy: {unsupported}")
-            return
-        # The target may be built by LightningModule.setup/configure_model, which run after this hook:
-        # then check at on_fit_start, still before the first training step.
-        self._preflight_pending = target_pending(pl_module, self.config)
-        if not self._preflight_pending:
-            self._preflight(trainer, pl_module)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._preflight_pending:
-            self._preflight_pending = False
-            self._preflight(trainer, pl_module)
-
-    def _preflight(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # After Lightning's setup (configure_model run, the module on its device and in the precision it trains
+        # in), before the sanity check and the first step: the preflight sees the module the end of fit will.
+        if self.skipped is not None:
+            return
         self.preflight, failure = check_before_fit(trainer, pl_module, self.config)
         if failure is not None:
             stage = failure.step or "preflight"

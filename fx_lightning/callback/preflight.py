@@ -13,12 +13,14 @@ on one rank stops every rank before training.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -26,74 +28,95 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from fx_lightning.batches import as_args, extract_input, flat_tensors
 from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.callback.trainer_data import export_directory, parity_batches
+from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
-from fx_lightning.errors import ConfigError, ExportError, FXLightningError
-from fx_lightning.pipeline import Batches, Destination, Failure, Mode, Source, resolve_device, resolve_target, run_pipeline
+from fx_lightning.errors import ConfigError, ExportError
+from fx_lightning.export.formats import FORMATS
+from fx_lightning.export.writer import refuse_existing, require_formats
+from fx_lightning.passes import Stage, builtin_passes
+from fx_lightning.pipeline import (
+    Batches,
+    Destination,
+    Failure,
+    Mode,
+    Source,
+    Step,
+    in_step,
+    own_rng,
+    resolve_device,
+    resolve_target,
+    run_pipeline,
+)
+from fx_lightning.pipeline.targets import refuse_protected
 from fx_lightning.provenance import PreflightReport
 
-__all__ = ["PreflightReport", "FIXES", "target_pending", "check_before_fit", "preflight_source"]
+__all__ = ["PreflightReport", "FIXES", "check_before_fit", "rehearsal_config", "preflight_source",
+           "preflight_batches"]
 
 # What to do about a failure at each stage (the error itself says what failed).
-FIXES: Dict[str, str] = {
-    "device": "set device: auto (where training runs) or cpu",
-    "target": "point target at a submodule that the LightningModule's forward calls",
-    "weights": "add a ModelCheckpoint that saves (monitor=..., save_top_k >= 1) or use weights: last",
-    "export directory": "choose an export.dir that can be created and written (or set export.enabled: false)",
-    "export dependencies": "install what is named above, or drop that format from export.formats",
-    "parity input": "set parity.input to the key, index or 'pkg.module:function' that gives forward's input, "
-                    "or give the LightningModule an example_input_array",
-    "capture": "see the fixes listed above (trace.mode, trace.leaf_modules, trace.autowrap_functions)",
-    "passes": "fix the pass named above, or disable it under passes",
-    "parity": "check parity.input and the model's outputs (the gate itself is applied after training only)",
-    "export": "drop the failing format from export.formats, or fix what the error names",
-    "variants": "install what the variant needs (pip install 'fx-lightning[int8]' for quantize_int8), or disable it "
-                "under passes",
-    "selection": "drop the artifact that cannot run from export.formats, or set export.select: preference",
+FIXES: Dict[Step, str] = {
+    Step.device: "set device: auto (where training runs) or cpu",
+    Step.target: "point target at a submodule that the LightningModule's forward calls",
+    Step.weights: "add a ModelCheckpoint that saves (monitor=..., save_top_k >= 1) or use weights: last",
+    Step.export_directory: "choose an export.dir that can be created and written, outside the checkpoint "
+                           "directory (or set export.enabled: false)",
+    Step.export_dependencies: "install what is named above, or drop that format from export.formats",
+    Step.parity_input: "set parity.input to the key, index or 'pkg.module:function' that gives forward's input, "
+                       "or give the LightningModule an example_input_array",
+    Step.capture: "see the fixes listed above (trace.mode, trace.leaf_modules, trace.autowrap_functions)",
+    Step.passes: "fix the pass named above, or disable it under passes",
+    Step.parity: "check parity.input and the model's outputs (the gate itself is applied after training only)",
+    Step.export: "drop the failing format from export.formats, or fix what the error names",
+    Step.variants: "install what the variant needs (pip install 'fx-lightning[int8]' for quantize_int8), or disable "
+                   "it under passes",
+    Step.selection: "drop the artifact that cannot run from export.formats, or set export.select: preference",
 }
-
-
-def target_pending(pl_module: "pl.LightningModule", config: FuseConfig) -> bool:
-    """True when the target (or the default ``backbone``) may not exist yet: ``LightningModule.setup`` and
-    ``configure_model`` run after the callback's ``setup`` and may build it."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    if not (is_overridden("configure_model", pl_module) or is_overridden("setup", pl_module)):
-        return False
-    try:
-        path, _ = resolve_target(pl_module, config.target)
-    except ConfigError:
-        return True
-    return path == "" and config.target is None
 
 
 def check_before_fit(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig
 ) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
     """Run the preflight on this rank, with the other ranks: the report, or the failure every rank gets (the
-    lowest failing rank's, naming it)."""
+    lowest failing rank's, naming it). The caller's random number streams are left as they were: the preflight
+    reads loaders and runs the model, and must not change the training run that follows."""
     if config.preflight is Preflight.off:
         return None, None
     log_dir = trainer.log_dir  # a collective under DDP: first, on every rank
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fx_fused_preflight_") as tmp:
-        outcome = run_pipeline(
-            rehearsal_config(config), lambda: preflight_source(trainer, pl_module, config, log_dir),
-            Destination(Path(tmp) / "fx_fused"), collectives=StrategyCollectives(trainer), mode=Mode.rehearsal)
+    staging, staging_error = _temporary_directory()
+    try:
+        with own_rng(pl_module, trainer.strategy.root_device):
+            outcome = run_pipeline(
+                rehearsal_config(config), lambda: preflight_source(trainer, pl_module, config, log_dir, staging_error),
+                Destination(staging / "fx_fused" if staging is not None else None),
+                collectives=StrategyCollectives(trainer), mode=Mode.rehearsal)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     if outcome.failure is not None:
         return None, outcome.failure
-    steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != "passes"]
+    steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != Step.passes]
     return PreflightReport(config.preflight.value, time.perf_counter() - start, _device_name(trainer, config),
                            steps), None
 
 
+def _temporary_directory() -> Tuple[Optional[Path], Optional[OSError]]:
+    """Where the rehearsal exports, or why it cannot be made: the error travels to every rank with the rest."""
+    try:
+        return Path(tempfile.mkdtemp(prefix="fx_fused_preflight_")), None
+    except OSError as exc:
+        return None, exc
+
+
 def rehearsal_config(config: FuseConfig) -> FuseConfig:
-    """The config the preflight runs: as given for ``full``; for ``capture``, capture alone (no pass, parity or
-    export)."""
+    """The config the preflight runs: as given for ``full``; for ``capture``, what the end of fit runs up to the
+    capture (the module passes, which change the module before it is captured), no graph pass, parity or export."""
     if config.preflight is not Preflight.capture:
         return config
     passes = config.passes
+    module_stage = {spec.name for spec in builtin_passes() if spec.stage is Stage.module}
     off = {f.name: dataclasses.replace(getattr(passes, f.name), enabled=False) for f in dataclasses.fields(passes)
-           if f.name != "extra"}
+           if f.name != "extra" and f.name not in module_stage}
     return dataclasses.replace(config, passes=dataclasses.replace(passes, extra=[], **off),
                                parity=dataclasses.replace(config.parity, enabled=False),
                                export=dataclasses.replace(config.export, enabled=False))
@@ -104,44 +127,33 @@ def _device_name(trainer: "pl.Trainer", config: FuseConfig) -> Optional[str]:
     return str(device) if device is not None else None
 
 
-@contextlib.contextmanager
-def _stage(name: str, checked: List[str]) -> Iterator[None]:
-    """Name the stage in an error leaving the block (a foreign one is wrapped once); record success."""
-    try:
-        yield
-    except FXLightningError as exc:
-        exc.step = exc.step or name
-        raise
-    except Exception as exc:
-        error = FXLightningError(f"{type(exc).__name__}: {exc}")
-        error.step = name
-        raise error from exc
-    checked.append(name)
-
-
 def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-                     log_dir: Optional[str]) -> Source:
+                     log_dir: Optional[str], staging_error: Optional[OSError] = None) -> Source:
     """The checks that need no model run, then the untrained model with the batches the end of fit will use."""
-    checked: List[str] = []
-    with _stage("device", checked):
+    with in_step(Step.device):
         device = resolve_device(config.device, trainer.strategy.root_device)
-    with _stage("target", checked):
+    with in_step(Step.target):
         resolve_target(pl_module, config.target)
+    checked = [Step.device.value, Step.target.value]
     if config.preflight is Preflight.full:
-        with _stage("weights", checked):
-            _check_weights(trainer, config)
+        with in_step(Step.weights):
+            _check_weights(trainer, pl_module, config)
+        checked.append(Step.weights.value)
         if config.export.enabled:
-            with _stage("export directory", checked):
-                _probe_writable(export_directory(trainer, config, log_dir), config.export.overwrite)
-            with _stage("export dependencies", checked):
-                from fx_lightning.export import FORMATS
-                from fx_lightning.export.writer import require_formats
-
+            with in_step(Step.export_directory):
+                if staging_error is not None:
+                    raise ExportError(f"the preflight cannot make a temporary directory to export into: "
+                                      f"{staging_error.strerror or staging_error}")
+                _probe_writable(export_directory(trainer, config, log_dir), config.export.overwrite,
+                                [cb.dirpath for cb in trainer.checkpoint_callbacks
+                                 if isinstance(cb, ModelCheckpoint) and cb.dirpath])
+            with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
-    with _stage("parity input", checked):
+            checked += [Step.export_directory.value, Step.export_dependencies.value]
+    with in_step(Step.parity_input):
         batches = preflight_batches(trainer, pl_module, config)
     return Source(pl_module, batches, getattr(pl_module, "example_input_array", None), device=device,
-                  checked=checked)
+                  checked=checked + [Step.parity_input.value])
 
 
 def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Batches:
@@ -164,7 +176,9 @@ def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", co
     return batches
 
 
-def _check_weights(trainer: "pl.Trainer", config: FuseConfig) -> None:
+def _check_weights(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> None:
+    """``weights: best`` needs a checkpoint that will be saved, and loads it into an unwrapped copy of the module
+    (torch.compile wrappers removed, their key prefixes dropped) strictly: proven here on the current weights."""
     if config.weights is not WeightsSource.best:
         return
     ckpt = trainer.checkpoint_callback
@@ -172,14 +186,16 @@ def _check_weights(trainer: "pl.Trainer", config: FuseConfig) -> None:
         raise ConfigError("weights: 'best' needs a ModelCheckpoint callback in the Trainer, and there is none.")
     if ckpt.save_top_k == 0:
         raise ConfigError("weights: 'best', but the ModelCheckpoint has save_top_k=0: it will save no best checkpoint.")
+    copy_ = strip_compiled(copy.deepcopy(pl_module))
+    copy_.load_state_dict(plain_state_dict(pl_module.state_dict()), strict=True)
 
 
-def _probe_writable(directory: Path, overwrite: bool) -> None:
+def _probe_writable(directory: Path, overwrite: bool, checkpoint_dirs: List[str]) -> None:
     """Create ``directory``'s parents and a file beside it, then remove what was created: the export's
-    rename into place needs exactly that. An existing export the config may not replace fails here too."""
-    from fx_lightning.export.writer import refuse_existing
-
+    rename into place needs exactly that. An existing export the config may not replace, or a directory that is
+    or holds the checkpoints' directory (the export replaces its directory), fails here too."""
     refuse_existing(directory, overwrite)
+    refuse_protected(directory, checkpoint_dirs)
     created: List[Path] = []
     parent = directory.parent
     try:

@@ -14,14 +14,14 @@ __all__ = ["run", "roundtrip_text"]
 
 def run(args: argparse.Namespace, console: Any) -> int:
     """``fx-lightning inspect``: an export's manifest as tables."""
-    from fx_lightning.export import read_manifest, verify_files
+    from fx_lightning.export import MANIFEST_NAME, read_manifest, verify_files
 
     root = Path(args.directory)
     manifest = read_manifest(root)
     if args.verify:
         verify_files(root, manifest)
-    if args.json:
-        print(json.dumps(manifest.to_dict(), indent=2))
+    if args.json:  # the file as written, checked readable above
+        print(json.dumps(json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8")), indent=2))
         return 0
     for table in (_summary_table(root, manifest), _io_table(manifest), *_report_tables(manifest),
                   _formats_table(manifest)):

@@ -69,9 +69,10 @@ OnFailure = OnError  # parity.on_failure takes the same values
 ExportFormat = _str_enum("ExportFormat", FORMATS, "The export formats: " + ", ".join(FORMATS) + ".")
 
 Preflight = _str_enum("Preflight", ["full", "capture", "off"], (
-    "What the callback proves before the first training step. ``full``: the whole pipeline once on the "
-    "untrained model (capture, passes, a parity smoke run on one batch, every export format written to a "
-    "temporary directory and loaded back); ``capture``: the target resolves and captures; ``off``: nothing."))
+    "What the callback proves before the first training step. ``full``: the end of fit's own pipeline once on "
+    "the untrained model, with the batches parity will read (capture, passes, parity measured, every export "
+    "format, the variants and the selection, into a temporary directory); ``capture``: the target resolves and "
+    "captures; ``off``: nothing."))
 
 FormatFailure = _str_enum("FormatFailure", ["skip", "raise"], (
     "What a format that cannot be written or fails its check does to the export: skip (the other formats are "

@@ -205,7 +205,7 @@ class Manifest:
 
     formats: Dict[str, FormatEntry]
     files: Dict[str, FileInfo] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = FORMAT_VERSION  # the version it was read from; to_dict always writes FORMAT_VERSION
     created_utc: str = ""
     versions: Dict[str, Optional[str]] = field(default_factory=dict)
     config: Optional[JsonObject] = None
@@ -224,7 +224,7 @@ class Manifest:
 
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {
-            "format_version": self.format_version, "created_utc": self.created_utc, "versions": self.versions,
+            "format_version": FORMAT_VERSION, "created_utc": self.created_utc, "versions": self.versions,
             "config": self.config, "report": self.report,
             "parity": self.parity.to_dict() if self.parity is not None else None,
             "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],

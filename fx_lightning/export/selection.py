@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -92,7 +92,8 @@ def bench_export(
             check = dataclasses.replace(check, passed=gate.passed, reason="accuracy gate at export")
         table.checks[name] = check
     inputs = saved.inputs if saved is not None else _random_inputs(manifest)
-    _time_interleaved(table, models, inputs, batch_sizes, rounds, warmup, progress)
+    timings, failures = _time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress)
+    table.timings, table.failures = timings, failures
     return table
 
 
@@ -106,9 +107,12 @@ def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
     return out
 
 
-def _time_interleaved(table: BenchTable, models: Dict[str, nn.Module], inputs: Sequence[Any],
-                      batch_sizes: Sequence[int], rounds: int, warmup: int, progress: Optional[Progress]) -> None:
+def _time_interleaved(models: Dict[str, nn.Module], inputs: Sequence[Any], batch_sizes: Sequence[int], rounds: int,
+                      warmup: int, progress: Optional[Progress]) -> Tuple[List[Timing], List[TimingFailure]]:
+    """Every model at every batch size, interleaved in shuffled rounds: the timings (median, p90) and what could
+    not run (a model that raises at a batch size is not timed there again)."""
     cells = [(name, b) for b in batch_sizes for name in models]
+    failures: List[TimingFailure] = []
     args = {b: with_batch_size(inputs, b) for b in batch_sizes}
     times: Dict[Any, List[float]] = {cell: [] for cell in cells}
     runnable = set(cells)
@@ -129,18 +133,15 @@ def _time_interleaved(table: BenchTable, models: Dict[str, nn.Module], inputs: S
                         elapsed = time.perf_counter() - start
                     except Exception as exc:  # noqa: BLE001 - e.g. a model exported for another batch size
                         runnable.discard(cell)
-                        table.failures.append(TimingFailure(cell[0], cell[1], f"{type(exc).__name__}: "
-                                                                              f"{first_line(exc)[:200]}"))
+                        failures.append(TimingFailure(cell[0], cell[1], f"{type(exc).__name__}: {first_line(exc)[:200]}"))
                         continue
                     if r >= warmup:
                         times[cell].append(elapsed)
                 if progress is not None:
                     progress("timing", done, total)
-    for (name, b), ts in times.items():
-        if ts:
-            ts.sort()
-            table.timings.append(Timing(name, b, 1e3 * statistics.median(ts),
-                                        1e3 * ts[min(len(ts) - 1, int(0.9 * len(ts)))], len(ts)))
+    timings = [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * sorted(ts)[min(len(ts) - 1, int(0.9 * len(ts)))],
+                      len(ts)) for (name, b), ts in times.items() if ts]
+    return timings, failures
 
 
 def select_fastest(table: BenchTable, batch_size: int) -> Optional[Selected]:

@@ -1,10 +1,10 @@
 """Writing an export: every format, loaded back from where it was written and compared with the fused model.
 
-The building blocks are :func:`prepare_export` (checks that need no work: formats available, the directory may
-be replaced, inputs usable) and :func:`write_formats` (every format into a staging directory, with ``check.pt``,
-the README and the :class:`~fx_lightning.export.manifest.Manifest` returned, not yet written). The pipeline's
-export step runs them, then the variants and the selection, in one staging directory that is renamed into place
-once (:mod:`.atomic`). :func:`export_fused` is the formats alone, for a fused model made by hand.
+:func:`prepare_export` checks what needs no work (formats available, the directory may be replaced, inputs
+usable); :func:`write_export` is the one export sequence: every format written into a staging directory and
+checked (:func:`write_formats`), then what the caller adds there (the pipeline adds the variants and the
+selection), then the :class:`~fx_lightning.export.manifest.Manifest`, and one rename into place (:mod:`.atomic`).
+:func:`export_fused` is that sequence for a fused model made by hand.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from torch import nn
 from fx_lightning._imports import missing_modules
 from fx_lightning.batches import batch_at_least_two, batch_size_of, flat_tensors, map_tensors, take_rows, with_batch_size
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
-from fx_lightning.errors import ExportError, TraceError, first_line
+from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
 from fx_lightning.export.base import FUSED_CLASS_NAME, Format, FormatEntry, RoundTrip, WriteContext
 from fx_lightning.export.formats import FORMATS
@@ -41,7 +41,8 @@ from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.provenance import Provenance
 
-__all__ = ["CHECK_FILE", "Reference", "export_fused", "prepare_export", "write_formats", "make_context",
+__all__ = ["CHECK_FILE", "Reference", "Extension", "export_fused", "prepare_export", "write_export", "write_formats",
+           "make_context",
            "require_formats", "refuse_existing", "CheckData", "write_check_file", "read_check_file", "check_artifact",
            "STATIC_SHAPES"]
 
@@ -81,15 +82,32 @@ def export_fused(
     provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
     if parity is not None and not isinstance(parity, ParityReport):
         parity = ParityReport.from_dict(parity)
+    write_export(final, ctx, config, report=report, parity=parity, provenance=provenance)
+    return final
+
+
+# What a caller adds to an export being written (variants, the selection): the staging directory and the manifest
+# so far -> the manifest with its additions.
+Extension = Callable[[Path, Manifest], Manifest]
+
+
+def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: Any = None,
+                 parity: Optional[ParityReport] = None, provenance: Optional[Provenance] = None,
+                 extend: Optional[Extension] = None) -> Manifest:
+    """The export sequence: the formats, then ``extend``'s additions, then the manifest, all in one staging
+    directory renamed to ``final`` at the end, so the export appears complete or not at all. Raises
+    :class:`ExportError` (or the additions' own error) naming ``final``."""
     try:
         with staging_directory(final) as staging:
             manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance)
+            if extend is not None:
+                manifest = extend(staging, manifest)
             write_manifest(staging, manifest)
-    except ExportError as exc:
-        raise ExportError(f"export to {final} failed: {exc.message}") from exc
-    except Exception as exc:  # noqa: BLE001 - a writer's own failure, with the directory named once
+    except FXLightningError as exc:
+        raise exc.within(f"export to {final} failed")
+    except Exception as exc:  # noqa: BLE001 - a writer's or the filesystem's own failure, with the directory named
         raise ExportError(f"export to {final} failed: {type(exc).__name__}: {exc}") from exc
-    return final
+    return manifest
 
 
 def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path) -> WriteContext:
@@ -107,7 +125,7 @@ def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseCon
     refuse_existing(final, config.export.overwrite)
     try:
         return make_context(graph_module, args, config)
-    except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take
+    except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take: the export's condition
         raise ExportError(exc.message) from exc
 
 
@@ -159,14 +177,14 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
             entries[fmt.name] = _write_checked(staging, ctx, fmt, reference, before)
         except ExportError as exc:
             if strict:
-                raise
+                raise exc.within(f"format {fmt.name!r}")
             for name in set(list_files(staging)) - before:  # what the failed format left
                 (staging / name).unlink()
             failed[fmt.name] = exc.message
-            warnings.warn(f"export: {exc.message} The other formats are exported (export.on_format_failure: skip).",
-                          UserWarning, stacklevel=4)
+            warnings.warn(f"export: format {fmt.name!r}: {exc.message} The other formats are exported "
+                          "(export.on_format_failure: skip).", UserWarning, stacklevel=4)
     if not entries:
-        raise ExportError("no format could be written: " + "; ".join(failed.values()))
+        raise ExportError("no format could be written: " + "; ".join(f"format {n!r}: {r}" for n, r in failed.items()))
     write_check_file(staging, reference)
     (staging / "README.md").write_text(readme_text(entries), encoding="utf-8")
     manifest = new_manifest(ctx, entries, config=to_container(config),
@@ -181,10 +199,10 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
 def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Reference", before: set) -> FormatEntry:
     try:
         entry = fmt.write(staging, ctx)
-    except ExportError as exc:
-        raise ExportError(f"format {fmt.name!r}: {exc.message}") from exc
-    except Exception as exc:  # noqa: BLE001 - name the format and the cause
-        raise ExportError(f"format {fmt.name!r}: writing failed: {type(exc).__name__}: {first_line(exc)}") from exc
+    except ExportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the cause; write_formats names the format
+        raise ExportError(f"writing failed: {type(exc).__name__}: {first_line(exc)}") from exc
     entry.format = fmt.name
     entry.files = sorted(set(list_files(staging)) - before)
     entry.device = entry.device or str(ctx.device)
@@ -313,8 +331,7 @@ def _check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: 
     try:
         loaded = fmt.load(staging, entry, torch.device(entry.device))
     except Exception as exc:  # noqa: BLE001
-        raise ExportError(f"format {fmt.name!r}: written but cannot be loaded back: {type(exc).__name__}: "
-                          f"{first_line(exc)}") from exc
+        raise ExportError(f"written but cannot be loaded back: {type(exc).__name__}: {first_line(exc)}") from exc
     worst, tolerance = 0.0, 0.0
     # The batch sizes the artifact is built for (an AOTInductor package per size), else the example's and 1.
     sizes = entry.batch_sizes or [batch_size_of(b) for b in reference.batches]
@@ -323,11 +340,11 @@ def _check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: 
         try:
             comparison = check_artifact(loaded, batch, want, reference.fused_error)
         except Exception as exc:  # noqa: BLE001
-            raise ExportError(f"format {fmt.name!r}: the loaded model fails on batch size {size}: "
-                              f"{type(exc).__name__}: {first_line(exc)}") from exc
+            raise ExportError(f"the loaded model fails on batch size {size}: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from exc
         if not comparison.passed:
             raise ExportError(
-                f"format {fmt.name!r}: the loaded model disagrees with the fused model on batch size {size}: "
+                f"the loaded model disagrees with the fused model on batch size {size}: "
                 f"{comparison.describe()}, against an fp64 copy of the fused model, where the fused model itself "
                 f"is at {reference.fused_error:.1e}."
             )

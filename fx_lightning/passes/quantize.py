@@ -29,7 +29,7 @@ __all__ = ["QuantizeInt8Options", "quantize_int8"]
 @dataclass
 class QuantizeInt8Options(PassOptions):
     enabled: bool = False
-    # Batches of data (training data when there is any, else validation) run through the model to set the scales.
+    # Batches of the parity data (validation, else training data) run through the model to set the scales.
     calibration_batches: int = 8
     # The gate, on validation data: top-1 agreement with the fp32 model, and the accuracy drop against labels.
     min_top1_agreement: float = 0.98

@@ -65,8 +65,8 @@ __all__ = [
 PARITY_FAILED = NoteKind("parity_failed", "parity failed: nothing was exported")
 NO_EXPORT_DIRECTORY = NoteKind("no_export_directory", "export skipped: no export directory (set export.dir)")
 PARITY_MERGED = NoteKind("parity_merged", "parity merged over {ranks} ranks, each on its own share of the data "
-                                          "(batches per rank: {shares})")
-BUFFERS_DIFFERED = NoteKind("buffers_differed", "buffers (BatchNorm running statistics) on rank(s) {ranks} differed "
+                                          "(batches per rank, in rank order: {batches})")
+BUFFERS_DIFFERED = NoteKind("buffers_differed", "buffers (BatchNorm running statistics) on ranks {ranks} differed "
                                                 "from rank 0's (no sync_batchnorm): every rank fused rank 0's, the "
                                                 "weights that are exported")
 
@@ -219,7 +219,9 @@ def run_pipeline(
     outcome = Outcome(fused.target, fused.result, fused.fused_model, verdict.parity, notes=list(verdict.notes),
                       steps=list(verdict.steps))
     if mode is Mode.final and outcome.parity is not None and not outcome.parity.passed:
-        outcome.failure = _parity_failure(outcome, config)  # the same report everywhere: the same on every rank
+        # The same report everywhere: the same failure (or warning) on every rank, and nothing exported.
+        outcome.failure = _parity_failure(outcome, config)
+        outcome.notes.append(PARITY_FAILED())
         return outcome
     if not config.export.enabled or destination.dry_run:
         return outcome
@@ -260,11 +262,10 @@ def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: 
                        config)
         notes = list(fused.notes)
         if collectives.world_size > 1:
-            shares = ", ".join(f"rank {r.rank}: {r.batches}" for r in everyone)
-            notes.append(PARITY_MERGED(ranks=collectives.world_size, shares=shares))
-            differ = [str(r.rank) for r in everyone if r.buffers_differ]
+            notes.append(PARITY_MERGED(ranks=collectives.world_size, batches=tuple(r.batches for r in everyone)))
+            differ = tuple(r.rank for r in everyone if r.buffers_differ)
             if differ:
-                notes.append(BUFFERS_DIFFERED(ranks=", ".join(differ)))
+                notes.append(BUFFERS_DIFFERED(ranks=differ))
         steps = sequence_steps(source.checked, [Step.parity_input.value, Step.capture.value, Step.passes.value],
                                [Step.parity.value] if parity is not None else [])
         return _Verdict(parity, notes, steps), None
@@ -306,7 +307,6 @@ def _parity_failure(outcome: Outcome, config: FuseConfig) -> Optional[Failure]:
     assert outcome.parity is not None
     message = (f"parity FAILED for target {outcome.target or '<whole model>'!r}: "
                + "; ".join(str(f) for f in outcome.parity.failures) + ". Nothing was exported.")
-    outcome.notes.append(PARITY_FAILED())
     if config.parity.on_failure is OnError["raise"]:
         error = ParityError(message + " (set parity.on_failure: warn to only warn)", report=outcome.parity,
                             outcome=outcome)

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -39,12 +40,11 @@ from fx_lightning.batches import (
 from fx_lightning.capture import eval_copy
 from fx_lightning.config import FormatFailure, FuseConfig, ParityConfig, Selection
 from fx_lightning.engine import FuseResult, fuse
-from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ParityError, PassError, TraceError
-from fx_lightning.export.atomic import staging_directory
-from fx_lightning.export.manifest import Manifest, write_manifest
+from fx_lightning.errors import ConfigError, ExportError, FXLightningError, PassError, TraceError, first_line
+from fx_lightning.export.manifest import Manifest, VariantOutcome
 from fx_lightning.export.selection import bench_export, select_fastest, with_selection
 from fx_lightning.export.variants import add_variant
-from fx_lightning.export.writer import prepare_export, write_formats
+from fx_lightning.export.writer import prepare_export, write_export
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
@@ -69,7 +69,9 @@ __all__ = [
     "EXAMPLE_INPUTS_USED",
     "KWARGS_NOT_CAPTURED",
     "FORMAT_NOT_EXPORTED",
-    "VARIANT_GATED",
+    "VARIANT_PASSED",
+    "VARIANT_MISSED",
+    "VARIANT_MISSED_UNTRAINED",
     "VARIANT_FAILED",
     "SELECTED",
     "NOTHING_SELECTED",
@@ -79,8 +81,13 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class Step(str, Enum):
-    """The pipeline's steps, as errors and reports name them."""
+    """The stages errors and reports name: the preflight's checks that need no model, then the pipeline's steps."""
 
+    device = "device"
+    target = "target"
+    weights = "weights"
+    export_directory = "export directory"
+    export_dependencies = "export dependencies"
     parity_input = "parity input"  # the batches, and what the target receives from them
     capture = "capture"
     passes = "passes"
@@ -90,10 +97,10 @@ class Step(str, Enum):
     selection = "selection"
 
 
-# The error type of each step's condition, for a foreign exception that leaves it.
-_STEP_ERRORS = {Step.parity_input: ConfigError, Step.capture: TraceError, Step.passes: PassError,
-                Step.parity: ParityError, Step.export: ExportError, Step.variants: ExportError,
-                Step.selection: ExportError}
+# The error type of the condition a foreign exception leaving a step means; a crash elsewhere (the model's own
+# forward while parity runs, say) is none of ours: FXLightningError, with the step named.
+_STEP_ERRORS = {Step.capture: TraceError, Step.passes: PassError, Step.export: ExportError,
+                Step.variants: ExportError, Step.selection: ExportError}
 
 PARITY_DISABLED = NoteKind("parity_disabled", "parity check disabled (parity.enabled: false): the fused model was "
                                               "not verified")
@@ -102,10 +109,15 @@ EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the
 KWARGS_NOT_CAPTURED = NoteKind("kwargs_not_captured", "the target is called with keyword arguments ({names}); they "
                                                       "are not part of the example inputs given to capture")
 FORMAT_NOT_EXPORTED = NoteKind("format_not_exported", "format {format} not exported ({reason})")
-VARIANT_GATED = NoteKind("variant_gated", "{artifact} {verdict} (top-1 agreement {top1_agreement}, accuracy drop "
-                                          "{accuracy_drop}, worst cosine {cosine_similarity_min}){consequence}")
+_FIGURES = "top-1 agreement {top1_agreement}, accuracy drop {accuracy_drop}, worst cosine {cosine_min}"
+VARIANT_PASSED = NoteKind("variant_passed", "{artifact} passed its gate (" + _FIGURES + ")")
+VARIANT_MISSED = NoteKind("variant_missed", "{artifact} missed its gate: {failures} (" + _FIGURES + "); the fp32 "
+                                            "artifacts stand")
+VARIANT_MISSED_UNTRAINED = NoteKind("variant_missed_untrained", "{artifact} missed its gate on the untrained model: "
+                                                                "{failures} (" + _FIGURES + "); the gate applies "
+                                                                "after training")
 VARIANT_FAILED = NoteKind("variant_failed", "{artifact} could not be made: {error}; the fp32 artifacts stand")
-SELECTED = NoteKind("selected", "load_fused selects {format}: {why}{speedup}")
+SELECTED = NoteKind("selected", "load_fused selects {format}: {why}; {speedup}x eager")
 NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no artifact passed its check; load_fused "
                                                 "falls back to the order of preference")
 
@@ -130,7 +142,6 @@ class Source:
     device: Optional[torch.device] = None  # where the working copy is fused, checked and exported
     buffers: Optional[Mapping[str, torch.Tensor]] = None  # loaded into the working copy (rank zero's, under DDP)
     buffers_differ: bool = False  # this process's buffers differed from the ones loaded
-    calibration: Optional[Batches] = None  # for the variant passes (int8); default the parity batches
     weights: Optional[WeightsInfo] = None
     checked: List[str] = field(default_factory=list)  # what loading proved (the preflight's checks)
     notes: List[Note] = field(default_factory=list)
@@ -171,7 +182,7 @@ def in_step(step: Step) -> Iterator[None]:
         exc.step = exc.step or step.value
         raise
     except Exception as exc:
-        error = _STEP_ERRORS[step](f"{type(exc).__name__}: {exc}")
+        error = _STEP_ERRORS.get(step, FXLightningError)(f"{type(exc).__name__}: {exc}")
         error.step = step.value
         raise error from exc
 
@@ -183,33 +194,36 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
     """A working copy of ``source.model`` (eval, on ``source.device``, with ``source.buffers``), the target's
     inputs on the first batch, and the target captured and passed through the configured passes."""
     path, _ = resolve_target(source.model, config.target)
-    notes = list(source.notes) + list(source.batches.notes)
     with own_rng(source.model, source.device), torch.no_grad():
-        reference_whole = eval_copy(source.model, source.device)
-        if source.buffers:
-            load_buffers(reference_whole, source.buffers)
+        with in_step(Step.capture):
+            reference_whole = eval_copy(source.model, source.device)
+            if source.buffers:
+                load_buffers(reference_whole, source.buffers)
         reference = reference_whole.get_submodule(path) if path else reference_whole
         with in_step(Step.parity_input):
-            data, rule, data_source = _parity_data(config, source.batches, source.example_inputs, notes)
-            target_inputs = _first_target_inputs(reference_whole, reference, data, rule, notes)
-        try:
-            result = fuse(reference, config, example_inputs=target_inputs)
-        except FXLightningError as exc:
-            exc.step = exc.step or (Step.passes if isinstance(exc, PassError) else Step.capture).value
-            raise
+            data, rule, data_source, data_notes = _parity_data(config, source.batches, source.example_inputs)
+            target_inputs, input_notes = _first_target_inputs(reference_whole, reference, data, rule)
+        with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
+            try:
+                result = fuse(reference, config, example_inputs=target_inputs)
+            except PassError as exc:
+                exc.step = exc.step or Step.passes.value
+                raise
         with in_step(Step.parity_input):
-            calibration = _calibration_inputs(config, reference_whole, reference, source.calibration, data, rule)
+            calibration = _calibration_inputs(config, reference_whole, reference, data, rule)
+    notes = [*source.notes, *source.batches.notes, *data_notes, *input_notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
     return Fused(path, result, reference, reference_whole, whole_model_with(reference_whole, path, result.graph_module),
                  target_inputs, data, rule, data_source, calibration, notes)
 
 
-def _parity_data(config: FuseConfig, batches: Batches, example_inputs: Any,
-                 notes: List[Note]) -> Tuple[List[Any], InputRule, str]:
-    """The batches parity reads, the rule that takes forward's inputs out of them, and their source."""
+def _parity_data(config: FuseConfig, batches: Batches,
+                 example_inputs: Any) -> Tuple[List[Any], InputRule, str, List[Note]]:
+    """The batches parity reads, the rule that takes forward's inputs out of them, their source, and notes."""
     wanted = config.parity.max_batches if config.parity.enabled else 1
     data = list(itertools.islice(iter(batches.items), wanted))
+    notes: List[Note] = []
     if isinstance(example_inputs, Mapping):
         # Lightning allows a dict of keyword arguments here; capture and export take positional ones.
         notes.append(EXAMPLE_INPUTS_DICT())
@@ -218,35 +232,32 @@ def _parity_data(config: FuseConfig, batches: Batches, example_inputs: Any,
     if not data and model_inputs is not None:
         if batches.source != "example":
             notes.append(EXAMPLE_INPUTS_USED())
-        return [model_inputs], identity_rule, "example"
-    return data, config.parity.input, batches.source
+        return [model_inputs], identity_rule, "example", notes
+    return data, config.parity.input, batches.source, notes
 
 
-def _first_target_inputs(whole: nn.Module, target: nn.Module, data: List[Any], rule: InputRule,
-                         notes: List[Note]) -> Optional[tuple]:
-    """The target's arguments on the first batch (what capture and export trace with)."""
+def _first_target_inputs(whole: nn.Module, target: nn.Module, data: List[Any],
+                         rule: InputRule) -> Tuple[Optional[tuple], List[Note]]:
+    """The target's arguments on the first batch (what capture and export trace with), and a note when it also
+    takes keyword arguments."""
     if not data:
-        return None
+        return None, []
     device, dtype = model_device_dtype(whole)
     first = as_args(to_model(extract_input(data[0], rule), device, dtype))
     args, kwargs = target_example_inputs(whole, target, first)
-    if kwargs:
-        notes.append(KWARGS_NOT_CAPTURED(names=", ".join(kwargs)))
-    return args
+    return args, [KWARGS_NOT_CAPTURED(names=tuple(kwargs))] if kwargs else []
 
 
-def _calibration_inputs(config: FuseConfig, whole: nn.Module, target: nn.Module, calibration: Optional[Batches],
-                        data: List[Any], rule: InputRule) -> List[tuple]:
-    """The target's inputs on the calibration batches, when a variant pass (int8) is enabled."""
+def _calibration_inputs(config: FuseConfig, whole: nn.Module, target: nn.Module, data: List[Any],
+                        rule: InputRule) -> List[tuple]:
+    """The target's inputs on the parity batches, for the variant passes (int8) when one is enabled."""
     wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
     if not wanted:
         return []
     count = max(getattr(options, "calibration_batches", 8) for options in wanted)
-    items = calibration.items if calibration is not None and calibration.items else data
-    rule = config.parity.input if calibration is not None and calibration.items else rule
     device, dtype = model_device_dtype(whole)
     return [target_example_inputs(whole, target, as_args(to_model(extract_input(b, rule), device, dtype)))[0]
-            for b in items[:count]]
+            for b in data[:count]]
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -282,85 +293,100 @@ def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityRe
 def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], directory: Path,
            provenance: Provenance, *, rehearsal: bool = False) -> Exported:
     """Write the fused model: every format (each loaded back and checked), the variants and the selection, all in
-    one staging directory renamed to ``directory`` at the end, so the export appears complete or not at all.
-    ``rehearsal`` (the preflight): a format, a variant or the selection that cannot run is an error, a variant's
-    gate is measured but not required, and the selection times each artifact once."""
+    one staging directory renamed to ``directory`` (made absolute) at the end, so the export appears complete or
+    not at all. ``rehearsal`` (the preflight): a format, a variant or the selection that cannot run is an error,
+    a variant's gate is measured but not required, and the selection times each artifact once."""
     if fused.example_inputs is None:
         raise ConfigError(f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
                           "exporter needs them to write the fused model")
+    directory = Path(os.path.abspath(directory))
     if rehearsal:
         config = dataclasses.replace(config, export=dataclasses.replace(
             config.export, on_format_failure=FormatFailure["raise"]))
     with in_step(Step.export):
         ctx = prepare_export(fused.result.graph_module, tuple(detached(fused.example_inputs)), config, directory)
-    exported = Exported(directory, steps=[Step.export.value])
-    try:
-        with staging_directory(directory) as staging:
-            with in_step(Step.export):
-                manifest = write_formats(staging, ctx, config, report=fused.result.report, parity=parity,
-                                         provenance=provenance)
-            exported.notes += [FORMAT_NOT_EXPORTED(format=name, reason=reason.split(": ", 1)[-1])
-                               for name, reason in manifest.failed_formats.items()]
-            manifest, notes = add_variants(staging, manifest, fused, config, rehearsal=rehearsal)
-            exported.notes += notes
-            exported.steps += [Step.variants.value] if manifest.variants else []
-            if config.export.select is Selection.fastest:
-                manifest, note = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal)
-                exported.notes.append(note)
-                exported.steps.append(Step.selection.value)
-            write_manifest(staging, manifest)
-    except FXLightningError as exc:
-        exc.message = f"export to {directory} failed: {exc.message}"
-        raise
-    exported.manifest = manifest
-    return exported
+
+    def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
+        manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal)
+        if config.export.select is Selection.fastest:
+            manifest = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal)
+        return manifest
+
+    with in_step(Step.export):
+        manifest = write_export(directory, ctx, config, report=fused.result.report, parity=parity,
+                                provenance=provenance, extend=variants_and_selection)
+    steps = [Step.export.value] + ([Step.variants.value] if manifest.variants else []) + (
+        [Step.selection.value] if config.export.select is Selection.fastest else [])
+    return Exported(directory, manifest, export_notes(manifest, rehearsal), steps)
 
 
 def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                 rehearsal: bool = False) -> Tuple[Manifest, List[Note]]:
+                 rehearsal: bool = False) -> Manifest:
     """Make each enabled variant (int8) of the verified fused model, write it beside the fp32 artifacts and keep
-    the artifacts that pass the variant's gate. Returns the manifest and a note per artifact."""
-    notes: List[Note] = []
+    the artifacts that pass the variant's gate; every outcome is recorded in the manifest. A variant that cannot
+    be made is an error in the rehearsal, and a recorded outcome after training (the fp32 artifacts stand)."""
     ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
                       calibration=fused.calibration)
     for spec, options in plan_passes(config.passes):
         if spec.stage is not Stage.variant:
             continue
+        try:
+            with in_step(Step.variants):
+                made = run_pass(spec, fused.result.graph_module, options, ctx)
+        except FXLightningError as exc:
+            if rehearsal:  # a variant that cannot be made now cannot be made after training either
+                raise
+            failed = VariantOutcome(spec.name, False, error=f"{type(exc).__name__}: {first_line(exc)}")
+            manifest = dataclasses.replace(manifest, variants={**manifest.variants, spec.name: [failed]})
+            continue
+        gate_config = dataclasses.replace(config.parity, min_cosine=options.min_cosine,
+                                          min_top1_agreement=options.min_top1_agreement,
+                                          max_accuracy_drop=options.max_accuracy_drop)
+        key = f"passes.{spec.name}"
         with in_step(Step.variants):
-            made = run_pass(spec, fused.result.graph_module, options, ctx)
-            gate_config = dataclasses.replace(config.parity, min_cosine=options.min_cosine,
-                                              min_top1_agreement=options.min_top1_agreement,
-                                              max_accuracy_drop=options.max_accuracy_drop)
-            key = f"passes.{spec.name}"
             manifest, outcomes = add_variant(
                 staging, manifest, made.variant_name, made.variant, tuple(fused.example_inputs or ()), config,
                 lambda loaded: _gate_variant(fused, loaded, gate_config, key), imports=made.variant_imports)
-        for outcome in outcomes:
-            if outcome.error is not None:
-                if rehearsal:  # a variant that cannot be made now cannot be made after training either
-                    raise _variant_error(outcome.entry, outcome.error)
-                notes.append(VARIANT_FAILED(artifact=outcome.entry, error=outcome.error))
-                continue
-            notes.append(_variant_note(outcome.entry, outcome.gate, rehearsal))
-    return manifest, notes
+        broken = next((o for o in outcomes if o.error is not None), None)
+        if rehearsal and broken is not None:
+            error = ExportError(f"{broken.entry} could not be made: {broken.error}")
+            error.step = Step.variants.value
+            raise error
+    return manifest
 
 
-def _variant_error(entry: str, error: str) -> ExportError:
-    exc = ExportError(f"{entry} could not be made: {error}")
-    exc.step = Step.variants.value
-    return exc
+def export_notes(manifest: Manifest, rehearsal: bool = False) -> List[Note]:
+    """What the export's manifest tells the user: formats left out, each variant's verdict, the selection."""
+    notes = [FORMAT_NOT_EXPORTED(format=name, reason=reason) for name, reason in manifest.failed_formats.items()]
+    for outcomes in manifest.variants.values():
+        notes.extend(_variant_note(outcome, rehearsal) for outcome in outcomes)
+    if manifest.bench is not None:
+        selected = manifest.selected
+        if selected is None:
+            notes.append(NOTHING_SELECTED())
+        else:
+            eager = manifest.bench.median("eager", selected.batch_size)
+            notes.append(SELECTED(format=selected.format, why=selected.why,
+                                  speedup=round(eager / selected.median_ms, 2) if eager else None))
+    return notes
 
 
-def _variant_note(entry: str, gate: Optional[ParityReport], rehearsal: bool) -> Note:
-    metrics = gate.metrics if gate is not None else {}
-    passed = gate is not None and gate.passed
-    verdict = "passed its gate" if passed else "missed its gate: " + "; ".join(str(f) for f in (gate.failures if gate else []))
-    consequence = "" if passed else ("; measured on the untrained model, the gate applies after training" if rehearsal
-                                     else "; the fp32 artifacts stand")
-    figure = lambda key: f"{metrics[key]:.4g}" if key in metrics else "n/a"  # noqa: E731
-    return VARIANT_GATED(artifact=entry, verdict=verdict, top1_agreement=figure("top1_agreement"),
-                         accuracy_drop=figure("accuracy_drop"), cosine_similarity_min=figure("cosine_similarity_min"),
-                         consequence=consequence, passed=passed)
+def _variant_note(outcome: VariantOutcome, rehearsal: bool) -> Note:
+    if outcome.gate is None:
+        return VARIANT_FAILED(artifact=outcome.entry, error=outcome.error or "not made")
+    metrics = outcome.gate.metrics
+    figures = {"top1_agreement": _rounded(metrics.get("top1_agreement")),
+               "accuracy_drop": _rounded(metrics.get("accuracy_drop")),
+               "cosine_min": _rounded(metrics.get("cosine_similarity_min"))}
+    if outcome.gate.passed:
+        return VARIANT_PASSED(artifact=outcome.entry, **figures)
+    failures = "; ".join(str(f) for f in outcome.gate.failures)
+    return (VARIANT_MISSED_UNTRAINED if rehearsal else VARIANT_MISSED)(artifact=outcome.entry, failures=failures,
+                                                                       **figures)
+
+
+def _rounded(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(float(value), 4)
 
 
 def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str) -> ParityReport:
@@ -374,26 +400,22 @@ def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_
 
 
 def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                    rehearsal: bool = False) -> Tuple[Manifest, Note]:
-    """Time the export's artifacts against the unfused target (eager) and record the fastest that passed its
-    check. ``rehearsal``: one round each, proving every artifact loads and runs at the timed batch sizes."""
+                    rehearsal: bool = False) -> Manifest:
+    """Time the export's artifacts against the unfused target (eager) and record the table and the fastest that
+    passed its check. ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes
+    timed, and an error when nothing could be selected (nothing would be after training either)."""
     size = config.export.select_batch_size
     rounds, warmup = (1, 0) if rehearsal else (15, 3)
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
                              baselines={"eager": fused.reference}, rounds=rounds, warmup=warmup)
         selected = select_fastest(table, size)
-        if rehearsal and selected is None:  # after training, nothing would be selected either
+        if rehearsal and selected is None:
             why = [f"{n}: check failed ({c.reason})" for n, c in table.checks.items() if not c.passed]
             why += [f"{f.artifact} at batch {f.batch_size}: {f.reason}" for f in table.failures if f.artifact != "eager"]
             raise ExportError(f"export.select: fastest: no artifact can be selected at export.select_batch_size "
                               f"{size}: " + ("; ".join(why) or "none was timed"))
-    manifest = with_selection(manifest, table, selected)
-    if selected is None:
-        return manifest, NOTHING_SELECTED()
-    eager = table.median("eager", size)
-    speedup = f", {eager / selected.median_ms:.2f}x eager" if eager else ""
-    return manifest, SELECTED(format=selected.format, why=selected.why, speedup=speedup)
+    return with_selection(manifest, table, selected)
 
 
 def provenance_for(fused: Fused, source: Source, base: Provenance) -> Provenance:
