@@ -94,7 +94,7 @@ class FXFuseCallback(Callback):
                 f"FXFuseCallback cannot run with this strategy: {unsupported}. Stopping before the first training "
                 "step. Train with strategy='ddp' (or on one device), or remove FXFuseCallback and fuse the "
                 "consolidated checkpoint afterwards (fx-lightning fuse CKPT --model ...).")
-            self._refuse_before_fit(Failure(error), f"unsupported strategy: {unsupported}")
+            self._refuse_before_fit(Failure.of(error), f"unsupported strategy: {unsupported}")
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # After Lightning's setup (configure_model run, the module on its device and in the precision it trains
@@ -104,7 +104,7 @@ class FXFuseCallback(Callback):
         self.preflight, failure = check_before_fit(trainer, pl_module, self.config)
         if failure is not None:
             stage = failure.step or "preflight"
-            failure.error = _user_facing(failure).add_context(
+            failure.error.add_context(
                 headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped before the "
                          f"first training step ({failure.type_name or type(failure.error).__name__}).\npreflight "
                          f"failed at stage '{stage}' (before the first training step; nothing was trained):",
@@ -147,10 +147,9 @@ class FXFuseCallback(Callback):
 
     def _fail(self, trainer: "pl.Trainer", failure: Failure) -> None:
         """Raise (on_error=raise) or warn (on_error=warn) with the cause and where the checkpoints are."""
-        cause = failure.error
-        error = _user_facing(failure).add_context(
+        error = failure.error.add_context(
             headline=f"FXFuseCallback failed after training{failure.where} "
-                     f"({failure.type_name or type(cause).__name__}):",
+                     f"({failure.type_name or type(failure.error).__name__}):",
             after=[checkpoint_message(trainer)])
         self.error = error
         if self.config.on_error is OnError["raise"]:
@@ -182,12 +181,3 @@ def _raise(error: FXLightningError, failure: Failure) -> None:
     if failure.remote:
         raise error from None
     raise error
-
-
-def _user_facing(failure: Failure) -> FXLightningError:
-    """The failure's error as ours: an fx-lightning error as it is, anything else wrapped once (its type named)."""
-    if isinstance(failure.error, FXLightningError):
-        return failure.error
-    wrapped = FXLightningError(f"{type(failure.error).__name__}: {failure.error}")
-    wrapped.__cause__ = failure.error
-    return wrapped

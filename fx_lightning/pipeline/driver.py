@@ -115,17 +115,27 @@ class ErrorInfo:
 
 @dataclass
 class Failure:
-    """What failed: ``error`` (this process's own, or rebuilt from another rank's when ``remote``; ``type_name``
-    is then the original type) and ``where`` (" on rank 1 of 2")."""
+    """What failed: ``error`` (this process's own, or rebuilt from another rank's when ``remote``), always one of
+    ours (a foreign exception is wrapped once, its type kept in ``type_name`` and as the ``__cause__``), and
+    ``where`` it happened (" on rank 1 of 2")."""
 
-    error: Exception
+    error: FXLightningError
     where: str = ""
     type_name: Optional[str] = None
     remote: bool = False
 
     @property
     def step(self) -> Optional[str]:
-        return self.error.step if isinstance(self.error, FXLightningError) else None
+        return self.error.step
+
+    @classmethod
+    def of(cls, exc: BaseException, where: str = "") -> "Failure":
+        """This process's own ``exc``: ours as it is, anything else wrapped once."""
+        if isinstance(exc, FXLightningError):
+            return cls(exc, where, type(exc).__name__)
+        wrapped = FXLightningError(f"{type(exc).__name__}: {exc}")
+        wrapped.__cause__ = exc
+        return cls(wrapped, where, type(exc).__name__)
 
 
 @dataclass
@@ -297,7 +307,7 @@ def _failure_of(collectives: Collectives, failed: List[ErrorInfo], local: Option
         if len(failed) > 1:
             where += " (also on " + ", ".join(f"rank {f.rank}: {f.type_name}" for f in failed[1:]) + ")"
     if local is not None and first.rank == collectives.rank:
-        return Failure(local, where)
+        return Failure.of(local, where)
     return Failure(first.rebuild(), where, first.type_name, remote=True)
 
 
@@ -311,7 +321,7 @@ def _parity_failure(outcome: Outcome, config: FuseConfig) -> Optional[Failure]:
         error = ParityError(message + " (set parity.on_failure: warn to only warn)", report=outcome.parity,
                             outcome=outcome)
         error.step = Step.parity.value
-        return Failure(error)
+        return Failure.of(error)
     warnings.warn(message, UserWarning, stacklevel=4)
     return None
 
