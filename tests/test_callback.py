@@ -213,8 +213,16 @@ def test_parity_failure_with_on_error_warn_lets_fit_return(tmp_path: Path) -> No
 
 def test_export_into_the_checkpoint_directory_is_refused(tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpts"
-    hashes = H.HashCheckpoints()
     fuse_cb = FXFuseCallback(export={"dir": str(ckpt_dir)})
+    model = H.LitClassifier()
+    trainer = H.make_trainer(tmp_path, [ModelCheckpoint(dirpath=ckpt_dir), fuse_cb])
+    with pytest.raises(ExportError, match=r"(?s)stage 'export directory'.*could replace a checkpoint"):
+        trainer.fit(model, *H.loaders())
+    # Refused by the preflight: before any training step, so before any checkpoint was written.
+    assert model.training_steps == 0 and not (ckpt_dir.exists() and any(ckpt_dir.iterdir()))
+    # And after training (preflight off), refused again with every checkpoint intact.
+    hashes = H.HashCheckpoints()
+    fuse_cb = FXFuseCallback(export={"dir": str(ckpt_dir)}, preflight="off")
     trainer = H.make_trainer(tmp_path, [ModelCheckpoint(dirpath=ckpt_dir), hashes, fuse_cb])
     with pytest.raises(ExportError, match="could replace a checkpoint"):
         trainer.fit(H.LitClassifier(), *H.loaders())
