@@ -14,11 +14,9 @@ same batch shapes; the manifest is a typed record written once, inside the atomi
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Dict, List

@@ -3,7 +3,6 @@
 # version-1 manifest whose shape changed in version 2 is in it: capture notes, parity notes, an int8 variant
 # whose gate failed (failures as strings), provenance with the callback's keys and one of the user's own.
 # Kept to prove that later versions still load it; not run by the tests.
-import sys
 import torch
 from torch import nn
 from fx_lightning.config import load_config
