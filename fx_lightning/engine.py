@@ -12,15 +12,17 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.batches import as_example_inputs
+from fx_lightning.batches import as_example_inputs, detached, model_device_dtype
 from fx_lightning.capture import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
 from fx_lightning.notes import NoteKind
+from fx_lightning.parity.compare import compare_outputs, rounding_tolerance
 from fx_lightning.passes import (
     PassContext,
     PassResult,
     PassSpec,
     RemainingBatchNorm,
+    Skip,
     Stage,
     plan_passes,
     run_passes,
@@ -70,6 +72,10 @@ def fuse(
     working = eval_copy(module)
     batchnorm_modules = _count_batchnorm_modules(working)
     module_runs = run_passes(working, plan, PassContext(capture_mode="module", example_inputs=inputs), Stage.module)
+    undone = _module_passes_unfaithful(module, working, module_runs, inputs, cfg)
+    if undone is not None:  # third-party conversion code changed what the model computes: none of it stays
+        working = eval_copy(module)
+        module_runs = [(spec, _undone(result, undone), seconds) for spec, result, seconds in module_runs]
     removed = batchnorm_modules - _count_batchnorm_modules(working)  # by deploy-form conversions
     captured = capture(working, cfg.trace, inputs, already_copied=True)
     del working  # the graph module holds what it uses
@@ -96,6 +102,33 @@ def fuse(
         report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
     return FuseResult(gm, report, cfg, inputs)
+
+
+def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],
+                              cfg: FuseConfig) -> Optional[str]:
+    """How the module-stage passes (a model's own deploy-form conversions, declared BatchNorm forms) changed the
+    whole model's outputs on the example inputs, structure first (None: they did not, or nothing changed, or
+    there are no inputs). Each pass checks the modules it converts; this catches a conversion that reaches
+    outside its module, or one no input reached. Runs only when a module-stage pass changed something."""
+    if inputs is None or not any(result.changed for _, result, _ in runs):
+        return None
+    reference = eval_copy(original)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        want = detached(reference(*inputs))
+        del reference
+        torch.manual_seed(0)
+        got = working(*inputs)
+    _, dtype = model_device_dtype(working)
+    comparison = compare_outputs(got, want, rtol=max(cfg.parity.rtol, rounding_tolerance(dtype or torch.float32)))
+    return None if comparison.passed else comparison.describe()
+
+
+def _undone(result: PassResult, why: str) -> PassResult:
+    """The pass's changes, each reported as undone."""
+    skipped = [Skip.of(c.node, f"undone: with the module-stage conversions the model's outputs differed from the "
+                               f"original on the example inputs ({why})", module=c.module) for c in result.changed]
+    return PassResult(changed=[], skipped=list(result.skipped) + skipped)
 
 
 def _with_pass_reasons(

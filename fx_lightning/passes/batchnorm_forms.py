@@ -194,14 +194,13 @@ def batchnorm_forms(module: nn.Module, options: BatchNormFormsOptions, ctx: Pass
         parent = module.get_submodule(parent_path) if parent_path else module
         kind = type(sub).__qualname__
         try:
-            replacement, change = output_change(sub, lambda: _replacement(sub, form), inputs.get(id(sub)))
+            replacement, change = output_change(sub, lambda: _replacement(sub, form), inputs.get(id(sub)), options.rtol)
         except ValueError as exc:
             result.skip(path, f"{kind} is declared as a BatchNorm form ({form.match}) but {exc}")
             continue
-        if change is not None and not change <= options.rtol:
+        if change is not None and not change.passed:
             result.skip(path, f"{kind}'s declaration as a BatchNorm form ({form.match}, epilogue "
-                              f"{list(form.epilogue)}) does not match its forward: the output differs by {change:.2e} "
-                              "(relative); left as it is")
+                              f"{list(form.epilogue)}) does not match its forward: {change.describe()}; left as it is")
             continue
         setattr(parent, name, replacement)
         result.change(path, "BatchNorm form made plain", module=kind, epilogue=list(form.epilogue))

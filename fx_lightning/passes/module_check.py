@@ -11,7 +11,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.parity.compare import compare_outputs
+from fx_lightning.batches import detached
+from fx_lightning.parity.compare import Comparison, compare_outputs
 
 __all__ = ["record_module_inputs", "output_change"]
 
@@ -42,14 +43,15 @@ def record_module_inputs(
     return seen
 
 
-def output_change(before: nn.Module, after: Callable[[], nn.Module], recorded: Optional[Recorded]) -> Tuple[nn.Module, Optional[float]]:
+def output_change(before: nn.Module, after: Callable[[], nn.Module], recorded: Optional[Recorded],
+                  rtol: float) -> Tuple[nn.Module, Optional[Comparison]]:
     """Run ``before`` on its recorded input, build the replacement (``after()``, which may change ``before`` in
-    place) and run it on the same input: ``(replacement, max|new - old| / max|old|)``, infinite when the outputs
-    differ in structure (count, nesting, shapes, dtypes); the change is None without a recorded input (then
+    place) and run it on the same input: ``(replacement, its outputs compared with the old ones at rtol)``,
+    structure first (count, nesting, shapes, dtypes); the comparison is None without a recorded input (then
     nothing is run)."""
     with torch.no_grad():
-        old = before(*recorded[0], **recorded[1]) if recorded is not None else None
+        old = detached(before(*recorded[0], **recorded[1])) if recorded is not None else None
         new_module = after()
         if recorded is None:
             return new_module, None
-        return new_module, compare_outputs(new_module(*recorded[0], **recorded[1]), old).relative_error
+        return new_module, compare_outputs(new_module(*recorded[0], **recorded[1]), old, rtol=rtol)

@@ -60,11 +60,13 @@ def _deploy_method(module: nn.Module) -> Optional[str]:
 
 
 def _convert(module: nn.Module, method: str) -> nn.Module:
-    """Run the protocol method; the module that now stands in ``module``'s place."""
+    """Run the protocol method; the module that now stands in ``module``'s place: the one ``fuse()`` returned, or
+    ``module`` itself, converted in place (``reparameterize()``, ``switch_to_deploy()``, and the ``fuse()`` of
+    libraries that change the module and return None)."""
     result = getattr(module, method)()
-    if method == "fuse":
+    if method == "fuse" and result is not None:
         if not isinstance(result, nn.Module):
-            raise TypeError(f"fuse() returned a {type(result).__name__}, not a module")
+            raise TypeError(f"fuse() returned a {type(result).__name__}, neither a module nor None")
         return result.eval()
     return module.eval()
 
@@ -87,25 +89,26 @@ def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, 
     """Convert ``child`` in ``parent``, or put it back; returns the module whose children are walked next
     (None for a ``fuse()`` replacement, which is already in deploy form)."""
     kind = type(child).__qualname__
-    backup = copy.deepcopy(child) if method != "fuse" else child
+    # A deep copy whatever the method: some libraries' fuse() changes the module in place (and returns None).
+    backup = copy.deepcopy(child)
     try:
-        new, change = output_change(child, lambda: _convert(child, method), recorded)
+        new, change = output_change(child, lambda: _convert(child, method), recorded, options.rtol)
     except Exception as exc:  # noqa: BLE001 - a model's own conversion code; put the module back
         setattr(parent, name, backup)
         result.skip(path, f"{kind}.{method}() raised {type(exc).__name__}: {exc}", module=kind)
         return backup
-    if change is not None and not change <= options.rtol:
+    if change is not None and not change.passed:
         setattr(parent, name, backup)
-        result.skip(path, f"{kind}.{method}() changed the module's output by {change:.2e} (relative) > rtol "
-                          f"{options.rtol:g}: left as trained", module=kind)
+        result.skip(path, f"{kind}.{method}() changed the module's outputs ({change.describe()}; passes."
+                          f"reparameterize.rtol {options.rtol:g}): left as trained", module=kind)
         return backup
     setattr(parent, name, new)
     if change is None:
         result.change(path, "reparameterized", module=kind, method=method,
                       checked="no example inputs: not checked here (parity checks the whole model)")
     else:
-        result.change(path, "reparameterized", module=kind, method=method, relative_change=change)
-    return None if method == "fuse" else new
+        result.change(path, "reparameterized", module=kind, method=method, relative_change=change.relative_error)
+    return None if new is not child else new
 
 
 @builtin_pass("reparameterize", options=ReparameterizeOptions, stage=Stage.module)

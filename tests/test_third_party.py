@@ -1,0 +1,157 @@
+"""Patterns from third-party libraries, reproduced with small models written here (issue: third-party
+LightningModules and models as their users write them).
+
+    pattern                                                            test
+    fuse() that converts in place and returns None (RepVGGDW)           test_in_place_fuse_returning_none_is_kept_when_exact
+    the same, but wrong: the module is put back from a deep copy        test_in_place_fuse_that_changes_outputs_is_undone
+    a head whose fuse() drops an output branch (11 -> 6 tensors)        test_head_fuse_dropping_an_output_branch_is_undone
+    a conversion that changes another module: undone as a whole         test_conversion_reaching_outside_its_module_is_undone
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_helpers as H
+from fx_lightning import fuse
+from fx_lightning.parity.compare import compare_outputs
+
+X = torch.randn(4, 8, 8, 8, generator=torch.Generator().manual_seed(0))
+
+
+class RepDW(nn.Module):
+    """A RepVGG-style depthwise block: 3x3 + 1x1 branches with BatchNorms; ``fuse()`` merges them into ``conv``
+    in place, deletes the 1x1 branch and returns None (as some detector libraries write it)."""
+
+    def __init__(self, channels: int = 8, exact: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False),
+                                  nn.BatchNorm2d(channels))
+        self.conv1 = nn.Sequential(nn.Conv2d(channels, channels, 1, groups=channels, bias=False),
+                                   nn.BatchNorm2d(channels))
+        self.exact = exact
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "conv1"):
+            return F.relu(self.conv(x) + self.conv1(x))
+        return F.relu(self.conv(x))
+
+    @staticmethod
+    def _folded(branch: nn.Sequential) -> Tuple[torch.Tensor, torch.Tensor]:
+        conv, bn = branch[0], branch[1]
+        scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+        return conv.weight * scale.reshape(-1, 1, 1, 1), bn.bias - bn.running_mean * scale
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        w3, b3 = self._folded(self.conv)
+        w1, b1 = self._folded(self.conv1)
+        merged = nn.Conv2d(w3.shape[0], w3.shape[0], 3, padding=1, groups=w3.shape[0])
+        merged.weight.copy_(w3 + (F.pad(w1, [1, 1, 1, 1]) if self.exact else 0))
+        merged.bias.copy_(b3 + b1)
+        self.conv = merged  # the module changes in place...
+        del self.conv1
+        return None  # ...and nothing is returned
+
+
+def _net(exact: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), RepDW(exact=exact), RepDW(exact=exact))
+    return H.randomize_batchnorms(net).eval()
+
+
+def test_in_place_fuse_returning_none_is_kept_when_exact() -> None:
+    model = _net(exact=True)
+    before = H.state_fingerprint(model)
+    result = fuse(model, example_inputs=(X,))
+    assert H.state_fingerprint(model) == before  # the user's module keeps both branches
+    changed = result.report.pass_report("reparameterize").changed
+    assert [c.node for c in changed] == ["2", "3"] and all(c.details["method"] == "fuse" for c in changed)
+    assert not any("conv1" in str(n.target) for n in result.graph_module.graph.nodes)
+    assert H.rel_err(result.graph_module(X), H.fp64_copy(model)(X.double())) < 1e-5
+
+
+def test_in_place_fuse_that_changes_outputs_is_undone() -> None:
+    """Before: the pass 'put back' the object fuse() had already changed (conv1 deleted): capture crashed with
+    AttributeError, or the model silently lost a branch. Now the module comes back from a deep copy."""
+    model = _net(exact=False)
+    result = fuse(model, example_inputs=(X,))
+    skipped = result.report.pass_report("reparameterize").skipped
+    assert [s.node for s in skipped] == ["2", "3"]
+    assert all("RepDW.fuse() changed the module's outputs" in s.reason for s in skipped)
+    assert H.rel_err(result.graph_module(X), H.fp64_copy(model)(X.double())) < 1e-5
+
+
+class Head(nn.Module):
+    """A detection head with a one-to-many branch for training (5 extra outputs); its ``fuse()`` drops that
+    branch, so the fused head returns 6 tensors where the model returns 11."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one2one = nn.ModuleList(nn.Conv2d(8, 4, 1) for _ in range(6))
+        self.one2many = nn.ModuleList(nn.Conv2d(8, 4, 1) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        outs = [m(x) for m in self.one2one]
+        if self.one2many is not None:
+            outs += [m(x) for m in self.one2many]
+        return outs
+
+    def fuse(self) -> "Head":
+        self.one2many = None  # in place, then returns itself
+        return self
+
+
+def test_head_fuse_dropping_an_output_branch_is_undone() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), Head()).eval()
+    result = fuse(model, example_inputs=(X,))
+    (skip,) = result.report.pass_report("reparameterize").skipped
+    assert skip.node == "2" and "Head.fuse() changed the module's outputs (the output has 6 tensor(s), the reference 11" in skip.reason
+    want = H.fp64_copy(model)(X.double())
+    got = result.graph_module(X)
+    assert len(got) == 11
+    comparison = compare_outputs([g.double() for g in got], want, rtol=1e-5)
+    assert comparison.passed, comparison.describe()
+
+
+class Scaled(nn.Module):
+    def __init__(self, gain: nn.Parameter) -> None:
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Leaky(nn.Module):
+    """Its own deploy conversion is exact for itself, but it rescales a parameter it shares with another module:
+    each module checks out alone, the whole model does not."""
+
+    def __init__(self, gain: nn.Parameter) -> None:
+        super().__init__()
+        self.gain = gain
+        self.conv = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+    @torch.no_grad()
+    def switch_to_deploy(self) -> None:
+        self.gain.mul_(2.0)  # reaches outside: Scaled reads it
+
+
+def test_conversion_reaching_outside_its_module_is_undone() -> None:
+    torch.manual_seed(0)
+    gain = nn.Parameter(torch.ones(1))
+    model = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), Leaky(gain), Scaled(gain)).eval()
+    result = fuse(model, example_inputs=(X,))
+    report = result.report.pass_report("reparameterize")
+    assert report.changed == [] and len(report.skipped) == 1
+    assert report.skipped[0].reason.startswith("undone: with the module-stage conversions the model's outputs differed")
+    assert model[2].gain.item() == 1.0  # the user's model never changed
+    assert H.rel_err(result.graph_module(X), H.fp64_copy(model)(X.double())) < 1e-5
