@@ -155,3 +155,19 @@ def test_conversion_reaching_outside_its_module_is_undone() -> None:
     assert report.skipped[0].reason.startswith("undone: with the module-stage conversions the model's outputs differed")
     assert model[2].gain.item() == 1.0  # the user's model never changed
     assert H.rel_err(result.graph_module(X), H.fp64_copy(model)(X.double())) < 1e-5
+
+
+def test_the_whole_module_can_be_chosen_while_a_backbone_exists(tmp_path) -> None:
+    """target: "" is the whole LightningModule (what whole-module manifests record), backbone or not."""
+    from fx_lightning import FXFuseCallback
+    from fx_lightning.export import read_manifest
+
+    model = H.LitClassifier()
+    cb = FXFuseCallback(target="", export={"formats": ["pt2"]})
+    H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders())
+    assert cb.outcome is not None and cb.outcome.target == ""
+    manifest = read_manifest(cb.export_dir)
+    assert manifest.provenance.target == "" and manifest.config["target"] == ""  # type: ignore[index]
+    x = torch.randn(3, 3, 8, 8)
+    assert cb.result.graph_module(x).shape == (3, H.NUM_CLASSES)  # head included  # type: ignore[union-attr]
+    assert H.rel_err(cb.result.graph_module(x), H.fp64_copy(model)(x.double())) < 1e-5  # type: ignore[union-attr]

@@ -229,7 +229,8 @@ _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 @dataclass
 class FuseConfig:
-    # Dotted attribute of the LightningModule to fuse; null: `backbone` if present, else the module.
+    # Dotted attribute of the LightningModule to fuse; null: `backbone` if present, else the module; "": the whole
+    # module, even when it has a `backbone` (what manifests of whole-module exports record).
     target: Optional[str] = None
     weights: WeightsSource = WeightsSource.last
     trace: TraceConfig = field(default_factory=TraceConfig)
@@ -245,10 +246,10 @@ class FuseConfig:
     def check(self) -> None:
         """The top-level values: ``target`` a dotted attribute path, ``device`` auto or a torch device. The
         nested sections check themselves (the loader calls every node's ``check()``)."""
-        if self.target is not None and not _DOTTED.match(self.target):
+        if self.target and not _DOTTED.match(self.target):
             raise ValueError(
                 f"target: {self.target!r} is not a dotted attribute path (e.g. 'backbone' or 'model.encoder'); "
-                "use null for the default (backbone if present, else the whole module)."
+                "use null for the default (backbone if present, else the whole module), or '' for the whole module."
             )
         if self.device == "auto":
             return
