@@ -2,7 +2,7 @@
 
 Public API::
 
-    from fx_lightning import FXFuseCallback, FuseConfig, fuse, load_fused, register_pass
+    from fx_lightning import FXFuseCallback, FuseConfig, fuse, fuse_and_export, load_fused, register_pass
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = [
     "FuseResult",
     "FuseReport",
     "fuse",
+    "fuse_and_export",
     "load_fused",
     "register_pass",
     "FXLightningError",
@@ -44,4 +45,8 @@ def __getattr__(name: str) -> Any:
         from fx_lightning.export.loader import load_fused
 
         return load_fused
+    if name == "fuse_and_export":
+        from fx_lightning.pipeline.driver import fuse_and_export
+
+        return fuse_and_export
     raise AttributeError(f"module 'fx_lightning' has no attribute {name!r}")

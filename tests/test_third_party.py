@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,3 +173,24 @@ def test_the_whole_module_can_be_chosen_while_a_backbone_exists(tmp_path) -> Non
     x = torch.randn(3, 3, 8, 8)
     assert cb.result.graph_module(x).shape == (3, H.NUM_CLASSES)  # head included  # type: ignore[union-attr]
     assert H.rel_err(cb.result.graph_module(x), H.fp64_copy(model)(x.double())) < 1e-5  # type: ignore[union-attr]
+
+
+def test_fuse_and_export_is_the_pipeline_without_lightning(tmp_path) -> None:
+    import fx_lightning
+    from fx_lightning import ConfigError, ParityError
+
+    torch.manual_seed(0)
+    model = H.randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))).eval()
+    loader = H.loaders()[1]  # (x, y) batches: the input and the labels are found without configuration
+    outcome = fx_lightning.fuse_and_export(model, tmp_path / "fused", batches=loader,
+                                           config={"export": {"formats": ["pt2"]}})
+    assert outcome.export_dir == tmp_path / "fused" and outcome.parity.passed and outcome.parity.batches == 2
+    assert "accuracy_drop" in outcome.parity.metrics  # labels were read from the batches
+    x = torch.randn(5, 3, 8, 8)
+    assert H.rel_err(fx_lightning.load_fused(tmp_path / "fused")(x), H.fp64_copy(model)(x.double())) < 1e-5
+    with pytest.raises(ConfigError, match="give batches"):
+        fx_lightning.fuse_and_export(model, tmp_path / "none")
+    with pytest.raises(ParityError) as info:  # a model no fusion can match: nothing is written
+        fx_lightning.fuse_and_export(H.NoisyBackbone(), tmp_path / "noisy", batches=loader)
+    assert info.value.report is not None and not info.value.report.passed and not (tmp_path / "noisy").exists()

@@ -16,17 +16,18 @@ In one process (:data:`~fx_lightning.pipeline.collectives.LOCAL`) these calls co
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from fx_lightning.config import FuseConfig, OnError
+from fx_lightning.config import ConfigLike, FuseConfig, OnError, load_config
 from fx_lightning.engine import FuseResult
-from fx_lightning.errors import FXLightningError, ParityError, error_class, first_line
+from fx_lightning.errors import ConfigError, FXLightningError, ParityError, error_class, first_line
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, merge_parity_states
@@ -55,6 +56,7 @@ __all__ = [
     "ErrorInfo",
     "run_pipeline",
     "fuse_verify_export",
+    "fuse_and_export",
     "summary_text",
     "PARITY_FAILED",
     "NO_EXPORT_DIRECTORY",
@@ -358,6 +360,36 @@ def fuse_verify_export(
     if outcome.failure is not None:
         raise outcome.failure.error
     return outcome
+
+
+def fuse_and_export(
+    model: nn.Module,
+    directory: Union[str, Path],
+    *,
+    batches: Optional[Iterable[object]] = None,
+    example_inputs: object = None,
+    config: ConfigLike = None,
+) -> Outcome:
+    """Fuse ``model``, prove on your data that it gives the same answers, and export it to ``directory``: the
+    callback's pipeline without Lightning.
+
+    ``batches``: data batches (a DataLoader or any iterable; up to ``parity.max_batches`` are read), from which
+    ``parity.input`` takes forward's inputs (automatically: a tensor, the first item of a tuple, an ``x``/``input``/
+    ``image``... key). ``example_inputs``: forward's arguments (a tensor or a tuple), used when there are no
+    batches. ``config``: a FuseConfig, a dict or a DictConfig of the same shape (``export.dir`` is ``directory``).
+    ``model`` is never changed. Raises :class:`ParityError` when the fused model disagrees (nothing is written), or
+    the error of the step that failed; returns the :class:`Outcome` (``export_dir``, ``parity``, ``result``...)::
+
+        outcome = fx_lightning.fuse_and_export(model, "fused", batches=val_loader)
+        served = fx_lightning.load_fused("fused")
+    """
+    cfg = config if isinstance(config, FuseConfig) else load_config(config)
+    if batches is None and example_inputs is None:
+        raise ConfigError("fuse_and_export(): give batches (data to verify on) or example_inputs (forward's "
+                          "arguments): the fused model is checked and exported with them.")
+    items = list(itertools.islice(iter(batches), cfg.parity.max_batches)) if batches is not None else []
+    return fuse_verify_export(model, cfg, Batches(items, "given"), example_inputs=example_inputs,
+                              export_dir=directory)
 
 
 def summary_text(outcome: Outcome) -> str:
