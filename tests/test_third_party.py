@@ -194,3 +194,24 @@ def test_fuse_and_export_is_the_pipeline_without_lightning(tmp_path) -> None:
     with pytest.raises(ParityError) as info:  # a model no fusion can match: nothing is written
         fx_lightning.fuse_and_export(H.NoisyBackbone(), tmp_path / "noisy", batches=loader)
     assert info.value.report is not None and not info.value.report.passed and not (tmp_path / "noisy").exists()
+
+
+def test_an_embedding_model_gets_no_accuracy_and_a_classifier_keeps_it() -> None:
+    """argmax of a 128-d embedding against 4 classes is not an accuracy: the report says why it left it out."""
+    from fx_lightning.config import load_config
+    from fx_lightning.parity.gate import NOT_SCORES_FOR_LABELS
+    from fx_lightning.pipeline import Batches, fuse_verify_export
+
+    torch.manual_seed(0)
+    embed = H.randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1),
+                                                 nn.Flatten(), nn.Linear(8, 128))).eval()
+    batches = Batches(list(H.loaders()[1]), "val")  # labels 0..3
+    config = load_config({"export": {"enabled": False}})
+    parity = fuse_verify_export(embed, config, batches).parity
+    assert parity is not None and parity.passed
+    assert not {"top1_agreement", "accuracy_reference", "accuracy_fused"} & set(parity.metrics)
+    (note,) = [n for n in parity.notes if n.kind == NOT_SCORES_FOR_LABELS]
+    assert (note["width"], note["low"], note["high"]) == (128, 0, 3)
+    classifier = nn.Sequential(embed, nn.ReLU(), nn.Linear(128, 4)).eval()
+    parity = fuse_verify_export(classifier, config, batches).parity
+    assert parity is not None and {"top1_agreement", "accuracy_reference", "accuracy_drop"} <= set(parity.metrics)

@@ -67,7 +67,9 @@ CLASS_WIDTHS_DISAGREE = NoteKind("class_widths_disagree",
 # What the gate could not measure, and how it judged.
 LABELS_MISMATCH = NoteKind("labels_mismatch", "labels ({labels}) do not match the outputs ({rows} rows): accuracy "
                                               "not measured")
-LABELS_OUT_OF_RANGE = NoteKind("labels_out_of_range", "labels outside [0, {classes}): accuracy not measured")
+NOT_SCORES_FOR_LABELS = NoteKind("not_scores_for_labels", "the output's last axis ({width} wide) is not the labels' "
+                                                          "classes (labels {low} to {high}): not class scores, so "
+                                                          "top-1 agreement and accuracy are not measured")
 RANKS_DIFFERENT_DATA = NoteKind("ranks_different_data", "ranks compared different data ({sources})")
 LOW_PRECISION_GATE = NoteKind("low_precision_gate", "low-precision model: error gate is max(rtol, {factor:g} x the "
                                                     "unfused model's own error against fp64) = {rtol:.3g}")
@@ -150,6 +152,7 @@ class _Measurement:
         self.whole_error = self._here(RelativeMaxError(**LOCAL_ONLY))
         self.own_error = self._here(RelativeMaxError(**LOCAL_ONLY))
         self.classes: Optional[Dict[str, Metric]] = None
+        self.not_class_scores = False  # the labels showed the output is not class scores
 
     def _here(self, metric: Metric) -> Metric:
         return metric.to(self.device) if self.device is not None else metric
@@ -190,6 +193,8 @@ class _Measurement:
             return  # not class scores: no top-1
         lr, lc = lr.reshape(-1, lr.shape[-1]), lc.reshape(-1, lc.shape[-1])
         num_classes = lr.shape[-1]
+        if self.not_class_scores or self._labels_rule_out_scores(labels, lr.shape[0], num_classes):
+            return
         if self.classes is None:
             self.classes = {k: self._here(m) for k, m in classification_metrics(num_classes).items()}
             self.state.num_classes = num_classes
@@ -206,12 +211,24 @@ class _Measurement:
         labels = labels.reshape(-1).to(lr.device)
         if labels.numel() != lr.shape[0]:
             _note_once(self.state.notes, LABELS_MISMATCH(labels=labels.numel(), rows=lr.shape[0]))
-        elif labels.min() < 0 or labels.max() >= num_classes:
-            _note_once(self.state.notes, LABELS_OUT_OF_RANGE(classes=num_classes))
         else:
             self.state.labels_seen = True
             self.classes["accuracy_reference"].update(ref_top1, labels)
             self.classes["accuracy_fused"].update(cand_top1, labels)
+
+    def _labels_rule_out_scores(self, labels: Optional[torch.Tensor], rows: int, width: int) -> bool:
+        """Whether the batch's integer labels show the output is not class scores: labels beyond its width, or
+        classes filling under half of it (a 128-wide embedding against 10 classes). Decided once: the class
+        metrics of earlier batches are dropped with it."""
+        if labels is None or labels.numel() != rows or labels.numel() == 0:
+            return False
+        low, high = int(labels.min()), int(labels.max())
+        if 0 <= low and high < width and 2 * (high + 1) >= width:
+            return False
+        self.not_class_scores = True
+        self.classes, self.state.num_classes, self.state.labels_seen = None, None, False
+        _note_once(self.state.notes, NOT_SCORES_FOR_LABELS(width=width, low=low, high=high))
+        return True
 
     def finish(self, source: str, whole: bool, precise: bool) -> ParityState:
         metrics: Dict[str, Metric] = dict(self.outputs)
@@ -370,7 +387,8 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
 
 def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport, config_key: str) -> None:
     if state.num_classes is None or "top1_agreement" not in state.metrics:
-        _note_once(report.notes, NOT_CLASS_SCORES())
+        if not any(n.kind == NOT_SCORES_FOR_LABELS for n in report.notes):  # that one says why already
+            _note_once(report.notes, NOT_CLASS_SCORES())
         return
     for key in ("top1_agreement", "top1_agreement_strict"):
         report.metrics[key] = float(state.metrics[key].compute())
