@@ -246,12 +246,14 @@ def test_code_format_is_readable_python(tmp_path):
 def test_static_batch_when_dynamic_batch_off(tmp_path):
     out = quick_export(tmp_path / "exp", formats=["pt2"], dynamic_batch=False)
     manifest = read_manifest(out)
-    assert manifest.dynamic_batch is False
+    assert manifest.dynamic_batch is False and manifest.formats["pt2"].batch_sizes == [4]
     assert manifest.inputs[0].shape == [4, 3, 8, 8]
+    with pytest.raises(Exception):  # the artifact itself takes its one batch size
+        torch.export.load(str(out / "model.pt2")).module()(example(7))
     model = load_fused(out)
     model(example(4))
-    with pytest.raises(Exception):
-        model(example(7))
+    with pytest.warns(UserWarning, match="running it as pieces"):  # load_fused runs others as pieces of 4
+        assert model(example(7)).shape[0] == 7
 
 
 def test_example_batch_of_one_still_exports_dynamic(tmp_path):

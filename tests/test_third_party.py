@@ -215,3 +215,61 @@ def test_an_embedding_model_gets_no_accuracy_and_a_classifier_keeps_it() -> None
     classifier = nn.Sequential(embed, nn.ReLU(), nn.Linear(128, 4)).eval()
     parity = fuse_verify_export(classifier, config, batches).parity
     assert parity is not None and {"top1_agreement", "accuracy_reference", "accuracy_drop"} <= set(parity.metrics)
+
+
+class EnsembleBackbone(nn.Module):
+    """An ensemble run as one batch: the batch is repeated for every member and split back with the batch size
+    the model was built for, so it runs at that batch size only."""
+
+    def __init__(self, members: int = 3, batch_size: int = 8) -> None:
+        super().__init__()
+        self.members, self.batch_size = members, batch_size
+        self.net = H.TinyBackbone(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = self.net(x.repeat(self.members, 1, 1, 1))
+        return feats.reshape(self.members, self.batch_size, -1).mean(0)
+
+
+def _padded_reference(model: nn.Module, x: torch.Tensor, built: int) -> torch.Tensor:
+    """What the model (which runs at ``built`` samples only) gives for ``x``: pieces of ``built``, padded."""
+    reference = H.fp64_copy(model)
+    outs = []
+    for start in range(0, x.shape[0], built):
+        piece = x[start:start + built].double()
+        padded = torch.cat([piece] * (-(-built // piece.shape[0])))[:built]
+        outs.append(reference(padded)[:piece.shape[0]])
+    return torch.cat(outs)
+
+
+def test_a_model_that_runs_at_its_batch_size_only_is_exported_for_it_without_configuration(tmp_path) -> None:
+    """Before: the preflight stopped at stage 'export' (pt2: "Constraints violated (batch)"), and the way out took
+    three keys. Now: exported statically for the data's batch size, said in the notes and the manifest."""
+    import warnings
+
+    from fx_lightning import FXFuseCallback, load_fused
+    from fx_lightning.export import read_manifest
+    from fx_lightning.export.writer import STATIC_EXPORT
+
+    model = H.LitClassifier(backbone=EnsembleBackbone())
+    cb = FXFuseCallback()  # zero configuration
+    H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders(batch_size=8))
+    assert cb.parity_report is not None and cb.parity_report.passed
+    note = next(n for n in cb.outcome.notes if n.kind == STATIC_EXPORT)  # type: ignore[union-attr]
+    assert note["batch_size"] == 8
+    manifest = read_manifest(cb.export_dir)
+    assert not manifest.dynamic_batch and STATIC_EXPORT in [n.kind for n in manifest.notes]
+    assert {name: entry.batch_sizes for name, entry in manifest.formats.items()} == {"graph_module": [8], "pt2": [8]}
+    assert manifest.inputs[0].shape == [8, 3, 8, 8]
+    backbone = model.backbone
+    for fmt in ("pt2", "graph_module"):
+        loaded = load_fused(cb.export_dir, fmt)
+        x8 = torch.randn(8, 3, 8, 8)
+        assert H.rel_err(loaded(x8), H.fp64_copy(backbone)(x8.double())) < 1e-5
+        for n in (3, 13):  # other batch sizes: pieces of 8, the last one padded, with a warning
+            x = torch.randn(n, 3, 8, 8)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = loaded(x)
+            assert got.shape == (n, 8) and any("running it as pieces" in str(w.message) for w in caught)
+            assert H.rel_err(got, _padded_reference(backbone, x, 8)) < 1e-5

@@ -126,13 +126,18 @@ class WriteContext:
     """What every writer gets: the fused model made plain, its example inputs and the export options."""
 
     model: fx.GraphModule  # plain GraphModule: default codegen, no export hooks, picklable
-    args: Tuple[Any, ...]  # the example inputs, batch >= 2 along dim 0 (export specialises 0 and 1)
+    # The example inputs: with a dynamic batch, at least 2 along dim 0 (export specialises 0 and 1); static, the
+    # data's own batch size.
+    args: Tuple[Any, ...]
     dynamic_shapes: Optional[Tuple[Any, ...]]  # torch.export's dynamic_shapes for args (None: static)
     input_names: List[str]
     onnx_opset: Optional[int] = None
     # AOTInductor: one package per batch size listed (compiled for it), or one with a dynamic batch when empty.
     aoti_batch_sizes: List[int] = field(default_factory=list)
     notes: List[Note] = field(default_factory=list)
+    # The torch.export program of ``model`` on ``args`` with ``dynamic_shapes``, made once for every writer.
+    program: Optional["torch.export.ExportedProgram"] = None
+    static_batch: Optional[int] = None  # the one batch size every artifact is built for (None: any)
 
     @property
     def device(self) -> torch.device:

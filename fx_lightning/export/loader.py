@@ -12,6 +12,7 @@ from torch import nn
 from fx_lightning._imports import missing_modules
 from fx_lightning.errors import ExportError
 from fx_lightning.export.base import FormatEntry
+from fx_lightning.export.batching import BatchPieces
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 
@@ -65,6 +66,9 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
     target = _device(device, entry)
     try:
         module = fmt.load(root, entry, target)
+        if entry.batch_sizes and not isinstance(module, BatchPieces):  # built for those sizes only
+            module = BatchPieces({str(size): module for size in entry.batch_sizes}, what=f"{chosen} artifact",
+                                 hint="it was exported for those batch sizes only (see the manifest's notes)")
         return CompiledForServing(module) if compile else module
     except ExportError:
         raise

@@ -44,13 +44,16 @@ from fx_lightning.provenance import Provenance
 __all__ = ["CHECK_FILE", "Reference", "Extension", "export_fused", "prepare_export", "write_export", "write_formats",
            "make_context",
            "require_formats", "refuse_existing", "CheckData", "write_check_file", "read_check_file", "check_artifact",
-           "STATIC_SHAPES"]
+           "STATIC_SHAPES", "STATIC_EXPORT"]
 
 # A few example inputs and their fp64 reference outputs, saved beside the artifacts.
 CHECK_FILE = "check.pt"
 
 STATIC_SHAPES = NoteKind("static_shapes", "export.dynamic_batch: no tensor input has a batch dimension; exported "
                                           "static shapes")
+STATIC_EXPORT = NoteKind("static_export", "exported for batch size {batch_size} only: the fused model does not take "
+                                          "a dynamic batch ({reason}); load_fused runs other batch sizes as pieces of "
+                                          "{batch_size}")
 
 
 def export_fused(
@@ -206,6 +209,8 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
     entry.format = fmt.name
     entry.files = sorted(set(list_files(staging)) - before)
     entry.device = entry.device or str(ctx.device)
+    if ctx.static_batch is not None:
+        entry.batch_sizes = entry.batch_sizes or [ctx.static_batch]
     entry.check = _check_roundtrip(staging, fmt, entry, reference)
     return entry
 
@@ -214,24 +219,44 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
 
 
 def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig) -> WriteContext:
+    """The plain fused model, the example inputs and the batch axis every writer uses. With
+    ``export.dynamic_batch`` the batch axis is dynamic when torch.export can capture it so; a model that fixes
+    its batch size (an ensemble that reshapes to the batch it was built for, say) is exported for the data's
+    batch size instead, and a note says why (``load_fused`` runs other sizes as pieces of it)."""
     plain = plain_graph_module(graph_module, FUSED_CLASS_NAME)
-    ctx = WriteContext(plain, (), None, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
+    ctx = WriteContext(plain, tuple(example_inputs), None, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
                        onnx_opset=config.export.onnx_opset, aoti_batch_sizes=list(config.export.aoti_batch_sizes))
-    try:
-        ctx.args = batch_at_least_two(example_inputs)
-    except ValueError as exc:
-        raise ExportError(f"example_inputs: {exc}.") from None
-    if config.export.dynamic_batch:
-        sizes = {a.shape[0] for a in ctx.args if isinstance(a, torch.Tensor) and a.dim() > 0}
-        if not sizes:
+    batch = batch_size_of(ctx.args)
+    if batch == 0:
+        raise ExportError("example_inputs: a tensor argument has batch size 0; give at least one sample.")
+    if not config.export.dynamic_batch or batch is None:
+        if config.export.dynamic_batch:
             ctx.notes.append(STATIC_SHAPES())
-            return ctx
-        # One named Dim shared by all inputs when they agree (min 1: batch 1 must load too).
-        shared = torch.export.Dim("batch", min=1) if len(sizes) == 1 else None
-        ctx.dynamic_shapes = tuple(
-            {0: shared if shared is not None else torch.export.Dim(f"batch_{i}", min=1)}
-            if isinstance(a, torch.Tensor) and a.dim() > 0 else None
-            for i, a in enumerate(ctx.args))
+        return _static(ctx, batch, None)
+    args = batch_at_least_two(ctx.args)
+    # One named Dim shared by all inputs when they agree (min 1: batch 1 must load too).
+    sizes = {a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0}
+    shared = torch.export.Dim("batch", min=1) if len(sizes) == 1 else None
+    dynamic = tuple({0: shared if shared is not None else torch.export.Dim(f"batch_{i}", min=1)}
+                    if isinstance(a, torch.Tensor) and a.dim() > 0 else None for i, a in enumerate(args))
+    try:
+        with torch.no_grad():
+            program = torch.export.export(plain, args, strict=False, dynamic_shapes=dynamic)
+    except Exception as exc:  # noqa: BLE001 - the graph fixes its batch size: export it for the data's
+        return _static(ctx, batch, first_line(exc, with_type=True))
+    ctx.args, ctx.dynamic_shapes, ctx.program = args, dynamic, program
+    return ctx
+
+
+def _static(ctx: WriteContext, batch: Optional[int], reason: Optional[str]) -> WriteContext:
+    """``ctx`` exported for the example's batch size alone (``reason``: why a dynamic batch could not be)."""
+    if batch is None:
+        return ctx
+    ctx.static_batch = batch
+    if reason is not None:
+        ctx.notes.append(STATIC_EXPORT(batch_size=batch, reason=reason))
+    # AOTInductor builds what the model can run: its one batch size.
+    ctx.aoti_batch_sizes = [batch]
     return ctx
 
 

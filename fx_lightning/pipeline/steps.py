@@ -356,8 +356,10 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
 
 
 def export_notes(manifest: Manifest, rehearsal: bool = False) -> List[Note]:
-    """What the export's manifest tells the user: formats left out, each variant's verdict, the selection."""
-    notes = [FORMAT_NOT_EXPORTED(format=name, reason=reason) for name, reason in manifest.failed_formats.items()]
+    """What the export's manifest tells the user: its own notes (a static batch, say), formats left out, each
+    variant's verdict, the selection."""
+    notes = list(manifest.notes)
+    notes += [FORMAT_NOT_EXPORTED(format=name, reason=reason) for name, reason in manifest.failed_formats.items()]
     for outcomes in manifest.variants.values():
         notes.extend(_variant_note(outcome, rehearsal) for outcome in outcomes)
     if manifest.bench is not None:

@@ -17,17 +17,17 @@ import os
 import platform
 import shutil
 import subprocess
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch import nn
 
-from fx_lightning.batches import batch_size_of, concat_outputs, map_tensors, with_batch_size
+from fx_lightning.batches import with_batch_size
 from fx_lightning.errors import ExportError
 from fx_lightning.export.base import Format, FormatEntry, WriteContext, fields_from
+from fx_lightning.export.batching import BatchPieces
 
 __all__ = ["FORMAT", "AotiModule", "BuiltFor", "cpu_capability"]
 
@@ -126,46 +126,14 @@ def _refusal(built: BuiltFor, device: torch.device) -> Optional[str]:
     return None
 
 
-class AotiModule(nn.Module):
+class AotiModule(BatchPieces):
     """AOTInductor packages behind the nn.Module interface: the package for the input's batch size, else the
-    dynamic one, else the batch run as pieces of the compiled sizes (largest first; the last piece padded by
-    repeating its samples and the padding's outputs dropped). Pieces give the same numbers for a model whose
-    samples do not interact in eval mode, but run slower than a package built for that size: list the sizes
-    a server sees in ``export.aoti_batch_sizes``."""
+    dynamic one, else the batch run as pieces of the compiled sizes (:class:`~fx_lightning.export.batching.
+    BatchPieces`): list the sizes a server sees in ``export.aoti_batch_sizes``."""
 
     def __init__(self, runners: Dict[str, Callable[..., Any]]) -> None:
-        super().__init__()
-        self.runners = runners
-        self.eval()
-
-    @property
-    def batch_sizes(self) -> List[str]:
-        return sorted(self.runners)
-
-    def forward(self, *args: Any) -> Any:
-        size = batch_size_of(args)
-        runner = self.runners.get(str(size)) or self.runners.get("dynamic")
-        if runner is not None or size is None:
-            return (runner or next(iter(self.runners.values())))(*args)
-        return concat_outputs(list(self._pieces(args, size)))
-
-    def _pieces(self, args: Tuple[Any, ...], size: int) -> Iterator[Any]:
-        compiled = sorted((int(k) for k in self.runners), reverse=True)
-        warnings.warn(f"no AOTInductor package for batch size {size} (compiled: {', '.join(map(str, compiled[::-1]))}): "
-                      "running it as pieces of those; add it to export.aoti_batch_sizes to serve it at full speed",
-                      stacklevel=2)
-        start = 0
-        while start < size:
-            left = size - start
-            piece = next((k for k in compiled if k <= left), compiled[-1])
-            rows = tuple(a[start:start + min(piece, left)] if _batched(a, size) else a for a in args)
-            out = self.runners[str(piece)](*with_batch_size(rows, piece))
-            yield out if piece <= left else map_tensors(lambda t: t[:left] if t.dim() > 0 else t, out)
-            start += piece
-
-
-def _batched(value: Any, size: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size
+        super().__init__(runners, what="AOTInductor package",
+                         hint="add it to export.aoti_batch_sizes to serve it at full speed")
 
 
 def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:

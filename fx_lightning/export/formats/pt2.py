@@ -15,7 +15,10 @@ __all__ = ["FORMAT", "export_program"]
 
 
 def export_program(ctx: WriteContext) -> "torch.export.ExportedProgram":
-    """``torch.export`` of the plain fused model with the context's example inputs and dynamic batch."""
+    """``torch.export`` of the plain fused model with the context's example inputs and batch axis (the one the
+    context made already, when it did)."""
+    if ctx.program is not None:
+        return ctx.program
     try:
         return torch.export.export(ctx.model, ctx.args, strict=False, dynamic_shapes=ctx.dynamic_shapes)
     except Exception as exc:  # noqa: BLE001
