@@ -273,3 +273,54 @@ def test_a_model_that_runs_at_its_batch_size_only_is_exported_for_it_without_con
                 got = loaded(x)
             assert got.shape == (n, 8) and any("running it as pieces" in str(w.message) for w in caught)
             assert H.rel_err(got, _padded_reference(backbone, x, 8)) < 1e-5
+
+
+def test_a_trainer_and_module_from_pytorch_lightning_need_no_configuration(tmp_path) -> None:
+    """The standalone ``pytorch_lightning`` package (the same code as lightning.pytorch, other classes): before,
+    the callback stopped before training ("Expected a parent", then "needs a ModelCheckpoint")."""
+    import pytorch_lightning as pl_standalone
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from fx_lightning import FXFuseCallback, load_fused
+
+    class Classifier(pl_standalone.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.head = H.TinyBackbone(8), nn.Linear(8, H.NUM_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.backbone(x))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model = Classifier()
+    cb = FXFuseCallback(weights="best", export={"formats": ["pt2"]})
+    trainer = pl_standalone.Trainer(max_epochs=2, limit_train_batches=4, limit_val_batches=2, accelerator="cpu",
+                                    callbacks=[ModelCheckpoint(monitor="val_loss"), cb], logger=False,
+                                    enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(model, *H.loaders())
+    assert cb.preflight is not None and "weights" in cb.preflight.stages
+    assert cb.parity_report is not None and cb.parity_report.passed and cb.export_dir is not None
+    assert cb.outcome.manifest.provenance.weights.source == "best"  # type: ignore[union-attr]
+    x = torch.randn(3, 3, 8, 8)
+    assert load_fused(cb.export_dir)(x).shape == (3, 8)
+
+
+def test_the_callback_never_imports_pytorch_lightning_itself() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, fx_lightning; from fx_lightning.callback.namespaces import lightning_classes; "
+            "fx_lightning.FXFuseCallback(); print(len(lightning_classes('callbacks.ModelCheckpoint')), "
+            "'pytorch_lightning' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", "False"]

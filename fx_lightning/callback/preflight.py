@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fx_lightning.batches import as_args, extract_input, flat_tensors
+from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.callback.trainer_data import export_directory, parity_batches
 from fx_lightning.capture import plain_state_dict, strip_compiled
@@ -146,7 +146,7 @@ def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", con
                                       f"{staging_error.strerror or staging_error}")
                 _probe_writable(export_directory(trainer, config, log_dir), config.export.overwrite,
                                 [cb.dirpath for cb in trainer.checkpoint_callbacks
-                                 if isinstance(cb, ModelCheckpoint) and cb.dirpath])
+                                 if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint")) and cb.dirpath])
             with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
             checked += [Step.export_directory.value, Step.export_dependencies.value]
@@ -182,7 +182,7 @@ def _check_weights(trainer: "pl.Trainer", pl_module: "pl.LightningModule", confi
     if config.weights is not WeightsSource.best:
         return
     ckpt = trainer.checkpoint_callback
-    if not isinstance(ckpt, ModelCheckpoint):
+    if not isinstance(ckpt, lightning_classes("callbacks.ModelCheckpoint")):
         raise ConfigError("weights: 'best' needs a ModelCheckpoint callback in the Trainer, and there is none.")
     if ckpt.save_top_k == 0:
         raise ConfigError("weights: 'best', but the ModelCheckpoint has save_top_k=0: it will save no best checkpoint.")

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, TypeVar
 import lightning.pytorch as pl
 import torch
 
+from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.trainer_data import (
     checkpoint_files,
     export_directory,
@@ -122,19 +123,16 @@ def _buffers_differ(model: torch.nn.Module, reference: Dict[str, torch.Tensor]) 
 def unsupported_strategy(strategy: Any) -> Optional[str]:
     """Why the callback cannot run under ``strategy`` (None: it can). Sharded strategies hold no rank with
     the whole model after fit, which fusion and parity need."""
-    from lightning.pytorch import strategies
-
     name = type(strategy).__name__
-    sharded = tuple(
-        cls for cls in (getattr(strategies, n, None) for n in ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"))
-        if isinstance(cls, type)
-    )
+    sharded = sum((lightning_classes(f"strategies.{n}") for n in ("FSDPStrategy", "DeepSpeedStrategy",
+                                                                   "ModelParallelStrategy")), ())
     if isinstance(strategy, sharded):  # before the DDP check: DeepSpeedStrategy subclasses DDPStrategy
         return (
             f"{name} shards the weights across ranks, and fusion and parity need the whole model on every rank; "
             "sharded strategies (FSDP, DeepSpeed, model parallel) are not supported yet"
         )
-    if isinstance(strategy, strategies.ParallelStrategy) and not isinstance(strategy, strategies.DDPStrategy):
+    if isinstance(strategy, lightning_classes("strategies.ParallelStrategy")) and not isinstance(
+            strategy, lightning_classes("strategies.DDPStrategy")):
         return (
             f"{name} is not a DDP-family strategy; FXFuseCallback supports one device and DDP-family strategies "
             "(ddp, ddp_spawn, ddp_fork, ddp_notebook)"

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fx_lightning.batches import model_device_dtype
+from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
 from fx_lightning.errors import ConfigError
@@ -159,7 +159,7 @@ def pick_weights(
         return pl_module, WeightsInfo("last", "last (the LightningModule as training left it)",
                                       trainer.current_epoch, trainer.global_step)
     ckpt_cb = trainer.checkpoint_callback
-    if not isinstance(ckpt_cb, ModelCheckpoint):
+    if not isinstance(ckpt_cb, lightning_classes("callbacks.ModelCheckpoint")):
         raise ConfigError(
             "weights: 'best' needs a ModelCheckpoint callback in the Trainer, and there is none "
             "(add ModelCheckpoint(monitor=...) or use weights: last)."
@@ -194,8 +194,9 @@ def pick_weights(
     return best, WeightsInfo("best", f"best checkpoint {path}{score_text}{where}", epoch, step, str(path))
 
 
-def _checkpoint_callbacks(trainer: "pl.Trainer") -> List[ModelCheckpoint]:
-    return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+def _checkpoint_callbacks(trainer: "pl.Trainer") -> List[Any]:
+    """The trainer's ModelCheckpoints (of either Lightning namespace)."""
+    return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint"))]
 
 
 def checkpoint_files(trainer: "pl.Trainer") -> List[Path]:
