@@ -24,6 +24,7 @@ from zoo_models import ZOO
 from fx_lightning import fuse
 from fx_lightning.capture import CAPTURE_FELL_BACK
 from fx_lightning.batches import flat_tensors
+from fx_lightning.parity.compare import structure_mismatch
 from fx_lightning.passes.bn_views import is_batchnorm_node
 
 LIBRARY_MODULES = {"timm": "timm", "torchvision": "torchvision", "smp": "segmentation_models_pytorch",
@@ -40,9 +41,13 @@ def _build(name: str) -> Any:
 
 
 def _errors(model: nn.Module, fused: nn.Module, inputs: tuple) -> Dict[str, float]:
-    """Relative error of the fused and of the unfused fp32 model against fp64 (fp32 when fp64 cannot run)."""
+    """Relative error of the fused and of the unfused fp32 model against fp64 (fp32 when fp64 cannot run); first of
+    all, the fused model's outputs keep the model's structure (count, nesting, shapes, dtypes)."""
     with torch.no_grad():
-        out, base = flat_tensors(fused(*inputs)), flat_tensors(model(*inputs))
+        fused_out, model_out = fused(*inputs), model(*inputs)
+        mismatch = structure_mismatch(fused_out, model_out)
+        assert mismatch is None, f"the fused model's outputs have another structure: {mismatch}"
+        out, base = flat_tensors(fused_out), flat_tensors(model_out)
         try:
             ref = flat_tensors(copy.deepcopy(model).double()(*(x.double() for x in inputs)))
         except RuntimeError:  # RAFT's grid sampling has no fp64 kernel here: compare with fp32
