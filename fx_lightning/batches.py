@@ -37,6 +37,9 @@ __all__ = [
     "batch_at_least_two",
     "with_batch_size",
     "concat_outputs",
+    "is_record_type",
+    "plain_outputs",
+    "PlainOutputs",
 ]
 
 # Keys tried, in order, when a batch is a mapping and no input rule is configured.
@@ -258,6 +261,39 @@ def with_batch_size(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
             a = a.repeat(reps, *([1] * (a.dim() - 1)))[:n]
         out.append(a)
     return tuple(out)
+
+
+def is_record_type(cls: Any) -> bool:
+    """A named tuple or a plain dataclass: a record type torch.export's serialiser does not know by itself
+    (a registered one, such as Hugging Face's ModelOutput, is a mapping and left alone)."""
+    if not isinstance(cls, type):
+        return False
+    return (issubclass(cls, tuple) and hasattr(cls, "_fields")) or (
+        dataclasses.is_dataclass(cls) and not issubclass(cls, Mapping))
+
+
+def plain_outputs(value: Any) -> Any:
+    """Named tuples as tuples and dataclasses as dicts of their fields, nested anywhere."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, (type, Mapping)):
+        return {f.name: plain_outputs(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return tuple(plain_outputs(v) for v in value)
+    if isinstance(value, list):
+        return [plain_outputs(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain_outputs(v) for k, v in value.items()}
+    return value
+
+
+class PlainOutputs(nn.Module):
+    """``model`` with its named-tuple outputs returned as tuples and dataclass outputs as dicts."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> Any:
+        return plain_outputs(self.model(*args))
 
 
 def concat_outputs(parts: Sequence[Any]) -> Any:

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning._imports import import_object
-from fx_lightning.batches import batch_at_least_two, flat_tensors
+from fx_lightning.batches import PlainOutputs, batch_at_least_two, batch_size_of, flat_tensors
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.notes import Note, NoteKind
@@ -42,6 +42,7 @@ __all__ = [
     "CAPTURE_PREFERRED_EXPORT",
     "CAPTURED_WITH_EXPORT",
     "STATIC_BATCH_CAPTURE",
+    "PLAIN_OUTPUTS",
 ]
 
 CAPTURE_FELL_BACK = NoteKind("capture_fell_back", "symbolic tracing {what}, captured with torch.export instead: "
@@ -50,8 +51,10 @@ CAPTURE_PREFERRED_EXPORT = NoteKind("capture_preferred_export", "captured with t
                                                                 "follow the forward of {modules}, so their BatchNorms "
                                                                 "would have stayed")
 CAPTURED_WITH_EXPORT = NoteKind("captured_with_export", "captured with torch.export (ATen-level graph)")
-STATIC_BATCH_CAPTURE = NoteKind("static_batch_capture", "captured for the example's batch size only: with a batch "
-                                                        "of two the model's graph refuses a batch of one")
+STATIC_BATCH_CAPTURE = NoteKind("static_batch_capture", "captured for batch size {batch_size} only: with a dynamic "
+                                                        "batch, {reason}")
+PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
+                                          "of their fields (torch.export carries no record class it does not know)")
 
 # With the separator: a bare prefix would also match site-packages/torchvision, torchmetrics...
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -285,19 +288,29 @@ def _capture_export(working: nn.Module, trace: TraceConfig, example_inputs: Opti
             "(the callback takes them from the validation data)."
         )
     args = tuple(example_inputs)
-    attempts: List[Tuple[Tuple[Any, ...], bool]] = [(args, trace.dynamic_batch)]
-    if trace.dynamic_batch and any(isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == 1 for a in args):
-        attempts = [(batch_at_least_two(args), True), (args, False)]
-    error: Optional[TraceError] = None
+    # A dynamic batch first (a batch of one repeated to two: 0 and 1 are specialised), then the example's own
+    # batch size for a model that fixes it (an ensemble reshaping to the batch it was built for, say).
+    attempts: List[Tuple[Tuple[Any, ...], bool]] = [(batch_at_least_two(args), True), (args, False)] \
+        if trace.dynamic_batch else [(args, False)]
+    target, error = working, None
     for capture_args, dynamic in attempts:
         try:
-            result = _export_once(working, capture_args, dynamic)
+            try:
+                result = _export_once(target, capture_args, dynamic)
+            except TraceError as exc:
+                if target is not working or "not a known type" not in str(exc):
+                    raise
+                # A named tuple or dataclass output torch.export cannot carry: the same fields, made plain.
+                target = PlainOutputs(working)
+                result = _export_once(target, capture_args, dynamic)
+                result.notes.append(PLAIN_OUTPUTS())
             _raise_if_unfaithful(result, working, args)
         except TraceError as exc:
             error = error or exc
             continue
         if not dynamic and trace.dynamic_batch:
-            result.notes.append(STATIC_BATCH_CAPTURE())
+            result.notes.append(STATIC_BATCH_CAPTURE(batch_size=batch_size_of(args), reason=first_line(error)
+                                                     if error is not None else "unknown"))
         return result
     assert error is not None
     raise error

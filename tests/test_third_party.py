@@ -10,7 +10,8 @@ LightningModules and models as their users write them).
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import dataclasses
+from typing import Any, List, NamedTuple, Tuple
 
 import pytest
 
@@ -324,3 +325,52 @@ def test_the_callback_never_imports_pytorch_lightning_itself() -> None:
             "'pytorch_lightning' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["1", "False"]
+
+
+class Pair(NamedTuple):
+    logits: torch.Tensor
+    features: torch.Tensor
+
+
+@dataclasses.dataclass
+class Prediction:
+    logits: torch.Tensor
+    features: torch.Tensor
+
+
+class RecordHead(nn.Module):
+    """Returns its outputs as a named tuple or as a plain dataclass (what many libraries do)."""
+
+    def __init__(self, record: type) -> None:
+        super().__init__()
+        self.record = record
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        features = self.bn(self.conv(x)).mean((2, 3))
+        return self.record(self.fc(features), features)
+
+
+@pytest.mark.parametrize("record", [Pair, Prediction])
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_named_tuple_and_dataclass_outputs_are_exported_and_reloaded(tmp_path, record: type, mode: str) -> None:
+    """Before: pt2 failed with "Can't serialize TreeSpec of namedtuple class"; a dataclass cannot be saved
+    either. torch.export's artifacts now return the fields in order (a tuple, or a dict of the dataclass's
+    fields), the manifest names each output, and the pickled formats keep the class."""
+    import fx_lightning
+
+    torch.manual_seed(0)
+    model = H.randomize_batchnorms(RecordHead(record)).eval()
+    formats = ["pt2", "onnx", "graph_module"]
+    outcome = fx_lightning.fuse_and_export(model, tmp_path / "e", example_inputs=(torch.randn(4, 3, 8, 8),),
+                                           config={"trace": {"mode": mode}, "export": {"formats": formats}})
+    manifest = outcome.manifest
+    assert list(manifest.formats) == formats and manifest.failed_formats == {} and manifest.dynamic_batch
+    assert [(s.name, s.shape) for s in manifest.outputs] == [("logits", ["batch", 2]), ("features", ["batch", 4])]
+    x = torch.randn(3, 3, 8, 8)
+    want = H.fp64_copy(model)(x.double())
+    for fmt in formats:
+        got = fx_lightning.load_fused(tmp_path / "e", fmt)(x)
+        got_logits, got_features = (got.logits, got.features) if isinstance(got, record) else (
+            (got["logits"], got["features"]) if isinstance(got, dict) else got)
+        assert H.rel_err(got_logits, want.logits) < 1e-5 and H.rel_err(got_features, want.features) < 1e-5, fmt

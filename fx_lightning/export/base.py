@@ -18,11 +18,12 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning._json import JsonObject, json_safe
+from fx_lightning.batches import PlainOutputs, is_record_type
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 
 __all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "WriteContext", "Writer", "Loader",
-           "fields_from", "pickled_classes"]
+           "fields_from", "pickled_classes", "returns_named_tuple"]
 
 Json = Mapping[str, Any]  # one JSON object as json.loads gives it
 
@@ -135,9 +136,24 @@ class WriteContext:
     # AOTInductor: one package per batch size listed (compiled for it), or one with a dynamic batch when empty.
     aoti_batch_sizes: List[int] = field(default_factory=list)
     notes: List[Note] = field(default_factory=list)
-    # The torch.export program of ``model`` on ``args`` with ``dynamic_shapes``, made once for every writer.
+    # The torch.export program of ``export_model`` on ``args`` with ``dynamic_shapes``, made once for every writer.
     program: Optional["torch.export.ExportedProgram"] = None
     static_batch: Optional[int] = None  # the one batch size every artifact is built for (None: any)
+
+    @property
+    def export_model(self) -> nn.Module:
+        """What the torch.export-based writers trace: ``model``, or a wrapper returning its named-tuple outputs as
+        plain tuples (same fields, same order) and dataclass outputs as dicts: a saved program cannot name a class
+        it does not know, and the serving process has no training code."""
+        return PlainOutputs(self.model) if returns_named_tuple(self.model) else self.model
+
+    @property
+    def export_dynamic_shapes(self) -> Optional[Tuple[Any, ...]]:
+        """``dynamic_shapes`` nested as ``export_model``'s signature takes them (the wrapper's ``*args`` is one
+        tuple)."""
+        if self.dynamic_shapes is None or not isinstance(self.export_model, PlainOutputs):
+            return self.dynamic_shapes
+        return (self.dynamic_shapes,)
 
     @property
     def device(self) -> torch.device:
@@ -178,6 +194,25 @@ class Format:
         """The README lines for this format; ``{pickled_note}`` expands when the entry pickled modules."""
         note = "; modules listed under `pickled_modules` in the manifest are pickled" if options.get("pickled_modules") else ""
         return self.readme.format(path=self.path, pickled_note=note)
+
+
+def returns_named_tuple(model: fx.GraphModule) -> bool:
+    """Whether the graph's output holds a named tuple or a plain dataclass (built in the graph, or rebuilt from an
+    export's spec)."""
+    output = next(n for n in model.graph.nodes if n.op == "output")
+
+    def holds(value: Any) -> bool:
+        if is_record_type(type(value)):
+            return True
+        if isinstance(value, fx.Node):
+            return value.op == "call_function" and is_record_type(value.target)
+        if isinstance(value, (list, tuple)):
+            return any(holds(v) for v in value)
+        if isinstance(value, dict):
+            return any(holds(v) for v in value.values())
+        return False
+
+    return holds(output.args)
 
 
 def pickled_classes(model: nn.Module) -> List[str]:

@@ -16,13 +16,13 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from fx_lightning._json import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
-from fx_lightning.batches import batch_size_of, flat_tensors
+from fx_lightning.batches import batch_size_of
 from fx_lightning.errors import ExportError
 from fx_lightning.export.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.export.formats import FORMATS
@@ -385,16 +385,37 @@ def _input_specs(ctx: WriteContext) -> List[TensorSpec]:
     return specs
 
 
+def _named_tensors(value: Any, name: str = "") -> List[Tuple[str, torch.Tensor]]:
+    """Every tensor of an output with a name: its field (named tuples, dataclasses), key (mappings) or position
+    (``output_0``...), joined by dots when nested."""
+    def joined(part: str) -> str:
+        return f"{name}.{part}" if name else part
+
+    if isinstance(value, torch.Tensor):
+        return [(name or "output_0", value)]
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return [n for field in value._fields for n in _named_tensors(getattr(value, field), joined(field))]
+    if isinstance(value, Mapping):
+        return [n for key in value for n in _named_tensors(value[key], joined(str(key)))]
+    if isinstance(value, (list, tuple)):
+        return [n for i, v in enumerate(value) for n in _named_tensors(v, joined(str(i)) if name else f"output_{i}")]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [n for f in dataclasses.fields(value) for n in _named_tensors(getattr(value, f.name), joined(f.name))]
+    return []
+
+
 def _output_specs(ctx: WriteContext) -> List[TensorSpec]:
     with torch.no_grad():
-        outs = flat_tensors(ctx.model(*ctx.args))
+        outs = _named_tensors(ctx.model(*ctx.args))
+    if len(outs) == 1:
+        outs = [("output_0", outs[0][1])]
     batch = batch_size_of(ctx.args)
     specs = []
-    for i, t in enumerate(outs):
+    for name, t in outs:
         shape: List[Union[int, str]] = list(t.shape)
         if ctx.dynamic_shapes is not None and shape and shape[0] == batch:
             shape[0] = "batch"
-        specs.append(TensorSpec(f"output_{i}", None, shape, dtype_name(t.dtype)))
+        specs.append(TensorSpec(name, None, shape, dtype_name(t.dtype)))
     return specs
 
 

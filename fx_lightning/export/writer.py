@@ -239,12 +239,14 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     shared = torch.export.Dim("batch", min=1) if len(sizes) == 1 else None
     dynamic = tuple({0: shared if shared is not None else torch.export.Dim(f"batch_{i}", min=1)}
                     if isinstance(a, torch.Tensor) and a.dim() > 0 else None for i, a in enumerate(args))
+    ctx.args, ctx.dynamic_shapes = args, dynamic
     try:
         with torch.no_grad():
-            program = torch.export.export(plain, args, strict=False, dynamic_shapes=dynamic)
+            ctx.program = torch.export.export(ctx.export_model, args, strict=False,
+                                              dynamic_shapes=ctx.export_dynamic_shapes)
     except Exception as exc:  # noqa: BLE001 - the graph fixes its batch size: export it for the data's
+        ctx.args, ctx.dynamic_shapes = tuple(example_inputs), None
         return _static(ctx, batch, first_line(exc, with_type=True))
-    ctx.args, ctx.dynamic_shapes, ctx.program = args, dynamic, program
     return ctx
 
 

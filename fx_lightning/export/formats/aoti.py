@@ -73,8 +73,8 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
         name = "dynamic.pt2" if size is None else f"batch_{size}.pt2"
         args = ctx.args if size is None else with_batch_size(ctx.args, size)
         with torch.no_grad():  # freezing needs it: with grad on, Inductor silently skips it (eager speed)
-            program = torch.export.export(ctx.model, args, strict=False,
-                                          dynamic_shapes=ctx.dynamic_shapes if size is None else None)
+            program = torch.export.export(ctx.export_model, args, strict=False,
+                                          dynamic_shapes=ctx.export_dynamic_shapes if size is None else None)
             torch._inductor.aoti_compile_and_package(program, package_path=str(folder / name),
                                                      inductor_configs={"freezing": True})
         packages["dynamic" if size is None else str(size)] = name

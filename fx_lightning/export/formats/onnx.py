@@ -63,8 +63,8 @@ def onnx_dynamo(ctx: WriteContext, path: Path, input_names: List[str], output_na
     """torch.onnx's dynamo exporter, quietly (it reports its steps with print())."""
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(ctx.model, ctx.args, dynamo=True, input_names=input_names,
-                                    output_names=output_names, dynamic_shapes=ctx.dynamic_shapes, verbose=False,
+        program = torch.onnx.export(ctx.export_model, ctx.args, dynamo=True, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=ctx.export_dynamic_shapes, verbose=False,
                                     opset_version=ctx.onnx_opset)
         if program is None:
             raise ExportError("torch.onnx.export returned no program.")

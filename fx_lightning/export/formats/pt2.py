@@ -20,7 +20,7 @@ def export_program(ctx: WriteContext) -> "torch.export.ExportedProgram":
     if ctx.program is not None:
         return ctx.program
     try:
-        return torch.export.export(ctx.model, ctx.args, strict=False, dynamic_shapes=ctx.dynamic_shapes)
+        return torch.export.export(ctx.export_model, ctx.args, strict=False, dynamic_shapes=ctx.export_dynamic_shapes)
     except Exception as exc:  # noqa: BLE001
         hint = ""
         if ctx.dynamic_shapes is not None and ("Constraint" in type(exc).__name__ or "specializ" in str(exc)
