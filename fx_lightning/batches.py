@@ -23,6 +23,7 @@ __all__ = [
     "InputRule",
     "extract_input",
     "extract_labels",
+    "describe",
     "identity_rule",
     "as_args",
     "as_example_inputs",
@@ -35,6 +36,7 @@ __all__ = [
     "batch_size_of",
     "take_rows",
     "batch_at_least_two",
+    "batch_dims",
     "with_batch_size",
     "concat_outputs",
     "is_record_type",
@@ -116,6 +118,10 @@ def _automatic_input(batch: Any) -> Any:
             f"{', '.join(map(str, batch))}; tried {', '.join(INPUT_KEYS)}). Set parity.input to the key, "
             "or to 'pkg.module:function' taking the batch."
         )
+    found = next((getattr(batch, key) for key in INPUT_KEYS if isinstance(getattr(batch, key, None), torch.Tensor)),
+                 None)
+    if found is not None:  # a library's own batch type (a dataclass with an ``image`` field, say)
+        return found
     raise ConfigError(
         f"parity.input: cannot take a model input out of a batch of type {type(batch).__name__}; set "
         "parity.input to a key, an index or 'pkg.module:function'."
@@ -136,9 +142,29 @@ def extract_labels(batch: Any, rule: InputRule = None) -> Optional[torch.Tensor]
         labels = batch[1]
     elif isinstance(batch, Mapping):
         labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+    else:  # a library's own batch type: a ``label``/``target`` field
+        labels = next((getattr(batch, k) for k in LABEL_KEYS if hasattr(batch, k)), None)
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and not labels.is_complex():
         return labels
     return None
+
+
+def describe(value: Any, depth: int = 0) -> str:
+    """What a batch (or an input) is, for error messages: types, shapes and dtypes, nested."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if depth > 3:
+        return type(value).__name__
+    if isinstance(value, (tuple, list)):
+        items = ", ".join(describe(v, depth + 1) for v in value[:6]) + (", ..." if len(value) > 6 else "")
+        return f"{type(value).__name__}({items})"
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{k!r}: {describe(v, depth + 1)}" for k, v in list(value.items())[:6])
+        return f"{type(value).__name__}({items})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ", ".join(f"{f.name}={describe(getattr(value, f.name), depth + 1)}" for f in dataclasses.fields(value))
+        return f"{type(value).__name__}({items})"
+    return type(value).__name__
 
 
 def as_args(inputs: Any) -> Tuple[Any, ...]:
@@ -228,39 +254,48 @@ def record_calls(module: nn.Module) -> Iterator[List[Tuple[tuple, dict, Any]]]:
 
 
 def batch_size_of(args: Sequence[Any]) -> Optional[int]:
-    """Dim 0 of the first tensor argument with a dimension (None: no batched tensor)."""
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
-            return int(a.shape[0])
-    return None
+    """Dim 0 of the first tensor with a dimension in the arguments, nested ones too (None: no batched tensor)."""
+    return next((int(t.shape[0]) for t in flat_tensors(list(args)) if t.dim() > 0), None)
 
 
 def take_rows(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
-    """The first ``n`` samples of every batched tensor argument (others unchanged)."""
-    return tuple(a[:n] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in args)
+    """The first ``n`` samples of every batched tensor in the arguments (others unchanged)."""
+    return tuple(map_tensors(lambda t: t[:n] if t.dim() > 0 else t, a) for a in args)
+
+
+def batch_dims(value: Any, dim: Any) -> Any:
+    """torch.export's ``dynamic_shapes`` for ``value``: ``{0: dim}`` for every batched tensor, nested as the value
+    is (a dict of named inputs gets a dict), None for everything else."""
+    if isinstance(value, torch.Tensor):
+        return {0: dim} if value.dim() > 0 else None
+    if isinstance(value, Mapping):
+        return {k: batch_dims(v, dim) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        specs = [batch_dims(v, dim) for v in value]
+        return tuple(specs) if isinstance(value, tuple) else specs
+    return None
 
 
 def batch_at_least_two(args: Sequence[Any]) -> Tuple[Any, ...]:
     """torch.export specialises a dimension of size 0 or 1: repeat a batch of one to trace with two."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] < 2:
-            if a.shape[0] == 0:
-                raise ValueError("a tensor argument has batch size 0; give at least one sample")
-            a = torch.cat([a, a], dim=0)
-        out.append(a)
-    return tuple(out)
+    def two(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] >= 2:
+            return t
+        if t.shape[0] == 0:
+            raise ValueError("a tensor argument has batch size 0; give at least one sample")
+        return torch.cat([t, t], dim=0)
+
+    return tuple(map_tensors(two, a) for a in args)
 
 
 def with_batch_size(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
-    """``args`` with every batched tensor cut or repeated along dim 0 to ``n`` samples."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] != n:
-            reps = -(-n // a.shape[0])
-            a = a.repeat(reps, *([1] * (a.dim() - 1)))[:n]
-        out.append(a)
-    return tuple(out)
+    """``args`` with every batched tensor (nested ones too) cut or repeated along dim 0 to ``n`` samples."""
+    def sized(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] == n:
+            return t
+        return t.repeat(-(-n // t.shape[0]), *([1] * (t.dim() - 1)))[:n]
+
+    return tuple(map_tensors(sized, a) for a in args)
 
 
 def is_record_type(cls: Any) -> bool:

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning._imports import import_object
-from fx_lightning.batches import PlainOutputs, batch_at_least_two, batch_size_of, flat_tensors
+from fx_lightning.batches import PlainOutputs, batch_at_least_two, batch_dims, batch_size_of, flat_tensors
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.notes import Note, NoteKind
@@ -320,7 +320,7 @@ def batch_dynamic_shapes(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any,
     """torch.export's ``dynamic_shapes`` marking dim 0 of every tensor argument, nested as ``module.forward``'s
     signature takes them: the arguments a ``*args`` parameter collects form one tuple of their own
     (``forward(self, *args, **kwargs)`` wrappers are common in trainer libraries)."""
-    specs = [{0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 else None for a in args]
+    specs = [batch_dims(a, torch.export.Dim.AUTO) for a in args]
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):

@@ -11,7 +11,7 @@ LightningModules and models as their users write them).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, NamedTuple, Tuple
+from typing import Any, Dict, List, NamedTuple, Tuple
 
 import pytest
 
@@ -374,3 +374,130 @@ def test_named_tuple_and_dataclass_outputs_are_exported_and_reloaded(tmp_path, r
         got_logits, got_features = (got.logits, got.features) if isinstance(got, record) else (
             (got["logits"], got["features"]) if isinstance(got, dict) else got)
         assert H.rel_err(got_logits, want.logits) < 1e-5 and H.rel_err(got_features, want.features) < 1e-5, fmt
+
+
+# ------------------------------------------------------------- batches as libraries build them
+
+
+class TwoViews(torch.utils.data.Dataset):
+    """A self-supervised data set: ``([view0, view1], target)``."""
+
+    def __init__(self, n: int = 32) -> None:
+        self.inner = H.tiny_dataset(n, 1)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        x, y = self.inner[i]
+        return [x, torch.flip(x, dims=[-1])], y
+
+
+class SelfSupervised(H.LitClassifier):
+    """A backbone and a projection head; its steps take two views (as self-supervised libraries write them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        (v0, v1), _ = batch
+        return -F.cosine_similarity(self(v0), self(v1).detach()).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.training_steps += 1
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+
+def test_a_two_view_self_supervised_module_needs_no_configuration(tmp_path) -> None:
+    """Before: the automatic input was the list of views (conv2d() received a list), before training with the
+    preflight, after it without; the only way out was a module-level function for parity.input."""
+    from fx_lightning import FXFuseCallback, load_fused
+    from fx_lightning.pipeline.steps import STEP_INPUTS
+
+    loader = lambda: torch.utils.data.DataLoader(TwoViews(), batch_size=16)  # noqa: E731
+    model = SelfSupervised()
+    cb = FXFuseCallback(export={"formats": ["pt2"]})
+    H.make_trainer(tmp_path, [cb]).fit(model, loader(), loader())
+    assert cb.parity_report is not None and cb.parity_report.passed
+    assert cb.parity_report.batches == 4  # 2 validation batches x 2 views: what the backbone received
+    note = next(n for n in cb.outcome.notes if n.kind == STEP_INPUTS)  # type: ignore[union-attr]
+    assert note["step"] == "validation_step" and note["calls"] == 4 and "list(list(Tensor[16, 3, 8, 8]" in str(note["batch"])
+    x = torch.randn(5, 3, 8, 8)
+    assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model.backbone)(x.double())) < 1e-5
+
+
+@dataclasses.dataclass
+class ImageBatch:
+    """A library's own batch type."""
+
+    image: torch.Tensor
+    label: torch.Tensor
+
+
+def _image_batches(n: int = 2) -> List[ImageBatch]:
+    data = H.tiny_dataset(16 * n, 2)
+    return [ImageBatch(data.tensors[0][i:i + 16], data.tensors[1][i:i + 16]) for i in range(0, 16 * n, 16)]
+
+
+def test_a_dataclass_batch_reaches_the_model_with_its_labels() -> None:
+    from fx_lightning.config import load_config
+    from fx_lightning.pipeline import Batches, fuse_verify_export
+
+    model = H.randomize_batchnorms(H.LitClassifier()).eval()
+    out = fuse_verify_export(model, load_config({"export": {"enabled": False}}), Batches(_image_batches(), "val"))
+    assert out.parity is not None and out.parity.passed and out.parity.batches == 2
+    assert "accuracy_drop" in out.parity.metrics  # the label field was found too
+
+
+def test_when_no_input_can_be_found_the_error_says_what_was_tried() -> None:
+    from fx_lightning import ConfigError
+    from fx_lightning.config import load_config
+    from fx_lightning.pipeline import Batches, fuse_verify_export
+
+    model = SelfSupervised()
+    model.validation_step = lambda batch, i: None  # type: ignore[method-assign]  # steps that run no model
+    model.training_step = lambda batch, i: None  # type: ignore[method-assign]
+    batches = Batches([([torch.randn(4, 3, 8, 8)] * 2, torch.zeros(4, dtype=torch.long))], "val")
+    with pytest.raises(ConfigError) as info:
+        fuse_verify_export(model, load_config({"export": {"enabled": False}}), batches)
+    message = str(info.value)
+    assert "tuple(list(Tensor[4, 3, 8, 8] float32, Tensor[4, 3, 8, 8] float32), Tensor[4] int64)" in message
+    assert "validation_step never called the target; its training_step never called the target" in message
+    assert "Set parity.input" in message
+
+
+class Tabular(nn.Module):
+    """A tabular model as such libraries write it: forward takes a dict of named inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.cont, self.bn = nn.Embedding(10, 4), nn.Linear(3, 4), nn.BatchNorm1d(4)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        continuous = self.bn(self.cont(batch["continuous"]))
+        return self.out(torch.cat([continuous, self.embed(batch["categorical"]).mean(1)], 1))
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_a_dict_input_model_is_exported_with_a_dynamic_batch(tmp_path, mode: str) -> None:
+    """Before: dict inputs got dynamic_shapes of the wrong structure, and the export refused "nested or keyword
+    inputs". ONNX takes tensors only: it is left out with its reason."""
+    import fx_lightning
+
+    model = H.randomize_batchnorms(Tabular()).eval()
+    g = torch.Generator().manual_seed(0)
+    x = {"continuous": torch.randn(8, 3, generator=g), "categorical": torch.randint(0, 10, (8, 5), generator=g)}
+    outcome = fx_lightning.fuse_and_export(model, tmp_path / "e", example_inputs=(x,),
+                                           config={"trace": {"mode": mode}, "export": {"formats": ["pt2", "graph_module"]}})
+    assert outcome.result.report.batchnorms_folded == 1 and outcome.manifest.dynamic_batch
+    assert [(s.name.split(".")[-1], s.shape) for s in outcome.manifest.inputs] == [
+        ("continuous", ["batch", 3]), ("categorical", ["batch", 5])]
+    y = {"continuous": torch.randn(3, 3), "categorical": torch.randint(0, 10, (3, 5))}
+    want = H.fp64_copy(model)({"continuous": y["continuous"].double(), "categorical": y["categorical"]})
+    for fmt in ("pt2", "graph_module"):
+        assert H.rel_err(fx_lightning.load_fused(tmp_path / "e", fmt)(y), want) < 1e-5

@@ -372,16 +372,18 @@ def readme_text(entries: Dict[str, FormatEntry]) -> str:
 
 
 def _input_specs(ctx: WriteContext) -> List[TensorSpec]:
+    """Each input tensor (the leaves of a nested argument named ``arg.key``), its batch axis marked when dynamic;
+    a non-tensor argument by its type and value."""
     specs = []
-    for i, (name, a) in enumerate(zip(ctx.input_names, ctx.args)):
-        if isinstance(a, torch.Tensor):
-            dyn = ctx.dynamic_shapes is not None and ctx.dynamic_shapes[i] is not None
-            shape: List[Union[int, str]] = list(a.shape)
-            if dyn:
-                shape[0] = "batch"
-            specs.append(TensorSpec(name, "tensor", shape, dtype_name(a.dtype), list(a.shape), str(a.device)))
-        else:
+    for name, a in zip(ctx.input_names, ctx.args):
+        tensors = _named_tensors(a, name) if not isinstance(a, torch.Tensor) else [(name, a)]
+        if not tensors:
             specs.append(TensorSpec(name, type(a).__name__, value=repr(a)[:200]))
+        for leaf_name, t in tensors:
+            shape: List[Union[int, str]] = list(t.shape)
+            if ctx.dynamic_shapes is not None and t.dim() > 0:
+                shape[0] = "batch"
+            specs.append(TensorSpec(leaf_name, "tensor", shape, dtype_name(t.dtype), list(t.shape), str(t.device)))
     return specs
 
 

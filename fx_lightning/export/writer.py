@@ -20,7 +20,15 @@ import torch
 from torch import nn
 
 from fx_lightning._imports import missing_modules
-from fx_lightning.batches import batch_at_least_two, batch_size_of, flat_tensors, map_tensors, take_rows, with_batch_size
+from fx_lightning.batches import (
+    batch_at_least_two,
+    batch_dims,
+    batch_size_of,
+    flat_tensors,
+    map_tensors,
+    take_rows,
+    with_batch_size,
+)
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
 from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
@@ -234,11 +242,11 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
             ctx.notes.append(STATIC_SHAPES())
         return _static(ctx, batch, None)
     args = batch_at_least_two(ctx.args)
-    # One named Dim shared by all inputs when they agree (min 1: batch 1 must load too).
-    sizes = {a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0}
+    # One named Dim shared by all inputs when they agree (min 1: batch 1 must load too), nested inputs included.
+    sizes = {t.shape[0] for t in flat_tensors(list(args)) if t.dim() > 0}
     shared = torch.export.Dim("batch", min=1) if len(sizes) == 1 else None
-    dynamic = tuple({0: shared if shared is not None else torch.export.Dim(f"batch_{i}", min=1)}
-                    if isinstance(a, torch.Tensor) and a.dim() > 0 else None for i, a in enumerate(args))
+    dynamic = tuple(batch_dims(a, shared if shared is not None else torch.export.Dim(f"batch_{i}", min=1))
+                    for i, a in enumerate(args))
     ctx.args, ctx.dynamic_shapes = args, dynamic
     try:
         with torch.no_grad():

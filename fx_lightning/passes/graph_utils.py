@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -317,20 +318,37 @@ def plain_graph_module(module: nn.Module, class_name: str = "FusedModule") -> fx
     return plain
 
 
+def _take_apart(graph: fx.Graph, structure: Any, name: str, placeholders: List[fx.Node]) -> None:
+    """One placeholder for a nested argument, and ``getitem`` nodes taking each of its leaves out of it in place
+    of the leaf placeholders torch.export made (a dict of named inputs reaches the model as that dict)."""
+    leaves = pytree.tree_flatten_with_path(structure)[0]
+    with graph.inserting_before(leaves[0][1]):  # where the argument's own leaves were: its place in the order
+        holder = graph.placeholder(name)
+    cursor = holder  # each getitem right after what it reads (an unlifted export graph reads weights first)
+    for path, leaf in leaves:
+        value: Any = holder
+        for key in path:
+            with graph.inserting_after(cursor):
+                value = cursor = graph.call_function(operator.getitem,
+                                                     (value, getattr(key, "key", getattr(key, "idx", None))))
+        leaf.replace_all_uses_with(value)
+        graph.erase_node(leaf)
+
+
 def _flat_io(graph: fx.Graph, out: Any, info: Any) -> Any:
-    """Check the inputs are flat positional tensors; rebuild the output structure in the graph."""
+    """Take the inputs as forward's positional arguments (a nested one, a dict of named inputs say, taken apart
+    in the graph); rebuild the output structure in the graph."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if info.in_spec is not None:
-        args_kwargs = pytree.tree_unflatten(placeholders, info.in_spec)
-        flat_ok = (
-            isinstance(args_kwargs, tuple) and len(args_kwargs) == 2 and not args_kwargs[1]
-            and list(args_kwargs[0]) == placeholders
-        )
-        if not flat_ok:
+        args, kwargs = pytree.tree_unflatten(placeholders, info.in_spec)
+        if kwargs:
             raise TraceError(
-                "the fused model takes nested or keyword inputs; exports support positional tensor "
-                "arguments (wrap the model so forward takes tensors)."
+                f"the fused model takes keyword inputs ({', '.join(kwargs)}); exports take positional arguments "
+                "(wrap the model so forward takes them positionally)."
             )
+        for i, arg in enumerate(args):
+            if not isinstance(arg, fx.Node):
+                _take_apart(graph, arg, f"input_{i}", placeholders)
     if info.out_spec is not None:
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         out = pytree.tree_unflatten(flat, info.out_spec)

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import itertools
 import os
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -31,10 +32,12 @@ from fx_lightning.batches import (
     InputRule,
     as_args,
     as_example_inputs,
+    describe,
     detached,
     extract_input,
     identity_rule,
     model_device_dtype,
+    record_calls,
     to_model,
 )
 from fx_lightning.capture import eval_copy
@@ -108,6 +111,9 @@ EXAMPLE_INPUTS_DICT = NoteKind("example_inputs_dict", "example_inputs is a dict 
 EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the example inputs instead")
 KWARGS_NOT_CAPTURED = NoteKind("kwargs_not_captured", "the target is called with keyword arguments ({names}); they "
                                                       "are not part of the example inputs given to capture")
+STEP_INPUTS = NoteKind("step_inputs", "forward's input could not be taken out of the batches ({batch}), so the "
+                                      "LightningModule's {step} ran on them and parity compared the target on the "
+                                      "{calls} input(s) it received")
 FORMAT_NOT_EXPORTED = NoteKind("format_not_exported", "format {format} not exported ({reason})")
 _FIGURES = "top-1 agreement {top1_agreement}, accuracy drop {accuracy_drop}, worst cosine {cosine_min}"
 VARIANT_PASSED = NoteKind("variant_passed", "{artifact} passed its gate (" + _FIGURES + ")")
@@ -162,6 +168,9 @@ class Fused:
     source: str
     calibration: List[tuple] = field(default_factory=list)  # the target's inputs on calibration batches
     notes: List[Note] = field(default_factory=list)
+    # True: parity runs the whole model on ``data``; False: ``data`` is what the target itself received (recorded
+    # while the LightningModule's own step ran), and parity compares the target alone.
+    through_whole: bool = True
 
 
 @dataclass
@@ -202,7 +211,14 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         reference = reference_whole.get_submodule(path) if path else reference_whole
         with in_step(Step.parity_input):
             data, rule, data_source, data_notes = _parity_data(config, source.batches, source.example_inputs)
-            target_inputs, input_notes = _first_target_inputs(reference_whole, reference, data, rule)
+            try:
+                target_inputs, input_notes = _first_target_inputs(reference_whole, reference, data, rule)
+                through_whole = True
+            except Exception as exc:  # noqa: BLE001 - the batch is not forward's input: ask the module's own step
+                if config.parity.input is not None or not data:
+                    raise
+                data, input_notes = _inputs_from_step(reference_whole, reference, data, exc)
+                target_inputs, rule, through_whole = data[0], identity_rule, False
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
                 result = fuse(reference, config, example_inputs=target_inputs)
@@ -210,12 +226,13 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                 exc.step = exc.step or Step.passes.value
                 raise
         with in_step(Step.parity_input):
-            calibration = _calibration_inputs(config, reference_whole, reference, data, rule)
+            calibration = _calibration_inputs(config, reference_whole, reference, data, rule) if through_whole \
+                else list(data[:_calibration_count(config)])
     notes = [*source.notes, *source.batches.notes, *data_notes, *input_notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
     return Fused(path, result, reference, reference_whole, whole_model_with(reference_whole, path, result.graph_module),
-                 target_inputs, data, rule, data_source, calibration, notes)
+                 target_inputs, data, rule, data_source, calibration, notes, through_whole)
 
 
 def _parity_data(config: FuseConfig, batches: Batches,
@@ -248,13 +265,60 @@ def _first_target_inputs(whole: nn.Module, target: nn.Module, data: List[Any],
     return args, [KWARGS_NOT_CAPTURED(names=tuple(kwargs))] if kwargs else []
 
 
+def _inputs_from_step(whole: nn.Module, target: nn.Module, data: List[Any],
+                      failure: Exception) -> Tuple[List[tuple], List[Note]]:
+    """What ``target`` receives while the model's own validation (else training) step runs on each batch: how
+    two-view, dict, dataclass and multi-input batches reach it, with no configuration. Raises a ConfigError that
+    says what was tried, with the batch's types and shapes, when that does not work either."""
+    step_errors: List[str] = []
+    for name in ("validation_step", "training_step"):
+        step = getattr(whole, name, None)
+        if not callable(step):
+            continue
+        try:
+            calls = [args for i, batch in enumerate(data) for args, _ in _step_calls(whole, target, step, batch, i)]
+        except Exception as exc:  # noqa: BLE001 - the user's own step; said below
+            step_errors.append(f"{name} raised {type(exc).__name__}: {first_line(exc)}")
+            continue
+        if calls:
+            return calls, [STEP_INPUTS(batch=describe(data[0]), step=name, calls=len(calls))]
+        step_errors.append(f"{name} never called the target")
+    raise ConfigError(
+        f"parity.input: forward's input could not be taken out of the batch ({describe(data[0])}): "
+        f"{type(failure).__name__}: {first_line(failure)}"
+        + (f"; and on the batch, the LightningModule's {'; its '.join(step_errors)}" if step_errors else "")
+        + ". Set parity.input to the key, index or 'pkg.module:function' that gives forward's input."
+    ) from failure
+
+
+def _step_calls(whole: nn.Module, target: nn.Module, step: Any, batch: Any, index: int) -> List[Tuple[tuple, dict]]:
+    """Run ``step(batch, index)`` on the working copy with no trainer attached (its ``self.log`` warns and returns)
+    and return the ``(args, kwargs)`` of every call of ``target``."""
+    device, dtype = model_device_dtype(whole)
+    attached = getattr(whole, "_trainer", None)
+    with record_calls(target) as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if attached is not None:
+                whole._trainer = None
+            step(to_model(batch, device, dtype), index)
+        finally:
+            if attached is not None:
+                whole._trainer = attached
+    return [(args, kwargs) for args, kwargs, _ in calls]
+
+
+def _calibration_count(config: FuseConfig) -> int:
+    wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
+    return max((getattr(options, "calibration_batches", 8) for options in wanted), default=0)
+
+
 def _calibration_inputs(config: FuseConfig, whole: nn.Module, target: nn.Module, data: List[Any],
                         rule: InputRule) -> List[tuple]:
     """The target's inputs on the parity batches, for the variant passes (int8) when one is enabled."""
-    wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
-    if not wanted:
+    count = _calibration_count(config)
+    if not count:
         return []
-    count = max(getattr(options, "calibration_batches", 8) for options in wanted)
     device, dtype = model_device_dtype(whole)
     return [target_example_inputs(whole, target, as_args(to_model(extract_input(b, rule), device, dtype)))[0]
             for b in data[:count]]
@@ -270,13 +334,19 @@ def measure(fused: Fused, config: FuseConfig) -> Optional[ParityState]:
     with in_step(Step.parity), own_rng(fused.reference_whole), torch.no_grad():
         _, dtype = model_device_dtype(fused.reference_whole)
         precise = copy.deepcopy(fused.reference).double() if dtype in _LOW_PRECISION else None
-        whole = bool(fused.target)
+        whole = bool(fused.target) and fused.through_whole
         return measure_parity(
             fused.reference, fused.result.graph_module, fused.data, config.parity,
             whole_reference=fused.reference_whole if whole else None,
             whole_candidate=fused.fused_model if whole else None,
-            input_rule=fused.input_rule, source=fused.source, precise_reference=precise,
+            input_rule=fused.input_rule, label_rule=None if fused.through_whole else _no_labels,
+            source=fused.source, precise_reference=precise,
         )
+
+
+def _no_labels(_: Any) -> None:
+    """The target's own inputs carry no labels."""
+    return None
 
 
 def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityReport]:
@@ -393,11 +463,12 @@ def _rounded(value: Optional[float]) -> Optional[float]:
 
 def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str) -> ParityReport:
     """A lossy variant against the fp32 fused model on the parity batches: cosine, top-1 agreement, accuracy drop."""
-    whole = whole_model_with(fused.fused_model, fused.target, loaded) if fused.target else loaded
+    through = bool(fused.target) and fused.through_whole
+    whole = whole_model_with(fused.fused_model, fused.target, loaded) if through else loaded
     state = measure_parity(fused.result.graph_module, loaded, fused.data, config,
-                           whole_reference=fused.fused_model if fused.target else None,
-                           whole_candidate=whole if fused.target else None, input_rule=fused.input_rule,
-                           source=fused.source, nested=False)
+                           whole_reference=fused.fused_model if through else None,
+                           whole_candidate=whole if through else None, input_rule=fused.input_rule,
+                           label_rule=None if fused.through_whole else _no_labels, source=fused.source, nested=False)
     return judge_parity(state, config, lossy=True, config_key=config_key)
 
 
