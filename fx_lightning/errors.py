@@ -20,6 +20,7 @@ __all__ = [
     "PassError",
     "ParityError",
     "ExportError",
+    "ModelError",
     "error_class",
     "first_line",
 ]
@@ -81,7 +82,13 @@ class ExportError(FXLightningError):
     """An export could not be written or read back."""
 
 
-_CLASSES = {cls.__name__: cls for cls in (FXLightningError, ConfigError, TraceError, PassError, ParityError, ExportError)}
+class ModelError(FXLightningError):
+    """The model's own code raises on the data, unfused and untouched: a condition of the model, not of the
+    pipeline (a memory bank that training fills, say). Before training the preflight proves what it can and goes on."""
+
+
+_CLASSES = {cls.__name__: cls for cls in (FXLightningError, ConfigError, TraceError, PassError, ParityError, ExportError,
+                                          ModelError)}
 
 
 def error_class(name: str) -> type:

@@ -45,19 +45,22 @@ class PreflightReport:
     seconds: float = 0.0
     device: Optional[str] = None
     stages: List[str] = field(default_factory=list)
+    unproven: Optional[str] = None  # what could not be proven before training, and why
 
     def to_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> "PreflightReport":
-        device = data.get("device")
+        device, unproven = data.get("device"), data.get("unproven")
         return cls(str(data.get("mode", "")), float(data.get("seconds") or 0.0),  # type: ignore[arg-type]
-                   str(device) if device is not None else None, [str(s) for s in data.get("stages") or []])  # type: ignore[union-attr]
+                   str(device) if device is not None else None, [str(s) for s in data.get("stages") or []],  # type: ignore[union-attr]
+                   str(unproven) if unproven is not None else None)
 
     def __str__(self) -> str:
         return (f"preflight ({self.mode}): {', '.join(self.stages) or 'nothing'} proven before training in "
-                f"{self.seconds:.2f} s" + (f" on {self.device}" if self.device else ""))
+                f"{self.seconds:.2f} s" + (f" on {self.device}" if self.device else "")
+                + (f"; not proven: {self.unproven}" if self.unproven else ""))
 
 
 @dataclass

@@ -501,3 +501,52 @@ def test_a_dict_input_model_is_exported_with_a_dynamic_batch(tmp_path, mode: str
     want = H.fp64_copy(model)({"continuous": y["continuous"].double(), "categorical": y["categorical"]})
     for fmt in ("pt2", "graph_module"):
         assert H.rel_err(fx_lightning.load_fused(tmp_path / "e", fmt)(y), want) < 1e-5
+
+
+class MemoryBank(nn.Module):
+    """Scores a sample by its distance to features stored during training (an anomaly detector's memory bank):
+    it cannot run before training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = H.TinyBackbone(8)
+        self.register_buffer("bank", torch.empty(0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bank.numel() == 0:
+            raise RuntimeError("the memory bank is empty: fit the model first")
+        return torch.cdist(self.backbone(x), self.bank).min(1).values
+
+
+class Detector(H.LitClassifier):
+    def __init__(self) -> None:
+        super().__init__(backbone=MemoryBank())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.training_steps += 1
+        features = self.backbone.backbone(batch[0])
+        self.backbone.bank = torch.cat([self.backbone.bank, features.detach()])[-64:]
+        return features.pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("score", self(batch[0]).mean())
+
+
+def test_a_model_that_runs_only_once_trained_is_not_stopped_by_the_preflight(tmp_path) -> None:
+    """Before: the preflight stopped training (the untrained model raised). Now it proves what needs no model run,
+    says what it could not prove and why, and the end of fit fuses, verifies and exports the trained model."""
+    from fx_lightning import FXFuseCallback, load_fused
+
+    model = Detector()
+    cb = FXFuseCallback(export={"formats": ["pt2"]})
+    with pytest.warns(UserWarning, match="not proven: the pipeline's steps: the model's own forward raises"):
+        H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders())
+    assert model.training_steps == 8 and cb.preflight is not None
+    assert cb.preflight.stages == ["device", "target", "weights", "export directory", "export dependencies"]
+    assert "the memory bank is empty" in (cb.preflight.unproven or "")
+    assert cb.parity_report is not None and cb.parity_report.passed
+    x = torch.randn(5, 3, 8, 8)
+    assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model.backbone)(x.double())) < 1e-5

@@ -102,6 +102,9 @@ class FXFuseCallback(Callback):
         if self.skipped is not None:
             return
         self.preflight, failure = check_before_fit(trainer, pl_module, self.config)
+        if self.preflight is not None and self.preflight.unproven:
+            rank_zero_warn(f"FXFuseCallback: {self.preflight}. Training goes on; the end of fit runs them on the "
+                           "trained model.")
         if failure is not None:
             stage = failure.step or "preflight"
             failure.error.add_context(

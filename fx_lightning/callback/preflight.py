@@ -30,7 +30,7 @@ from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.callback.trainer_data import export_directory, parity_batches
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
-from fx_lightning.errors import ConfigError, ExportError
+from fx_lightning.errors import ConfigError, ExportError, ModelError, first_line
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
@@ -93,11 +93,24 @@ def check_before_fit(
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    seconds, device = time.perf_counter() - start, _device_name(trainer, config)
+    if outcome.failure is not None and outcome.failure.type_name == ModelError.__name__:
+        # The untrained model cannot run (training fills what it needs): what needs no model run is proven.
+        return PreflightReport(config.preflight.value, seconds, device, _checks(config),
+                               f"the pipeline's steps: {first_line(outcome.failure.error)}"), None
     if outcome.failure is not None:
         return None, outcome.failure
     steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != Step.passes]
-    return PreflightReport(config.preflight.value, time.perf_counter() - start, _device_name(trainer, config),
-                           steps), None
+    return PreflightReport(config.preflight.value, seconds, device, steps), None
+
+
+def _checks(config: FuseConfig) -> List[str]:
+    """The checks :func:`preflight_source` makes for ``config``, in order."""
+    checks = [Step.device, Step.target]
+    if config.preflight is Preflight.full:
+        checks.append(Step.weights)
+        checks += [Step.export_directory, Step.export_dependencies] if config.export.enabled else []
+    return [c.value for c in checks]
 
 
 def _temporary_directory() -> Tuple[Optional[Path], Optional[OSError]]:
@@ -134,11 +147,9 @@ def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", con
         device = resolve_device(config.device, trainer.strategy.root_device)
     with in_step(Step.target):
         resolve_target(pl_module, config.target)
-    checked = [Step.device.value, Step.target.value]
     if config.preflight is Preflight.full:
         with in_step(Step.weights):
             _check_weights(trainer, pl_module, config)
-        checked.append(Step.weights.value)
         if config.export.enabled:
             with in_step(Step.export_directory):
                 if staging_error is not None:
@@ -149,11 +160,10 @@ def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", con
                                  if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint")) and cb.dirpath])
             with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
-            checked += [Step.export_directory.value, Step.export_dependencies.value]
     with in_step(Step.parity_input):
         batches = preflight_batches(trainer, pl_module, config)
     return Source(pl_module, batches, getattr(pl_module, "example_input_array", None), device=device,
-                  checked=checked + [Step.parity_input.value])
+                  checked=_checks(config) + [Step.parity_input.value])
 
 
 def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Batches:

@@ -43,7 +43,15 @@ from fx_lightning.batches import (
 from fx_lightning.capture import eval_copy
 from fx_lightning.config import FormatFailure, FuseConfig, ParityConfig, Selection
 from fx_lightning.engine import FuseResult, fuse
-from fx_lightning.errors import ConfigError, ExportError, FXLightningError, PassError, TraceError, first_line
+from fx_lightning.errors import (
+    ConfigError,
+    ExportError,
+    FXLightningError,
+    ModelError,
+    PassError,
+    TraceError,
+    first_line,
+)
 from fx_lightning.export.manifest import Manifest, VariantOutcome
 from fx_lightning.export.selection import bench_export, select_fastest, with_selection
 from fx_lightning.export.variants import add_variant
@@ -283,6 +291,11 @@ def _inputs_from_step(whole: nn.Module, target: nn.Module, data: List[Any],
         if calls:
             return calls, [STEP_INPUTS(batch=describe(data[0]), step=name, calls=len(calls))]
         step_errors.append(f"{name} never called the target")
+    if any(e.startswith(f"{name} raised {type(failure).__name__}: {first_line(failure)}")
+           for e in step_errors for name in ("validation_step", "training_step")):
+        raise ModelError(  # the model's own step fails the same way: the data is right, the model cannot run
+            f"the model's own forward raises on the data ({describe(data[0])}), in its steps too: "
+            f"{type(failure).__name__}: {first_line(failure)}") from failure
     raise ConfigError(
         f"parity.input: forward's input could not be taken out of the batch ({describe(data[0])}): "
         f"{type(failure).__name__}: {first_line(failure)}"
