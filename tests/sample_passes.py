@@ -60,3 +60,21 @@ SEEN_DTYPES: list = []
 def record_dtypes(gm: fx.GraphModule, options: dict, ctx) -> None:
     """Changes nothing; records the dtype the graph's weights are in (the preflight's run, then the end of fit's)."""
     SEEN_DTYPES.append(next(p.dtype for p in gm.parameters() if p.is_floating_point()))
+
+
+def flip_a_mask_value(gm: fx.GraphModule, options: dict, ctx) -> PassResult:
+    """Changes computation on purpose: the second output (a 0/1 mask) gets its first element flipped."""
+    result = PassResult()
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    scores, mask, labels = out.args[0]
+    with gm.graph.inserting_before(out):
+        flipped = gm.graph.call_function(_flip_first, (mask,))
+    out.args = ((scores, flipped, labels),)
+    result.change(flipped.name, "flipped a mask value")
+    return result
+
+
+def _flip_first(mask):
+    flat = mask.clone().reshape(-1)
+    flat[0] = 1.0 - flat[0]
+    return flat.reshape(mask.shape)

@@ -550,3 +550,51 @@ def test_a_model_that_runs_only_once_trained_is_not_stopped_by_the_preflight(tmp
     assert cb.parity_report is not None and cb.parity_report.passed
     x = torch.randn(5, 3, 8, 8)
     assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model.backbone)(x.double())) < 1e-5
+
+
+class Segmenter(nn.Module):
+    """Returns scores and a thresholded mask (0.0/1.0) and its class per pixel: discrete outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 2, 3, padding=1), nn.BatchNorm2d(2)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = self.bn(self.conv(x))
+        return scores, (scores[:, :1] > 0).float(), scores.argmax(1)
+
+
+def test_discrete_outputs_are_judged_by_agreement(tmp_path) -> None:
+    """Before: a mask value on the threshold flipped by fusion gave relative_max_error = 1 (the scores differed by
+    4e-7). A candidate whose scores differ by 1e-7 and whose mask has one pixel flipped (1 of 1024) passes; the
+    export of the real fused model (integer labels included) round-trips; a real disagreement fails by name."""
+    import fx_lightning
+    from fx_lightning import ParityError
+    from fx_lightning.parity import check_parity
+    from fx_lightning.parity.gate import GATE_MISSED
+
+    torch.manual_seed(0)
+    model = H.randomize_batchnorms(Segmenter()).eval()
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+
+    def near(inputs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores, mask, labels = model(inputs)
+        flipped = mask.clone()
+        flipped[0, 0, 5, 5] = 1.0 - flipped[0, 0, 5, 5]
+        return scores * (1 + 1e-7), flipped, labels
+
+    report = check_parity(model, near, [x])
+    assert report.passed, report.failures
+    assert report.metrics["discrete_agreement"] == pytest.approx(1 - 1 / 2048)  # mask and labels, 1024 each
+    assert report.metrics["relative_max_error"] < 1e-6  # over the scores alone
+    outcome = fx_lightning.fuse_and_export(model, tmp_path / "e", example_inputs=(x,),
+                                           config={"export": {"formats": ["pt2", "graph_module"]}})
+    assert outcome.parity.passed and list(outcome.manifest.formats) == ["pt2", "graph_module"]
+    assert fx_lightning.load_fused(tmp_path / "e")(x)[2].dtype == torch.int64
+    # A real disagreement still fails, naming the key.
+    with pytest.raises(ParityError) as info:
+        fx_lightning.fuse_and_export(model, tmp_path / "strict", example_inputs=(x,),
+                                     config={"parity": {"min_discrete_agreement": 1.0 + 0.0}, "passes": {
+                                         "extra": ["sample_passes:flip_a_mask_value"]}})
+    (failure,) = info.value.report.failures  # type: ignore[union-attr]
+    assert failure.kind == GATE_MISSED and failure["key"] == "parity.min_discrete_agreement"

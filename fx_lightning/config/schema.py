@@ -166,6 +166,9 @@ class ParityConfig:
     min_top1_agreement: float = 0.999
     # Allowed accuracy drop (fraction, 0.001 = 0.1 points) when labels are in the batch.
     max_accuracy_drop: float = 0.001
+    # Discrete outputs (labels, masks, thresholded scores: integer, boolean, or only 0 and 1) are judged by the
+    # fraction of elements equal to the reference's: one value on the threshold must not count as a relative error of 1.
+    min_discrete_agreement: float = 0.999
     on_failure: OnFailure = OnFailure["raise"]
 
     def check(self) -> None:
@@ -176,8 +179,9 @@ class ParityConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value}.")
-        if not 0.0 <= self.min_top1_agreement <= 1.0:
-            raise ValueError(f"min_top1_agreement: must be in [0, 1], got {self.min_top1_agreement}.")
+        for name in ("min_top1_agreement", "min_discrete_agreement"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}.")
         if not -1.0 <= self.min_cosine <= 1.0:
             raise ValueError(f"min_cosine: must be in [-1, 1], got {self.min_cosine}.")
         if self.input is not None and ":" in self.input:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from fx_lightning.parity.metrics import relative_max_error, relative_max_error_parts
+from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
 
 __all__ = [
     "ROUNDING_RTOL",
@@ -27,6 +27,9 @@ __all__ = [
     "compare_outputs",
     "structure_mismatch",
     "relative_error",
+    "is_discrete",
+    "agreement",
+    "DISCRETE_AGREEMENT",
 ]
 
 # Relative error a rerun of the same arithmetic stays within, by dtype (the one tolerance table).
@@ -39,6 +42,9 @@ RUNTIME_FACTOR = 8.0
 # A low-precision model is compared against its own rounding error: a correct fusion may differ from the
 # unfused model by a few times that error.
 LOW_PRECISION_FACTOR = 4.0
+# An artifact's discrete outputs (labels, masks) may differ from the fused model's in this small a share of
+# elements: another runtime's rounding flips a value that sits on a threshold.
+DISCRETE_AGREEMENT = 0.999
 
 
 def rounding_tolerance(dtype: torch.dtype, own_error: float = 0.0, factor: float = RUNTIME_FACTOR) -> float:
@@ -134,6 +140,20 @@ def structure_mismatch(got: Any, want: Any, *, nested: bool = True) -> Optional[
     return None
 
 
+def is_discrete(t: torch.Tensor) -> bool:
+    """A discrete output (labels, a mask, thresholded scores): integer or boolean, or floating with only the
+    values 0 and 1. Such outputs are judged by agreement: a value on the threshold flips, it does not drift."""
+    if not t.is_floating_point():
+        return True
+    return t.numel() > 0 and bool(((t == 0) | (t == 1)).all())
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The fraction of elements of ``got`` equal to ``want``'s (1 for empty tensors)."""
+    equal, total = agreement_parts(got.detach().cpu(), want.detach().cpu())
+    return float(equal / total) if total else 1.0
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``max|got - want| / max|want|`` in float64 (0 for empty tensors; exact equality for non-floating ones)."""
     if want.numel() == 0:
@@ -151,18 +171,27 @@ def compare_outputs(
     rtol: Optional[float] = None,
     own_error: float = 0.0,
     nested: bool = True,
+    min_agreement: Optional[float] = None,
 ) -> Comparison:
     """Compare ``got`` with the reference ``want`` (tensors, nested in sequences, mappings or dataclasses).
 
     The tolerance of each output is ``rtol`` when given, else :func:`rounding_tolerance` of its dtype and
     ``own_error`` (the reference's own error, for artifacts judged against an fp64 copy). Non-floating outputs
-    must be equal. NaNs must be where the reference has them (and are then ignored)."""
+    must be equal, unless ``min_agreement`` is given: then every discrete output (:func:`is_discrete`) must have
+    at least that fraction of its elements equal to the reference's. NaNs must be where the reference has them
+    (and are then ignored)."""
     mismatch = structure_mismatch(got, want, nested=nested)
     if mismatch is not None:
         return Comparison(mismatch, float("inf"), rtol or 0.0)
     worst, allowed, failure = 0.0, 0.0, None
     pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(_leaves(_tree(got)), _leaves(_tree(want))))
     for i, (g, w) in enumerate(pairs):
+        if min_agreement is not None and is_discrete(w):
+            share = agreement(g, w)
+            if share < min_agreement and failure is None:
+                failure = f"output {i} (discrete) agrees with the reference on {share:.4%} of its elements " \
+                          f"(at least {min_agreement:.2%} wanted)"
+            continue
         tol = rtol if rtol is not None else rounding_tolerance(w.dtype, own_error) if w.is_floating_point() else 0.0
         if w.is_floating_point():
             g_nan, w_nan = torch.isnan(g.detach().cpu()), torch.isnan(w.detach().cpu())

@@ -32,12 +32,14 @@ from fx_lightning.batches import (
 from fx_lightning.config import ParityConfig, load_config
 from fx_lightning.errors import ConfigError
 from fx_lightning.notes import Note, NoteKind
-from fx_lightning.parity.compare import LOW_PRECISION_FACTOR, structure_mismatch
+from fx_lightning.parity.compare import LOW_PRECISION_FACTOR, is_discrete, structure_mismatch
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.parity.metrics import (
     CLASSIFICATION_KEYS,
+    DISCRETE_KEY,
     LOCAL_ONLY,
     OUTPUT_KEYS,
+    Agreement,
     RelativeMaxError,
     classification_metrics,
     output_metrics,
@@ -150,6 +152,7 @@ class _Measurement:
         # The metrics live on the model's device while measuring, on the CPU in the state.
         self.outputs = {k: self._here(m) for k, m in output_metrics().items()}
         self.whole_error = self._here(RelativeMaxError(**LOCAL_ONLY))
+        self.discrete = self._here(Agreement(**LOCAL_ONLY))
         self.own_error = self._here(RelativeMaxError(**LOCAL_ONLY))
         self.classes: Optional[Dict[str, Metric]] = None
         self.not_class_scores = False  # the labels showed the output is not class scores
@@ -167,6 +170,9 @@ class _Measurement:
                 return False
             refs, cands = flat_tensors(ref), flat_tensors(cand)
             for r, c in zip(refs, cands):
+                if is_discrete(r):  # labels, masks, thresholded scores: judged by agreement
+                    self.discrete.update(c.detach(), r.detach())
+                    continue
                 # .contiguous(): torchmetrics' MAE uses .view(-1), which fails on channels_last.
                 r64, c64 = r.detach().double().contiguous(), c.detach().double().contiguous()
                 for metric in self.outputs.values():
@@ -236,6 +242,8 @@ class _Measurement:
             metrics["whole_relative_max_error"] = self.whole_error
         if precise:
             metrics["reference_error_vs_fp64"] = self.own_error
+        if self.discrete.update_called:
+            metrics[DISCRETE_KEY] = self.discrete
         metrics.update(self.classes or {})
         self.state.source = source
         self.state.metrics = {k: m.to("cpu") for k, m in metrics.items()}
@@ -363,6 +371,14 @@ def judge_parity(state: ParityState, cfg: Union[ParityConfig, Mapping[str, Any],
 
 
 def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, lossy: bool, config_key: str) -> None:
+    discrete = state.metrics.get(DISCRETE_KEY)
+    if discrete is not None and discrete.update_called:
+        report.metrics[DISCRETE_KEY] = float(discrete.compute())
+        report.thresholds[DISCRETE_KEY] = cfg.min_discrete_agreement
+        _gate(report, DISCRETE_KEY, report.metrics[DISCRETE_KEY], ">=", cfg.min_discrete_agreement,
+              f"{config_key}.min_discrete_agreement")
+    if not state.metrics[OUTPUT_KEYS[0]].update_called:
+        return  # every output is discrete: no value to measure a relative error or a cosine on
     for key in OUTPUT_KEYS:
         report.metrics[key] = float(state.metrics[key].compute())
     whole = state.metrics.get("whole_relative_max_error")

@@ -25,6 +25,9 @@ __all__ = [
     "output_metrics",
     "classification_metrics",
     "OUTPUT_KEYS",
+    "DISCRETE_KEY",
+    "Agreement",
+    "agreement_parts",
     "CLASSIFICATION_KEYS",
 ]
 
@@ -35,6 +38,7 @@ __all__ = [
 LOCAL_ONLY: Dict[str, bool] = {"sync_on_compute": False, "dist_sync_on_step": False}
 
 OUTPUT_KEYS: Tuple[str, ...] = ("relative_max_error", "mean_absolute_error", "cosine_similarity", "cosine_similarity_min")
+DISCRETE_KEY = "discrete_agreement"
 CLASSIFICATION_KEYS: Tuple[str, ...] = ("top1_agreement", "top1_agreement_strict", "accuracy_reference", "accuracy_fused")
 
 
@@ -128,6 +132,34 @@ class SampleCosineSimilarity(Metric):
         if self.reduction == "min":
             return self.minimum
         return self.total / self.count.clamp_min(1)
+
+
+def agreement_parts(preds: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(elements equal, elements)`` of a discrete output against its reference."""
+    return (preds == target).sum().double(), torch.tensor(float(target.numel()), dtype=torch.float64)
+
+
+class Agreement(Metric):
+    """The fraction of elements of discrete outputs equal to the reference's, over everything seen."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = True
+
+    equal: torch.Tensor
+    total: torch.Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("equal", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        equal, total = agreement_parts(preds, target)
+        self.equal, self.total = self.equal + equal, self.total + total
+
+    def compute(self) -> torch.Tensor:
+        return self.equal / self.total.clamp_min(1)
 
 
 def output_metrics() -> Dict[str, Metric]:
