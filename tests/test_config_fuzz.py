@@ -129,6 +129,7 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     "parity.max_accuracy_drop": st.floats(0, 1),
     "parity.min_top1_agreement": st.floats(0, 1),
     "parity.min_cosine": st.floats(-1, 1),
+    "parity.min_discrete_agreement": st.floats(0, 1),
     "parity.input": st.none() | IDENT | st.integers(0, 9).map(str)
     | st.sampled_from(["builtins:len", "sample_passes:raises"]),
     "export.onnx_opset": st.none() | st.integers(7, 30),
@@ -253,6 +254,8 @@ BAD_LEAVES: Dict[str, st.SearchStrategy] = {
     | st.just(math.nan),
     "parity.min_cosine": st.floats(min_value=1.0, exclude_min=True) | st.floats(max_value=-1.0, exclude_max=True)
     | st.just(math.nan),
+    "parity.min_discrete_agreement": st.floats(min_value=1.0, exclude_min=True)
+    | st.floats(max_value=0.0, exclude_max=True) | st.just(math.nan),
     "parity.input": st.sampled_from([p for p in BAD_IMPORT_PATHS if ":" in p] + ["math:pi", "sample_passes:NOT_CALLABLE"]),
     "export.onnx_opset": st.integers(-(2**40), 6) | st.integers(31, 2**40),
     "passes.batchnorm_forms.rtol": st.floats(max_value=-1e-300) | st.sampled_from([math.inf, math.nan]),

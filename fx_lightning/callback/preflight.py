@@ -93,13 +93,13 @@ def check_before_fit(
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    if outcome.failure is not None and outcome.failure.type_name != ModelError.__name__:
+        return None, outcome.failure  # first: the device may be what failed, and is not resolved again below
     seconds, device = time.perf_counter() - start, _device_name(trainer, config)
-    if outcome.failure is not None and outcome.failure.type_name == ModelError.__name__:
+    if outcome.failure is not None:
         # The untrained model cannot run (training fills what it needs): what needs no model run is proven.
         return PreflightReport(config.preflight.value, seconds, device, _checks(config),
                                f"the pipeline's steps: {first_line(outcome.failure.error)}"), None
-    if outcome.failure is not None:
-        return None, outcome.failure
     steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != Step.passes]
     return PreflightReport(config.preflight.value, seconds, device, steps), None
 
