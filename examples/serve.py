@@ -48,7 +48,9 @@ def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
     name = fmt or (selected if selected in formats else next(f for f in PREFERENCE if f in formats))
     if name not in formats:
         raise SystemExit(f"format {name!r} is not in this export (it has {', '.join(formats)})")
-    entry = formats[name]
+    entry = dict(formats[name])
+    if fmt is None and name == selected:  # the runtime settings that made it fastest (ONNX Runtime spinning, say)
+        entry = _merged(entry, (manifest.get("selected") or {}).get("runtime_options") or {})
     for module in entry.get("imports", []):  # e.g. torchao: registers the int8 ops of a variant
         importlib.import_module(module)
     path = os.path.join(directory, entry["path"])
@@ -109,6 +111,13 @@ def _load_with_torch(directory: str, fmt: str | None) -> torch.nn.Module:
 
         return run_openvino  # type: ignore[return-value]
     raise SystemExit(f"unknown format {kind!r}")
+
+
+def _merged(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def random_inputs(manifest: Dict[str, Any], batch_size: int, seed: int = 0) -> List[torch.Tensor]:

@@ -26,3 +26,21 @@ def _seed_and_threads():
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(threads, 2))
     yield
     torch.set_num_threads(threads)
+
+
+# Every test runs on a faked CPU with VNNI and AVX512-BF16, whatever the machine (CI's has been AVX2-only and
+# AVX-512 with both): the lossy variants are made everywhere. Tests of the other CPUs set their own
+# (tests/test_machine.py writes the file this names).
+FAKE_CPUINFO = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                "model name\t: Faked EPYC with VNNI and BF16\nflags\t\t: avx2 fma avx512f avx512_vnni avx512_bf16\n")
+
+
+@pytest.fixture(autouse=True)
+def _fake_cpu(tmp_path_factory, monkeypatch):
+    from fx_lightning.machine import CPUINFO_ENV
+
+    path = tmp_path_factory.getbasetemp() / "cpuinfo_vnni_bf16"
+    if not path.exists():
+        path.write_text(FAKE_CPUINFO)
+    monkeypatch.setenv(CPUINFO_ENV, str(path))
+    yield

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="record the table and the fastest artifact that passed its check in the manifest")
     bench.add_argument("--select-batch-size", type=int, default=None,
                        help="the batch size the fastest is chosen at (default: the first --batch-size)")
+    bench.add_argument("--select-traffic", choices=["idle", "back_to_back"], default="idle",
+                       help="the traffic the default artifact is chosen for: requests after an idle gap, or back "
+                            "to back (the manifest records the fastest for both)")
     bench.add_argument("--model", metavar="PKG.MODULE:CLASS",
                        help="unfused LightningModule class (default: the one recorded in the manifest)")
     bench.add_argument("--checkpoint", help="its checkpoint (default: the one recorded in the manifest)")

@@ -38,14 +38,15 @@ def run(args: argparse.Namespace, console: Any) -> int:
         table = bench_export(root, manifest=manifest, batch_sizes=sizes, formats=formats, baselines=baselines,
                              rounds=args.iters, warmup=args.warmup, threads=args.threads, progress=update)
     for size in sizes:
-        console.print(_table(table, size, args.iters, "unfused" if baselines else None))
+        for traffic in ("idle", "back_to_back"):
+            console.print(_table(table, size, traffic, args.iters, "unfused" if baselines else None))
     if unfused_note:
         console.print(f"note: {unfused_note}", markup=False)
     for name, check in table.checks.items():
         if not check.passed:
             console.print(f"{name}: check FAILED ({check.reason}): never selected", markup=False)
     if args.select:
-        selected = select_fastest(table, args.select_batch_size or sizes[0])
+        selected = select_fastest(table, args.select_batch_size or sizes[0], args.select_traffic)
         record_selection(root, table, selected)
         console.print(f"selected: {selected.format} ({selected.why})" if selected else
                       "selected: nothing (no artifact passed its check)", markup=False)
@@ -66,19 +67,20 @@ def _progress(console: Any) -> Iterator[Callable[[str, int, int], None]]:
         yield update
 
 
-def _table(table: Any, size: int, iters: int, baseline: Optional[str]) -> Any:
+def _table(table: Any, size: int, traffic: str, iters: int, baseline: Optional[str]) -> Any:
     from rich.table import Table
 
-    out = Table(title=f"latency, batch {size}, {iters} iterations ({table.threads} threads, {table.isa})",
-                title_justify="left")
+    out = Table(title=f"latency, batch {size}, {traffic.replace('_', ' ')} traffic, {iters} iterations "
+                      f"({table.threads} threads, {table.isa})", title_justify="left")
     columns = ("model", "check", "median ms", "p90 ms", "samples/s") + ((f"speed-up vs {baseline}",) if baseline else ())
     for col in columns:
         out.add_column(col, justify="left" if col in ("model", "check") else "right")
-    base = table.median(baseline, size) if baseline else None
-    for t in sorted((t for t in table.timings if t.batch_size == size), key=lambda t: t.median_ms):
+    base = table.median(baseline, size, traffic) if baseline else None
+    for t in sorted((t for t in table.timings if t.batch_size == size and t.traffic == traffic),
+                    key=lambda t: t.median_ms):
         check = table.checks.get(t.artifact)
         verdict = "-" if check is None else (f"ok {check.relative_error or 0:.1e}" if check.passed else "FAILED")
-        row = [t.artifact, verdict, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}", f"{1e3 * size / t.median_ms:,.0f}"]
+        row = [t.artifact + (f" [{t.runtime}]" if t.runtime else ""), verdict, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}", f"{1e3 * size / t.median_ms:,.0f}"]
         if baseline:
             row.append(f"{base / t.median_ms:.2f}x" if base else "-")
         out.add_row(*row)

@@ -28,6 +28,7 @@ __all__ = [
     "Preflight",
     "FormatFailure",
     "Selection",
+    "Traffic",
     "ExportFormat",
     "ParityData",
     "TraceConfig",
@@ -81,6 +82,10 @@ FormatFailure = _str_enum("FormatFailure", ["skip", "raise"], (
 Selection = _str_enum("Selection", ["preference", "fastest"], (
     "Which artifact ``load_fused(dir)`` loads by default: ``preference`` (pt2 first), or ``fastest``: every "
     "artifact timed side by side after export, the fastest that passes its check."))
+
+Traffic = _str_enum("Traffic", ["idle", "back_to_back"], (
+    "How requests arrive, which decides the fastest artifact and its runtime settings: ``idle``: each after an idle "
+    "gap (the runtime's threads have gone to sleep; sparse traffic), ``back_to_back``: one right after another."))
 
 ParityData = _str_enum("ParityData", ["auto", "val", "train", "example"], (
     "Where parity batches come from. ``auto``: validation, else training data, else example_input_array."))
@@ -203,8 +208,10 @@ class ExportConfig:
     aoti_batch_sizes: List[int] = field(default_factory=list)
     on_format_failure: FormatFailure = FormatFailure["skip"]
     select: Selection = Selection.preference
-    # The batch size the fastest artifact is chosen at (the table shows 1 and this one).
+    # The batch size and traffic the default artifact is chosen for; the manifest records the fastest for each
+    # batch size timed (1 and this one) and each traffic, and load_fused(dir, batch_size=, traffic=) picks from it.
     select_batch_size: int = 1
+    select_traffic: Traffic = Traffic.idle
 
     def check(self) -> None:
         """Formats listed (when enabled) and once each; batch sizes positive (and distinct); opset in range."""

@@ -23,6 +23,7 @@ from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 
 __all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "WriteContext", "Writer", "Loader",
+           "VariantMaker", "VariantRequest",
            "fields_from", "pickled_classes", "returns_named_tuple"]
 
 Json = Mapping[str, Any]  # one JSON object as json.loads gives it
@@ -161,11 +162,25 @@ class WriteContext:
         return next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
 
+@dataclass
+class VariantRequest:
+    """What a format needs to make a lossy variant from its own fp32 artifact: the variant's precision ("int8",
+    "bf16"), the folder (relative to the export root) its files go in, and the calibration inputs (the target's
+    inputs on a few data batches, as tuples of tensors)."""
+
+    precision: str
+    folder: str
+    calibration: List[tuple] = field(default_factory=list)
+
+
 # write(staging_dir, ctx) -> the format's manifest entry (the writer fills path, loader, trust and its options;
 # files, device and the round-trip check are filled in by the export)
 Writer = Callable[[Path, WriteContext], FormatEntry]
 # load(export_dir, manifest_entry, device) -> an eval-mode module on that device
 Loader = Callable[[Path, FormatEntry, torch.device], nn.Module]
+# make(export_root, fp32_entry, request) -> the variant's entry (path and files relative to the root), made from
+# the format's own fp32 artifact (OpenVINO int8 through NNCF, ONNX Runtime int8); None: not for this precision
+VariantMaker = Callable[[Path, FormatEntry, VariantRequest], Optional[FormatEntry]]
 
 
 @dataclass(frozen=True)
@@ -189,11 +204,33 @@ class Format:
     install_hint: str = ""
     # Loading it unpickles Python objects (torch.load(weights_only=False)): only for trusted files.
     pickled_code: bool = False
+    # Lossy variants it makes from its own fp32 artifact, by precision ("int8", "bf16"); the torch formats get
+    # theirs from the variant passes instead (export/variants.py).
+    variants: Mapping[str, VariantMaker] = field(default_factory=dict)
+    # Runtime settings worth timing besides the ones it was written with (name -> options merged over the
+    # entry's): the selection records which made it fastest for each traffic.
+    runtime_choices: Mapping[str, JsonObject] = field(default_factory=dict)
+
+    def with_runtime(self, entry: FormatEntry, runtime: str) -> FormatEntry:
+        """``entry`` as it loads with the runtime settings ``runtime`` ("": as written)."""
+        if not runtime:
+            return entry
+        if runtime not in self.runtime_choices:
+            raise KeyError(f"format {self.name!r} has no runtime settings {runtime!r}; it has "
+                           f"{', '.join(self.runtime_choices) or 'none'}")
+        return dataclasses.replace(entry, options=_merged(entry.options, self.runtime_choices[runtime]))
 
     def readme_text(self, options: Mapping[str, Any]) -> str:
         """The README lines for this format; ``{pickled_note}`` expands when the entry pickled modules."""
         note = "; modules listed under `pickled_modules` in the manifest are pickled" if options.get("pickled_modules") else ""
         return self.readme.format(path=self.path, pickled_note=note)
+
+
+def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> JsonObject:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out
 
 
 def returns_named_tuple(model: fx.GraphModule) -> bool:

@@ -14,9 +14,9 @@ from fx_lightning.errors import ExportError
 from fx_lightning.export.base import FormatEntry
 from fx_lightning.export.batching import BatchPieces
 from fx_lightning.export.formats import FORMATS
-from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
+from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
 
-__all__ = ["load_fused", "load_artifact", "CompiledForServing"]
+__all__ = ["load_fused", "load_artifact", "selection_for", "CompiledForServing"]
 
 
 def load_fused(
@@ -26,12 +26,17 @@ def load_fused(
     verify: bool = True,
     device: Any = None,
     compile: bool = False,
+    batch_size: Optional[int] = None,
+    traffic: Optional[str] = None,
 ) -> nn.Module:
     """Load an export written by :func:`export_fused`, in eval mode.
 
-    ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``, ``aoti``...); ``None`` picks the
-    artifact the export selected as the fastest that passed its check (``export.select: fastest`` or
-    ``fx-lightning bench --select``), else the first available in order of preference (pt2 first).
+    ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``, ``aoti``...) or a variant's entry
+    (``openvino-int8``); ``None`` picks the artifact the export selected as the fastest that passed its check
+    (``export.select: fastest`` or ``fx-lightning bench --select``), with the runtime settings that made it fastest,
+    else the first available in order of preference (pt2 first). ``batch_size`` and ``traffic`` (``idle``: requests
+    after an idle gap; ``back_to_back``) pick the fastest the export recorded for the batch size (the nearest one
+    timed) and traffic a server will run, instead of the default selection.
     ``device``: where to load it (a torch device or its name); ``None``: the device the artifact was built for
     (the manifest records it) when this process has it, else the CPU. A format that cannot run on the device
     asked for raises an :class:`ExportError` saying so.
@@ -43,16 +48,39 @@ def load_fused(
     on) and run under ``torch.no_grad()``, which freezing needs; the first call compiles.
     """
     root = Path(directory)
-    return load_artifact(root, read_manifest(root), format, verify=verify, device=device, compile=compile)
+    manifest = read_manifest(root)
+    runtime = ""
+    if format is None:
+        pick = selection_for(manifest, batch_size, traffic)
+        format, runtime = (pick.format, pick.runtime) if pick is not None else (None, "")
+    return load_artifact(root, manifest, format, verify=verify, device=device, compile=compile, runtime=runtime)
+
+
+def selection_for(manifest: Manifest, batch_size: Optional[int] = None, traffic: Optional[str] = None
+                  ) -> Optional[Selected]:
+    """The recorded selection for ``batch_size`` (the nearest batch size timed) and ``traffic``; the default
+    selection when neither is given (None when the export recorded none)."""
+    if batch_size is None and traffic is None or not manifest.selections:
+        return manifest.selected
+    default = manifest.selected
+    wanted_traffic = traffic or (default.traffic if default is not None else "idle")
+    matching = [s for s in manifest.selections if s.traffic == wanted_traffic] or list(manifest.selections)
+    wanted_batch = batch_size or (default.batch_size if default is not None else 1)
+    return min(matching, key=lambda s: (abs(s.batch_size - wanted_batch), s.batch_size))
 
 
 def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, *, verify: bool = True,
-                  device: Any = None, compile: bool = False) -> nn.Module:
+                  device: Any = None, compile: bool = False, runtime: str = "") -> nn.Module:
     """:func:`load_fused` with the manifest given: an export whose manifest is not on disk yet (the selection
-    times the artifacts of an export being written) loads the same way."""
+    times the artifacts of an export being written) loads the same way. ``runtime``: one of the format's
+    ``runtime_choices`` ("": the settings it was written with)."""
     chosen = _choose(root, manifest, format)
     entry = manifest.formats[chosen]
     fmt = FORMATS[entry.format_name or chosen]  # a variant (aoti-int8) says which format it is
+    try:
+        entry = fmt.with_runtime(entry, runtime)
+    except KeyError as exc:
+        raise ExportError(str(exc.args[0])) from None
     if verify:
         verify_files(root, manifest, chosen)
     missing = missing_modules(fmt.runtime_requires)

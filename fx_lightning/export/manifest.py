@@ -106,25 +106,34 @@ class CheckInfo:
 
 @dataclass
 class VariantOutcome:
-    """One artifact of a lossy variant (``aoti-int8``): its gate report when it ran, else the error; ``kept``
-    when it passed and is in the export."""
+    """One artifact of a lossy variant (``aoti-int8``): its gate report when it ran, else the error, or why it was
+    not made on this machine (``skipped``); ``kept`` when it passed and is in the export; ``notes`` on how it was
+    made (layers kept in float)."""
 
     entry: str
     kept: bool
     gate: Optional[ParityReport] = None
     error: Optional[str] = None
+    skipped: Optional[str] = None
+    notes: List[Note] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, object]:
-        if self.gate is not None:
-            return self.gate.to_dict()
-        return {"passed": False, "failures": [self.error or "not made"]}
+        out: Dict[str, object] = (self.gate.to_dict() if self.gate is not None else
+                                  {"passed": False, "failures": [] if self.skipped else [self.error or "not made"]})
+        if self.skipped:
+            out["skipped"] = self.skipped
+        if self.notes:
+            out["made_with"] = [n.to_dict() for n in self.notes]
+        return out
 
     @classmethod
     def from_dict(cls, entry: str, data: Json) -> "VariantOutcome":
         report = ParityReport.from_dict(data)
         ran = "metrics" in data or "thresholds" in data
+        skipped = data.get("skipped")
         return cls(entry, report.passed, report if ran else None,
-                   None if ran else "; ".join(str(f) for f in report.failures))
+                   None if ran or skipped else "; ".join(str(f) for f in report.failures),
+                   str(skipped) if skipped else None, [Note.from_dict(n) for n in data.get("made_with") or []])
 
 
 @dataclass
@@ -147,6 +156,8 @@ class Timing:
     median_ms: float
     p90_ms: float
     rounds: int
+    traffic: str = "idle"  # Traffic: each call after an idle gap, or right after the previous one
+    runtime: str = ""  # the runtime settings it ran with (a name from its Format's runtime_choices; "": as written)
 
 
 @dataclass
@@ -171,8 +182,9 @@ class BenchTable:
     checks: Dict[str, ArtifactCheck] = field(default_factory=dict)
     failures: List[TimingFailure] = field(default_factory=list)
 
-    def median(self, artifact: str, batch_size: int) -> Optional[float]:
-        return next((t.median_ms for t in self.timings if t.artifact == artifact and t.batch_size == batch_size), None)
+    def median(self, artifact: str, batch_size: int, traffic: str = "idle", runtime: str = "") -> Optional[float]:
+        return next((t.median_ms for t in self.timings if (t.artifact, t.batch_size, t.traffic, t.runtime)
+                     == (artifact, batch_size, traffic, runtime)), None)
 
     def to_dict(self) -> Dict[str, object]:
         return {"threads": self.threads, "isa": self.isa, "machine": self.machine, "torch": self.torch,
@@ -190,12 +202,17 @@ class BenchTable:
 
 @dataclass
 class Selected:
-    """The artifact ``load_fused(dir)`` loads: the fastest at ``batch_size`` whose check passed."""
+    """The fastest artifact at ``batch_size`` under ``traffic`` whose check passed, and the runtime settings that
+    made it fastest (``runtime``: a name from its Format's ``runtime_choices``; "": as written)."""
 
     format: str
     batch_size: int
     median_ms: float
     why: str
+    traffic: str = "idle"
+    runtime: str = ""
+    # What ``runtime`` sets, merged over the entry's own options (for loaders without fx-lightning).
+    runtime_options: JsonObject = field(default_factory=dict)
 
 
 @dataclass
@@ -220,7 +237,8 @@ class Manifest:
     check: Optional[CheckInfo] = None
     variants: Dict[str, List[VariantOutcome]] = field(default_factory=dict)
     bench: Optional[BenchTable] = None
-    selected: Optional[Selected] = None
+    selected: Optional[Selected] = None  # what load_fused(dir) loads
+    selections: List[Selected] = field(default_factory=list)  # the fastest per batch size timed and traffic
 
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {
@@ -239,6 +257,7 @@ class Manifest:
         if self.bench is not None or self.selected is not None:
             out["bench"] = self.bench.to_dict() if self.bench is not None else None
             out["selected"] = dataclasses.asdict(self.selected) if self.selected is not None else None
+            out["selections"] = [dataclasses.asdict(s) for s in self.selections]
         return json_safe(out)
 
     @classmethod
@@ -263,6 +282,7 @@ class Manifest:
                       for v, outs in (data.get("variants") or {}).items()},
             bench=BenchTable.from_dict(bench) if isinstance(bench, Mapping) else None,
             selected=Selected(**fields_from(Selected, selected)) if isinstance(selected, Mapping) else None,  # type: ignore[arg-type]
+            selections=[Selected(**fields_from(Selected, s)) for s in data.get("selections") or []],  # type: ignore[arg-type]
         )
 
 

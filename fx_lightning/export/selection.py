@@ -1,11 +1,17 @@
 """Which artifact to serve: every format of an export timed side by side, each checked on the export's own
-check batch, and the fastest that passed recorded in the manifest (``load_fused(dir)`` then loads it).
+check batch, and the fastest that passed recorded in the manifest for each batch size and traffic
+(``load_fused(dir)`` loads the one for ``export.select_batch_size`` and ``export.select_traffic``;
+``load_fused(dir, batch_size=, traffic=)`` picks another).
 
-Timing is interleaved: every round runs every artifact once, in a shuffled order, so a slow minute on a
-shared machine lands on all of them, with a short pause before each call so one runtime's spinning threads do
-not slow the next; the table keeps medians and the 90th percentile. The check compares each
-artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the export's own rule (a
-few times the fused model's own error), so an artifact that disagrees is never selected.
+Each artifact is timed with the runtime settings it was written with and with each of its format's
+``runtime_choices`` (ONNX Runtime's threads spinning between runs, say), and in two kinds of traffic: a call after
+an idle gap (:data:`IDLE_GAP_S`: the runtime's threads have gone to sleep, as under sparse traffic) and a call right
+after another (back to back). Timing is interleaved: every round runs every candidate once, in a shuffled order, so
+a slow minute on a shared machine lands on all of them; the idle gap before each candidate also keeps one
+runtime's spinning threads from slowing the next. The table keeps medians and the 90th percentile. The check
+compares each artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the export's
+own rule (a few times the fused model's own error), so an artifact that disagrees is never selected; a lossy
+variant's accuracy gate at export stands in for it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import torch
 from torch import nn
 
 from fx_lightning.batches import with_batch_size
+from fx_lightning.config import Traffic
 from fx_lightning.errors import ExportError, first_line
+from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.loader import load_artifact
 from fx_lightning.export.manifest import (
     ArtifactCheck,
@@ -36,11 +44,13 @@ from fx_lightning.export.manifest import (
 )
 from fx_lightning.export.writer import CheckData, check_artifact, read_check_file
 
-__all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "record_selection", "with_selection"]
-# A pause before each timed call: torch's OpenMP threads spin for a while after a call and take the cores from
-# whatever runs next. Measured (resnet18, batch 1, 2 cores): ONNX Runtime ran 55.2 ms right after torch calls,
-# 49.1 ms alone and 49.2 ms after this pause; torch artifacts were unchanged. Each artifact is timed as if alone.
-SETTLE_S = 0.02
+__all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "select_all", "record_selection",
+           "with_selection", "IDLE_GAP_S"]
+# The idle gap before a call in the ``idle`` traffic (and before each candidate in a round). Measured (resnet18,
+# batch 1, 2 cores): ONNX Runtime ran 55.2 ms right after torch calls, 49.1 ms alone and 49.2 ms after this
+# pause; and with its threads not spinning, 16.5 ms after it against 8.8 ms back to back: the wake-up the idle
+# traffic measures.
+IDLE_GAP_S = 0.02
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -68,10 +78,12 @@ def bench_export(
     warmup: int = 3,
     threads: Optional[int] = None,
     progress: Optional[Progress] = None,
+    runtime_choices: bool = True,
 ) -> BenchTable:
-    """Time the export's artifacts (``formats``, default all) and ``baselines`` (name -> eager module, e.g.
-    ``{"eager": unfused}``) at each batch size, interleaved; check every artifact on ``check.pt``. ``manifest``:
-    the export's manifest when it is not on disk yet (an export being written), else it is read from ``root``."""
+    """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices unless
+    ``runtime_choices`` is false) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
+    batch size, in both traffics, interleaved; check every artifact on ``check.pt``. ``manifest``: the export's
+    manifest when it is not on disk yet (an export being written), else it is read from ``root``."""
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     if threads:
@@ -79,17 +91,19 @@ def bench_export(
     saved = read_check_file(root)
     table = BenchTable(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), platform.machine(),
                        torch.__version__)
-    models: Dict[str, nn.Module] = dict(baselines or {})
+    models: Dict[Tuple[str, str], nn.Module] = {(name, ""): m for name, m in (baselines or {}).items()}
     for name in formats or list(manifest.formats):
+        entry = manifest.formats[name]
+        choices = FORMATS[entry.format_name or name].runtime_choices if runtime_choices else {}
         try:
-            models[name] = load_artifact(root, manifest, name, device="cpu")
+            for runtime in ("", *choices):
+                models[(name, runtime)] = load_artifact(root, manifest, name, device="cpu", runtime=runtime)
         except ExportError as exc:
             table.checks[name] = ArtifactCheck(False, reason=first_line(exc))
             continue
-        check = _check(models[name], saved) if saved is not None else ArtifactCheck(True, reason="no check.pt")
-        gate = manifest.formats[name].gate
-        if gate is not None:  # a lossy variant: its accuracy gate decides, the fp64 error is for information
-            check = dataclasses.replace(check, passed=gate.passed, reason="accuracy gate at export")
+        check = _check(models[(name, "")], saved) if saved is not None else ArtifactCheck(True, reason="no check.pt")
+        if entry.gate is not None:  # a lossy variant: its accuracy gate decides, the fp64 error is for information
+            check = dataclasses.replace(check, passed=entry.gate.passed, reason="accuracy gate at export")
         table.checks[name] = check
     inputs = saved.inputs if saved is not None else _random_inputs(manifest)
     timings, failures = _time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress)
@@ -107,14 +121,15 @@ def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
     return out
 
 
-def _time_interleaved(models: Dict[str, nn.Module], inputs: Sequence[Any], batch_sizes: Sequence[int], rounds: int,
-                      warmup: int, progress: Optional[Progress]) -> Tuple[List[Timing], List[TimingFailure]]:
-    """Every model at every batch size, interleaved in shuffled rounds: the timings (median, p90) and what could
-    not run (a model that raises at a batch size is not timed there again)."""
-    cells = [(name, b) for b in batch_sizes for name in models]
+def _time_interleaved(models: Dict[Tuple[str, str], nn.Module], inputs: Sequence[Any], batch_sizes: Sequence[int],
+                      rounds: int, warmup: int, progress: Optional[Progress]) -> Tuple[List[Timing], List[TimingFailure]]:
+    """Every (artifact, runtime) at every batch size, interleaved in shuffled rounds; in each round a candidate
+    runs once after the idle gap (``idle``) and once right after that (``back_to_back``). Returns the timings
+    (median, p90) and what could not run (a model that raises at a batch size is not timed there again)."""
+    cells = [(key, b) for b in batch_sizes for key in models]
     failures: List[TimingFailure] = []
     args = {b: with_batch_size(inputs, b) for b in batch_sizes}
-    times: Dict[Any, List[float]] = {cell: [] for cell in cells}
+    times: Dict[Any, Dict[str, List[float]]] = {cell: {t.value: [] for t in Traffic} for cell in cells}
     runnable = set(cells)
     rng = random.Random(0)
     total = (warmup + rounds) * len(cells)
@@ -125,43 +140,71 @@ def _time_interleaved(models: Dict[str, nn.Module], inputs: Sequence[Any], batch
             rng.shuffle(order)
             for cell in order:
                 done += 1
+                (name, runtime), b = cell
                 if cell in runnable:
-                    time.sleep(SETTLE_S)
+                    time.sleep(IDLE_GAP_S)
                     try:
-                        start = time.perf_counter()
-                        models[cell[0]](*args[cell[1]])
-                        elapsed = time.perf_counter() - start
+                        idle = _timed(models[cell[0]], args[b])
+                        back_to_back = _timed(models[cell[0]], args[b])
                     except Exception as exc:  # noqa: BLE001 - e.g. a model exported for another batch size
                         runnable.discard(cell)
-                        failures.append(TimingFailure(cell[0], cell[1], f"{type(exc).__name__}: {first_line(exc)[:200]}"))
+                        failures.append(TimingFailure(name, b, f"{type(exc).__name__}: {first_line(exc)[:200]}"))
                         continue
                     if r >= warmup:
-                        times[cell].append(elapsed)
+                        times[cell][Traffic.idle.value].append(idle)
+                        times[cell][Traffic.back_to_back.value].append(back_to_back)
                 if progress is not None:
                     progress("timing", done, total)
     timings = [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * sorted(ts)[min(len(ts) - 1, int(0.9 * len(ts)))],
-                      len(ts)) for (name, b), ts in times.items() if ts]
+                      len(ts), traffic, runtime)
+               for ((name, runtime), b), by_traffic in times.items() for traffic, ts in by_traffic.items() if ts]
+    failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact
     return timings, failures
 
 
-def select_fastest(table: BenchTable, batch_size: int) -> Optional[Selected]:
-    """The fastest artifact at ``batch_size`` whose check passed (baselines are not artifacts), or None."""
-    candidates = [(t.median_ms, t.artifact) for t in table.timings
-                  if t.batch_size == batch_size and t.artifact in table.checks and table.checks[t.artifact].passed]
+def _timed(module: nn.Module, args: Sequence[Any]) -> float:
+    start = time.perf_counter()
+    module(*args)
+    return time.perf_counter() - start
+
+
+def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") -> Optional[Selected]:
+    """The fastest artifact (with the runtime settings that made it so) at ``batch_size`` under ``traffic`` whose
+    check passed (baselines are not artifacts), or None."""
+    traffic = Traffic(traffic).value
+    candidates = [(t.median_ms, t.artifact, t.runtime) for t in table.timings
+                  if t.batch_size == batch_size and t.traffic == traffic and t.artifact in table.checks
+                  and table.checks[t.artifact].passed]
     if not candidates:
         return None
-    median, name = min(candidates)
+    median, name, runtime = min(candidates)
+    settings = f", runtime settings '{runtime}'" if runtime else ""
     return Selected(name, batch_size, median,
-                    f"fastest at batch {batch_size} ({median:.2f} ms median, {table.threads} threads, {table.isa}) "
-                    "of the artifacts that passed their check")
+                    f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
+                    f"{table.threads} threads, {table.isa}{settings}) of the artifacts that passed their check",
+                    traffic, runtime)
+
+
+def select_all(table: BenchTable) -> List[Selected]:
+    """The fastest passing artifact for every batch size timed and every traffic."""
+    picks = (select_fastest(table, b, t) for b in sorted({t.batch_size for t in table.timings}) for t in Traffic)
+    return [p for p in picks if p is not None]
 
 
 def with_selection(manifest: Manifest, table: BenchTable, selected: Optional[Selected]) -> Manifest:
-    """``manifest`` with the table and the selection recorded."""
-    return dataclasses.replace(manifest, bench=table, selected=selected)
+    """``manifest`` with the table, the default selection and the fastest per batch size and traffic recorded."""
+    def settings(pick: Optional[Selected]) -> Optional[Selected]:
+        if pick is None or not pick.runtime or pick.format not in manifest.formats:
+            return pick
+        entry = manifest.formats[pick.format]
+        return dataclasses.replace(pick, runtime_options=dict(FORMATS[entry.format_name or pick.format]
+                                                              .runtime_choices[pick.runtime]))
+
+    return dataclasses.replace(manifest, bench=table, selected=settings(selected),
+                               selections=[settings(s) for s in select_all(table)])  # type: ignore[misc]
 
 
 def record_selection(root: Any, table: BenchTable, selected: Optional[Selected]) -> None:
-    """Write the table and the selection into a finished export's manifest (atomically; the manifest is not in
+    """Write the table and the selections into a finished export's manifest (atomically; the manifest is not in
     the file hashes)."""
     replace_manifest(Path(root), with_selection(read_manifest(root), table, selected))

@@ -1,9 +1,14 @@
-"""Serving variants of an export: lossy models (int8) written beside the exact artifacts, in a subfolder
+"""Serving variants of an export: lossy models (int8, bf16) written beside the exact artifacts, in a subfolder
 named after the variant, and kept only when the artifact itself, loaded back, passes the caller's gate.
 
-A variant's manifest entry is named ``<format>-<variant>`` (``aoti-int8``) and says which format it is; its gate
-report replaces the round-trip check (a lossy model is not expected to match the fp32 one). Variants are written
-into the export's staging directory, before the export is renamed into place.
+A variant comes from one of two places. The torch formats (pt2, aoti) write the model a variant pass made
+(``quantize_int8``: torchao's int8; ``cast_bf16``): :func:`add_variant`. Other formats make it from their own
+fp32 artifact (OpenVINO int8 through NNCF and bf16 through its precision hint, ONNX Runtime int8):
+:func:`add_format_variants`, from each :class:`~fx_lightning.export.base.Format`'s ``variants``. Either way the
+entry is named ``<format>-<variant>`` (``aoti-int8``, ``openvino-int8``), says which format loads it, and carries
+its gate report instead of a round-trip check (a lossy model is not expected to match the fp32 one). A variant
+the CPU cannot run fast is recorded as skipped, with the reason (:func:`skip_variant`). Variants are written into
+the export's staging directory, before the export is renamed into place.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -19,64 +24,112 @@ from torch import nn
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import first_line
 from fx_lightning.export.atomic import list_files
+from fx_lightning.export.base import Format, FormatEntry, VariantRequest
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.manifest import Manifest, VariantOutcome, file_infos
 from fx_lightning.export.writer import make_context, require_formats
+from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 
-__all__ = ["VARIANT_FORMATS", "Gate", "add_variant"]
+__all__ = ["VARIANT_FORMATS", "Gate", "add_variant", "add_format_variants", "skip_variant", "torch_variant_formats"]
 
-# The formats a variant is written in: those that run it through Inductor (a quantised graph run eagerly is
-# slow). pt2 also serves load_fused(dir, compile=True).
+# The formats a variant pass's model is written in: those that run it through Inductor (a quantised graph run
+# eagerly is slow). pt2 also serves load_fused(dir, compile=True).
 VARIANT_FORMATS = ("pt2", "aoti")
 
 Gate = Callable[[nn.Module], ParityReport]  # the loaded artifact -> its gate report
 
 
+def torch_variant_formats(config: FuseConfig, precision: str) -> List[str]:
+    """The torch formats a variant pass's model is written in: the configured pt2/aoti; pt2 when none is
+    configured and no configured format makes the variant itself."""
+    wanted = [f.value for f in config.export.formats if f.value in VARIANT_FORMATS]
+    if wanted or any(precision in FORMATS[f.value].variants for f in config.export.formats):
+        return wanted
+    return ["pt2"]
+
+
 def add_variant(root: Path, manifest: Manifest, name: str, module: nn.Module, example_inputs: tuple,
-                config: FuseConfig, gate: Gate, imports: Sequence[str] = ()) -> Tuple[Manifest, List[VariantOutcome]]:
-    """Write ``module`` as variant ``name`` in the configured formats that serve variants (pt2 when none is
-    configured), gate each artifact loaded back, keep those that pass. Returns the manifest with the kept
-    entries, their files and every outcome recorded, and the outcomes (an artifact that cannot be written, loaded
-    or run has an ``error`` and no gate). ``imports``: modules a process must import to load the variant (the
-    ones that register its ops)."""
-    wanted = [f.value for f in config.export.formats if f.value in VARIANT_FORMATS] or ["pt2"]
-    formats = [FORMATS[f] for f in wanted]
+                config: FuseConfig, gate: Gate, imports: Sequence[str] = (),
+                notes: Sequence[Note] = ()) -> Tuple[Manifest, List[VariantOutcome]]:
+    """Write ``module`` as variant ``name`` in :func:`torch_variant_formats`, gate each artifact loaded back,
+    keep those that pass. Returns the manifest with the kept entries, their files and every outcome recorded,
+    and the outcomes (an artifact that cannot be written, loaded or run has an ``error`` and no gate).
+    ``imports``: modules a process must import to load the variant (the ones that register its ops); ``notes``:
+    how the variant was made (recorded with each outcome)."""
+    formats = [FORMATS[f] for f in torch_variant_formats(config, name)]
     require_formats(formats)
+    ctx = make_context(module, example_inputs, config)
+
+    def write(fmt: Format) -> FormatEntry:
+        entry = fmt.write(root / name, ctx)
+        entry.path = f"{name}/{entry.path}"
+        entry.imports = list(imports)
+        entry.device = entry.device or str(ctx.device)
+        return entry
+
+    return _judged(root, manifest, name, [(fmt, lambda fmt=fmt: write(fmt)) for fmt in formats], gate, notes)
+
+
+def add_format_variants(root: Path, manifest: Manifest, precision: str, calibration: List[tuple],
+                        gate: Gate) -> Tuple[Manifest, List[VariantOutcome]]:
+    """Each exported fp32 format that makes a ``precision`` variant from its own artifact makes it, from the
+    calibration inputs; each is gated loaded back and kept only when it passes."""
+    request = VariantRequest(precision, precision, calibration)
+    makers = []
+    for name, entry in manifest.formats.items():
+        fmt = FORMATS[entry.format_name or name]
+        make = fmt.variants.get(precision)
+        if entry.variant is None and make is not None:
+            makers.append((fmt, lambda make=make, entry=entry: make(root, entry, request)))
+    return _judged(root, manifest, precision, makers, gate)
+
+
+def _judged(root: Path, manifest: Manifest, name: str,
+            makers: Sequence[Tuple[Format, Callable[[], Optional[FormatEntry]]]], gate: Gate,
+            notes: Sequence[Note] = ()) -> Tuple[Manifest, List[VariantOutcome]]:
     folder = root / name
     folder.mkdir(exist_ok=True)
-    ctx = make_context(module, example_inputs, config)
     outcomes: List[VariantOutcome] = []
     formats_out, files_out = dict(manifest.formats), dict(manifest.files)
-    for fmt in formats:
+    for fmt, make in makers:
         entry_name = f"{fmt.name}-{name}"
-        before = set(list_files(folder))
+        before = set(list_files(root))
         try:
-            entry = fmt.write(folder, ctx)
-            entry.path, entry.format, entry.variant, entry.imports = f"{name}/{entry.path}", fmt.name, name, list(imports)
-            entry.files = [f"{name}/{f}" for f in sorted(set(list_files(folder)) - before)]
-            entry.device = entry.device or str(ctx.device)
-            report = gate(fmt.load(root, entry, torch.device(entry.device)))
+            entry = make()
+            if entry is None:
+                continue
+            made = sorted(set(list_files(root)) - before)
+            entry.format, entry.variant = fmt.name, name
+            entry.files = made or list(entry.files)  # none new: it runs the fp32 files another way (bf16 hint)
+            report = gate(fmt.load(root, entry, torch.device(entry.device or "cpu")))
         except Exception as exc:  # noqa: BLE001 - a variant that cannot be made is reported; the caller decides
-            outcomes.append(VariantOutcome(entry_name, False, error=f"{type(exc).__name__}: {first_line(exc)}"))
-            _remove(folder, set(list_files(folder)) - before)
+            outcomes.append(VariantOutcome(entry_name, False, error=f"{type(exc).__name__}: {first_line(exc)}",
+                                           notes=list(notes)))
+            _remove(root, set(list_files(root)) - before)
             continue
-        outcomes.append(VariantOutcome(entry_name, report.passed, report))
+        outcomes.append(VariantOutcome(entry_name, report.passed, report, notes=list(notes)))
         if report.passed:
             entry.gate = report
             formats_out[entry_name] = entry
             files_out.update(file_infos(root, entry.files))
         else:
-            _remove(folder, set(list_files(folder)) - before)
-    if not any(o.kept for o in outcomes):
+            _remove(root, set(made))
+    if folder.is_dir() and not any(folder.iterdir()):
         shutil.rmtree(folder, ignore_errors=True)
-    variants = {**manifest.variants, name: outcomes}
+    variants = {**manifest.variants, name: [*manifest.variants.get(name, []), *outcomes]}
     return dataclasses.replace(manifest, formats=formats_out, files=files_out, variants=variants), outcomes
 
 
-def _remove(folder: Path, names: set) -> None:
+def skip_variant(manifest: Manifest, name: str, reason: str) -> Manifest:
+    """``manifest`` recording that variant ``name`` was not made here, and why."""
+    skipped = VariantOutcome(name, False, skipped=reason)
+    return dataclasses.replace(manifest, variants={**manifest.variants, name: [skipped]})
+
+
+def _remove(root: Path, names: set) -> None:
     for rel in names:
-        (folder / rel).unlink(missing_ok=True)
-    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        (root / rel).unlink(missing_ok=True)
+    for sub in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         if not any(sub.iterdir()):
             sub.rmdir()

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from fx_lightning._imports import import_object
 from fx_lightning.errors import PassError
+from fx_lightning.notes import Note
 
 __all__ = [
     "Stage",
@@ -62,6 +63,7 @@ DEFAULT_ORDER: Tuple[str, ...] = (
     USER_PASSES,
     "eliminate_dead_code",  # after the user's passes: whatever they left unused goes too
     "quantize_int8",  # variant stage, last: it works on the fused, cleaned-up graph
+    "cast_bf16",  # variant stage, like int8
 )
 
 
@@ -99,6 +101,9 @@ class PassContext:
     shapes_known: bool = False
     # Stage "variant": the target's inputs on a few data batches (calibration for quantisation).
     calibration: List[tuple] = field(default_factory=list)
+    # Stage "variant": the variant's gate on validation data (a candidate module -> its ParityReport), given by the
+    # pipeline: an accuracy-aware pass tries candidates against it. None: no data to judge on (strict variant only).
+    gate: Optional[Callable[[Any], Any]] = None
 
     def ensure_shapes(self, gm: fx.GraphModule) -> bool:
         """Annotate ``gm``'s nodes with shapes (ShapeProp on the example inputs); False if impossible."""
@@ -228,6 +233,7 @@ class PassResult:
     variant: Any = None  # stage "variant": the model it made (the input graph is left as it was)
     variant_name: str = ""  # and its name in the export ("int8": artifacts aoti-int8, pt2-int8)
     variant_imports: List[str] = field(default_factory=list)  # modules that register its ops (to load it)
+    variant_notes: List[Note] = field(default_factory=list)  # Notes on how it was made (layers kept in float, ...)
 
     def change(self, node: str, what: str, **detail: object) -> None:
         """Record an edit: ``result.change("bn1", "folded", into="conv1 (Conv2d 'conv1')", kind="conv")``."""

@@ -54,8 +54,14 @@ from fx_lightning.errors import (
 )
 from fx_lightning.export.manifest import Manifest, VariantOutcome
 from fx_lightning.export.selection import bench_export, select_fastest, with_selection
-from fx_lightning.export.variants import add_variant
+from fx_lightning.export.variants import (
+    add_format_variants,
+    add_variant,
+    skip_variant,
+    torch_variant_formats,
+)
 from fx_lightning.export.writer import prepare_export, write_export
+from fx_lightning.machine import cpu_info
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
@@ -84,6 +90,7 @@ __all__ = [
     "VARIANT_MISSED",
     "VARIANT_MISSED_UNTRAINED",
     "VARIANT_FAILED",
+    "VARIANT_SKIPPED",
     "SELECTED",
     "NOTHING_SELECTED",
 ]
@@ -131,6 +138,7 @@ VARIANT_MISSED_UNTRAINED = NoteKind("variant_missed_untrained", "{artifact} miss
                                                                 "{failures} (" + _FIGURES + "); the gate applies "
                                                                 "after training")
 VARIANT_FAILED = NoteKind("variant_failed", "{artifact} could not be made: {error}; the fp32 artifacts stand")
+VARIANT_SKIPPED = NoteKind("variant_skipped", "{variant} variants not made: {reason}")
 SELECTED = NoteKind("selected", "load_fused selects {format}: {why}; {speedup}x eager")
 NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no artifact passed its check; load_fused "
                                                 "falls back to the order of preference")
@@ -323,7 +331,7 @@ def _step_calls(whole: nn.Module, target: nn.Module, step: Any, batch: Any, inde
 
 def _calibration_count(config: FuseConfig) -> int:
     wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
-    return max((getattr(options, "calibration_batches", 8) for options in wanted), default=0)
+    return max((getattr(options, "calibration_batches", 1) for options in wanted), default=0)
 
 
 def _calibration_inputs(config: FuseConfig, whole: nn.Module, target: nn.Module, data: List[Any],
@@ -405,31 +413,44 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
 
 def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
                  rehearsal: bool = False) -> Manifest:
-    """Make each enabled variant (int8) of the verified fused model, write it beside the fp32 artifacts and keep
-    the artifacts that pass the variant's gate; every outcome is recorded in the manifest. A variant that cannot
-    be made is an error in the rehearsal, and a recorded outcome after training (the fp32 artifacts stand)."""
-    ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
-                      calibration=fused.calibration)
+    """Make each enabled lossy variant (int8, bf16) of the verified fused model: the variant pass's model in the
+    torch formats, and each exported format's own variant (OpenVINO through NNCF, ONNX Runtime); keep the
+    artifacts that pass the variant's gate, loaded back. Every outcome is recorded in the manifest, and a variant
+    this CPU cannot run fast is skipped with the reason. A variant that cannot be made is an error in the
+    rehearsal (which runs the accuracy-aware search on one layer, to prove it runs), and a recorded outcome after
+    training (the fp32 artifacts stand)."""
     for spec, options in plan_passes(config.passes):
         if spec.stage is not Stage.variant:
             continue
-        try:
-            with in_step(Step.variants):
-                made = run_pass(spec, fused.result.graph_module, options, ctx)
-        except FXLightningError as exc:
-            if rehearsal:  # a variant that cannot be made now cannot be made after training either
-                raise
-            failed = VariantOutcome(spec.name, False, error=f"{type(exc).__name__}: {first_line(exc)}")
-            manifest = dataclasses.replace(manifest, variants={**manifest.variants, spec.name: [failed]})
+        precision = getattr(options, "PRECISION", "") or spec.name
+        lacking = cpu_info().lacks(precision) if getattr(options, "require_cpu_features", False) else None
+        if lacking is not None:
+            manifest = skip_variant(manifest, precision, f"{lacking}; passes.{spec.name}.require_cpu_features: "
+                                                         "false makes it anyway")
             continue
         gate_config = dataclasses.replace(config.parity, min_cosine=options.min_cosine,
                                           min_top1_agreement=options.min_top1_agreement,
                                           max_accuracy_drop=options.max_accuracy_drop)
         key = f"passes.{spec.name}"
+
+        def gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
+            return _gate_variant(fused, loaded, gate_config, key)
+
+        outcomes: List[VariantOutcome] = []
+        if torch_variant_formats(config, precision):
+            made = _run_variant_pass(spec, options, fused, gate, rehearsal)
+            if isinstance(made, VariantOutcome):
+                manifest = dataclasses.replace(manifest, variants={**manifest.variants, precision: [made]})
+                outcomes.append(made)
+            else:
+                with in_step(Step.variants):
+                    manifest, made_outcomes = add_variant(
+                        staging, manifest, made.variant_name, made.variant, tuple(fused.example_inputs or ()),
+                        config, gate, imports=made.variant_imports, notes=made.variant_notes)
+                outcomes += made_outcomes
         with in_step(Step.variants):
-            manifest, outcomes = add_variant(
-                staging, manifest, made.variant_name, made.variant, tuple(fused.example_inputs or ()), config,
-                lambda loaded: _gate_variant(fused, loaded, gate_config, key), imports=made.variant_imports)
+            manifest, format_outcomes = add_format_variants(staging, manifest, precision, fused.calibration, gate)
+        outcomes += format_outcomes
         broken = next((o for o in outcomes if o.error is not None), None)
         if rehearsal and broken is not None:
             error = ExportError(f"{broken.entry} could not be made: {broken.error}")
@@ -438,25 +459,44 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
     return manifest
 
 
+def _run_variant_pass(spec: Any, options: Any, fused: Fused, gate: Any, rehearsal: bool) -> Any:
+    """The variant pass's result, or (after training) the outcome recording why it could not be made."""
+    if rehearsal and hasattr(options, "max_float_layers"):
+        # The untrained model misses any gate: prove the accuracy-aware search runs, on one layer and one batch.
+        options = dataclasses.replace(options, max_float_layers=min(options.max_float_layers, 1), ranking_batches=1)
+    ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
+                      calibration=fused.calibration, gate=gate)
+    try:
+        with in_step(Step.variants):
+            return run_pass(spec, fused.result.graph_module, options, ctx)
+    except FXLightningError as exc:
+        if rehearsal:  # a variant that cannot be made now cannot be made after training either
+            raise
+        return VariantOutcome(spec.name, False, error=f"{type(exc).__name__}: {first_line(exc)}")
+
+
 def export_notes(manifest: Manifest, rehearsal: bool = False) -> List[Note]:
     """What the export's manifest tells the user: its own notes (a static batch, say), formats left out, each
     variant's verdict, the selection."""
     notes = list(manifest.notes)
     notes += [FORMAT_NOT_EXPORTED(format=name, reason=reason) for name, reason in manifest.failed_formats.items()]
     for outcomes in manifest.variants.values():
+        notes.extend(dict.fromkeys(n for outcome in outcomes for n in outcome.notes))  # how it was made, once
         notes.extend(_variant_note(outcome, rehearsal) for outcome in outcomes)
     if manifest.bench is not None:
         selected = manifest.selected
         if selected is None:
             notes.append(NOTHING_SELECTED())
         else:
-            eager = manifest.bench.median("eager", selected.batch_size)
+            eager = manifest.bench.median("eager", selected.batch_size, selected.traffic)
             notes.append(SELECTED(format=selected.format, why=selected.why,
                                   speedup=round(eager / selected.median_ms, 2) if eager else None))
     return notes
 
 
 def _variant_note(outcome: VariantOutcome, rehearsal: bool) -> Note:
+    if outcome.skipped is not None:
+        return VARIANT_SKIPPED(variant=outcome.entry, reason=outcome.skipped)
     if outcome.gate is None:
         return VARIANT_FAILED(artifact=outcome.entry, error=outcome.error or "not made")
     metrics = outcome.gate.metrics
@@ -495,7 +535,7 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
                              baselines={"eager": fused.reference}, rounds=rounds, warmup=warmup)
-        selected = select_fastest(table, size)
+        selected = select_fastest(table, size, config.export.select_traffic)
         if rehearsal and selected is None:
             why = [f"{n}: check failed ({c.reason})" for n, c in table.checks.items() if not c.passed]
             why += [f"{f.artifact} at batch {f.batch_size}: {f.reason}" for f in table.failures if f.artifact != "eager"]

@@ -15,7 +15,7 @@ from torch import nn
 from fx_lightning._json import JsonObject
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, FormatEntry, WriteContext
+from fx_lightning.export.base import Format, FormatEntry, VariantRequest, WriteContext
 
 __all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL"]
 
@@ -150,6 +150,47 @@ def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
                              config_entries=recorded.get("config_entries", SESSION_CONFIG))
 
 
+def _make_variant(root: Path, entry: FormatEntry, request: VariantRequest) -> Optional[FormatEntry]:
+    """int8: ONNX Runtime's static quantisation of the fp32 model in QDQ form (per-channel int8 weights, uint8
+    activations, ONNX Runtime's defaults otherwise), calibrated on the calibration inputs."""
+    if request.precision != "int8":
+        return None
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    names = [str(n) for n in entry.options.get("input_names") or []]
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.batches = iter(request.calibration)
+
+        def get_next(self) -> Optional[Dict[str, Any]]:
+            batch = next(self.batches, None)
+            if batch is None:
+                return None
+            tensors = [t for t in batch if isinstance(t, torch.Tensor)]
+            return {n: t.detach().cpu().contiguous().numpy() for n, t in zip(names, tensors)}
+
+    folder = root / request.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    prepared = folder / ".model.pre.onnx"
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:  # shape inference and graph optimisation first, as ONNX Runtime's quantisation guide asks
+            quant_pre_process(str(root / entry.path), str(prepared))
+            source = prepared
+        except Exception:  # noqa: BLE001 - quantising the model as exported still works, a little slower
+            source = root / entry.path
+        quantize_static(str(source), str(folder / FORMAT.path), Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    prepared.unlink(missing_ok=True)
+    import onnxruntime
+
+    return FormatEntry(f"{request.folder}/{FORMAT.path}", entry.loader, device="cpu",
+                       options={**entry.options, "quantized_with": {"onnxruntime": onnxruntime.__version__,
+                                                                    "calibration_batches": len(request.calibration)}})
+
+
 FORMAT = Format(
     name="onnx",
     path="model.onnx",
@@ -159,5 +200,9 @@ FORMAT = Format(
     requires=("onnx", "onnxscript"),
     runtime_requires=("onnxruntime",),
     install_hint="pip install 'fx-lightning[onnx]' (onnx, onnxscript, onnxruntime)",
+    variants={"int8": _make_variant},
+    # Intra-op threads spinning between runs: slower for torch beside it in the process, but no wake-up cost for
+    # a request after an idle gap (measured: resnet18 16.5 ms median after 20 ms idle without, 8.8 ms with).
+    runtime_choices={"spinning": {"session_options": {"config_entries": {"session.intra_op.allow_spinning": "1"}}}},
     readme="- `{path}` (onnx): `onnxruntime.InferenceSession('{path}')`; dynamic batch axis.",
 )

@@ -14,6 +14,7 @@ In C++: ``ov::Core core; auto compiled = core.compile_model("openvino/model.xml"
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import warnings
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from torch import nn
 
 from fx_lightning._json import JsonObject
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, FormatEntry, WriteContext
+from fx_lightning.export.base import Format, FormatEntry, VariantRequest, WriteContext
 
 __all__ = ["FORMAT", "OpenVinoModule", "COMPILE_CONFIG"]
 
@@ -89,6 +90,45 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
         options["export_failure"] = fallback_reason
     return FormatEntry(FORMAT.path, "openvino.Core().compile_model(path + '/model.xml', 'CPU', compile_config)",
                        device="cpu", options=options)
+
+
+def _make_variant(root: Path, entry: FormatEntry, request: VariantRequest) -> Optional[FormatEntry]:
+    """bf16: the fp32 IR compiled with OpenVINO's bf16 inference precision (the same files). int8: NNCF's
+    post-training quantisation of the fp32 IR (``nncf.quantize``, its defaults) on the calibration inputs,
+    saved in the variant's folder; the layers NNCF keeps in int8 run int8, the others in fp32."""
+    config = {**(entry.options.get("compile_config") or COMPILE_CONFIG)}
+    if request.precision == "bf16":
+        config["INFERENCE_PRECISION_HINT"] = "bf16"
+        return dataclasses.replace(entry, options={**entry.options, "compile_config": config})
+    if request.precision != "int8":
+        return None
+    try:
+        import nncf
+    except ImportError as exc:
+        raise ExportError(f"OpenVINO int8 needs NNCF: pip install 'fx-lightning[int8]' ({exc})") from None
+    import openvino as ov
+
+    model = ov.Core().read_model(str(root / entry.path / "model.xml"))
+    dataset = nncf.Dataset(request.calibration, _numpy_inputs)
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nncf.set_log_level(40)  # ERROR: its progress bars and INFO lines are not the user's business
+        quantized = nncf.quantize(model, dataset, subset_size=max(1, sum(_samples(b) for b in request.calibration)))
+    folder = root / request.folder / FORMAT.path
+    folder.mkdir(parents=True)
+    ov.save_model(quantized, str(folder / "model.xml"), compress_to_fp16=False)
+    return FormatEntry(f"{request.folder}/{FORMAT.path}", entry.loader, device="cpu",
+                       options={**entry.options, "compile_config": config,
+                                "quantized_with": {"nncf": nncf.__version__, "calibration_batches": len(request.calibration)}})
+
+
+def _numpy_inputs(batch: tuple) -> Any:
+    arrays = [t.detach().cpu().contiguous().numpy() for t in batch if isinstance(t, torch.Tensor)]
+    return arrays[0] if len(arrays) == 1 else tuple(arrays)
+
+
+def _samples(batch: tuple) -> int:
+    return next((int(t.shape[0]) for t in batch if isinstance(t, torch.Tensor) and t.dim()), 1)
 
 
 class OpenVinoModule(nn.Module):
@@ -174,6 +214,7 @@ FORMAT = Format(
     requires=("openvino",),
     runtime_requires=("openvino",),
     install_hint="pip install 'fx-lightning[openvino]' (openvino)",
+    variants={"int8": _make_variant, "bf16": _make_variant},
     readme=(
         "- `{path}/` (openvino): OpenVINO IR, `openvino.Core().compile_model('{path}/model.xml', 'CPU', "
         "{{'INFERENCE_PRECISION_HINT': 'f32'}})`; `ov::Core().compile_model(...)` in C++. "

@@ -1,0 +1,64 @@
+"""``cast_bf16`` (off by default; on in the serving preset): the verified fused model computing in bfloat16.
+
+Weights and activations in bf16 (8 bits of mantissa: about 3 significant digits), the inputs cast on the way
+in and the outputs back to their fp32 dtype on the way out, so the artifact takes and returns what the fp32 one
+does. Served through Inductor (``aoti``, ``pt2``), which runs bf16 convolutions and matmuls with oneDNN; fast only
+where the CPU has AVX512-BF16 or AMX-BF16 (elsewhere skipped, see ``require_cpu_features``). OpenVINO's bf16 is
+the same variant of the ``openvino`` format (its inference precision hint), made beside it. Gated like every
+lossy variant (:mod:`fx_lightning.passes.lossy`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fx_lightning.batches import batch_at_least_two
+from fx_lightning.passes.base import PassContext, PassResult, Stage, builtin_pass
+from fx_lightning.passes.graph_utils import plain_graph_module
+from fx_lightning.passes.lossy import LossyOptions
+
+__all__ = ["CastBf16Options", "cast_bf16"]
+
+
+@dataclass
+class CastBf16Options(LossyOptions):
+    PRECISION: ClassVar[str] = "bf16"
+
+
+class _InBf16(nn.Module):
+    """``model`` in bf16 behind the fp32 interface: floating inputs cast to bf16, floating outputs back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> Any:
+        cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        return torch.utils._pytree.tree_map(
+            lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, self.model(*cast))
+
+
+@builtin_pass("cast_bf16", options=CastBf16Options, stage=Stage.variant, preserves_computation=False)
+def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: PassContext) -> PassResult:
+    """The fused model in bfloat16 (inputs and outputs stay fp32), exported with a dynamic batch."""
+    result = PassResult()
+    inputs = ctx.calibration[0] if ctx.calibration else ctx.example_inputs
+    if inputs is None:
+        from fx_lightning.errors import PassError
+
+        raise PassError("cast_bf16: no example inputs to export the bf16 model with")
+    model = _InBf16(copy.deepcopy(plain_graph_module(gm)).to(torch.bfloat16)).eval()
+    args = batch_at_least_two(tuple(inputs))
+    dynamic = ((tuple({0: torch.export.Dim("batch", min=1)} if isinstance(a, torch.Tensor) and a.dim() else None
+                      for a in args)),)
+    with torch.no_grad():
+        result.variant = torch.export.export(model, args, strict=False, dynamic_shapes=dynamic).module()
+    result.variant_name = "bf16"
+    result.change("<graph>", "cast to bfloat16", parameters=sum(p.numel() for p in model.parameters()))
+    return result
