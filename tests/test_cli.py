@@ -200,7 +200,7 @@ def test_bench_times_export_and_unfused(cli_export, capsys):
     code = main(["bench", str(cli_export), "--iters", "3", "--warmup", "1", "--batch-size", "2", "--threads", "1"])
     assert code == 0
     out = capsys.readouterr().out
-    for needle in ("latency, batch 2, 3 iterations", "unfused", "pt2", "graph_module", "speed-up vs unfused"):
+    for needle in ("latency, batch 2, idle traffic, 3 iterations", "latency, batch 2, back to back traffic", "unfused", "pt2", "graph_module", "speed-up vs unfused"):
         assert needle in out, needle
     assert "x" in out.split("unfused")[-1]  # a speed-up figure was computed
     assert main(["bench", str(cli_export), "--format", "onnx"]) == 2

@@ -212,7 +212,8 @@ PRESETS = {
     "warn_only": {"on_error": "warn", "parity": {"on_failure": "warn"}},
     "template": {"export": {"dir": "/runs/2026-11-22/fx_fused"}},
     "serving": {"export": {"formats": ["pt2", "onnx", "openvino", "aoti"], "aoti_batch_sizes": [1, 8], "select": "fastest",
-                           "select_batch_size": 1}},
+                           "select_batch_size": 1, "select_traffic": "idle"},
+                "passes": {"quantize_int8": {"enabled": True}, "cast_bf16": {"enabled": True}}},
 }
 
 
