@@ -227,3 +227,36 @@ def test_nncf_and_onnx_runtime_int8_are_gated_like_torchao_int8(tmp_path):
         out = load_fused(outcome.export_dir, name)(x)
         assert out.shape == ref.shape and (out.argmax(1) == ref.argmax(1)).float().mean() >= 0.9, name
         assert 1e-6 < rel_err(out, ref) < 0.1, name  # int8 really ran
+
+
+def test_the_callback_calibrates_on_training_data_and_judges_on_validation_data(tmp_path, monkeypatch):
+    """int8 calibrated on the very images its gate reads would be judged on data it was fitted to: the callback
+    takes the calibration batches from the training loader, and the report says so."""
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
+    from fx_lightning.callback.trainer_data import CALIBRATION_READ
+    from fx_lightning.passes import quantize
+
+    seen: List[torch.Tensor] = []
+    real_convert = quantize._convert
+
+    def spying_convert(program, batches, float_nodes):
+        seen.extend(b[0] for b in batches)
+        return real_convert(program, batches, float_nodes)
+
+    monkeypatch.setattr(quantize, "_convert", spying_convert)
+    train, val = H.loaders()
+    callback = FXFuseCallback(export={"formats": ["pt2"]}, preflight="off",
+                              passes={"quantize_int8": {"enabled": True, "calibration_batches": 2,
+                                                        "min_top1_agreement": 0.0, "max_accuracy_drop": 1.0,
+                                                        "min_cosine": -1.0}})
+    H.make_trainer(tmp_path, [callback], max_epochs=1).fit(H.FlatLit(), train, val)
+    assert callback.outcome is not None
+    notes = [n for n in callback.outcome.notes if n.kind == CALIBRATION_READ]
+    assert len(notes) == 1 and notes[0]["count"] == 2
+    train_rows = {tuple(r.flatten().tolist()) for r in train.dataset.tensors[0]}
+    val_rows = {tuple(r.flatten().tolist()) for r in val.dataset.tensors[0]}
+    calibrated = [tuple(r.flatten().tolist()) for b in seen for r in b]
+    assert len(calibrated) == 2 * train.batch_size
+    assert all(r in train_rows and r not in val_rows for r in calibrated)
+    assert "pt2-int8" in read_manifest(callback.export_dir).formats

@@ -20,7 +20,7 @@ from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
 from fx_lightning.errors import ConfigError
 from fx_lightning.notes import NoteKind
-from fx_lightning.pipeline import Batches, Outcome
+from fx_lightning.pipeline import Batches, Outcome, calibration_batch_count
 from fx_lightning.provenance import WeightsInfo
 
 __all__ = [
@@ -40,6 +40,8 @@ __all__ = [
 METRIC_PREFIX = "fx_fuse/"
 
 BATCHES_READ = NoteKind("batches_read", "parity read {count} batch(es) of {source} data (at most {limit}: {why})")
+CALIBRATION_READ = NoteKind("calibration_read", "the lossy variants were calibrated on {count} batch(es) of "
+                                                "training data and judged on the validation data")
 NO_VALIDATION_DATA = NoteKind("no_validation_data", "no validation data: parity used training batches")
 EXAMPLE_INPUT_ARRAY_USED = NoteKind("example_input_array_used", "no {sources} data: parity used the "
                                                                 "LightningModule's example_input_array")
@@ -129,8 +131,18 @@ def _loader_from_source(loop: Any) -> Any:
 
 def parity_batches(trainer: "pl.Trainer", config: FuseConfig) -> Batches:
     """Parity batches from the trainer's loaders (validation, else training data), never more than the
-    trainer's ``limit_val_batches`` / ``limit_train_batches`` let training read."""
-    return choose_batches(trainer_loaders(trainer), config.parity, lambda name, loader: _trainer_limit(trainer, name, loader))
+    trainer's ``limit_val_batches`` / ``limit_train_batches`` let training read; and, when a lossy variant is
+    enabled and parity reads validation data, its calibration batches from the training data (a variant is then
+    judged on data it was not calibrated on)."""
+    loaders = trainer_loaders(trainer)
+    batches = choose_batches(loaders, config.parity, lambda name, loader: _trainer_limit(trainer, name, loader))
+    count = calibration_batch_count(config)
+    train = first_loader(loaders["train"]()) if count and batches.source == "val" else None
+    if train is not None:
+        batches.calibration = list(itertools.islice(iter(train), count))
+        if batches.calibration:
+            batches.notes.append(CALIBRATION_READ(count=len(batches.calibration)))
+    return batches
 
 
 def _trainer_limit(trainer: "pl.Trainer", name: str, loader: Any) -> Optional[Tuple[int, str]]:

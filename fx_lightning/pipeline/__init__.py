@@ -17,7 +17,7 @@ from fx_lightning.pipeline.driver import (
     run_pipeline,
     summary_text,
 )
-from fx_lightning.pipeline.steps import Batches, Exported, Fused, Source, Step, in_step
+from fx_lightning.pipeline.steps import Batches, Exported, Fused, Source, Step, calibration_batch_count, in_step
 from fx_lightning.pipeline.targets import (
     own_rng,
     resolve_device,
@@ -40,6 +40,7 @@ __all__ = [
     "Outcome",
     "Source",
     "Step",
+    "calibration_batch_count",
     "fuse_and_export",
     "fuse_verify_export",
     "in_step",

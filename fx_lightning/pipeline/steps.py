@@ -81,6 +81,7 @@ __all__ = [
     "judge",
     "export",
     "add_variants",
+    "calibration_batch_count",
     "select_artifact",
     "PARITY_DISABLED",
     "EXAMPLE_INPUTS_USED",
@@ -151,6 +152,9 @@ class Batches:
     items: List[Any]
     source: str = "given"  # val | train | example | given
     notes: List[Note] = field(default_factory=list)  # which batches were read and why
+    # Batches the lossy variants are calibrated on (the training data, so the gate judges them on data they have
+    # not seen); empty: the first parity batches.
+    calibration: List[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -242,8 +246,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                 exc.step = exc.step or Step.passes.value
                 raise
         with in_step(Step.parity_input):
-            calibration = _calibration_inputs(config, reference_whole, reference, data, rule) if through_whole \
-                else list(data[:_calibration_count(config)])
+            calibration = _calibration_inputs(config, reference_whole, reference, source.batches.calibration or data,
+                                              rule) if through_whole else list(data[:calibration_batch_count(config)])
     notes = [*source.notes, *source.batches.notes, *data_notes, *input_notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
@@ -329,7 +333,8 @@ def _step_calls(whole: nn.Module, target: nn.Module, step: Any, batch: Any, inde
     return [(args, kwargs) for args, kwargs, _ in calls]
 
 
-def _calibration_count(config: FuseConfig) -> int:
+def calibration_batch_count(config: FuseConfig) -> int:
+    """How many batches the enabled variant passes calibrate on (0: none is enabled)."""
     wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
     return max((getattr(options, "calibration_batches", 1) for options in wanted), default=0)
 
@@ -337,7 +342,7 @@ def _calibration_count(config: FuseConfig) -> int:
 def _calibration_inputs(config: FuseConfig, whole: nn.Module, target: nn.Module, data: List[Any],
                         rule: InputRule) -> List[tuple]:
     """The target's inputs on the parity batches, for the variant passes (int8) when one is enabled."""
-    count = _calibration_count(config)
+    count = calibration_batch_count(config)
     if not count:
         return []
     device, dtype = model_device_dtype(whole)
