@@ -387,7 +387,14 @@ def readme_text(entries: Dict[str, FormatEntry]) -> str:
         "",
     ]
     for name, entry in entries.items():
-        lines.append(FORMATS[entry.format_name or name].readme_text(entry.options))
+        if entry.variant is None:
+            lines.append(FORMATS[entry.format_name or name].readme_text(entry.options))
+            continue
+        metrics = entry.gate.metrics if entry.gate is not None else {}
+        figures = ", ".join(f"{label} {metrics[key]:.4g}" for key, label in (
+            ("top1_agreement", "top-1 agreement with fp32"), ("accuracy_drop", "accuracy drop")) if key in metrics)
+        lines.append(f"- `{entry.path}` ({name}): the {entry.variant} variant, loaded as `{entry.format_name}` is "
+                     f"(lossy: it passed its accuracy gate{': ' + figures if figures else ''}).")
     return "\n".join(lines) + "\n"
 
 

@@ -113,6 +113,9 @@ def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: 
             manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance)
             if extend is not None:
                 manifest = extend(staging, manifest)
+                # The README lists the formats the additions kept too (variants).
+                (staging / "README.md").write_text(readme_text(manifest.formats), encoding="utf-8")
+                manifest.files.update(file_infos(staging, ["README.md"]))
             write_manifest(staging, manifest)
     except FXLightningError as exc:
         raise exc.within(f"export to {final} failed")
