@@ -218,6 +218,29 @@ def test_an_embedding_model_gets_no_accuracy_and_a_classifier_keeps_it() -> None
     assert parity is not None and {"top1_agreement", "accuracy_reference", "accuracy_drop"} <= set(parity.metrics)
 
 
+def test_a_classifier_on_validation_data_sorted_by_class_keeps_its_accuracy() -> None:
+    """Validation loaders are rarely shuffled and many datasets are stored by class: a first batch holding only
+    class 0 must not make a 10-class classifier's scores look like an embedding (its accuracy was dropped)."""
+    from fx_lightning.config import load_config
+    from fx_lightning.parity.gate import NOT_SCORES_FOR_LABELS
+    from fx_lightning.pipeline import Batches, fuse_verify_export
+
+    torch.manual_seed(0)
+    classifier = H.randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1),
+                                                      nn.Flatten(), nn.Linear(8, 10))).eval()
+    # Four batches of 8 images, one class per batch at first, then the rest: labels sorted as stored.
+    labels = torch.arange(10).repeat_interleave(4)[:32]
+    batches = Batches([(torch.randn(8, 3, 16, 16), labels[i:i + 8]) for i in range(0, 32, 8)], "val")
+    assert batches.items[0][1].unique().numel() == 2 and int(labels.max()) == 7
+    parity = fuse_verify_export(classifier, load_config({"export": {"enabled": False}}), batches).parity
+    assert parity is not None and parity.passed
+    assert not [n for n in parity.notes if n.kind == NOT_SCORES_FOR_LABELS]
+    assert {"top1_agreement", "accuracy_reference", "accuracy_fused", "accuracy_drop"} <= set(parity.metrics)
+    reference = H.fp64_copy(classifier)
+    expected = sum(int((reference(x.double()).argmax(-1) == y).sum()) for x, y in batches.items) / 32
+    assert abs(parity.metrics["accuracy_reference"] - expected) < 1e-9
+
+
 class EnsembleBackbone(nn.Module):
     """An ensemble run as one batch: the batch is repeated for every member and split back with the batch size
     the model was built for, so it runs at that batch size only."""

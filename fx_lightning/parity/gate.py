@@ -91,6 +91,10 @@ class ParityState:
     samples: int = 0
     labels_seen: bool = False
     num_classes: Optional[int] = None  # width of the class scores; None when the outputs are not class scores
+    # The lowest and highest integer label seen with class scores (over every batch, every rank): judged once all
+    # are in, since one batch of sorted validation data may hold a single class.
+    labels_low: Optional[int] = None
+    labels_high: Optional[int] = None
     source: str = "given"
     failures: List[Note] = field(default_factory=list)
     notes: List[Note] = field(default_factory=list)
@@ -223,13 +227,17 @@ class _Measurement:
             self.classes["accuracy_fused"].update(cand_top1, labels)
 
     def _labels_rule_out_scores(self, labels: Optional[torch.Tensor], rows: int, width: int) -> bool:
-        """Whether the batch's integer labels show the output is not class scores: labels beyond its width, or
-        classes filling under half of it (a 128-wide embedding against 10 classes). Decided once: the class
-        metrics of earlier batches are dropped with it."""
+        """Whether the batch's integer labels show the output is not class scores: labels beyond its width.
+        Decided once: the class metrics of earlier batches are dropped with it. (Classes filling under half of
+        the width, as a 128-wide embedding against 10 classes, are judged on all batches: see
+        ``labels_fill_the_scores``.)"""
         if labels is None or labels.numel() != rows or labels.numel() == 0:
             return False
         low, high = int(labels.min()), int(labels.max())
-        if 0 <= low and high < width and 2 * (high + 1) >= width:
+        if 0 <= low and high < width:
+            state = self.state
+            state.labels_low = low if state.labels_low is None else min(state.labels_low, low)
+            state.labels_high = high if state.labels_high is None else max(state.labels_high, high)
             return False
         self.not_class_scores = True
         self.classes, self.state.num_classes, self.state.labels_seen = None, None, False
@@ -316,6 +324,8 @@ def merge_parity_states(states: Sequence[ParityState]) -> ParityState:
         samples=sum(s.samples for s in states),
         labels_seen=any(s.labels_seen for s in states),
         num_classes=widths[0] if len(widths) == 1 else None,
+        labels_low=min((s.labels_low for s in states if s.labels_low is not None), default=None),
+        labels_high=max((s.labels_high for s in states if s.labels_high is not None), default=None),
     )
     sources = list(dict.fromkeys(s.source for s in states if s.batches) or [states[0].source])
     merged.source = "+".join(sources)
@@ -401,7 +411,19 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
           f"{config_key}.min_cosine")
 
 
+def labels_fill_the_scores(state: ParityState) -> bool:
+    """Whether the labels seen fill at least half of the class scores' width: a 10-class classifier's labels
+    do, a 128-wide embedding's dataset targets (10 classes) do not. True when no labels were seen."""
+    if state.num_classes is None or state.labels_high is None:
+        return True
+    return 2 * (state.labels_high + 1) >= state.num_classes
+
+
 def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport, config_key: str) -> None:
+    if state.num_classes is not None and not labels_fill_the_scores(state):
+        _note_once(report.notes, NOT_SCORES_FOR_LABELS(width=state.num_classes, low=state.labels_low,
+                                                       high=state.labels_high))
+        return
     if state.num_classes is None or "top1_agreement" not in state.metrics:
         if not any(n.kind == NOT_SCORES_FOR_LABELS for n in report.notes):  # that one says why already
             _note_once(report.notes, NOT_CLASS_SCORES())
