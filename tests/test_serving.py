@@ -237,7 +237,6 @@ def test_an_artifact_whose_outputs_disagree_is_never_selected():
 
 
 def test_bench_checks_each_artifact_on_the_saved_batch(tmp_path, monkeypatch):
-
     from fx_lightning.export import FORMATS
 
     outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["graph_module", "pt2"]})
