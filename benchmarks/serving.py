@@ -162,12 +162,14 @@ def to_summary(results: List[Dict], meta: Dict) -> str:
                          f"{fp32['artifact']} {_x(fp32['vs_eager'])}" if fp32 else "-"]
                 cells += [_x(best[a]["vs_eager"]) if a in best else "-" for a in LOSSY]
                 cells += [f"**{pick['artifact']}{' (' + pick['runtime'] + ')' if pick['runtime'] else ''} "
-                          f"{_x(pick['vs_eager'])}**" if pick else "-",
+                          f"{_x(pick['vs_eager'])}**" if pick else "not timed at export",
                           f"{_f(pick['top1_agreement'])} / {_points(pick['accuracy_drop'])}"
                           if pick and pick["top1_agreement"] is not None else "fp32 (exact)" if pick else "-"]
                 lines.append(f"| {result['model']} | {b} | {traffic.replace('_', ' ')} | " + " | ".join(cells) + " |")
     lines += ["", "`-`: not kept (see the variants table in benchmarks/results/serving.md: skipped on this CPU, "
-              "or missed its gate)."]
+              "or missed its gate). The export times and records a selection at batch 1 and "
+              "`export.select_batch_size` (1 in the serving preset); at other batch sizes the table shows what "
+              "`fx-lightning bench` would pick."]
     return "\n".join(lines) + "\n"
 
 
