@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v3_large"])
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="processes per peer, interleaved with the others' (this machine's speed drifts over "
+                             "minutes: one process per peer in a row differed by 30%% between identical runtimes)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(HERE / "results" / "peer_defaults"))
@@ -108,30 +112,53 @@ def main(argv: List[str]) -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args.models[0], args.size, args.calls, args.threads)))
         return 0
-    results = []
+    runs = []
+    order = random.Random(0)
     for model in args.models:
-        for kind in KINDS:
-            cmd = [sys.executable, str(Path(__file__)), "--worker", kind, "--models", model, "--size", str(args.size),
-                   "--calls", str(args.calls), "--threads", str(args.threads)]
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
-            if done.returncode != 0:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return done.returncode
-            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(results[-1], flush=True)
+        for _ in range(args.repeats):
+            kinds = list(KINDS)
+            order.shuffle(kinds)
+            for kind in kinds:
+                cmd = [sys.executable, str(Path(__file__)), "--worker", kind, "--models", model, "--size",
+                       str(args.size), "--calls", str(args.calls), "--threads", str(args.threads)]
+                done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+                if done.returncode != 0:
+                    print(done.stderr[-3000:], file=sys.stderr)
+                    return done.returncode
+                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(runs[-1], flush=True)
+    results = aggregate(runs)
     meta = {"cpu": cpu_description(), "threads": args.threads, "calls": args.calls, "size": args.size,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "repeats": args.repeats}
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results, "runs": runs}, indent=2) + "\n")
     out.with_suffix(".md").write_text(to_markdown(results, meta))
     print(to_markdown(results, meta))
     return 0
 
 
+def aggregate(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One result per model and peer: the median over its processes of each process's median, and their range."""
+    results = []
+    for model in dict.fromkeys(r["model"] for r in runs):
+        for kind in KINDS:
+            mine = [r for r in runs if (r["model"], r["kind"]) == (model, kind)]
+            if not mine:
+                continue
+            result = {**mine[0]}
+            for traffic in ("back_to_back", "idle"):
+                values = [r[traffic] for r in mine]
+                result[traffic] = statistics.median(values)
+                result[f"{traffic}_range"] = [min(values), max(values)]
+            results.append(result)
+    return results
+
+
 def to_markdown(results: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     lines = [f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, input {meta['size']}x{meta['size']}, "
-             f"batch 1, median of {meta['calls']} calls, each peer in a process of its own with its own defaults; "
-             "idle: a 20 ms gap before each call.", "",
+             f"batch 1, each peer in a process of its own with its own defaults, {meta.get('repeats', 1)} processes "
+             f"per peer interleaved with the others'; ms: the median over those processes of each one's median of "
+             f"{meta['calls']} calls (range in brackets); idle: a 20 ms gap before each call.", "",
              "| model | traffic | onnxruntime (defaults) ms | openvino (defaults) ms | fx-lightning selected | ms | "
              "vs onnxruntime | vs openvino |", "|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r["model"] for r in results):
@@ -139,10 +166,17 @@ def to_markdown(results: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         for traffic in ("back_to_back", "idle"):
             ort_ms, ov_ms = by_kind["onnxruntime"][traffic], by_kind["openvino"][traffic]
             ours = by_kind["fx-lightning"]
-            lines.append(f"| {model} | {traffic.replace('_', ' ')} | {ort_ms:.2f} | {ov_ms:.2f} | "
-                         f"{ours[traffic + '_artifact']} | {ours[traffic]:.2f} | {ort_ms / ours[traffic]:.2f}x | "
-                         f"{ov_ms / ours[traffic]:.2f}x |")
+            cells = [f"{r[traffic]:.2f} ({_range(r, traffic)})" for r in
+                     (by_kind["onnxruntime"], by_kind["openvino"])]
+            lines.append(f"| {model} | {traffic.replace('_', ' ')} | {cells[0]} | {cells[1]} | "
+                         f"{ours[traffic + '_artifact']} | {ours[traffic]:.2f} ({_range(ours, traffic)}) | "
+                         f"{ort_ms / ours[traffic]:.2f}x | {ov_ms / ours[traffic]:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def _range(result: Dict[str, Any], traffic: str) -> str:
+    low, high = result.get(f"{traffic}_range", [result[traffic]] * 2)
+    return f"{low:.2f}-{high:.2f}"
 
 
 if __name__ == "__main__":

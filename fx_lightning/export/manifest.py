@@ -158,6 +158,7 @@ class Timing:
     rounds: int
     traffic: str = "idle"  # Traffic: each call after an idle gap, or right after the previous one
     runtime: str = ""  # the runtime settings it ran with (a name from its Format's runtime_choices; "": as written)
+    process: str = "shared"  # "shared": timed beside the other artifacts in one process; "own": alone in one
 
 
 @dataclass

@@ -42,10 +42,11 @@ from fx_lightning.export.manifest import (
     read_manifest,
     replace_manifest,
 )
+from fx_lightning.export.own_process import time_in_own_process
 from fx_lightning.export.writer import CheckData, check_artifact, read_check_file
 
 __all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "select_all", "record_selection",
-           "with_selection", "IDLE_GAP_S", "CONFIRM_WITHIN"]
+           "with_selection", "IDLE_GAP_S", "CONFIRM_WITHIN", "FINALIST_WITHIN"]
 # The idle gap before a call in the ``idle`` traffic (and before each candidate in a round). Measured (resnet18,
 # batch 1, 2 cores): ONNX Runtime ran 55.2 ms right after torch calls, 49.1 ms alone and 49.2 ms after this
 # pause; and with its threads not spinning, 16.5 ms after it against 8.8 ms back to back: the wake-up the idle
@@ -55,6 +56,10 @@ IDLE_GAP_S = 0.02
 # head to head, before one is picked: on a shared 2-core machine two runs' medians of the same artifact differed
 # by up to 15%, and a near tie (ONNX Runtime int8 7.80 ms, OpenVINO int8 7.97 ms) went the wrong way.
 CONFIRM_WITHIN = 0.15
+# Passing artifacts within this factor of the fastest (at most ``own_process_finalists`` per batch size and
+# traffic) are the finalists, timed each in a process of its own (see own_process.py: the shared bench had made
+# ONNX Runtime 1.4-1.6x slower than it runs alone).
+FINALIST_WITHIN = 1.6
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -81,6 +86,7 @@ def bench_export(
     rounds: int = 20,
     warmup: int = 3,
     confirm_rounds: int = 0,
+    own_process_finalists: int = 0,
     threads: Optional[int] = None,
     progress: Optional[Progress] = None,
     runtime_choices: bool = True,
@@ -89,8 +95,11 @@ def bench_export(
     ``runtime_choices`` is false) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
     batch size, in both traffics, interleaved; check every artifact on ``check.pt``. ``confirm_rounds``: that many
     more rounds for the passing artifacts within :data:`CONFIRM_WITHIN` of the fastest (their samples are added
-    to the first ones'). ``manifest``: the export's manifest when it is not on disk yet (an export being
-    written), else it is read from ``root``."""
+    to the first ones'). ``own_process_finalists``: at most that many of the fastest passing artifacts at each
+    batch size and traffic (within :data:`FINALIST_WITHIN` of the fastest) are then timed again, each in a process
+    of its own, for ``max(rounds, confirm_rounds)`` rounds; those timings replace theirs (``process: "own"``).
+    ``manifest``: the export's manifest when it is not on disk yet (an export being written), else it is read
+    from ``root``."""
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     if threads:
@@ -124,7 +133,40 @@ def bench_export(
                 samples[cell][traffic].extend(ts)
         table.timings = _timings(samples)
     table.failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact
+    if own_process_finalists:
+        _time_finalists_alone(root, manifest, table, own_process_finalists, max(rounds, confirm_rounds), warmup)
     return table
+
+
+def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, rounds: int,
+                          warmup: int) -> None:
+    """Replace the finalists' timings in ``table`` with timings taken each in a process of its own."""
+    chosen: Dict[Tuple[str, str], set] = {}
+    for b in {t.batch_size for t in table.timings}:
+        for traffic in Traffic:
+            rows = sorted((t for t in table.timings if t.batch_size == b and t.traffic == traffic.value
+                           and t.artifact in table.checks and table.checks[t.artifact].passed),
+                          key=lambda t: t.median_ms)
+            if len(rows) < 2:
+                continue
+            for t in rows[:finalists]:
+                if t.median_ms <= rows[0].median_ms * FINALIST_WITHIN:
+                    chosen.setdefault((t.artifact, t.runtime), set()).add(b)
+    if len(chosen) < 2:
+        return
+    manifest_json = manifest.to_dict()
+    for (artifact, runtime), sizes in chosen.items():
+        samples, why = time_in_own_process(root, manifest_json, artifact, runtime, sorted(sizes), rounds, warmup,
+                                           IDLE_GAP_S, table.threads)
+        if samples is None:
+            table.failures.append(TimingFailure(artifact, min(sizes), f"not timed in a process of its own ({why}); "
+                                                                     "its shared-process timing stands"))
+            continue
+        for i, t in enumerate(table.timings):
+            ts = samples.get((t.batch_size, t.traffic))
+            if (t.artifact, t.runtime) == (artifact, runtime) and ts:
+                table.timings[i] = dataclasses.replace(t, median_ms=1e3 * statistics.median(ts),
+                                                       p90_ms=1e3 * _p90(ts), rounds=len(ts), process="own")
 
 
 Cell = Tuple[Tuple[str, str], int]  # ((artifact or baseline, runtime choice), batch size)
@@ -132,9 +174,12 @@ Samples = Dict[Cell, Dict[str, List[float]]]  # cell -> traffic -> seconds per c
 
 
 def _timings(samples: Samples) -> List[Timing]:
-    return [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * sorted(ts)[min(len(ts) - 1, int(0.9 * len(ts)))],
-                   len(ts), traffic, runtime)
+    return [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * _p90(ts), len(ts), traffic, runtime)
             for ((name, runtime), b), by_traffic in samples.items() for traffic, ts in by_traffic.items() if ts]
+
+
+def _p90(ts: Sequence[float]) -> float:
+    return sorted(ts)[min(len(ts) - 1, int(0.9 * len(ts)))]
 
 
 def _close_contenders(table: BenchTable, within: float) -> set:
@@ -220,6 +265,9 @@ def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") ->
         return None
     median, name, runtime = min(candidates)
     settings = f", runtime settings '{runtime}'" if runtime else ""
+    alone = any(t.process == "own" for t in table.timings
+                if (t.artifact, t.runtime, t.batch_size, t.traffic) == (name, runtime, batch_size, traffic))
+    settings += ", timed in a process of its own" if alone else ""
     return Selected(name, batch_size, median,
                     f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
                     f"{table.threads} threads, {table.isa}{settings}) of the artifacts that passed their check",

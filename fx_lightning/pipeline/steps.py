@@ -540,7 +540,7 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
                              baselines={"eager": fused.reference}, rounds=rounds, warmup=warmup,
-                             confirm_rounds=confirm)
+                             confirm_rounds=confirm, own_process_finalists=0 if rehearsal else 3)
         selected = select_fastest(table, size, config.export.select_traffic)
         if rehearsal and selected is None:
             why = [f"{n}: check failed ({c.reason})" for n, c in table.checks.items() if not c.passed]
