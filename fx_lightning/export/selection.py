@@ -6,9 +6,8 @@ check batch, and the fastest that passed recorded in the manifest for each batch
 Each artifact is timed with the runtime settings it was written with and with each of its format's
 ``runtime_choices`` (ONNX Runtime's threads spinning between runs, say), and in two kinds of traffic: a call after
 an idle gap (:data:`IDLE_GAP_S`: the runtime's threads have gone to sleep, as under sparse traffic) and a call right
-after another (back to back). Timing is interleaved: every round runs every candidate once, in a shuffled order, so
-a slow minute on a shared machine lands on all of them; the idle gap before each candidate also keeps one
-runtime's spinning threads from slowing the next. The table keeps medians and the 90th percentile. The check
+after another (back to back), interleaved (timing.py); the finalists are then timed again each in a process of
+its own, as a server runs them. The table keeps medians and the 90th percentile. The check
 compares each artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the export's
 own rule (a few times the fused model's own error), so an artifact that disagrees is never selected; a lossy
 variant's accuracy gate at export stands in for it.
@@ -18,16 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import random
 import statistics
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from fx_lightning.batches import with_batch_size
 from fx_lightning.config import Traffic
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.export.formats import FORMATS
@@ -42,26 +38,18 @@ from fx_lightning.export.manifest import (
     read_manifest,
     replace_manifest,
 )
-from fx_lightning.export.own_process import time_in_own_process
+from fx_lightning.export.timing import IDLE_GAP_S, Progress, time_interleaved, time_in_own_process
 from fx_lightning.export.writer import CheckData, check_artifact, read_check_file
 
 __all__ = ["Timing", "BenchTable", "bench_export", "select_fastest", "select_all", "record_selection",
-           "with_selection", "IDLE_GAP_S", "CONFIRM_WITHIN", "FINALIST_WITHIN"]
-# The idle gap before a call in the ``idle`` traffic (and before each candidate in a round). Measured (resnet18,
-# batch 1, 2 cores): ONNX Runtime ran 55.2 ms right after torch calls, 49.1 ms alone and 49.2 ms after this
-# pause; and with its threads not spinning, 16.5 ms after it against 8.8 ms back to back: the wake-up the idle
-# traffic measures.
-IDLE_GAP_S = 0.02
-# Candidates whose median is within this share of the fastest one's at a batch size and traffic are timed again,
-# head to head, before one is picked: on a shared 2-core machine two runs' medians of the same artifact differed
-# by up to 15%, and a near tie (ONNX Runtime int8 7.80 ms, OpenVINO int8 7.97 ms) went the wrong way.
-CONFIRM_WITHIN = 0.15
-# Passing artifacts within this factor of the fastest (at most ``own_process_finalists`` per batch size and
-# traffic) are the finalists, timed each in a process of its own (see own_process.py: the shared bench had made
-# ONNX Runtime 1.4-1.6x slower than it runs alone).
-FINALIST_WITHIN = 1.6
+           "with_selection", "IDLE_GAP_S", "FINALIST_WITHIN", "FINALIST_ROUNDS"]
 
-Progress = Callable[[str, int, int], None]  # (what, done, total)
+# Passing artifacts within this factor of the fastest (at most ``own_process_finalists`` per batch size and
+# traffic) are the finalists, timed each in a process of its own for FINALIST_ROUNDS rounds (see timing.py: the
+# shared bench had made ONNX Runtime 1.4-1.6x slower than it runs alone; and two shared runs' medians of one
+# artifact differed by up to 15%, so a near tie had gone to the artifact 20% slower).
+FINALIST_WITHIN = 1.6
+FINALIST_ROUNDS = 30
 
 
 def _check(module: nn.Module, saved: CheckData) -> ArtifactCheck:
@@ -85,7 +73,6 @@ def bench_export(
     baselines: Optional[Dict[str, nn.Module]] = None,
     rounds: int = 20,
     warmup: int = 3,
-    confirm_rounds: int = 0,
     own_process_finalists: int = 0,
     threads: Optional[int] = None,
     progress: Optional[Progress] = None,
@@ -93,13 +80,11 @@ def bench_export(
 ) -> BenchTable:
     """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices unless
     ``runtime_choices`` is false) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
-    batch size, in both traffics, interleaved; check every artifact on ``check.pt``. ``confirm_rounds``: that many
-    more rounds for the passing artifacts within :data:`CONFIRM_WITHIN` of the fastest (their samples are added
-    to the first ones'). ``own_process_finalists``: at most that many of the fastest passing artifacts at each
-    batch size and traffic (within :data:`FINALIST_WITHIN` of the fastest) are then timed again, each in a process
-    of its own, for ``max(rounds, confirm_rounds)`` rounds; those timings replace theirs (``process: "own"``).
-    ``manifest``: the export's manifest when it is not on disk yet (an export being written), else it is read
-    from ``root``."""
+    batch size, in both traffics, interleaved; check every artifact on ``check.pt``. ``own_process_finalists``: at
+    most that many of the fastest passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN`
+    of the fastest) are then timed again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those
+    timings replace theirs (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet
+    (an export being written), else it is read from ``root``."""
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     if threads:
@@ -122,24 +107,16 @@ def bench_export(
             check = dataclasses.replace(check, passed=entry.gate.passed, reason="accuracy gate at export")
         table.checks[name] = check
     inputs = saved.inputs if saved is not None else _random_inputs(manifest)
-    samples, failures = _time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress)
-    table.timings = _timings(samples)
-    close = _close_contenders(table, CONFIRM_WITHIN) if confirm_rounds else set()
-    if close:
-        again, _ = _time_interleaved({key: models[key] for key, _ in close}, inputs, sorted({b for _, b in close}),
-                                     confirm_rounds, 1, progress, only=close)
-        for cell, by_traffic in again.items():
-            for traffic, ts in by_traffic.items():
-                samples[cell][traffic].extend(ts)
-        table.timings = _timings(samples)
+    samples, failures = time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress)
+    table.timings = [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * _p90(ts), len(ts), traffic, runtime)
+                     for ((name, runtime), b), by_traffic in samples.items() for traffic, ts in by_traffic.items() if ts]
     table.failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact
     if own_process_finalists:
-        _time_finalists_alone(root, manifest, table, own_process_finalists, max(rounds, confirm_rounds), warmup)
+        _time_finalists_alone(root, manifest, table, own_process_finalists, warmup)
     return table
 
 
-def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, rounds: int,
-                          warmup: int) -> None:
+def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, warmup: int) -> None:
     """Replace the finalists' timings in ``table`` with timings taken each in a process of its own."""
     chosen: Dict[Tuple[str, str], set] = {}
     for b in {t.batch_size for t in table.timings}:
@@ -156,8 +133,8 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
         return
     manifest_json = manifest.to_dict()
     for (artifact, runtime), sizes in chosen.items():
-        samples, why = time_in_own_process(root, manifest_json, artifact, runtime, sorted(sizes), rounds, warmup,
-                                           IDLE_GAP_S, table.threads)
+        samples, why = time_in_own_process(root, manifest_json, (artifact, runtime), sorted(sizes), FINALIST_ROUNDS,
+                                           warmup, table.threads)
         if samples is None:
             table.failures.append(TimingFailure(artifact, min(sizes), f"not timed in a process of its own ({why}); "
                                                                      "its shared-process timing stands"))
@@ -169,34 +146,8 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
                                                        p90_ms=1e3 * _p90(ts), rounds=len(ts), process="own")
 
 
-Cell = Tuple[Tuple[str, str], int]  # ((artifact or baseline, runtime choice), batch size)
-Samples = Dict[Cell, Dict[str, List[float]]]  # cell -> traffic -> seconds per call
-
-
-def _timings(samples: Samples) -> List[Timing]:
-    return [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * _p90(ts), len(ts), traffic, runtime)
-            for ((name, runtime), b), by_traffic in samples.items() for traffic, ts in by_traffic.items() if ts]
-
-
 def _p90(ts: Sequence[float]) -> float:
     return sorted(ts)[min(len(ts) - 1, int(0.9 * len(ts)))]
-
-
-def _close_contenders(table: BenchTable, within: float) -> set:
-    """The (artifact, runtime) cells whose median is within ``within`` of the fastest passing one at the same batch
-    size in either traffic; none where one candidate is clearly ahead."""
-    close = set()
-    for b in {t.batch_size for t in table.timings}:
-        for traffic in Traffic:
-            rows = [t for t in table.timings if t.batch_size == b and t.traffic == traffic.value
-                    and t.artifact in table.checks and table.checks[t.artifact].passed]
-            if len(rows) < 2:
-                continue
-            best = min(t.median_ms for t in rows)
-            near = {((t.artifact, t.runtime), b) for t in rows if t.median_ms <= best * (1 + within)}
-            if len(near) > 1:
-                close |= near
-    return close
 
 
 def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
@@ -207,51 +158,6 @@ def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
         dtype = getattr(torch, spec.dtype or "float32")
         out.append(torch.randn(shape, generator=g).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype))
     return out
-
-
-def _time_interleaved(models: Dict[Tuple[str, str], nn.Module], inputs: Sequence[Any], batch_sizes: Sequence[int],
-                      rounds: int, warmup: int, progress: Optional[Progress],
-                      only: Optional[set] = None) -> Tuple[Samples, List[TimingFailure]]:
-    """Every (artifact, runtime) at every batch size (the cells in ``only``, when given), interleaved in shuffled
-    rounds; in each round a candidate runs once after the idle gap (``idle``) and once right after that
-    (``back_to_back``). Returns the samples and what could not run (a model that raises at a batch size is not
-    timed there again)."""
-    cells = [(key, b) for b in batch_sizes for key in models if only is None or (key, b) in only]
-    failures: List[TimingFailure] = []
-    args = {b: with_batch_size(inputs, b) for b in batch_sizes}
-    times: Samples = {cell: {t.value: [] for t in Traffic} for cell in cells}
-    runnable = set(cells)
-    rng = random.Random(0)
-    total = (warmup + rounds) * len(cells)
-    done = 0
-    with torch.no_grad():
-        for r in range(warmup + rounds):
-            order = list(cells)
-            rng.shuffle(order)
-            for cell in order:
-                done += 1
-                (name, runtime), b = cell
-                if cell in runnable:
-                    time.sleep(IDLE_GAP_S)
-                    try:
-                        idle = _timed(models[cell[0]], args[b])
-                        back_to_back = _timed(models[cell[0]], args[b])
-                    except Exception as exc:  # noqa: BLE001 - e.g. a model exported for another batch size
-                        runnable.discard(cell)
-                        failures.append(TimingFailure(name, b, f"{type(exc).__name__}: {first_line(exc)[:200]}"))
-                        continue
-                    if r >= warmup:
-                        times[cell][Traffic.idle.value].append(idle)
-                        times[cell][Traffic.back_to_back.value].append(back_to_back)
-                if progress is not None:
-                    progress("timing", done, total)
-    return times, failures
-
-
-def _timed(module: nn.Module, args: Sequence[Any]) -> float:
-    start = time.perf_counter()
-    module(*args)
-    return time.perf_counter() - start
 
 
 def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") -> Optional[Selected]:

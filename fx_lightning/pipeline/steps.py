@@ -536,11 +536,11 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     passed its check. ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes
     timed, and an error when nothing could be selected (nothing would be after training either)."""
     size = config.export.select_batch_size
-    rounds, warmup, confirm = (1, 0, 0) if rehearsal else (15, 3, 30)
+    rounds, warmup, finalists = (1, 0, 0) if rehearsal else (15, 3, 3)
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
                              baselines={"eager": fused.reference}, rounds=rounds, warmup=warmup,
-                             confirm_rounds=confirm, own_process_finalists=0 if rehearsal else 3)
+                             own_process_finalists=finalists)
         selected = select_fastest(table, size, config.export.select_traffic)
         if rehearsal and selected is None:
             why = [f"{n}: check failed ({c.reason})" for n, c in table.checks.items() if not c.passed]
