@@ -43,6 +43,7 @@ __all__ = [
     "TimingFailure",
     "BenchTable",
     "Selected",
+    "Preprocess",
     "Manifest",
     "new_manifest",
     "write_manifest",
@@ -217,6 +218,26 @@ class Selected:
 
 
 @dataclass
+class Preprocess:
+    """The input normalisation compiled into the exported graph as a prologue (``export.preprocess``): a client
+    sends raw pixels of ``input_dtype`` in ``layout`` and ``channel_order``; the graph computes
+    ``(float(raw) * scale - mean) / std`` per channel, in NCHW and RGB order, before the model. ``source`` says
+    where it came from ("config", or the datamodule transform it was found in)."""
+
+    mean: List[float]
+    std: List[float]
+    scale: float = 1.0 / 255.0
+    input_dtype: str = "uint8"
+    layout: str = "NCHW"  # of what the client sends: NCHW or NHWC
+    channel_order: str = "RGB"  # of what the client sends: RGB or BGR
+    source: str = "config"
+
+    @classmethod
+    def from_dict(cls, data: Json) -> "Preprocess":
+        return cls(**fields_from(cls, data))  # type: ignore[arg-type]
+
+
+@dataclass
 class Manifest:
     """Everything an export records. ``config`` is the resolved FuseConfig and ``report`` the FuseReport, both as
     their JSON views; ``provenance`` is written under the key ``extra``."""
@@ -240,6 +261,10 @@ class Manifest:
     bench: Optional[BenchTable] = None
     selected: Optional[Selected] = None  # what load_fused(dir) loads
     selections: List[Selected] = field(default_factory=list)  # the fastest per batch size timed and traffic
+    # The input contract's optional parts: the raw-input prologue in the graph, and the class names of the first
+    # output's columns (``export.labels``, or the datamodule's ``classes``).
+    preprocess: Optional[Preprocess] = None
+    labels: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {
@@ -259,6 +284,10 @@ class Manifest:
             out["bench"] = self.bench.to_dict() if self.bench is not None else None
             out["selected"] = dataclasses.asdict(self.selected) if self.selected is not None else None
             out["selections"] = [dataclasses.asdict(s) for s in self.selections]
+        if self.preprocess is not None:
+            out["preprocess"] = dataclasses.asdict(self.preprocess)
+        if self.labels:
+            out["labels"] = list(self.labels)
         return json_safe(out)
 
     @classmethod
@@ -284,6 +313,8 @@ class Manifest:
             bench=BenchTable.from_dict(bench) if isinstance(bench, Mapping) else None,
             selected=Selected(**fields_from(Selected, selected)) if isinstance(selected, Mapping) else None,  # type: ignore[arg-type]
             selections=[Selected(**fields_from(Selected, s)) for s in data.get("selections") or []],  # type: ignore[arg-type]
+            preprocess=Preprocess.from_dict(data["preprocess"]) if isinstance(data.get("preprocess"), Mapping) else None,
+            labels=[str(label) for label in data.get("labels") or []],
         )
 
 
