@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fx-lightning",
         description="Fuse (fold BatchNorms), verify and export PyTorch Lightning models with torch.fx.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fuse,inspect,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fuse,inspect,bench,serve}")
 
     fuse = sub.add_parser(
         "fuse", help="fuse a Lightning checkpoint, check parity and export it",
@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", help="its checkpoint (default: the one recorded in the manifest)")
     bench.add_argument("--no-unfused", action="store_true", help="time the export formats only")
     bench.add_argument("--unsafe-load", action="store_true", help="load the checkpoint with weights_only=False")
+
+    from fx_lightning.cli import serve_cmd
+
+    serve_cmd.add_parser(sub)
     return parser
 
 
@@ -108,6 +112,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return fuse_cmd.run(args, console)
         if args.command == "inspect":
             return inspect_cmd.run(args, console)
+        if args.command == "serve":
+            from fx_lightning.cli import serve_cmd
+
+            return serve_cmd.run(args, console)
         return bench_cmd.run(args, console)
     except FXLightningError as exc:
         print_error(console, f"{type(exc).__name__}: {exc}")

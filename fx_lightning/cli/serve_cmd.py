@@ -1,0 +1,51 @@
+"""``fx-lightning serve DIR``: serve an export over HTTP (LitServe), with its input contract enforced."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fx_lightning.serve.server import ServeOptions
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    defaults = ServeOptions()
+    serve = sub.add_parser(
+        "serve", help="serve an export over HTTP: POST /predict, GET /health, GET /info",
+        description="Loads the artifact the export selected for the batch size the server forms (or --format), "
+                    "checks its sha256 and runs it on check.pt before /health reports ready; batches requests "
+                    "dynamically; refuses a request that does not fit the export's input contract with a 4xx "
+                    "naming what was expected. Needs the serve extra: pip install 'fx-lightning[serve]'.",
+    )
+    serve.add_argument("directory", help="an export directory (holds manifest.json)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--format", default=None, metavar="FORMAT",
+                       help="the format or variant to serve (default: the export's selection)")
+    serve.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
+                       help=f"requests batched into one run (default {defaults.max_batch_size}; 1: no batching)")
+    serve.add_argument("--batch-timeout", type=float, default=defaults.batch_timeout,
+                       help=f"seconds a batch waits to fill (default {defaults.batch_timeout})")
+    serve.add_argument("--workers", type=int, default=defaults.workers, help="inference worker processes")
+    serve.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
+    serve.add_argument("--max-request-batch", type=int, default=defaults.max_request_batch,
+                       help=f"samples in one request (default {defaults.max_request_batch})")
+    serve.add_argument("--max-body-mb", type=float, default=defaults.max_body_mb,
+                       help=f"request body limit in MiB (default {defaults.max_body_mb:g})")
+    serve.add_argument("--top-k", type=int, default=defaults.top_k,
+                       help=f"labels per row in a response when the export has labels (default {defaults.top_k})")
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace, console: Any) -> int:
+    from fx_lightning.serve.server import serve
+
+    options = ServeOptions(format=args.format, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
+                           workers=args.workers, threads=args.threads, max_request_batch=args.max_request_batch,
+                           max_body_mb=args.max_body_mb, top_k=args.top_k)
+    console.print(f"serving {args.directory} on http://{args.host}:{args.port} (POST /predict, GET /health, "
+                  "GET /info)", markup=False)
+    serve(args.directory, options, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,183 @@
+"""The LitServe side of :mod:`fx_lightning.serve.server`: the worker's LitAPI (load and self-check the artifact,
+batch, run, split) and the HTTP side's LitSpec (read the body within its limit, decode it against the contract,
+answer 4xx for what does not fit, encode the outputs). Module-level classes: LitServe pickles the LitAPI into
+each worker process. Imported only when a server is built (``litserve`` is an optional extra)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import litserve as ls
+import numpy as np
+import torch
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from litserve.specs.base import LitSpec
+from litserve.utils import LitAPIStatus, ResponseBufferItem
+
+from fx_lightning.batches import flat_tensors
+from fx_lightning.errors import first_line
+from fx_lightning.serve.contract import NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
+from fx_lightning.serve.server import SelfCheck, ServeOptions, StatusBoard, load_checked
+
+__all__ = ["ArtifactAPI", "ContractSpec", "make_server"]
+
+Batched = Tuple[List[torch.Tensor], List[int]]
+
+
+class ArtifactAPI(ls.LitAPI):
+    """The worker: loads the artifact and checks it in ``setup`` (the result goes to the status board, which
+    ``/health`` reads), then runs batches of decoded requests."""
+
+    def __init__(self, root: Path, options: ServeOptions, board: StatusBoard, spec: LitSpec) -> None:
+        super().__init__(max_batch_size=options.max_batch_size, batch_timeout=options.batch_timeout, spec=spec)
+        self.root, self.options, self.board = root, options, board
+        self.model: Optional[torch.nn.Module] = None
+
+    def setup(self, device: Any) -> None:
+        torch.set_num_threads(self.options.threads_per_worker())
+        worker = os.environ.get("LITSERVE_WORKER_ID", "0")
+        try:
+            self.model, status = load_checked(self.root, self.options)
+        except Exception as exc:  # noqa: BLE001 - reported by /health instead of stopping the server
+            self.model, status = None, SelfCheck(False, reason=f"{type(exc).__name__}: {first_line(exc)}")
+        self.board.write(worker, status)
+
+    def decode_request(self, request: Decoded, **kwargs: Any) -> Decoded:
+        return request  # decoded and checked by the HTTP side
+
+    def batch(self, inputs: List[Decoded]) -> Batched:
+        joined = [torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
+                  for parts in zip(*(d.arrays for d in inputs))]
+        return joined, [d.batch_size for d in inputs]
+
+    def predict(self, x: Union[Decoded, Batched]) -> Any:
+        """One request's outputs (no batching), or each request's outputs of a batch."""
+        if self.model is None:
+            raise RuntimeError("the artifact failed its self-check (see /health)")
+        batched = isinstance(x, tuple)
+        args, sizes = x if isinstance(x, tuple) else ([torch.from_numpy(a) for a in x.arrays], [x.batch_size])
+        with torch.no_grad():
+            outputs = [t.detach().cpu().numpy() for t in flat_tensors(self.model(*args))]
+        return split_rows(outputs, sizes) if batched else outputs
+
+    def unbatch(self, output: List[List[np.ndarray]]) -> List[List[np.ndarray]]:
+        return output
+
+    def encode_response(self, output: List[np.ndarray], **kwargs: Any) -> List[np.ndarray]:
+        return output  # encoded by the HTTP side, which knows what the client accepts
+
+
+class ContractSpec(LitSpec):
+    """``POST /predict`` and ``GET /health`` on the HTTP side."""
+
+    def __init__(self, contract: Contract, board: StatusBoard, top_k: int) -> None:
+        super().__init__()
+        self.api_path = "/predict"
+        self.contract, self.board, self.top_k = contract, board, top_k
+
+    def pre_setup(self, lit_api: Any) -> None:
+        self.add_endpoint("/predict", self.predict_endpoint, ["POST"])
+        self.add_endpoint("/health", self.health_endpoint, ["GET"])
+
+    def decode_request(self, request: Any, context_kwargs: Optional[dict] = None) -> Any:
+        return request
+
+    def encode_response(self, output: Any, context_kwargs: Optional[dict] = None) -> Any:
+        return output
+
+    def not_ready(self) -> Tuple[bool, Dict[str, object]]:
+        ready, statuses = self.board.read()
+        body: Dict[str, object] = {"ready": ready, "workers": [dataclasses.asdict(s) for s in statuses]}
+        if not ready:
+            failed = [s.reason for s in statuses if not s.ready]
+            body["reason"] = failed[0] if failed else "loading the artifact"
+        return not ready, body
+
+    async def health_endpoint(self) -> Response:
+        waiting, body = self.not_ready()
+        return JSONResponse(body, status_code=503 if waiting else 200)
+
+    async def predict_endpoint(self, request: Request) -> Response:
+        waiting, status = self.not_ready()
+        if waiting:
+            return error_response(503, f"not ready: {status['reason']}")
+        try:
+            body = await read_body(request, self.contract.max_body_bytes)
+            decoded = self.contract.decode(body, request.headers.get("content-type", ""), request.query_params)
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message)
+        uid = uuid.uuid4()
+        event = asyncio.Event()
+        self.response_buffer[uid] = ResponseBufferItem(event=event)
+        self.request_queue.put_nowait((self.response_queue_id, uid, time.monotonic(), decoded))
+        await event.wait()
+        response, state = self.response_buffer.pop(uid).response
+        if state == LitAPIStatus.ERROR:
+            code = int(getattr(response, "status_code", 500))
+            return error_response(code, str(getattr(response, "detail", None) or f"inference failed: {response}"))
+        return encode_outputs(response, decoded, self.contract, self.top_k,
+                              npz=NPZ_TYPE in request.headers.get("accept", ""))
+
+
+def make_server(root: Path, options: ServeOptions, contract: Contract, board: StatusBoard,
+                info: Dict[str, object]) -> ls.LitServer:
+    api = ArtifactAPI(root, options, board, ContractSpec(contract, board, options.top_k))
+    # LitServe's own health check moves aside: it answers 200 once the worker started, ours once it checked.
+    return ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=options.workers,
+                        timeout=options.timeout, healthcheck_path="/litserve/health", model_metadata=info)
+
+
+def error_response(status: int, message: str) -> Response:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` (a client may send no Content-Length)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BadRequest(413, f"body of {declared} bytes exceeds the limit of {limit} bytes (--max-body-mb)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(413, f"body exceeds the limit of {limit} bytes (--max-body-mb)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def encode_outputs(outputs: List[np.ndarray], decoded: Decoded, contract: Contract, top_k: int, *,
+                   npz: bool = False) -> Response:
+    """JSON ``{"outputs": [...], "output_names": [...], "top_k": ...}`` (top-k when the export has labels and the
+    first output is their scores), or an ``.npz`` of the outputs by name when the client accepts it."""
+    if decoded.single:
+        outputs = [o[0] if o.ndim else o for o in outputs]
+    names = [o.name for o in contract.outputs] if len(contract.outputs) == len(outputs) else [
+        f"output_{i}" for i in range(len(outputs))]
+    if npz:
+        buffer = io.BytesIO()
+        np.savez(buffer, **dict(zip(names, outputs)))
+        return Response(buffer.getvalue(), media_type=NPZ_TYPE)
+    body: Dict[str, object] = {"outputs": [o.tolist() for o in outputs], "output_names": names}
+    k = min(decoded.top_k if decoded.top_k is not None else top_k, len(contract.labels))
+    scores = outputs[0] if outputs else None
+    if k and scores is not None and scores.dtype.kind == "f" and scores.shape[-1:] == (len(contract.labels),):
+        rows = top_k_labels(scores.reshape(-1, len(contract.labels)), contract.labels, k)
+        body["top_k"] = rows[0] if decoded.single else rows
+    return Response(json.dumps(body), media_type="application/json")
+
+
+def split_rows(outputs: Sequence[np.ndarray], sizes: Sequence[int]) -> List[List[np.ndarray]]:
+    """Each request's rows of every output (an output without the batch axis goes to each request whole)."""
+    total = sum(sizes)
+    bounds = np.cumsum([0, *sizes])
+    return [[o[bounds[i]:bounds[i + 1]] if o.ndim and o.shape[0] == total else o for o in outputs]
+            for i in range(len(sizes))]

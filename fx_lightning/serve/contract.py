@@ -1,0 +1,335 @@
+"""The input contract of an export, as a server enforces it: what each request body may hold, decoded into arrays
+or refused with a 4xx that names what was expected and what came.
+
+Read from ``manifest.json`` alone (:meth:`Contract.of`), so a server needs no training code. Accepted bodies:
+
+- ``application/json``: ``{"inputs": [...]}``, one nested list per model input in order, or an object keyed by
+  input name; optional ``"top_k"``. Each input holds a batch (its full rank) or one sample (rank - 1).
+- ``application/x-npy``: one ``.npy`` array (a single-input model); ``application/x-npz``: one array per input,
+  keyed by input name (or ``arr_0``... in order). Loaded without pickle.
+- ``image/png``, ``image/jpeg``: one image, when the export carries an image contract (``export.preprocess``
+  with uint8 input): its size must be the model's, and it is laid out as the contract says.
+
+Nothing here imports a web framework: the server (:mod:`fx_lightning.serve.server`) calls :meth:`Contract.decode`
+and turns a :class:`BadRequest` into its status code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from fx_lightning.export.manifest import Manifest, Preprocess, TensorSpec
+
+__all__ = ["BadRequest", "InputSpec", "Contract", "Decoded", "JSON_TYPE", "NPY_TYPE", "NPZ_TYPE", "IMAGE_TYPES",
+           "top_k_labels"]
+
+JSON_TYPE = "application/json"
+NPY_TYPE = "application/x-npy"
+NPZ_TYPE = "application/x-npz"
+IMAGE_TYPES = ("image/png", "image/jpeg")
+
+# numpy dtypes of the torch dtype names a manifest records.
+_NUMPY_DTYPES: Dict[str, np.dtype] = {name: np.dtype(name) for name in (
+    "float32", "float64", "float16", "uint8", "int8", "int16", "int32", "int64", "bool")}
+
+
+class BadRequest(Exception):
+    """A request the contract refuses: ``status`` (400 malformed, 413 too large, 415 content type, 422 does not
+    fit the contract) and a message naming what was expected and what came."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input: its name, dtype and the shape of one sample (``None``: any size on that axis)."""
+
+    name: str
+    dtype: str
+    sample_shape: Tuple[Optional[int], ...]
+
+    @property
+    def shape_text(self) -> str:
+        return "[" + ", ".join(["batch", *("any" if d is None else str(d) for d in self.sample_shape)]) + "]"
+
+    @property
+    def finite_only(self) -> bool:
+        return self.dtype.startswith("float")
+
+
+@dataclass
+class Decoded:
+    """A request's inputs as arrays with a batch axis, and whether it sent one sample without one."""
+
+    arrays: List[np.ndarray]
+    single: bool = False
+    top_k: Optional[int] = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.arrays[0].shape[0])
+
+
+@dataclass
+class Contract:
+    """What the server accepts: the inputs, the limits, the image layout when there is one, and the labels."""
+
+    inputs: List[InputSpec]
+    outputs: List[TensorSpec] = field(default_factory=list)
+    preprocess: Optional[Preprocess] = None
+    labels: List[str] = field(default_factory=list)
+    max_request_batch: int = 64
+    max_body_bytes: int = 32 << 20
+
+    @classmethod
+    def of(cls, manifest: Manifest, *, max_request_batch: int = 64, max_body_bytes: int = 32 << 20) -> "Contract":
+        """The contract of an export. Raises ValueError for inputs a server cannot take (non-tensor or nested)."""
+        specs: List[InputSpec] = []
+        for spec in manifest.inputs:
+            if spec.kind != "tensor" or spec.shape is None or spec.dtype is None:
+                raise ValueError(f"input {spec.name!r} is a {spec.kind} ({spec.value}), not a tensor: a server "
+                                 "takes tensor inputs only")
+            if "." in spec.name:
+                raise ValueError(f"input {spec.name!r} is nested inside an argument: a server takes one tensor per "
+                                 "forward argument")
+            if spec.dtype not in _NUMPY_DTYPES:
+                raise ValueError(f"input {spec.name!r} has dtype {spec.dtype}: not served (allowed: "
+                                 f"{', '.join(_NUMPY_DTYPES)})")
+            sample = tuple(d if isinstance(d, int) else None for d in spec.shape[1:])
+            specs.append(InputSpec(spec.name, spec.dtype, sample))
+        if not specs:
+            raise ValueError("the manifest lists no tensor inputs")
+        return cls(specs, list(manifest.outputs), manifest.preprocess, list(manifest.labels), max_request_batch,
+                   max_body_bytes)
+
+    # ------------------------------------------------------------------------------------------- decoding
+
+    def decode(self, body: bytes, content_type: str, query: Mapping[str, str] = {}) -> Decoded:
+        """The request's inputs, checked against the contract; raises :class:`BadRequest`."""
+        if len(body) > self.max_body_bytes:
+            raise BadRequest(413, f"body of {len(body)} bytes exceeds the limit of {self.max_body_bytes} bytes "
+                                  "(--max-body-mb)")
+        if not body:
+            raise BadRequest(400, "empty body: send JSON {\"inputs\": [...]}, an .npy/.npz array or an image")
+        media = content_type.split(";")[0].strip().lower()
+        top_k = _top_k(query.get("top_k"), "query parameter top_k")
+        if media == JSON_TYPE:
+            return self._from_json(body)
+        if media in (NPY_TYPE, NPZ_TYPE):
+            arrays = self._from_numpy(body, media)
+            return self._checked(arrays, top_k)
+        if media in IMAGE_TYPES:
+            return self._from_image(body, media, top_k)
+        raise BadRequest(415, f"content type {content_type or '(none)'!r} is not accepted; send "
+                              f"{', '.join(self.content_types)}")
+
+    @property
+    def content_types(self) -> List[str]:
+        return [JSON_TYPE, NPY_TYPE, NPZ_TYPE] + (list(IMAGE_TYPES) if self.image_size is not None else [])
+
+    @property
+    def image_size(self) -> Optional[Tuple[int, int, int]]:
+        """(height, width, channels) of the image an image request must be, when the export takes raw pixels."""
+        if self.preprocess is None or len(self.inputs) != 1 or self.inputs[0].dtype != "uint8":
+            return None
+        dims = self.inputs[0].sample_shape
+        if len(dims) != 3:
+            return None
+        c, h, w = dims if self.preprocess.layout == "NCHW" else (dims[2], dims[0], dims[1])
+        if c not in (1, 3) or h is None or w is None:
+            return None
+        return h, w, c
+
+    def _from_json(self, body: bytes) -> Decoded:
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequest(400, f"malformed JSON: {exc}") from None
+        if not isinstance(data, dict) or "inputs" not in data:
+            got = "an object without 'inputs'" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+            raise BadRequest(422, f"expected a JSON object {{\"inputs\": [...]}}, got {got}")
+        given = data["inputs"]
+        names = [s.name for s in self.inputs]
+        if isinstance(given, dict):
+            unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
+            if unknown or missing:
+                raise BadRequest(422, f"inputs: expected the keys {names}; "
+                                      + "; ".join(p for p in (f"unknown {unknown}" if unknown else "",
+                                                               f"missing {missing}" if missing else "") if p))
+            values = [given[n] for n in names]
+        elif isinstance(given, list):
+            if len(given) != len(names):
+                raise BadRequest(422, f"inputs: expected {len(names)} array(s), one per model input {names}, got "
+                                      f"{len(given)} (a single-input model takes {{\"inputs\": [array]}})")
+            values = given
+        else:
+            raise BadRequest(422, f"inputs: expected a list (one array per input) or an object keyed by input "
+                                  f"name, got a JSON {type(given).__name__}")
+        arrays = [self._json_array(spec, value) for spec, value in zip(self.inputs, values)]
+        return self._checked(arrays, _top_k(data.get("top_k"), "top_k"))
+
+    def _json_array(self, spec: InputSpec, value: Any) -> np.ndarray:
+        where = f"input {spec.name!r}"
+        if not isinstance(value, list):
+            raise BadRequest(422, f"{where}: expected a nested list of shape {spec.shape_text}, got a JSON "
+                                  f"{type(value).__name__}")
+        try:
+            raw = np.asarray(value)
+        except ValueError as exc:
+            raise BadRequest(422, f"{where}: ragged nested list ({exc}); expected shape {spec.shape_text}") from None
+        if raw.dtype.kind not in "biuf":
+            raise BadRequest(422, f"{where}: expected numbers ({spec.dtype}), got {_json_kind(raw)}")
+        want = _NUMPY_DTYPES[spec.dtype]
+        if want.kind in "biu":
+            if raw.dtype.kind == "f":
+                bad = raw[~np.isfinite(raw) | (raw != np.round(raw))] if raw.size else raw
+                if bad.size:
+                    raise BadRequest(422, f"{where}: expected {spec.dtype} integers, got {bad.flat[0]!r}")
+            if want.kind != "b":
+                info = np.iinfo(want)
+                if raw.size and (raw.min() < info.min or raw.max() > info.max):
+                    raise BadRequest(422, f"{where}: values {raw.min()}..{raw.max()} do not fit {spec.dtype} "
+                                          f"({info.min}..{info.max})")
+        return raw.astype(want, copy=False)
+
+    def _from_numpy(self, body: bytes, media: str) -> List[np.ndarray]:
+        try:
+            if media == NPY_TYPE:
+                if len(self.inputs) != 1:
+                    raise BadRequest(422, f"the model takes {len(self.inputs)} inputs "
+                                          f"{[s.name for s in self.inputs]}: send them as {NPZ_TYPE}")
+                arrays = [np.load(io.BytesIO(body), allow_pickle=False)]
+            else:
+                with np.load(io.BytesIO(body), allow_pickle=False) as npz:
+                    keys = list(npz.keys())
+                    names = [s.name for s in self.inputs]
+                    order = names if set(names) <= set(keys) else [f"arr_{i}" for i in range(len(names))]
+                    if not set(order) <= set(keys) or len(keys) != len(names):
+                        raise BadRequest(422, f"npz: expected the arrays {names} (or arr_0..arr_{len(names) - 1}), "
+                                              f"got {keys}")
+                    arrays = [npz[k] for k in order]
+        except BadRequest:
+            raise
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise BadRequest(400, f"malformed {media} body: {exc}") from None
+        for spec, array in zip(self.inputs, arrays):
+            if not isinstance(array, np.ndarray) or array.dtype != _NUMPY_DTYPES[spec.dtype]:
+                got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+                raise BadRequest(422, f"input {spec.name!r}: expected dtype {spec.dtype}, got {got}")
+        return arrays
+
+    def _from_image(self, body: bytes, media: str, top_k: Optional[int]) -> Decoded:
+        size = self.image_size
+        if size is None:
+            raise BadRequest(415, f"{media}: this export has no image contract (export an image classifier with "
+                                  "export.preprocess and a uint8 input to send images); send "
+                                  f"{', '.join(self.content_types)}")
+        height, width, channels = size
+        try:
+            from PIL import Image
+        except ImportError:  # the serve extra installs pillow; a bare install refuses images clearly
+            raise BadRequest(415, f"{media}: this server cannot decode images (pip install pillow)") from None
+        try:
+            with Image.open(io.BytesIO(body)) as image:
+                if (image.width, image.height) != (width, height):
+                    raise BadRequest(422, f"image is {image.width}x{image.height} (width x height); the model "
+                                          f"takes {width}x{height}")
+                pixels = np.asarray(image.convert("RGB" if channels == 3 else "L"), dtype=np.uint8)
+        except BadRequest:
+            raise
+        except Exception as exc:  # noqa: BLE001 - PIL raises many types for a damaged file
+            raise BadRequest(400, f"{media}: not a readable image: {type(exc).__name__}: {exc}") from None
+        hwc = pixels.reshape(height, width, channels)
+        assert self.preprocess is not None  # image_size is set only with a preprocess
+        if channels == 3 and self.preprocess.channel_order == "BGR":
+            hwc = hwc[:, :, ::-1]
+        sample = hwc if self.preprocess.layout == "NHWC" else hwc.transpose(2, 0, 1)
+        return Decoded([np.ascontiguousarray(sample)[None]], single=True, top_k=top_k)
+
+    def _checked(self, arrays: List[np.ndarray], top_k: Optional[int]) -> Decoded:
+        """Rank, shape, batch size and finiteness of each array; one sample gets its batch axis."""
+        single = None
+        for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
+            rank = len(spec.sample_shape) + 1
+            if array.ndim not in (rank, rank - 1):
+                raise BadRequest(422, f"input {spec.name!r}: expected rank {rank} {spec.shape_text} (or rank "
+                                      f"{rank - 1} for one sample), got rank {array.ndim} {list(array.shape)}")
+            is_single = array.ndim == rank - 1
+            if single is not None and is_single != single:
+                raise BadRequest(422, "inputs: send every input batched or every input as one sample, not both")
+            single = is_single
+            batched = array[None] if is_single else array
+            if any(want is not None and want != got for want, got in zip(spec.sample_shape, batched.shape[1:])):
+                raise BadRequest(422, f"input {spec.name!r}: expected shape {spec.shape_text}, got "
+                                      f"{list(array.shape)}")
+            if spec.finite_only and batched.size and not np.isfinite(batched).all():
+                count = int((~np.isfinite(batched)).sum())
+                raise BadRequest(422, f"input {spec.name!r}: {count} NaN or infinite value(s); the model takes "
+                                      f"finite {spec.dtype}")
+            arrays[i] = batched
+        sizes = {int(a.shape[0]) for a in arrays}
+        if len(sizes) != 1:
+            raise BadRequest(422, f"inputs: batch sizes differ across inputs: {sorted(sizes)}")
+        size = sizes.pop()
+        if size < 1:
+            raise BadRequest(422, "inputs: batch of 0 samples")
+        if size > self.max_request_batch:
+            raise BadRequest(413, f"batch of {size} samples exceeds the limit of {self.max_request_batch} per "
+                                  "request (--max-request-batch)")
+        return Decoded(arrays, bool(single), top_k)
+
+    # ------------------------------------------------------------------------------------------- describing
+
+    def to_dict(self) -> Dict[str, object]:
+        """The contract as ``/info`` shows it."""
+        out: Dict[str, object] = {
+            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": ["batch", *s.sample_shape]} for s in self.inputs],
+            "outputs": [o.to_dict() for o in self.outputs],
+            "content_types": self.content_types,
+            "max_request_batch": self.max_request_batch,
+            "max_body_bytes": self.max_body_bytes,
+        }
+        if self.preprocess is not None:
+            out["preprocess"] = {k: v for k, v in vars(self.preprocess).items()}
+        if self.image_size is not None:
+            out["image"] = dict(zip(("height", "width", "channels"), self.image_size))
+        if self.labels:
+            out["labels"] = len(self.labels)
+        return out
+
+
+def top_k_labels(scores: np.ndarray, labels: Sequence[str], k: int) -> List[List[Dict[str, Union[int, str, float]]]]:
+    """Per row of class scores: the ``k`` best classes with their label and softmax probability."""
+    shifted = scores.astype(np.float64) - scores.max(axis=1, keepdims=True)
+    probs = np.exp(shifted)
+    probs /= probs.sum(axis=1, keepdims=True)
+    best = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    return [[{"index": int(i), "label": labels[int(i)], "probability": float(row[i])} for i in idx]
+            for idx, row in zip(best, probs)]
+
+
+def _top_k(value: Any, key: str) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        k = int(value)
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()) or k < 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise BadRequest(422, f"{key}: expected a non-negative integer, got {value!r}") from None
+    return k
+
+
+def _json_kind(raw: np.ndarray) -> str:
+    if raw.dtype.kind in "US":
+        return "strings"
+    return "null or mixed values" if raw.dtype == object else f"{raw.dtype}"
