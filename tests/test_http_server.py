@@ -1,0 +1,301 @@
+"""``fx-lightning serve``: a fresh server process (clean environment, outside the repository, so it cannot see the
+training code) answers with the artifact's outputs, keeps each request's rows apart under concurrent batched load,
+refuses each bad request with a 4xx naming the problem and keeps serving, and reports 503 on ``/health`` for an
+artifact that fails its sha256."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from export_helpers import clean_env, free_port
+from fusion_helpers import reference_fp64, rel_err
+from fx_lightning import FuseConfig, fuse_and_export, load_fused
+from fx_lightning.config.schema import ExportFormat
+from fx_lightning.export.writer import read_check_file
+
+pytest.importorskip("litserve")
+
+STARTUP_S = 120.0
+
+
+class TwoHeads(nn.Module):
+    """conv-BN-ReLU, pooling, two outputs (class scores and an embedding): the response keeps both, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        features = F.adaptive_avg_pool2d(F.relu(self.bn(self.conv(x))), 1).flatten(1)
+        return self.fc(features), features
+
+
+def _export(model: nn.Module, directory: Path, formats: List[ExportFormat]) -> Path:
+    cfg = FuseConfig()
+    cfg.export.formats = formats
+    g = torch.Generator().manual_seed(0)
+    fuse_and_export(model, directory, batches=[torch.randn(6, 3, 12, 12, generator=g) for _ in range(2)], config=cfg)
+    return directory
+
+
+@contextlib.contextmanager
+def running_server(directory: Path, cwd: Path, *flags: str, wait_ready: bool = True) -> Iterator[str]:
+    """``python -I -m fx_lightning serve directory`` on a free port, in ``cwd``; yields its base URL."""
+    port = free_port()
+    log = open(cwd / f"server-{port}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-I", "-m", "fx_lightning", "serve", str(directory), "--port", str(port),
+                             *flags], cwd=cwd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert proc.poll() is None, f"server exited ({proc.returncode}):\n{(cwd / log.name).read_text()}"
+            status, _ = get(f"{url}/health")
+            if status == 200 or (status == 503 and not wait_ready):
+                break
+            assert time.monotonic() < deadline, f"no answer within {STARTUP_S} s:\n{Path(log.name).read_text()}"
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def get(url: str) -> Tuple[Optional[int], bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None, b""
+
+
+def post(url: str, body: bytes, content_type: Optional[str], accept: Optional[str] = None) -> Tuple[int, bytes]:
+    headers = {k: v for k, v in (("Content-Type", content_type), ("Accept", accept)) if v}
+    request = urllib.request.Request(f"{url}/predict", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def as_json(x: np.ndarray) -> bytes:
+    return json.dumps({"inputs": [x.tolist()]}).encode()
+
+
+def as_npy(x: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Any]]:
+    """A two-output model exported as pt2 and ONNX, served with batching and a 1 MiB body limit."""
+    tmp = tmp_path_factory.mktemp("served")
+    torch.manual_seed(0)
+    model = TwoHeads().eval()
+    directory = _export(model, tmp / "export", [ExportFormat.pt2, ExportFormat.onnx])
+    with running_server(directory, tmp, "--max-batch-size", "4", "--batch-timeout", "0.01", "--max-body-mb", "1",
+                        "--max-request-batch", "16") as url:
+        yield {"url": url, "model": model, "dir": directory}
+
+
+def _outputs(body: bytes) -> List[torch.Tensor]:
+    data = json.loads(body)
+    return [torch.tensor(o) for o in data["outputs"]]
+
+
+def test_fresh_server_answers_like_the_artifact_on_check_inputs(served: Dict[str, Any]) -> None:
+    saved = read_check_file(served["dir"])
+    assert saved is not None
+    x = saved.inputs[0]
+    artifact = load_fused(served["dir"])
+    with torch.no_grad():
+        local = [t for t in artifact(x)]
+    expected = saved.expected  # fp64 outputs saved at export
+    reference = reference_fp64(served["model"], x)
+    for body, content_type in ((as_json(x.numpy()), "application/json"), (as_npy(x.numpy()), "application/x-npy")):
+        status, answer = post(served["url"], body, content_type)
+        assert status == 200, answer
+        data = json.loads(answer)
+        assert data["output_names"] == ["output_0", "output_1"]
+        got = _outputs(answer)
+        assert [tuple(t.shape) for t in got] == [(x.shape[0], 5), (x.shape[0], 8)]
+        for out, mine, want, ref in zip(got, local, expected, reference):
+            assert rel_err(out, mine) < 1e-6  # the server runs the artifact itself
+            assert rel_err(out, want) < 1e-5  # within the export's tolerance of the saved fp64 outputs
+            assert rel_err(out, ref) < 1e-5  # and of the original model in fp64
+    # One sample without its batch axis comes back without one.
+    status, answer = post(served["url"], as_json(x[0].numpy()), "application/json")
+    assert status == 200
+    got = _outputs(answer)
+    assert [tuple(t.shape) for t in got] == [(5,), (8,)]
+    assert rel_err(got[0], reference[0][0]) < 1e-5
+
+
+def test_npz_answer_on_request(served: Dict[str, Any]) -> None:
+    x = torch.randn(3, 3, 12, 12)
+    status, answer = post(served["url"], as_npy(x.numpy()), "application/x-npy", accept="application/x-npz")
+    assert status == 200
+    with np.load(io.BytesIO(answer), allow_pickle=False) as npz:
+        assert sorted(npz.keys()) == ["output_0", "output_1"]
+        scores = torch.from_numpy(npz["output_0"])
+    assert scores.dtype == torch.float32
+    assert rel_err(scores, reference_fp64(served["model"], x)[0]) < 1e-5
+
+
+def test_200_concurrent_requests_are_answered_each_with_its_own_rows(served: Dict[str, Any]) -> None:
+    """200 requests at concurrency 8 of different batch sizes, batched by the server: no error, and each answer
+    is that request's own rows (a batching bug would hand one request's rows to another)."""
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(1 + i % 3, 3, 12, 12, generator=g) for i in range(200)]
+    reference = [reference_fp64(served["model"], x)[0] for x in inputs]
+
+    def one(i: int) -> Tuple[int, float]:
+        body, content_type = ((as_json(inputs[i].numpy()), "application/json") if i % 2 else
+                              (as_npy(inputs[i].numpy()), "application/x-npy"))
+        status, answer = post(served["url"], body, content_type)
+        return status, rel_err(_outputs(answer)[0], reference[i]) if status == 200 else float("inf")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(one, range(200)))
+    errors = [(i, s) for i, (s, _) in enumerate(results) if s != 200]
+    assert errors == []
+    assert max(e for _, e in results) < 1e-5
+
+
+def _nan_json() -> bytes:
+    x = np.zeros((1, 3, 12, 12), dtype=np.float32).tolist()
+    x[0][1][2][3] = float("nan")
+    return json.dumps({"inputs": [x]}).encode()  # Python writes NaN, which JSON parsers accept
+
+
+def _png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+GOOD = np.random.default_rng(0).standard_normal((2, 3, 12, 12)).astype(np.float32)
+
+# (name, body, content type, expected status, words the message must hold)
+BAD_REQUESTS = [
+    ("wrong shape", as_json(GOOD[:, :, :10]), "application/json", 422, ["expected shape [batch, 3, 12, 12]",
+                                                                       "[2, 3, 10, 12]"]),
+    ("wrong rank", as_json(GOOD[0, 0]), "application/json", 422, ["expected rank 4", "got rank 2"]),
+    ("wrong dtype", as_npy(GOOD.astype(np.float64)), "application/x-npy", 422, ["expected dtype float32",
+                                                                               "float64"]),
+    ("strings", json.dumps({"inputs": [[["a"]]]}).encode(), "application/json", 422, ["expected numbers"]),
+    ("ragged list", json.dumps({"inputs": [[[1.0], [1.0, 2.0]]]}).encode(), "application/json", 422, ["ragged"]),
+    ("no inputs key", b'{"x": 1}', "application/json", 422, ["inputs"]),
+    ("two arrays for one input", json.dumps({"inputs": [GOOD.tolist(), GOOD.tolist()]}).encode(),
+     "application/json", 422, ["expected 1 array", "got 2"]),
+    ("unknown input name", json.dumps({"inputs": {"pixels": GOOD.tolist()}}).encode(), "application/json", 422,
+     ["unknown ['pixels']"]),
+    ("empty body", b"", "application/json", 400, ["empty body"]),
+    ("NaN", _nan_json(), "application/json", 422, ["NaN", "finite float32"]),
+    ("oversized payload", b"[" + b"0," * (600 << 10) + b"0]", "application/json", 413, ["exceeds the limit"]),
+    ("too many samples", as_npy(np.zeros((17, 3, 12, 12), np.float32)), "application/x-npy", 413,
+     ["17 samples", "limit of 16"]),
+    ("malformed JSON", b'{"inputs": [[1, 2', "application/json", 400, ["malformed JSON"]),
+    ("malformed npy", b"\x93NUMPY garbage", "application/x-npy", 400, ["malformed application/x-npy"]),
+    ("wrong content type", b"hello", "text/plain", 415, ["'text/plain'", "application/json"]),
+    ("no content type", as_json(GOOD), None, 415, ["application/json"]),
+    ("image without an image contract", _png(12, 12), "image/png", 415, ["no image contract"]),
+    ("negative top_k", json.dumps({"inputs": [GOOD.tolist()], "top_k": -1}).encode(), "application/json", 422,
+     ["top_k"]),
+]
+
+
+@pytest.mark.parametrize("name,body,content_type,status,words", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(
+        served: Dict[str, Any], name: str, body: bytes, content_type: Optional[str], status: int,
+        words: List[str]) -> None:
+    got, answer = post(served["url"], body, content_type)
+    assert got == status, answer
+    message = json.loads(answer)["error"]
+    for word in words:
+        assert word in message, message
+    good, answer = post(served["url"], as_npy(GOOD), "application/x-npy")
+    assert good == 200, answer
+    assert rel_err(_outputs(answer)[0], reference_fp64(served["model"], torch.from_numpy(GOOD))[0]) < 1e-5
+
+
+def test_info_shows_the_contract_and_the_artifact(served: Dict[str, Any]) -> None:
+    status, body = get(f"{served['url']}/info")
+    assert status == 200
+    model = json.loads(body)["model"]
+    assert model["artifact"]["name"] == "pt2"
+    assert model["contract"]["inputs"] == [{"name": model["contract"]["inputs"][0]["name"], "dtype": "float32",
+                                            "shape": ["batch", 3, 12, 12]}]
+    assert [o["name"] for o in model["contract"]["outputs"]] == ["output_0", "output_1"]
+    assert model["parity"]["passed"] is True
+    assert model["versions"]["torch"] == torch.__version__
+    status, body = get(f"{served['url']}/health")
+    assert status == 200 and json.loads(body)["workers"][0]["relative_error"] < 1e-5
+
+
+def test_health_is_503_with_the_reason_for_a_corrupted_artifact(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    directory = _export(TwoHeads().eval(), tmp_path / "export", [ExportFormat.pt2])
+    artifact = directory / "model.pt2"
+    data = bytearray(artifact.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    artifact.write_bytes(bytes(data))
+    with running_server(directory, tmp_path, wait_ready=False) as url:
+        deadline = time.monotonic() + STARTUP_S
+        while True:  # 503 while loading, then 503 with the sha256 failure
+            status, body = get(f"{url}/health")
+            assert status == 503, body
+            reason = json.loads(body).get("reason", "")
+            if "sha256" in reason or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert "model.pt2" in reason and "sha256" in reason, reason
+        status, answer = post(url, as_npy(GOOD), "application/x-npy")
+        assert status == 503 and "sha256" in json.loads(answer)["error"]
+
+
+def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path) -> None:
+    from fx_lightning import ConfigError, ExportError
+    from fx_lightning.serve.server import ServeOptions, build_server
+
+    with pytest.raises(ConfigError, match="max_batch_size: 0; allowed: an integer >= 1"):
+        build_server(tmp_path, ServeOptions(max_batch_size=0))
+    with pytest.raises(ExportError, match="no such export directory"):
+        build_server(tmp_path / "missing")
+    torch.manual_seed(0)
+    directory = _export(TwoHeads().eval(), tmp_path / "export", [ExportFormat.pt2])
+    with pytest.raises(ExportError, match="format 'onnx' was not exported"):
+        build_server(directory, ServeOptions(format="onnx"))
+    shutil.rmtree(directory)
