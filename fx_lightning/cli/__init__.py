@@ -4,6 +4,7 @@
                      [--input-shape 1,3,32,32] [--output DIR] [dotted.key=value ...]
     fx-lightning inspect DIR [--json]
     fx-lightning bench DIR [--format pt2 ...] [--batch-size 8] [--iters 50]
+    fx-lightning triton DIR OUT [--name N] [--format onnx ...] [--max-batch-size 8] [--instances 1]
 
 ``fuse`` runs the same pipeline as :class:`~fx_lightning.FXFuseCallback` (fuse -> parity -> export), with
 the same config schema; overrides use OmegaConf's dotlist syntax (``parity.rtol=1e-3``,
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fx-lightning",
         description="Fuse (fold BatchNorms), verify and export PyTorch Lightning models with torch.fx.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fuse,inspect,bench,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fuse,inspect,bench,serve,triton}")
 
     fuse = sub.add_parser(
         "fuse", help="fuse a Lightning checkpoint, check parity and export it",
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fx_lightning.cli import serve_cmd
 
     serve_cmd.add_parser(sub)
+    from fx_lightning.cli import triton_cmd
+
+    triton_cmd.add_parser(sub)
     return parser
 
 
@@ -116,6 +120,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from fx_lightning.cli import serve_cmd
 
             return serve_cmd.run(args, console)
+        if args.command == "triton":
+            from fx_lightning.cli import triton_cmd
+
+            return triton_cmd.run(args, console)
         return bench_cmd.run(args, console)
     except FXLightningError as exc:
         print_error(console, f"{type(exc).__name__}: {exc}")

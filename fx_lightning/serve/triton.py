@@ -1,0 +1,753 @@
+"""``fx-lightning triton DIR OUT``: a Triton Inference Server model repository from an fx-lightning export.
+
+Each artifact Triton can serve becomes one model, ``OUT/<name>_<entry>/``, with a ``config.pbtxt`` and the
+artifact's files, copied byte for byte, in version ``1/``:
+
+- ``onnx`` and its lossy variants (``onnx-int8``): the ONNX Runtime backend, ``1/model.onnx``;
+- ``openvino`` and its variants (``openvino-int8``, ``openvino-bf16``): the OpenVINO backend, ``1/model.xml`` +
+  ``1/model.bin`` (``openvino-bf16`` is the fp32 IR with the backend's ``HINT_BF16``).
+
+AOTInductor (``aoti``, ``*.pt2``) is not written: Triton's PyTorch backend loads such packages only as
+``platform: "torch_aoti"``, a beta of Triton 26.03 and later that serves batch size 1 only, and a package runs
+only under the torch version and CPU instruction set it was built with, which the server's libtorch need not be.
+``pt2`` (a torch.export program), ``graph_module`` (a pickle, not TorchScript) and ``code`` (Python source) are
+not files any Triton backend loads. Each is listed in :attr:`TritonRepository.skipped` with its reason.
+
+The config is read off the artifact itself (``onnx.load``, ``openvino.Core().read_model``), not copied from the
+manifest, and checked against the manifest before anything is written, so a config that names a tensor the model
+does not have, or the wrong type, is refused here rather than by the server at load time. Every file is checked
+against the manifest's sha256 first (:func:`~fx_lightning.export.manifest.verify_files`) and again once copied.
+The config is written as protobuf text by hand: writing needs neither tritonclient nor protobuf.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from fx_lightning.errors import ConfigError, ExportError
+from fx_lightning.export.base import FormatEntry
+from fx_lightning.export.manifest import Manifest, TensorSpec, read_manifest, sha256_file, verify_files
+
+__all__ = [
+    "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MAX_QUEUE_DELAY_US",
+    "VERSION",
+    "TORCH_TO_TRITON",
+    "TritonOptions",
+    "TritonTensor",
+    "TritonModel",
+    "SkippedArtifact",
+    "TritonRepository",
+    "write_triton_repository",
+    "plan_repository",
+    "config_text",
+    "readme_text",
+    "triton_dtype",
+    "onnx_tensors",
+    "openvino_tensors",
+    "describe",
+]
+
+log = logging.getLogger(__name__)
+
+# Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
+# batches beyond a few samples add latency and little throughput, and OpenVINO's backend runs every batch padded
+# to max_batch_size (see _openvino_parameters).
+DEFAULT_MAX_BATCH_SIZE = 8
+# How long Triton's dynamic batcher holds a request for others to join it: 0.1 ms, against CPU runs of milliseconds.
+DEFAULT_MAX_QUEUE_DELAY_US = 100
+VERSION = "1"  # the model version directory every model's files go in
+
+# The torch dtype names a manifest records -> Triton's data types (model_config.proto's DataType).
+TORCH_TO_TRITON: Dict[str, str] = {
+    "float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float64": "TYPE_FP64",
+    "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32", "int64": "TYPE_INT64",
+    "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32", "uint64": "TYPE_UINT64", "bool": "TYPE_BOOL",
+}
+# ONNX element types (TensorProto.DataType names) -> Triton's; the ONNX Runtime backend's own table.
+_ONNX_TO_TRITON: Dict[str, str] = {
+    "FLOAT": "TYPE_FP32", "FLOAT16": "TYPE_FP16", "BFLOAT16": "TYPE_BF16", "DOUBLE": "TYPE_FP64",
+    "UINT8": "TYPE_UINT8", "INT8": "TYPE_INT8", "UINT16": "TYPE_UINT16", "INT16": "TYPE_INT16",
+    "UINT32": "TYPE_UINT32", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "INT64": "TYPE_INT64",
+    "BOOL": "TYPE_BOOL", "STRING": "TYPE_STRING",
+}
+# OpenVINO element types -> Triton's: the OpenVINO backend's table, which has no bf16 and no f64.
+_OPENVINO_TO_TRITON: Dict[str, str] = {
+    "f32": "TYPE_FP32", "f16": "TYPE_FP16", "u8": "TYPE_UINT8", "i8": "TYPE_INT8", "u16": "TYPE_UINT16",
+    "i16": "TYPE_INT16", "u32": "TYPE_UINT32", "i32": "TYPE_INT32", "u64": "TYPE_UINT64", "i64": "TYPE_INT64",
+    "boolean": "TYPE_BOOL",
+}
+
+# Why the formats Triton cannot serve from an fx-lightning export are not written.
+_NOT_SERVED: Dict[str, str] = {
+    "aoti": "AOTInductor packages load only in Triton's PyTorch backend as platform \"torch_aoti\", a beta "
+            "(Triton 26.03 and later) that serves batch size 1 only, and a package runs only under the torch version "
+            "and CPU instruction set it was built with, which the server's libtorch need not match; serve the onnx or "
+            "openvino artifact instead",
+    "pt2": "a torch.export program (.pt2) is not a file Triton's PyTorch backend loads (it takes TorchScript model.pt "
+           "or, in beta, AOTInductor packages)",
+    "graph_module": "a pickled GraphModule is not TorchScript, which is what Triton's PyTorch backend loads, and "
+                    "it holds pickled code",
+    "code": "Python source needs Triton's Python backend and a model.py written for it",
+}
+
+
+@dataclass
+class TritonOptions:
+    """What to write (``formats``, ``name``) and how Triton is to run it; checked in one place by :meth:`check`."""
+
+    name: Optional[str] = None  # None: the export directory's name
+    formats: Optional[List[str]] = None  # manifest entries; None: every one Triton can serve
+    max_batch_size: Optional[int] = None  # None: DEFAULT_MAX_BATCH_SIZE for a dynamic batch, 0 for a fixed one
+    instances: int = 1
+    dynamic_batching: bool = True
+    preferred_batch_sizes: Optional[List[int]] = None  # None: Triton's default (the largest batch it can form)
+    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US
+    overwrite: bool = False  # replace a model directory of the same name in OUT
+
+    def check(self) -> None:
+        """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
+        if self.name is not None and not _NAME.match(self.name):
+            raise ConfigError(f"triton name: {self.name!r}; allowed: letters, digits, '_', '-' and '.', not starting "
+                              "with '.' or '-' (it names the model directories).")
+        _check_int("max_batch_size", self.max_batch_size, 0, optional=True)
+        _check_int("instances", self.instances, 1)
+        _check_int("max_queue_delay_us", self.max_queue_delay_us, 0)
+        for size in self.preferred_batch_sizes or []:
+            _check_int("preferred_batch_sizes", size, 1)
+        if self.preferred_batch_sizes and self.max_batch_size is not None and \
+                max(self.preferred_batch_sizes) > self.max_batch_size:
+            raise ConfigError(f"triton preferred_batch_sizes: {list(self.preferred_batch_sizes)}; allowed: sizes from "
+                              f"1 to max_batch_size ({self.max_batch_size}).")
+        if self.formats is not None and not self.formats:
+            raise ConfigError("triton formats: []; allowed: manifest entries such as onnx or openvino, or None for "
+                              "every one Triton can serve.")
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def _check_int(key: str, value: object, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"triton {key}: {value!r}; allowed: an integer >= {minimum}"
+                          + (" or None" if optional else "") + ".")
+
+
+@dataclass(frozen=True)
+class TritonTensor:
+    """One input or output as the config states it. ``dims`` excludes the batch axis when the model batches
+    (-1: any size); ``reshape`` is the shape the model itself sees when that differs (a tensor with no axis but
+    the batch one is stated as ``dims: [1]``, reshaped to ``[]``, since Triton wants at least one dim).
+    ``manifest_name`` is the export's name for it where the artifact names it differently (OpenVINO names its
+    outputs after the operation that computed them)."""
+
+    name: str
+    data_type: str
+    dims: Tuple[int, ...]
+    reshape: Optional[Tuple[int, ...]] = None
+    manifest_name: Optional[str] = None
+    label_filename: Optional[str] = None
+
+
+@dataclass
+class TritonModel:
+    """One model of the repository: where it is, what it serves and how Triton is to run it."""
+
+    name: str
+    entry: str  # the manifest's format entry (onnx, onnx-int8, openvino...)
+    backend: str  # onnxruntime | openvino
+    directory: Path
+    files: List[str]  # under directory/VERSION
+    max_batch_size: int
+    inputs: List[TritonTensor]
+    outputs: List[TritonTensor]
+    instances: int = 1
+    dynamic_batching: bool = False
+    preferred_batch_sizes: List[int] = field(default_factory=list)
+    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US
+    parameters: Dict[str, str] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)  # decisions a user should know (no batching, padding, precision)
+    labels: List[str] = field(default_factory=list)  # written to labels.txt, named by the first output
+
+
+@dataclass(frozen=True)
+class SkippedArtifact:
+    """An entry of the export that was not written, and why."""
+
+    entry: str
+    reason: str
+
+
+@dataclass
+class TritonRepository:
+    """What :func:`write_triton_repository` wrote."""
+
+    root: Path
+    models: List[TritonModel]
+    skipped: List[SkippedArtifact] = field(default_factory=list)
+    readme: Optional[Path] = None
+
+    @property
+    def directories(self) -> List[Path]:
+        return [m.directory for m in self.models]
+
+
+@dataclass(frozen=True)
+class ArtifactTensor:
+    """A tensor as the artifact declares it: Triton's data type and each axis's size (None: dynamic)."""
+
+    name: str
+    data_type: str
+    shape: Tuple[Optional[int], ...]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A Triton backend fx-lightning writes for: its name, how its artifact's tensors are read, which files go
+    in the version directory, and the folder of the export those files are relative to."""
+
+    name: str
+    read: Callable[[Path], Tuple[List[ArtifactTensor], List[ArtifactTensor]]]
+    model_file: str  # the file ``read`` takes, relative to the artifact's folder
+    folder_is_path: bool  # True: the entry's path is the folder (openvino/); False: it is the file (model.onnx)
+
+
+class NotServable(Exception):
+    """An entry this backend cannot serve (a data type it lacks): skipped, or refused when asked for by name."""
+
+
+def write_triton_repository(
+    export_dir: Any,
+    out_dir: Any,
+    *,
+    name: Optional[str] = None,
+    formats: Optional[Sequence[str]] = None,
+    max_batch_size: Optional[int] = None,
+    instances: int = 1,
+    dynamic_batching: bool = True,
+    preferred_batch_sizes: Optional[Sequence[int]] = None,
+    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US,
+    overwrite: bool = False,
+) -> TritonRepository:
+    """Write a Triton model repository in ``out_dir`` from the export in ``export_dir``; returns what was written.
+
+    ``formats``: the manifest entries to write (default: every one Triton can serve). ``max_batch_size``: for
+    dynamic-batch artifacts (default 8; 0: Triton does not batch, dims are full shapes); an artifact built for
+    fixed batch sizes gets 0 (a value > 0 is refused). ``instances``: CPU instances of each model.
+    ``dynamic_batching``, ``preferred_batch_sizes``, ``max_queue_delay_us``: Triton's dynamic batcher, written
+    only for a model that batches. ``overwrite``: replace model directories of the same names.
+
+    Raises :class:`ConfigError` for a bad option (naming it, the value and what is allowed) and
+    :class:`ExportError` when the export is not one Triton can serve or a file does not match the manifest
+    (nothing is written then)."""
+    options = TritonOptions(name, list(formats) if formats is not None else None, max_batch_size, instances,
+                            dynamic_batching, list(preferred_batch_sizes) if preferred_batch_sizes else None,
+                            max_queue_delay_us, overwrite)
+    options.check()
+    root, out = Path(export_dir), Path(out_dir)
+    manifest = read_manifest(root)
+    models, skipped = plan_repository(root, manifest, out, options)
+    out.mkdir(parents=True, exist_ok=True)
+    _refuse_existing(models, options.overwrite)
+    for model in models:
+        _write_model(root, manifest, model)
+        log.info("triton: wrote %s (%s backend, max_batch_size %d)", model.directory, model.backend,
+                 model.max_batch_size)
+    for skip in skipped:
+        log.info("triton: %s not written: %s", skip.entry, skip.reason)
+    readme = out / "README.md"
+    readme.write_text(readme_text(models, skipped, manifest), encoding="utf-8")
+    return TritonRepository(out, models, skipped, readme)
+
+
+def plan_repository(root: Path, manifest: Manifest, out: Path,
+                    options: TritonOptions) -> Tuple[List[TritonModel], List[SkippedArtifact]]:
+    """The models to write and the entries left out, decided from the verified artifacts; writes nothing."""
+    chosen, skipped = _choose_entries(manifest, options.formats)
+    base = options.name or _default_name(root)
+    models = []
+    for entry_name in chosen:
+        entry = manifest.formats[entry_name]
+        verify_files(root, manifest, entry_name)  # before the artifact is read, let alone copied
+        try:
+            models.append(_plan_model(root, manifest, entry_name, entry, out / f"{base}_{entry_name}", options))
+        except NotServable as exc:
+            if options.formats is not None:
+                raise ConfigError(f"triton formats: {entry_name!r} cannot be served by Triton: {exc}; allowed: "
+                                  f"{', '.join(_servable(manifest)) or 'none in this export'}.") from None
+            skipped.append(SkippedArtifact(entry_name, str(exc)))
+    if not models:
+        raise ExportError(
+            f"{root}: nothing Triton can serve: "
+            + "; ".join(f"{s.entry}: {s.reason}" for s in skipped)
+            + ". Export with export.formats including onnx or openvino (e.g. export.formats=[pt2,onnx,openvino])."
+        )
+    return models, skipped
+
+
+def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]]) -> Tuple[List[str], List[SkippedArtifact]]:
+    """The entries to write (in manifest order) and those skipped with the reason; a named entry that is not in
+    the export, or not servable, is refused."""
+    servable = _servable(manifest)
+    if wanted is not None:
+        for name in wanted:
+            if name not in manifest.formats:
+                raise ConfigError(f"triton formats: {name!r} is not in this export (it has "
+                                  f"{', '.join(manifest.formats)}); allowed: {', '.join(servable) or 'none'}.")
+            if name not in servable:
+                raise ConfigError(f"triton formats: {name!r} cannot be served by Triton: {_skip_reason(manifest, name)}"
+                                  f"; allowed: {', '.join(servable) or 'none in this export'}.")
+        return [n for n in manifest.formats if n in wanted], []
+    return servable, [SkippedArtifact(n, _skip_reason(manifest, n)) for n in manifest.formats if n not in servable]
+
+
+def _servable(manifest: Manifest) -> List[str]:
+    return [n for n, e in manifest.formats.items() if (e.format_name or n) in _BACKENDS]
+
+
+def _skip_reason(manifest: Manifest, entry_name: str) -> str:
+    fmt = manifest.formats[entry_name].format_name or entry_name
+    return _NOT_SERVED.get(fmt, f"no Triton backend is written for format {fmt!r}")
+
+
+def _default_name(root: Path) -> str:
+    """The export directory's name, made a valid model name."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", root.resolve().name).lstrip(".-")
+    return cleaned or "model"
+
+
+def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEntry, directory: Path,
+                options: TritonOptions) -> TritonModel:
+    backend = _BACKENDS[entry.format_name or entry_name]
+    folder = _artifact_folder(root, entry, backend)
+    inputs, outputs = backend.read(folder / backend.model_file)
+    where = f"{entry_name} ({folder / backend.model_file})"
+    in_names, out_names = _recorded_names(entry)
+    _agree(where, "input", inputs, [s for s in manifest.inputs if s.kind == "tensor"], in_names)
+    _agree(where, "output", outputs, manifest.outputs, out_names)
+    max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name)
+    batching = max_batch > 0
+    model = TritonModel(
+        name=directory.name, entry=entry_name, backend=backend.name, directory=directory,
+        files=[_relative(f, entry, backend) for f in entry.files], max_batch_size=max_batch,
+        inputs=[_config_tensor(t, s, batching) for t, s in zip(inputs, [s for s in manifest.inputs if s.kind == "tensor"])],
+        outputs=[_config_tensor(t, s, batching) for t, s in zip(outputs, manifest.outputs)],
+        instances=options.instances, dynamic_batching=batching and options.dynamic_batching,
+        preferred_batch_sizes=_preferred(options, max_batch) if batching and options.dynamic_batching else [],
+        max_queue_delay_us=options.max_queue_delay_us,
+    )
+    if why_not:
+        model.notes.append(f"max_batch_size 0 (dims are full shapes, Triton does not batch requests): {why_not}")
+    if backend.name == "openvino":
+        model.parameters, notes = _openvino_parameters(entry, batching)
+        model.notes.extend(notes)
+    _attach_labels(model, manifest.labels)
+    return model
+
+
+def _artifact_folder(root: Path, entry: FormatEntry, backend: Backend) -> Path:
+    path = root / entry.path
+    return path if backend.folder_is_path else path.parent
+
+
+def _relative(file: str, entry: FormatEntry, backend: Backend) -> str:
+    """A file of the entry, relative to the artifact's folder (its name in the version directory)."""
+    folder = Path(entry.path) if backend.folder_is_path else Path(entry.path).parent
+    return Path(file).relative_to(folder).as_posix()
+
+
+def _recorded_names(entry: FormatEntry) -> Tuple[Optional[List[str]], Optional[List[str]]]:
+    """The tensor names the export recorded for the artifact (ONNX records them; OpenVINO does not)."""
+    ins, outs = entry.options.get("input_names"), entry.options.get("output_names")
+    return ([str(n) for n in ins] if isinstance(ins, list) else None,
+            [str(n) for n in outs] if isinstance(outs, list) else None)
+
+
+def _agree(where: str, kind: str, found: List[ArtifactTensor], specs: List[TensorSpec],
+           recorded: Optional[List[str]]) -> None:
+    """The artifact's tensors are the manifest's: same count, the names the export recorded for it, and each
+    tensor's data type and shape (a dynamic axis where the manifest says ``batch``, its size elsewhere)."""
+    names = [t.name for t in found]
+    if len(found) != len(specs):
+        raise ExportError(f"{where}: the artifact has {len(found)} {kind}s ({', '.join(names)}), the manifest "
+                          f"{len(specs)} ({', '.join(s.name for s in specs)}); re-export it.")
+    if recorded is not None and names != recorded:
+        raise ExportError(f"{where}: the artifact's {kind} names are {names}, the manifest recorded {recorded}; "
+                          "re-export it.")
+    for tensor, spec in zip(found, specs):
+        expected = triton_dtype(spec.dtype, f"manifest {kind} {spec.name!r}")
+        if tensor.data_type != expected:
+            raise ExportError(f"{where}: {kind} {tensor.name!r} is {tensor.data_type} in the artifact, the manifest "
+                              f"says {spec.dtype} ({expected}); re-export it.")
+        _agree_shape(where, kind, tensor, spec)
+
+
+def _agree_shape(where: str, kind: str, tensor: ArtifactTensor, spec: TensorSpec) -> None:
+    if spec.shape is None:
+        return
+    shape = tuple(spec.shape)
+    mismatch = len(shape) != len(tensor.shape) or any(
+        (want == "batch" and got is not None) or (isinstance(want, int) and got is not None and got != want)
+        for want, got in zip(shape, tensor.shape))
+    if mismatch:
+        shown = ["any" if d is None else d for d in tensor.shape]
+        raise ExportError(f"{where}: {kind} {tensor.name!r} has shape {shown} in the artifact, the manifest says "
+                          f"{list(shape)}; re-export it.")
+
+
+def triton_dtype(torch_dtype: Optional[str], what: str) -> str:
+    """Triton's data type for a torch dtype name as a manifest records it (``float32`` -> ``TYPE_FP32``)."""
+    if torch_dtype not in TORCH_TO_TRITON:
+        raise ExportError(f"{what}: dtype {torch_dtype!r} has no Triton data type; allowed: "
+                          f"{', '.join(TORCH_TO_TRITON)}.")
+    return TORCH_TO_TRITON[str(torch_dtype)]
+
+
+def _max_batch_size(manifest: Manifest, entry: FormatEntry, tensors: List[ArtifactTensor], requested: Optional[int],
+                    entry_name: str) -> Tuple[int, Optional[str]]:
+    """max_batch_size for the artifact, and why it is 0 when it must be: Triton batches only along a leading
+    axis that every input and output has and that the artifact leaves dynamic."""
+    why_not = _fixed_batch_reason(manifest, entry, tensors)
+    if why_not is None:
+        return (DEFAULT_MAX_BATCH_SIZE if requested is None else requested), None
+    if requested:
+        raise ConfigError(f"triton max_batch_size: {requested}; {entry_name} cannot batch: {why_not}; allowed: 0 "
+                          "(or unset). Re-export with export.dynamic_batch: true to let Triton batch it.")
+    return 0, why_not
+
+
+def _fixed_batch_reason(manifest: Manifest, entry: FormatEntry, tensors: List[ArtifactTensor]) -> Optional[str]:
+    if not manifest.dynamic_batch:
+        sizes = sorted({s.example_shape[0] for s in manifest.inputs if s.example_shape})
+        built = f" (batch size {', '.join(map(str, sizes))} only)" if sizes else ""
+        return f"the export has a fixed batch (export.dynamic_batch: false){built}"
+    if entry.batch_sizes is not None:
+        return f"the artifact is built for batch size(s) {', '.join(map(str, entry.batch_sizes))} only"
+    fixed = [t.name for t in tensors if not t.shape or t.shape[0] is not None]
+    if fixed:
+        return f"{', '.join(fixed)} has no dynamic leading (batch) axis in the artifact"
+    return None
+
+
+def _config_tensor(tensor: ArtifactTensor, spec: TensorSpec, batching: bool) -> TritonTensor:
+    shape = tensor.shape[1:] if batching else tensor.shape
+    dims = tuple(-1 if d is None else int(d) for d in shape)
+    return TritonTensor(tensor.name, tensor.data_type, dims or (1,), () if not dims else None,
+                        spec.name if spec.name != tensor.name else None)
+
+
+def _preferred(options: TritonOptions, max_batch: int) -> List[int]:
+    sizes = sorted(set(options.preferred_batch_sizes or []))
+    if sizes and sizes[-1] > max_batch:
+        raise ConfigError(f"triton preferred_batch_sizes: {sizes}; allowed: sizes from 1 to max_batch_size "
+                          f"({max_batch}).")
+    return sizes
+
+
+def _openvino_parameters(entry: FormatEntry, batching: bool) -> Tuple[Dict[str, str], List[str]]:
+    """The OpenVINO backend's parameters for the artifact, and what they mean for the user.
+
+    The backend fixes the model's batch at max_batch_size (``ov::set_batch``) and refuses a batch of any other
+    size unless ``ENABLE_BATCH_PADDING`` pads it, so a batching model gets padding. Of the export's compile
+    config, the backend takes the performance hint and bf16 (``HINT_BF16``); it has no way to ask for f32, so on
+    CPUs with AVX512-BF16 or AMX OpenVINO may run the fp32 IR in bf16."""
+    config = entry.options.get("compile_config") or {}
+    params: Dict[str, str] = {}
+    notes = []
+    hint = str(config.get("PERFORMANCE_HINT", "")).upper() if isinstance(config, Mapping) else ""
+    if hint in ("LATENCY", "THROUGHPUT"):
+        params["PERFORMANCE_HINT"] = hint
+    if isinstance(config, Mapping) and str(config.get("INFERENCE_PRECISION_HINT", "")).lower() == "bf16":
+        params["HINT_BF16"] = "YES"
+    else:
+        notes.append("OpenVINO's Triton backend cannot ask for f32 inference precision: on CPUs with AVX512-BF16 or "
+                     "AMX, OpenVINO may run this fp32 model in bf16 (fx-lightning checked it in f32)")
+    if batching:
+        params["ENABLE_BATCH_PADDING"] = "YES"
+        notes.append("ENABLE_BATCH_PADDING: OpenVINO's backend runs every batch padded to max_batch_size (it "
+                     "refuses other sizes without it); a smaller --max-batch-size, or 0, wastes less on single "
+                     "requests")
+    return params, notes
+
+
+def _attach_labels(model: TritonModel, labels: Sequence[str]) -> None:
+    """The export's class names as the first output's label file (Triton's classification extension), when
+    they fit its last axis."""
+    if not labels or not model.outputs:
+        return
+    first = model.outputs[0]
+    if first.dims[-1] != len(labels):
+        model.notes.append(f"labels not attached: {len(labels)} labels, output {first.name!r} has "
+                           f"{first.dims[-1]} columns")
+        return
+    model.outputs[0] = TritonTensor(first.name, first.data_type, first.dims, first.reshape, first.manifest_name,
+                                    "labels.txt")
+    model.labels = list(labels)
+
+
+# --- reading the artifacts ---------------------------------------------------------------------------------------
+
+
+def onnx_tensors(path: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTensor]]:
+    """The graph's inputs (initializers excluded) and outputs as ONNX declares them."""
+    try:
+        import onnx
+    except ImportError as exc:
+        raise ExportError(f"reading {path} needs onnx: pip install 'fx-lightning[onnx]' ({exc})") from None
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {i.name for i in graph.initializer}
+
+    def one(value: Any) -> ArtifactTensor:
+        if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+            raise ExportError(f"{path}: {value.name!r} is not a tensor of known rank; Triton needs one.")
+        kind = onnx.TensorProto.DataType.Name(value.type.tensor_type.elem_type)
+        if kind not in _ONNX_TO_TRITON:
+            raise NotServable(f"{value.name!r} has ONNX type {kind}, which Triton has no data type for")
+        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim)
+        return ArtifactTensor(value.name, _ONNX_TO_TRITON[kind], shape)
+
+    return ([one(v) for v in graph.input if v.name not in initializers], [one(v) for v in graph.output])
+
+
+def openvino_tensors(xml: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTensor]]:
+    """The IR's inputs and outputs by the names the Triton backend looks them up by (``get_any_name``)."""
+    try:
+        import openvino as ov
+    except ImportError as exc:
+        raise ExportError(f"reading {xml} needs openvino: pip install 'fx-lightning[openvino]' ({exc})") from None
+    model = ov.Core().read_model(str(xml))
+
+    def one(port: Any) -> ArtifactTensor:
+        try:
+            name = port.get_any_name()
+        except RuntimeError:
+            raise ExportError(f"{xml}: a tensor has no name, which Triton needs to address it.") from None
+        kind = port.get_element_type().get_type_name()
+        if kind not in _OPENVINO_TO_TRITON:
+            raise NotServable(f"{name!r} has OpenVINO type {kind}, which Triton's OpenVINO backend does not take "
+                              f"(it takes {', '.join(_OPENVINO_TO_TRITON)})")
+        shape = port.get_partial_shape()
+        if shape.rank.is_dynamic:
+            raise ExportError(f"{xml}: {name!r} has a dynamic rank; Triton needs a fixed one.")
+        return ArtifactTensor(name, _OPENVINO_TO_TRITON[kind],
+                              tuple(d.get_length() if d.is_static else None for d in shape))
+
+    return [one(p) for p in model.inputs], [one(p) for p in model.outputs]
+
+
+_BACKENDS: Dict[str, Backend] = {
+    "onnx": Backend("onnxruntime", onnx_tensors, "model.onnx", folder_is_path=False),
+    "openvino": Backend("openvino", openvino_tensors, "model.xml", folder_is_path=True),
+}
+
+
+# --- writing -----------------------------------------------------------------------------------------------------
+
+
+def _refuse_existing(models: List[TritonModel], overwrite: bool) -> None:
+    existing = [str(m.directory) for m in models if m.directory.exists()]
+    if existing and not overwrite:
+        raise ExportError(f"{', '.join(existing)} already exist(s); pass overwrite=True (--overwrite) to replace "
+                          "them, or choose another name or directory.")
+
+
+def _write_model(root: Path, manifest: Manifest, model: TritonModel) -> None:
+    """The model's directory, assembled beside its final place and renamed into it: Triton polling the
+    repository never sees half a model, and a failure leaves any previous one as it was."""
+    parent = model.directory.parent
+    staging = Path(tempfile.mkdtemp(prefix=f".{model.name}.", dir=parent))
+    try:
+        version = staging / VERSION
+        for export_name, name in zip(manifest.formats[model.entry].files, model.files):
+            _copy_checked(root / export_name, version / name, manifest.files[export_name].sha256)
+        if model.labels:
+            (staging / "labels.txt").write_text("\n".join(model.labels) + "\n", encoding="utf-8")
+        (staging / "config.pbtxt").write_text(config_text(model), encoding="utf-8")
+        _replace_dir(staging, model.directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _copy_checked(source: Path, target: Path, sha256: str) -> None:
+    """Copy one file of the export and check the copy's sha256 against the manifest's: the file was verified
+    before it was read, and this catches one changed since."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    got = sha256_file(target)
+    if got != sha256:
+        raise ExportError(f"{target}: the copy of {source} has sha256 {got[:16]}..., the manifest says "
+                          f"{sha256[:16]}...; the export changed while it was copied.")
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def config_text(model: TritonModel) -> str:
+    """The model's ``config.pbtxt``: protobuf text of Triton's ModelConfig, written without protobuf."""
+    lines = [f"name: {_quote(model.name)}", f"backend: {_quote(model.backend)}",
+             f"max_batch_size: {model.max_batch_size}"]
+    for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
+        lines.append(f"{kind} [")
+        lines.append(",\n".join(_tensor_text(t) for t in tensors))
+        lines.append("]")
+    lines += ["instance_group [", "  {", f"    count: {model.instances}", "    kind: KIND_CPU", "  }", "]"]
+    if model.dynamic_batching:
+        lines.append("dynamic_batching {")
+        lines += [f"  preferred_batch_size: {size}" for size in model.preferred_batch_sizes]
+        lines += [f"  max_queue_delay_microseconds: {model.max_queue_delay_us}", "}"]
+    for key, value in model.parameters.items():
+        lines.append(f"parameters {{ key: {_quote(key)} value: {{ string_value: {_quote(value)} }} }}")
+    return "\n".join(lines) + "\n"
+
+
+def _tensor_text(tensor: TritonTensor) -> str:
+    lines = ["  {", f"    name: {_quote(tensor.name)}", f"    data_type: {tensor.data_type}",
+             f"    dims: [ {', '.join(map(str, tensor.dims))} ]"]
+    if tensor.reshape is not None:
+        lines.append(f"    reshape: {{ shape: [ {', '.join(map(str, tensor.reshape))} ] }}")
+    if tensor.label_filename:
+        lines.append(f"    label_filename: {_quote(tensor.label_filename)}")
+    return "\n".join(lines + ["  }"])
+
+
+def _quote(text: str) -> str:
+    """A protobuf text-format string literal (C escapes; other characters as UTF-8)."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
+
+
+# --- README ------------------------------------------------------------------------------------------------------
+
+_V2_TYPES = {"TYPE_BOOL": "BOOL", "TYPE_STRING": "BYTES"}  # the rest: TYPE_X -> X
+
+
+def readme_text(models: Sequence[TritonModel], skipped: Sequence[SkippedArtifact], manifest: Manifest) -> str:
+    """The repository's README.md: how to start Triton on it and send each model a request."""
+    lines = [
+        "# Triton Inference Server model repository (written by fx-lightning)",
+        "",
+        "Start Triton on this directory (pick a release for `<yy.mm>`, e.g. 25.01; the `-py3` image has the ONNX "
+        "Runtime and OpenVINO backends):",
+        "",
+        "    docker run --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 -v \"$PWD\":/models \\",
+        "        nvcr.io/nvidia/tritonserver:<yy.mm>-py3 tritonserver --model-repository=/models",
+        "",
+        "or, where `tritonserver` is installed: `tritonserver --model-repository=$PWD`. Ready when "
+        "`curl -sf localhost:8000/v2/health/ready` succeeds.",
+        "",
+        "Each model's files were copied from the export and checked against its `manifest.json` sha256. They hold "
+        "no code: an ONNX graph, or OpenVINO's XML graph and raw weights.",
+        "",
+    ]
+    if manifest.selected is not None:
+        chosen = manifest.selected
+        lines += [f"On the machine that exported it, `fx-lightning bench` found `{chosen.format}` fastest at batch "
+                  f"{chosen.batch_size} ({chosen.median_ms:.3g} ms median, {chosen.traffic} traffic).", ""]
+    for model in models:
+        lines += _model_readme(model, manifest)
+    if skipped:
+        lines += ["## Not written", ""]
+        lines += [f"- `{s.entry}`: {s.reason}." for s in skipped]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _model_readme(model: TritonModel, manifest: Manifest) -> List[str]:
+    batch = (f"batches of up to {model.max_batch_size} (Triton's dynamic batcher joins requests)"
+             if model.max_batch_size else "no batching by Triton: each request holds the model's full shape")
+    lines = [f"## `{model.name}`", "", f"`{model.entry}` of the export, {model.backend} backend, {batch}.", ""]
+    lines += ["| | name | type | shape per request | export's name |", "|---|---|---|---|---|"]
+    for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
+        for t in tensors:
+            lines.append(f"| {kind} | `{t.name}` | {t.data_type} | {_request_shape(model, t)} | "
+                         f"{t.manifest_name or t.name} |")
+    lines.append("")
+    if manifest.preprocess is not None:
+        p = manifest.preprocess
+        lines += [f"The model normalises its input itself: send raw {p.input_dtype} pixels in {p.layout} layout, "
+                  f"{p.channel_order} channel order.", ""]
+    lines += [f"- {note}." for note in model.notes] + ([""] if model.notes else [])
+    lines += ["With `tritonclient` (`pip install 'tritonclient[http]'`):", "", "```python",
+              "import numpy as np", "import tritonclient.http as httpclient", "",
+              'client = httpclient.InferenceServerClient("localhost:8000")', "inputs = []"]
+    for t in model.inputs:
+        shape, dtype = _example_shape(model, t), _v2_type(t.data_type)
+        lines += [f"x = np.zeros({shape}, dtype={_numpy_type(t.data_type)!r})",
+                  f"inputs.append(httpclient.InferInput({t.name!r}, x.shape, {dtype!r}))",
+                  "inputs[-1].set_data_from_numpy(x)"]
+    lines += [f"result = client.infer({model.name!r}, inputs)"]
+    lines += [f"print(result.as_numpy({t.name!r}).shape)" for t in model.outputs]
+    lines += ["```", "", "With curl (the JSON body built by Python: a flat list of zeros per input):", "", "```sh",
+              f"python3 -c {shlex.quote(_json_body_program(model))} |",
+              f"  curl -s -X POST localhost:8000/v2/models/{model.name}/infer -H 'Content-Type: application/json' "
+              "-d @-", "```", ""]
+    return lines
+
+
+def _json_body_program(model: TritonModel) -> str:
+    """Python that prints a KServe v2 JSON request for ``model``: zeros of a shape each input may have."""
+    items = []
+    for t in model.inputs:
+        shape = _example_shape(model, t)
+        zero = "False" if t.data_type == "TYPE_BOOL" else "0"
+        items.append(f'{{"name": {json.dumps(t.name)}, "shape": {list(shape)}, "datatype": '
+                     f'{json.dumps(_v2_type(t.data_type))}, "data": [{zero}] * {_count(shape)}}}')
+    return f'import json; print(json.dumps({{"inputs": [{", ".join(items)}]}}))'
+
+
+def _request_shape(model: TritonModel, tensor: TritonTensor) -> str:
+    dims = ["any" if d == -1 else str(d) for d in (tensor.reshape if tensor.reshape is not None else tensor.dims)]
+    return "[" + ", ".join((["batch"] if model.max_batch_size else []) + dims) + "]"
+
+
+def _example_shape(model: TritonModel, tensor: TritonTensor) -> Tuple[int, ...]:
+    """A shape a request may have: batch 1 when batching, 1 on every other dynamic axis."""
+    dims = tuple(1 if d == -1 else d for d in tensor.dims)
+    return ((1,) + dims) if model.max_batch_size else dims
+
+
+def _count(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _v2_type(data_type: str) -> str:
+    return _V2_TYPES.get(data_type, data_type[len("TYPE_"):])
+
+
+def _numpy_type(data_type: str) -> str:
+    return {"TYPE_FP32": "float32", "TYPE_FP16": "float16", "TYPE_FP64": "float64", "TYPE_BOOL": "bool",
+            "TYPE_BF16": "float32", "TYPE_STRING": "object"}.get(data_type, data_type[len("TYPE_"):].lower())
+
+
+def describe(repository: TritonRepository) -> List[str]:
+    """One line per model written and per entry skipped, for the command line."""
+    lines = [f"{m.directory}: {m.entry} on the {m.backend} backend, max_batch_size {m.max_batch_size}"
+             + "".join(f"\n  note: {n}" for n in m.notes) for m in repository.models]
+    lines += [f"not written: {s.entry}: {s.reason}" for s in repository.skipped]
+    if repository.readme is not None:
+        lines.append(f"how to run it: {repository.readme}")
+    return lines
+
