@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -65,7 +67,8 @@ def running_server(directory: Path, cwd: Path, *flags: str, wait_ready: bool = T
     port = free_port()
     log = open(cwd / f"server-{port}.log", "w")
     proc = subprocess.Popen([sys.executable, "-I", "-m", "fx_lightning", "serve", str(directory), "--port", str(port),
-                             *flags], cwd=cwd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+                             *flags], cwd=cwd, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -78,12 +81,22 @@ def running_server(directory: Path, cwd: Path, *flags: str, wait_ready: bool = T
             time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
+        proc.terminate()  # the server shuts its HTTP and worker processes down on SIGTERM
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            pass
+        leftovers = _group_alive(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+    assert not leftovers, f"processes left running after SIGTERM: {leftovers}"
+
+
+def _group_alive(group: int) -> List[int]:
+    """Processes of the server's session still running (after its main process exited)."""
+    found = subprocess.run(["ps", "-o", "pid=,stat=", "--sid", str(group)], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in found.splitlines() if line.split() and "Z" not in line.split()[1]]
 
 
 def get(url: str) -> Tuple[Optional[int], bytes]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from fx_lightning.export.writer import read_check_file
 from fx_lightning.serve.contract import Contract
 
 __all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "build_server", "serve",
-           "info_summary"]
+           "info_summary", "stop_on_sigterm"]
 
 INSTALL_HINT = "pip install 'fx-lightning[serve]'"
 
@@ -185,6 +186,16 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
 
 def serve(directory: Any, options: Optional[ServeOptions] = None, *, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "warning") -> None:
-    """Build the server and run it until interrupted."""
+    """Build the server and run it until interrupted (Ctrl+C or SIGTERM: LitServe stops its HTTP and worker
+    processes; without the handler a SIGTERM would leave them running)."""
     server = build_server(directory, options)
+    stop_on_sigterm()
     server.run(host=host, port=port, generate_client_file=False, log_level=log_level, num_api_servers=1)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread, which LitServe turns into a graceful shutdown."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
