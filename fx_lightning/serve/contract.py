@@ -197,7 +197,7 @@ class Contract:
             if want.kind != "b":
                 info = np.iinfo(want)
                 if raw.size and (raw.min() < info.min or raw.max() > info.max):
-                    raise BadRequest(422, f"{where}: values {raw.min()}..{raw.max()} do not fit {spec.dtype} "
+                    raise BadRequest(422, f"{where}: values {raw.min():g}..{raw.max():g} do not fit {spec.dtype} "
                                           f"({info.min}..{info.max})")
         return raw.astype(want, copy=False)
 
