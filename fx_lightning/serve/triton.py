@@ -126,8 +126,9 @@ class TritonOptions:
             _check_int("preferred_batch_sizes", size, 1)
         if self.preferred_batch_sizes and self.max_batch_size is not None and \
                 max(self.preferred_batch_sizes) > self.max_batch_size:
-            raise ConfigError(f"triton preferred_batch_sizes: {list(self.preferred_batch_sizes)}; allowed: sizes from "
-                              f"1 to max_batch_size ({self.max_batch_size}).")
+            raise ConfigError(f"triton preferred_batch_sizes: {list(self.preferred_batch_sizes)}; allowed: "
+                              + (f"sizes from 1 to max_batch_size ({self.max_batch_size})." if self.max_batch_size
+                                 else "none with max_batch_size 0 (Triton does not batch)."))
         if self.formats is not None and not self.formats:
             raise ConfigError("triton formats: []; allowed: manifest entries such as onnx or openvino, or None for "
                               "every one Triton can serve.")
@@ -622,12 +623,16 @@ def config_text(model: TritonModel) -> str:
 
 def _tensor_text(tensor: TritonTensor) -> str:
     lines = ["  {", f"    name: {_quote(tensor.name)}", f"    data_type: {tensor.data_type}",
-             f"    dims: [ {', '.join(map(str, tensor.dims))} ]"]
+             f"    dims: {_list_text(tensor.dims)}"]
     if tensor.reshape is not None:
-        lines.append(f"    reshape: {{ shape: [ {', '.join(map(str, tensor.reshape))} ] }}")
+        lines.append(f"    reshape: {{ shape: {_list_text(tensor.reshape)} }}")
     if tensor.label_filename:
         lines.append(f"    label_filename: {_quote(tensor.label_filename)}")
     return "\n".join(lines + ["  }"])
+
+
+def _list_text(values: Sequence[int]) -> str:
+    return f"[ {', '.join(map(str, values))} ]" if values else "[ ]"
 
 
 def _quote(text: str) -> str:
