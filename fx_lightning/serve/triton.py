@@ -31,7 +31,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.export.base import FormatEntry
@@ -54,6 +54,7 @@ __all__ = [
     "triton_dtype",
     "onnx_tensors",
     "openvino_tensors",
+    "tensor_inputs",
     "describe",
 ]
 
@@ -278,9 +279,12 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
     chosen, skipped = _choose_entries(manifest, options.formats)
     base = options.name or _default_name(root)
     models = []
+    verified: Set[Tuple[str, ...]] = set()
     for entry_name in chosen:
         entry = manifest.formats[entry_name]
-        verify_files(root, manifest, entry_name)  # before the artifact is read, let alone copied
+        if tuple(entry.files) not in verified:  # openvino-bf16 is openvino's files: hashed once
+            verify_files(root, manifest, entry_name)  # before the artifact is read, let alone copied
+            verified.add(tuple(entry.files))
         try:
             models.append(_plan_model(root, manifest, entry_name, entry, out / f"{base}_{entry_name}", options))
         except NotServable as exc:
@@ -335,14 +339,15 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     inputs, outputs = backend.read(folder / backend.model_file)
     where = f"{entry_name} ({folder / backend.model_file})"
     in_names, out_names = _recorded_names(entry)
-    _agree(where, "input", inputs, [s for s in manifest.inputs if s.kind == "tensor"], in_names)
+    in_specs = tensor_inputs(manifest)
+    _agree(where, "input", inputs, in_specs, in_names)
     _agree(where, "output", outputs, manifest.outputs, out_names)
     max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name)
     batching = max_batch > 0
     model = TritonModel(
         name=directory.name, entry=entry_name, backend=backend.name, directory=directory,
         files=[_relative(f, entry, backend) for f in entry.files], max_batch_size=max_batch,
-        inputs=[_config_tensor(t, s, batching) for t, s in zip(inputs, [s for s in manifest.inputs if s.kind == "tensor"])],
+        inputs=[_config_tensor(t, s, batching) for t, s in zip(inputs, in_specs)],
         outputs=[_config_tensor(t, s, batching) for t, s in zip(outputs, manifest.outputs)],
         instances=options.instances, dynamic_batching=batching and options.dynamic_batching,
         preferred_batch_sizes=_preferred(options, max_batch) if batching and options.dynamic_batching else [],
@@ -355,6 +360,12 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
         model.notes.extend(notes)
     _attach_labels(model, manifest.labels)
     return model
+
+
+def tensor_inputs(manifest: Manifest) -> List[TensorSpec]:
+    """The inputs an artifact takes: the tensors (a non-tensor argument is baked into the graph). Version 1
+    manifests did not record ``kind``; a dtype says it is a tensor."""
+    return [s for s in manifest.inputs if s.kind == "tensor" or (s.kind is None and s.dtype is not None)]
 
 
 def _artifact_folder(root: Path, entry: FormatEntry, backend: Backend) -> Path:
@@ -651,8 +662,8 @@ def readme_text(models: Sequence[TritonModel], skipped: Sequence[SkippedArtifact
     lines = [
         "# Triton Inference Server model repository (written by fx-lightning)",
         "",
-        "Start Triton on this directory (pick a release for `<yy.mm>`, e.g. 25.01; the `-py3` image has the ONNX "
-        "Runtime and OpenVINO backends):",
+        "Start Triton on this directory, from this directory (pick a release for `<yy.mm>`; the `-py3` image has "
+        "the ONNX Runtime and OpenVINO backends):",
         "",
         "    docker run --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 -v \"$PWD\":/models \\",
         "        nvcr.io/nvidia/tritonserver:<yy.mm>-py3 tritonserver --model-repository=/models",
