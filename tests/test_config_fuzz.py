@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from fx_lightning import ConfigError
-from fx_lightning.config import ExportFormat, FuseConfig, load_config, to_yaml
+from fx_lightning.config import ExportFormat, FuseConfig, PreprocessConfig, load_config, to_yaml
 from fx_lightning.passes import get_pass, registered_passes
 
 # A load_config call costs ~20 ms (OmegaConf.structured dominates): 80 + 200 + 50 examples keep this
@@ -149,6 +149,10 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     **{f"passes.{lossy}.min_cosine": st.floats(-1, 1) for lossy in LOSSY_PASSES},
     "export.aoti_batch_sizes": st.lists(st.integers(1, 2**31), max_size=4, unique=True),
     "export.select_batch_size": st.integers(1, 2**31),
+    "export.preprocess.scale": st.floats(1e-30, 1e30),
+    # mean and std: both or neither, one value per channel each, std > 0 (drawn together: preprocess_section).
+    "export.preprocess.mean": st.none(),
+    "export.preprocess.std": st.none(),
     # "module" is required in an item (its default is '???'); the others are optional.
     "passes.batchnorm_forms.modules[]": st.fixed_dictionaries(
         {"module": st.sampled_from(["torch.nn:ReLU", "torch.nn.modules.batchnorm:BatchNorm2d",
@@ -172,6 +176,8 @@ def valid_value(site: Site, path: Path) -> st.SearchStrategy:
     """A valid value for ``site`` (its path ``path`` has concrete list indices)."""
     if site.dotted in VALID_LEAVES:
         return VALID_LEAVES[site.dotted]
+    if site.dotted == "export.preprocess":
+        return preprocess_section()
     if site.dotted == "passes.extra[]":
         return extra_entry()
     strategy = valid_for_type(site.inner, site.pattern)
@@ -242,6 +248,17 @@ def options_dict(options_type: type) -> st.SearchStrategy:
     )
 
 
+@st.composite
+def preprocess_section(draw: st.DrawFn) -> Dict[str, Any]:
+    """export.preprocess: any valid subset of its keys, with mean and std given together (same length) or not."""
+    section = draw(valid_dataclass(PreprocessConfig, ("export", "preprocess")))
+    if draw(st.booleans()):
+        channels = draw(st.integers(1, 4))
+        section["mean"] = draw(st.lists(st.floats(-1e6, 1e6), min_size=channels, max_size=channels))
+        section["std"] = draw(st.lists(st.floats(1e-6, 1e6), min_size=channels, max_size=channels))
+    return section
+
+
 VALID_CONFIG = valid_dataclass(FuseConfig, ())
 
 # ------------------------------------------------------------------------------------------- bad values
@@ -278,6 +295,10 @@ BAD_LEAVES: Dict[str, st.SearchStrategy] = {
     "export.aoti_batch_sizes": st.lists(st.integers(-(2**31), 0), min_size=1, max_size=3)
     | st.integers(1, 64).map(lambda b: [b, b]),
     "export.select_batch_size": st.integers(-(2**31), 0),
+    "export.preprocess.scale": st.floats(max_value=0.0) | st.sampled_from([math.inf, math.nan]),
+    # A std that is not > 0 (with its mean), or mean and std of different lengths: the error names std.
+    "export.preprocess.std": st.lists(st.floats(max_value=0.0), min_size=1, max_size=4)
+    | st.integers(5, 8).map(lambda n: [1.0] * n),  # valid sections have 1 to 4 channels
     "trace.leaf_modules[]": st.sampled_from(BAD_IMPORT_PATHS + ["builtins:len", "math:pi", "torch.nn.functional:relu"]),
     "trace.autowrap_functions[]": st.sampled_from(BAD_IMPORT_PATHS + ["math:pi", "sample_passes:NOT_CALLABLE"]),
     "trace.autowrap_modules[]": st.sampled_from([NO_MODULE, ".relative", "..x", "", "math.", "1abc", "math:sqrt"]),
@@ -564,6 +585,7 @@ def _found(config: Dict[str, Any], key: str, route: str = "dict") -> Callable[[A
 @_found({"target": "???"}, "target")  # silently the default
 @_found({"parity": {"rtol": "???"}}, "parity.rtol")  # silently the default
 @_found({"parity": {"rtol": 10**400}}, "parity.rtol")  # OverflowError from OmegaConf, no key
+@_found({"export": {"preprocess": {"mean": [10**400]}}}, "export.preprocess.mean[0]")  # the same, in a list
 @_found({"target": "${fxl_fuzz_nowhere}"}, "target", route="dictconfig")  # "config: cannot resolve"
 @_found({"trace": {"mode": "${fxl_fuzz_nowhere}"}}, "trace.mode", route="kwargs")  # "trace.trace: ..."
 @FUZZ

@@ -28,6 +28,7 @@ from fx_lightning.batches import as_args, extract_input, flat_tensors
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.callback.trainer_data import export_directory, parity_batches
+from fx_lightning.callback.transforms import input_contract
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, ModelError, first_line
@@ -61,6 +62,8 @@ FIXES: Dict[Step, str] = {
     Step.export_directory: "choose an export.dir that can be created and written, outside the checkpoint "
                            "directory (or set export.enabled: false)",
     Step.export_dependencies: "install what is named above, or drop that format from export.formats",
+    Step.preprocess: "set export.preprocess.mean and std (one value per channel), give the validation dataset a "
+                     "Normalize transform, or set export.preprocess.enabled: false",
     Step.parity_input: "set parity.input to the key, index or 'pkg.module:function' that gives forward's input, "
                        "or give the LightningModule an example_input_array",
     Step.capture: "see the fixes listed above (trace.mode, trace.leaf_modules, trace.autowrap_functions)",
@@ -110,6 +113,8 @@ def _checks(config: FuseConfig) -> List[str]:
     if config.preflight is Preflight.full:
         checks.append(Step.weights)
         checks += [Step.export_directory, Step.export_dependencies] if config.export.enabled else []
+    if config.export.enabled and config.export.preprocess.enabled:
+        checks.append(Step.preprocess)
     return [c.value for c in checks]
 
 
@@ -160,10 +165,12 @@ def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", con
                                  if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint")) and cb.dirpath])
             with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
+    with in_step(Step.preprocess):
+        contract = input_contract(trainer, config)  # enabled with nothing to take mean/std from: fails here
     with in_step(Step.parity_input):
         batches = preflight_batches(trainer, pl_module, config)
     return Source(pl_module, batches, getattr(pl_module, "example_input_array", None), device=device,
-                  checked=_checks(config) + [Step.parity_input.value])
+                  checked=_checks(config) + [Step.parity_input.value], contract=contract)
 
 
 def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Batches:

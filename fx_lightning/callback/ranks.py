@@ -22,6 +22,7 @@ from fx_lightning.callback.trainer_data import (
     parity_batches,
     pick_weights,
 )
+from fx_lightning.callback.transforms import input_contract
 from fx_lightning.config import FuseConfig, WeightsSource
 from fx_lightning.notes import NoteKind
 from fx_lightning.pipeline import Destination, Outcome, Source, resolve_device, run_pipeline
@@ -92,7 +93,8 @@ def end_of_fit_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", co
     differ = reference_buffers is not None and _buffers_differ(model, reference_buffers)
     return Source(model, parity_batches(trainer, config), getattr(pl_module, "example_input_array", None),
                   device=device, buffers=reference_buffers if differ else None, buffers_differ=differ,
-                  weights=weights, notes=[WEIGHTS(description=weights.description)])
+                  weights=weights, notes=[WEIGHTS(description=weights.description)],
+                  contract=input_contract(trainer, config))
 
 
 def _rank_zero_buffers(

@@ -203,11 +203,17 @@ def _check_value(sub: Any, inner: Any, full: str, path: str) -> None:
             raise ConfigError(f"{full}: expected a mapping, got {type(sub).__name__} {sub!r:.80}.")
     elif isinstance(inner, type) and issubclass(inner, Enum):
         _check_enum(sub, inner, full)
-    elif inner is float and isinstance(sub, int) and not isinstance(sub, bool):
+    elif inner is float:
+        _check_float(sub, full)
+
+
+def _check_float(sub: Any, key: str) -> None:
+    """An integer given for a float must fit one: OmegaConf raises OverflowError raw, without the key."""
+    if isinstance(sub, int) and not isinstance(sub, bool):
         try:
             float(sub)
-        except OverflowError:  # OmegaConf raises it raw, without the key
-            raise ConfigError(f"{full}: a {sub.bit_length()}-bit integer is too large for a float.") from None
+        except OverflowError:
+            raise ConfigError(f"{key}: a {sub.bit_length()}-bit integer is too large for a float.") from None
 
 
 def _check_section(sub: Any, schema: type, full: str, path: str) -> None:
@@ -244,6 +250,8 @@ def _check_item(item: Any, item_type: Any, key: str) -> None:
         _check_enum(item, item_type, key)
     elif item_type in (str, int, float, bool) and isinstance(item, (list, tuple, dict)):
         raise ConfigError(f"{key}: expected a {item_type.__name__}, got {type(item).__name__} {item!r:.80}.")
+    elif item_type is float:
+        _check_float(item, key)
 
 
 def _check_types(value: Dict[str, Any], schema: type, path: str) -> None:

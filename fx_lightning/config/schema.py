@@ -31,10 +31,14 @@ __all__ = [
     "Traffic",
     "ExportFormat",
     "ParityData",
+    "InputDtype",
+    "Layout",
+    "ChannelOrder",
     "TraceConfig",
     "ExtraPassConfig",
     "PassesConfig",
     "ParityConfig",
+    "PreprocessConfig",
     "ExportConfig",
     "FuseConfig",
 ]
@@ -89,6 +93,11 @@ Traffic = _str_enum("Traffic", ["idle", "back_to_back"], (
 
 ParityData = _str_enum("ParityData", ["auto", "val", "train", "example"], (
     "Where parity batches come from. ``auto``: validation, else training data, else example_input_array."))
+
+# export.preprocess: what a client of the export sends (the raw input the prologue takes).
+InputDtype = _str_enum("InputDtype", ["uint8", "float32"], "The raw input's dtype: uint8 pixels or float32 values.")
+Layout = _str_enum("Layout", ["NCHW", "NHWC"], "The raw input's axes: channels first (NCHW) or last (NHWC).")
+ChannelOrder = _str_enum("ChannelOrder", ["RGB", "BGR"], "The raw input's channel order (BGR: OpenCV's).")
 
 
 # ----------------------------------------------------------------------------------------- dataclasses
@@ -194,6 +203,41 @@ class ParityConfig:
 
 
 @dataclass
+class PreprocessConfig:
+    """``export.preprocess``: the input normalisation compiled into the exported graph, so a client sends raw
+    pixels: ``model_input = (float32(raw) [NHWC->NCHW] [BGR->RGB] * scale - mean[c]) / std[c]``."""
+
+    enabled: bool = False
+    # Per channel, both or neither; null: found in the datamodule's validation transform (Normalize), with its
+    # scale (ToTensor: 1/255), or a ConfigError before training when there is none.
+    mean: Optional[List[float]] = None
+    std: Optional[List[float]] = None
+    scale: float = 1.0 / 255.0
+    input_dtype: InputDtype = InputDtype.uint8
+    layout: Layout = Layout.NCHW
+    channel_order: ChannelOrder = ChannelOrder.RGB
+
+    def check(self) -> None:
+        """Finite values, std and scale > 0, mean and std given together with the same length (the input's
+        channel count is checked at export, where the input is known)."""
+        if not math.isfinite(self.scale) or self.scale <= 0:
+            raise ValueError(f"scale: must be a finite number > 0 (1/255 for 0-255 pixels), got {self.scale}.")
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if values is not None and (not values or not all(math.isfinite(v) for v in values)):
+                raise ValueError(f"{name}: one finite number per channel, or null, got {list(values)}.")
+        if self.std is not None and any(v <= 0 for v in self.std):
+            raise ValueError(f"std: every value must be > 0, got {list(self.std)}.")
+        if (self.mean is None) != (self.std is None):
+            given, missing = ("mean", "std") if self.std is None else ("std", "mean")
+            raise ValueError(f"{given}: {list(getattr(self, given))} given without {missing}; give both (one value "
+                             "per channel), or neither to take them from the datamodule's validation transform.")
+        if self.mean is not None and self.std is not None and len(self.mean) != len(self.std):
+            raise ValueError(f"std: {len(self.std)} values {list(self.std)} but mean has {len(self.mean)} "
+                             f"{list(self.mean)}; give one value per channel in both.")
+
+
+@dataclass
 class ExportConfig:
     enabled: bool = True
     # null: <trainer.log_dir>/fx_fused (callback) or ./fx_fused (CLI).
@@ -212,6 +256,10 @@ class ExportConfig:
     # batch size timed (1 and this one) and each traffic, and load_fused(dir, batch_size=, traffic=) picks from it.
     select_batch_size: int = 1
     select_traffic: Traffic = Traffic.idle
+    # The raw-input prologue compiled into every artifact (off by default).
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    # Class names of the first output's columns (manifest ``labels``); null: the datamodule's ``classes``.
+    labels: Optional[List[str]] = None
 
     def check(self) -> None:
         """Formats listed (when enabled) and once each; batch sizes positive (and distinct); opset in range."""

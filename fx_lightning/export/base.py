@@ -22,7 +22,8 @@ from fx_lightning.batches import PlainOutputs, is_record_type
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 
-__all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "WriteContext", "Writer", "Loader",
+__all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "ExactReference", "WriteContext", "Writer",
+           "Loader",
            "VariantMaker", "VariantRequest",
            "fields_from", "pickled_classes", "returns_named_tuple"]
 
@@ -124,6 +125,15 @@ FUSED_CLASS_NAME = "FusedModule"
 
 
 @dataclass
+class ExactReference:
+    """What the artifacts are judged against instead of an fp64 copy of the exported model itself (an fp64 copy
+    of ``model`` is run on the example inputs), and how the round-trip check names it."""
+
+    model: nn.Module
+    against: str
+
+
+@dataclass
 class WriteContext:
     """What every writer gets: the fused model made plain, its example inputs and the export options."""
 
@@ -140,6 +150,7 @@ class WriteContext:
     # The torch.export program of ``export_model`` on ``args`` with ``dynamic_shapes``, made once for every writer.
     program: Optional["torch.export.ExportedProgram"] = None
     static_batch: Optional[int] = None  # the one batch size every artifact is built for (None: any)
+    reference: Optional[ExactReference] = None  # None: artifacts are judged against an fp64 copy of ``model``
 
     @property
     def export_model(self) -> nn.Module:

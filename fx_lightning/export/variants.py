@@ -26,7 +26,7 @@ from fx_lightning.errors import first_line
 from fx_lightning.export.atomic import list_files
 from fx_lightning.export.base import Format, FormatEntry, VariantRequest
 from fx_lightning.export.formats import FORMATS
-from fx_lightning.export.manifest import Manifest, VariantOutcome, file_infos
+from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome, file_infos
 from fx_lightning.export.writer import make_context, require_formats
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
@@ -50,16 +50,17 @@ def torch_variant_formats(config: FuseConfig, precision: str) -> List[str]:
 
 
 def add_variant(root: Path, manifest: Manifest, name: str, module: nn.Module, example_inputs: tuple,
-                config: FuseConfig, gate: Gate, imports: Sequence[str] = (),
-                notes: Sequence[Note] = ()) -> Tuple[Manifest, List[VariantOutcome]]:
+                config: FuseConfig, gate: Gate, imports: Sequence[str] = (), notes: Sequence[Note] = (),
+                preprocess: Optional[Preprocess] = None) -> Tuple[Manifest, List[VariantOutcome]]:
     """Write ``module`` as variant ``name`` in :func:`torch_variant_formats`, gate each artifact loaded back,
     keep those that pass. Returns the manifest with the kept entries, their files and every outcome recorded,
     and the outcomes (an artifact that cannot be written, loaded or run has an ``error`` and no gate).
     ``imports``: modules a process must import to load the variant (the ones that register its ops); ``notes``:
-    how the variant was made (recorded with each outcome)."""
+    how the variant was made (recorded with each outcome); ``preprocess``: the raw-input prologue the fp32
+    artifacts have, spliced in front of ``module`` too (``example_inputs`` are then raw inputs)."""
     formats = [FORMATS[f] for f in torch_variant_formats(config, name)]
     require_formats(formats)
-    ctx = make_context(module, example_inputs, config)
+    ctx = make_context(module, example_inputs, config, preprocess=preprocess)
 
     def write(fmt: Format) -> FormatEntry:
         entry = fmt.write(root / name, ctx)

@@ -32,12 +32,14 @@ from fx_lightning.batches import (
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
 from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
-from fx_lightning.export.base import FUSED_CLASS_NAME, Format, FormatEntry, RoundTrip, WriteContext
+from fx_lightning.export.base import FUSED_CLASS_NAME, ExactReference, Format, FormatEntry, RoundTrip, WriteContext
 from fx_lightning.export.formats import FORMATS
+from fx_lightning.export.prologue import with_prologue
 from fx_lightning.export.manifest import (
     MANIFEST_NAME,
     CheckInfo,
     Manifest,
+    Preprocess,
     file_infos,
     new_manifest,
     readme_text,
@@ -124,9 +126,11 @@ def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: 
     return manifest
 
 
-def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path) -> WriteContext:
+def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path, *,
+                   preprocess: Optional[Preprocess] = None, reference: Optional[ExactReference] = None) -> WriteContext:
     """Everything that can be checked before writing: the model and inputs, the formats' dependencies, and
-    whether ``final`` may be replaced. Returns the context every writer gets. Raises :class:`ExportError`."""
+    whether ``final`` may be replaced. Returns the context every writer gets (``preprocess`` and ``reference``:
+    see :func:`make_context`). Raises :class:`ExportError`."""
     if not isinstance(graph_module, nn.Module):
         raise ExportError(f"export_fused() takes the fused nn.Module, got {type(graph_module).__name__}.")
     if example_inputs is None:
@@ -138,7 +142,7 @@ def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseCon
     require_formats(formats)
     refuse_existing(final, config.export.overwrite)
     try:
-        return make_context(graph_module, args, config)
+        return make_context(graph_module, args, config, preprocess=preprocess, reference=reference)
     except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take: the export's condition
         raise ExportError(exc.message) from exc
 
@@ -229,14 +233,20 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
 # --------------------------------------------------------------------------------------- normalising
 
 
-def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig) -> WriteContext:
+def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig, *,
+                 preprocess: Optional[Preprocess] = None, reference: Optional[ExactReference] = None) -> WriteContext:
     """The plain fused model, the example inputs and the batch axis every writer uses. With
     ``export.dynamic_batch`` the batch axis is dynamic when torch.export can capture it so; a model that fixes
     its batch size (an ensemble that reshapes to the batch it was built for, say) is exported for the data's
-    batch size instead, and a note says why (``load_fused`` runs other sizes as pieces of it)."""
+    batch size instead, and a note says why (``load_fused`` runs other sizes as pieces of it). ``preprocess``:
+    the raw-input prologue spliced in front of the model, one graph for every writer (``example_inputs`` are then
+    raw inputs); ``reference``: what the artifacts are judged against (None: an fp64 copy of the model)."""
     plain = plain_graph_module(graph_module, FUSED_CLASS_NAME)
+    if preprocess is not None:
+        plain = with_prologue(plain, preprocess)
     ctx = WriteContext(plain, tuple(example_inputs), None, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
-                       onnx_opset=config.export.onnx_opset, aoti_batch_sizes=list(config.export.aoti_batch_sizes))
+                       onnx_opset=config.export.onnx_opset, aoti_batch_sizes=list(config.export.aoti_batch_sizes),
+                       reference=reference)
     batch = batch_size_of(ctx.args)
     if batch == 0:
         raise ExportError("example_inputs: a tensor argument has batch size 0; give at least one sample.")
@@ -284,16 +294,22 @@ def _outputs(model: nn.Module, args: Tuple[Any, ...]) -> List[torch.Tensor]:
         return flat_tensors(model(*args))
 
 
+# What artifacts are judged against by default (WriteContext.reference: something else).
+FUSED_FP64 = "an fp64 copy of the fused model"
+
+
 @dataclass
 class Reference:
-    """What every artifact is judged against: an fp64 copy of the fused model (on the example batch, batch 1,
-    and each batch size an AOTInductor package is built for), and the fused model's own error against it.
-    Another runtime's kernels (ONNX Runtime, Inductor) round differently, so an artifact passes when its error
-    is of the order of the fused model's own (:func:`~fx_lightning.parity.compare.rounding_tolerance`)."""
+    """What every artifact is judged against: an fp64 copy of the fused model, or of ``WriteContext.reference``
+    (on the example batch, batch 1, and each batch size an AOTInductor package is built for), and the fused
+    model's own error against it. Another runtime's kernels (ONNX Runtime, Inductor) round differently, so an
+    artifact passes when its error is of the order of the fused model's own
+    (:func:`~fx_lightning.parity.compare.rounding_tolerance`)."""
 
     batches: List[Tuple[Any, ...]]
     exact: List[List[torch.Tensor]]
     fused_error: float
+    against: str = FUSED_FP64
 
     def for_batch_size(self, size: int) -> Tuple[Tuple[Any, ...], List[torch.Tensor]]:
         """The example batch of ``size`` samples and its reference outputs."""
@@ -306,14 +322,15 @@ def _reference(ctx: WriteContext) -> Reference:
     batches += [with_batch_size(ctx.args, n) for n in ctx.aoti_batch_sizes if n not in sizes]
     fused = [_outputs(ctx.model, b) for b in batches]
     try:  # the fp64 copy is made, used and freed here: no second copy of the model lives through the export
-        exact_model = copy.deepcopy(ctx.model).double()
+        exact_model = copy.deepcopy(ctx.reference.model if ctx.reference is not None else ctx.model).double()
         exact = [[_as_double(t) for t in _outputs(exact_model, map_tensors(_as_double, b))] for b in batches]
         del exact_model
     except RuntimeError:  # no fp64 kernel for some op: judge against the fused model itself
         exact = [[_as_double(t) for t in out] for out in fused]
     errors = [relative_error(f.double(), e) for out, ex in zip(fused, exact) for f, e in zip(out, ex)
               if e.is_floating_point() and not is_discrete(f)]  # a discrete output flips, it has no error scale
-    return Reference(batches, exact, max(errors, default=0.0))
+    return Reference(batches, exact, max(errors, default=0.0),
+                     ctx.reference.against if ctx.reference is not None else FUSED_FP64)
 
 
 def _as_double(t: torch.Tensor) -> torch.Tensor:
@@ -383,8 +400,9 @@ def _check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: 
         if not comparison.passed:
             raise ExportError(
                 f"the loaded model disagrees with the fused model on batch size {size}: "
-                f"{comparison.describe()}, against an fp64 copy of the fused model, where the fused model itself "
+                f"{comparison.describe()}, against {reference.against}, where the fused model itself "
                 f"is at {reference.fused_error:.1e}."
             )
         worst, tolerance = max(worst, comparison.relative_error), max(tolerance, comparison.tolerance)
-    return RoundTrip(True, None, [int(s) for s in sizes if s is not None], worst, reference.fused_error, tolerance)
+    return RoundTrip(True, None, [int(s) for s in sizes if s is not None], worst, reference.fused_error, tolerance,
+                     reference.against)

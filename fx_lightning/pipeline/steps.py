@@ -33,7 +33,6 @@ from fx_lightning.batches import (
     as_args,
     as_example_inputs,
     describe,
-    detached,
     extract_input,
     identity_rule,
     model_device_dtype,
@@ -52,7 +51,8 @@ from fx_lightning.errors import (
     TraceError,
     first_line,
 )
-from fx_lightning.export.manifest import Manifest, VariantOutcome
+from fx_lightning.export.input_contract import InputContract
+from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome
 from fx_lightning.export.selection import bench_export, select_fastest, with_selection
 from fx_lightning.export.variants import (
     add_format_variants,
@@ -66,6 +66,7 @@ from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes import PassContext, Stage, plan_passes, run_pass
+from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, target_example_inputs, whole_model_with
 from fx_lightning.provenance import Provenance, WeightsInfo
 
@@ -107,6 +108,7 @@ class Step(str, Enum):
     weights = "weights"
     export_directory = "export directory"
     export_dependencies = "export dependencies"
+    preprocess = "export.preprocess"  # the input normalisation to compile into the export, and where it came from
     parity_input = "parity input"  # the batches, and what the target receives from them
     capture = "capture"
     passes = "passes"
@@ -171,6 +173,7 @@ class Source:
     weights: Optional[WeightsInfo] = None
     checked: List[str] = field(default_factory=list)  # what loading proved (the preflight's checks)
     notes: List[Note] = field(default_factory=list)
+    contract: Optional[InputContract] = None  # export.preprocess/labels with what was found; None: the config's
 
 
 @dataclass
@@ -191,6 +194,7 @@ class Fused:
     # True: parity runs the whole model on ``data``; False: ``data`` is what the target itself received (recorded
     # while the LightningModule's own step ran), and parity compares the target alone.
     through_whole: bool = True
+    contract: InputContract = field(default_factory=InputContract)  # the prologue and labels to export
 
 
 @dataclass
@@ -248,11 +252,12 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         with in_step(Step.parity_input):
             calibration = _calibration_inputs(config, reference_whole, reference, source.batches.calibration or data,
                                               rule) if through_whole else list(data[:calibration_batch_count(config)])
-    notes = [*source.notes, *source.batches.notes, *data_notes, *input_notes]
+    contract = raw_input.contract_for(source.contract, config)
+    notes = [*source.notes, *source.batches.notes, *data_notes, *input_notes, *contract.notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
     return Fused(path, result, reference, reference_whole, whole_model_with(reference_whole, path, result.graph_module),
-                 target_inputs, data, rule, data_source, calibration, notes, through_whole)
+                 target_inputs, data, rule, data_source, calibration, notes, through_whole, contract)
 
 
 def _parity_data(config: FuseConfig, batches: Batches,
@@ -361,13 +366,16 @@ def measure(fused: Fused, config: FuseConfig) -> Optional[ParityState]:
         _, dtype = model_device_dtype(fused.reference_whole)
         precise = copy.deepcopy(fused.reference).double() if dtype in _LOW_PRECISION else None
         whole = bool(fused.target) and fused.through_whole
-        return measure_parity(
+        state = measure_parity(
             fused.reference, fused.result.graph_module, fused.data, config.parity,
             whole_reference=fused.reference_whole if whole else None,
             whole_candidate=fused.fused_model if whole else None,
             input_rule=fused.input_rule, label_rule=None if fused.through_whole else _no_labels,
             source=fused.source, precise_reference=precise,
         )
+        raw_path = raw_input.measure_raw_path(fused)  # with a prologue: the batches as raw pixels, too
+        state.notes += [raw_path] if raw_path is not None else []
+        return state
 
 
 def _no_labels(_: Any) -> None:
@@ -380,7 +388,7 @@ def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityRe
     if state is None:
         return None
     with in_step(Step.parity):
-        return judge_parity(state, config.parity)
+        return raw_input.judge_raw_path(judge_parity(state, config.parity))
 
 
 # --------------------------------------------------------------------------------------------- export
@@ -400,9 +408,12 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
         config = dataclasses.replace(config, export=dataclasses.replace(
             config.export, on_format_failure=FormatFailure["raise"]))
     with in_step(Step.export):
-        ctx = prepare_export(fused.result.graph_module, tuple(detached(fused.example_inputs)), config, directory)
+        example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
+        ctx = prepare_export(fused.result.graph_module, example, config, directory,
+                             preprocess=fused.contract.preprocess, reference=reference)
 
     def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
+        manifest = raw_input.with_contract(manifest, fused.contract)
         manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal)
         if config.export.select is Selection.fastest:
             manifest = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal)
@@ -436,10 +447,13 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
         gate_config = dataclasses.replace(config.parity, min_cosine=options.min_cosine,
                                           min_top1_agreement=options.min_top1_agreement,
                                           max_accuracy_drop=options.max_accuracy_drop)
-        key = f"passes.{spec.name}"
+        key, preprocess = f"passes.{spec.name}", fused.contract.preprocess
 
         def gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
             return _gate_variant(fused, loaded, gate_config, key)
+
+        def artifact_gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
+            return _gate_variant(fused, loaded, gate_config, key, preprocess)  # it takes raw pixels (the prologue)
 
         outcomes: List[VariantOutcome] = []
         if torch_variant_formats(config, precision):
@@ -450,11 +464,13 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
             else:
                 with in_step(Step.variants):
                     manifest, made_outcomes = add_variant(
-                        staging, manifest, made.variant_name, made.variant, tuple(fused.example_inputs or ()),
-                        config, gate, imports=made.variant_imports, notes=made.variant_notes)
+                        staging, manifest, made.variant_name, made.variant,
+                        raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
+                        imports=made.variant_imports, notes=made.variant_notes, preprocess=preprocess)
                 outcomes += made_outcomes
         with in_step(Step.variants):
-            manifest, format_outcomes = add_format_variants(staging, manifest, precision, fused.calibration, gate)
+            manifest, format_outcomes = add_format_variants(
+                staging, manifest, precision, raw_input.raw_calibration(fused.calibration, preprocess), artifact_gate)
         outcomes += format_outcomes
         broken = next((o for o in outcomes if o.error is not None), None)
         if rehearsal and broken is not None:
@@ -519,12 +535,16 @@ def _rounded(value: Optional[float]) -> Optional[float]:
     return None if value is None else round(float(value), 4)
 
 
-def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str) -> ParityReport:
-    """A lossy variant against the fp32 fused model on the parity batches: cosine, top-1 agreement, accuracy drop."""
+def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str,
+                  preprocess: Optional[Preprocess] = None) -> ParityReport:
+    """A lossy variant against the fp32 fused model on the parity batches: cosine, top-1 agreement, accuracy drop.
+    ``preprocess``: ``loaded`` takes raw pixels (an artifact with the prologue)."""
     through = bool(fused.target) and fused.through_whole
+    reference, loaded = raw_input.variant_gate_models(fused.result.graph_module, loaded, preprocess)
     whole = whole_model_with(fused.fused_model, fused.target, loaded) if through else loaded
-    state = measure_parity(fused.result.graph_module, loaded, fused.data, config,
-                           whole_reference=fused.fused_model if through else None,
+    whole_reference = fused.fused_model if preprocess is None else whole_model_with(fused.fused_model, fused.target,
+                                                                                    reference)
+    state = measure_parity(reference, loaded, fused.data, config, whole_reference=whole_reference if through else None,
                            whole_candidate=whole if through else None, input_rule=fused.input_rule,
                            label_rule=None if fused.through_whole else _no_labels, source=fused.source, nested=False)
     return judge_parity(state, config, lossy=True, config_key=config_key)
@@ -539,7 +559,8 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     rounds, warmup, finalists = (1, 0, 0) if rehearsal else (15, 3, 3)
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
-                             baselines={"eager": fused.reference}, rounds=rounds, warmup=warmup,
+                             baselines={"eager": raw_input.eager_baseline(fused.reference, fused.contract.preprocess)},
+                             rounds=rounds, warmup=warmup,
                              own_process_finalists=finalists)
         selected = select_fastest(table, size, config.export.select_traffic)
         if rehearsal and selected is None:
