@@ -330,6 +330,26 @@ def test_a_manifest_that_disagrees_with_the_artifact_is_refused(two_io, tmp_path
         write_triton_repository(export, tmp_path / "repo", formats=["onnx"])
 
 
+class WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.fc(x)
+        return y, y.sum()
+
+
+def test_a_scalar_output_is_refused_since_triton_cannot_state_it(tmp_path):
+    outcome = fuse_and_export(WithScalar().eval(), tmp_path / "exp", example_inputs=torch.randn(4, 5),
+                              config=_config([ExportFormat.onnx]))
+    with pytest.raises(ExportError, match=r"nothing Triton can serve: onnx: 'output_1' is a scalar"):
+        write_triton_repository(outcome.export_dir, tmp_path / "repo")
+    with pytest.raises(ExportError, match=r"onnx cannot be served by Triton: 'output_1' is a scalar"):
+        write_triton_repository(outcome.export_dir, tmp_path / "repo", formats=["onnx"])
+    assert not (tmp_path / "repo").exists()
+
+
 def test_an_unknown_torch_dtype_has_no_triton_type():
     assert triton_dtype("bfloat16", "x") == "TYPE_BF16" and triton_dtype("bool", "x") == "TYPE_BOOL"
     with pytest.raises(ExportError, match=r"input 'x': dtype 'qint8' has no Triton data type; allowed: .*uint8"):

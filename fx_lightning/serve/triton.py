@@ -260,8 +260,8 @@ def write_triton_repository(
     root, out = Path(export_dir), Path(out_dir)
     manifest = read_manifest(root)
     models, skipped = plan_repository(root, manifest, out, options)
-    out.mkdir(parents=True, exist_ok=True)
     _refuse_existing(models, options.overwrite)
+    out.mkdir(parents=True, exist_ok=True)
     for model in models:
         _write_model(root, manifest, model)
         log.info("triton: wrote %s (%s backend, max_batch_size %d)", model.directory, model.backend,
@@ -288,9 +288,8 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
         try:
             models.append(_plan_model(root, manifest, entry_name, entry, out / f"{base}_{entry_name}", options))
         except NotServable as exc:
-            if options.formats is not None:
-                raise ConfigError(f"triton formats: {entry_name!r} cannot be served by Triton: {exc}; allowed: "
-                                  f"{', '.join(_servable(manifest)) or 'none in this export'}.") from None
+            if options.formats is not None:  # asked for by name: refused, not skipped
+                raise ExportError(f"{root}: {entry_name} cannot be served by Triton: {exc}.") from None
             skipped.append(SkippedArtifact(entry_name, str(exc)))
     if not models:
         raise ExportError(
@@ -453,6 +452,9 @@ def _fixed_batch_reason(manifest: Manifest, entry: FormatEntry, tensors: List[Ar
 
 
 def _config_tensor(tensor: ArtifactTensor, spec: TensorSpec, batching: bool) -> TritonTensor:
+    if not tensor.shape:  # Triton wants dims, and refuses an empty reshape where it does not batch
+        raise NotServable(f"{tensor.name!r} is a scalar (no axes), which a Triton model that does not batch cannot "
+                          "state; return it with a batch axis")
     shape = tensor.shape[1:] if batching else tensor.shape
     dims = tuple(-1 if d is None else int(d) for d in shape)
     return TritonTensor(tensor.name, tensor.data_type, dims or (1,), () if not dims else None,
