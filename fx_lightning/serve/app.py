@@ -26,7 +26,7 @@ from litserve.utils import LitAPIStatus, ResponseBufferItem
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import first_line
 from fx_lightning.serve.contract import NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
-from fx_lightning.serve.server import SelfCheck, ServeOptions, StatusBoard, load_checked
+from fx_lightning.serve.artifact import SelfCheck, ServeOptions, StatusBoard, load_checked
 
 __all__ = ["ArtifactAPI", "ContractSpec", "make_server"]
 

@@ -13,108 +13,20 @@ self-check), ``GET /info`` (the manifest summary and the contract; LitServe's ow
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import signal
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
-
-from torch import nn
+from typing import Any, Dict, Optional
 
 from fx_lightning._imports import missing_modules
-from fx_lightning.errors import ConfigError, ExportError, first_line
-from fx_lightning.export.loader import load_artifact, selection_for
+from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import Manifest, read_manifest
-from fx_lightning.export.selection import check_saved
-from fx_lightning.export.writer import read_check_file
+from fx_lightning.serve.artifact import ServeOptions, StatusBoard, artifact_for
 from fx_lightning.serve.contract import Contract
 
-__all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "build_server", "serve",
-           "info_summary", "stop_on_sigterm"]
+__all__ = ["ServeOptions", "build_server", "serve", "info_summary", "stop_on_sigterm"]
 
 INSTALL_HINT = "pip install 'fx-lightning[serve]'"
-
-
-@dataclass
-class ServeOptions:
-    """The server's settings (the ``fx-lightning serve`` flags), checked in one place by :meth:`check`."""
-
-    format: Optional[str] = None  # None: the artifact the export selected for max_batch_size
-    max_batch_size: int = 8  # requests batched into one run (1: no batching)
-    batch_timeout: float = 0.005  # seconds a batch waits to fill
-    workers: int = 1
-    threads: Optional[int] = None  # per worker; None: the CPU cores / workers
-    max_request_batch: int = 64  # samples in one request
-    max_body_mb: float = 32.0
-    top_k: int = 5  # labels per row in a response, when the export has labels
-    timeout: float = 30.0  # seconds a request may wait in the queue
-
-    def check(self) -> None:
-        for key, minimum in (("max_batch_size", 1), ("workers", 1), ("max_request_batch", 1), ("top_k", 0)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"serve {key}: {value!r}; allowed: an integer >= {minimum}.")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ConfigError(f"serve threads: {self.threads!r}; allowed: an integer >= 1, or None for the cores "
-                              "per worker.")
-        for key in ("batch_timeout", "max_body_mb", "timeout"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or value < 0 or (key != "batch_timeout" and value == 0):
-                raise ConfigError(f"serve {key}: {value!r}; allowed: a number > 0"
-                                  + (" (or 0: run what has arrived)" if key == "batch_timeout" else "") + ".")
-
-    @property
-    def max_body_bytes(self) -> int:
-        return int(self.max_body_mb * (1 << 20))
-
-    def threads_per_worker(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
-
-
-@dataclass
-class SelfCheck:
-    """A worker's artifact: which one, and whether it loaded, matched its sha256 and passed on ``check.pt``."""
-
-    ready: bool
-    artifact: str = ""
-    runtime: str = ""
-    relative_error: Optional[float] = None
-    reason: str = ""
-
-
-def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, SelfCheck]:
-    """The artifact to serve, loaded (sha256 checked) and run on ``check.pt``; raises ExportError when it cannot
-    be served, with the reason."""
-    root = Path(directory)
-    manifest = read_manifest(root)
-    name, runtime = artifact_for(manifest, options)
-    module = load_artifact(root, manifest, name, verify=True, device="cpu", runtime=runtime)
-    saved = read_check_file(root)
-    if saved is None:
-        return module, SelfCheck(True, name, runtime, reason="no check.pt: loaded, not checked")
-    entry = manifest.formats[name]
-    check = check_saved(module, saved, lossy=entry.variant is not None)
-    if not check.passed:
-        raise ExportError(f"{root / entry.path}: the {name} artifact failed its self-check on check.pt: "
-                          f"{check.reason}")
-    return module, SelfCheck(True, name, runtime, check.relative_error, check.reason or "")
-
-
-def artifact_for(manifest: Manifest, options: ServeOptions) -> Tuple[str, str]:
-    """The format (or variant) and runtime settings to serve: ``options.format``, else the export's selection
-    for the batch size the server forms and the traffic batching makes, else the first format available."""
-    if options.format is not None:
-        return options.format, ""
-    traffic = "back_to_back" if options.max_batch_size > 1 else None
-    pick = selection_for(manifest, options.max_batch_size, traffic)
-    if pick is not None:
-        return pick.format, pick.runtime
-    available = list(manifest.formats)
-    if not available:
-        raise ExportError("the manifest lists no formats")
-    return ("pt2" if "pt2" in available else available[0]), ""
 
 
 def info_summary(directory: Any, manifest: Manifest, contract: Contract, options: ServeOptions) -> Dict[str, object]:
@@ -135,27 +47,6 @@ def info_summary(directory: Any, manifest: Manifest, contract: Contract, options
         "versions": manifest.versions,
         "options": dataclasses.asdict(options),
     }
-
-
-class StatusBoard:
-    """Each worker's :class:`SelfCheck`, written as a file the HTTP process reads (they are separate processes)."""
-
-    def __init__(self, directory: Path, workers: int) -> None:
-        self.directory, self.workers = directory, workers
-
-    def write(self, worker: str, status: SelfCheck) -> None:
-        path = self.directory / f"worker-{worker}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(dataclasses.asdict(status)), encoding="utf-8")
-        os.replace(path.with_suffix(".tmp"), path)
-
-    def read(self) -> Tuple[bool, List[SelfCheck]]:
-        statuses = []
-        for path in sorted(self.directory.glob("worker-*.json")):
-            try:
-                statuses.append(SelfCheck(**json.loads(path.read_text(encoding="utf-8"))))
-            except (OSError, ValueError, TypeError):
-                continue  # being replaced: read again next time
-        return len(statuses) >= self.workers and all(s.ready for s in statuses), statuses
 
 
 def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
