@@ -312,3 +312,66 @@ def test_bad_options_are_refused_before_any_process_starts(tmp_path: Path) -> No
     with pytest.raises(ExportError, match="format 'onnx' was not exported"):
         build_server(directory, ServeOptions(format="onnx"))
     shutil.rmtree(directory)
+
+
+# --------------------------------------------------------------------------- raw pixels (export.preprocess)
+
+MEAN, STD = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
+
+
+def _normalised(raw_nhwc: torch.Tensor) -> torch.Tensor:
+    """The training-time normalisation, written here independently of the export's prologue, in fp64."""
+    x = raw_nhwc.permute(0, 3, 1, 2).double() / 255.0
+    return (x - torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)) / torch.tensor(
+        STD, dtype=torch.float64).view(1, 3, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def served_pixels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Any]]:
+    """A classifier exported with the normalisation compiled in (uint8 NHWC pixels) and class names."""
+    tmp = tmp_path_factory.mktemp("pixels")
+    torch.manual_seed(0)
+    model = TwoHeads().eval()
+    cfg = FuseConfig()
+    cfg.export.formats = [ExportFormat.pt2]
+    cfg.export.preprocess.enabled = True
+    cfg.export.preprocess.mean, cfg.export.preprocess.std = MEAN, STD
+    cfg.export.preprocess.layout = type(cfg.export.preprocess.layout)["NHWC"]
+    cfg.export.labels = ["ant", "bee", "cat", "dog", "eel"]
+    g = torch.Generator().manual_seed(2)
+    raw = [torch.randint(0, 256, (6, 12, 12, 3), generator=g, dtype=torch.uint8) for _ in range(2)]
+    fuse_and_export(model, tmp / "export", batches=[_normalised(r).float() for r in raw], config=cfg)
+    with running_server(tmp / "export", tmp) as url:
+        yield {"url": url, "model": model, "dir": tmp / "export"}
+
+
+def test_raw_pixel_requests_answer_as_the_training_normalisation_path(served_pixels: Dict[str, Any]) -> None:
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (4, 12, 12, 3), generator=g, dtype=torch.uint8)
+    reference = reference_fp64(served_pixels["model"], _normalised(raw))  # fp64 model on fp64-normalised pixels
+    status, answer = post(served_pixels["url"], as_npy(raw.numpy()), "application/x-npy")
+    assert status == 200, answer
+    got = _outputs(answer)
+    assert [tuple(t.shape) for t in got] == [(4, 5), (4, 8)]
+    for out, ref in zip(got, reference):
+        assert rel_err(out, ref) < 1e-5
+    labels = ["ant", "bee", "cat", "dog", "eel"]
+    for i in range(2):  # the same pixels as a PNG: one sample, its top-k named
+        buffer = io.BytesIO()
+        Image.fromarray(raw[i].numpy(), "RGB").save(buffer, format="PNG")
+        status, answer = post(served_pixels["url"], buffer.getvalue(), "image/png")
+        assert status == 200, answer
+        data = json.loads(answer)
+        assert rel_err(torch.tensor(data["outputs"][0]), reference[0][i]) < 1e-5
+        best = int(reference[0][i].argmax())
+        assert data["top_k"][0]["label"] == labels[best] and len(data["top_k"]) == 5
+    status, answer = post(served_pixels["url"], _png(13, 12), "image/png")  # an image of the wrong size
+    assert status == 422 and "13x12" in json.loads(answer)["error"] and "12x12" in json.loads(answer)["error"]
+    status, answer = post(served_pixels["url"], as_npy(raw.numpy().astype(np.float32)), "application/x-npy")
+    assert status == 422 and "uint8" in json.loads(answer)["error"]
+    status, body = get(f"{served_pixels['url']}/info")
+    contract = json.loads(body)["model"]["contract"]
+    assert contract["inputs"][0]["dtype"] == "uint8" and contract["inputs"][0]["shape"] == ["batch", 12, 12, 3]
+    assert contract["preprocess"]["mean"] == MEAN and contract["image"] == {"height": 12, "width": 12, "channels": 3}
