@@ -55,16 +55,16 @@ class Prologue(nn.Module):
         return x if self.dtype == torch.float32 else x.to(self.dtype)
 
 
-def with_prologue(model: fx.GraphModule, preprocess: Preprocess) -> fx.GraphModule:
-    """One GraphModule: the prologue's nodes, then ``model``'s graph reading their output where it read its input.
-    ``model`` (one placeholder: checked by :func:`check_prologue_input` on its inputs) is not changed; its
-    weights are shared."""
+def with_prologue(model: fx.GraphModule, preprocess: Preprocess, dtype: torch.dtype = torch.float32) -> fx.GraphModule:
+    """One GraphModule: the prologue's nodes, then ``model``'s graph reading their output where it read its input
+    (``dtype``: the dtype ``model`` takes its input in). ``model`` (one placeholder: checked by
+    :func:`check_prologue_input` on its inputs) is not changed; its weights are shared."""
     placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise ConfigError(f"export.preprocess: the prologue takes one image input; the fused model takes "
                           f"{len(placeholders)} ({', '.join(p.name for p in placeholders)}).")
-    device, dtype = model_device_dtype(model)
-    prologue = fx.symbolic_trace(Prologue(preprocess, dtype or torch.float32).to(device or "cpu"))
+    device, _ = model_device_dtype(model)
+    prologue = fx.symbolic_trace(Prologue(preprocess, dtype).to(device or "cpu"))
     graph = fx.Graph()
     raw = graph.placeholder(placeholders[0].name)  # the client's input keeps the model input's name
     raw.meta = {}

@@ -51,16 +51,18 @@ def torch_variant_formats(config: FuseConfig, precision: str) -> List[str]:
 
 def add_variant(root: Path, manifest: Manifest, name: str, module: nn.Module, example_inputs: tuple,
                 config: FuseConfig, gate: Gate, imports: Sequence[str] = (), notes: Sequence[Note] = (),
-                preprocess: Optional[Preprocess] = None) -> Tuple[Manifest, List[VariantOutcome]]:
+                preprocess: Optional[Preprocess] = None,
+                normalised_dtype: torch.dtype = torch.float32) -> Tuple[Manifest, List[VariantOutcome]]:
     """Write ``module`` as variant ``name`` in :func:`torch_variant_formats`, gate each artifact loaded back,
     keep those that pass. Returns the manifest with the kept entries, their files and every outcome recorded,
     and the outcomes (an artifact that cannot be written, loaded or run has an ``error`` and no gate).
     ``imports``: modules a process must import to load the variant (the ones that register its ops); ``notes``:
     how the variant was made (recorded with each outcome); ``preprocess``: the raw-input prologue the fp32
-    artifacts have, spliced in front of ``module`` too (``example_inputs`` are then raw inputs)."""
+    artifacts have, spliced in front of ``module`` too (``example_inputs`` are then raw inputs; ``normalised_dtype``:
+    the dtype ``module`` takes its input in)."""
     formats = [FORMATS[f] for f in torch_variant_formats(config, name)]
     require_formats(formats)
-    ctx = make_context(module, example_inputs, config, preprocess=preprocess)
+    ctx = make_context(module, example_inputs, config, preprocess=preprocess, normalised_dtype=normalised_dtype)
 
     def write(fmt: Format) -> FormatEntry:
         entry = fmt.write(root / name, ctx)

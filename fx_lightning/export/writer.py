@@ -127,10 +127,11 @@ def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: 
 
 
 def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path, *,
-                   preprocess: Optional[Preprocess] = None, reference: Optional[ExactReference] = None) -> WriteContext:
+                   preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
+                   reference: Optional[ExactReference] = None) -> WriteContext:
     """Everything that can be checked before writing: the model and inputs, the formats' dependencies, and
-    whether ``final`` may be replaced. Returns the context every writer gets (``preprocess`` and ``reference``:
-    see :func:`make_context`). Raises :class:`ExportError`."""
+    whether ``final`` may be replaced. Returns the context every writer gets (``preprocess``, ``normalised_dtype``
+    and ``reference``: see :func:`make_context`). Raises :class:`ExportError`."""
     if not isinstance(graph_module, nn.Module):
         raise ExportError(f"export_fused() takes the fused nn.Module, got {type(graph_module).__name__}.")
     if example_inputs is None:
@@ -142,7 +143,8 @@ def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseCon
     require_formats(formats)
     refuse_existing(final, config.export.overwrite)
     try:
-        return make_context(graph_module, args, config, preprocess=preprocess, reference=reference)
+        return make_context(graph_module, args, config, preprocess=preprocess, normalised_dtype=normalised_dtype,
+                            reference=reference)
     except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take: the export's condition
         raise ExportError(exc.message) from exc
 
@@ -234,16 +236,18 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
 
 
 def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig, *,
-                 preprocess: Optional[Preprocess] = None, reference: Optional[ExactReference] = None) -> WriteContext:
+                 preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
+                 reference: Optional[ExactReference] = None) -> WriteContext:
     """The plain fused model, the example inputs and the batch axis every writer uses. With
     ``export.dynamic_batch`` the batch axis is dynamic when torch.export can capture it so; a model that fixes
     its batch size (an ensemble that reshapes to the batch it was built for, say) is exported for the data's
     batch size instead, and a note says why (``load_fused`` runs other sizes as pieces of it). ``preprocess``:
     the raw-input prologue spliced in front of the model, one graph for every writer (``example_inputs`` are then
-    raw inputs); ``reference``: what the artifacts are judged against (None: an fp64 copy of the model)."""
+    raw inputs; ``normalised_dtype``: the dtype the model takes its input in); ``reference``: what the artifacts
+    are judged against (None: an fp64 copy of the model)."""
     plain = plain_graph_module(graph_module, FUSED_CLASS_NAME)
     if preprocess is not None:
-        plain = with_prologue(plain, preprocess)
+        plain = with_prologue(plain, preprocess, normalised_dtype)
     ctx = WriteContext(plain, tuple(example_inputs), None, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
                        onnx_opset=config.export.onnx_opset, aoti_batch_sizes=list(config.export.aoti_batch_sizes),
                        reference=reference)

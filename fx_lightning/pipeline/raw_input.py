@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from fx_lightning.batches import as_args, detached, extract_input, model_device_dtype, to_model
@@ -28,7 +29,7 @@ from fx_lightning.pipeline.targets import target_example_inputs
 
 __all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "contract_for", "export_inputs",
            "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models", "raw_calibration",
-           "eager_baseline", "example_raw"]
+           "eager_baseline", "example_raw", "normalised_dtype"]
 
 _PATH = ("{batches} parity batch(es) sent as raw {input_dtype} {layout} {channel_order} pixels through the exported "
          "graph (prologue + fused) against fp64 normalisation + the original model: relative error "
@@ -66,7 +67,8 @@ def measure_raw_path(fused: Any) -> Optional[Note]:
     if preprocess is None:
         return None
     raw = [raw_args(inputs, preprocess)[0] for inputs in _target_inputs(fused, preprocess)]
-    exported = with_prologue(plain_graph_module(fused.result.graph_module, FUSED_CLASS_NAME), preprocess)
+    exported = with_prologue(plain_graph_module(fused.result.graph_module, FUSED_CLASS_NAME), preprocess,
+                             normalised_dtype(fused))
     comparison = compare_raw_path(exported, fused.reference, raw, preprocess)
     facts = dict(batches=len(raw), input_dtype=preprocess.input_dtype, layout=preprocess.layout,
                  channel_order=preprocess.channel_order, relative_error=comparison.relative_error,
@@ -74,6 +76,12 @@ def measure_raw_path(fused: Any) -> Optional[Note]:
     if comparison.passed:
         return RAW_PATH_PASSED(**facts)
     return RAW_PATH_MISSED(failure=comparison.describe(), **facts)
+
+
+def normalised_dtype(fused: Any) -> torch.dtype:
+    """The dtype the fused target takes its (normalised) image in: the prologue's output dtype."""
+    first = (fused.example_inputs or (None,))[0]
+    return first.dtype if isinstance(first, torch.Tensor) and first.is_floating_point() else torch.float32
 
 
 def _target_inputs(fused: Any, preprocess: Preprocess) -> List[tuple]:

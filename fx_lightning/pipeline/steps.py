@@ -409,8 +409,8 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
             config.export, on_format_failure=FormatFailure["raise"]))
     with in_step(Step.export):
         example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
-        ctx = prepare_export(fused.result.graph_module, example, config, directory,
-                             preprocess=fused.contract.preprocess, reference=reference)
+        ctx = prepare_export(fused.result.graph_module, example, config, directory, preprocess=fused.contract.preprocess,
+                             normalised_dtype=raw_input.normalised_dtype(fused), reference=reference)
 
     def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
         manifest = raw_input.with_contract(manifest, fused.contract)
@@ -466,7 +466,8 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                     manifest, made_outcomes = add_variant(
                         staging, manifest, made.variant_name, made.variant,
                         raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
-                        imports=made.variant_imports, notes=made.variant_notes, preprocess=preprocess)
+                        imports=made.variant_imports, notes=made.variant_notes, preprocess=preprocess,
+                        normalised_dtype=raw_input.normalised_dtype(fused))
                 outcomes += made_outcomes
         with in_step(Step.variants):
             manifest, format_outcomes = add_format_variants(
