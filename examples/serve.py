@@ -25,7 +25,7 @@ from typing import Any, Dict, List
 import torch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32}
+           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 
 
 def load(directory: str, fmt: str | None = None) -> torch.nn.Module:
@@ -129,7 +129,8 @@ def random_inputs(manifest: Dict[str, Any], batch_size: int, seed: int = 0) -> L
             raise SystemExit(f"input {spec['name']!r} is not a tensor; pass --input")
         shape = [batch_size if d == "batch" else int(d) for d in spec["shape"]]
         dtype = _DTYPES.get(spec["dtype"], torch.float32)
-        x = torch.randn(shape, generator=g) if dtype.is_floating_point else torch.randint(0, 2, shape, generator=g)
+        high = 256 if dtype == torch.uint8 else 2  # uint8: raw pixels (export.preprocess)
+        x = torch.randn(shape, generator=g) if dtype.is_floating_point else torch.randint(0, high, shape, generator=g)
         xs.append(x.to(dtype))
     return xs
 

@@ -391,6 +391,18 @@ def test_a_wrong_channel_count_fails_before_training(tmp_path):
     assert model.training_steps == 0
 
 
+def test_the_selection_times_the_eager_baseline_on_the_same_raw_pixels(tmp_path):
+    pytest.importorskip("onnxruntime")
+    config = {"export": {"formats": ["pt2", "onnx"], "select": "fastest",
+                         "preprocess": {"enabled": True, "mean": MEAN, "std": STD}}}
+    outcome = fuse_and_export(_classifier(6), tmp_path / "e", batches=_normalised_batches(2, 4), config=config)
+    bench = read_manifest(outcome.export_dir).bench
+    assert bench is not None and all(check.passed for check in bench.checks.values()), bench.checks
+    assert {t.artifact for t in bench.timings} >= {"eager", "pt2", "onnx"}  # eager ran on check.pt's uint8 pixels
+    assert not [f for f in bench.failures if f.artifact == "eager"]
+    assert read_manifest(outcome.export_dir).selected is not None
+
+
 # ------------------------------------------------------------------------------------ (d) the lossy variants
 
 

@@ -63,11 +63,13 @@ def with_prologue(model: fx.GraphModule, preprocess: Preprocess, dtype: torch.dt
     if len(placeholders) != 1:
         raise ConfigError(f"export.preprocess: the prologue takes one image input; the fused model takes "
                           f"{len(placeholders)} ({', '.join(p.name for p in placeholders)}).")
+    if any(hasattr(model, name) for name in (_MEAN, _STD)):
+        raise ConfigError(f"export.preprocess: the model has an attribute named {_MEAN} or {_STD}, which the "
+                          "prologue's buffers need.")
     device, _ = model_device_dtype(model)
     prologue = fx.symbolic_trace(Prologue(preprocess, dtype).to(device or "cpu"))
     graph = fx.Graph()
     raw = graph.placeholder(placeholders[0].name)  # the client's input keeps the model input's name
-    raw.meta = {}
     prologue_input = next(n for n in prologue.graph.nodes if n.op == "placeholder")
     normalised = graph.graph_copy(prologue.graph, {prologue_input: raw})
     output = graph.graph_copy(model.graph, {placeholders[0]: normalised})
@@ -77,9 +79,6 @@ def with_prologue(model: fx.GraphModule, preprocess: Preprocess, dtype: torch.dt
         if node.op in ("get_attr", "call_module"):
             owner = prologue if node.target in (_MEAN, _STD) else model
             attrs[str(node.target)] = functools.reduce(getattr, str(node.target).split("."), owner)
-    if any(hasattr(model, name) for name in (_MEAN, _STD)):
-        raise ConfigError(f"export.preprocess: the model has an attribute named {_MEAN} or {_STD}, which the "
-                          "prologue's buffers need.")
     spliced = fx.GraphModule(attrs, graph, class_name=type(model).__name__)
     spliced.eval()
     return spliced

@@ -10,7 +10,7 @@ variants are made and gated on raw pixels; the eager baseline timed beside the a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from fx_lightning.parity.raw_input import NormalisedReference, compare_raw_path
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.pipeline.targets import target_example_inputs
+
+if TYPE_CHECKING:  # steps imports this module
+    from fx_lightning.pipeline.steps import Fused
 
 __all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "contract_for", "export_inputs",
            "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models", "raw_calibration",
@@ -48,7 +51,7 @@ def contract_for(given: Optional[InputContract], config: FuseConfig) -> InputCon
                                                        "std)")
 
 
-def export_inputs(fused: Any) -> Tuple[tuple, Optional[ExactReference]]:
+def export_inputs(fused: "Fused") -> Tuple[tuple, Optional[ExactReference]]:
     """The example inputs the export traces and checks with (raw with a prologue), and what the artifacts are
     judged against (None: an fp64 copy of the fused model)."""
     example = tuple(detached(fused.example_inputs))
@@ -60,7 +63,7 @@ def export_inputs(fused: Any) -> Tuple[tuple, Optional[ExactReference]]:
                                                          RAW_REFERENCE)
 
 
-def measure_raw_path(fused: Any) -> Optional[Note]:
+def measure_raw_path(fused: "Fused") -> Optional[Note]:
     """Parity's batches as raw pixels: the exported graph (prologue + fused) against fp64 normalisation + the
     original model; the figure as a note (None: no prologue)."""
     preprocess = fused.contract.preprocess
@@ -78,13 +81,13 @@ def measure_raw_path(fused: Any) -> Optional[Note]:
     return RAW_PATH_MISSED(failure=comparison.describe(), **facts)
 
 
-def normalised_dtype(fused: Any) -> torch.dtype:
+def normalised_dtype(fused: "Fused") -> torch.dtype:
     """The dtype the fused target takes its (normalised) image in: the prologue's output dtype."""
     first = (fused.example_inputs or (None,))[0]
     return first.dtype if isinstance(first, torch.Tensor) and first.is_floating_point() else torch.float32
 
 
-def _target_inputs(fused: Any, preprocess: Preprocess) -> List[tuple]:
+def _target_inputs(fused: "Fused", preprocess: Preprocess) -> List[tuple]:
     """The target's inputs on each parity batch (each checked to fit the prologue)."""
     if not fused.through_whole:
         inputs = [tuple(d) for d in fused.data]
