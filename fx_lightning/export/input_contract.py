@@ -58,17 +58,17 @@ class InputContract:
 
 
 def resolve_input_contract(export: ExportConfig, found: Optional[Found] = None,
-                           where: str = "the datamodule's validation transform") -> InputContract:
-    """``export.preprocess`` and ``export.labels`` with what was ``found`` (None: nothing could be looked at, as
-    without Lightning). Raises ConfigError when the prologue is enabled without mean/std and none was found
-    (``where``: what was searched, for the message)."""
+                           searched: Optional[str] = None) -> InputContract:
+    """``export.preprocess`` and ``export.labels`` with what was ``found`` in ``searched`` (None: nothing could be
+    looked at, as without Lightning). Raises ConfigError when the prologue is enabled without mean/std and none
+    was found."""
     found = found or Found()
     contract = InputContract()
     if not export.enabled:
         return contract  # nothing is exported: no contract, nothing to propose
     cfg = export.preprocess
     if cfg.enabled:
-        contract.preprocess = _enabled_preprocess(export, found, where)
+        contract.preprocess = _enabled_preprocess(export, found, searched)
     elif found.preprocess is not None:
         contract.notes.append(PREPROCESS_PROPOSED(mean=tuple(found.preprocess.mean), std=tuple(found.preprocess.std),
                                                   source=found.preprocess.source))
@@ -79,15 +79,17 @@ def resolve_input_contract(export: ExportConfig, found: Optional[Found] = None,
     return contract
 
 
-def _enabled_preprocess(export: ExportConfig, found: Found, where: str) -> Preprocess:
+def _enabled_preprocess(export: ExportConfig, found: Found, searched: Optional[str]) -> Preprocess:
     cfg = export.preprocess
     fixed = dict(input_dtype=cfg.input_dtype.value, layout=cfg.layout.value, channel_order=cfg.channel_order.value)
     if cfg.mean is not None and cfg.std is not None:
         return Preprocess(list(cfg.mean), list(cfg.std), float(cfg.scale), source="config", **fixed)
     if found.preprocess is None:
+        where = (f"no Normalize(mean, std) was found in {searched}" if searched else
+                 "there is no datamodule here to find them in")
         raise ConfigError(
-            f"export.preprocess.enabled: true with mean: null and std: null, and no Normalize(mean, std) was found "
-            f"in {where}; set export.preprocess.mean and export.preprocess.std (one value per channel), or "
+            f"export.preprocess.enabled: true with mean: null and std: null, and {where}; set "
+            "export.preprocess.mean and export.preprocess.std (one value per channel), or "
             "export.preprocess.enabled: false.")
     # The transform's own scale (ToTensor: 1/255; Normalize after a plain float conversion: 1) comes with it.
     return Preprocess(list(found.preprocess.mean), list(found.preprocess.std), float(found.preprocess.scale),

@@ -47,8 +47,7 @@ def contract_for(given: Optional[InputContract], config: FuseConfig) -> InputCon
     """The source's contract, else the config's alone (without Lightning nothing is searched)."""
     if given is not None:
         return given
-    return resolve_input_contract(config.export, None, "nothing (no datamodule here: give export.preprocess.mean and "
-                                                       "std)")
+    return resolve_input_contract(config.export)
 
 
 def export_inputs(fused: "Fused") -> Tuple[tuple, Optional[ExactReference]]:
