@@ -375,3 +375,25 @@ def test_raw_pixel_requests_answer_as_the_training_normalisation_path(served_pix
     contract = json.loads(body)["model"]["contract"]
     assert contract["inputs"][0]["dtype"] == "uint8" and contract["inputs"][0]["shape"] == ["batch", 12, 12, 3]
     assert contract["preprocess"]["mean"] == MEAN and contract["image"] == {"height": 12, "width": 12, "channels": 3}
+
+
+def test_warm_up_runs_every_batch_size_the_batcher_forms() -> None:
+    """A runtime that compiles per shape (OpenVINO, Inductor) must not make the first request of each batch size
+    pay for it: the worker runs each size once before it reports ready."""
+    from fx_lightning.serve.artifact import warm_up
+
+    seen: List[int] = []
+
+    class Recorder(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.shape[0])
+            return x
+
+    assert warm_up(Recorder(), [torch.zeros(3, 2)], range(1, 9)) >= 0
+    assert seen == list(range(1, 9))
+
+
+def test_health_reports_the_warm_up(served: Dict[str, Any]) -> None:
+    status, body = get(f"{served['url']}/health")
+    worker = json.loads(body)["workers"][0]
+    assert status == 200 and worker["warmup_s"] > 0 and worker["artifact"] == "pt2"
