@@ -282,7 +282,7 @@ def run(concurrency: Sequence[int], requests: int, repeats: int, console: Any) -
     for repeat in range(repeats):
         for kind in (order if repeat % 2 == 0 else order[::-1]):
             port = free_port()
-            proc = start_server(kind, port, directory, RESULTS / f"http_serving_{kind}.log")
+            proc = start_server(kind, port, directory, RESULTS / "cache" / f"http_serving_{kind}.log")
             url = f"http://127.0.0.1:{port}"
             try:
                 wait_ready(url, proc)
