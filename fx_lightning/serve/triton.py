@@ -22,20 +22,21 @@ The config is written as protobuf text by hand: writing needs neither tritonclie
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import shlex
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.export.base import FormatEntry
 from fx_lightning.export.manifest import Manifest, TensorSpec, read_manifest, sha256_file, verify_files
+from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
+                                              TritonModel, TritonRepository, TritonTensor, config_text, describe,
+                                              readme_text)
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
@@ -60,12 +61,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
-# batches beyond a few samples add latency and little throughput, and OpenVINO's backend runs every batch padded
-# to max_batch_size (see _openvino_parameters).
-DEFAULT_MAX_BATCH_SIZE = 8
-# How long Triton's dynamic batcher holds a request for others to join it: 0.1 ms, against CPU runs of milliseconds.
-DEFAULT_MAX_QUEUE_DELAY_US = 100
 VERSION = "1"  # the model version directory every model's files go in
 
 # The torch dtype names a manifest records -> Triton's data types (model_config.proto's DataType).
@@ -144,65 +139,6 @@ def _check_int(key: str, value: object, minimum: int, optional: bool = False) ->
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"triton {key}: {value!r}; allowed: an integer >= {minimum}"
                           + (" or None" if optional else "") + ".")
-
-
-@dataclass(frozen=True)
-class TritonTensor:
-    """One input or output as the config states it. ``dims`` excludes the batch axis when the model batches
-    (-1: any size); ``reshape`` is the shape the model itself sees when that differs (a tensor with no axis but
-    the batch one is stated as ``dims: [1]``, reshaped to ``[]``, since Triton wants at least one dim).
-    ``manifest_name`` is the export's name for it where the artifact names it differently (OpenVINO names its
-    outputs after the operation that computed them)."""
-
-    name: str
-    data_type: str
-    dims: Tuple[int, ...]
-    reshape: Optional[Tuple[int, ...]] = None
-    manifest_name: Optional[str] = None
-    label_filename: Optional[str] = None
-
-
-@dataclass
-class TritonModel:
-    """One model of the repository: where it is, what it serves and how Triton is to run it."""
-
-    name: str
-    entry: str  # the manifest's format entry (onnx, onnx-int8, openvino...)
-    backend: str  # onnxruntime | openvino
-    directory: Path
-    files: List[str]  # under directory/VERSION
-    max_batch_size: int
-    inputs: List[TritonTensor]
-    outputs: List[TritonTensor]
-    instances: int = 1
-    dynamic_batching: bool = False
-    preferred_batch_sizes: List[int] = field(default_factory=list)
-    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US
-    parameters: Dict[str, str] = field(default_factory=dict)
-    notes: List[str] = field(default_factory=list)  # decisions a user should know (no batching, padding, precision)
-    labels: List[str] = field(default_factory=list)  # written to labels.txt, named by the first output
-
-
-@dataclass(frozen=True)
-class SkippedArtifact:
-    """An entry of the export that was not written, and why."""
-
-    entry: str
-    reason: str
-
-
-@dataclass
-class TritonRepository:
-    """What :func:`write_triton_repository` wrote."""
-
-    root: Path
-    models: List[TritonModel]
-    skipped: List[SkippedArtifact] = field(default_factory=list)
-    readme: Optional[Path] = None
-
-    @property
-    def directories(self) -> List[Path]:
-        return [m.directory for m in self.models]
 
 
 @dataclass(frozen=True)
@@ -614,158 +550,3 @@ def _replace_dir(staging: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, target)
-
-
-def config_text(model: TritonModel) -> str:
-    """The model's ``config.pbtxt``: protobuf text of Triton's ModelConfig, written without protobuf."""
-    lines = [f"name: {_quote(model.name)}", f"backend: {_quote(model.backend)}",
-             f"max_batch_size: {model.max_batch_size}"]
-    for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
-        lines.append(f"{kind} [")
-        lines.append(",\n".join(_tensor_text(t) for t in tensors))
-        lines.append("]")
-    lines += ["instance_group [", "  {", f"    count: {model.instances}", "    kind: KIND_CPU", "  }", "]"]
-    if model.dynamic_batching:
-        lines.append("dynamic_batching {")
-        lines += [f"  preferred_batch_size: {size}" for size in model.preferred_batch_sizes]
-        lines += [f"  max_queue_delay_microseconds: {model.max_queue_delay_us}", "}"]
-    for key, value in model.parameters.items():
-        lines.append(f"parameters {{ key: {_quote(key)} value: {{ string_value: {_quote(value)} }} }}")
-    return "\n".join(lines) + "\n"
-
-
-def _tensor_text(tensor: TritonTensor) -> str:
-    lines = ["  {", f"    name: {_quote(tensor.name)}", f"    data_type: {tensor.data_type}",
-             f"    dims: {_list_text(tensor.dims)}"]
-    if tensor.reshape is not None:
-        lines.append(f"    reshape: {{ shape: {_list_text(tensor.reshape)} }}")
-    if tensor.label_filename:
-        lines.append(f"    label_filename: {_quote(tensor.label_filename)}")
-    return "\n".join(lines + ["  }"])
-
-
-def _list_text(values: Sequence[int]) -> str:
-    return f"[ {', '.join(map(str, values))} ]" if values else "[ ]"
-
-
-def _quote(text: str) -> str:
-    """A protobuf text-format string literal (C escapes; other characters as UTF-8)."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-    return f'"{escaped}"'
-
-
-# --- README ------------------------------------------------------------------------------------------------------
-
-_V2_TYPES = {"TYPE_BOOL": "BOOL", "TYPE_STRING": "BYTES"}  # the rest: TYPE_X -> X
-
-
-def readme_text(models: Sequence[TritonModel], skipped: Sequence[SkippedArtifact], manifest: Manifest) -> str:
-    """The repository's README.md: how to start Triton on it and send each model a request."""
-    lines = [
-        "# Triton Inference Server model repository (written by fx-lightning)",
-        "",
-        "Start Triton on this directory, from this directory (pick a release for `<yy.mm>`; the `-py3` image has "
-        "the ONNX Runtime and OpenVINO backends):",
-        "",
-        "    docker run --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 -v \"$PWD\":/models \\",
-        "        nvcr.io/nvidia/tritonserver:<yy.mm>-py3 tritonserver --model-repository=/models",
-        "",
-        "or, where `tritonserver` is installed: `tritonserver --model-repository=$PWD`. Ready when "
-        "`curl -sf localhost:8000/v2/health/ready` succeeds.",
-        "",
-        "Each model's files were copied from the export and checked against its `manifest.json` sha256. They hold "
-        "no code: an ONNX graph, or OpenVINO's XML graph and raw weights.",
-        "",
-    ]
-    if manifest.selected is not None:
-        chosen = manifest.selected
-        lines += [f"On the machine that exported it, `fx-lightning bench` found `{chosen.format}` fastest at batch "
-                  f"{chosen.batch_size} ({chosen.median_ms:.3g} ms median, {chosen.traffic} traffic).", ""]
-    for model in models:
-        lines += _model_readme(model, manifest)
-    if skipped:
-        lines += ["## Not written", ""]
-        lines += [f"- `{s.entry}`: {s.reason}." for s in skipped]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _model_readme(model: TritonModel, manifest: Manifest) -> List[str]:
-    batch = (f"batches of up to {model.max_batch_size} (Triton's dynamic batcher joins requests)"
-             if model.max_batch_size else "no batching by Triton: each request holds the model's full shape")
-    lines = [f"## `{model.name}`", "", f"`{model.entry}` of the export, {model.backend} backend, {batch}.", ""]
-    lines += ["| | name | type | shape per request | export's name |", "|---|---|---|---|---|"]
-    for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
-        for t in tensors:
-            lines.append(f"| {kind} | `{t.name}` | {t.data_type} | {_request_shape(model, t)} | "
-                         f"{t.manifest_name or t.name} |")
-    lines.append("")
-    if manifest.preprocess is not None:
-        p = manifest.preprocess
-        lines += [f"The model normalises its input itself: send raw {p.input_dtype} pixels in {p.layout} layout, "
-                  f"{p.channel_order} channel order.", ""]
-    lines += [f"- {note}." for note in model.notes] + ([""] if model.notes else [])
-    lines += ["With `tritonclient` (`pip install 'tritonclient[http]'`):", "", "```python",
-              "import numpy as np", "import tritonclient.http as httpclient", "",
-              'client = httpclient.InferenceServerClient("localhost:8000")', "inputs = []"]
-    for t in model.inputs:
-        shape, dtype = _example_shape(model, t), _v2_type(t.data_type)
-        lines += [f"x = np.zeros({shape}, dtype={_numpy_type(t.data_type)!r})",
-                  f"inputs.append(httpclient.InferInput({t.name!r}, x.shape, {dtype!r}))",
-                  "inputs[-1].set_data_from_numpy(x)"]
-    lines += [f"result = client.infer({model.name!r}, inputs)"]
-    lines += [f"print(result.as_numpy({t.name!r}).shape)" for t in model.outputs]
-    lines += ["```", "", "With curl (the JSON body built by Python: a flat list of zeros per input):", "", "```sh",
-              f"python3 -c {shlex.quote(_json_body_program(model))} |",
-              f"  curl -s -X POST localhost:8000/v2/models/{model.name}/infer -H 'Content-Type: application/json' "
-              "-d @-", "```", ""]
-    return lines
-
-
-def _json_body_program(model: TritonModel) -> str:
-    """Python that prints a KServe v2 JSON request for ``model``: zeros of a shape each input may have."""
-    items = []
-    for t in model.inputs:
-        shape = _example_shape(model, t)
-        zero = "False" if t.data_type == "TYPE_BOOL" else "0"
-        items.append(f'{{"name": {json.dumps(t.name)}, "shape": {list(shape)}, "datatype": '
-                     f'{json.dumps(_v2_type(t.data_type))}, "data": [{zero}] * {_count(shape)}}}')
-    return f'import json; print(json.dumps({{"inputs": [{", ".join(items)}]}}))'
-
-
-def _request_shape(model: TritonModel, tensor: TritonTensor) -> str:
-    dims = ["any" if d == -1 else str(d) for d in (tensor.reshape if tensor.reshape is not None else tensor.dims)]
-    return "[" + ", ".join((["batch"] if model.max_batch_size else []) + dims) + "]"
-
-
-def _example_shape(model: TritonModel, tensor: TritonTensor) -> Tuple[int, ...]:
-    """A shape a request may have: batch 1 when batching, 1 on every other dynamic axis."""
-    dims = tuple(1 if d == -1 else d for d in tensor.dims)
-    return ((1,) + dims) if model.max_batch_size else dims
-
-
-def _count(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _v2_type(data_type: str) -> str:
-    return _V2_TYPES.get(data_type, data_type[len("TYPE_"):])
-
-
-def _numpy_type(data_type: str) -> str:
-    return {"TYPE_FP32": "float32", "TYPE_FP16": "float16", "TYPE_FP64": "float64", "TYPE_BOOL": "bool",
-            "TYPE_BF16": "float32", "TYPE_STRING": "object"}.get(data_type, data_type[len("TYPE_"):].lower())
-
-
-def describe(repository: TritonRepository) -> List[str]:
-    """One line per model written and per entry skipped, for the command line."""
-    lines = [f"{m.directory}: {m.entry} on the {m.backend} backend, max_batch_size {m.max_batch_size}"
-             + "".join(f"\n  note: {n}" for n in m.notes) for m in repository.models]
-    lines += [f"not written: {s.entry}: {s.reason}" for s in repository.skipped]
-    if repository.readme is not None:
-        lines.append(f"how to run it: {repository.readme}")
-    return lines
-
