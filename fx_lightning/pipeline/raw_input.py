@@ -10,7 +10,7 @@ variants are made and gated on raw pixels; the eager baseline timed beside the a
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,10 +25,9 @@ from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.raw_input import NormalisedReference, compare_raw_path
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
+from fx_lightning.pipeline.records import Fused
 from fx_lightning.pipeline.targets import target_example_inputs
 
-if TYPE_CHECKING:  # steps imports this module
-    from fx_lightning.pipeline.steps import Fused
 
 __all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "contract_for", "export_inputs",
            "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models", "raw_calibration",

@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import os
 import warnings
-from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -41,7 +40,7 @@ from fx_lightning.batches import (
 )
 from fx_lightning.capture import eval_copy
 from fx_lightning.config import FormatFailure, FuseConfig, ParityConfig, Selection
-from fx_lightning.engine import FuseResult, fuse
+from fx_lightning.engine import fuse
 from fx_lightning.errors import (
     ConfigError,
     ExportError,
@@ -51,7 +50,6 @@ from fx_lightning.errors import (
     TraceError,
     first_line,
 )
-from fx_lightning.export.input_contract import InputContract
 from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome
 from fx_lightning.export.selection import bench_export, select_fastest, with_selection
 from fx_lightning.export.variants import (
@@ -67,8 +65,9 @@ from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes import PassContext, Stage, plan_passes, run_pass
 from fx_lightning.pipeline import raw_input
+from fx_lightning.pipeline.records import Batches, Exported, Fused, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, target_example_inputs, whole_model_with
-from fx_lightning.provenance import Provenance, WeightsInfo
+from fx_lightning.provenance import Provenance
 
 __all__ = [
     "Step",
@@ -145,64 +144,6 @@ VARIANT_SKIPPED = NoteKind("variant_skipped", "{variant} variants not made: {rea
 SELECTED = NoteKind("selected", "load_fused selects {format}: {why}; {speedup}x eager")
 NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no artifact passed its check; load_fused "
                                                 "falls back to the order of preference")
-
-
-@dataclass
-class Batches:
-    """Data batches for parity and where they came from."""
-
-    items: List[Any]
-    source: str = "given"  # val | train | example | given
-    notes: List[Note] = field(default_factory=list)  # which batches were read and why
-    # Batches the lossy variants are calibrated on (the training data, so the gate judges them on data they have
-    # not seen); empty: the first parity batches.
-    calibration: List[Any] = field(default_factory=list)
-
-
-@dataclass
-class Source:
-    """What the driver works on in one process: the model (never changed), its data, where to work, and what
-    loading them proved and found out."""
-
-    model: nn.Module
-    batches: Batches
-    example_inputs: Any = None  # forward's arguments of the whole model, when there are no batches
-    device: Optional[torch.device] = None  # where the working copy is fused, checked and exported
-    buffers: Optional[Mapping[str, torch.Tensor]] = None  # loaded into the working copy (rank zero's, under DDP)
-    buffers_differ: bool = False  # this process's buffers differed from the ones loaded
-    weights: Optional[WeightsInfo] = None
-    checked: List[str] = field(default_factory=list)  # what loading proved (the preflight's checks)
-    notes: List[Note] = field(default_factory=list)
-    contract: Optional[InputContract] = None  # export.preprocess/labels with what was found; None: the config's
-
-
-@dataclass
-class Fused:
-    """One process's fused model before any verdict, with what the later steps need."""
-
-    target: str  # dotted path of the fused submodule; "" when the whole model was fused
-    result: FuseResult
-    reference: nn.Module  # the unfused target (eval copy): parity's reference, the eager baseline when timing
-    reference_whole: nn.Module  # the whole model's eval copy
-    fused_model: nn.Module  # the whole model (eval mode) with the fused target in place
-    example_inputs: Optional[tuple]  # the target's inputs on the first batch (capture and export trace with them)
-    data: List[Any]  # the parity batches, and the rule taking forward's inputs out of them
-    input_rule: InputRule
-    source: str
-    calibration: List[tuple] = field(default_factory=list)  # the target's inputs on calibration batches
-    notes: List[Note] = field(default_factory=list)
-    # True: parity runs the whole model on ``data``; False: ``data`` is what the target itself received (recorded
-    # while the LightningModule's own step ran), and parity compares the target alone.
-    through_whole: bool = True
-    contract: InputContract = field(default_factory=InputContract)  # the prologue and labels to export
-
-
-@dataclass
-class Exported:
-    directory: Path
-    manifest: Optional[Manifest] = None
-    notes: List[Note] = field(default_factory=list)
-    steps: List[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
