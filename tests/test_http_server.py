@@ -219,6 +219,21 @@ def _png(width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
+def _npy_header(shape: Tuple[int, ...]) -> bytes:
+    """An .npy header declaring ``shape`` and almost no data: reading it must not allocate the array."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return buffer.getvalue() + b"\0" * 64
+
+
+def _corrupt_npz() -> bytes:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, x=np.ones((2, 3, 12, 12), np.float32))
+    data = bytearray(buffer.getvalue())
+    data[len(data) // 3] ^= 0xFF
+    return bytes(data)
+
+
 GOOD = np.random.default_rng(0).standard_normal((2, 3, 12, 12)).astype(np.float32)
 
 # (name, body, content type, expected status, words the message must hold)
@@ -239,7 +254,7 @@ BAD_REQUESTS = [
     ("NaN", _nan_json(), "application/json", 422, ["NaN", "finite float32"]),
     ("oversized payload", b"[" + b"0," * (600 << 10) + b"0]", "application/json", 413, ["exceeds the limit"]),
     ("too many samples", as_npy(np.zeros((17, 3, 12, 12), np.float32)), "application/x-npy", 413,
-     ["17 samples", "limit of 16"]),
+     ["[17, 3, 12, 12]", "limit of 16 samples"]),
     ("malformed JSON", b'{"inputs": [[1, 2', "application/json", 400, ["malformed JSON"]),
     ("malformed npy", b"\x93NUMPY garbage", "application/x-npy", 400, ["malformed application/x-npy"]),
     ("wrong content type", b"hello", "text/plain", 415, ["'text/plain'", "application/json"]),
@@ -247,6 +262,15 @@ BAD_REQUESTS = [
     ("image without an image contract", _png(12, 12), "image/png", 415, ["no image contract"]),
     ("negative top_k", json.dumps({"inputs": [GOOD.tolist()], "top_k": -1}).encode(), "application/json", 422,
      ["top_k"]),
+    ("infinite top_k", b'{"inputs": [[[[[0]]]]], "top_k": 1e999}', "application/json", 422, ["top_k", "inf"]),
+    ("deeply nested JSON", b"[" * 100000, "application/json", 400, ["nested too deeply"]),
+    ("booleans for a float input", json.dumps({"inputs": [np.ones((1, 3, 12, 12), bool).tolist()]}).encode(),
+     "application/json", 422, ["expected numbers (float32)", "true/false"]),
+    ("beyond float32", json.dumps({"inputs": [np.full((1, 3, 12, 12), 1e39).tolist()]}).encode(),
+     "application/json", 422, ["out of float32's range"]),
+    ("a huge array declared in the npy header", _npy_header((1 << 40, 3, 12, 12)), "application/x-npy", 413,
+     ["exceeds the limit of 16 samples"]),
+    ("corrupt npz", _corrupt_npz(), "application/x-npz", 400, ["malformed application/x-npz"]),
 ]
 
 
@@ -377,23 +401,63 @@ def test_raw_pixel_requests_answer_as_the_training_normalisation_path(served_pix
     assert contract["preprocess"]["mean"] == MEAN and contract["image"] == {"height": 12, "width": 12, "channels": 3}
 
 
-def test_warm_up_runs_every_batch_size_the_batcher_forms() -> None:
-    """A runtime that compiles per shape (OpenVINO, Inductor) must not make the first request of each batch size
-    pay for it: the worker runs each size once before it reports ready."""
-    from fx_lightning.serve.artifact import warm_up
+def test_a_worker_runs_few_batch_sizes_each_warmed_once() -> None:
+    """OpenVINO and Inductor compile per shape (OpenVINO keeps a few): the worker runs a dynamic-batch artifact
+    only at 1, 2, 4... up to --max-batch-size, any batch as pieces of those, each warmed before it is ready."""
+    from fx_lightning.export.batching import BatchPieces
+    from fx_lightning.serve.artifact import serving_batch_sizes, warm_up
 
+    assert serving_batch_sizes(None, 8) == [1, 2, 4, 8]
+    assert serving_batch_sizes(None, 12) == [1, 2, 4, 8, 12]
+    assert serving_batch_sizes(None, 1) == [1]
+    assert serving_batch_sizes([1, 8], 16) == [1, 8]  # an artifact built for sizes runs those
     seen: List[int] = []
 
     class Recorder(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             seen.append(x.shape[0])
-            return x
+            return x * 2
 
-    assert warm_up(Recorder(), [torch.zeros(3, 2)], range(1, 9)) >= 0
-    assert seen == list(range(1, 9))
+    sizes = serving_batch_sizes(None, 8)
+    served = BatchPieces({str(size): Recorder() for size in sizes}, warn=False)
+    warm_up(served, [torch.zeros(3, 2)], sizes)
+    assert seen == [1, 2, 4, 8]
+    seen.clear()
+    x = torch.arange(26.0).view(13, 2)
+    assert torch.equal(served(x), x * 2)  # rows in order
+    assert seen == [8, 4, 1]
 
 
 def test_health_reports_the_warm_up(served: Dict[str, Any]) -> None:
     status, body = get(f"{served['url']}/health")
     worker = json.loads(body)["workers"][0]
     assert status == 200 and worker["warmup_s"] > 0 and worker["artifact"] == "pt2"
+
+
+def test_a_failed_run_reports_the_exception_readably() -> None:
+    import pickle
+
+    from fx_lightning.serve.app import worker_error
+
+    assert worker_error(pickle.dumps(IndexError("index 7 is out of bounds"))) == (
+        500, "inference failed: IndexError: index 7 is out of bounds")
+    assert worker_error(b"not a pickle")[0] == 500 and "byte error report" in worker_error(b"not a pickle")[1]
+
+
+def test_self_check_needs_the_check_file_the_manifest_lists(served: Dict[str, Any], tmp_path: Path) -> None:
+    """A deleted or swapped check.pt must not let a worker report ready unchecked."""
+    from fx_lightning import ExportError
+    from fx_lightning.serve.artifact import ServeOptions, load_checked
+
+    directory = tmp_path / "copy"
+    shutil.copytree(served["dir"], directory)
+    _, status = load_checked(directory, ServeOptions())
+    assert status.ready and status.relative_error is not None and status.relative_error < 1e-5
+    saved = torch.load(directory / "check.pt", weights_only=True)
+    saved["expected"] = [t * 2 for t in saved["expected"]]  # outputs that would fail the artifact
+    torch.save(saved, directory / "check.pt")
+    with pytest.raises(ExportError, match="check.pt: corrupt file: sha256"):
+        load_checked(directory, ServeOptions())
+    (directory / "check.pt").unlink()
+    with pytest.raises(ExportError, match="check.pt"):
+        load_checked(directory, ServeOptions())

@@ -427,3 +427,16 @@ def test_int8_and_bf16_variants_take_raw_pixels_and_pass_their_gates(tmp_path):
         assert got.shape == want.shape and got.dtype == torch.float32, name
         assert (got.argmax(1) == want.argmax(1)).float().mean() >= 0.75 and rel_err(got, want) < 0.1, name
     assert json.loads((outcome.export_dir / "manifest.json").read_text())["inputs"][0]["dtype"] == "uint8"
+
+
+def test_a_todtype_without_scale_keeps_the_scale_of_totensor() -> None:
+    """ToTensor scales to 0..1; a ToDtype(float32) after it (no scale=True) changes nothing, so 1/255 stands."""
+    from torchvision.transforms import v2
+
+    from fx_lightning.callback.transforms import normalisation_of
+
+    found = normalisation_of(v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+                                         v2.ToDtype(torch.float32), v2.Normalize([0.5], [0.25])]), "t")
+    assert found is not None and abs(found.scale - 1 / 255) < 1e-12
+    found = normalisation_of(v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32), v2.Normalize([0.5], [0.25])]), "t")
+    assert found is not None and found.scale == 1.0  # no scaling conversion at all: raw values

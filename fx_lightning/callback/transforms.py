@@ -64,14 +64,15 @@ def _dataset_normalisation(dataset: Any, path: str) -> Optional[Preprocess]:
 
 def normalisation_of(transform: Any, source: str) -> Optional[Preprocess]:
     """The ``Normalize(mean, std)`` of a torchvision transform (nested ``Compose`` included), with the scale of
-    the conversion before it (``ToTensor`` or ``ToDtype(float32, scale=True)``: 1/255; else 1), or None."""
+    the conversion before it (``ToTensor``, ``ConvertImageDtype`` or ``ToDtype(float32, scale=True)``: 1/255; else 1),
+    or None."""
     scale = 1.0
     for step in _steps(transform):
         name = _torchvision_class(step)
         if name in ("ToTensor", "ConvertImageDtype"):
             scale = _PIXELS
-        elif name == "ToDtype":
-            scale = _PIXELS if getattr(step, "scale", False) else 1.0
+        elif name == "ToDtype" and getattr(step, "scale", False):
+            scale = _PIXELS  # a ToDtype without scale=True leaves the values (and the scale so far) as they are
         elif name == "Normalize":
             mean, std = _floats(getattr(step, "mean", None)), _floats(getattr(step, "std", None))
             if mean and std and len(mean) == len(std) and all(s > 0 for s in std):

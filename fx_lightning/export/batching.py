@@ -24,13 +24,14 @@ ANY_BATCH = "dynamic"
 
 class BatchPieces(nn.Module):
     """``runners``: batch size (as text) -> a callable built for it, and optionally :data:`ANY_BATCH` -> one that
-    takes any. ``what`` names them in the warning about pieces, ``hint`` says how to avoid them."""
+    takes any. ``what`` names them in the warning about pieces, ``hint`` says how to avoid them; ``warn=False``: a
+    server that chose the sizes itself."""
 
     def __init__(self, runners: Dict[str, Callable[..., Any]], what: str = "artifact",
-                 hint: str = "export it for that batch size to serve it at full speed") -> None:
+                 hint: str = "export it for that batch size to serve it at full speed", warn: bool = True) -> None:
         super().__init__()
         self.runners = runners
-        self.what, self.hint = what, hint
+        self.what, self.hint, self.warn = what, hint, warn
         self.eval()
 
     @property
@@ -46,8 +47,9 @@ class BatchPieces(nn.Module):
 
     def _pieces(self, args: Tuple[Any, ...], size: int) -> Iterator[Any]:
         built = sorted((int(k) for k in self.runners), reverse=True)
-        warnings.warn(f"no {self.what} for batch size {size} (built for: {', '.join(map(str, built[::-1]))}): "
-                      f"running it as pieces of those; {self.hint}", stacklevel=3)
+        if self.warn:
+            warnings.warn(f"no {self.what} for batch size {size} (built for: {', '.join(map(str, built[::-1]))}): "
+                          f"running it as pieces of those; {self.hint}", stacklevel=3)
         start = 0
         while start < size:
             left = size - start

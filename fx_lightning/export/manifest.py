@@ -266,6 +266,11 @@ class Manifest:
     preprocess: Optional[Preprocess] = None
     labels: List[str] = field(default_factory=list)
 
+    def tensor_inputs(self) -> List[TensorSpec]:
+        """The inputs a client sends: the tensors (a non-tensor argument is fixed in the graph). Version 1
+        manifests did not record ``kind``; a dtype says it is a tensor."""
+        return [s for s in self.inputs if s.kind == "tensor" or (s.kind is None and s.dtype is not None)]
+
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {
             "format_version": FORMAT_VERSION, "created_utc": self.created_utc, "versions": self.versions,

@@ -16,6 +16,7 @@ variant's accuracy gate at export stands in for it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 import statistics
 from pathlib import Path
@@ -62,10 +63,13 @@ def check_saved(module: nn.Module, saved: CheckData, *, lossy: bool = False) -> 
         return ArtifactCheck(False, reason=f"raises {type(exc).__name__}: {first_line(exc)[:200]}")
     if comparison.mismatch is not None:
         return ArtifactCheck(False, reason=f"outputs of another structure or shape: {comparison.mismatch}")
-    if lossy:
-        return ArtifactCheck(True, comparison.relative_error, comparison.tolerance,
+    if lossy:  # its gate at export judged its accuracy; here it must run, with the structure and finite outputs
+        error = comparison.relative_error
+        sane = error is not None and math.isfinite(error) and error < 1.0
+        return ArtifactCheck(sane, error, comparison.tolerance,
                              "lossy variant: judged by its accuracy gate at export; here it ran with the reference's "
-                             "output structure")
+                             "output structure" if sane else f"lossy variant: relative error {error} (NaN, infinite "
+                             "or as large as the outputs): it does not compute the model")
     return ArtifactCheck(comparison.passed, comparison.relative_error, comparison.tolerance,
                          None if comparison.passed else comparison.describe())
 

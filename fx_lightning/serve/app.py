@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import os
+import pickle
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
@@ -112,7 +114,9 @@ class ContractSpec(LitSpec):
             return error_response(503, f"not ready: {status['reason']}")
         try:
             body = await read_body(request, self.contract.max_body_bytes)
-            decoded = self.contract.decode(body, request.headers.get("content-type", ""), request.query_params)
+            # In a thread: a large body's decoding must not hold up /health and the other requests' I/O.
+            decoded = await run_in_threadpool(self.contract.decode, body, request.headers.get("content-type", ""),
+                                              dict(request.query_params))
         except BadRequest as exc:
             return error_response(exc.status, exc.message)
         uid = uuid.uuid4()
@@ -122,10 +126,9 @@ class ContractSpec(LitSpec):
         await event.wait()
         response, state = self.response_buffer.pop(uid).response
         if state == LitAPIStatus.ERROR:
-            code = int(getattr(response, "status_code", 500))
-            return error_response(code, str(getattr(response, "detail", None) or f"inference failed: {response}"))
-        return encode_outputs(response, decoded, self.contract, self.top_k,
-                              npz=NPZ_TYPE in request.headers.get("accept", ""))
+            return error_response(*worker_error(response))
+        return await run_in_threadpool(encode_outputs, response, decoded, self.contract, self.top_k,
+                                       npz=NPZ_TYPE in request.headers.get("accept", ""))
 
 
 def make_server(root: Path, options: ServeOptions, contract: Contract, board: StatusBoard,
@@ -134,6 +137,19 @@ def make_server(root: Path, options: ServeOptions, contract: Contract, board: St
     # LitServe's own health check moves aside: it answers 200 once the worker started, ours once it checked.
     return ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=options.workers,
                         timeout=options.timeout, healthcheck_path="/litserve/health", model_metadata=info)
+
+
+def worker_error(response: Any) -> Tuple[int, str]:
+    """The status and message of a failed run: LitServe sends the worker's exception pickled (an HTTPException
+    keeps its status; anything else is a 500 naming the exception)."""
+    if isinstance(response, bytes):
+        try:
+            response = pickle.loads(response)
+        except Exception:  # noqa: BLE001 - not a pickle: report the bytes' length, not their content
+            return 500, f"inference failed ({len(response)}-byte error report)"
+    status = int(getattr(response, "status_code", 500))
+    detail = getattr(response, "detail", None)
+    return status, str(detail) if detail else f"inference failed: {type(response).__name__}: {response}"
 
 
 def error_response(status: int, message: str) -> Response:

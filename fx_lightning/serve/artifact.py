@@ -16,14 +16,16 @@ import torch
 from torch import nn
 
 from fx_lightning.batches import with_batch_size
-
 from fx_lightning.errors import ConfigError, ExportError
+from fx_lightning.export.batching import BatchPieces
 from fx_lightning.export.loader import load_artifact, selection_for
-from fx_lightning.export.manifest import Manifest, read_manifest
+from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.selection import check_saved
 from fx_lightning.export.writer import read_check_file
+from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
 
-__all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up"]
+__all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
+           "serving_batch_sizes"]
 
 
 @dataclass
@@ -35,8 +37,8 @@ class ServeOptions:
     batch_timeout: float = 0.005  # seconds a batch waits to fill
     workers: int = 1
     threads: Optional[int] = None  # per worker; None: the CPU cores / workers
-    max_request_batch: int = 64  # samples in one request
-    max_body_mb: float = 32.0
+    max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH  # samples in one request
+    max_body_mb: float = float(DEFAULT_MAX_BODY_MB)
     top_k: int = 5  # labels per row in a response, when the export has labels
     timeout: float = 30.0  # seconds a request may wait in the queue
 
@@ -50,9 +52,13 @@ class ServeOptions:
                               "per worker.")
         for key in ("batch_timeout", "max_body_mb", "timeout"):
             value = getattr(self, key)
-            if not isinstance(value, (int, float)) or value < 0 or (key != "batch_timeout" and value == 0):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"serve {key}: {value!r}; allowed: a number > 0"
-                                  + (" (or 0: run what has arrived)" if key == "batch_timeout" else "") + ".")
+                                  + (" (seconds; 0 would make an idle worker poll without pause)"
+                                     if key == "batch_timeout" else "") + ".")
+        if self.batch_timeout >= self.timeout:
+            raise ConfigError(f"serve batch_timeout: {self.batch_timeout!r}; allowed: less than timeout "
+                              f"({self.timeout!r} s, how long a request may wait).")
 
     @property
     def max_body_bytes(self) -> int:
@@ -81,16 +87,33 @@ def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, Self
     manifest = read_manifest(root)
     name, runtime = artifact_for(manifest, options)
     module = load_artifact(root, manifest, name, verify=True, device="cpu", runtime=runtime)
+    entry = manifest.formats[name]
+    if manifest.check is None:  # an export written before check.pt existed
+        return module, SelfCheck(True, name, runtime, reason="the export has no check.pt: loaded, not checked")
+    verify_files(root, dataclasses.replace(manifest, formats={"check": dataclasses.replace(
+        entry, files=[manifest.check.path])}), "check")  # its sha256 too: a swapped check.pt proves nothing
     saved = read_check_file(root)
     if saved is None:
-        return module, SelfCheck(True, name, runtime, reason="no check.pt: loaded, not checked")
-    entry = manifest.formats[name]
+        raise ExportError(f"{root / manifest.check.path}: missing (the manifest lists it)")
     check = check_saved(module, saved, lossy=entry.variant is not None)
     if not check.passed:
         raise ExportError(f"{root / entry.path}: the {name} artifact failed its self-check on check.pt: "
                           f"{check.reason}")
-    seconds = warm_up(module, saved.inputs, range(1, options.max_batch_size + 1))
+    sizes = serving_batch_sizes(entry.batch_sizes, options.max_batch_size)
+    if not entry.batch_sizes:  # any size: run only the warmed ones (OpenVINO compiles, and keeps, a few shapes)
+        module = BatchPieces({str(size): module for size in sizes}, what=f"{name} artifact", warn=False)
+    seconds = warm_up(module, saved.inputs, sizes)
     return module, SelfCheck(True, name, runtime, check.relative_error, check.reason or "", seconds)
+
+
+def serving_batch_sizes(built: Optional[Sequence[int]], max_batch_size: int) -> List[int]:
+    """The batch sizes a worker runs: those an artifact is built for, else the powers of two up to the server's
+    ``max_batch_size`` and that size itself (any batch runs as pieces of those, largest first: 13 -> 8 + 4 + 1).
+    Few shapes, each warmed once, instead of a compile for every size a batch happens to have."""
+    if built:
+        return sorted(built)
+    sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
+    return sizes + ([max_batch_size] if max_batch_size not in sizes else [])
 
 
 def warm_up(module: nn.Module, inputs: Sequence[Any], batch_sizes: Iterable[int]) -> float:
@@ -123,6 +146,7 @@ class StatusBoard:
 
     def __init__(self, directory: Path, workers: int) -> None:
         self.directory, self.workers = directory, workers
+        self.all_ready: Optional[List[SelfCheck]] = None  # once every worker is ready, no more file reads
 
     def write(self, worker: str, status: SelfCheck) -> None:
         path = self.directory / f"worker-{worker}.json"
@@ -130,10 +154,14 @@ class StatusBoard:
         os.replace(path.with_suffix(".tmp"), path)
 
     def read(self) -> Tuple[bool, List[SelfCheck]]:
+        if self.all_ready is not None:
+            return True, self.all_ready
         statuses = []
         for path in sorted(self.directory.glob("worker-*.json")):
             try:
                 statuses.append(SelfCheck(**json.loads(path.read_text(encoding="utf-8"))))
             except (OSError, ValueError, TypeError):
                 continue  # being replaced: read again next time
-        return len(statuses) >= self.workers and all(s.ready for s in statuses), statuses
+        ready = len(statuses) >= self.workers and all(s.ready for s in statuses)
+        self.all_ready = statuses if ready else None
+        return ready, statuses

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -26,13 +27,17 @@ import numpy as np
 
 from fx_lightning.export.manifest import Manifest, Preprocess, TensorSpec
 
-__all__ = ["BadRequest", "InputSpec", "Contract", "Decoded", "JSON_TYPE", "NPY_TYPE", "NPZ_TYPE", "IMAGE_TYPES",
+__all__ = ["DEFAULT_MAX_REQUEST_BATCH", "DEFAULT_MAX_BODY_MB", "BadRequest", "InputSpec", "Contract", "Decoded", "JSON_TYPE", "NPY_TYPE", "NPZ_TYPE", "IMAGE_TYPES",
            "top_k_labels"]
 
 JSON_TYPE = "application/json"
 NPY_TYPE = "application/x-npy"
 NPZ_TYPE = "application/x-npz"
 IMAGE_TYPES = ("image/png", "image/jpeg")
+
+# The request limits' defaults (``fx-lightning serve --max-request-batch``, ``--max-body-mb``).
+DEFAULT_MAX_REQUEST_BATCH = 64
+DEFAULT_MAX_BODY_MB = 32
 
 # numpy dtypes of the torch dtype names a manifest records.
 _NUMPY_DTYPES: Dict[str, np.dtype] = {name: np.dtype(name) for name in (
@@ -87,15 +92,17 @@ class Contract:
     outputs: List[TensorSpec] = field(default_factory=list)
     preprocess: Optional[Preprocess] = None
     labels: List[str] = field(default_factory=list)
-    max_request_batch: int = 64
-    max_body_bytes: int = 32 << 20
+    max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH
+    max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
 
     @classmethod
-    def of(cls, manifest: Manifest, *, max_request_batch: int = 64, max_body_bytes: int = 32 << 20) -> "Contract":
+    def of(cls, manifest: Manifest, *, max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH,
+           max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20) -> "Contract":
         """The contract of an export. Raises ValueError for inputs a server cannot take (non-tensor or nested)."""
         specs: List[InputSpec] = []
+        tensors = manifest.tensor_inputs()
         for spec in manifest.inputs:
-            if spec.kind != "tensor" or spec.shape is None or spec.dtype is None:
+            if spec not in tensors or spec.shape is None or spec.dtype is None:
                 raise ValueError(f"input {spec.name!r} is a {spec.kind} ({spec.value}), not a tensor: a server "
                                  "takes tensor inputs only")
             if "." in spec.name:
@@ -123,7 +130,7 @@ class Contract:
         media = content_type.split(";")[0].strip().lower()
         top_k = _top_k(query.get("top_k"), "query parameter top_k")
         if media == JSON_TYPE:
-            return self._from_json(body)
+            return self._from_json(body, top_k)
         if media in (NPY_TYPE, NPZ_TYPE):
             arrays = self._from_numpy(body, media)
             return self._checked(arrays, top_k)
@@ -149,11 +156,13 @@ class Contract:
             return None
         return h, w, c
 
-    def _from_json(self, body: bytes) -> Decoded:
+    def _from_json(self, body: bytes, query_top_k: Optional[int]) -> Decoded:
         try:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadRequest(400, f"malformed JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest(400, "malformed JSON: nested too deeply") from None
         if not isinstance(data, dict) or "inputs" not in data:
             got = "an object without 'inputs'" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
             raise BadRequest(422, f"expected a JSON object {{\"inputs\": [...]}}, got {got}")
@@ -175,7 +184,8 @@ class Contract:
             raise BadRequest(422, f"inputs: expected a list (one array per input) or an object keyed by input "
                                   f"name, got a JSON {type(given).__name__}")
         arrays = [self._json_array(spec, value) for spec, value in zip(self.inputs, values)]
-        return self._checked(arrays, _top_k(data.get("top_k"), "top_k"))
+        top_k = _top_k(data.get("top_k"), "top_k")
+        return self._checked(arrays, query_top_k if top_k is None else top_k)
 
     def _json_array(self, spec: InputSpec, value: Any) -> np.ndarray:
         where = f"input {spec.name!r}"
@@ -186,9 +196,19 @@ class Contract:
             raw = np.asarray(value)
         except ValueError as exc:
             raise BadRequest(422, f"{where}: ragged nested list ({exc}); expected shape {spec.shape_text}") from None
-        if raw.dtype.kind not in "biuf":
-            raise BadRequest(422, f"{where}: expected numbers ({spec.dtype}), got {_json_kind(raw)}")
         want = _NUMPY_DTYPES[spec.dtype]
+        if raw.dtype.kind not in "biuf" or (raw.dtype.kind == "b") != (want.kind == "b") and raw.size:
+            if want.kind == "b" and raw.dtype.kind in "iu" and raw.size and set(np.unique(raw).tolist()) <= {0, 1}:
+                return raw.astype(bool)
+            expected = "true/false (or 0/1)" if want.kind == "b" else f"numbers ({spec.dtype})"
+            got = "true/false" if raw.dtype.kind == "b" else _json_kind(raw)
+            raise BadRequest(422, f"{where}: expected {expected}, got {got}")
+        if want.kind == "f" and raw.dtype.kind == "f" and raw.size:
+            finite = raw[np.isfinite(raw)]
+            limit = float(np.finfo(want).max)
+            if finite.size and np.abs(finite).max() > limit:
+                raise BadRequest(422, f"{where}: {np.abs(finite).max():g} is out of {spec.dtype}'s range "
+                                      f"(+-{limit:g})")
         if want.kind in "biu":
             if raw.dtype.kind == "f":
                 bad = raw[~np.isfinite(raw) | (raw != np.round(raw))] if raw.size else raw
@@ -202,30 +222,51 @@ class Contract:
         return raw.astype(want, copy=False)
 
     def _from_numpy(self, body: bytes, media: str) -> List[np.ndarray]:
+        """The arrays of an ``.npy`` or ``.npz`` body; each header is read first, and an array larger than the
+        contract allows is refused before it is allocated or decompressed."""
+        names = [s.name for s in self.inputs]
         try:
             if media == NPY_TYPE:
                 if len(self.inputs) != 1:
-                    raise BadRequest(422, f"the model takes {len(self.inputs)} inputs "
-                                          f"{[s.name for s in self.inputs]}: send them as {NPZ_TYPE}")
-                arrays = [np.load(io.BytesIO(body), allow_pickle=False)]
+                    raise BadRequest(422, f"the model takes {len(self.inputs)} inputs {names}: send them as "
+                                          f"{NPZ_TYPE}")
+                arrays = [self._npy(io.BytesIO(body), self.inputs[0])]
             else:
-                with np.load(io.BytesIO(body), allow_pickle=False) as npz:
-                    keys = list(npz.keys())
-                    names = [s.name for s in self.inputs]
-                    order = names if set(names) <= set(keys) else [f"arr_{i}" for i in range(len(names))]
-                    if not set(order) <= set(keys) or len(keys) != len(names):
+                with zipfile.ZipFile(io.BytesIO(body)) as archive:
+                    members = {n[:-4] if n.endswith(".npy") else n: n for n in archive.namelist()}
+                    order = names if set(names) <= set(members) else [f"arr_{i}" for i in range(len(names))]
+                    if not set(order) <= set(members) or len(members) != len(names):
                         raise BadRequest(422, f"npz: expected the arrays {names} (or arr_0..arr_{len(names) - 1}), "
-                                              f"got {keys}")
-                    arrays = [npz[k] for k in order]
+                                              f"got {sorted(members)}")
+                    arrays = []
+                    for key, spec in zip(order, self.inputs):
+                        with archive.open(members[key]) as member:
+                            arrays.append(self._npy(member, spec))
         except BadRequest:
             raise
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-            raise BadRequest(400, f"malformed {media} body: {exc}") from None
-        for spec, array in zip(self.inputs, arrays):
-            if not isinstance(array, np.ndarray) or array.dtype != _NUMPY_DTYPES[spec.dtype]:
-                got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-                raise BadRequest(422, f"input {spec.name!r}: expected dtype {spec.dtype}, got {got}")
+        except (ValueError, OSError, EOFError, RuntimeError, MemoryError, zipfile.BadZipFile, zlib.error) as exc:
+            raise BadRequest(400, f"malformed {media} body: {type(exc).__name__}: {exc}") from None
         return arrays
+
+    def _npy(self, stream: Any, spec: InputSpec) -> np.ndarray:
+        """One ``.npy`` array of ``spec``'s dtype and at most :attr:`max_request_batch` samples' size."""
+        version = np.lib.format.read_magic(stream)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(stream)
+        if dtype != _NUMPY_DTYPES[spec.dtype]:
+            raise BadRequest(422, f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype}")
+        count = int(np.prod(shape, dtype=np.float64)) if shape else 1
+        sample = int(np.prod([d or 1 for d in spec.sample_shape], dtype=np.float64)) or 1
+        if count > sample * self.max_request_batch and all(d is not None for d in spec.sample_shape):
+            raise BadRequest(413, f"input {spec.name!r}: an array of shape {list(shape)} exceeds the limit of "
+                                  f"{self.max_request_batch} samples per request (--max-request-batch)")
+        data = stream.read(count * dtype.itemsize)
+        if len(data) != count * dtype.itemsize:
+            raise BadRequest(400, f"input {spec.name!r}: truncated array ({len(data)} of "
+                                  f"{count * dtype.itemsize} bytes)")
+        array = np.frombuffer(data, dtype=dtype)
+        return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
 
     def _from_image(self, body: bytes, media: str, top_k: Optional[int]) -> Decoded:
         size = self.image_size
@@ -324,7 +365,7 @@ def _top_k(value: Any, key: str) -> Optional[int]:
         k = int(value)
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()) or k < 0:
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise BadRequest(422, f"{key}: expected a non-negative integer, got {value!r}") from None
     return k
 

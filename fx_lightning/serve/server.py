@@ -13,6 +13,7 @@ self-check), ``GET /info`` (the manifest summary and the contract; LitServe's ow
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -72,7 +73,9 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
     board = StatusBoard(Path(tempfile.mkdtemp(prefix="fxl-serve-")), options.workers)
     from fx_lightning.serve.app import make_server  # imports litserve
 
-    return make_server(root, options, contract, board, info_summary(root, manifest, contract, options))
+    server = make_server(root, options, contract, board, info_summary(root, manifest, contract, options))
+    server.fxl_status_dir = board.directory  # the workers' status files: serve() removes them at exit
+    return server
 
 
 def serve(directory: Any, options: Optional[ServeOptions] = None, *, host: str = "127.0.0.1", port: int = 8000,
@@ -81,7 +84,10 @@ def serve(directory: Any, options: Optional[ServeOptions] = None, *, host: str =
     processes; without the handler a SIGTERM would leave them running)."""
     server = build_server(directory, options)
     stop_on_sigterm()
-    server.run(host=host, port=port, generate_client_file=False, log_level=log_level, num_api_servers=1)
+    try:
+        server.run(host=host, port=port, generate_client_file=False, log_level=log_level, num_api_servers=1)
+    finally:
+        shutil.rmtree(server.fxl_status_dir, ignore_errors=True)
 
 
 def stop_on_sigterm() -> None:

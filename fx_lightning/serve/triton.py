@@ -55,7 +55,6 @@ __all__ = [
     "triton_dtype",
     "onnx_tensors",
     "openvino_tensors",
-    "tensor_inputs",
     "describe",
 ]
 
@@ -274,7 +273,7 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     inputs, outputs = backend.read(folder / backend.model_file)
     where = f"{entry_name} ({folder / backend.model_file})"
     in_names, out_names = _recorded_names(entry)
-    in_specs = tensor_inputs(manifest)
+    in_specs = manifest.tensor_inputs()
     _agree(where, "input", inputs, in_specs, in_names)
     _agree(where, "output", outputs, manifest.outputs, out_names)
     max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name)
@@ -295,12 +294,6 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
         model.notes.extend(notes)
     _attach_labels(model, manifest.labels)
     return model
-
-
-def tensor_inputs(manifest: Manifest) -> List[TensorSpec]:
-    """The inputs an artifact takes: the tensors (a non-tensor argument is baked into the graph). Version 1
-    manifests did not record ``kind``; a dtype says it is a tensor."""
-    return [s for s in manifest.inputs if s.kind == "tensor" or (s.kind is None and s.dtype is not None)]
 
 
 def _artifact_folder(root: Path, entry: FormatEntry, backend: Backend) -> Path:

@@ -33,8 +33,9 @@ __all__ = ["FORMAT", "OpenVinoModule", "COMPILE_CONFIG"]
 # What the artifact is checked and served with. f32 keeps the fused model's numbers (bf16-capable CPUs would
 # otherwise run bf16); threads are set at load time to torch's count in that process.
 COMPILE_CONFIG = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
-# Static-shape compiled copies kept per loaded module (least recently used dropped first).
-MAX_SHAPES = 4
+# Static-shape compiled copies kept per loaded module (least recently used dropped first): a server runs up to
+# 7 shapes (batch 1, 2, 4... 64; fx_lightning.serve.artifact.serving_batch_sizes).
+MAX_SHAPES = 8
 
 
 def _convert(ctx: WriteContext) -> Tuple[Any, str, Optional[str]]:
