@@ -82,21 +82,24 @@ def running_server(directory: Path, cwd: Path, *flags: str, wait_ready: bool = T
         yield url
     finally:
         proc.terminate()  # the server shuts its HTTP and worker processes down on SIGTERM
-        try:
-            proc.wait(timeout=30)
+        try:  # LitServe gives open connections up to 30 s, then each worker 5 s
+            proc.wait(timeout=75)
         except subprocess.TimeoutExpired:
             pass
-        leftovers = _group_alive(proc.pid)
+        deadline = time.monotonic() + 15  # multiprocessing's resource tracker exits just after the server
+        while (leftovers := _group_alive(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
     assert not leftovers, f"processes left running after SIGTERM: {leftovers}"
 
 
-def _group_alive(group: int) -> List[int]:
-    """Processes of the server's session still running (after its main process exited)."""
-    found = subprocess.run(["ps", "-o", "pid=,stat=", "--sid", str(group)], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in found.splitlines() if line.split() and "Z" not in line.split()[1]]
+def _group_alive(group: int) -> List[str]:
+    """Processes of the server's session still running (after its main process exited): pid and command."""
+    found = subprocess.run(["ps", "-o", "pid=,stat=,args=", "--sid", str(group)], capture_output=True,
+                           text=True).stdout
+    return [line.strip()[:160] for line in found.splitlines() if line.split() and "Z" not in line.split()[1]]
 
 
 def get(url: str) -> Tuple[Optional[int], bytes]:
@@ -461,3 +464,22 @@ def test_self_check_needs_the_check_file_the_manifest_lists(served: Dict[str, An
     (directory / "check.pt").unlink()
     with pytest.raises(ExportError, match="check.pt"):
         load_checked(directory, ServeOptions())
+
+
+def test_two_workers_each_self_check_and_share_the_load(served: Dict[str, Any], tmp_path: Path) -> None:
+    """--workers 2: /health waits for both workers' self-checks, and concurrent requests are all answered right."""
+    with running_server(served["dir"], tmp_path, "--workers", "2", "--threads", "1", "--max-batch-size", "2") as url:
+        status, body = get(f"{url}/health")
+        workers = json.loads(body)["workers"]
+        assert status == 200 and len(workers) == 2 and all(w["ready"] and w["relative_error"] < 1e-5
+                                                           for w in workers)
+        g = torch.Generator().manual_seed(5)
+        inputs = [torch.randn(2, 3, 12, 12, generator=g) for _ in range(24)]
+
+        def one(x: torch.Tensor) -> float:
+            code, answer = post(url, as_npy(x.numpy()), "application/x-npy")
+            assert code == 200, answer
+            return rel_err(_outputs(answer)[0], reference_fp64(served["model"], x)[0])
+
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            assert max(pool.map(one, inputs)) < 1e-5
