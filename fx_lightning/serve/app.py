@@ -157,16 +157,20 @@ def error_response(status: int, message: str) -> Response:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes ``limit`` (a client may send no Content-Length)."""
+    """The body, refused with 413 when it passes ``limit`` (a client may send no Content-Length). What is over the
+    limit is read and dropped, up to 4x the limit, so that the client gets the 413 rather than a connection reset
+    while it is still sending; beyond that the connection is cut."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BadRequest(413, f"body of {declared} bytes exceeds the limit of {limit} bytes (--max-body-mb)")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise BadRequest(413, f"body exceeds the limit of {limit} bytes (--max-body-mb)")
-        chunks.append(chunk)
+        if size > 4 * limit:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit or (declared.isdigit() and int(declared) > limit):
+        raise BadRequest(413, f"body of {declared or 'over ' + str(limit)} bytes exceeds the limit of {limit} bytes "
+                              "(--max-body-mb)")
     return b"".join(chunks)
 
 
