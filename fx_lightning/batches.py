@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fx_lightning._imports import import_object
+from fx_lightning.calls import Call, leaf_values, plain
 from fx_lightning.errors import ConfigError
 
 __all__ = [
@@ -40,8 +41,8 @@ __all__ = [
     "with_batch_size",
     "concat_outputs",
     "is_record_type",
-    "plain_outputs",
     "PlainOutputs",
+    "describe_call",
 ]
 
 # Keys tried, in order, when a batch is a mapping and no input rule is configured.
@@ -220,17 +221,15 @@ def model_device_dtype(module: nn.Module) -> Tuple[Optional[torch.device], Optio
 
 
 def flat_tensors(out: Any) -> List[torch.Tensor]:
-    """Every tensor of a (nested) output, in a stable order: tuples, lists, mappings, dataclasses
-    (Hugging Face ``ModelOutput`` is a mapping)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, Mapping):
-        return [t for k in out for t in flat_tensors(out[k])]
-    if isinstance(out, (tuple, list)):
-        return [t for item in out for t in flat_tensors(item)]
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        return [t for f in dataclasses.fields(out) for t in flat_tensors(getattr(out, f.name))]
-    return []
+    """Every tensor of a (nested) output, in a stable order: tuples, lists, mappings, dataclasses (Hugging Face
+    ``ModelOutput`` is a mapping), ``torch.distributions`` objects (their parameters), objects' tensor fields."""
+    return leaf_values(out)
+
+
+def describe_call(call: Call) -> str:
+    """A call's arguments, for messages: types, shapes and dtypes."""
+    parts = [describe(a) for a in call.args] + [f"{k}={describe(v)}" for k, v in call.kwargs.items()]
+    return ", ".join(parts)
 
 
 def detached(value: Any) -> Any:
@@ -307,28 +306,16 @@ def is_record_type(cls: Any) -> bool:
         dataclasses.is_dataclass(cls) and not issubclass(cls, Mapping))
 
 
-def plain_outputs(value: Any) -> Any:
-    """Named tuples as tuples and dataclasses as dicts of their fields, nested anywhere."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, (type, Mapping)):
-        return {f.name: plain_outputs(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple):
-        return tuple(plain_outputs(v) for v in value)
-    if isinstance(value, list):
-        return [plain_outputs(v) for v in value]
-    if isinstance(value, dict):
-        return {k: plain_outputs(v) for k, v in value.items()}
-    return value
-
-
 class PlainOutputs(nn.Module):
-    """``model`` with its named-tuple outputs returned as tuples and dataclass outputs as dicts."""
+    """``model`` with its outputs made plain: named tuples as tuples, dataclasses, objects and distributions as
+    dicts of their fields (:func:`fx_lightning.calls.plain`)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, *args: Any) -> Any:
-        return plain_outputs(self.model(*args))
+        return plain(self.model(*args))
 
 
 def concat_outputs(parts: Sequence[Any]) -> Any:

@@ -21,13 +21,16 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning._imports import import_object
-from fx_lightning.batches import PlainOutputs, batch_at_least_two, batch_dims, batch_size_of, flat_tensors
+from fx_lightning.batches import PlainOutputs, describe_call, flat_tensors
+from fx_lightning.calls import Call, as_call, no_distribution_validation, tree_of_call
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.compare import compare_outputs
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
+from fx_lightning.program import ExportFailed, capture_dims, export_program
+from fx_lightning.signature import DimKind, Signature, rows_of, with_rows
 
 __all__ = [
     "Capture",
@@ -43,6 +46,7 @@ __all__ = [
     "CAPTURED_WITH_EXPORT",
     "STATIC_BATCH_CAPTURE",
     "PLAIN_OUTPUTS",
+    "CAPTURED_ROUTE",
 ]
 
 CAPTURE_FELL_BACK = NoteKind("capture_fell_back", "symbolic tracing {what}, captured with torch.export instead: "
@@ -51,8 +55,8 @@ CAPTURE_PREFERRED_EXPORT = NoteKind("capture_preferred_export", "captured with t
                                                                 "follow the forward of {modules}, so their BatchNorms "
                                                                 "would have stayed")
 CAPTURED_WITH_EXPORT = NoteKind("captured_with_export", "captured with torch.export (ATen-level graph)")
-STATIC_BATCH_CAPTURE = NoteKind("static_batch_capture", "captured for batch size {batch_size} only: with a dynamic "
-                                                        "batch, {reason}")
+STATIC_BATCH_CAPTURE = NoteKind("static_batch_capture", "captured for {what} only: with those sizes dynamic, {reason}")
+CAPTURED_ROUTE = NoteKind("captured_route", "torch.export needed its {route} route (data-dependent sizes)")
 PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
                                           "of their fields (torch.export carries no record class it does not know)")
 
@@ -191,35 +195,42 @@ class FXLeafTracer(fx.Tracer):
 def capture(
     module: nn.Module,
     trace: TraceConfig,
-    example_inputs: Optional[Sequence[Any]] = None,
+    example_inputs: Optional[Any] = None,
     *,
     already_copied: bool = False,
+    signature: Optional[Signature] = None,
+    check: Sequence[Call] = (),
 ) -> Capture:
     """Capture ``module`` as a GraphModule. ``module`` itself is never changed.
 
-    ``already_copied``: the caller passes a working copy it owns (saves one deep copy).
+    ``example_inputs``: forward's arguments (a tuple, or a :class:`~fx_lightning.calls.Call`); ``signature``: what
+    the observed calls showed (which dimensions vary); ``check``: other calls the captured graph must run as the
+    model does (the sizes the signature says vary). ``already_copied``: the caller passes a working copy it owns
+    (saves one deep copy).
     """
     working = module if already_copied else eval_copy(module)
     working.eval()
+    call = as_call(tuple(example_inputs)) if example_inputs is not None and not isinstance(example_inputs, Call) \
+        else example_inputs
     mode = TraceMode(trace.mode)
     if mode is TraceMode.export:
-        return _capture_export(working, trace, example_inputs)
+        return _capture_export(working, trace, call, signature, check)
     try:
         result = _capture_fx(working, trace)
-        _raise_if_unfaithful(result, working, example_inputs)
-        if result.opaque_batchnorms and mode is TraceMode.auto and example_inputs is not None:
-            return _prefer_export(result, working, trace, example_inputs)
+        _raise_if_unfaithful(result, working, call, check)
+        if result.opaque_batchnorms and mode is TraceMode.auto and call is not None:
+            return _prefer_export(result, working, trace, call, signature, check)
         return result
     except TraceError as fx_error:
         if mode is TraceMode.fx:
             raise
-        if example_inputs is None:
+        if call is None:
             raise TraceError(
                 f"{fx_error}\n  - trace.mode is auto but no example inputs were given, so the torch.export "
                 "fallback could not run: pass example_inputs=(tensor, ...) to fuse()."
             ) from fx_error.__cause__
         try:
-            result = _capture_export(working, trace, example_inputs)
+            result = _capture_export(working, trace, call, signature, check)
         except TraceError as export_error:
             raise TraceError(
                 f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
@@ -229,10 +240,11 @@ def capture(
         return result
 
 
-def _prefer_export(fx_result: Capture, working: nn.Module, trace: TraceConfig, example_inputs: Sequence[Any]) -> Capture:
+def _prefer_export(fx_result: Capture, working: nn.Module, trace: TraceConfig, call: Call,
+                   signature: Optional[Signature], check: Sequence[Call]) -> Capture:
     """Symbolic tracing had to keep some BatchNorms whole; torch.export traces their forward, so they fold."""
     try:
-        result = _capture_export(working, trace, example_inputs)
+        result = _capture_export(working, trace, call, signature, check)
     except TraceError:
         return fx_result
     names = ", ".join(fx_result.opaque_batchnorms[:3]) + (" ..." if len(fx_result.opaque_batchnorms) > 3 else "")
@@ -247,7 +259,8 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
     tracer = FXLeafTracer(leaf_types, functions, modules)
     concrete = dict(trace.concrete_args) or None
     try:
-        graph = tracer.trace(working, concrete_args=concrete)
+        with no_distribution_validation():
+            graph = tracer.trace(working, concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
         raise _explain_fx_failure(working, tracer, exc) from exc
     name = working.__class__.__name__
@@ -275,110 +288,116 @@ def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
                for n in gm.graph.nodes)
 
 
-def _capture_export(working: nn.Module, trace: TraceConfig, example_inputs: Optional[Sequence[Any]]) -> Capture:
-    """torch.export (non-strict) with a dynamic batch, checked against the eager module on the example inputs.
+def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call], signature: Optional[Signature],
+                    check: Sequence[Call]) -> Capture:
+    """torch.export (:func:`fx_lightning.program.export_program`: non-strict, then the routes data-dependent code
+    needs) with the sample axis and the sizes that vary dynamic, checked against the eager module on the example
+    and the ``check`` calls. A model that fixes a size is captured for the example's sizes, with a note naming the
+    dimension (parity then compares it at those sizes).
 
-    A batch of one would be specialised (and warned about): it is captured with the batch repeated to two,
-    which keeps the graph batch-generic, unless the model's own guards then refuse a batch of one (code that
-    splits a batch it concatenated, say): then it is captured for the example's batch size alone.
-    """
-    if example_inputs is None:
+    A batch of one would be specialised: it is captured with the batch repeated to two (when the sample axis is
+    not known, dim 0), which keeps the graph batch-generic."""
+    if call is None:
         raise TraceError(
             "trace.mode=export needs example inputs: pass example_inputs=(tensor, ...) to fuse() "
             "(the callback takes them from the validation data)."
         )
-    args = tuple(example_inputs)
-    # A dynamic batch first (a batch of one repeated to two: 0 and 1 are specialised), then the example's own
-    # batch size for a model that fixes it (an ensemble reshaping to the batch it was built for, say).
-    attempts: List[Tuple[Tuple[Any, ...], bool]] = [(batch_at_least_two(args), True), (args, False)] \
-        if trace.dynamic_batch else [(args, False)]
-    target, error = working, None
-    for capture_args, dynamic in attempts:
+    leaves = tree_of_call(call).leaves(call)
+    dims = capture_dims(signature, leaves, dynamic_samples=trace.dynamic_batch)
+    at_least_two = _at_least_two(call, signature) if trace.dynamic_batch else call
+    target: nn.Module = working
+    for attempt in range(2):
         try:
-            try:
-                result = _export_once(target, capture_args, dynamic)
-            except TraceError as exc:
-                if target is not working or "not a known type" not in str(exc):
-                    raise
-                # A named tuple or dataclass output torch.export cannot carry: the same fields, made plain.
-                target = PlainOutputs(working)
-                result = _export_once(target, capture_args, dynamic)
-                result.notes.append(PLAIN_OUTPUTS())
-            _raise_if_unfaithful(result, working, args)
-        except TraceError as exc:
-            error = error or exc
-            continue
-        if not dynamic and trace.dynamic_batch:
-            result.notes.append(STATIC_BATCH_CAPTURE(batch_size=batch_size_of(args), reason=first_line(error)
-                                                     if error is not None else "unknown"))
-        return result
-    assert error is not None
-    raise error
+            made = export_program(target, at_least_two, dims, allow_static=True, check=check)
+        except ExportFailed as exc:
+            cause = exc.first
+            if attempt == 0 and "not a known type" in str(exc) and target is working:
+                target = PlainOutputs(working)  # a named tuple or dataclass output: the same fields, made plain
+                continue
+            frame = _user_frame(cause)
+            raise TraceError(
+                f"torch.export could not capture {type(working).__qualname__}: {first_line(cause, with_type=True)}"
+                + (f"\n  at {frame}" if frame else "")
+                + "".join(f"\n  tried {a}" for a in exc.attempts[1:])
+                + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
+            ) from cause
+        break
+    result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
+    if target is not working:
+        result.notes.append(PLAIN_OUTPUTS())
+    if made.strict or made.batchnorm_kernel:
+        result.notes.append(CAPTURED_ROUTE(route=made.route))
+    if not made.dynamic and any(dims):
+        result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=made.static_reason
+                                                 or "unknown"))
+    _raise_if_unfaithful(result, working, call, check if made.dynamic else ())
+    return result
 
 
-def batch_dynamic_shapes(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """torch.export's ``dynamic_shapes`` marking dim 0 of every tensor argument, nested as ``module.forward``'s
-    signature takes them: the arguments a ``*args`` parameter collects form one tuple of their own
-    (``forward(self, *args, **kwargs)`` wrappers are common in trainer libraries)."""
-    specs = [batch_dims(a, torch.export.Dim.AUTO) for a in args]
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return tuple(specs)
-    star = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
-    if star is None or star > len(specs):
-        return tuple(specs)
-    return tuple(specs[:star]) + (tuple(specs[star:]),)
+def _at_least_two(call: Call, signature: Optional[Signature]) -> Call:
+    """``call`` with a sample axis of one repeated to two (torch.export specialises sizes 0 and 1)."""
+    tree = tree_of_call(call)
+    leaves = tree.leaves(call)
+    axes = signature.input_axes() if signature is not None and signature.batched else \
+        [0 if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in leaves]
+    rows = rows_of(leaves, axes)
+    if rows is None or rows >= 2:
+        return call
+    if rows == 0:
+        raise TraceError("a tensor argument has batch size 0; give at least one sample")
+    if signature is None or not signature.batched:  # dim 0 of every tensor: only when they all agree
+        if len({int(t.shape[0]) for t, a in zip(leaves, axes) if a is not None}) != 1:
+            return call
+    return tree.rebuild(with_rows(leaves, axes, 2))
 
 
-def _export_once(working: nn.Module, args: Tuple[Any, ...], dynamic: bool) -> Capture:
-    dynamic_shapes = batch_dynamic_shapes(working, args) if dynamic else None
-    try:
-        program = torch.export.export(working, args, strict=False, dynamic_shapes=dynamic_shapes)
-    except Exception as exc:  # noqa: BLE001
-        frame = _user_frame(exc)
-        raise TraceError(
-            f"torch.export could not capture {type(working).__qualname__}: {first_line(exc, with_type=True)}"
-            + (f"\n  at {frame}" if frame else "")
-            + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
-        ) from exc
-    return Capture(program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
+def _static_what(signature: Optional[Signature], leaves: Sequence[Any]) -> str:
+    """The sizes a static capture is fixed to, named."""
+    if signature is None:
+        first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        return f"batch size {int(first.shape[0])}" if first is not None else "the example's sizes"
+    fixed = [f"{leaf.name} dim {d} = {dim.size}" for leaf in signature.inputs for d, dim in enumerate(leaf.dims)
+             if dim.kind is not DimKind.fixed]
+    return ", ".join(fixed) or "the example's sizes"
 
 
 # ------------------------------------------------------------------------------ is the capture faithful?
 
-def _run(fn: Any, inputs: Sequence[Any]) -> Any:
+def _run(fn: Any, call: Call) -> Any:
     # Same inputs, eval mode, no grad, a fixed RNG: a faithful graph gives the same numbers as eager.
-    with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(inputs)):
+    with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(call)), no_distribution_validation():
         torch.manual_seed(0)
-        return fn(*inputs)
+        return call.run(fn)
 
 
-def _cuda_indices(inputs: Sequence[Any]) -> List[int]:
-    return sorted({a.device.index or 0 for a in inputs if isinstance(a, torch.Tensor) and a.is_cuda})
+def _cuda_indices(call: Call) -> List[int]:
+    return sorted({t.device.index or 0 for t in tree_of_call(call).leaves(call) if t.is_cuda})
 
 
-def _raise_if_unfaithful(captured: Capture, working: nn.Module, example_inputs: Optional[Sequence[Any]]) -> None:
-    """Run the captured graph once against the eager module on the example inputs (when known); raise a
-    TraceError saying where it goes wrong when it raises or gives other numbers."""
-    if example_inputs is None:
+def _raise_if_unfaithful(captured: Capture, working: nn.Module, call: Optional[Call],
+                         check: Sequence[Call] = ()) -> None:
+    """Run the captured graph against the eager module on the example (and on the ``check`` calls, other sizes
+    it must take); raise a TraceError saying where it goes wrong when it raises or gives other numbers."""
+    if call is None:
         return
-    inputs = tuple(example_inputs)
-    expected = _run(working, inputs)
-    try:
-        got = _run(captured.graph_module, inputs)
-    except Exception as exc:  # noqa: BLE001 - a graph that raises is the clearest sign of a wrong trace
-        problem = f"the captured graph raises {first_line(exc, with_type=True)}"
-    else:
-        problem = _difference(got, expected)
-    if problem is None:
-        return
-    where = _first_divergence(captured.graph_module, working, inputs) if captured.mode == "fx" else None
-    raise TraceError(
-        f"the {captured.mode} capture of {type(working).__qualname__} is unfaithful: on the example inputs {problem}"
-        + (f"\n  first difference at {where}" if where else "")
-        + (_FX_UNFAITHFUL_FIXES if captured.mode == "fx" else _EXPORT_UNFAITHFUL_FIXES)
-    )
+    for index, inputs in enumerate([call, *check]):
+        expected = _run(working, inputs)
+        try:
+            got = _run(captured.graph_module, inputs)
+        except Exception as exc:  # noqa: BLE001 - a graph that raises is the clearest sign of a wrong trace
+            problem = f"the captured graph raises {first_line(exc, with_type=True)}"
+        else:
+            problem = _difference(got, expected)
+        if problem is None:
+            continue
+        where = _first_divergence(captured.graph_module, working, inputs) if captured.mode == "fx" else None
+        which = "on the example inputs" if index == 0 else \
+            f"on observed call {index + 1} ({describe_call(inputs)})"
+        raise TraceError(
+            f"the {captured.mode} capture of {type(working).__qualname__} is unfaithful: {which} {problem}"
+            + (f"\n  first difference at {where}" if where else "")
+            + (_FX_UNFAITHFUL_FIXES if captured.mode == "fx" else _EXPORT_UNFAITHFUL_FIXES)
+        )
 
 
 _FX_UNFAITHFUL_FIXES = (
@@ -400,7 +419,7 @@ def _difference(got: Any, expected: Any) -> Optional[str]:
     return None if comparison.passed else comparison.describe().replace("the reference", "the model")
 
 
-def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Sequence[Any]) -> Optional[str]:
+def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> Optional[str]:
     """The first module call of the graph whose output differs from (or raises unlike) the eager module's."""
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     eager: Dict[str, List[torch.Tensor]] = {}
@@ -434,7 +453,7 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Sequence[A
             return out
 
     try:
-        _run(Watch(gm).run, inputs)
+        _run(lambda *args, **kwargs: Watch(gm).run(*args, **kwargs), inputs)
     except Exception:  # noqa: BLE001 - recorded in `found`
         pass
     return found[0] if found else None

@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.batches import as_example_inputs, detached, model_device_dtype
+from fx_lightning.calls import Call, Interface, no_distribution_validation
 from fx_lightning.capture import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
 from fx_lightning.notes import NoteKind
@@ -30,32 +31,50 @@ from fx_lightning.passes import (
 from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
 from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
 from fx_lightning.report import FuseReport, GraphStats, PassReport, graph_stats
+from fx_lightning.signature import Signature
 
-__all__ = ["FuseResult", "fuse", "NO_EXAMPLE_INPUTS"]
+__all__ = ["FuseResult", "fuse", "run_once", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
 
+FLAT_INTERFACE = NoteKind("flat_interface", "captured through a flat interface: one tensor per input leaf "
+                                            "({names}), the original arguments rebuilt inside, outputs made plain")
 NO_EXAMPLE_INPUTS = NoteKind("no_example_inputs", "no example inputs: shapes unknown (Linear + BatchNorm1d pairs not "
                                                   "folded) and the capture not run against the model")
 
 
 @dataclass
 class FuseResult:
+    """``graph_module``: the fused graph. It takes what the model's forward takes, unless the call was not
+    positional tensors or the outputs not plain (``interface.flat``): then it takes one tensor per input leaf
+    (``interface.names``) and returns the outputs in plain containers, and :attr:`module` is the fused model behind
+    the original interface (the user's objects in, the original output types out)."""
+
     graph_module: fx.GraphModule
     report: FuseReport
     config: FuseConfig
-    example_inputs: Optional[tuple] = None
+    example_inputs: Optional[tuple] = None  # what graph_module was captured with (the leaves, when flat)
+    interface: Optional[Interface] = None
+
+    @property
+    def module(self) -> nn.Module:
+        """The fused model, called as the original is."""
+        return self.interface.structured(self.graph_module) if self.interface is not None else self.graph_module
 
 
 def fuse(
     module: nn.Module,
     config: ConfigLike = None,
     *,
-    example_inputs: Union[torch.Tensor, Sequence[Any], None] = None,
+    example_inputs: Union[torch.Tensor, Sequence[Any], Call, None] = None,
+    signature: Optional[Signature] = None,
+    check_inputs: Sequence[Call] = (),
 ) -> FuseResult:
     """Trace an eval-mode copy of ``module``, fold its BatchNorms and run the configured passes.
 
-    ``module`` is never changed. ``example_inputs`` (a tensor or a tuple of forward's arguments) lets
-    the passes see shapes (needed to fold Linear + BatchNorm1d) and enables the ``torch.export``
-    capture fallback. The result's ``graph_module`` is in eval mode, on the input's device and dtype.
+    ``module`` is never changed. ``example_inputs`` (a tensor, a tuple of forward's arguments, or a
+    :class:`~fx_lightning.calls.Call` with keyword arguments) lets the passes see shapes (needed to fold Linear +
+    BatchNorm1d) and enables the ``torch.export`` capture fallback. ``signature`` (what observed calls showed:
+    which dimensions vary) and ``check_inputs`` (more calls, of other sizes) make the capture take every size the
+    calls took. The result's ``graph_module`` is in eval mode, on the input's device and dtype.
 
     Example::
 
@@ -66,7 +85,8 @@ def fuse(
     if not isinstance(module, nn.Module):
         raise TypeError(f"fuse() takes a torch.nn.Module, got {type(module).__name__}")
     cfg = config if isinstance(config, FuseConfig) else load_config(config)
-    inputs = as_example_inputs(example_inputs)
+    call = example_inputs if isinstance(example_inputs, Call) else _as_call(example_inputs)
+    inputs = call.args if call is not None and not call.kwargs else None  # the module passes' positional inputs
     start = time.perf_counter()
     plan = plan_passes(cfg.passes)
     working = eval_copy(module)
@@ -77,7 +97,14 @@ def fuse(
         working = eval_copy(module)
         module_runs = [(spec, _undone(result, undone), seconds) for spec, result, seconds in module_runs]
     removed = batchnorm_modules - _count_batchnorm_modules(working)  # by deploy-form conversions
-    captured = capture(working, cfg.trace, inputs, already_copied=True)
+    interface = Interface.of(working, call, run_once(working, call)) if call is not None else None
+    captured = capture(interface.module if interface is not None else working, cfg.trace,
+                       interface.call if interface is not None else None, already_copied=True, signature=signature,
+                       check=[interface.leaves_of(c) for c in check_inputs] if interface is not None else ())
+    if interface is not None:
+        inputs = interface.call.args
+        if interface.flat:
+            captured.notes.append(FLAT_INTERFACE(names=tuple(interface.names)))
     del working  # the graph module holds what it uses
     gm = captured.graph_module
     if captured.mode == "export":
@@ -101,7 +128,19 @@ def fuse(
     if inputs is None and captured.mode == "fx":
         report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
-    return FuseResult(gm, report, cfg, inputs)
+    return FuseResult(gm, report, cfg, inputs, interface)
+
+
+def _as_call(example_inputs: Any) -> Optional[Call]:
+    args = as_example_inputs(example_inputs)
+    return None if args is None else Call(args)
+
+
+def run_once(module: nn.Module, call: Call) -> Any:
+    """``module`` on ``call`` in eval mode, without gradients, with a fixed RNG (the caller's streams untouched)."""
+    with torch.no_grad(), torch.random.fork_rng(), no_distribution_validation():
+        torch.manual_seed(0)
+        return call.run(module)
 
 
 def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],

@@ -10,12 +10,12 @@ not the model.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from fx_lightning.calls import plain
 from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
 
 __all__ = [
@@ -80,16 +80,19 @@ class Comparison:
 
 
 def _tree(value: Any) -> Any:
-    """The nesting of ``value`` with tensors as leaves: sequences as lists, mappings and dataclasses (Hugging
-    Face ``ModelOutput``) as dicts; anything else is not an output and is left out."""
+    """The nesting of ``value`` with tensors as leaves: sequences as lists; mappings, dataclasses (Hugging Face
+    ``ModelOutput``), objects and ``torch.distributions`` objects (their parameters) as dicts; anything else is not
+    an output and is left out."""
+    return _as_tree(plain(value))
+
+
+def _as_tree(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, Mapping):
-        return {str(k): _tree(v) for k, v in value.items()}
+        return {str(k): _as_tree(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return [_tree(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _tree(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return [_as_tree(v) for v in value]
     return None
 
 

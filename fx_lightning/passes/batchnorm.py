@@ -23,6 +23,8 @@ from fx_lightning.passes.bn_views import (
     Refused,
     apply_layer_weights,
     describe,
+    bn_input,
+    bn_reader,
     is_batchnorm_node,
     layer_kind,
     match_bn,
@@ -94,7 +96,7 @@ def _fold_producer(
         bn = match_bn(gm, node)
         if bn is None:
             continue
-        producer = node.args[0] if node.args else None
+        producer = bn_input(node)
         if "linear" in kinds and _flattened(producer) is not None:
             _fold_through_flatten(gm, ctx, result, node, bn, producer, options)
             continue
@@ -147,7 +149,7 @@ def _only_feeds(node: fx.Node, user: fx.Node) -> Optional[str]:
 
 
 def _common_checks(bn: BatchNorm, layer: Layer) -> Optional[str]:
-    reason = _only_feeds(layer.node, bn.node)
+    reason = _only_feeds(layer.node, bn_reader(bn.node))
     if reason is None and layer.out_channels != bn.num_features:
         reason = f"{describe(layer.node)} has {layer.out_channels} output channels, the BatchNorm {bn.num_features}"
     return reason
@@ -181,7 +183,7 @@ def _fold_through_flatten(gm: fx.GraphModule, ctx: PassContext, result: PassResu
         return
     ctx.ensure_shapes(gm)
     out, flat = node_shape(layer.node), node_shape(reshape)
-    reason = _only_feeds(layer.node, reshape) or _only_feeds(reshape, node)
+    reason = _only_feeds(layer.node, reshape) or _only_feeds(reshape, bn_reader(node))
     if reason is None and (out is None or flat is None):
         reason = "shapes unknown around the reshape: pass example_inputs so they are known"
     elif reason is None and not (len(flat) == 2 and flat[-1] == out[-1] == bn.num_features and len(out) >= 2):
@@ -242,7 +244,7 @@ def _concat_refusal(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Bat
         reason = _only_feeds(layer.node, cat) or weights_refusal(gm, layer, options.copy_shared_modules)
         if reason is not None:
             return reason
-    reason = _only_feeds(cat, node)
+    reason = _only_feeds(cat, bn_reader(node))
     if reason is not None:
         return reason
     if sum(x.out_channels for x in layers) != bn.num_features:

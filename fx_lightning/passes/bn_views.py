@@ -9,6 +9,7 @@ cannot take part in a fold, or None when the node is not of that kind.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
@@ -37,6 +38,8 @@ __all__ = [
     "Refused",
     "match_layer",
     "match_bn",
+    "bn_input",
+    "bn_reader",
     "layer_kind",
     "is_batchnorm_node",
     "apply_layer_weights",
@@ -233,6 +236,19 @@ def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:
 
 _F_BN = {F.batch_norm}
 _TORCH_BN = {torch.batch_norm} | aten_ops("batch_norm.default")
+# Eval-mode batch_norm's own kernel (what torch.export records when BatchNorms run as it: fx_lightning.program);
+# it returns (output, mean, invstd): the BatchNorm's value is its item 0.
+_LEGIT_BN = aten_ops("_native_batch_norm_legit_no_training.default")
+
+
+def _legit_kernel(node: fx.Node) -> Optional[fx.Node]:
+    """The ``_native_batch_norm_legit_no_training`` call whose output ``node`` takes (``getitem(call, 0)``)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return None
+    call, index = node.args
+    if index != 0 or not isinstance(call, fx.Node) or call.op != "call_function" or call.target not in _LEGIT_BN:
+        return None
+    return call
 
 
 @dataclass
@@ -250,6 +266,18 @@ class BatchNorm:
         return bn_scale_shift(self.running_mean, self.running_var, self.weight, self.bias, self.eps, dtype)
 
 
+def bn_input(node: fx.Node) -> Any:
+    """The value a BatchNorm call normalises (its first argument; the kernel's, for the kernel form)."""
+    kernel = _legit_kernel(node)
+    call = kernel if kernel is not None else node
+    return call.args[0] if call.args else None
+
+
+def bn_reader(node: fx.Node) -> fx.Node:
+    """The node that reads a BatchNorm's input: the call itself, or the kernel behind ``getitem(kernel, 0)``."""
+    return _legit_kernel(node) or node
+
+
 def is_batchnorm_node(gm: fx.GraphModule, node: fx.Node) -> bool:
     """A BatchNorm call: a BatchNorm module, or a functional/ATen batch_norm with running statistics (without
     them it normalises with batch statistics, e.g. weight standardisation: not a BatchNorm at inference)."""
@@ -258,6 +286,8 @@ def is_batchnorm_node(gm: fx.GraphModule, node: fx.Node) -> bool:
         return m is not None and is_batchnorm_like(m)
     if node.op != "call_function":
         return False
+    if _legit_kernel(node) is not None:
+        return True
     if node.target in _F_BN:
         return node_arg(node, 1, "running_mean") is not None
     return node.target in _TORCH_BN and node_arg(node, 3, "running_mean") is not None
@@ -290,7 +320,13 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
         weight = m.weight if getattr(m, "affine", True) else None
         bias = m.bias if getattr(m, "affine", True) else None
         return BatchNorm(node, node.args[0], m.running_mean.numel(), m.running_mean, m.running_var, weight, bias, float(m.eps))
-    if node.target in _F_BN:  # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    kernel = _legit_kernel(node)
+    if kernel is not None:  # (input, weight, bias, running_mean, running_var, momentum, eps): eval mode by definition
+        if not isinstance(kernel.args[0], fx.Node):
+            return Refused("input is not a graph value")
+        w_a, b_a, rm_a, rv_a = (kernel.args[i] for i in range(1, 5))
+        training, eps = False, kernel.args[6]
+    elif node.target in _F_BN:  # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
         rm_a, rv_a = node_arg(node, 1, "running_mean"), node_arg(node, 2, "running_var")
         w_a, b_a = node_arg(node, 3, "weight"), node_arg(node, 4, "bias")
         training, eps = node_arg(node, 5, "training", False), node_arg(node, 7, "eps", 1e-5)
@@ -308,7 +344,8 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
         return Refused("functional batch_norm: weight or bias is computed, not a constant")
     if not isinstance(eps, (int, float)):
         return Refused("functional batch_norm: eps is not a constant")
-    return BatchNorm(node, node.args[0], rm.numel(), rm, rv, w, b, float(eps))
+    return BatchNorm(node, kernel.args[0] if kernel is not None else node.args[0], rm.numel(), rm, rv, w, b,
+                     float(eps))
 
 
 def describe(node: Any) -> str:
@@ -327,8 +364,18 @@ def describe(node: Any) -> str:
 
 def remove_batchnorm(gm: fx.GraphModule, bn: BatchNorm, replacement: fx.Node) -> None:
     bn.node.replace_all_uses_with(replacement)
-    inputs = [a for a in list(bn.node.args) + list(bn.node.kwargs.values()) if isinstance(a, fx.Node)]
+    kernel = _legit_kernel(bn.node)
     gm.graph.erase_node(bn.node)
+    if kernel is not None:  # the kernel's other items (batch statistics: unused in eval mode), then the kernel
+        for user in list(kernel.users):
+            if not user.users:
+                gm.graph.erase_node(user)
+        if kernel.users:
+            return
+    call = kernel if kernel is not None else bn.node
+    inputs = [a for a in list(call.args) + list(call.kwargs.values()) if isinstance(a, fx.Node)]
+    if kernel is not None:
+        gm.graph.erase_node(kernel)
     for a in inputs:  # the functional form's statistics are get_attr nodes that are now dead
         if a.op == "get_attr" and not a.users:
             gm.graph.erase_node(a)

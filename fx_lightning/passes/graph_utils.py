@@ -47,14 +47,21 @@ def node_shape(node: Any) -> Optional[Tuple[int, ...]]:
         return None
     meta = node.meta.get("tensor_meta")
     if meta is not None and hasattr(meta, "shape"):
-        return tuple(int(s) for s in meta.shape)
+        return tuple(_size(s) for s in meta.shape)
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        try:
-            return tuple(int(s) for s in val.shape)
-        except (TypeError, RuntimeError):  # symbolic sizes: rank is still known
-            return tuple(-1 for _ in val.shape)
+        return tuple(_size(s) for s in val.shape)
     return None
+
+
+def _size(size: Any) -> int:
+    """A dimension's size; -1 for a symbolic one without an example value (a data-dependent row count)."""
+    if isinstance(size, int):
+        return size
+    try:
+        return int(size)
+    except Exception:  # noqa: BLE001 - torch raises its own guard errors for a size no example decides
+        return -1
 
 
 def call_sites(gm: fx.GraphModule, target: str) -> int:

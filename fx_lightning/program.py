@@ -1,0 +1,258 @@
+"""The one ``torch.export`` call: capture, every export format and every variant export a module through
+:func:`export_program`, with the dimensions the :class:`~fx_lightning.signature.Signature` says vary.
+
+It tries, in order, stopping at the first program that runs on every call it is given to check:
+
+1. non-strict export (torch.export's default for our purposes: it runs the Python code as it is);
+2. strict export (TorchDynamo), when (1) failed on a data-dependent size or specialised a dimension that must vary:
+   code such as ``int(batch.max()) + 1`` (a graph's pooling size) needs it;
+3. both again with the eval-mode BatchNorms run as ``aten._native_batch_norm_legit_no_training`` (the same
+   arithmetic), when a BatchNorm meets a data-dependent number of rows (``batch_norm`` asks whether it is empty);
+4. with ``allow_static``: the same program for the example's sizes only, saying why the dynamic one failed.
+
+The module is ours (a working copy or a fused GraphModule): its BatchNorms' ``forward`` is swapped for the length of
+the call only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fx_lightning.calls import Call, Tree, no_distribution_validation, tree_of_call
+from fx_lightning.errors import first_line
+from fx_lightning.signature import DimKind, Signature
+
+__all__ = ["Program", "ExportAttempt", "export_program", "signature_dims", "capture_dims", "ExportFailed",
+           "eval_batchnorm_kernels"]
+
+# A leaf's dimensions -> what torch.export should make of them (a Dim, Dim.AUTO, Dim.DYNAMIC); None: static.
+LeafDims = Optional[Dict[int, Any]]
+
+
+class ExportFailed(Exception):
+    """Every attempt failed: ``attempts`` says how each one did."""
+
+    def __init__(self, attempts: List["ExportAttempt"]) -> None:
+        super().__init__("; ".join(str(a) for a in attempts))
+        self.attempts = attempts
+
+    @property
+    def first(self) -> BaseException:
+        return self.attempts[0].error or self
+
+
+@dataclass
+class ExportAttempt:
+    dynamic: bool
+    strict: bool
+    batchnorm_kernel: bool
+    error: Optional[BaseException] = None
+
+    @property
+    def route(self) -> str:
+        return ("strict" if self.strict else "non-strict") + (", BatchNorm as its inference kernel"
+                                                              if self.batchnorm_kernel else "")
+
+    def __str__(self) -> str:
+        what = "dynamic" if self.dynamic else "static"
+        return f"{what} {self.route}: {type(self.error).__name__}: {first_line(self.error)}" if self.error else \
+            f"{what} {self.route}: ok"
+
+
+@dataclass
+class Program:
+    """The exported program and how it was made: ``dynamic`` (the dimensions asked for are dynamic) or not (the
+    example's sizes only, ``static_reason`` says why)."""
+
+    program: "torch.export.ExportedProgram"
+    dynamic: bool
+    strict: bool
+    batchnorm_kernel: bool
+    attempts: List[ExportAttempt] = field(default_factory=list)
+
+    @property
+    def static_reason(self) -> Optional[str]:
+        failed = [a for a in self.attempts if a.error is not None and a.dynamic]
+        return first_line(failed[0].error) if failed and not self.dynamic else None
+
+    @property
+    def route(self) -> str:
+        return ("strict" if self.strict else "non-strict") + (" with BatchNorm as its inference kernel"
+                                                              if self.batchnorm_kernel else "")
+
+
+def signature_dims(signature: Signature, *, dynamic_samples: bool = True) -> List[LeafDims]:
+    """The input leaves' dynamic dimensions for an artifact: the proven sample axis (one shared ``batch`` Dim, from
+    1) unless ``dynamic_samples`` is off, and every dimension that varied (``Dim.DYNAMIC``: torch.export must keep
+    it dynamic or fail)."""
+    batch = torch.export.Dim("batch", min=1)
+    out: List[LeafDims] = []
+    for leaf in signature.inputs:
+        dims: Dict[int, Any] = {}
+        for i, d in enumerate(leaf.dims):
+            if d.kind is DimKind.sample and dynamic_samples:
+                dims[i] = batch
+            elif d.kind is DimKind.variable:
+                dims[i] = torch.export.Dim.DYNAMIC
+        out.append(dims or None)
+    return out
+
+
+def capture_dims(signature: Optional[Signature], leaves: Sequence[Any], *, dynamic_samples: bool = True
+                 ) -> List[LeafDims]:
+    """The dimensions capture keeps dynamic: those that varied (``Dim.DYNAMIC``), and the sample axis, or dim 0
+    where none is proven (``Dim.AUTO``: torch.export decides; the graph is used in this process, where guards
+    keep it right, and exported artifacts are made dynamic by the signature alone)."""
+    out: List[LeafDims] = []
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            out.append(None)
+            continue
+        dims: Dict[int, Any] = {}
+        spec = signature.inputs[i] if signature is not None and i < len(signature.inputs) else None
+        axis = spec.sample_axis if spec is not None and spec.sample_axis is not None else 0
+        if dynamic_samples:
+            dims[axis] = torch.export.Dim.AUTO
+        if spec is not None:
+            for d, dim in enumerate(spec.dims):
+                if dim.kind is DimKind.variable:
+                    dims[d] = torch.export.Dim.DYNAMIC
+        out.append(dims or None)
+    return out
+
+
+def _nested(module: nn.Module, call: Call, tree: Tree, leaf_dims: Sequence[LeafDims]) -> Any:
+    """``dynamic_shapes`` shaped as torch.export wants them for ``module`` called with ``call``: one entry per
+    positional argument (tensor leaves get theirs, anything else None), the arguments a ``*args`` parameter
+    collects as one tuple of their own (``forward(self, *args)`` wrappers)."""
+    it = iter(leaf_dims)
+    specs = [_spec_of(child, it) for (kind, _), child in tree.children if kind == "arg"]
+    kwargs = {key: _spec_of(child, it) for (kind, key), child in tree.children if kind == "kwarg"}
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    star = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    if star is not None and star <= len(specs):
+        specs = specs[:star] + [tuple(specs[star:])]
+    if kwargs:
+        named = {p.name: s for p, s in zip(params, specs)}
+        return {**named, **kwargs}
+    return tuple(specs)
+
+
+def _spec_of(tree: Tree, it: Iterator[LeafDims]) -> Any:
+    if tree.kind == "tensor":
+        return next(it)
+    if tree.kind == "const":
+        return None
+    parts = [_spec_of(child, it) for _, child in tree.children]
+    if tree.kind == "map":
+        return {key: p for ((_, key), _), p in zip(tree.children, parts)}
+    if tree.kind == "seq":
+        return tuple(parts) if issubclass(tree.cls or tuple, tuple) else list(parts)
+    raise ValueError(f"torch.export cannot take a {tree.cls.__name__ if tree.cls else tree.kind} argument: "
+                     "flatten the call first (fx_lightning.calls.FlatCall)")
+
+
+def _batchnorm_forward(self: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._native_batch_norm_legit_no_training.default(
+        x, self.weight, self.bias, self.running_mean, self.running_var, 0.0, self.eps)[0]
+
+
+@contextlib.contextmanager
+def eval_batchnorm_kernels(module: nn.Module) -> Iterator[int]:
+    """While the block runs, every eval-mode BatchNorm with running statistics in ``module`` (ours: a working copy)
+    computes with ``aten._native_batch_norm_legit_no_training``, the kernel eval-mode ``batch_norm`` dispatches
+    to, without its check for an empty input (which torch.export cannot answer for a data-dependent row count).
+    Yields how many were swapped."""
+    swapped = []
+    for m in module.modules():
+        if (type(m).forward is nn.modules.batchnorm._BatchNorm.forward and not m.training
+                and getattr(m, "running_mean", None) is not None and "forward" not in vars(m)):
+            m.forward = types.MethodType(_batchnorm_forward, m)
+            swapped.append(m)
+    try:
+        yield len(swapped)
+    finally:
+        for m in swapped:
+            del m.forward
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch's shape machinery logs a failed attempt's whole graph as a warning; the attempt's error says enough."""
+    loggers = [logging.getLogger(name) for name in ("torch.fx.experimental.symbolic_shapes", "torch._dynamo",
+                                                    "torch.export", "torch._export")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}"
+    return any(s in text for s in ("data-dependent", "DataDependent", "Constraints violated", "specialized",
+                                   "specialised", "ConstraintViolation", "guard on", "Guard failed",
+                                   "Expected input"))
+
+
+def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[LeafDims]] = None, *,
+                   allow_static: bool = True, check: Sequence[Call] = ()) -> Program:
+    """``torch.export`` of ``module`` on ``call`` with ``leaf_dims`` (one entry per tensor leaf of the call, in
+    leaf order; None: static), trying the routes above; each program made is run on the ``check`` calls (other
+    sizes the dynamic dimensions must take) before it is accepted. Raises :class:`ExportFailed` with every attempt
+    when none worked."""
+    tree = tree_of_call(call)
+    dynamic = leaf_dims is not None and any(d for d in leaf_dims)
+    batchnorms = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    attempts: List[ExportAttempt] = []
+    groups = ([True] if dynamic else []) + ([False] if allow_static or not dynamic else [])
+    for is_dynamic in groups:
+        shapes = _nested(module, call, tree, leaf_dims) if is_dynamic else None  # type: ignore[arg-type]
+        for strict, kernel in _ROUTES:
+            if kernel and not batchnorms:
+                continue
+            attempt = ExportAttempt(is_dynamic, strict, kernel)
+            attempts.append(attempt)
+            try:
+                with eval_batchnorm_kernels(module) if kernel else contextlib.nullcontext(0), _quiet():
+                    with torch.no_grad(), no_distribution_validation():
+                        program = torch.export.export(module, call.args, call.kwargs or None, strict=strict,
+                                                      dynamic_shapes=shapes)
+                if is_dynamic:
+                    _check_runs(program, check)
+            except Exception as exc:  # noqa: BLE001 - recorded; another route may work
+                attempt.error = exc
+                if not _data_dependent(exc):
+                    break  # the other routes would fail the same way: only data-dependent failures have one
+                continue
+            return Program(program, is_dynamic, strict, kernel, attempts)
+    raise ExportFailed(attempts)
+
+
+# (strict, BatchNorm as its inference kernel), in the order tried.
+_ROUTES = ((False, False), (True, False), (True, True), (False, True))
+
+
+def _check_runs(program: "torch.export.ExportedProgram", calls: Sequence[Call]) -> None:
+    """The program runs on each call (other sizes of its dynamic dimensions)."""
+    if not calls:
+        return
+    module = program.module()
+    with torch.no_grad():
+        for call in calls:
+            call.run(module)

@@ -1,0 +1,445 @@
+"""How an artifact is called: one :class:`Signature` derived from calls that were observed, never guessed.
+
+Every input and output leaf (a tensor, named by where it sits in the call) with its dtype and, per dimension,
+what the calls showed: a **fixed** size, the **sample** axis, or a **variable** size. The sample axis is recorded
+only where it is proven (:func:`derive_signature`):
+
+1. it is consistent: the leaves on it have one size per call, and every output has a dimension of that size;
+2. it follows the number of samples in the loader's batches, where the loader says how many (a graph batch's
+   node count is not its number of graphs);
+3. an experiment agrees: replacing the last rows of every input on the axis leaves the outputs of the first rows
+   unchanged (rows do not interact), and the first rows alone give the same outputs (``any_size``).
+
+Everything that needs to know how an artifact is called reads the signature: capture and ``dynamic_shapes``
+(:mod:`fx_lightning.program`), the manifest's contract, ``load_fused``'s pieces and padding (only on a proven
+sample axis), the server's batching, the Triton dims and ``bench``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from fx_lightning._json import dtype_name
+from fx_lightning.calls import Call, Tree, path_text, tree_of, tree_of_call
+from fx_lightning.parity.compare import compare_outputs
+
+__all__ = [
+    "DimKind",
+    "DimSpec",
+    "LeafSpec",
+    "SampleAxis",
+    "Signature",
+    "Observed",
+    "derive_signature",
+    "rows_of",
+    "with_rows",
+    "take_rows",
+    "concat_rows",
+    "shape_problem",
+]
+
+
+class DimKind(str, Enum):
+    fixed = "fixed"
+    sample = "sample"
+    variable = "variable"
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """One dimension of a leaf: its kind, the example's size, and the smallest and largest size observed."""
+
+    kind: DimKind
+    size: int
+    low: int
+    high: int
+
+    def token(self, group: Optional[str] = None) -> Any:
+        """How a manifest writes it: the size (fixed), ``"batch"`` (the sample axis), a name (variable)."""
+        if self.kind is DimKind.fixed:
+            return self.size
+        return "batch" if self.kind is DimKind.sample else (group or "dynamic")
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One tensor of the call (an input) or of its result (an output)."""
+
+    name: str  # an identifier: what runtimes, the manifest and the server call it
+    path: str  # where it sits, as people write it: "bmg.V", "x['continuous']", "output[0].loc"
+    steps: Tuple[Tuple[str, Any], ...]  # the same place, as steps a process without the training code can follow
+    dtype: str
+    dims: Tuple[DimSpec, ...]
+    stochastic: bool = False  # an output that changes from run to run (a sample drawn in forward)
+    groups: Tuple[Optional[str], ...] = ()  # a name per variable dimension: equal names were equal in every call
+
+    @property
+    def sample_axis(self) -> Optional[int]:
+        return next((i for i, d in enumerate(self.dims) if d.kind is DimKind.sample), None)
+
+    @property
+    def shape(self) -> List[Any]:
+        groups = self.groups or (None,) * len(self.dims)
+        return [d.token(g) for d, g in zip(self.dims, groups)]
+
+    @property
+    def example_shape(self) -> List[int]:
+        return [d.size for d in self.dims]
+
+    def to_dict(self) -> Dict[str, object]:
+        out: Dict[str, object] = {"name": self.name, "path": self.path, "steps": [list(s) for s in self.steps],
+                                  "dtype": self.dtype, "shape": self.shape, "example_shape": self.example_shape,
+                                  "sizes_seen": [[d.low, d.high] for d in self.dims]}
+        if self.stochastic:
+            out["stochastic"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LeafSpec":
+        shape, example = list(data["shape"]), [int(s) for s in data["example_shape"]]
+        seen = data.get("sizes_seen") or [[s, s] for s in example]
+        dims, groups = [], []
+        for token, size, (low, high) in zip(shape, example, seen):
+            kind = DimKind.fixed if isinstance(token, int) else DimKind.sample if token == "batch" else DimKind.variable
+            dims.append(DimSpec(kind, size, int(low), int(high)))
+            groups.append(token if kind is DimKind.variable else None)
+        return cls(str(data["name"]), str(data.get("path", data["name"])),
+                   tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
+                   bool(data.get("stochastic", False)), tuple(groups))
+
+
+@dataclass(frozen=True)
+class SampleAxis:
+    """Whether the calls prove a sample axis, and how (or why not). ``any_size``: the first rows alone gave the
+    same outputs, so pieces of any size are exact; otherwise only padding to the sizes seen is."""
+
+    proven: bool
+    how: str
+    any_size: bool = False
+
+
+@dataclass
+class Signature:
+    """How the artifact is called. ``flat``: it takes one tensor per input leaf, by name, rebuilt into the
+    original arguments inside (the call was not positional tensors); ``calls``: how many calls it rests on."""
+
+    inputs: List[LeafSpec]
+    outputs: List[LeafSpec]
+    sample: SampleAxis
+    calls: int = 1
+    flat: bool = False
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def batched(self) -> bool:
+        """Whether there is a proven sample axis (pieces and padding are allowed along it)."""
+        return self.sample.proven
+
+    def input_axes(self) -> List[Optional[int]]:
+        return [leaf.sample_axis for leaf in self.inputs]
+
+    def output_axes(self) -> List[Optional[int]]:
+        return [leaf.sample_axis for leaf in self.outputs]
+
+    def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
+        """The number of samples in a flat input (None: no proven sample axis)."""
+        if not self.batched:
+            return None
+        return next((int(t.shape[a]) for t, a in zip(leaves, self.input_axes())
+                     if a is not None and isinstance(t, torch.Tensor) and t.dim() > a), None)
+
+    def describe(self) -> str:
+        lines = [f"input {leaf.name} ({leaf.path}): {leaf.dtype} {leaf.shape}" for leaf in self.inputs]
+        lines += [f"output {leaf.name} ({leaf.path}): {leaf.dtype} {leaf.shape}"
+                  + (" (stochastic)" if leaf.stochastic else "") for leaf in self.outputs]
+        lines.append(("sample axis: " if self.sample.proven else "no sample axis: ") + self.sample.how)
+        return "\n".join(lines)
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
+                "sample_axis": dataclasses.asdict(self.sample), "calls": self.calls, "flat": self.flat,
+                "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
+        sample = data.get("sample_axis") or {}
+        return cls([LeafSpec.from_dict(s) for s in data.get("inputs") or []],
+                   [LeafSpec.from_dict(s) for s in data.get("outputs") or []],
+                   SampleAxis(bool(sample.get("proven", False)), str(sample.get("how", "")),
+                              bool(sample.get("any_size", False))),
+                   int(data.get("calls", 1)), bool(data.get("flat", False)), [str(n) for n in data.get("notes") or []])
+
+
+@dataclass
+class Observed:
+    """One call of the target seen while the model ran: its arguments, and the number of samples in the batch it
+    came from (None: the loader does not say)."""
+
+    call: Call
+    samples: Optional[int] = None
+
+
+# ------------------------------------------------------------------------------------------ derivation
+
+
+Runner = Callable[[Call], Any]  # runs the reference on a call (eval mode, no grad, a fixed RNG) -> its outputs
+
+
+def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Sequence[Tuple[List[Tuple[int, ...]],
+                     Optional[int]]] = (), root_names: Optional[Sequence[str]] = None, flat: bool = False,
+                     rerun: Optional[Runner] = None) -> Signature:
+    """The signature the calls show. ``run`` runs the reference on a call; ``rerun`` runs it again with another
+    RNG seed (outputs that change are stochastic). ``extra_shapes``: the input leaves' shapes (and sample counts)
+    of more calls whose values were not kept, as evidence of which sizes vary. ``flat``: the artifact takes one
+    tensor per input leaf."""
+    if not calls:
+        raise ValueError("derive_signature() needs at least one call")
+    tree = tree_of_call(calls[0].call)
+    same = [c for c in calls if tree_of_call(c.call).same_structure(tree)]
+    notes = [] if len(same) == len(calls) else [
+        f"{len(calls) - len(same)} of {len(calls)} calls had another structure (other arguments or flags) and were "
+        "left out"]
+    paths = tree.leaf_paths()
+    names = tree.leaf_names(root_names)
+    leaves = [tree.leaves(c.call) for c in same]
+    outputs = [run(c.call) for c in same]
+    out_tree = tree_of(outputs[0])
+    out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree) else None for o in outputs]
+    if any(o is None for o in out_leaves):
+        raise ValueError("the model's outputs change structure from call to call; the calls: "
+                         + "; ".join(_shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
+    shapes = [[tuple(t.shape) for t in ls] for ls in leaves] + [list(s) for s, _ in extra_shapes
+                                                                if len(s) == len(paths)]
+    counts = [c.samples for c in same] + [n for s, n in extra_shapes if len(s) == len(paths)]
+    sample = _sample_axis(same, leaves, out_leaves, shapes, counts, run, tree)
+    in_axes, out_axes = sample[1], sample[2]
+    stochastic = _stochastic(same[0], out_leaves[0], rerun) if rerun is not None else set()
+    in_specs = [_leaf(names[i], path_text(paths[i], root_names), paths[i], leaves[0][i],
+                      [s[i] for s in shapes], in_axes[i] if sample[0].proven else None)
+                for i in range(len(paths))]
+    out_paths = out_tree.leaf_paths()
+    out_names = _output_names(out_tree, outputs[0])
+    out_specs = [_leaf(out_names[i], "output" + path_text(out_paths[i]), out_paths[i], out_leaves[0][i], [tuple(o[i].shape) for o in out_leaves],  # type: ignore[index]
+                       out_axes[i] if sample[0].proven else None, i in stochastic)
+                 for i in range(len(out_paths))]
+    return Signature(_grouped(in_specs), _grouped(out_specs), sample[0], len(same), flat, notes)
+
+
+def _shapes_text(leaves: Sequence[torch.Tensor]) -> str:
+    return ", ".join(str(list(t.shape)) for t in leaves)
+
+
+def _leaf(name: str, path: str, steps: Sequence[Any], example: torch.Tensor, sizes: Sequence[Tuple[int, ...]],
+          axis: Optional[int], stochastic: bool = False) -> LeafSpec:
+    dims = []
+    for d in range(example.dim()):
+        seen = [s[d] for s in sizes if len(s) == example.dim()]
+        if d == axis:
+            kind = DimKind.sample
+        elif len(set(seen)) > 1:
+            kind = DimKind.variable
+        else:
+            kind = DimKind.fixed
+        dims.append(DimSpec(kind, int(example.shape[d]), int(min(seen)), int(max(seen))))
+    return LeafSpec(name, path, tuple((str(k), v) for k, v in steps), dtype_name(example.dtype), tuple(dims),
+                    stochastic)
+
+
+def _grouped(specs: List[LeafSpec]) -> List[LeafSpec]:
+    """Variable dimensions named: ``n0``, ``n1``... one name for dimensions whose sizes were equal in every call."""
+    by_sizes: Dict[Tuple[int, int, int], str] = {}
+    out = []
+    for spec in specs:
+        groups: List[Optional[str]] = []
+        for d in spec.dims:
+            if d.kind is not DimKind.variable:
+                groups.append(None)
+                continue
+            key = (d.low, d.high, d.size)
+            groups.append(by_sizes.setdefault(key, f"n{len(by_sizes)}"))
+        out.append(dataclasses.replace(spec, groups=tuple(groups)))
+    return out
+
+
+def _output_names(tree: Tree, value: Any) -> List[str]:
+    """Output names as manifests have always written them: a lone tensor ``output_0``; a sequence's items
+    ``output_0``, ``output_1``; a mapping's or object's fields by name, nested ones joined by dots."""
+    paths = tree.leaf_paths()
+    if len(paths) == 1 and tree.kind == "tensor":
+        return ["output_0"]
+    names = []
+    for path in paths:
+        parts = []
+        for i, (kind, key) in enumerate(path):
+            parts.append(f"output_{key}" if kind == "index" and i == 0 else str(key))
+        names.append(".".join(parts) or "output_0")
+    return names if len(names) > 1 or tree.kind != "tensor" else ["output_0"]
+
+
+def _stochastic(call: Observed, first: Sequence[torch.Tensor], rerun: Runner) -> set:
+    """The outputs that change when the model runs again with another seed (a sample drawn in forward)."""
+    again = rerun(call.call)
+    other = tree_of(again).leaves(again)
+    return {i for i, (a, b) in enumerate(zip(first, other))
+            if a.shape != b.shape or not compare_outputs(b, a).passed}
+
+
+def _sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tensor]],
+                 outputs: Sequence[Optional[Sequence[torch.Tensor]]],
+                 all_shapes: Sequence[Sequence[Tuple[int, ...]]], all_counts: Sequence[Optional[int]],
+                 run: Runner, tree: Tree) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
+    """Which input and output dimensions carry the samples, and the evidence."""
+    n_in = len(leaves[0])
+    none_in: List[Optional[int]] = [None] * n_in
+    none_out: List[Optional[int]] = [None] * len(outputs[0] or [])
+
+    def refused(why: str) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
+        return SampleAxis(False, why), none_in, none_out
+
+    known = [(shapes, n) for shapes, n in zip(all_shapes, all_counts) if n is not None]
+    if known:
+        in_axes = [_axis_following([(s[i], n) for s, n in known]) for i in range(n_in)]
+        how = f"it follows the number of samples in {len(known)} loader batch(es)"
+    else:
+        first = next((t for t in leaves[0] if t.dim() > 0), None)
+        if first is None:
+            return refused("no input has a dimension")
+        in_axes = [0 if all(len(s[i]) > 0 and s[i][0] == _first_dim0(s) for s in all_shapes) else None
+                   for i in range(n_in)]
+        how = "the loader does not say how many samples a batch holds, so dim 0 was tested"
+    if all(a is None for a in in_axes):
+        sizes = ", ".join(f"{n}" for _, n in known[:6])
+        return refused(f"no input dimension follows the number of samples in the loader's batches ({sizes})"
+                       if known else "no input has a dim 0 shared by the others")
+    sizes_per_call = []
+    for ls in leaves:
+        sizes = {int(t.shape[a]) for t, a in zip(ls, in_axes) if a is not None}
+        if len(sizes) != 1:
+            return refused("the inputs on the candidate axis have different sizes in one call")
+        sizes_per_call.append(sizes.pop())
+    out_axes: List[Optional[int]] = []
+    for i in range(len(outputs[0] or [])):
+        axis = _axis_following([(tuple(o[i].shape), n) for o, n in zip(outputs, sizes_per_call)])  # type: ignore[index]
+        if axis is None:
+            return refused(f"output {i} ({[list(o[i].shape) for o in outputs[:3]]}) does not follow the number of "  # type: ignore[index]
+                           f"samples ({sizes_per_call[:3]})")
+        out_axes.append(axis)
+    best = max(range(len(calls)), key=lambda c: sizes_per_call[c])
+    n = sizes_per_call[best]
+    if n < 2:
+        return refused("every call observed had one sample, so no experiment could show that rows are "
+                       "independent; give batches of two or more")
+    verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, out_axes, n, run, tree)  # type: ignore[arg-type]
+    if verdict is not None and not verdict[0]:
+        return refused(f"{how}, but the samples interact: {verdict[1]}")
+    assert verdict is not None
+    return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", verdict[2]), in_axes, out_axes
+
+
+def _first_dim0(shapes: Sequence[Tuple[int, ...]]) -> Optional[int]:
+    return next((s[0] for s in shapes if len(s) > 0), None)
+
+
+def _axis_following(pairs: Sequence[Tuple[Tuple[int, ...], int]]) -> Optional[int]:
+    """The one dimension whose size is the sample count in every pair (None: none, or more than one)."""
+    if not pairs:
+        return None
+    rank = len(pairs[0][0])
+    if any(len(s) != rank for s, _ in pairs):
+        return None
+    matching = [d for d in range(rank) if all(s[d] == n for s, n in pairs)]
+    if len(matching) > 1:  # the first is taken only when the others never varied apart from it
+        varied = [d for d in matching if len({s[d] for s, _ in pairs}) > 1]
+        matching = matching[:1] if not varied else varied[:1] if len(varied) == 1 else []
+    return matching[0] if len(matching) == 1 else None
+
+
+def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                      in_axes: Sequence[Optional[int]], out_axes: Sequence[Optional[int]], n: int, run: Runner,
+                      tree: Tree) -> Optional[Tuple[bool, str, bool]]:
+    """The experiment: (independent, what was seen, any_size). Rows ``k..n`` of every input on the axis replaced
+    by copies of the first rows must leave the first ``k`` rows of every output unchanged; the first ``k`` rows
+    alone must give them too (else only padding to a size seen is exact)."""
+    k = max(1, n // 2)
+    index = torch.arange(n) % k
+    replaced = [t.index_select(a, index.to(t.device)) if a is not None else t for t, a in zip(leaves, in_axes)]
+    want = [o.narrow(a, 0, k) for o, a in zip(outputs, out_axes) if a is not None]
+    try:
+        got = run(tree.rebuild(replaced))
+    except Exception as exc:  # noqa: BLE001 - the model refuses rows it did not get: not independent rows
+        return False, f"with its last rows replaced by copies of the first the model raises {type(exc).__name__}", False
+    got_leaves = tree_of(got).leaves(got)
+    comparison = compare_outputs([g.narrow(a, 0, k) for g, a in zip(got_leaves, out_axes) if a is not None], want)
+    if not comparison.passed:
+        return False, f"replacing rows {k}..{n - 1} changed the outputs of rows 0..{k - 1}: {comparison.describe()}", \
+            False
+    alone = [t.narrow(a, 0, k) if a is not None else t for t, a in zip(leaves, in_axes)]
+    try:
+        out = run(tree.rebuild(alone))
+        first = compare_outputs([o.narrow(a, 0, k) if a is not None else o
+                                 for o, a in zip(tree_of(out).leaves(out), out_axes)], want)
+        any_size = first.passed
+    except Exception:  # noqa: BLE001 - a model fixed to its batch size: pieces padded to that size only
+        any_size = False
+    seen = f"replacing rows {k}..{n - 1} of {n} left rows 0..{k - 1} unchanged"
+    return True, seen + ("; the first rows alone gave the same outputs" if any_size else
+                         "; the first rows alone did not run the same, so only padding to a size seen is exact"), any_size
+
+
+# -------------------------------------------------------------------------------------- rows on the axis
+
+
+def rows_of(leaves: Sequence[Any], axes: Sequence[Optional[int]]) -> Optional[int]:
+    """The number of rows of flat ``leaves`` on their sample axes (None: no leaf has one)."""
+    return next((int(t.shape[a]) for t, a in zip(leaves, axes) if a is not None and isinstance(t, torch.Tensor)),
+                None)
+
+
+def take_rows(leaves: Sequence[Any], axes: Sequence[Optional[int]], start: int, count: int) -> List[Any]:
+    """Rows ``start .. start+count`` of every leaf on its sample axis (the others whole)."""
+    return [t.narrow(a, start, count) if a is not None else t for t, a in zip(leaves, axes)]
+
+
+def with_rows(leaves: Sequence[Any], axes: Sequence[Optional[int]], n: int) -> List[Any]:
+    """Every leaf cut or padded to ``n`` rows on its sample axis, padding by repeating its rows."""
+    out = []
+    for t, a in zip(leaves, axes):
+        if a is None or t.shape[a] == n:
+            out.append(t)
+            continue
+        index = torch.arange(n, device=t.device) % t.shape[a]
+        out.append(t.index_select(a, index))
+    return out
+
+
+def concat_rows(parts: Sequence[Sequence[torch.Tensor]], axes: Sequence[Optional[int]]) -> List[torch.Tensor]:
+    """Output leaves of consecutive pieces joined along their sample axes."""
+    return [torch.cat([p[i] for p in parts], dim=a) if a is not None else parts[0][i] for i, a in enumerate(axes)]
+
+
+def shape_problem(specs: Sequence[LeafSpec], leaves: Sequence[Any], built: Optional[Sequence[Sequence[int]]] = None
+                  ) -> Optional[str]:
+    """Why flat ``leaves`` do not fit ``specs`` (None: they do): the leaf, the dimension, its kind and what came.
+    ``built``: the shapes a static artifact was built for (its fixed dimensions beyond the signature's)."""
+    if len(leaves) != len(specs):
+        return f"{len(leaves)} input tensors given, the artifact takes {len(specs)} ({', '.join(s.name for s in specs)})"
+    for i, (spec, t) in enumerate(zip(specs, leaves)):
+        if not isinstance(t, torch.Tensor):
+            return f"input {spec.name} ({spec.path}) is a {type(t).__name__}, not a tensor"
+        if t.dim() != len(spec.dims):
+            return f"input {spec.name} ({spec.path}) has {t.dim()} dimensions ({list(t.shape)}), the artifact takes " \
+                   f"{len(spec.dims)} ({spec.shape})"
+        for d, dim in enumerate(spec.dims):
+            size = int(t.shape[d])
+            static = built[i][d] if built is not None else (dim.size if dim.kind is DimKind.fixed else None)
+            if static is not None and size != static:
+                what = {DimKind.fixed: "a fixed size", DimKind.sample: "the sample axis",
+                        DimKind.variable: f"a size that varied ({dim.low}..{dim.high} seen)"}[dim.kind]
+                return (f"input {spec.name} ({spec.path}) dim {d} is {size}; the artifact was built for {static} "
+                        f"there ({what}{', exported for that size only' if dim.kind is not DimKind.fixed else ''})")
+    return None
