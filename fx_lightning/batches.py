@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from fx_lightning._imports import import_object
-from fx_lightning.calls import Call, leaf_values, plain
+from fx_lightning.calls import Call, leaf_values, map_leaves, plain
 from fx_lightning.errors import ConfigError
 
 __all__ = [
     "INPUT_KEYS",
+    "WHOLE_BATCH",
+    "PARITY_INPUT_SPELLINGS",
     "LABEL_KEYS",
     "InputRule",
     "extract_input",
@@ -43,6 +45,7 @@ __all__ = [
     "is_record_type",
     "PlainOutputs",
     "describe_call",
+    "loader_sample_counts",
 ]
 
 # Keys tried, in order, when a batch is a mapping and no input rule is configured.
@@ -51,22 +54,35 @@ LABEL_KEYS: Tuple[str, ...] = ("y", "label", "labels", "target", "targets")
 
 InputRule = Union[None, str, int, Callable[[Any], Any]]
 
+# What parity.input can say, for error messages.
+PARITY_INPUT_SPELLINGS = (
+    "parity.input can be a key of a dict batch ('image'), an index into a tuple batch (0), '*' (the whole batch is "
+    "forward's one argument), or 'pkg.module:function' taking the batch and returning forward's argument, a tuple "
+    "of its positional arguments, or fx_lightning.calls.Call(args, kwargs)")
+
 
 def identity_rule(batch: Any) -> Any:
     """The input rule for "the batch is already forward's arguments" (example inputs)."""
     return batch
 
 
+# parity.input: the whole batch is forward's one argument (a dict batch passed whole, say).
+WHOLE_BATCH = "*"
+
+
 def extract_input(batch: Any, rule: InputRule = None) -> Any:
     """Take the model input out of a batch.
 
     ``rule``: ``None`` (automatic: a tensor as is; the first item of a tuple/list; the first of
-    ``INPUT_KEYS`` in a mapping), a mapping key, an integer index (or its string form), an import path
-    ``"pkg.module:function"`` or a callable taking the batch. A returned *tuple* is read as several
-    positional arguments of forward (see :func:`as_args`).
+    ``INPUT_KEYS`` in a mapping), a mapping key, an integer index (or its string form), ``"*"`` (the whole batch is
+    forward's one argument), an import path ``"pkg.module:function"`` or a callable taking the batch. A returned
+    *tuple* is read as several positional arguments of forward (see :func:`as_args`), a
+    :class:`~fx_lightning.calls.Call` as positional and keyword arguments.
     """
     if callable(rule):
         return rule(batch)
+    if rule == WHOLE_BATCH:
+        return (batch,)
     if isinstance(rule, str) and ":" in rule:
         try:
             fn = import_object(rule)
@@ -202,12 +218,13 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
 
 
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
-    """Move tensors (nested in tuples, lists, named tuples, mappings) to ``device`` and floating ones to ``dtype``."""
+    """Move tensors (nested in tuples, lists, named tuples, mappings, a :class:`~fx_lightning.calls.Call`, a
+    library's batch object) to ``device`` and floating ones to ``dtype``."""
     def move(t: torch.Tensor) -> torch.Tensor:
         t = t.to(device) if device is not None else t
         return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
-    return map_tensors(move, args)
+    return map_leaves(move, args)
 
 
 def model_device_dtype(module: nn.Module) -> Tuple[Optional[torch.device], Optional[torch.dtype]]:
@@ -329,3 +346,33 @@ def concat_outputs(parts: Sequence[Any]) -> Any:
     if isinstance(first, Mapping):
         return {k: concat_outputs([p[k] for p in parts]) for k in first}
     return first
+
+
+def loader_sample_counts(loader: Any, count: int) -> List[Optional[int]]:
+    """How many samples each of the first ``count`` batches of ``loader`` holds, as the loader says: a DataLoader
+    with a ``batch_size`` (or a batch sampler with one) and a sampler of known length; None where it does not say
+    (graph libraries batch graphs: a batch of 6 graphs has as many nodes as they have together)."""
+    size = getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    if size is None:
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        size = getattr(batch_sampler, "batch_size", None)
+        sampler = getattr(batch_sampler, "sampler", sampler)
+        drop_last = bool(getattr(batch_sampler, "drop_last", False))
+    else:
+        drop_last = bool(getattr(loader, "drop_last", False))
+    if not isinstance(size, int) or size < 1:
+        return [None] * count
+    try:
+        total = len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    counts: List[Optional[int]] = []
+    for i in range(count):
+        if total is None:
+            counts.append(None)
+        elif drop_last or (i + 1) * size <= total:
+            counts.append(size)
+        else:
+            counts.append(max(0, total - i * size) or None)
+    return counts

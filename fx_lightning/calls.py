@@ -49,6 +49,7 @@ __all__ = [
     "forward_parameter_names",
     "no_distribution_validation",
     "Interface",
+    "map_leaves",
 ]
 
 
@@ -447,3 +448,10 @@ class Interface:
     def structured(self, flat_model: nn.Module) -> nn.Module:
         """``flat_model`` (the captured, fused graph) behind the original interface."""
         return StructuredCall(flat_model, self.inputs, self.outputs) if self.flat else flat_model
+
+
+def map_leaves(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``value`` (a call, or anything :func:`tree_of` reads) with ``fn`` applied to every tensor leaf, in its own
+    types (objects and distributions rebuilt)."""
+    tree = tree_of_call(value) if isinstance(value, Call) else tree_of(value)
+    return tree.rebuild([fn(t) for t in tree.leaves(value)])

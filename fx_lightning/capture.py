@@ -8,7 +8,6 @@ graph. ``auto`` tries fx first, then export when example inputs are known.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import os
 import traceback
@@ -38,6 +37,7 @@ __all__ = [
     "eval_copy",
     "set_eval",
     "strip_compiled",
+    "is_compiled_module",
     "plain_state_dict",
     "is_batchnorm_like",
     "FXLeafTracer",
@@ -77,6 +77,11 @@ def set_eval(module: nn.Module) -> None:
 
 def _is_compiled(module: nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``d (a wrapper, or a LightningModule passed to fit() compiled)."""
+    return _is_compiled(module) or getattr(module, "_compiler_ctx", None) is not None
 
 
 # Methods Lightning replaces with dynamo-compiled versions on the instance of a LightningModule passed to

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from fx_lightning.errors import first_line
 from fx_lightning.signature import DimKind, Signature
 
 __all__ = ["Program", "ExportAttempt", "export_program", "signature_dims", "capture_dims", "ExportFailed",
-           "eval_batchnorm_kernels"]
+           "eval_batchnorm_kernels", "nested_dynamic_shapes"]
 
 # A leaf's dimensions -> what torch.export should make of them (a Dim, Dim.AUTO, Dim.DYNAMIC); None: static.
 LeafDims = Optional[Dict[int, Any]]
@@ -128,10 +128,11 @@ def capture_dims(signature: Optional[Signature], leaves: Sequence[Any], *, dynam
     return out
 
 
-def _nested(module: nn.Module, call: Call, tree: Tree, leaf_dims: Sequence[LeafDims]) -> Any:
+def nested_dynamic_shapes(module: nn.Module, call: Call, leaf_dims: Sequence[LeafDims]) -> Any:
     """``dynamic_shapes`` shaped as torch.export wants them for ``module`` called with ``call``: one entry per
     positional argument (tensor leaves get theirs, anything else None), the arguments a ``*args`` parameter
     collects as one tuple of their own (``forward(self, *args)`` wrappers)."""
+    tree = tree_of_call(call)
     it = iter(leaf_dims)
     specs = [_spec_of(child, it) for (kind, _), child in tree.children if kind == "arg"]
     kwargs = {key: _spec_of(child, it) for (kind, key), child in tree.children if kind == "kwarg"}
@@ -211,18 +212,18 @@ def _data_dependent(exc: BaseException) -> bool:
 
 
 def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[LeafDims]] = None, *,
-                   allow_static: bool = True, check: Sequence[Call] = ()) -> Program:
+                   allow_static: bool = True, check: Sequence[Call] = (), static_call: Optional[Call] = None
+                   ) -> Program:
     """``torch.export`` of ``module`` on ``call`` with ``leaf_dims`` (one entry per tensor leaf of the call, in
     leaf order; None: static), trying the routes above; each program made is run on the ``check`` calls (other
     sizes the dynamic dimensions must take) before it is accepted. Raises :class:`ExportFailed` with every attempt
     when none worked."""
-    tree = tree_of_call(call)
     dynamic = leaf_dims is not None and any(d for d in leaf_dims)
     batchnorms = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
     attempts: List[ExportAttempt] = []
     groups = ([True] if dynamic else []) + ([False] if allow_static or not dynamic else [])
     for is_dynamic in groups:
-        shapes = _nested(module, call, tree, leaf_dims) if is_dynamic else None  # type: ignore[arg-type]
+        shapes = nested_dynamic_shapes(module, call, leaf_dims) if is_dynamic else None  # type: ignore[arg-type]
         for strict, kernel in _ROUTES:
             if kernel and not batchnorms:
                 continue
@@ -231,7 +232,8 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
             try:
                 with eval_batchnorm_kernels(module) if kernel else contextlib.nullcontext(0), _quiet():
                     with torch.no_grad(), no_distribution_validation():
-                        program = torch.export.export(module, call.args, call.kwargs or None, strict=strict,
+                        made_on = call if is_dynamic or static_call is None else static_call
+                        program = torch.export.export(module, made_on.args, made_on.kwargs or None, strict=strict,
                                                       dynamic_shapes=shapes)
                 if is_dynamic:
                     _check_runs(program, check)

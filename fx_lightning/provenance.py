@@ -46,6 +46,8 @@ class PreflightReport:
     device: Optional[str] = None
     stages: List[str] = field(default_factory=list)
     unproven: Optional[str] = None  # what could not be proven before training, and why
+    # What the end of fit will do other than asked (a format skipped, and why), as the rehearsal showed.
+    predicted: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
@@ -55,12 +57,14 @@ class PreflightReport:
         device, unproven = data.get("device"), data.get("unproven")
         return cls(str(data.get("mode", "")), float(data.get("seconds") or 0.0),  # type: ignore[arg-type]
                    str(device) if device is not None else None, [str(s) for s in data.get("stages") or []],  # type: ignore[union-attr]
-                   str(unproven) if unproven is not None else None)
+                   str(unproven) if unproven is not None else None,
+                   [str(p) for p in data.get("predicted") or []])  # type: ignore[union-attr]
 
     def __str__(self) -> str:
         return (f"preflight ({self.mode}): {', '.join(self.stages) or 'nothing'} proven before training in "
                 f"{self.seconds:.2f} s" + (f" on {self.device}" if self.device else "")
-                + (f"; not proven: {self.unproven}" if self.unproven else ""))
+                + (f"; not proven: {self.unproven}" if self.unproven else "")
+                + "".join(f"\n  the end of fit will: {p}" for p in self.predicted))
 
 
 @dataclass

@@ -41,6 +41,7 @@ __all__ = [
     "take_rows",
     "concat_rows",
     "shape_problem",
+    "with_raw_input",
 ]
 
 
@@ -153,6 +154,13 @@ class Signature:
         return next((int(t.shape[a]) for t, a in zip(leaves, self.input_axes())
                      if a is not None and isinstance(t, torch.Tensor) and t.dim() > a), None)
 
+    def renamed(self, names: Sequence[str]) -> "Signature":
+        """The same signature with its input leaves named ``names`` (what the exported graph calls them)."""
+        if len(names) != len(self.inputs):
+            return self
+        return dataclasses.replace(self, inputs=[dataclasses.replace(leaf, name=name)
+                                                 for leaf, name in zip(self.inputs, names)])
+
     def describe(self) -> str:
         lines = [f"input {leaf.name} ({leaf.path}): {leaf.dtype} {leaf.shape}" for leaf in self.inputs]
         lines += [f"output {leaf.name} ({leaf.path}): {leaf.dtype} {leaf.shape}"
@@ -223,11 +231,14 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
                       [s[i] for s in shapes], in_axes[i] if sample[0].proven else None)
                 for i in range(len(paths))]
     out_paths = out_tree.leaf_paths()
-    out_names = _output_names(out_tree, outputs[0])
+    out_names = _output_names(out_tree)
     out_specs = [_leaf(out_names[i], "output" + path_text(out_paths[i]), out_paths[i], out_leaves[0][i], [tuple(o[i].shape) for o in out_leaves],  # type: ignore[index]
                        out_axes[i] if sample[0].proven else None, i in stochastic)
                  for i in range(len(out_paths))]
-    return Signature(_grouped(in_specs), _grouped(out_specs), sample[0], len(same), flat, notes)
+    keys = {}  # a variable dimension's sizes in the calls -> its name: equal sizes in every call, one name
+    in_specs = _grouped(in_specs, [[s[i] for s in shapes[:len(same)]] for i in range(len(paths))], keys)
+    out_specs = _grouped(out_specs, [[tuple(o[i].shape) for o in out_leaves] for i in range(len(out_paths))], keys)  # type: ignore[index]
+    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes)
 
 
 def _shapes_text(leaves: Sequence[torch.Tensor]) -> str:
@@ -250,35 +261,43 @@ def _leaf(name: str, path: str, steps: Sequence[Any], example: torch.Tensor, siz
                     stochastic)
 
 
-def _grouped(specs: List[LeafSpec]) -> List[LeafSpec]:
-    """Variable dimensions named: ``n0``, ``n1``... one name for dimensions whose sizes were equal in every call."""
-    by_sizes: Dict[Tuple[int, int, int], str] = {}
+def _grouped(specs: List[LeafSpec], sizes: Sequence[Sequence[Tuple[int, ...]]],
+             keys: Dict[Tuple[int, ...], str]) -> List[LeafSpec]:
+    """Variable dimensions named ``n0``, ``n1``...: one name for dimensions whose sizes were equal in every call
+    (``sizes``: each leaf's shape in each call)."""
     out = []
-    for spec in specs:
+    for spec, shapes in zip(specs, sizes):
         groups: List[Optional[str]] = []
-        for d in spec.dims:
-            if d.kind is not DimKind.variable:
+        for d, dim in enumerate(spec.dims):
+            if dim.kind is not DimKind.variable:
                 groups.append(None)
                 continue
-            key = (d.low, d.high, d.size)
-            groups.append(by_sizes.setdefault(key, f"n{len(by_sizes)}"))
+            key = tuple(s[d] for s in shapes if len(s) > d)
+            groups.append(keys.setdefault(key, f"n{len(keys)}"))
         out.append(dataclasses.replace(spec, groups=tuple(groups)))
     return out
 
 
-def _output_names(tree: Tree, value: Any) -> List[str]:
+def _output_names(tree: Tree) -> List[str]:
     """Output names as manifests have always written them: a lone tensor ``output_0``; a sequence's items
-    ``output_0``, ``output_1``; a mapping's or object's fields by name, nested ones joined by dots."""
-    paths = tree.leaf_paths()
-    if len(paths) == 1 and tree.kind == "tensor":
+    ``output_0``, ``output_1``; a named tuple's, mapping's, object's or distribution's fields by name; nested ones
+    joined by dots."""
+    if tree.kind == "tensor":
         return ["output_0"]
-    names = []
-    for path in paths:
-        parts = []
-        for i, (kind, key) in enumerate(path):
-            parts.append(f"output_{key}" if kind == "index" and i == 0 else str(key))
-        names.append(".".join(parts) or "output_0")
-    return names if len(names) > 1 or tree.kind != "tensor" else ["output_0"]
+    names: List[str] = []
+
+    def walk(node: Tree, prefix: str, top: bool) -> None:
+        if node.kind == "tensor":
+            names.append(prefix)
+            return
+        fields = getattr(node.cls, "_fields", None) if node.kind == "seq" else None
+        for (kind, key), child in node.children:
+            part = fields[key] if fields is not None and kind == "index" else \
+                f"output_{key}" if kind == "index" and top else str(key)
+            walk(child, f"{prefix}.{part}" if prefix else part, False)
+
+    walk(tree, "", True)
+    return names
 
 
 def _stochastic(call: Observed, first: Sequence[torch.Tensor], rerun: Runner) -> set:
@@ -443,3 +462,14 @@ def shape_problem(specs: Sequence[LeafSpec], leaves: Sequence[Any], built: Optio
                 return (f"input {spec.name} ({spec.path}) dim {d} is {size}; the artifact was built for {static} "
                         f"there ({what}{', exported for that size only' if dim.kind is not DimKind.fixed else ''})")
     return None
+
+
+def with_raw_input(signature: Signature, raw: torch.Tensor, channels_last: bool) -> Signature:
+    """The signature of a model behind the raw-input prologue (``export.preprocess``): its first input is the raw
+    image, in ``raw``'s dtype and, for ``channels_last``, with the channels moved last."""
+    first = signature.inputs[0]
+    order = [0, 2, 3, 1] if channels_last and len(first.dims) == 4 else list(range(len(first.dims)))
+    groups = first.groups or (None,) * len(first.dims)
+    raw_leaf = dataclasses.replace(first, dtype=dtype_name(raw.dtype), dims=tuple(first.dims[i] for i in order),
+                                   groups=tuple(groups[i] for i in order))
+    return dataclasses.replace(signature, inputs=[raw_leaf, *signature.inputs[1:]])

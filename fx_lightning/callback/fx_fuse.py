@@ -17,7 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from fx_lightning.callback.preflight import FIXES, check_before_fit
+from fx_lightning.callback.observe import CallRecorder, step_loader
+from fx_lightning.callback.preflight import FIXES, check_settings, rehearsal_due, rehearse
 from fx_lightning.callback.ranks import fuse_after_fit, unsupported_strategy
 from fx_lightning.callback.trainer_data import checkpoint_message, fuse_metrics, log_metrics
 from fx_lightning.config import ExportConfig, FuseConfig, OnError, ParityConfig, PassesConfig, TraceConfig, load_config
@@ -81,6 +82,8 @@ class FXFuseCallback(Callback):
         self.skipped: Optional[str] = None
         self.preflight: Optional[PreflightReport] = None
         self._raised: Optional[BaseException] = None
+        self._recorder: Optional[CallRecorder] = None
+        self._rehearsed = False
 
     # ------------------------------------------------------------------------------ before training
 
@@ -98,24 +101,64 @@ class FXFuseCallback(Callback):
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # After Lightning's setup (configure_model run, the module on its device and in the precision it trains
-        # in), before the sanity check and the first step: the preflight sees the module the end of fit will.
+        # in), before the sanity check and the first step: what needs no model run is checked now; the rest once
+        # the target's calls are observed, before the first optimizer step.
         if self.skipped is not None:
             return
-        self.preflight, failure = check_before_fit(trainer, pl_module, self.config)
-        if self.preflight is not None and self.preflight.unproven:
+        failure = check_settings(trainer, pl_module, self.config)
+        if failure is not None:
+            self._refuse_preflight(failure)
+        self._recorder = CallRecorder(pl_module, self.config)
+
+    def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._recorder is not None and dataloader_idx == 0:
+            self._recorder.begin("validation", batch, batch_idx, step_loader(trainer, "validation"))
+
+    def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any,
+                                **kwargs: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.end()
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if self._recorder is None:
+            return
+        if not self._rehearsed and rehearsal_due(trainer, self._recorder, before_training=True):
+            self._rehearse(trainer, pl_module)
+        self._recorder.begin("training", batch, batch_idx, step_loader(trainer, "training"))
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any,
+                           **kwargs: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.end()
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        if self._recorder is not None and not self._rehearsed:
+            self._rehearse(trainer, pl_module)
+
+    def _rehearse(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        assert self._recorder is not None
+        self._rehearsed = True
+        self.preflight, failure = rehearse(trainer, pl_module, self.config, self._recorder)
+        if self.preflight is not None and (self.preflight.unproven or self.preflight.predicted):
             rank_zero_warn(f"FXFuseCallback: {self.preflight}. Training goes on; the end of fit runs them on the "
                            "trained model.")
         if failure is not None:
-            stage = failure.step or "preflight"
-            failure.error.add_context(
-                headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped before the "
-                         f"first training step ({failure.type_name or type(failure.error).__name__}).\npreflight "
-                         f"failed at stage '{stage}' (before the first training step; nothing was trained):",
-                after=[f"  Fix: {FIXES.get(stage, 'see the error above')}."])
-            self._refuse_before_fit(failure, f"preflight failed: {failure.error}")
+            self._refuse_preflight(failure)
+
+    def _refuse_preflight(self, failure: Failure) -> None:
+        stage = failure.step or "preflight"
+        failure.error.add_context(
+            headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped before the "
+                     f"first optimizer step ({failure.type_name or type(failure.error).__name__}).\npreflight "
+                     f"failed at stage '{stage}' (before the first optimizer step; nothing was trained):",
+            after=[f"  Fix: {FIXES.get(stage, 'see the error above')}."])
+        self._refuse_before_fit(failure, f"preflight failed: {failure.error}")
 
     def _refuse_before_fit(self, failure: Failure, skipped: str) -> None:
         """Raise the failure's error before training (on_error=raise), or warn and let training go on unfused."""
+        self._stop_recording()
         error = failure.error
         if self.config.on_error is OnError["raise"]:
             self._raised = error
@@ -129,7 +172,14 @@ class FXFuseCallback(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         skip = self.skipped or ("fast_dev_run" if trainer.fast_dev_run else None) or (
             "training was interrupted" if trainer.interrupted else None)
-        outcome = fuse_after_fit(trainer, pl_module, self.config, skip, self.preflight)
+        observed, recorder = None, self._stop_recording()
+        if recorder is not None and skip is None:
+            try:
+                observed = recorder.observations()
+            except FXLightningError as exc:  # a target it cannot pick (the preflight said so before training)
+                self._fail(trainer, Failure.of(exc))
+                return
+        outcome = fuse_after_fit(trainer, pl_module, self.config, skip, self.preflight, observed)
         if outcome.result is not None:
             self._record(trainer, outcome)
         if outcome.skipped is not None:
@@ -161,7 +211,17 @@ class FXFuseCallback(Callback):
         # Every rank warns (not rank zero only): each rank's log must say why nothing was exported.
         warnings.warn(f"{error}\n(on_error=warn: fit returns normally)", UserWarning, stacklevel=2)
 
+    def _stop_recording(self) -> Optional[CallRecorder]:
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.end()
+        return recorder
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._stop_recording()
+
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._stop_recording()
         if exception is self._raised:
             return  # our own error, already explained
         if trainer.state.fn != TrainerFn.FITTING or self.outcome is not None:

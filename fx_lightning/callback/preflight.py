@@ -1,13 +1,15 @@
-"""Before the first training step: prove that the end of fit can run, so that nothing that does not depend on
+"""Before the first optimizer step: prove that the end of fit can run, so that nothing that does not depend on
 the trained weights fails after hours of training.
 
-``preflight: full`` checks what needs no model (device, target, weights, the export directory and every format's
-dependencies), then runs **the same driver the end of fit runs** (:func:`fx_lightning.pipeline.run_pipeline`) on a
-copy of the untrained model, with the batches parity will read (one of each input shape) and a temporary export
-directory: capture, passes, parity (measured; the gate is for after training), every format written and loaded
-back, the variants (int8) made and gated, and the selection's bench run once. ``capture`` resolves the target and
-captures it on those batches only. Under DDP every rank runs it through the strategy's collectives, so a failure
-on one rank stops every rank before training.
+Two checks. :func:`check_settings`, when fit starts (before any step): what needs no model run (device, target,
+weights, the export directory and every format's dependencies, the input normalisation). :func:`check_before_fit`,
+once the target's calls have been observed (the sanity check's, else the first training step's forward) and before
+the first optimizer step: **the same driver the end of fit runs** (:func:`fx_lightning.pipeline.run_pipeline`) on a
+copy of the untrained model, with those calls and a temporary export directory: capture, passes, parity (measured;
+the gate is for after training), every format written and loaded back (a format the end of fit would skip is a
+note here too), the variants (int8) made and gated, and the selection's bench run once. ``preflight: capture``
+captures only. Under DDP every rank runs both through the strategy's collectives, so a failure on one rank stops
+every rank.
 """
 
 from __future__ import annotations
@@ -20,18 +22,20 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
+import torch
 
-from fx_lightning.batches import as_args, extract_input, flat_tensors
+from fx_lightning.batches import extract_input, flat_tensors
 from fx_lightning.callback.namespaces import lightning_classes
+from fx_lightning.callback.observe import CallRecorder
 from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.callback.trainer_data import export_directory, parity_batches
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
-from fx_lightning.errors import ConfigError, ExportError, ModelError, first_line
+from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
@@ -40,9 +44,12 @@ from fx_lightning.pipeline import (
     Destination,
     Failure,
     Mode,
+    Observations,
     Source,
+    exchange_failure,
     Step,
     in_step,
+    FORMAT_NOT_EXPORTED,
     own_rng,
     resolve_device,
     resolve_target,
@@ -51,8 +58,8 @@ from fx_lightning.pipeline import (
 from fx_lightning.pipeline.targets import refuse_protected
 from fx_lightning.provenance import PreflightReport
 
-__all__ = ["PreflightReport", "FIXES", "check_before_fit", "rehearsal_config", "preflight_source",
-           "preflight_batches"]
+__all__ = ["PreflightReport", "FIXES", "check_settings", "check_before_fit", "rehearsal_due", "rehearse", "rehearsal_config", "settings_source",
+           "preflight_source", "preflight_batches"]
 
 # What to do about a failure at each stage (the error itself says what failed).
 FIXES: Dict[Step, str] = {
@@ -76,21 +83,38 @@ FIXES: Dict[Step, str] = {
 }
 
 
+def check_settings(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Optional[Failure]:
+    """When fit starts, on every rank: the checks that need no model run (:func:`settings_source`'s). The failure
+    every rank gets (the lowest failing rank's), or None."""
+    if config.preflight is Preflight.off:
+        return None
+    log_dir = trainer.log_dir  # a collective under DDP: first, on every rank
+    error: Optional[Exception] = None
+    try:
+        settings_source(trainer, pl_module, config, log_dir)
+    except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised by the caller
+        error = exc
+    return exchange_failure(StrategyCollectives(trainer), error)
+
+
 def check_before_fit(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig
+    trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
+    observed: Optional[Observations] = None,
 ) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
-    """Run the preflight on this rank, with the other ranks: the report, or the failure every rank gets (the
-    lowest failing rank's, naming it). The caller's random number streams are left as they were: the preflight
-    reads loaders and runs the model, and must not change the training run that follows."""
+    """Run the preflight on this rank, with the other ranks, on the ``observed`` calls (None: the batches are read):
+    the report, or the failure every rank gets (the lowest failing rank's, naming it). The caller's random number
+    streams are left as they were: the preflight reads loaders and runs the model, and must not change the training
+    run that follows; autocast is off (the hooks it runs from may sit inside a mixed-precision step)."""
     if config.preflight is Preflight.off:
         return None, None
     log_dir = trainer.log_dir  # a collective under DDP: first, on every rank
     start = time.perf_counter()
     staging, staging_error = _temporary_directory()
     try:
-        with own_rng(pl_module, trainer.strategy.root_device):
+        with own_rng(pl_module, trainer.strategy.root_device), _no_autocast():
             outcome = run_pipeline(
-                rehearsal_config(config), lambda: preflight_source(trainer, pl_module, config, log_dir, staging_error),
+                rehearsal_config(config),
+                lambda: preflight_source(trainer, pl_module, config, log_dir, staging_error, observed),
                 Destination(staging / "fx_fused" if staging is not None else None),
                 collectives=StrategyCollectives(trainer), mode=Mode.rehearsal)
     finally:
@@ -104,7 +128,35 @@ def check_before_fit(
         return PreflightReport(config.preflight.value, seconds, device, _checks(config),
                                f"the pipeline's steps: {first_line(outcome.failure.error)}"), None
     steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != Step.passes]
-    return PreflightReport(config.preflight.value, seconds, device, steps), None
+    predicted = [str(n) for n in outcome.notes if n.kind == FORMAT_NOT_EXPORTED]
+    return PreflightReport(config.preflight.value, seconds, device, steps, predicted=predicted), None
+
+
+def rehearsal_due(trainer: "pl.Trainer", recorder: CallRecorder, before_training: bool) -> bool:
+    """Whether the preflight's rehearsal runs now. Before the first training step: when every rank observed the
+    target's calls in validation (the sanity check); else at the first optimizer step, once the first training
+    forward has been seen. A collective before training: every rank decides alike."""
+    if not before_training:
+        return True
+    mine = recorder.observations_from("validation")
+    return all(StrategyCollectives(trainer).all_gather(mine))
+
+
+def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
+             recorder: CallRecorder) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
+    """The preflight's rehearsal on what ``recorder`` observed (with its hooks off: the module is copied)."""
+    with recorder.paused():
+        observed, error = None, None
+        try:
+            observed = recorder.observations()
+        except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised by the caller
+            error = exc
+            if isinstance(exc, FXLightningError):
+                exc.step = exc.step or Step.target.value
+        failure = exchange_failure(StrategyCollectives(trainer), error)
+        if failure is not None:
+            return None, failure
+        return check_before_fit(trainer, pl_module, config, observed)
 
 
 def _checks(config: FuseConfig) -> List[str]:
@@ -145,9 +197,17 @@ def _device_name(trainer: "pl.Trainer", config: FuseConfig) -> Optional[str]:
     return str(device) if device is not None else None
 
 
-def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-                     log_dir: Optional[str], staging_error: Optional[OSError] = None) -> Source:
-    """The checks that need no model run, then the untrained model with the batches the end of fit will use."""
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    with torch.autocast("cpu", enabled=False), (torch.autocast("cuda", enabled=False) if torch.cuda.is_available()
+                                                else contextlib.nullcontext()):
+        yield
+
+
+def settings_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
+                    log_dir: Optional[str], staging_error: Optional[OSError] = None) -> Tuple[Any, Any]:
+    """The checks that need no model run: the device, the target, the weights, the export directory and the
+    formats' dependencies, the input normalisation. Returns the device and the input contract."""
     with in_step(Step.device):
         device = resolve_device(config.device, trainer.strategy.root_device)
     with in_step(Step.target):
@@ -167,23 +227,37 @@ def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", con
                 require_formats([FORMATS[f.value] for f in config.export.formats])
     with in_step(Step.preprocess):
         contract = input_contract(trainer, config)  # enabled with nothing to take mean/std from: fails here
+    return device, contract
+
+
+def preflight_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
+                     log_dir: Optional[str], staging_error: Optional[OSError] = None,
+                     observed: Optional[Observations] = None) -> Source:
+    """The checks that need no model run, then the untrained model with the calls observed (else the batches the
+    end of fit will read)."""
+    device, contract = settings_source(trainer, pl_module, config, log_dir, staging_error)
     with in_step(Step.parity_input):
-        batches = preflight_batches(trainer, pl_module, config)
+        batches = preflight_batches(trainer, pl_module, config, checked=observed is None)
     return Source(pl_module, batches, getattr(pl_module, "example_input_array", None), device=device,
-                  checked=_checks(config) + [Step.parity_input.value], contract=contract)
+                  checked=_checks(config) + [Step.parity_input.value], contract=contract, observed=observed)
 
 
-def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig) -> Batches:
+def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
+                      checked: bool = True) -> Batches:
     """The batches parity will read after training (validation, else training data, within the trainer's limits),
     one of each input shape, the first first: capture, parity and every format see the shapes the end of fit
-    will. Checked for an input that can be taken out of them."""
+    will. ``checked`` (nothing was observed): checked for an input that can be taken out of them."""
     batches = parity_batches(trainer, config)
+    if batches.items and checked:
+        seen: Dict[Tuple[Any, ...], Tuple[Any, Optional[int]]] = {}
+        for i, batch in enumerate(batches.items):
+            tensors = flat_tensors(extract_input(batch, config.parity.input))  # raises, naming parity.input
+            count = batches.samples[i] if i < len(batches.samples) else None
+            seen.setdefault(tuple((tuple(t.shape), t.dtype) for t in tensors), (batch, count))
+        return Batches([b for b, _ in seen.values()], batches.source, batches.notes, batches.calibration,
+                       [n for _, n in seen.values()])
     if batches.items:
-        seen: Dict[Tuple[Any, ...], Any] = {}
-        for batch in batches.items:
-            tensors = flat_tensors(as_args(extract_input(batch, config.parity.input)))  # raises, naming parity.input
-            seen.setdefault(tuple((tuple(t.shape), t.dtype) for t in tensors), batch)
-        return Batches(list(seen.values()), batches.source, batches.notes)
+        return batches
     example = getattr(pl_module, "example_input_array", None)
     if (example is None or isinstance(example, dict)) and (config.parity.enabled or config.export.enabled):
         raise ConfigError(

@@ -25,7 +25,16 @@ from fx_lightning.callback.trainer_data import (
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.config import FuseConfig, WeightsSource
 from fx_lightning.notes import NoteKind
-from fx_lightning.pipeline import Destination, Outcome, Source, resolve_device, run_pipeline
+from fx_lightning.pipeline import (
+    Batches,
+    Destination,
+    Observations,
+    Outcome,
+    Source,
+    calibration_batch_count,
+    resolve_device,
+    run_pipeline,
+)
 from fx_lightning.provenance import PreflightReport, Provenance, TrainerCounters
 
 __all__ = ["StrategyCollectives", "WEIGHTS", "fuse_after_fit", "end_of_fit_source", "unsupported_strategy"]
@@ -67,10 +76,10 @@ class StrategyCollectives:
 
 def fuse_after_fit(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, skip: Optional[str],
-    preflight: Optional[PreflightReport] = None,
+    preflight: Optional[PreflightReport] = None, observed: Optional[Observations] = None,
 ) -> Outcome:
     """Run the pipeline on this rank at the end of fit and return what happened; raises nothing. ``preflight``
-    (what was proven before training) goes into the manifest."""
+    (what was proven before training) goes into the manifest; ``observed``: the target's calls during fit."""
     log_dir = trainer.log_dir  # a collective under DDP: every rank asks, even those that then skip
     buffers = _rank_zero_buffers(trainer, pl_module, config)
     provenance = Provenance(
@@ -80,21 +89,25 @@ def fuse_after_fit(
         world_size=trainer.world_size, preflight=preflight,
     )
     destination = Destination(export_directory(trainer, config, log_dir), checkpoint_files(trainer), provenance)
-    return run_pipeline(config, lambda: end_of_fit_source(trainer, pl_module, config, buffers), destination,
+    return run_pipeline(config, lambda: end_of_fit_source(trainer, pl_module, config, buffers, observed), destination,
                         collectives=StrategyCollectives(trainer), skip=skip)
 
 
 def end_of_fit_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-                      reference_buffers: Optional[Dict[str, torch.Tensor]]) -> Source:
+                      reference_buffers: Optional[Dict[str, torch.Tensor]],
+                      observed: Optional[Observations] = None) -> Source:
     """This rank's source: the weights to fuse, its parity batches, the device, and rank zero's buffers when
     this rank's differ."""
     device = resolve_device(config.device, trainer.strategy.root_device)
     model, weights = pick_weights(trainer, pl_module, config)
     differ = reference_buffers is not None and _buffers_differ(model, reference_buffers)
-    return Source(model, parity_batches(trainer, config), getattr(pl_module, "example_input_array", None),
+    observed_steps = observed is not None and bool(observed.steps)
+    batches = Batches([], "val") if observed_steps and not calibration_batch_count(config) else \
+        parity_batches(trainer, config)  # the calls observed are compared on; batches for calibration only
+    return Source(model, batches, getattr(pl_module, "example_input_array", None),
                   device=device, buffers=reference_buffers if differ else None, buffers_differ=differ,
                   weights=weights, notes=[WEIGHTS(description=weights.description)],
-                  contract=input_contract(trainer, config))
+                  contract=input_contract(trainer, config), observed=observed)
 
 
 def _rank_zero_buffers(

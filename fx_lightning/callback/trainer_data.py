@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 
-from fx_lightning.batches import model_device_dtype
+from fx_lightning.batches import loader_sample_counts, model_device_dtype
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
@@ -92,7 +92,7 @@ def choose_batches(
         if batches:
             notes = [NO_VALIDATION_DATA()] if name == "train" and len(order) > 1 else []
             notes.append(BATCHES_READ(count=len(batches), source=_SOURCE_NAMES[name], limit=n, why=why))
-            return Batches(batches, name, notes)
+            return Batches(batches, name, notes, samples=loader_sample_counts(loader, len(batches)))
     notes = [EXAMPLE_INPUT_ARRAY_USED(sources=" or ".join(order))] if parity.data is not ParityData.example else []
     return Batches([], "example", notes)
 

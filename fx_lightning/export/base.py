@@ -19,8 +19,11 @@ from torch import nn
 
 from fx_lightning._json import JsonObject, json_safe
 from fx_lightning.batches import PlainOutputs, is_record_type
+from fx_lightning.calls import Call
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
+from fx_lightning.program import Program, export_program, nested_dynamic_shapes, signature_dims
+from fx_lightning.signature import Signature, rows_of
 
 __all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "ExactReference", "WriteContext", "Writer",
            "Loader",
@@ -60,7 +63,7 @@ class RoundTrip:
 
 # The fields every format entry has; the rest of a writer's entry is the format's own (``options``).
 _ENTRY_FIELDS = ("path", "loader", "files", "device", "batch_sizes", "weights_only", "pickled_code", "check", "format",
-                 "variant", "imports", "gate")
+                 "variant", "imports", "gate", "built_shapes")
 
 
 @dataclass
@@ -82,6 +85,9 @@ class FormatEntry:
     imports: List[str] = field(default_factory=list)
     gate: Optional[ParityReport] = None
     options: JsonObject = field(default_factory=dict)
+    # The input shapes a static artifact is built for (None in a dimension: the sample axis, run as pieces); None:
+    # it takes every size the signature says varies.
+    built_shapes: Optional[List[List[Optional[int]]]] = None
 
     @property
     def format_name(self) -> str:
@@ -100,6 +106,8 @@ class FormatEntry:
             out.update(format=self.format, variant=self.variant, imports=list(self.imports))
         if self.gate is not None:
             out["gate"] = self.gate.to_dict()
+        if self.built_shapes is not None:
+            out["built_shapes"] = [list(s) for s in self.built_shapes]
         return json_safe(out)
 
     @classmethod
@@ -115,6 +123,8 @@ class FormatEntry:
             imports=[str(i) for i in data.get("imports", [])],
             gate=ParityReport.from_dict(gate) if isinstance(gate, Mapping) else None,
             options={k: v for k, v in data.items() if k not in _ENTRY_FIELDS},
+            built_shapes=[[None if d is None else int(d) for d in s] for s in data["built_shapes"]]
+            if isinstance(data.get("built_shapes"), list) else None,
         )
 
 
@@ -135,22 +145,25 @@ class ExactReference:
 
 @dataclass
 class WriteContext:
-    """What every writer gets: the fused model made plain, its example inputs and the export options."""
+    """What every writer gets: the fused model made plain, its example inputs, how it is called (the
+    :class:`~fx_lightning.signature.Signature`) and the export options."""
 
     model: fx.GraphModule  # plain GraphModule: default codegen, no export hooks, picklable
-    # The example inputs: with a dynamic batch, at least 2 along dim 0 (export specialises 0 and 1); static, the
-    # data's own batch size.
+    # The example inputs as the artifacts take them (positional: one tensor per input leaf for a flat interface);
+    # with a dynamic sample axis, at least 2 samples (export specialises 0 and 1).
     args: Tuple[Any, ...]
-    dynamic_shapes: Optional[Tuple[Any, ...]]  # torch.export's dynamic_shapes for args (None: static)
+    signature: Signature  # the input and output leaves, with the dimensions the observed calls showed
     input_names: List[str]
     onnx_opset: Optional[int] = None
     # AOTInductor: one package per batch size listed (compiled for it), or one with a dynamic batch when empty.
     aoti_batch_sizes: List[int] = field(default_factory=list)
     notes: List[Note] = field(default_factory=list)
-    # The torch.export program of ``export_model`` on ``args`` with ``dynamic_shapes``, made once for every writer.
-    program: Optional["torch.export.ExportedProgram"] = None
-    static_batch: Optional[int] = None  # the one batch size every artifact is built for (None: any)
+    # The torch.export program of ``export_model`` on ``args``, made once for every writer (fx_lightning.program).
+    program: Optional[Program] = None
     reference: Optional[ExactReference] = None  # None: artifacts are judged against an fp64 copy of ``model``
+    dynamic_samples: bool = True  # export.dynamic_batch: the sample axis dynamic
+    # Example inputs of other sizes along the dimensions that vary: every dynamic program must take them.
+    check_args: List[Tuple[Any, ...]] = field(default_factory=list)
 
     @property
     def export_model(self) -> nn.Module:
@@ -160,17 +173,58 @@ class WriteContext:
         return PlainOutputs(self.model) if returns_named_tuple(self.model) else self.model
 
     @property
-    def export_dynamic_shapes(self) -> Optional[Tuple[Any, ...]]:
-        """``dynamic_shapes`` nested as ``export_model``'s signature takes them (the wrapper's ``*args`` is one
-        tuple)."""
-        if self.dynamic_shapes is None or not isinstance(self.export_model, PlainOutputs):
-            return self.dynamic_shapes
-        return (self.dynamic_shapes,)
+    def dynamic(self) -> bool:
+        """Whether the artifacts take other sizes than the example's (the program is dynamic)."""
+        return self.program is not None and self.program.dynamic
+
+    @property
+    def leaf_dims(self) -> Optional[List[Any]]:
+        """torch.export's dimensions per input leaf (None: static)."""
+        if self.program is not None and not self.program.dynamic:
+            return None
+        dims = signature_dims(self.signature, dynamic_samples=self.dynamic_samples)
+        return dims if any(dims) else None
+
+    @property
+    def export_dynamic_shapes(self) -> Any:
+        """``dynamic_shapes`` nested as ``export_model``'s forward takes them (for exporters that take them)."""
+        dims = self.leaf_dims
+        return None if dims is None else nested_dynamic_shapes(self.export_model, Call(self.args), dims)
+
+    @property
+    def sample_dynamic(self) -> bool:
+        """Whether the sample axis is proven and dynamic in the artifacts."""
+        return self.signature.batched and self.dynamic_samples and self.dynamic
+
+    @property
+    def static_batch(self) -> Optional[int]:
+        """The one number of samples every artifact is built for (None: any, or no sample axis)."""
+        if not self.signature.batched or self.sample_dynamic:
+            return None
+        return rows_of(self.args, self.signature.input_axes())
 
     @property
     def device(self) -> torch.device:
         """Where the model and its example inputs are: the device the artifacts are built for."""
         return next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+
+    def built_shapes(self) -> Optional[List[List[Optional[int]]]]:
+        """The input shapes the artifacts are built for when the program is static (the sample axis left free: it is
+        run as pieces), else None."""
+        if self.dynamic or not any(isinstance(a, torch.Tensor) and a.dim() for a in self.args):
+            return None
+        axes = self.signature.input_axes() if self.signature.batched else [None] * len(self.signature.inputs)
+        tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
+        return [[None if d == axis else int(size) for d, size in enumerate(t.shape)] for t, axis in zip(tensors, axes)]
+
+    def export(self, args: Optional[Tuple[Any, ...]] = None) -> "torch.export.ExportedProgram":
+        """The program on ``args`` (another example: a static program for those sizes), else the context's own."""
+        if args is None and self.program is not None:
+            return self.program.program
+        made = export_program(self.export_model, Call(args if args is not None else self.args),
+                              self.leaf_dims if args is None else None, allow_static=args is not None,
+                              check=[Call(a) for a in self.check_args] if args is None else ())
+        return made.program
 
 
 @dataclass

@@ -9,12 +9,13 @@ models are), but cost more than a runner built for that size, so each use says s
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from fx_lightning.batches import batch_size_of, concat_outputs, map_tensors, with_batch_size
+from fx_lightning.calls import tree_of
+from fx_lightning.signature import concat_rows, rows_of, take_rows, with_rows
 
 __all__ = ["ANY_BATCH", "BatchPieces"]
 
@@ -24,13 +25,18 @@ ANY_BATCH = "dynamic"
 
 class BatchPieces(nn.Module):
     """``runners``: batch size (as text) -> a callable built for it, and optionally :data:`ANY_BATCH` -> one that
-    takes any. ``what`` names them in the warning about pieces, ``hint`` says how to avoid them; ``warn=False``: a
-    server that chose the sizes itself."""
+    takes any. ``axes``/``output_axes``: the sample axis of each input and output tensor (the signature's: None for a
+    tensor that does not carry samples, passed whole to every piece); only a proven sample axis is ever split or
+    padded. Left out (an export written before signatures): dim 0 of every tensor, as such exports had it. ``what`` names the runners in the warning about pieces, ``hint`` says how to avoid them;
+    ``warn=False``: a server that chose the sizes itself."""
 
-    def __init__(self, runners: Dict[str, Callable[..., Any]], what: str = "artifact",
+    def __init__(self, runners: Dict[str, Callable[..., Any]], axes: Optional[Sequence[Optional[int]]] = None,
+                 output_axes: Optional[Sequence[Optional[int]]] = None, what: str = "artifact",
                  hint: str = "export it for that batch size to serve it at full speed", warn: bool = True) -> None:
         super().__init__()
         self.runners = runners
+        self.axes = list(axes) if axes is not None else None
+        self.output_axes = list(output_axes) if output_axes is not None else None
         self.what, self.hint, self.warn = what, hint, warn
         self.eval()
 
@@ -39,11 +45,20 @@ class BatchPieces(nn.Module):
         return sorted(self.runners)
 
     def forward(self, *args: Any) -> Any:
-        size = batch_size_of(args)
+        size = rows_of(args, self._axes(args, self.axes))
         runner = self.runners.get(str(size)) or self.runners.get(ANY_BATCH)
         if runner is not None or size is None:
             return (runner or next(iter(self.runners.values())))(*args)
-        return concat_outputs(list(self._pieces(args, size)))
+        parts = list(self._pieces(args, size))
+        tree = tree_of(parts[0])
+        leaves = [tree.leaves(p) for p in parts]
+        return tree.rebuild(concat_rows(leaves, self._axes(leaves[0], self.output_axes)))
+
+    @staticmethod
+    def _axes(tensors: Sequence[Any], axes: Optional[List[Optional[int]]]) -> List[Optional[int]]:
+        if axes is not None:
+            return axes
+        return [0 if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in tensors]
 
     def _pieces(self, args: Tuple[Any, ...], size: int) -> Iterator[Any]:
         built = sorted((int(k) for k in self.runners), reverse=True)
@@ -54,11 +69,12 @@ class BatchPieces(nn.Module):
         while start < size:
             left = size - start
             piece = next((k for k in built if k <= left), built[-1])
-            rows = tuple(a[start:start + min(piece, left)] if _batched(a, size) else a for a in args)
-            out = self.runners[str(piece)](*with_batch_size(rows, piece))
-            yield out if piece <= left else map_tensors(lambda t: t[:left] if t.dim() > 0 else t, out)
+            axes = self._axes(args, self.axes)
+            rows = take_rows(args, axes, start, min(piece, left))
+            out = self.runners[str(piece)](*with_rows(rows, axes, piece))
+            if piece > left:  # the padding's outputs dropped
+                tree = tree_of(out)
+                leaves = tree.leaves(out)
+                out = tree.rebuild(take_rows(leaves, self._axes(leaves, self.output_axes), 0, left))
+            yield out
             start += piece
-
-
-def _batched(value: Any, size: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size

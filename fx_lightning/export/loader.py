@@ -13,6 +13,7 @@ from fx_lightning._imports import missing_modules
 from fx_lightning.errors import ExportError
 from fx_lightning.export.base import FormatEntry
 from fx_lightning.export.batching import BatchPieces
+from fx_lightning.export.interface import ArtifactInterface
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
 
@@ -92,11 +93,15 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
         except ImportError as exc:
             raise ExportError(f"{chosen!r} needs {name} to load ({exc}): pip install {name}.") from None
     target = _device(device, entry)
+    signature = manifest.call_signature()
     try:
         module = fmt.load(root, entry, target)
-        if entry.batch_sizes and not isinstance(module, BatchPieces):  # built for those sizes only
-            module = BatchPieces({str(size): module for size in entry.batch_sizes}, what=f"{chosen} artifact",
+        if entry.batch_sizes and not isinstance(module, BatchPieces) and signature.batched:  # built for those only
+            module = BatchPieces({str(size): module for size in entry.batch_sizes}, signature.input_axes(),
+                                 signature.output_axes(), what=f"{chosen} artifact",
                                  hint="it was exported for those batch sizes only (see the manifest's notes)")
+        if manifest.signature is not None:  # the call checked and nested as the signature says (version 3)
+            module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact")
         return CompiledForServing(module) if compile else module
     except ExportError:
         raise

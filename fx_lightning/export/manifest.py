@@ -16,19 +16,19 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from fx_lightning._json import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
-from fx_lightning.batches import batch_size_of
 from fx_lightning.errors import ExportError
 from fx_lightning.export.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.export.formats import FORMATS
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.provenance import Provenance
+from fx_lightning.signature import DimKind, DimSpec, LeafSpec, SampleAxis, Signature
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,10 +53,11 @@ __all__ = [
     "sha256_file",
     "file_infos",
     "readme_text",
+    "legacy_signature",
 ]
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 
 Json = Mapping[str, Any]  # one JSON object as json.loads gives it
@@ -265,6 +266,16 @@ class Manifest:
     # output's columns (``export.labels``, or the datamodule's ``classes``).
     preprocess: Optional[Preprocess] = None
     labels: List[str] = field(default_factory=list)
+    # How the artifacts are called (version 3): every input and output leaf with its dimensions, and whether a
+    # sample axis is proven. Read from an older manifest, it is what that manifest implied (dim 0 the batch).
+    signature: Optional[Signature] = None
+
+    def call_signature(self) -> Signature:
+        """The signature, or for a manifest written before version 3 what it implied: dim 0 of every input and output
+        the sample axis when it recorded a dynamic batch."""
+        if self.signature is not None:
+            return self.signature
+        return legacy_signature(self.tensor_inputs(), self.outputs, self.dynamic_batch)
 
     def tensor_inputs(self) -> List[TensorSpec]:
         """The inputs a client sends: the tensors (a non-tensor argument is fixed in the graph). Version 1
@@ -293,6 +304,8 @@ class Manifest:
             out["preprocess"] = dataclasses.asdict(self.preprocess)
         if self.labels:
             out["labels"] = list(self.labels)
+        if self.signature is not None:
+            out["signature"] = self.signature.to_dict()
         return json_safe(out)
 
     @classmethod
@@ -320,6 +333,7 @@ class Manifest:
             selections=[Selected(**fields_from(Selected, s)) for s in data.get("selections") or []],  # type: ignore[arg-type]
             preprocess=Preprocess.from_dict(data["preprocess"]) if isinstance(data.get("preprocess"), Mapping) else None,
             labels=[str(label) for label in data.get("labels") or []],
+            signature=Signature.from_dict(data["signature"]) if isinstance(data.get("signature"), Mapping) else None,
         )
 
 
@@ -329,8 +343,8 @@ def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: 
     return Manifest(
         formats=entries, created_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         versions=_versions(entries), config=config, report=report, parity=parity, inputs=_input_specs(ctx),
-        outputs=_output_specs(ctx), dynamic_batch=ctx.dynamic_shapes is not None, notes=list(ctx.notes),
-        provenance=provenance,
+        outputs=_output_specs(ctx), dynamic_batch=ctx.sample_dynamic, notes=list(ctx.notes),
+        provenance=provenance, signature=ctx.signature,
     )
 
 
@@ -414,7 +428,8 @@ def readme_text(entries: Dict[str, FormatEntry]) -> str:
     lines = [
         "# Fused model exported by fx-lightning",
         "",
-        "`manifest.json` lists the formats, the inputs (dim 0 is the batch, any size when `dynamic_batch`),",
+        "`manifest.json` lists the formats, the inputs (`batch`: the sample axis, any size when `dynamic_batch`;",
+        "a name: a size that varies; `signature` says how each was observed),",
         "the fuse report, the parity verdict and each file's sha256. With fx-lightning installed:",
         "",
         "    from fx_lightning import load_fused",
@@ -436,53 +451,35 @@ def readme_text(entries: Dict[str, FormatEntry]) -> str:
 
 
 def _input_specs(ctx: WriteContext) -> List[TensorSpec]:
-    """Each input tensor (the leaves of a nested argument named ``arg.key``), its batch axis marked when dynamic;
-    a non-tensor argument by its type and value."""
+    """Each input: a tensor leaf as the signature describes it (``"batch"`` on the sample axis, a name where the size
+    varies), a non-tensor argument by its type and value."""
     specs = []
+    leaves = iter(ctx.signature.inputs)
     for name, a in zip(ctx.input_names, ctx.args):
-        tensors = _named_tensors(a, name) if not isinstance(a, torch.Tensor) else [(name, a)]
-        if not tensors:
+        if not isinstance(a, torch.Tensor):
             specs.append(TensorSpec(name, type(a).__name__, value=repr(a)[:200]))
-        for leaf_name, t in tensors:
-            shape: List[Union[int, str]] = list(t.shape)
-            if ctx.dynamic_shapes is not None and t.dim() > 0:
-                shape[0] = "batch"
-            specs.append(TensorSpec(leaf_name, "tensor", shape, dtype_name(t.dtype), list(t.shape), str(t.device)))
+            continue
+        leaf = next(leaves)
+        specs.append(TensorSpec(name, "tensor", leaf.shape, dtype_name(a.dtype), list(a.shape), str(a.device)))
     return specs
-
-
-def _named_tensors(value: Any, name: str = "") -> List[Tuple[str, torch.Tensor]]:
-    """Every tensor of an output with a name: its field (named tuples, dataclasses), key (mappings) or position
-    (``output_0``...), joined by dots when nested."""
-    def joined(part: str) -> str:
-        return f"{name}.{part}" if name else part
-
-    if isinstance(value, torch.Tensor):
-        return [(name or "output_0", value)]
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return [n for field in value._fields for n in _named_tensors(getattr(value, field), joined(field))]
-    if isinstance(value, Mapping):
-        return [n for key in value for n in _named_tensors(value[key], joined(str(key)))]
-    if isinstance(value, (list, tuple)):
-        return [n for i, v in enumerate(value) for n in _named_tensors(v, joined(str(i)) if name else f"output_{i}")]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [n for f in dataclasses.fields(value) for n in _named_tensors(getattr(value, f.name), joined(f.name))]
-    return []
 
 
 def _output_specs(ctx: WriteContext) -> List[TensorSpec]:
-    with torch.no_grad():
-        outs = _named_tensors(ctx.model(*ctx.args))
-    if len(outs) == 1:
-        outs = [("output_0", outs[0][1])]
-    batch = batch_size_of(ctx.args)
-    specs = []
-    for name, t in outs:
-        shape: List[Union[int, str]] = list(t.shape)
-        if ctx.dynamic_shapes is not None and shape and shape[0] == batch:
-            shape[0] = "batch"
-        specs.append(TensorSpec(name, None, shape, dtype_name(t.dtype)))
-    return specs
+    return [TensorSpec(leaf.name, None, leaf.shape, leaf.dtype) for leaf in ctx.signature.outputs]
+
+
+def legacy_signature(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], dynamic_batch: bool) -> Signature:
+    """What a manifest written before signatures implied: dim 0 of every input and output is the batch (fixed to
+    the example's size when it recorded no dynamic batch: its artifacts ran other sizes as pieces)."""
+    def leaf(spec: TensorSpec) -> LeafSpec:
+        shape = list(spec.shape or [])
+        example = list(spec.example_shape or [d if isinstance(d, int) else 1 for d in shape])
+        dims = tuple(DimSpec(DimKind.sample if i == 0 else DimKind.fixed if isinstance(d, int) else DimKind.variable,
+                             int(size), int(size), int(size)) for i, (d, size) in enumerate(zip(shape, example)))
+        return LeafSpec(spec.name, spec.name, (), spec.dtype or "float32", dims)
+
+    sample = SampleAxis(True, "dim 0 of every input and output, as manifests before version 3 had it", dynamic_batch)
+    return Signature([leaf(s) for s in inputs], [leaf(s) for s in outputs], sample)
 
 
 def _versions(entries: Mapping[str, FormatEntry]) -> Dict[str, Optional[str]]:

@@ -12,23 +12,16 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from fx_lightning._imports import missing_modules
-from fx_lightning.batches import (
-    batch_at_least_two,
-    batch_dims,
-    batch_size_of,
-    flat_tensors,
-    map_tensors,
-    take_rows,
-    with_batch_size,
-)
+from fx_lightning.batches import flat_tensors, map_tensors
+from fx_lightning.calls import Call, no_distribution_validation
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
 from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
@@ -46,24 +39,37 @@ from fx_lightning.export.manifest import (
     write_manifest,
 )
 from fx_lightning.notes import NoteKind
-from fx_lightning.parity.compare import DISCRETE_AGREEMENT, Comparison, compare_outputs, is_discrete, relative_error
+from fx_lightning.notes import Note
+from fx_lightning.parity.compare import (
+    DISCRETE_AGREEMENT,
+    Comparison,
+    compare_outputs,
+    is_discrete,
+    relative_error,
+    structure_mismatch,
+)
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
+from fx_lightning.program import ExportFailed, Program, export_program, signature_dims
 from fx_lightning.provenance import Provenance
+from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, rows_of, take_rows, with_raw_input, with_rows
 
 __all__ = ["CHECK_FILE", "Reference", "Extension", "export_fused", "prepare_export", "write_export", "write_formats",
            "make_context",
            "require_formats", "refuse_existing", "CheckData", "write_check_file", "read_check_file", "check_artifact",
-           "STATIC_SHAPES", "STATIC_EXPORT"]
+           "STATIC_EXPORT", "STATIC_SIZES", "NO_SAMPLE_AXIS", "static_note"]
 
 # A few example inputs and their fp64 reference outputs, saved beside the artifacts.
 CHECK_FILE = "check.pt"
 
-STATIC_SHAPES = NoteKind("static_shapes", "export.dynamic_batch: no tensor input has a batch dimension; exported "
-                                          "static shapes")
 STATIC_EXPORT = NoteKind("static_export", "exported for batch size {batch_size} only: the fused model does not take "
                                           "a dynamic batch ({reason}); load_fused runs other batch sizes as pieces of "
                                           "{batch_size}")
+STATIC_SIZES = NoteKind("static_sizes", "exported for the example's sizes only: the sizes that varied ({sizes}) could "
+                                        "not stay dynamic ({reason}); load_fused refuses other sizes (they are not a "
+                                        "sample axis it could split or pad along)")
+NO_SAMPLE_AXIS = NoteKind("no_sample_axis", "no sample axis: {how}; every artifact takes its inputs whole (never split "
+                                            "or padded)")
 
 
 def export_fused(
@@ -128,10 +134,11 @@ def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: 
 
 def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path, *,
                    preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
-                   reference: Optional[ExactReference] = None) -> WriteContext:
+                   reference: Optional[ExactReference] = None, signature: Optional[Signature] = None,
+                   other_inputs: Sequence[Tuple[Any, ...]] = ()) -> WriteContext:
     """Everything that can be checked before writing: the model and inputs, the formats' dependencies, and
-    whether ``final`` may be replaced. Returns the context every writer gets (``preprocess``, ``normalised_dtype``
-    and ``reference``: see :func:`make_context`). Raises :class:`ExportError`."""
+    whether ``final`` may be replaced. Returns the context every writer gets (``preprocess``, ``normalised_dtype``,
+    ``reference``, ``signature`` and ``other_inputs``: see :func:`make_context`). Raises :class:`ExportError`."""
     if not isinstance(graph_module, nn.Module):
         raise ExportError(f"export_fused() takes the fused nn.Module, got {type(graph_module).__name__}.")
     if example_inputs is None:
@@ -144,7 +151,7 @@ def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseCon
     refuse_existing(final, config.export.overwrite)
     try:
         return make_context(graph_module, args, config, preprocess=preprocess, normalised_dtype=normalised_dtype,
-                            reference=reference)
+                            reference=reference, signature=signature, other_inputs=other_inputs)
     except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take: the export's condition
         raise ExportError(exc.message) from exc
 
@@ -212,7 +219,7 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
                             provenance=provenance or Provenance())
     manifest.files = file_infos(staging, list_files(staging))
     manifest.failed_formats = failed
-    manifest.check = CheckInfo(CHECK_FILE, batch_size_of(reference.batches[0]), reference.fused_error)
+    manifest.check = CheckInfo(CHECK_FILE, reference.rows(reference.batches[0]), reference.fused_error)
     return manifest
 
 
@@ -228,7 +235,8 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
     entry.device = entry.device or str(ctx.device)
     if ctx.static_batch is not None:
         entry.batch_sizes = entry.batch_sizes or [ctx.static_batch]
-    entry.check = _check_roundtrip(staging, fmt, entry, reference)
+    entry.built_shapes = ctx.built_shapes()
+    entry.check = _check_roundtrip(staging, fmt, entry, reference, ctx.dynamic)
     return entry
 
 
@@ -237,54 +245,93 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
 
 def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig, *,
                  preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
-                 reference: Optional[ExactReference] = None) -> WriteContext:
-    """The plain fused model, the example inputs and the batch axis every writer uses. With
-    ``export.dynamic_batch`` the batch axis is dynamic when torch.export can capture it so; a model that fixes
-    its batch size (an ensemble that reshapes to the batch it was built for, say) is exported for the data's
-    batch size instead, and a note says why (``load_fused`` runs other sizes as pieces of it). ``preprocess``:
-    the raw-input prologue spliced in front of the model, one graph for every writer (``example_inputs`` are then
-    raw inputs; ``normalised_dtype``: the dtype the model takes its input in); ``reference``: what the artifacts
-    are judged against (None: an fp64 copy of the model)."""
+                 reference: Optional[ExactReference] = None, signature: Optional[Signature] = None,
+                 other_inputs: Sequence[Tuple[Any, ...]] = ()) -> WriteContext:
+    """The plain fused model, the example inputs and how the artifacts are called, made once for every writer.
+
+    ``signature``: what the observed calls showed (the sample axis, the sizes that vary); without one it is derived
+    here from the example (dim 0 is the sample axis only when an experiment shows that rows are independent).
+    The program is dynamic on the sample axis (``export.dynamic_batch``) and on every size that varied, when
+    torch.export can keep it so (:func:`fx_lightning.program.export_program`), and checked on ``other_inputs``
+    (examples of other sizes); otherwise it is built for the example's sizes, and a note says why: ``load_fused``
+    runs another number of samples as pieces only along a proven sample axis, and refuses other sizes elsewhere.
+    ``preprocess``: the raw-input prologue spliced in front of the model, one graph for every writer
+    (``example_inputs`` are then raw inputs; ``normalised_dtype``: the dtype the model takes its input in);
+    ``reference``: what the artifacts are judged against (None: an fp64 copy of the model)."""
     plain = plain_graph_module(graph_module, FUSED_CLASS_NAME)
     if preprocess is not None:
         plain = with_prologue(plain, preprocess, normalised_dtype)
-    ctx = WriteContext(plain, tuple(example_inputs), None, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
-                       onnx_opset=config.export.onnx_opset, aoti_batch_sizes=list(config.export.aoti_batch_sizes),
-                       reference=reference)
-    batch = batch_size_of(ctx.args)
-    if batch == 0:
+    args = tuple(example_inputs)
+    if signature is None:
+        signature = _signature_of(plain, args)
+    elif preprocess is not None:
+        signature = with_raw_input(signature, args[0], preprocess.layout == "NHWC")
+    ctx = WriteContext(plain, args, signature, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
+                       onnx_opset=config.export.onnx_opset, reference=reference,
+                       dynamic_samples=config.export.dynamic_batch,
+                       check_args=[tuple(a) for a in other_inputs if _leaf_shapes(a) != _leaf_shapes(args)][:3])
+    axes = signature.input_axes()
+    rows = rows_of(args, axes) if signature.batched else None
+    if rows == 0:
         raise ExportError("example_inputs: a tensor argument has batch size 0; give at least one sample.")
-    if not config.export.dynamic_batch or batch is None:
-        if config.export.dynamic_batch:
-            ctx.notes.append(STATIC_SHAPES())
-        return _static(ctx, batch, None)
-    args = batch_at_least_two(ctx.args)
-    # One named Dim shared by all inputs when they agree (min 1: batch 1 must load too), nested inputs included.
-    sizes = {t.shape[0] for t in flat_tensors(list(args)) if t.dim() > 0}
-    shared = torch.export.Dim("batch", min=1) if len(sizes) == 1 else None
-    dynamic = tuple(batch_dims(a, shared if shared is not None else torch.export.Dim(f"batch_{i}", min=1))
-                    for i, a in enumerate(args))
-    ctx.args, ctx.dynamic_shapes = args, dynamic
-    try:
-        with torch.no_grad():
-            ctx.program = torch.export.export(ctx.export_model, args, strict=False,
-                                              dynamic_shapes=ctx.export_dynamic_shapes)
-    except Exception as exc:  # noqa: BLE001 - the graph fixes its batch size: export it for the data's
-        ctx.args, ctx.dynamic_shapes = tuple(example_inputs), None
-        return _static(ctx, batch, first_line(exc, with_type=True))
-    return ctx
-
-
-def _static(ctx: WriteContext, batch: Optional[int], reason: Optional[str]) -> WriteContext:
-    """``ctx`` exported for the example's batch size alone (``reason``: why a dynamic batch could not be)."""
-    if batch is None:
+    if signature.batched:
+        ctx.aoti_batch_sizes = list(config.export.aoti_batch_sizes)
+    dims = signature_dims(signature, dynamic_samples=config.export.dynamic_batch)
+    if not signature.batched:
+        ctx.notes.append(NO_SAMPLE_AXIS(how=signature.sample.how))
+    if not any(dims):
+        ctx.program = _program(ctx, args, None)
         return ctx
-    ctx.static_batch = batch
-    if reason is not None:
-        ctx.notes.append(STATIC_EXPORT(batch_size=batch, reason=reason))
-    # AOTInductor builds what the model can run: its one batch size.
-    ctx.aoti_batch_sizes = [batch]
+    dynamic_args = tuple(with_rows(args, axes, 2)) if rows == 1 and config.export.dynamic_batch else args
+    try:
+        ctx.program = export_program(ctx.export_model, Call(dynamic_args), dims, allow_static=False,
+                                     check=[Call(a) for a in ctx.check_args])
+        ctx.args = dynamic_args
+        return ctx
+    except ExportFailed as exc:  # the graph fixes a size: export it for the example's
+        reason = first_line(exc.first, with_type=True)
+    ctx.program = _program(ctx, args, None)
+    ctx.notes.append(static_note(signature, args, reason))
+    if signature.batched:
+        ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []  # AOTInductor builds what the model can run
     return ctx
+
+
+def _program(ctx: WriteContext, args: Tuple[Any, ...], dims: Any) -> Program:
+    try:
+        return export_program(ctx.export_model, Call(args), dims, allow_static=True)
+    except ExportFailed as exc:
+        raise ExportError(f"torch.export failed: {first_line(exc.first, with_type=True)}"
+                          + "".join(f"; tried {a}" for a in exc.attempts[1:])) from exc.first
+
+
+def _leaf_shapes(args: Sequence[Any]) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+
+
+def _signature_of(model: nn.Module, args: Tuple[Any, ...]) -> Signature:
+    """The signature one example shows (no loader says how many samples it holds: dim 0 is tested)."""
+    def run(call: Call, seed: int = 0) -> Any:
+        with torch.no_grad(), torch.random.fork_rng(), no_distribution_validation():
+            torch.manual_seed(seed)
+            return call.run(model)
+
+    try:
+        return derive_signature([Observed(Call(args))], run, rerun=lambda c: run(c, 1),
+                                root_names=[n.name for n in model.graph.nodes if n.op == "placeholder"])
+    except ValueError as exc:
+        raise ExportError(f"example_inputs: {exc}") from exc
+
+
+def static_note(signature: Signature, args: Sequence[Any], reason: str) -> Note:
+    """Why the artifacts are built for the example's sizes, and what load_fused does with others."""
+    axes = signature.input_axes()
+    if signature.batched:
+        rows = rows_of(args, axes)
+        return STATIC_EXPORT(batch_size=rows, reason=reason)
+    varied = [f"{leaf.name} dim {d}" for leaf in signature.inputs for d, dim in enumerate(leaf.dims)
+              if dim.kind is DimKind.variable]
+    return STATIC_SIZES(sizes=", ".join(varied) or "none", reason=reason)
 
 
 # ------------------------------------------------------------------------------------------- checking
@@ -293,7 +340,7 @@ def _static(ctx: WriteContext, batch: Optional[int], reason: Optional[str]) -> W
 def _outputs(model: nn.Module, args: Tuple[Any, ...]) -> List[torch.Tensor]:
     # A fixed RNG: a model that draws random numbers in eval mode must match itself, not fail the check.
     devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), no_distribution_validation():
         torch.manual_seed(0)
         return flat_tensors(model(*args))
 
@@ -305,25 +352,45 @@ FUSED_FP64 = "an fp64 copy of the fused model"
 @dataclass
 class Reference:
     """What every artifact is judged against: an fp64 copy of the fused model, or of ``WriteContext.reference``
-    (on the example batch, batch 1, and each batch size an AOTInductor package is built for), and the fused
-    model's own error against it. Another runtime's kernels (ONNX Runtime, Inductor) round differently, so an
-    artifact passes when its error is of the order of the fused model's own
-    (:func:`~fx_lightning.parity.compare.rounding_tolerance`)."""
+    (on the example, on one sample when the sample axis is dynamic, on each number of samples an AOTInductor
+    package is built for, and on the examples of other sizes), and the fused model's own error against it.
+    Another runtime's kernels (ONNX Runtime, Inductor) round differently, so an artifact passes when its error is of
+    the order of the fused model's own (:func:`~fx_lightning.parity.compare.rounding_tolerance`). ``stochastic``:
+    the outputs drawn at random in forward (no other runtime draws the same numbers), left out of the values
+    compared."""
 
     batches: List[Tuple[Any, ...]]
     exact: List[List[torch.Tensor]]
     fused_error: float
     against: str = FUSED_FP64
+    axes: List[Optional[int]] = field(default_factory=list)  # the inputs' sample axes (empty: none proven)
+    output_axes: List[Optional[int]] = field(default_factory=list)
+    stochastic: List[int] = field(default_factory=list)
 
-    def for_batch_size(self, size: int) -> Tuple[Tuple[Any, ...], List[torch.Tensor]]:
-        """The example batch of ``size`` samples and its reference outputs."""
-        return next((b, e) for b, e in zip(self.batches, self.exact) if batch_size_of(b) == size)
+    def rows(self, batch: Tuple[Any, ...]) -> Optional[int]:
+        return rows_of(batch, self.axes) if self.axes else None
+
+    def for_entry(self, entry: FormatEntry, dynamic: bool) -> List[Tuple[Tuple[Any, ...], List[torch.Tensor]]]:
+        """The examples an artifact is checked on: those of the sample counts it is built for, else every example
+        when it takes other sizes, else the first."""
+        pairs = list(zip(self.batches, self.exact))
+        if entry.batch_sizes:
+            return [p for p in pairs if self.rows(p[0]) in entry.batch_sizes]
+        return pairs if dynamic else pairs[:1]
 
 
 def _reference(ctx: WriteContext) -> Reference:
-    batches = [ctx.args] + ([take_rows(ctx.args, 1)] if ctx.dynamic_shapes is not None else [])
-    sizes = {batch_size_of(b) for b in batches}
-    batches += [with_batch_size(ctx.args, n) for n in ctx.aoti_batch_sizes if n not in sizes]
+    signature = ctx.signature
+    axes = signature.input_axes() if signature.batched else []
+    batches = [ctx.args]
+    if ctx.sample_dynamic and signature.sample.any_size:
+        batches.append(tuple(take_rows(ctx.args, axes, 0, 1)))
+    if signature.batched:
+        sizes = {rows_of(b, axes) for b in batches}
+        batches += [tuple(with_rows(ctx.args, axes, n)) for n in ctx.aoti_batch_sizes if n not in sizes]
+    if ctx.dynamic:
+        batches += ctx.check_args
+    stochastic = [i for i, leaf in enumerate(signature.outputs) if leaf.stochastic]
     fused = [_outputs(ctx.model, b) for b in batches]
     try:  # the fp64 copy is made, used and freed here: no second copy of the model lives through the export
         exact_model = copy.deepcopy(ctx.reference.model if ctx.reference is not None else ctx.model).double()
@@ -331,10 +398,11 @@ def _reference(ctx: WriteContext) -> Reference:
         del exact_model
     except RuntimeError:  # no fp64 kernel for some op: judge against the fused model itself
         exact = [[_as_double(t) for t in out] for out in fused]
-    errors = [relative_error(f.double(), e) for out, ex in zip(fused, exact) for f, e in zip(out, ex)
-              if e.is_floating_point() and not is_discrete(f)]  # a discrete output flips, it has no error scale
+    errors = [relative_error(f.double(), e) for out, ex in zip(fused, exact) for i, (f, e) in enumerate(zip(out, ex))
+              if e.is_floating_point() and not is_discrete(f) and i not in stochastic]  # a discrete output flips
     return Reference(batches, exact, max(errors, default=0.0),
-                     ctx.reference.against if ctx.reference is not None else FUSED_FP64)
+                     ctx.reference.against if ctx.reference is not None else FUSED_FP64, list(axes),
+                     signature.output_axes() if signature.batched else [], stochastic)
 
 
 def _as_double(t: torch.Tensor) -> torch.Tensor:
@@ -343,20 +411,27 @@ def _as_double(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class CheckData:
-    """``check.pt``: example inputs, the fp64 outputs of the fused model on them, and its own error."""
+    """``check.pt``: example inputs, the fp64 outputs of the fused model on them, its own error, and the outputs
+    drawn at random (left out of the values compared)."""
 
     inputs: List[Any]
     expected: List[torch.Tensor]
     fused_error: float
+    stochastic: List[int] = field(default_factory=list)
 
 
 def write_check_file(root: Path, reference: Reference, samples: int = 8) -> None:
-    """``check.pt``: a few example inputs and the fp64 reference outputs, so a fresh process (``fx-lightning
-    bench``, a serving health check) can verify any artifact without the training code."""
-    inputs = [a[:samples].detach().cpu() if isinstance(a, torch.Tensor) and a.dim() else a for a in reference.batches[0]]
-    exact = [t[:samples].cpu() if t.dim() and t.shape[0] == batch_size_of(reference.batches[0]) else t.cpu()
-             for t in reference.exact[0]]
-    torch.save({"inputs": inputs, "expected": exact, "fused_error": reference.fused_error}, root / CHECK_FILE)
+    """``check.pt``: a few example inputs (at most ``samples`` along the sample axis, when there is one) and the
+    fp64 reference outputs, so a fresh process (``fx-lightning bench``, a serving health check) can verify any
+    artifact without the training code."""
+    batch, exact = reference.batches[0], reference.exact[0]
+    rows = reference.rows(batch)
+    if rows is not None and rows > samples:
+        batch = tuple(take_rows(batch, reference.axes, 0, samples))
+        exact = take_rows(exact, reference.output_axes, 0, samples)
+    inputs = [a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in batch]
+    torch.save({"inputs": inputs, "expected": [t.cpu() for t in exact], "fused_error": reference.fused_error,
+                "stochastic": list(reference.stochastic)}, root / CHECK_FILE)
 
 
 def read_check_file(root: Path) -> Optional[CheckData]:
@@ -365,24 +440,32 @@ def read_check_file(root: Path) -> Optional[CheckData]:
     if not path.is_file():
         return None
     saved = torch.load(path, weights_only=True)
-    return CheckData(list(saved["inputs"]), list(saved["expected"]), float(saved.get("fused_error", 0.0)))
+    return CheckData(list(saved["inputs"]), list(saved["expected"]), float(saved.get("fused_error", 0.0)),
+                     [int(i) for i in saved.get("stochastic", [])])
 
 
 def check_artifact(module: nn.Module, inputs: Tuple[Any, ...], expected: List[torch.Tensor],
-                   fused_error: float) -> Comparison:
+                   fused_error: float, stochastic: Sequence[int] = ()) -> Comparison:
     """An artifact's outputs on ``inputs`` against the fp64 ``expected`` ones, compared flat (runtimes such as
     ONNX Runtime return their outputs flat). The reference is cast to each output's dtype, so an output is
-    allowed its own dtype's rounding, or a few times the fused model's own error when that is larger."""
+    allowed its own dtype's rounding, or a few times the fused model's own error when that is larger. The outputs
+    listed in ``stochastic`` are compared by structure only."""
     got = _outputs(module, inputs)
     want = expected
     if len(got) == len(expected):
         want = [e.to(g.dtype) if g.is_floating_point() and e.is_floating_point() and g.shape == e.shape else e
                 for g, e in zip(got, expected)]
+        if stochastic:
+            mismatch = structure_mismatch(got, want, nested=False)
+            if mismatch is None:
+                got = [g for i, g in enumerate(got) if i not in stochastic]
+                want = [w for i, w in enumerate(want) if i not in stochastic]
     return compare_outputs(got, want, own_error=fused_error, nested=False, min_agreement=DISCRETE_AGREEMENT)
 
 
-def _check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: Reference) -> RoundTrip:
-    """Load ``fmt`` back and judge it against the fp64 reference on each batch size it is built for."""
+def _check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: Reference,
+                     dynamic: bool) -> RoundTrip:
+    """Load ``fmt`` back and judge it against the fp64 reference on each example it must take."""
     missing = missing_modules(fmt.runtime_requires)
     if missing:
         return RoundTrip(False, f"{', '.join(missing)} is not installed")
@@ -392,21 +475,25 @@ def _check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: 
     except Exception as exc:  # noqa: BLE001
         raise ExportError(f"written but cannot be loaded back: {type(exc).__name__}: {first_line(exc)}") from exc
     worst, tolerance = 0.0, 0.0
-    # The batch sizes the artifact is built for (an AOTInductor package per size), else the example's and 1.
-    sizes = entry.batch_sizes or [batch_size_of(b) for b in reference.batches]
-    for size in sizes:
-        batch, want = reference.for_batch_size(size)
+    sizes: List[int] = []
+    for batch, want in reference.for_entry(entry, dynamic):
+        rows = reference.rows(batch)
+        what = f"batch size {rows}" if rows is not None else f"inputs of shapes {_shapes_text(batch)}"
         try:
-            comparison = check_artifact(loaded, batch, want, reference.fused_error)
+            comparison = check_artifact(loaded, batch, want, reference.fused_error, reference.stochastic)
         except Exception as exc:  # noqa: BLE001
-            raise ExportError(f"the loaded model fails on batch size {size}: {type(exc).__name__}: "
-                              f"{first_line(exc)}") from exc
+            raise ExportError(f"the loaded model fails on {what}: {type(exc).__name__}: {first_line(exc)}") from exc
         if not comparison.passed:
             raise ExportError(
-                f"the loaded model disagrees with the fused model on batch size {size}: "
+                f"the loaded model disagrees with the fused model on {what}: "
                 f"{comparison.describe()}, against {reference.against}, where the fused model itself "
                 f"is at {reference.fused_error:.1e}."
             )
         worst, tolerance = max(worst, comparison.relative_error), max(tolerance, comparison.tolerance)
-    return RoundTrip(True, None, [int(s) for s in sizes if s is not None], worst, reference.fused_error, tolerance,
-                     reference.against)
+        if rows is not None and rows not in sizes:
+            sizes.append(int(rows))
+    return RoundTrip(True, None, sizes, worst, reference.fused_error, tolerance, reference.against)
+
+
+def _shapes_text(batch: Sequence[Any]) -> str:
+    return ", ".join(str(list(a.shape)) for a in batch if isinstance(a, torch.Tensor))

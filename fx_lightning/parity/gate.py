@@ -20,7 +20,6 @@ from torchmetrics import Metric
 
 from fx_lightning.batches import (
     InputRule,
-    as_args,
     detached,
     extract_input,
     extract_labels,
@@ -29,6 +28,7 @@ from fx_lightning.batches import (
     record_calls,
     to_model,
 )
+from fx_lightning.calls import as_call, no_distribution_validation
 from fx_lightning.config import ParityConfig, load_config
 from fx_lightning.errors import ConfigError
 from fx_lightning.notes import Note, NoteKind
@@ -272,30 +272,37 @@ def measure_parity(
     notes: Sequence[Note] = (),
     precise_reference: Optional[nn.Module] = None,
     nested: bool = True,
+    stochastic: bool = False,
 ) -> ParityState:
     """Run the comparison of :func:`check_parity` on this process's batches and return the metric states
     (nothing is computed or gated here, and there is no collective call). ``input_rule`` takes forward's
-    inputs out of a batch (None: automatic)."""
+    inputs out of a batch (None: automatic). Both sides run with the same random seed per batch; ``stochastic``
+    (outputs drawn at random in forward): the target's calls are rerun alone, seeded alike, when they went through
+    the whole model."""
     cfg = parity_config(cfg)
     if whole_reference is not None and whole_candidate is None:
         raise ValueError("whole_candidate is required with whole_reference")
     device, dtype = model_device_dtype(reference if whole_reference is None else whole_reference)
     run = _Measurement(cfg, device, notes, nested)
-    with torch.no_grad():
-        for batch in itertools.islice(iter(batches), cfg.max_batches):
-            args = as_args(to_model(extract_input(batch, input_rule), device, dtype))
+    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+    with torch.no_grad(), no_distribution_validation(), torch.random.fork_rng(devices=cuda):
+        for index, batch in enumerate(itertools.islice(iter(batches), cfg.max_batches)):
+            call = as_call(to_model(extract_input(batch, input_rule), device, dtype))
+            seed = _SEED + index  # the same random numbers for both sides: a sample drawn in forward matches
             if whole_reference is not None:
                 with record_calls(reference) as calls:
-                    whole_ref_out = whole_reference(*args)
+                    whole_ref_out = _seeded(seed, lambda: call.run(whole_reference))
                 if not calls:
                     raise ConfigError(
                         "target: the target module is never called by the model's forward, so the fused target "
                         "cannot be compared; point `target` at a module that forward uses."
                     )
-                whole_cand_out = whole_candidate(*args)  # type: ignore[misc]
+                whole_cand_out = _seeded(seed, lambda: call.run(whole_candidate))  # type: ignore[arg-type]
+                if stochastic:  # the target alone, seeded alike on both sides
+                    calls = [(a, k, detached(_seeded(seed, lambda: reference(*a, **k)))) for a, k, _ in calls]
             else:
-                calls = [(args, {}, detached(reference(*args)))]
-            cand_outs = [candidate(*a, **k) for a, k, _ in calls]
+                calls = [(call.args, call.kwargs, detached(_seeded(seed, lambda: call.run(reference))))]
+            cand_outs = [_seeded(seed, lambda: candidate(*a, **k)) for a, k, _ in calls]
             if not run.compare_target(calls, cand_outs, precise_reference):
                 break
             if whole_reference is not None:
@@ -305,6 +312,14 @@ def measure_parity(
             run.state.batches += 1
             run.compare_classes(whole_ref_out, whole_cand_out, extract_labels(batch, label_rule))
     return run.finish(source, whole_reference is not None, precise_reference is not None)
+
+
+_SEED = 20260
+
+
+def _seeded(seed: int, fn: Callable[[], Any]) -> Any:
+    torch.manual_seed(seed)
+    return fn()
 
 
 # ---------------------------------------------------------------------------------------------- merge

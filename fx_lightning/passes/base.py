@@ -104,6 +104,8 @@ class PassContext:
     # Stage "variant": the variant's gate on validation data (a candidate module -> its ParityReport), given by the
     # pipeline: an accuracy-aware pass tries candidates against it. None: no data to judge on (strict variant only).
     gate: Optional[Callable[[Any], Any]] = None
+    # How the graph is called (which dimensions carry samples and vary): variant passes export with it.
+    signature: Optional[Any] = None
 
     def ensure_shapes(self, gm: fx.GraphModule) -> bool:
         """Annotate ``gm``'s nodes with shapes (ShapeProp on the example inputs); False if impossible."""

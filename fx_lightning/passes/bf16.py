@@ -18,10 +18,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.batches import batch_at_least_two
 from fx_lightning.passes.base import PassContext, PassResult, Stage, builtin_pass
 from fx_lightning.passes.graph_utils import plain_graph_module
-from fx_lightning.passes.lossy import LossyOptions
+from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, export_variant
 
 __all__ = ["CastBf16Options", "cast_bf16"]
 
@@ -54,11 +53,10 @@ def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: PassContext) ->
 
         raise PassError("cast_bf16: no example inputs to export the bf16 model with")
     model = _InBf16(copy.deepcopy(plain_graph_module(gm)).to(torch.bfloat16)).eval()
-    args = batch_at_least_two(tuple(inputs))
-    dynamic = ((tuple({0: torch.export.Dim("batch", min=1)} if isinstance(a, torch.Tensor) and a.dim() else None
-                      for a in args)),)
-    with torch.no_grad():
-        result.variant = torch.export.export(model, args, strict=False, dynamic_shapes=dynamic).module()
+    made = export_variant(model, tuple(inputs), ctx.signature)
+    result.variant = made.program.module()
+    if not made.dynamic:
+        result.variant_notes = [VARIANT_STATIC(variant="bf16", reason=made.static_reason or "unknown")]
     result.variant_name = "bf16"
     result.change("<graph>", "cast to bfloat16", parameters=sum(p.numel() for p in model.parameters()))
     return result

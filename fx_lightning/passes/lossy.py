@@ -14,9 +14,35 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fx_lightning.passes.base import PassOptions
+from typing import Any, Optional, Tuple
 
-__all__ = ["LossyOptions"]
+import torch
+from torch import nn
+
+from fx_lightning.calls import Call
+from fx_lightning.notes import NoteKind
+from fx_lightning.passes.base import PassOptions
+from fx_lightning.program import Program, export_program, signature_dims
+from fx_lightning.signature import Signature, rows_of, with_rows
+
+__all__ = ["LossyOptions", "export_variant", "VARIANT_STATIC"]
+
+VARIANT_STATIC = NoteKind("variant_static", "the {variant} model exports for the example's sizes only ({reason})")
+
+
+def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optional[Signature]) -> Program:
+    """A variant's model exported with the dimensions the signature says vary (the sample axis repeated to two
+    samples when the example has one), else for the example's sizes: a model that fixes a size is fixed in its
+    variants too."""
+    if signature is None:  # no observed calls (a pass run by hand): dim 0 of every tensor
+        dims = [{0: torch.export.Dim("batch", min=1)} if isinstance(a, torch.Tensor) and a.dim() else None
+                for a in inputs]
+        axes = [0 if d else None for d in dims]
+    else:
+        dims, axes = signature_dims(signature), (signature.input_axes() if signature.batched else [])
+    dynamic_inputs = tuple(with_rows(inputs, axes, 2)) if axes and rows_of(inputs, axes) == 1 else inputs
+    return export_program(model, Call(dynamic_inputs), dims if any(dims) else None, allow_static=True,
+                          static_call=Call(tuple(inputs)))
 
 
 @dataclass

@@ -24,12 +24,12 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tupl
 import torch
 import torch.fx as fx
 
-from fx_lightning.batches import batch_at_least_two, flat_tensors
+from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import PassError
 from fx_lightning.notes import NoteKind
 from fx_lightning.passes.base import PassContext, PassResult, Stage, builtin_pass
 from fx_lightning.passes.graph_utils import plain_graph_module, unique_module_stacks
-from fx_lightning.passes.lossy import LossyOptions
+from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, export_variant
 
 __all__ = ["QuantizeInt8Options", "quantize_int8", "FLOAT_LAYERS", "LayerEffect", "rank_layers"]
 
@@ -119,11 +119,11 @@ def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: PassCon
     if not batches:
         raise PassError("quantize_int8: no calibration batches (the model's inputs on data batches are needed)")
     plain = plain_graph_module(gm)
-    args = batch_at_least_two(batches[0])
-    dynamic = tuple({0: torch.export.Dim("batch", min=1)} if isinstance(a, torch.Tensor) and a.dim() else None
-                    for a in args)
+    made = export_variant(plain, tuple(batches[0]), ctx.signature)
+    if not made.dynamic:
+        result.variant_notes = [VARIANT_STATIC(variant="int8", reason=made.static_reason or "unknown")]
     with torch.no_grad():
-        program = torch.export.export(plain, args, strict=False, dynamic_shapes=dynamic).module()
+        program = made.program.module()
         renamed = unique_module_stacks(program)  # pt2e needs one module per call site
         variant = _convert(program, batches, ())
         if ctx.gate is not None and options.max_float_layers > 0 and not ctx.gate(variant).passed:

@@ -12,21 +12,23 @@ from fx_lightning.pipeline.driver import (
     Failure,
     Mode,
     Outcome,
+    exchange_failure,
     fuse_and_export,
     fuse_verify_export,
     run_pipeline,
     summary_text,
 )
-from fx_lightning.pipeline.steps import Batches, Exported, Fused, Source, Step, calibration_batch_count, in_step
+from fx_lightning.pipeline.records import Batches, Exported, Fused, Observations, ObservedStep, Source
+from fx_lightning.pipeline.steps import FORMAT_NOT_EXPORTED, Step, calibration_batch_count, in_step
 from fx_lightning.pipeline.targets import (
     own_rng,
     resolve_device,
     resolve_target,
-    target_example_inputs,
     whole_model_with,
 )
 
 __all__ = [
+    "FORMAT_NOT_EXPORTED",
     "LOCAL",
     "Batches",
     "Collectives",
@@ -37,7 +39,10 @@ __all__ = [
     "Fused",
     "LocalCollectives",
     "Mode",
+    "Observations",
+    "ObservedStep",
     "Outcome",
+    "exchange_failure",
     "Source",
     "Step",
     "calibration_batch_count",
@@ -49,6 +54,5 @@ __all__ = [
     "resolve_target",
     "run_pipeline",
     "summary_text",
-    "target_example_inputs",
     "whole_model_with",
 ]

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
+from fx_lightning.batches import loader_sample_counts
 from fx_lightning.config import ConfigLike, FuseConfig, OnError, load_config
 from fx_lightning.engine import FuseResult
 from fx_lightning.errors import ConfigError, FXLightningError, ParityError, error_class, first_line
@@ -55,6 +56,7 @@ __all__ = [
     "Outcome",
     "ErrorInfo",
     "run_pipeline",
+    "exchange_failure",
     "fuse_verify_export",
     "fuse_and_export",
     "summary_text",
@@ -214,7 +216,7 @@ def run_pipeline(
     local = _run_locally(config, load) if skip is None else _Local()
     mine = _RankReport(rank, skip, ErrorInfo.of(rank, local.error) if local.error is not None else None, local.state,
                        local.source.buffers_differ if local.source is not None else False,
-                       len(local.fused.data) if local.fused is not None else 0)
+                       len(local.fused.steps) if local.fused is not None else 0)
     everyone: List[_RankReport] = collectives.all_gather(mine)  # 1.
     failed = [r.error for r in everyone if r.error is not None]
     if failed:
@@ -298,6 +300,14 @@ def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[Pa
         if isinstance(exc, FXLightningError):
             exc.step = exc.step or Step.export.value
         return _Written(None, error=ErrorInfo.of(0, exc)), exc
+
+
+def exchange_failure(collectives: Collectives, error: Optional[Exception]) -> Optional[Failure]:
+    """Every rank's ``error`` (None: it had none) gathered: the lowest failing rank's failure on every rank, or None
+    when no rank failed. A collective: every rank calls it."""
+    mine = ErrorInfo.of(collectives.rank, error) if error is not None else None
+    failed = [e for e in collectives.all_gather(mine) if e is not None]
+    return _failure_of(collectives, failed, error) if failed else None
 
 
 def _failure_of(collectives: Collectives, failed: List[ErrorInfo], local: Optional[Exception]) -> Failure:
@@ -388,7 +398,8 @@ def fuse_and_export(
         raise ConfigError("fuse_and_export(): give batches (data to verify on) or example_inputs (forward's "
                           "arguments): the fused model is checked and exported with them.")
     items = list(itertools.islice(iter(batches), cfg.parity.max_batches)) if batches is not None else []
-    return fuse_verify_export(model, cfg, Batches(items, "given"), example_inputs=example_inputs,
+    counts = loader_sample_counts(batches, len(items)) if batches is not None else []
+    return fuse_verify_export(model, cfg, Batches(items, "given", samples=counts), example_inputs=example_inputs,
                               export_dir=directory)
 
 

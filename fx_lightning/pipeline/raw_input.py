@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import as_args, detached, extract_input, model_device_dtype, to_model
+from fx_lightning.batches import detached
 from fx_lightning.config import FuseConfig
 from fx_lightning.export.base import FUSED_CLASS_NAME, ExactReference
 from fx_lightning.export.input_contract import InputContract, labels_for_output, preprocess_note, resolve_input_contract
@@ -26,7 +26,6 @@ from fx_lightning.parity.raw_input import NormalisedReference, compare_raw_path
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.pipeline.records import Fused
-from fx_lightning.pipeline.targets import target_example_inputs
 
 
 __all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "contract_for", "export_inputs",
@@ -86,14 +85,8 @@ def normalised_dtype(fused: "Fused") -> torch.dtype:
 
 
 def _target_inputs(fused: "Fused", preprocess: Preprocess) -> List[tuple]:
-    """The target's inputs on each parity batch (each checked to fit the prologue)."""
-    if not fused.through_whole:
-        inputs = [tuple(d) for d in fused.data]
-    else:
-        device, dtype = model_device_dtype(fused.reference_whole)
-        inputs = [target_example_inputs(fused.reference_whole, fused.reference,
-                                        as_args(to_model(extract_input(b, fused.input_rule), device, dtype)))[0]
-                  for b in fused.data]
+    """The fused graph's inputs on each parity step (each checked to fit the prologue)."""
+    inputs = [fused.graph_inputs(step.target) for step in fused.steps]
     for args in inputs:
         check_prologue_input(args, preprocess)
     return inputs

@@ -6,19 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from fx_lightning.batches import InputRule
+from fx_lightning.calls import Call
 from fx_lightning.engine import FuseResult
 from fx_lightning.export.input_contract import InputContract
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.notes import Note
 from fx_lightning.provenance import WeightsInfo
+from fx_lightning.signature import Signature
 
-__all__ = ["Batches", "Source", "Fused", "Exported"]
+__all__ = ["Batches", "ObservedStep", "Observations", "Source", "Fused", "Exported"]
 
 
 @dataclass
@@ -31,6 +32,33 @@ class Batches:
     # Batches the lossy variants are calibrated on (the training data, so the gate judges them on data they have
     # not seen); empty: the first parity batches.
     calibration: List[Any] = field(default_factory=list)
+    # The number of samples in each item, as its loader says (None: it does not say).
+    samples: List[Optional[int]] = field(default_factory=list)
+
+
+@dataclass
+class ObservedStep:
+    """One step's call of the target: its arguments, the whole model's call in the same step (None: the step
+    did not call the model's forward), the number of samples in the step's batch, and the batch's labels."""
+
+    target: Call
+    whole: Optional[Call] = None
+    samples: Optional[int] = None
+    labels: Optional[torch.Tensor] = None
+
+
+@dataclass
+class Observations:
+    """What the target received while the model's own steps ran (the callback records them): ``steps`` with their
+    values (validation calls when there are any), ``shapes`` of more calls (each input leaf's shape and the
+    batch's sample count: evidence of which sizes vary), training ``calibration`` calls, and where they came from."""
+
+    target: str  # the target's dotted path ("": the whole LightningModule)
+    steps: List[ObservedStep] = field(default_factory=list)
+    shapes: List[Tuple[List[Tuple[int, ...]], Optional[int]]] = field(default_factory=list)
+    calibration: List[ObservedStep] = field(default_factory=list)
+    stage: str = "validation"
+    notes: List[Note] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +76,7 @@ class Source:
     checked: List[str] = field(default_factory=list)  # what loading proved (the preflight's checks)
     notes: List[Note] = field(default_factory=list)
     contract: Optional[InputContract] = None  # export.preprocess/labels with what was found; None: the config's
+    observed: Optional[Observations] = None  # the target's calls recorded during fit (the callback)
 
 
 @dataclass
@@ -59,16 +88,21 @@ class Fused:
     reference: nn.Module  # the unfused target (eval copy): parity's reference, the eager baseline when timing
     reference_whole: nn.Module  # the whole model's eval copy
     fused_model: nn.Module  # the whole model (eval mode) with the fused target in place
-    example_inputs: Optional[tuple]  # the target's inputs on the first batch (capture and export trace with them)
-    data: List[Any]  # the parity batches, and the rule taking forward's inputs out of them
-    input_rule: InputRule
+    # The graph's inputs on the first step (what capture and export trace with: the leaves, for a flat interface).
+    example_inputs: Optional[tuple]
+    steps: List[ObservedStep]  # what parity compares on: the target's calls (and the whole model's)
+    signature: Signature  # how the artifact is called, from the calls observed
     source: str
-    calibration: List[tuple] = field(default_factory=list)  # the target's inputs on calibration batches
+    calibration: List[tuple] = field(default_factory=list)  # the graph's inputs on calibration steps
     notes: List[Note] = field(default_factory=list)
-    # True: parity runs the whole model on ``data``; False: ``data`` is what the target itself received (recorded
-    # while the LightningModule's own step ran), and parity compares the target alone.
+    # True: parity runs the whole model on each step's whole call; False: it compares the target alone on its calls.
     through_whole: bool = True
     contract: InputContract = field(default_factory=InputContract)  # the prologue and labels to export
+
+    def graph_inputs(self, call: Call) -> tuple:
+        """A call of the target as the fused graph takes it (one tensor per leaf, for a flat interface)."""
+        interface = self.result.interface
+        return interface.leaves_of(call).args if interface is not None else call.args
 
 
 @dataclass

@@ -17,35 +17,23 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import itertools
 import os
-import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from fx_lightning.batches import (
-    InputRule,
-    as_args,
-    as_example_inputs,
-    describe,
-    extract_input,
-    identity_rule,
-    model_device_dtype,
-    record_calls,
-    to_model,
-)
+from fx_lightning.batches import model_device_dtype
+from fx_lightning.calls import Call, tree_of_call
 from fx_lightning.capture import eval_copy
-from fx_lightning.config import FormatFailure, FuseConfig, ParityConfig, Selection
+from fx_lightning.config import FuseConfig, ParityConfig, Selection
 from fx_lightning.engine import fuse
 from fx_lightning.errors import (
     ConfigError,
     ExportError,
     FXLightningError,
-    ModelError,
     PassError,
     TraceError,
     first_line,
@@ -65,8 +53,9 @@ from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes import PassContext, Stage, plan_passes, run_pass
 from fx_lightning.pipeline import raw_input
-from fx_lightning.pipeline.records import Batches, Exported, Fused, Source
-from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, target_example_inputs, whole_model_with
+from fx_lightning.pipeline.inputs import calibration_steps, signature_for, target_steps
+from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
+from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
 from fx_lightning.provenance import Provenance
 
 __all__ = [
@@ -84,8 +73,6 @@ __all__ = [
     "calibration_batch_count",
     "select_artifact",
     "PARITY_DISABLED",
-    "EXAMPLE_INPUTS_USED",
-    "KWARGS_NOT_CAPTURED",
     "FORMAT_NOT_EXPORTED",
     "VARIANT_PASSED",
     "VARIANT_MISSED",
@@ -124,13 +111,6 @@ _STEP_ERRORS = {Step.capture: TraceError, Step.passes: PassError, Step.export: E
 
 PARITY_DISABLED = NoteKind("parity_disabled", "parity check disabled (parity.enabled: false): the fused model was "
                                               "not verified")
-EXAMPLE_INPUTS_DICT = NoteKind("example_inputs_dict", "example_inputs is a dict (keyword arguments): not used")
-EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the example inputs instead")
-KWARGS_NOT_CAPTURED = NoteKind("kwargs_not_captured", "the target is called with keyword arguments ({names}); they "
-                                                      "are not part of the example inputs given to capture")
-STEP_INPUTS = NoteKind("step_inputs", "forward's input could not be taken out of the batches ({batch}), so the "
-                                      "LightningModule's {step} ran on them and parity compared the target on the "
-                                      "{calls} input(s) it received")
 FORMAT_NOT_EXPORTED = NoteKind("format_not_exported", "format {format} not exported ({reason})")
 _FIGURES = "top-1 agreement {top1_agreement}, accuracy drop {accuracy_drop}, worst cosine {cosine_min}"
 VARIANT_PASSED = NoteKind("variant_passed", "{artifact} passed its gate (" + _FIGURES + ")")
@@ -165,9 +145,11 @@ def in_step(step: Step) -> Iterator[None]:
 
 
 def fuse_target(source: Source, config: FuseConfig) -> Fused:
-    """A working copy of ``source.model`` (eval, on ``source.device``, with ``source.buffers``), the target's
-    inputs on the first batch, and the target captured and passed through the configured passes."""
-    path, _ = resolve_target(source.model, config.target)
+    """A working copy of ``source.model`` (eval, on ``source.device``, with ``source.buffers``), what the target
+    receives (:mod:`.inputs`: the calls observed during fit, else taken from the batches), the signature those calls
+    show, and the target captured and passed through the configured passes."""
+    observed = source.observed
+    path = observed.target if observed is not None else resolve_target(source.model, config.target)[0]
     with own_rng(source.model, source.device), torch.no_grad():
         with in_step(Step.capture):
             reference_whole = eval_copy(source.model, source.device)
@@ -175,108 +157,46 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                 load_buffers(reference_whole, source.buffers)
         reference = reference_whole.get_submodule(path) if path else reference_whole
         with in_step(Step.parity_input):
-            data, rule, data_source, data_notes = _parity_data(config, source.batches, source.example_inputs)
-            try:
-                target_inputs, input_notes = _first_target_inputs(reference_whole, reference, data, rule)
-                through_whole = True
-            except Exception as exc:  # noqa: BLE001 - the batch is not forward's input: ask the module's own step
-                if config.parity.input is not None or not data:
-                    raise
-                data, input_notes = _inputs_from_step(reference_whole, reference, data, exc)
-                target_inputs, rule, through_whole = data[0], identity_rule, False
+            found = target_steps(config, source, reference_whole, reference, path)
+            if not found.steps:
+                raise ConfigError("parity.data: no batches and no example inputs: capture, parity and export need "
+                                  "the target's inputs")
+            signature = signature_for(reference, found.steps, observed)
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
-                result = fuse(reference, config, example_inputs=target_inputs)
+                result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
+                              check_inputs=_other_sizes(found.steps))
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
         with in_step(Step.parity_input):
-            calibration = _calibration_inputs(config, reference_whole, reference, source.batches.calibration or data,
-                                              rule) if through_whole else list(data[:calibration_batch_count(config)])
+            calibration = calibration_steps(config, source, reference_whole, reference, path, found,
+                                            calibration_batch_count(config))
     contract = raw_input.contract_for(source.contract, config)
-    notes = [*source.notes, *source.batches.notes, *data_notes, *input_notes, *contract.notes]
+    notes = [*source.notes, *source.batches.notes, *found.notes, *contract.notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
-    return Fused(path, result, reference, reference_whole, whole_model_with(reference_whole, path, result.graph_module),
-                 target_inputs, data, rule, data_source, calibration, notes, through_whole, contract)
+    fused = Fused(path, result, reference, reference_whole,
+                  whole_model_with(reference_whole, path, result.module), result.example_inputs, found.steps,
+                  signature, found.source, [], notes, found.through_whole, contract)
+    fused.calibration = [fused.graph_inputs(call) for call in calibration]
+    return fused
 
 
-def _parity_data(config: FuseConfig, batches: Batches,
-                 example_inputs: Any) -> Tuple[List[Any], InputRule, str, List[Note]]:
-    """The batches parity reads, the rule that takes forward's inputs out of them, their source, and notes."""
-    wanted = config.parity.max_batches if config.parity.enabled else 1
-    data = list(itertools.islice(iter(batches.items), wanted))
-    notes: List[Note] = []
-    if isinstance(example_inputs, Mapping):
-        # Lightning allows a dict of keyword arguments here; capture and export take positional ones.
-        notes.append(EXAMPLE_INPUTS_DICT())
-        example_inputs = None
-    model_inputs = as_example_inputs(example_inputs)
-    if not data and model_inputs is not None:
-        if batches.source != "example":
-            notes.append(EXAMPLE_INPUTS_USED())
-        return [model_inputs], identity_rule, "example", notes
-    return data, config.parity.input, batches.source, notes
+def _other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
+    """The calls whose shapes differ from the first's (and from each other's): what a capture must also take."""
+    seen = {_shapes(steps[0].target)}
+    out = []
+    for step in steps[1:]:
+        key = _shapes(step.target)
+        if key not in seen:
+            seen.add(key)
+            out.append(step.target)
+    return out
 
 
-def _first_target_inputs(whole: nn.Module, target: nn.Module, data: List[Any],
-                         rule: InputRule) -> Tuple[Optional[tuple], List[Note]]:
-    """The target's arguments on the first batch (what capture and export trace with), and a note when it also
-    takes keyword arguments."""
-    if not data:
-        return None, []
-    device, dtype = model_device_dtype(whole)
-    first = as_args(to_model(extract_input(data[0], rule), device, dtype))
-    args, kwargs = target_example_inputs(whole, target, first)
-    return args, [KWARGS_NOT_CAPTURED(names=tuple(kwargs))] if kwargs else []
-
-
-def _inputs_from_step(whole: nn.Module, target: nn.Module, data: List[Any],
-                      failure: Exception) -> Tuple[List[tuple], List[Note]]:
-    """What ``target`` receives while the model's own validation (else training) step runs on each batch: how
-    two-view, dict, dataclass and multi-input batches reach it, with no configuration. Raises a ConfigError that
-    says what was tried, with the batch's types and shapes, when that does not work either."""
-    step_errors: List[str] = []
-    for name in ("validation_step", "training_step"):
-        step = getattr(whole, name, None)
-        if not callable(step):
-            continue
-        try:
-            calls = [args for i, batch in enumerate(data) for args, _ in _step_calls(whole, target, step, batch, i)]
-        except Exception as exc:  # noqa: BLE001 - the user's own step; said below
-            step_errors.append(f"{name} raised {type(exc).__name__}: {first_line(exc)}")
-            continue
-        if calls:
-            return calls, [STEP_INPUTS(batch=describe(data[0]), step=name, calls=len(calls))]
-        step_errors.append(f"{name} never called the target")
-    if any(e.startswith(f"{name} raised {type(failure).__name__}: {first_line(failure)}")
-           for e in step_errors for name in ("validation_step", "training_step")):
-        raise ModelError(  # the model's own step fails the same way: the data is right, the model cannot run
-            f"the model's own forward raises on the data ({describe(data[0])}), in its steps too: "
-            f"{type(failure).__name__}: {first_line(failure)}") from failure
-    raise ConfigError(
-        f"parity.input: forward's input could not be taken out of the batch ({describe(data[0])}): "
-        f"{type(failure).__name__}: {first_line(failure)}"
-        + (f"; and on the batch, the LightningModule's {'; its '.join(step_errors)}" if step_errors else "")
-        + ". Set parity.input to the key, index or 'pkg.module:function' that gives forward's input."
-    ) from failure
-
-
-def _step_calls(whole: nn.Module, target: nn.Module, step: Any, batch: Any, index: int) -> List[Tuple[tuple, dict]]:
-    """Run ``step(batch, index)`` on the working copy with no trainer attached (its ``self.log`` warns and returns)
-    and return the ``(args, kwargs)`` of every call of ``target``."""
-    device, dtype = model_device_dtype(whole)
-    attached = getattr(whole, "_trainer", None)
-    with record_calls(target) as calls, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            if attached is not None:
-                whole._trainer = None
-            step(to_model(batch, device, dtype), index)
-        finally:
-            if attached is not None:
-                whole._trainer = attached
-    return [(args, kwargs) for args, kwargs, _ in calls]
+def _shapes(call: Call) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in tree_of_call(call).leaves(call))
 
 
 def calibration_batch_count(config: FuseConfig) -> int:
@@ -285,43 +205,46 @@ def calibration_batch_count(config: FuseConfig) -> int:
     return max((getattr(options, "calibration_batches", 1) for options in wanted), default=0)
 
 
-def _calibration_inputs(config: FuseConfig, whole: nn.Module, target: nn.Module, data: List[Any],
-                        rule: InputRule) -> List[tuple]:
-    """The target's inputs on the parity batches, for the variant passes (int8) when one is enabled."""
-    count = calibration_batch_count(config)
-    if not count:
-        return []
-    device, dtype = model_device_dtype(whole)
-    return [target_example_inputs(whole, target, as_args(to_model(extract_input(b, rule), device, dtype)))[0]
-            for b in data[:count]]
-
-
 # --------------------------------------------------------------------------------------------- verify
 
 
 def measure(fused: Fused, config: FuseConfig) -> Optional[ParityState]:
-    """Parity of the fused target against the reference on this process's batches (None when disabled)."""
+    """Parity of the fused target against the reference on this process's steps (None when disabled)."""
     if not config.parity.enabled:
         return None
     with in_step(Step.parity), own_rng(fused.reference_whole), torch.no_grad():
         _, dtype = model_device_dtype(fused.reference_whole)
         precise = copy.deepcopy(fused.reference).double() if dtype in _LOW_PRECISION else None
-        whole = bool(fused.target) and fused.through_whole
-        state = measure_parity(
-            fused.reference, fused.result.graph_module, fused.data, config.parity,
-            whole_reference=fused.reference_whole if whole else None,
-            whole_candidate=fused.fused_model if whole else None,
-            input_rule=fused.input_rule, label_rule=None if fused.through_whole else _no_labels,
-            source=fused.source, precise_reference=precise,
-        )
+        state = _measure_steps(fused, fused.reference, fused.result.module, fused.fused_model, config.parity,
+                               precise=precise)
         raw_path = raw_input.measure_raw_path(fused)  # with a prologue: the batches as raw pixels, too
         state.notes += [raw_path] if raw_path is not None else []
         return state
 
 
-def _no_labels(_: Any) -> None:
-    """The target's own inputs carry no labels."""
-    return None
+def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, whole_candidate: nn.Module,
+                   cfg: ParityConfig, *, precise: Optional[nn.Module] = None, nested: bool = True) -> ParityState:
+    """``candidate`` against ``reference`` on the fused model's steps: through the whole models (the candidate in
+    place) when the steps recorded the whole model's calls, else on the target's own calls."""
+    whole = fused.through_whole
+    return measure_parity(
+        reference, candidate, fused.steps, cfg,
+        whole_reference=fused.reference_whole if whole else None, whole_candidate=whole_candidate if whole else None,
+        input_rule=_whole_call if whole else _target_call, label_rule=_labels, source=fused.source,
+        precise_reference=precise, nested=nested, stochastic=any(o.stochastic for o in fused.signature.outputs))
+
+
+def _whole_call(step: ObservedStep) -> Call:
+    assert step.whole is not None
+    return step.whole
+
+
+def _target_call(step: ObservedStep) -> Call:
+    return step.target
+
+
+def _labels(step: ObservedStep) -> Optional[torch.Tensor]:
+    return step.labels
 
 
 def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityReport]:
@@ -339,19 +262,18 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
            provenance: Provenance, *, rehearsal: bool = False) -> Exported:
     """Write the fused model: every format (each loaded back and checked), the variants and the selection, all in
     one staging directory renamed to ``directory`` (made absolute) at the end, so the export appears complete or
-    not at all. ``rehearsal`` (the preflight): a format, a variant or the selection that cannot run is an error,
-    a variant's gate is measured but not required, and the selection times each artifact once."""
+    not at all. ``rehearsal`` (the preflight): as the end of fit will (a format that cannot be written is skipped
+    with a note under ``export.on_format_failure: skip``), except that a variant or the selection that cannot run
+    is an error, a variant's gate is measured but not required, and the selection times each artifact once."""
     if fused.example_inputs is None:
         raise ConfigError(f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
                           "exporter needs them to write the fused model")
     directory = Path(os.path.abspath(directory))
-    if rehearsal:
-        config = dataclasses.replace(config, export=dataclasses.replace(
-            config.export, on_format_failure=FormatFailure["raise"]))
     with in_step(Step.export):
         example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
         ctx = prepare_export(fused.result.graph_module, example, config, directory, preprocess=fused.contract.preprocess,
-                             normalised_dtype=raw_input.normalised_dtype(fused), reference=reference)
+                             normalised_dtype=raw_input.normalised_dtype(fused), reference=reference,
+                             signature=fused.signature, other_inputs=_other_inputs(fused))
 
     def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
         manifest = raw_input.with_contract(manifest, fused.contract)
@@ -366,6 +288,13 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
     steps = [Step.export.value] + ([Step.variants.value] if manifest.variants else []) + (
         [Step.selection.value] if config.export.select is Selection.fastest else [])
     return Exported(directory, manifest, export_notes(manifest, rehearsal), steps)
+
+
+def _other_inputs(fused: Fused) -> List[tuple]:
+    """The graph's inputs on the steps of other sizes than the first (raw with a prologue): the sizes that vary,
+    which every dynamic artifact must take."""
+    preprocess = fused.contract.preprocess
+    return [raw_input.example_raw(fused.graph_inputs(call), preprocess) for call in _other_sizes(fused.steps)]
 
 
 def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
@@ -408,7 +337,8 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                         staging, manifest, made.variant_name, made.variant,
                         raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
                         imports=made.variant_imports, notes=made.variant_notes, preprocess=preprocess,
-                        normalised_dtype=raw_input.normalised_dtype(fused))
+                        normalised_dtype=raw_input.normalised_dtype(fused), signature=fused.signature,
+                        other_inputs=_other_inputs(fused))
                 outcomes += made_outcomes
         with in_step(Step.variants):
             manifest, format_outcomes = add_format_variants(
@@ -428,6 +358,7 @@ def _run_variant_pass(spec: Any, options: Any, fused: Fused, gate: Any, rehearsa
         # The untrained model misses any gate: prove the accuracy-aware search runs, on one layer and one batch.
         options = dataclasses.replace(options, max_float_layers=min(options.max_float_layers, 1), ranking_batches=1)
     ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
+                      signature=fused.signature,
                       calibration=fused.calibration, gate=gate)
     try:
         with in_step(Step.variants):
@@ -479,16 +410,19 @@ def _rounded(value: Optional[float]) -> Optional[float]:
 
 def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str,
                   preprocess: Optional[Preprocess] = None) -> ParityReport:
-    """A lossy variant against the fp32 fused model on the parity batches: cosine, top-1 agreement, accuracy drop.
+    """A lossy variant against the fp32 fused model on the parity steps: cosine, top-1 agreement, accuracy drop.
     ``preprocess``: ``loaded`` takes raw pixels (an artifact with the prologue)."""
-    through = bool(fused.target) and fused.through_whole
-    reference, loaded = raw_input.variant_gate_models(fused.result.graph_module, loaded, preprocess)
-    whole = whole_model_with(fused.fused_model, fused.target, loaded) if through else loaded
+    reference, loaded = raw_input.variant_gate_models(fused.result.module, fused.result.interface.structured(loaded)
+                                                      if fused.result.interface is not None else loaded, preprocess)
     whole_reference = fused.fused_model if preprocess is None else whole_model_with(fused.fused_model, fused.target,
                                                                                     reference)
-    state = measure_parity(reference, loaded, fused.data, config, whole_reference=whole_reference if through else None,
-                           whole_candidate=whole if through else None, input_rule=fused.input_rule,
-                           label_rule=None if fused.through_whole else _no_labels, source=fused.source, nested=False)
+    whole_candidate = whole_model_with(fused.fused_model, fused.target, loaded)
+    state = measure_parity(reference, loaded, fused.steps, config,
+                           whole_reference=whole_reference if fused.through_whole else None,
+                           whole_candidate=whole_candidate if fused.through_whole else None,
+                           input_rule=_whole_call if fused.through_whole else _target_call, label_rule=_labels,
+                           source=fused.source, nested=False,
+                           stochastic=any(o.stochastic for o in fused.signature.outputs))
     return judge_parity(state, config, lossy=True, config_key=config_key)
 
 

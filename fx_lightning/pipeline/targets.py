@@ -12,14 +12,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import record_calls
 from fx_lightning.capture import set_eval
 from fx_lightning.errors import ConfigError, ExportError
 
 __all__ = [
     "resolve_target",
     "whole_model_with",
-    "target_example_inputs",
     "resolve_device",
     "own_rng",
     "load_buffers",
@@ -71,20 +69,6 @@ def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.
     whole = copy.deepcopy(model, memo)
     set_eval(whole)  # not .eval(): a torch.export-captured replacement refuses it
     return whole
-
-
-def target_example_inputs(whole: nn.Module, target: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[tuple, dict]:
-    """The ``(args, kwargs)`` ``target`` receives when ``whole`` runs on ``inputs`` (first call)."""
-    if whole is target:
-        return inputs, {}
-    with torch.no_grad(), record_calls(target) as calls:
-        whole(*inputs)
-    if not calls:
-        raise ConfigError(
-            "target: the target module is never called by the model's forward, so it cannot be fused "
-            "in place; point `target` at a module that forward uses."
-        )
-    return calls[0][0], calls[0][1]
 
 
 def resolve_device(setting: str, auto: Optional[torch.device]) -> Optional[torch.device]:

@@ -24,10 +24,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 from torch import nn
 
-from fx_lightning.batches import with_batch_size
 from fx_lightning.errors import ExportError
 from fx_lightning.export.base import Format, FormatEntry, WriteContext, fields_from
 from fx_lightning.export.batching import BatchPieces
+from fx_lightning.signature import with_rows
 
 __all__ = ["FORMAT", "AotiModule", "BuiltFor", "cpu_capability"]
 
@@ -69,19 +69,22 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     folder = root / FORMAT.path
     folder.mkdir()
     packages: Dict[str, str] = {}
+    axes = ctx.signature.input_axes()
     for size in ctx.aoti_batch_sizes or [None]:
         name = "dynamic.pt2" if size is None else f"batch_{size}.pt2"
-        args = ctx.args if size is None else with_batch_size(ctx.args, size)
+        program = ctx.export() if size is None else ctx.export(tuple(with_rows(ctx.args, axes, size)))
         with torch.no_grad():  # freezing needs it: with grad on, Inductor silently skips it (eager speed)
-            program = torch.export.export(ctx.export_model, args, strict=False,
-                                          dynamic_shapes=ctx.export_dynamic_shapes if size is None else None)
             torch._inductor.aoti_compile_and_package(program, package_path=str(folder / name),
                                                      inductor_configs={"freezing": True})
         packages["dynamic" if size is None else str(size)] = name
     device = ctx.device
     sizes = [int(k) for k in packages if k != "dynamic"] or None  # None: any
+    batched = ctx.signature.batched
     return FormatEntry(FORMAT.path, "torch._inductor.aoti_load_package(path)", batch_sizes=sizes, options={
         "packages": packages,
+        # Where the samples are, for running a batch as pieces of the compiled sizes (None: not split).
+        "sample_axes": ctx.signature.input_axes() if batched else [None] * len(ctx.signature.inputs),
+        "output_sample_axes": ctx.signature.output_axes() if batched else [None] * len(ctx.signature.outputs),
         "built_for": dataclasses.asdict(BuiltFor(
             str(device), platform.machine(), cpu_capability() if device.type == "cpu" else None,
             list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
@@ -131,8 +134,9 @@ class AotiModule(BatchPieces):
     dynamic one, else the batch run as pieces of the compiled sizes (:class:`~fx_lightning.export.batching.
     BatchPieces`): list the sizes a server sees in ``export.aoti_batch_sizes``."""
 
-    def __init__(self, runners: Dict[str, Callable[..., Any]]) -> None:
-        super().__init__(runners, what="AOTInductor package",
+    def __init__(self, runners: Dict[str, Callable[..., Any]], axes: Optional[List[Optional[int]]] = None,
+                 output_axes: Optional[List[Optional[int]]] = None) -> None:
+        super().__init__(runners, axes, output_axes, what="AOTInductor package",
                          hint="add it to export.aoti_batch_sizes to serve it at full speed")
 
 
@@ -143,7 +147,7 @@ def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
                           "does) or rebuild the package on this machine.")
     folder = root / entry.path
     runners = {key: torch._inductor.aoti_load_package(str(folder / name)) for key, name in entry.options["packages"].items()}
-    return AotiModule(runners)
+    return AotiModule(runners, entry.options.get("sample_axes"), entry.options.get("output_sample_axes"))
 
 
 FORMAT = Format(

@@ -16,6 +16,7 @@ from fx_lightning._json import JsonObject
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.export.base import Format, FormatEntry, VariantRequest, WriteContext
+from fx_lightning.signature import DimKind, LeafSpec
 
 __all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL"]
 
@@ -74,13 +75,25 @@ def onnx_dynamo(ctx: WriteContext, path: Path, input_names: List[str], output_na
 def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], output_names: List[str]) -> None:
     """torch.onnx's TorchScript exporter, for graphs the dynamo exporter cannot handle."""
     dynamic_axes = None
-    if ctx.dynamic_shapes is not None:
-        dynamic_axes = {n: {0: "batch"} for n in input_names}
-        dynamic_axes.update({n: {0: "batch"} for n in output_names})
+    if ctx.dynamic:
+        dynamic_axes = {n: _dynamic_axes(leaf, ctx) for n, leaf in zip(input_names, ctx.signature.inputs)}
+        dynamic_axes.update({n: _dynamic_axes(leaf, ctx) for n, leaf in zip(output_names, ctx.signature.outputs)})
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(ctx.model, ctx.args, str(path), dynamo=False, input_names=input_names,
                           output_names=output_names, dynamic_axes=dynamic_axes, opset_version=ctx.onnx_opset)
+
+
+def _dynamic_axes(leaf: LeafSpec, ctx: WriteContext) -> Dict[int, str]:
+    """The TorchScript exporter's dynamic axes of a leaf: the sample axis ``batch`` (when dynamic), each size that
+    varies by its name."""
+    axes: Dict[int, str] = {}
+    for d, (dim, token) in enumerate(zip(leaf.dims, leaf.shape)):
+        if dim.kind is DimKind.sample and ctx.sample_dynamic:
+            axes[d] = "batch"
+        elif dim.kind is DimKind.variable:
+            axes[d] = str(token)
+    return axes
 
 
 # How the artifact is checked, and run by load_fused: what an inference server uses (all graph optimisations,

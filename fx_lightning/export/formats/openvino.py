@@ -63,10 +63,12 @@ def _convert(ctx: WriteContext) -> Tuple[Any, str, Optional[str]]:
 
 
 def _input_shapes(ctx: WriteContext) -> List[List[int]]:
-    """Each tensor input's shape for the IR: the example's, with -1 (any) on the batch axis when it is dynamic."""
-    dims = ctx.dynamic_shapes if ctx.dynamic_shapes is not None else [None] * len(ctx.args)
-    return [[-1 if spec and d == 0 else int(size) for d, size in enumerate(arg.shape)]
-            for arg, spec in zip(ctx.args, dims) if isinstance(arg, torch.Tensor)]
+    """Each tensor input's shape for the IR: the example's, with -1 (any) on the dimensions that are dynamic (the
+    sample axis, the sizes that vary)."""
+    tensors = [a for a in ctx.args if isinstance(a, torch.Tensor)]
+    dims = ctx.leaf_dims or [None] * len(tensors)
+    return [[-1 if spec and d in spec else int(size) for d, size in enumerate(arg.shape)]
+            for arg, spec in zip(tensors, dims)]
 
 
 def _write(root: Path, ctx: WriteContext) -> FormatEntry:

@@ -15,19 +15,11 @@ __all__ = ["FORMAT", "export_program"]
 
 
 def export_program(ctx: WriteContext) -> "torch.export.ExportedProgram":
-    """``torch.export`` of the plain fused model with the context's example inputs and batch axis (the one the
-    context made already, when it did)."""
-    if ctx.program is not None:
-        return ctx.program
+    """The context's ``torch.export`` program of the plain fused model (made once for every writer)."""
     try:
-        return torch.export.export(ctx.export_model, ctx.args, strict=False, dynamic_shapes=ctx.export_dynamic_shapes)
+        return ctx.export()
     except Exception as exc:  # noqa: BLE001
-        hint = ""
-        if ctx.dynamic_shapes is not None and ("Constraint" in type(exc).__name__ or "specializ" in str(exc)
-                                               or "batch" in str(exc)):
-            hint = (" The model fixes its batch size (e.g. a reshape to a constant); "
-                    "set export.dynamic_batch: false, or make the reshape use x.shape[0] / -1.")
-        raise ExportError(f"torch.export failed: {type(exc).__name__}: {first_line(exc)}.{hint}") from exc
+        raise ExportError(f"torch.export failed: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
 def _write(root: Path, ctx: WriteContext) -> FormatEntry:

@@ -1,0 +1,230 @@
+"""Observing the call: what the target receives while Lightning runs the module's own steps.
+
+While a step runs (the sanity check's and every validation's batches, the training batches), forward pre-hooks on
+the target and on the LightningModule record the arguments (positional and keyword, any objects) and, from the
+batch and its loader, how many samples the batch holds and its labels. The hooks are there only during a step:
+nothing of them is left on the module between steps, in a copy, or in a checkpoint.
+
+Kept: the values of the first ``parity.max_batches`` validation calls of the latest validation run (the end of fit
+compares on them), of the first training calls (calibration, and the preflight when there is no validation data),
+and the shapes of every call (what varies). :meth:`CallRecorder.observations` hands them to the pipeline.
+
+Where the LightningModule is the target but its steps never call its ``forward`` (they call ``self.forward(...)``
+directly, or a submodule), the one submodule the steps do call is the target, and a note says so; a compiled module
+(whose hooks do not run) is not observed, and the pipeline reads the batch instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from fx_lightning.batches import detached, extract_labels, loader_sample_counts
+from fx_lightning.calls import Call, tree_of_call
+from fx_lightning.callback.trainer_data import first_loader
+from fx_lightning.capture import is_compiled_module
+from fx_lightning.config import FuseConfig
+from fx_lightning.errors import ConfigError
+from fx_lightning.notes import NoteKind
+from fx_lightning.pipeline import Observations, ObservedStep, resolve_target
+
+__all__ = ["CallRecorder", "TARGET_CALLED_BY_STEPS", "NOT_OBSERVED"]
+
+TARGET_CALLED_BY_STEPS = NoteKind("target_called_by_steps", "the LightningModule's steps never call its forward (they "
+                                                            "call {called} directly): fused {target}, the submodule "
+                                                            "they call")
+NOT_OBSERVED = NoteKind("not_observed", "the target's calls were not observed ({why}): its inputs were taken out of "
+                                        "the batches")
+# Shapes of this many calls are kept (evidence of which sizes vary).
+MAX_SHAPES = 512
+
+
+@dataclass
+class _Step:
+    stage: str  # "validation" | "training"
+    samples: Optional[int]
+    labels: Optional[torch.Tensor]
+    whole: Optional[Call] = None
+    depth: int = 0  # > 0 while the LightningModule's forward runs
+    # The first call of each module watched in this step, and whether the LightningModule's forward made it.
+    calls: Dict[str, Tuple[Call, bool]] = field(default_factory=dict)
+
+
+@dataclass
+class _Log:
+    """What one module received: values of the latest validation run's first calls and of the first training
+    calls, and the shapes (with the batch's sample count) of every call."""
+
+    validation: List[ObservedStep] = field(default_factory=list)
+    training: List[ObservedStep] = field(default_factory=list)
+    shapes: List[Tuple[List[Tuple[int, ...]], Optional[int]]] = field(default_factory=list)
+
+    def add(self, stage: str, observed: ObservedStep, keep: int) -> None:
+        kept = self.validation if stage == "validation" else self.training
+        if len(kept) < keep:
+            kept.append(observed)
+        if len(self.shapes) < MAX_SHAPES:
+            self.shapes.append((_shapes(observed.target), observed.samples))
+
+    def observations(self, path: str, prefer: str, notes: List[Any]) -> Optional[Observations]:
+        stage = prefer if (self.validation if prefer == "validation" else self.training) else (
+            "training" if prefer == "validation" else "validation")
+        steps = self.validation if stage == "validation" else self.training
+        if not steps:
+            return None
+        return Observations(path, list(steps), list(self.shapes), list(self.training), stage, notes)
+
+
+class CallRecorder:
+    """Records the target's calls during the steps of one fit (see the module's docstring)."""
+
+    def __init__(self, pl_module: "pl.LightningModule", config: FuseConfig) -> None:
+        self.root = pl_module
+        self.path, self.target = resolve_target(pl_module, config.target)
+        self.keep = max(1, config.parity.max_batches)
+        # Watched: the target, and the LightningModule's children when it is the default target (its steps may
+        # call a submodule instead of its forward).
+        self.watched: Dict[str, nn.Module] = {self.path: self.target}
+        if self.target is pl_module and config.target is None:
+            self.watched.update(dict(pl_module.named_children()))
+        self.logs: Dict[str, _Log] = {name: _Log() for name in self.watched}
+        self.step: Optional[_Step] = None
+        self.root_called = False
+        self.handles: List[Any] = []
+        self.off: Optional[str] = None
+        if any(is_compiled_module(m) for m in (pl_module, self.target)):
+            self.off = "the module is compiled with torch.compile, whose modules run no hooks"
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def begin(self, stage: str, batch: Any, batch_idx: int, loader: Any) -> None:
+        """A step of ``stage`` starts on ``batch`` (the ``batch_idx``-th of ``loader``)."""
+        if self.off is not None:
+            return
+        if stage == "validation" and batch_idx == 0:
+            for log in self.logs.values():
+                log.validation = []
+        samples = loader_sample_counts(loader, batch_idx + 1)[batch_idx] if loader is not None else None
+        self.step = _Step(stage, samples, _labels(batch))
+        self._hook()
+
+    def end(self) -> None:
+        """The step ended: keep what it showed."""
+        self._unhook()
+        step, self.step = self.step, None
+        if step is None:
+            return
+        for name, (call, in_forward) in step.calls.items():
+            if name != self.path and in_forward:
+                continue  # a child called by the forward: the forward is what the steps call
+            whole = step.whole if name and in_forward else None
+            self.logs[name].add(step.stage, ObservedStep(call, whole, step.samples, step.labels), self.keep)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No hook on the module while the block runs (it copies the module: a copy must not carry them)."""
+        hooked = bool(self.handles)
+        self._unhook()
+        try:
+            yield
+        finally:
+            if hooked:
+                self._hook()
+
+    # ------------------------------------------------------------------------------------------- hooks
+
+    def _hook(self) -> None:
+        if self.handles:
+            return
+        self.handles.append(self.root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self.handles.append(self.root.register_forward_hook(self._root_post))
+        for name, module in self.watched.items():
+            if module is not self.root:
+                self.handles.append(module.register_forward_pre_hook(self._watch(name, module), with_kwargs=True))
+
+    def _unhook(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _root_pre(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        step = self.step
+        if step is None or module is not self.root:
+            return
+        if step.depth == 0 and step.whole is None:
+            step.whole = _kept(args, kwargs)
+            self.root_called = True
+            if self.target is self.root:
+                step.calls[self.path] = (step.whole, True)
+        step.depth += 1
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.step is not None and module is self.root:
+            self.step.depth -= 1
+
+    def _watch(self, name: str, watched: nn.Module) -> Any:
+        def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            step = self.step
+            if step is None or module is not watched:
+                return
+            if name not in step.calls:
+                step.calls[name] = (_kept(args, kwargs), step.depth > 0)
+            elif name == self.path and len(self.logs[name].shapes) < MAX_SHAPES:  # a second call: its shapes
+                self.logs[name].shapes.append((_shapes(Call(tuple(args), dict(kwargs))), None))
+        return hook
+
+    # --------------------------------------------------------------------------------------- the result
+
+    def observations_from(self, stage: str) -> bool:
+        """Whether the target's calls of ``stage`` were observed (their values kept)."""
+        log = self.logs[self.path]
+        return self.off is None and bool(log.validation if stage == "validation" else log.training)
+
+    def observations(self, prefer: str = "validation") -> Optional[Observations]:
+        """What was observed (None: nothing, or observation was off). ``prefer``: whose values parity compares on
+        when both stages were seen. Raises ConfigError when the LightningModule is the default target, its forward
+        was never called, and its steps called several submodules."""
+        if self.off is not None:
+            return None
+        found = self.logs[self.path].observations(self.path, prefer, [])
+        if found is not None or self.target is not self.root or self.root_called:
+            return found
+        called = sorted(name for name, log in self.logs.items() if name != self.path and (log.validation or
+                                                                                          log.training))
+        if len(called) > 1:
+            raise ConfigError(
+                f"target: null, and the LightningModule's steps never call its forward: they call the submodules "
+                f"{', '.join(called)} directly. Set target to the one to fuse (e.g. target: {called[0]}).")
+        if not called:
+            return None
+        name = called[0]
+        return self.logs[name].observations(name, prefer, [TARGET_CALLED_BY_STEPS(called=name, target=name)])
+
+
+def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
+    """A call's arguments, detached and copied (the step goes on with the originals), on the CPU."""
+    call = Call(tuple(args), dict(kwargs))
+    tree = tree_of_call(call)
+    return tree.rebuild([t.detach().to("cpu", copy=True) for t in tree.leaves(call)])
+
+
+def _shapes(call: Call) -> List[Tuple[int, ...]]:
+    return [tuple(t.shape) for t in tree_of_call(call).leaves(call)]
+
+
+def _labels(batch: Any) -> Optional[torch.Tensor]:
+    try:
+        labels = extract_labels(batch)
+    except Exception:  # noqa: BLE001 - a batch that holds no labels the usual way
+        return None
+    return detached(labels).cpu() if labels is not None else None
+
+
+def step_loader(trainer: "pl.Trainer", stage: str) -> Any:
+    """The loader a step's batch came from (the first one for several)."""
+    return first_loader(trainer.val_dataloaders if stage == "validation" else trainer.train_dataloader)

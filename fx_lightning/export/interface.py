@@ -1,0 +1,104 @@
+"""An artifact behind the interface its :class:`~fx_lightning.signature.Signature` describes, for ``load_fused``.
+
+- **Inputs.** A flat artifact (one tensor per input leaf) is called with its leaves in order, by name
+  (``model(bmg_V=..., bmg_E=...)``), or with the original arguments (any object with the recorded fields, a dict
+  with the recorded keys): they are flattened by the recorded paths, so no training code is needed.
+- **Sizes.** Each input is checked against the signature before the runtime sees it: a fixed dimension must have
+  its size, and an artifact built for the example's sizes only (its sizes could not stay dynamic) takes those sizes
+  only. The error names the input, the dimension and what was observed, instead of a runtime's guard message.
+- **Outputs.** A runtime that returns its outputs flat (ONNX Runtime, OpenVINO) gets them nested again as the
+  signature records them (``{'logits': ..., 'backbone_features': ...}``, ``(qz: {loc, scale}, z)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fx_lightning.calls import Call, Step, leaf_values, value_at
+from fx_lightning.errors import ExportError
+from fx_lightning.signature import LeafSpec, Signature, shape_problem
+
+__all__ = ["ArtifactInterface", "nest_outputs"]
+
+
+class ArtifactInterface(nn.Module):
+    """``module`` (a loaded artifact) called as ``signature`` says. ``built``: the input shapes a static artifact is
+    built for (None: it takes the sizes the signature marks as varying)."""
+
+    def __init__(self, module: nn.Module, signature: Signature, built: Optional[List[List[int]]] = None,
+                 what: str = "artifact") -> None:
+        super().__init__()
+        self.module = module
+        self.signature = signature
+        self.built = built
+        self.what = what
+        self.names = [leaf.name for leaf in signature.inputs]
+        self.eval()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call_args = self._arguments(args, kwargs)
+        tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
+        problem = shape_problem(self.signature.inputs, tensors, self.built)
+        if problem is not None:
+            raise ExportError(f"{self.what}: {problem}")
+        return nest_outputs(self.module(*call_args), self.signature.outputs)
+
+    def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+        """The artifact's positional arguments from what the caller gave."""
+        if kwargs and not args and set(kwargs) == set(self.names):
+            return tuple(kwargs[n] for n in self.names)
+        if not self.signature.flat:
+            if kwargs:
+                raise ExportError(f"{self.what}: takes its inputs positionally ({', '.join(self.names)}); got keyword "
+                                  f"arguments {', '.join(kwargs)}")
+            return args
+        if not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor) for a in args):
+            return args
+        call = Call(args, kwargs)
+        try:
+            return tuple(value_at(call, _steps(leaf)) for leaf in self.signature.inputs)
+        except (KeyError, IndexError, AttributeError, TypeError) as exc:
+            wanted = ", ".join(f"{leaf.name} ({leaf.path})" for leaf in self.signature.inputs)
+            raise ExportError(f"{self.what}: cannot find its inputs in the arguments given ({type(exc).__name__}: "
+                              f"{exc}); it takes {wanted}: by name, in that order, or as the original arguments"
+                              ) from None
+
+
+def _steps(leaf: LeafSpec) -> Tuple[Step, ...]:
+    return tuple((str(kind), key) for kind, key in leaf.steps)
+
+
+def nest_outputs(out: Any, specs: Sequence[LeafSpec]) -> Any:
+    """``out`` nested as ``specs`` record the outputs, when a runtime returned them flat (a tensor, or a tuple of
+    them); as it is when it already has their nesting."""
+    steps = [_steps(s) for s in specs]
+    if not steps or all(len(s) == 0 for s in steps):
+        return out
+    leaves = leaf_values(out)
+    if len(leaves) != len(specs):
+        return out
+    flat_runtime = isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and
+                                                     all(isinstance(o, torch.Tensor) for o in out))
+    if not flat_runtime or all(len(s) == 1 and s[0][0] == "index" for s in steps):
+        return out
+    return _nested(list(zip(steps, leaves)))
+
+
+def _nested(items: List[Tuple[Tuple[Step, ...], torch.Tensor]]) -> Any:
+    """Plain containers holding each tensor at its path: sequences for indices, dicts for keys and fields."""
+    if len(items) == 1 and not items[0][0]:
+        return items[0][1]
+    groups: Dict[Any, List[Tuple[Tuple[Step, ...], torch.Tensor]]] = {}
+    kinds = set()
+    for path, tensor in items:
+        (kind, key), rest = path[0], path[1:]
+        kinds.add(kind)
+        groups.setdefault(key, []).append((rest, tensor))
+    if kinds == {"index"}:
+        return tuple(_nested(groups[k]) for k in sorted(groups))
+    return {k: _nested(v) for k, v in groups.items()}
+
+

@@ -1,0 +1,234 @@
+"""What the target receives: the steps parity compares on, and the signature they show.
+
+In order of trust:
+
+1. **Observed**: the calls the callback recorded while Lightning ran the module's own steps (sanity check,
+   validation, training), with the trainer attached: what the target really receives, however the batch is built.
+2. **From batches**: the whole model run on the input ``parity.input`` takes out of each batch (automatically: a
+   tensor, the first item of a tuple, an ``x``/``image``... key), the target's calls recorded inside. Without
+   Lightning (``fuse_and_export``, the command line) this is the way.
+3. **The module's own steps without a trainer**, when the batch is not forward's input and nothing was observed.
+
+Where none works, the error says what was tried and how ``parity.input`` is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fx_lightning.batches import (
+    PARITY_INPUT_SPELLINGS,
+    InputRule,
+    as_example_inputs,
+    describe,
+    describe_call,
+    extract_input,
+    extract_labels,
+    identity_rule,
+    model_device_dtype,
+    record_calls,
+    to_model,
+)
+from fx_lightning.calls import Call, as_call, forward_parameter_names, no_distribution_validation
+from fx_lightning.config import FuseConfig
+from fx_lightning.errors import ConfigError, ModelError, first_line
+from fx_lightning.notes import Note, NoteKind
+from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
+from fx_lightning.signature import Observed, Signature, derive_signature
+
+__all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
+           "STEP_INPUTS", "EXAMPLE_INPUTS_USED", "EXAMPLE_INPUTS_DICT"]
+
+OBSERVED_CALLS = NoteKind("observed_calls", "the target's inputs as the LightningModule's own {stage} steps called it: "
+                                            "{calls} call(s) compared, {shapes} call(s) seen")
+STEP_INPUTS = NoteKind("step_inputs", "forward's input could not be taken out of the batches ({batch}), so the "
+                                      "LightningModule's {step} ran on them and parity compared the target on the "
+                                      "{calls} input(s) it received")
+EXAMPLE_INPUTS_DICT = NoteKind("example_inputs_dict", "example_inputs is a dict: used as forward's keyword arguments")
+EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the example inputs instead")
+
+
+@dataclass
+class TargetSteps:
+    """The steps parity compares on, whether they go through the whole model, where they came from."""
+
+    steps: List[ObservedStep]
+    through_whole: bool
+    source: str
+    notes: List[Note] = field(default_factory=list)
+
+
+def target_steps(config: FuseConfig, source: Source, whole: nn.Module, target: nn.Module, path: str) -> TargetSteps:
+    """The target's calls to compare on (at most ``parity.max_batches``; one when parity is off)."""
+    wanted = config.parity.max_batches if config.parity.enabled else 1
+    observed = source.observed
+    if observed is not None and observed.steps and config.parity.input is None:
+        return _observed(observed, wanted, whole, target, path)
+    data, rule, data_source, notes = _parity_data(config, source.batches, source.example_inputs, wanted)
+    if not data:
+        return TargetSteps([], bool(path), data_source, notes)
+    samples = list(source.batches.samples) if data_source == source.batches.source else []
+    try:
+        steps = [_batch_step(whole, target, path, batch, rule, samples[i] if i < len(samples) else None)
+                 for i, batch in enumerate(data)]
+        return TargetSteps(steps, bool(path), data_source, notes)
+    except Exception as exc:  # noqa: BLE001 - the batch is not forward's input: ask the module's own step
+        if config.parity.input is not None or rule is identity_rule:
+            raise
+        steps, step_notes = _steps_from_module(whole, target, data, exc, samples)
+        return TargetSteps(steps, False, data_source, notes + step_notes)
+
+
+def _observed(observed: Observations, wanted: int, whole: nn.Module, target: nn.Module, path: str) -> TargetSteps:
+    device, _ = model_device_dtype(whole)
+    steps = [_moved(s, device) for s in observed.steps[:wanted]]
+    through = bool(path) and all(s.whole is not None for s in steps)
+    if through:  # the target's inputs at these weights (weights: best differ from the ones observed)
+        steps = [ObservedStep(target_calls(whole, target, s.whole)[0], s.whole, s.samples, s.labels)  # type: ignore[arg-type]
+                 for s in steps]
+    note = OBSERVED_CALLS(stage=observed.stage, calls=len(steps), shapes=len(observed.shapes) + len(observed.steps))
+    return TargetSteps(steps, through, {"validation": "val", "training": "train"}.get(observed.stage, "val"),
+                       [*observed.notes, note])
+
+
+def _moved(step: ObservedStep, device: Optional[torch.device]) -> ObservedStep:
+    return ObservedStep(to_model(step.target, device, None), to_model(step.whole, device, None)
+                        if step.whole is not None else None, step.samples, step.labels)
+
+
+def _parity_data(config: FuseConfig, batches: Batches, example_inputs: Any,
+                 wanted: int) -> Tuple[List[Any], InputRule, str, List[Note]]:
+    """The batches parity reads, the rule that takes forward's inputs out of them, their source, and notes."""
+    data = list(itertools.islice(iter(batches.items), wanted))
+    notes: List[Note] = []
+    example: Optional[Call] = None
+    if isinstance(example_inputs, Mapping):  # Lightning allows a dict of keyword arguments here
+        example = Call((), dict(example_inputs))
+        notes.append(EXAMPLE_INPUTS_DICT())
+    elif example_inputs is not None:
+        example = Call(as_example_inputs(example_inputs) or ())
+    if not data and example is not None:
+        if batches.source != "example":
+            notes.append(EXAMPLE_INPUTS_USED())
+        return [example], identity_rule, "example", notes
+    return data, config.parity.input, batches.source, notes
+
+
+def _batch_step(whole: nn.Module, target: nn.Module, path: str, batch: Any, rule: InputRule,
+                samples: Optional[int]) -> ObservedStep:
+    device, dtype = model_device_dtype(whole)
+    call = as_call(to_model(extract_input(batch, rule), device, dtype))
+    labels = extract_labels(batch) if rule is not identity_rule else None
+    if not path:
+        return ObservedStep(call, None, samples, labels)
+    return ObservedStep(target_calls(whole, target, call)[0], call, samples, labels)
+
+
+def target_calls(whole: nn.Module, target: nn.Module, call: Call) -> List[Call]:
+    """The calls ``target`` receives while ``whole`` runs on ``call``."""
+    if whole is target:
+        return [call]
+    with torch.no_grad(), record_calls(target) as calls:
+        call.run(whole)
+    if not calls:
+        raise ConfigError(
+            "target: the target module is never called by the model's forward, so it cannot be fused "
+            "in place; point `target` at a module that forward uses."
+        )
+    return [Call(tuple(args), dict(kwargs)) for args, kwargs, _ in calls]
+
+
+def _steps_from_module(whole: nn.Module, target: nn.Module, data: List[Any], failure: Exception,
+                       samples: Sequence[Optional[int]]) -> Tuple[List[ObservedStep], List[Note]]:
+    """What ``target`` receives while the model's own validation (else training) step runs on each batch, on the
+    working copy, without a trainer. Raises a ConfigError that says what was tried, with the batch's types and
+    shapes, and how ``parity.input`` is written, when that does not work either."""
+    step_errors: List[str] = []
+    for name in ("validation_step", "training_step"):
+        step = getattr(whole, name, None)
+        if not callable(step):
+            continue
+        if name == "training_step" and getattr(whole, "automatic_optimization", True) is False:
+            step_errors.append("training_step was not run: it steps its optimizers itself (manual optimization)")
+            continue
+        try:
+            steps = [ObservedStep(call, None, samples[i] if i < len(samples) else None)
+                     for i, batch in enumerate(data) for call in _step_calls(whole, target, step, batch, i)]
+        except Exception as exc:  # noqa: BLE001 - the user's own step; said below
+            step_errors.append(f"{name} raised {type(exc).__name__}: {first_line(exc)}")
+            continue
+        if steps:
+            return steps, [STEP_INPUTS(batch=describe(data[0]), step=name, calls=len(steps))]
+        step_errors.append(f"{name} never called the target")
+    if any(e.startswith(f"{name} raised {type(failure).__name__}: {first_line(failure)}")
+           for e in step_errors for name in ("validation_step", "training_step")):
+        raise ModelError(  # the model's own step fails the same way: the data is right, the model cannot run
+            f"the model's own forward raises on the data ({describe(data[0])}), in its steps too: "
+            f"{type(failure).__name__}: {first_line(failure)}") from failure
+    raise ConfigError(
+        f"parity.input: forward's input could not be taken out of the batch ({describe(data[0])}). Tried: the "
+        f"automatic input ({type(failure).__name__}: {first_line(failure)})"
+        + (f"; the LightningModule's {'; its '.join(step_errors)}" if step_errors else "")
+        + f". Under a Trainer the callback observes what the steps pass; here, {PARITY_INPUT_SPELLINGS}."
+    ) from failure
+
+
+def _step_calls(whole: nn.Module, target: nn.Module, step: Any, batch: Any, index: int) -> List[Call]:
+    """Run ``step(batch, index)`` on the working copy with no trainer attached (its ``self.log`` warns and returns)
+    and return every call of ``target``."""
+    device, dtype = model_device_dtype(whole)
+    attached = getattr(whole, "_trainer", None)
+    with record_calls(target) as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if attached is not None:
+                whole._trainer = None
+            step(to_model(batch, device, dtype), index)
+        finally:
+            if attached is not None:
+                whole._trainer = attached
+    return [Call(tuple(args), dict(kwargs)) for args, kwargs, _ in calls]
+
+
+def calibration_steps(config: FuseConfig, source: Source, whole: nn.Module, target: nn.Module, path: str,
+                      steps: TargetSteps, count: int) -> List[Call]:
+    """The target's calls on ``count`` calibration steps (training data when there is some) for the variants."""
+    if not count:
+        return []
+    observed = source.observed
+    if observed is not None and observed.calibration and config.parity.input is None:
+        picked = _observed(dataclasses.replace(observed, steps=observed.calibration), count, whole, target, path)
+        return [s.target for s in picked.steps]
+    if source.batches.calibration and steps.through_whole:
+        rule = config.parity.input
+        try:
+            return [_batch_step(whole, target, path, b, rule, None).target for b in source.batches.calibration[:count]]
+        except Exception:  # noqa: BLE001 - the training batches differ from the validation ones: use those
+            pass
+    return [s.target for s in steps.steps[:count]]
+
+
+def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations]) -> Signature:
+    """The signature of the target's calls: ``reference`` run on them (and once more with another seed, for the
+    outputs that are drawn at random), the shapes of more observed calls as evidence of what varies."""
+    shapes = list(observed.shapes) if observed is not None else []
+    try:
+        return derive_signature([Observed(s.target, s.samples) for s in steps], lambda c: _run_seeded(reference, c, 0),
+                                rerun=lambda c: _run_seeded(reference, c, 1), extra_shapes=shapes,
+                                root_names=forward_parameter_names(reference))
+    except ValueError as exc:
+        raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
+                         + "; ".join(describe_call(s.target) for s in steps[:3])) from exc
+
+
+def _run_seeded(module: nn.Module, call: Call, seed: int) -> Any:
+    with torch.no_grad(), torch.random.fork_rng(), no_distribution_validation():
+        torch.manual_seed(seed)
+        return call.run(module)
