@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,12 +37,16 @@ FAKE_CPUINFO = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmo
                 "model name\t: Faked EPYC with VNNI and BF16\nflags\t\t: avx2 fma avx512f avx512_vnni avx512_bf16\n")
 
 
+# Set for the whole session, so module- and session-scoped fixtures (exports shared by a module's tests) see it too.
+_FAKE_CPUINFO_FILE = Path(tempfile.mkdtemp(prefix="fx_lightning_cpuinfo_")) / "cpuinfo_vnni_bf16"
+_FAKE_CPUINFO_FILE.write_text(FAKE_CPUINFO)
+os.environ["FX_LIGHTNING_CPUINFO"] = str(_FAKE_CPUINFO_FILE)
+
+
 @pytest.fixture(autouse=True)
-def _fake_cpu(tmp_path_factory, monkeypatch):
+def _fake_cpu(monkeypatch):
     from fx_lightning.machine import CPUINFO_ENV
 
-    path = tmp_path_factory.getbasetemp() / "cpuinfo_vnni_bf16"
-    if not path.exists():
-        path.write_text(FAKE_CPUINFO)
-    monkeypatch.setenv(CPUINFO_ENV, str(path))
+    monkeypatch.setenv(CPUINFO_ENV, str(_FAKE_CPUINFO_FILE))
     yield
+

@@ -131,3 +131,11 @@ def foldable_after_conv(model: nn.Module) -> set:
             if isinstance(layer, Layer) and layer.kind != "linear" and len(producer.users) == 1:
                 found.add(node.name)
     return found
+
+
+def real_cpu_has(flag: str) -> bool:
+    """Whether this machine's own CPU (not the one the tests fake) has ``flag``: what a runtime's kernels use."""
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion_helpers import randomize_batchnorms, reference_fp64, rel_err
+from fusion_helpers import randomize_batchnorms, real_cpu_has, reference_fp64, rel_err
 from fx_lightning import load_fused
 from fx_lightning.config import load_config
 from fx_lightning.export import read_manifest
@@ -203,7 +203,11 @@ def test_bf16_variants_are_gated_and_keep_the_fp32_interface(tmp_path):
     for name in ("pt2-bf16", "openvino-bf16"):
         out = load_fused(outcome.export_dir, name)(x)
         assert out.dtype == torch.float32 and out.shape == ref.shape, name
-        assert (out.argmax(1) == ref.argmax(1)).float().mean() >= 0.9 and 1e-6 < rel_err(out, ref) < 0.05, name
+        assert (out.argmax(1) == ref.argmax(1)).float().mean() >= 0.9 and rel_err(out, ref) < 0.05, name
+        # bf16 arithmetic shows in the numbers where it really runs: torch emulates it anywhere; OpenVINO runs
+        # its bf16 hint only on a CPU with bf16 instructions (elsewhere in f32).
+        if name == "pt2-bf16" or real_cpu_has("avx512_bf16") or real_cpu_has("amx_bf16"):
+            assert rel_err(out, ref) > 1e-6, name
 
 
 def test_nncf_and_onnx_runtime_int8_are_gated_like_torchao_int8(tmp_path):

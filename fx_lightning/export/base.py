@@ -22,7 +22,8 @@ from fx_lightning.batches import PlainOutputs, is_record_type
 from fx_lightning.calls import Call
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
-from fx_lightning.program import Program, export_program, nested_dynamic_shapes, signature_dims
+from fx_lightning.errors import ExportError, first_line
+from fx_lightning.program import ExportFailed, Program, export_program, nested_dynamic_shapes, signature_dims
 from fx_lightning.signature import Signature, rows_of
 
 __all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "ExactReference", "WriteContext", "Writer",
@@ -221,9 +222,13 @@ class WriteContext:
         """The program on ``args`` (another example: a static program for those sizes), else the context's own."""
         if args is None and self.program is not None:
             return self.program.program
-        made = export_program(self.export_model, Call(args if args is not None else self.args),
-                              self.leaf_dims if args is None else None, allow_static=args is not None,
-                              check=[Call(a) for a in self.check_args] if args is None else ())
+        try:
+            made = export_program(self.export_model, Call(args if args is not None else self.args),
+                                  self.leaf_dims if args is None else None, allow_static=True,
+                                  check=[Call(a) for a in self.check_args] if args is None else ())
+        except ExportFailed as exc:
+            raise ExportError(f"torch.export failed: {first_line(exc.first, with_type=True)}"
+                              + "".join(f"; tried {a}" for a in exc.attempts[1:])) from exc.first
         return made.program
 
 

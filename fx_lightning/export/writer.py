@@ -280,7 +280,7 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     if not signature.batched:
         ctx.notes.append(NO_SAMPLE_AXIS(how=signature.sample.how))
     if not any(dims):
-        ctx.program = _program(ctx, args, None)
+        ctx.program = _program(ctx, args)
         return ctx
     dynamic_args = tuple(with_rows(args, axes, 2)) if rows == 1 and config.export.dynamic_batch else args
     try:
@@ -290,19 +290,20 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
         return ctx
     except ExportFailed as exc:  # the graph fixes a size: export it for the example's
         reason = first_line(exc.first, with_type=True)
-    ctx.program = _program(ctx, args, None)
+    ctx.program = _program(ctx, args)
     ctx.notes.append(static_note(signature, args, reason))
     if signature.batched:
         ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []  # AOTInductor builds what the model can run
     return ctx
 
 
-def _program(ctx: WriteContext, args: Tuple[Any, ...], dims: Any) -> Program:
+def _program(ctx: WriteContext, args: Tuple[Any, ...]) -> Optional[Program]:
+    """The static program on ``args``, or None when torch.export cannot make one: the formats that need one then
+    fail with torch.export's error (:meth:`WriteContext.export`), the others (a pickled GraphModule) are written."""
     try:
-        return export_program(ctx.export_model, Call(args), dims, allow_static=True)
-    except ExportFailed as exc:
-        raise ExportError(f"torch.export failed: {first_line(exc.first, with_type=True)}"
-                          + "".join(f"; tried {a}" for a in exc.attempts[1:])) from exc.first
+        return export_program(ctx.export_model, Call(args), None, allow_static=True)
+    except ExportFailed:
+        return None
 
 
 def _leaf_shapes(args: Sequence[Any]) -> Tuple[Tuple[int, ...], ...]:

@@ -169,6 +169,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
+        if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf
+            signature = dataclasses.replace(signature, flat=True)
         with in_step(Step.parity_input):
             calibration = calibration_steps(config, source, reference_whole, reference, path, found,
                                             calibration_batch_count(config))
