@@ -445,6 +445,10 @@ class Interface:
         """Another call of the original interface as the captured module takes it."""
         return Call(tuple(self.inputs.leaves(call))) if self.flat else call
 
+    def flattened(self, module: nn.Module) -> nn.Module:
+        """``module`` (one called as the original is: the unfused target) behind the captured interface."""
+        return FlatCall.make(module, self.inputs, self.names) if self.flat else module
+
     def structured(self, flat_model: nn.Module) -> nn.Module:
         """``flat_model`` (the captured, fused graph) behind the original interface."""
         return StructuredCall(flat_model, self.inputs, self.outputs) if self.flat else flat_model

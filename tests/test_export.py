@@ -455,7 +455,7 @@ def test_onnx_falls_back_to_torchscript_exporter(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("dynamo exporter cannot handle this graph")
 
-    import fx_lightning.export.formats.onnx as onnx_format
+    import fx_lightning.formats.onnx as onnx_format
 
     monkeypatch.setattr(onnx_format, "onnx_dynamo", broken)
     model = make_model()
@@ -471,7 +471,7 @@ def test_onnx_falls_back_to_torchscript_exporter(tmp_path, monkeypatch):
 
 
 def test_openvino_falls_back_to_torchscript_route_and_keeps_fp32(tmp_path, monkeypatch):
-    import fx_lightning.export.formats.pt2 as pt2_format
+    import fx_lightning.formats.pt2 as pt2_format
 
     def broken(ctx):
         raise RuntimeError("torch.export cannot handle this graph")
@@ -496,7 +496,7 @@ def test_openvino_falls_back_to_torchscript_route_and_keeps_fp32(tmp_path, monke
 
 
 def test_openvino_compiles_one_static_copy_per_shape_and_keeps_a_few(tmp_path):
-    from fx_lightning.export.formats.openvino import MAX_SHAPES
+    from fx_lightning.formats.openvino import MAX_SHAPES
 
     model = make_model()
     out = quick_export(tmp_path / "exp", formats=["openvino"])

@@ -407,7 +407,7 @@ def test_raw_pixel_requests_answer_as_the_training_normalisation_path(served_pix
 def test_a_worker_runs_few_batch_sizes_each_warmed_once() -> None:
     """OpenVINO and Inductor compile per shape (OpenVINO keeps a few): the worker runs a dynamic-batch artifact
     only at 1, 2, 4... up to --max-batch-size, any batch as pieces of those, each warmed before it is ready."""
-    from fx_lightning.export.batching import BatchPieces
+    from fx_lightning.formats.batching import BatchPieces
     from fx_lightning.serve.artifact import serving_batch_sizes, warm_up
 
     assert serving_batch_sizes(None, 8) == [1, 2, 4, 8]

@@ -143,7 +143,7 @@ def test_the_selection_is_recorded_per_batch_size_and_traffic_and_load_fused_pic
     picks = {(s.batch_size, s.traffic): (s.format, s.runtime) for s in select_all(table)}
     assert picks == {(1, "idle"): ("openvino-int8", ""), (1, "back_to_back"): ("onnx", ""),
                      (8, "idle"): ("aoti", ""), (8, "back_to_back"): ("openvino-int8", "")}
-    from fx_lightning.export.base import FormatEntry
+    from fx_lightning.formats.base import FormatEntry
 
     manifest = Manifest({name: FormatEntry(name, format=name.split("-")[0]) for name in ("openvino-int8", "onnx", "aoti")})
     manifest = with_selection(manifest, table, select_fastest(table, 1, "idle"))

@@ -263,7 +263,7 @@ def test_bench_checks_each_artifact_on_the_saved_batch(tmp_path, monkeypatch):
 def test_aoti_packages_run_a_batch_size_they_were_not_built_for_as_pieces(compiled, size):
     """Each fake package accepts only its own batch size; the output (a dict with a batched tensor and a
     scalar) on the whole batch equals the function on the whole batch."""
-    from fx_lightning.export.formats.aoti import AotiModule
+    from fx_lightning.formats.aoti import AotiModule
 
     weight = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
 

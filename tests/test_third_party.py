@@ -593,7 +593,7 @@ def test_discrete_outputs_are_judged_by_agreement(tmp_path) -> None:
     export of the real fused model (integer labels included) round-trips; a real disagreement fails by name."""
     import fx_lightning
     from fx_lightning import ParityError
-    from fx_lightning.parity import check_parity
+    from fx_lightning.parity.gate import check_parity
     from fx_lightning.parity.gate import GATE_MISSED
 
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ from fx_lightning.callback.transforms import input_contract
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line
-from fx_lightning.export.formats import FORMATS
+from fx_lightning.formats import FORMATS
 from fx_lightning.export.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
 from fx_lightning.pipeline import (

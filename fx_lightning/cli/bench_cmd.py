@@ -111,4 +111,15 @@ def _unfused_model(args: argparse.Namespace, manifest: Any) -> Tuple[Any, Option
         _, sub = resolve_target(model, (manifest.config or {}).get("target"))
     else:
         sub = model.get_submodule(target) if target else model
-    return sub.eval(), None
+    return _as_the_artifacts_take(sub.eval(), manifest), None
+
+
+def _as_the_artifacts_take(model: nn.Module, manifest: Any) -> nn.Module:
+    """The unfused model taking what the artifacts take: one tensor per input leaf when they take a flat interface,
+    raw pixels when they have the input normalisation compiled in (``export.preprocess``)."""
+    from fx_lightning.export.interface import FromLeaves
+    from fx_lightning.export.prologue import behind_prologue
+
+    if manifest.signature is not None and manifest.signature.flat:
+        model = FromLeaves(model, manifest.signature)
+    return behind_prologue(model, manifest.preprocess) if manifest.preprocess is not None else model

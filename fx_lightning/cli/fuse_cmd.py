@@ -142,11 +142,6 @@ def _has_datamodule_hparams(checkpoint: str) -> bool:
     return bool(ckpt.get("datamodule_hyper_parameters"))
 
 
-_DTYPES = {"float32": "float32", "float": "float32", "float64": "float64", "double": "float64",
-           "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "int64": "int64", "long": "int64",
-           "int32": "int32", "int": "int32"}
-
-
 def _random_input(shape_text: str, dtype_text: str) -> Any:
     import torch
 
@@ -156,9 +151,13 @@ def _random_input(shape_text: str, dtype_text: str) -> Any:
         raise UsageError(f"--input-shape: expected integers like 8,3,32,32, got {shape_text!r}") from None
     if not shape or any(s < 1 for s in shape):
         raise UsageError(f"--input-shape: expected positive integers like 8,3,32,32, got {shape_text!r}")
-    if dtype_text not in _DTYPES:
-        raise UsageError(f"--input-dtype: {dtype_text!r}; allowed: {', '.join(sorted(set(_DTYPES.values())))}")
-    dtype = getattr(torch, _DTYPES[dtype_text])
+    from fx_lightning.dtypes import DTYPES, by_name
+
+    found = by_name(dtype_text)
+    if found is None:
+        raise UsageError(f"--input-dtype: {dtype_text!r}; allowed: {', '.join(d.torch for d in DTYPES)} (or "
+                         f"{', '.join(a for d in DTYPES for a in d.aliases)})")
+    dtype = getattr(torch, found.torch)
     g = torch.Generator().manual_seed(0)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)

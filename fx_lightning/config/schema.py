@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional
 
 from fx_lightning._imports import exception_text, import_object
-from fx_lightning.export.formats import FORMATS
+from fx_lightning.formats import FORMATS
 from fx_lightning.passes import DEFAULT_ORDER, USER_PASSES, builtin_passes
 
 __all__ = [
@@ -70,7 +70,7 @@ OnError = _str_enum("OnError", ["raise", "warn"], "What to do when a step fails:
 
 OnFailure = OnError  # parity.on_failure takes the same values
 
-# One member per export format record (fx_lightning/export/formats/), in load_fused's order of preference.
+# One member per export format record (fx_lightning/formats/), in load_fused's order of preference.
 ExportFormat = _str_enum("ExportFormat", FORMATS, "The export formats: " + ", ".join(FORMATS) + ".")
 
 Preflight = _str_enum("Preflight", ["full", "capture", "off"], (

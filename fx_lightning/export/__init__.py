@@ -2,23 +2,29 @@
 
 Layout of an export directory::
 
-    manifest.json          format version, versions, resolved config, fuse report, parity, inputs, files + sha256
+    manifest.json          format version, versions, resolved config, fuse report, parity, the signature (how the
+                           artifacts are called), inputs and outputs, files + sha256
     README.md              how to load each format without the training code
+    check.pt               example inputs and the fp64 outputs every artifact is checked against
     model.pt2              pt2: torch.export ExportedProgram (torch.export.save; no pickled code)
     model.pt               graph_module: the fused GraphModule (torch.save; pickled code: weights_only=False)
     fused_module/          code: readable Python (module.py) + weights.pt, importable as a package
-    model.onnx             onnx: ONNX with a dynamic batch axis (optional extra)
+    model.onnx             onnx: ONNX with the dynamic axes the signature names (optional extra)
 
-One module per concern: ``base`` (the :class:`Format` record), ``formats/`` (one module per format),
-``atomic`` (writing a directory atomically), ``codegen`` (the ``code`` format's source), ``manifest``,
-``writer`` (:func:`export_fused`) and ``loader`` (:func:`load_fused`). The names below are imported on first
-use: the config schema reads ``formats`` without pulling in the writer.
+One module per concern: the formats themselves live in :mod:`fx_lightning.formats` (one module per format, below
+the config schema that names them); here ``atomic`` (writing a directory atomically), ``manifest``, ``writer``
+(:func:`export_fused`), ``variants``, ``selection`` and ``timing``, ``interface`` (an artifact called as its
+signature says) and ``loader`` (:func:`load_fused`).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fx_lightning.export.loader import load_artifact, load_fused
+from fx_lightning.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest, sha256_file, verify_files
+from fx_lightning.export.selection import bench_export, record_selection, select_fastest
+from fx_lightning.export.writer import export_fused
+from fx_lightning.formats import FORMATS
+from fx_lightning.formats.base import Format
 
 __all__ = [
     "FORMAT_VERSION",
@@ -36,27 +42,3 @@ __all__ = [
     "select_fastest",
     "record_selection",
 ]
-
-_HOMES = {
-    "FORMAT_VERSION": "manifest",
-    "MANIFEST_NAME": "manifest",
-    "read_manifest": "manifest",
-    "Manifest": "manifest",
-    "load_artifact": "loader",
-    "verify_files": "manifest",
-    "sha256_file": "manifest",
-    "FORMATS": "formats",
-    "Format": "base",
-    "export_fused": "writer",
-    "load_fused": "loader",
-    "bench_export": "selection",
-    "select_fastest": "selection",
-    "record_selection": "selection",
-}
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,7 +22,7 @@ from fx_lightning.calls import Call, Step, leaf_values, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.signature import LeafSpec, Signature, shape_problem
 
-__all__ = ["ArtifactInterface", "nest_outputs"]
+__all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs"]
 
 
 class ArtifactInterface(nn.Module):
@@ -102,3 +103,47 @@ def _nested(items: List[Tuple[Tuple[Step, ...], torch.Tensor]]) -> Any:
     return {k: _nested(v) for k, v in groups.items()}
 
 
+
+
+class FromLeaves(nn.Module):
+    """A model called as the original is (the unfused target, loaded from its training code), behind the
+    artifact's flat interface: the leaves are put back where ``signature`` records them (positional and keyword
+    arguments, dict keys, and the fields of a stand-in object for a library's batch type), so an artifact and the
+    model it came from can be timed on the same inputs."""
+
+    def __init__(self, module: nn.Module, signature: Signature) -> None:
+        super().__init__()
+        self.module = module
+        self.signature = signature
+
+    def forward(self, *leaves: Any) -> Any:
+        call = call_from_steps([_steps(leaf) for leaf in self.signature.inputs], leaves)
+        return self.module(*call.args, **call.kwargs)
+
+
+def call_from_steps(paths: Sequence[Tuple[Step, ...]], leaves: Sequence[Any]) -> Call:
+    """The call whose leaves sit at ``paths``: positional and keyword arguments, dicts for keys, tuples for
+    indices, plain objects (``SimpleNamespace``) for attributes."""
+    root = _nested_call(list(zip(paths, leaves)))
+    return root if isinstance(root, Call) else Call((root,))
+
+
+def _nested_call(items: List[Tuple[Tuple[Step, ...], Any]]) -> Any:
+    if len(items) == 1 and not items[0][0]:
+        return items[0][1]
+    groups: Dict[Any, List[Tuple[Tuple[Step, ...], Any]]] = {}
+    kinds: Dict[Any, str] = {}
+    for path, value in items:
+        (kind, key), rest = path[0], path[1:]
+        kinds[key] = kind
+        groups.setdefault((kind, key), []).append((rest, value))
+    values = {key: _nested_call(v) for (kind, key), v in groups.items()}
+    kind_set = set(kinds.values())
+    if kind_set <= {"arg", "kwarg"}:
+        args = tuple(values[k] for k in sorted(k for k, kd in kinds.items() if kd == "arg"))
+        return Call(args, {k: values[k] for k, kd in kinds.items() if kd == "kwarg"})
+    if kind_set == {"index"}:
+        return tuple(values[k] for k in sorted(values))
+    if kind_set == {"attr"}:
+        return types.SimpleNamespace(**values)
+    return values

@@ -11,10 +11,10 @@ from torch import nn
 
 from fx_lightning._imports import missing_modules
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import FormatEntry
-from fx_lightning.export.batching import BatchPieces
+from fx_lightning.formats.base import FormatEntry
+from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.export.interface import ArtifactInterface
-from fx_lightning.export.formats import FORMATS
+from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
 
 __all__ = ["load_fused", "load_artifact", "selection_for", "CompiledForServing"]

@@ -23,8 +23,8 @@ import torch
 from fx_lightning._json import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import FormatEntry, WriteContext, fields_from
-from fx_lightning.export.formats import FORMATS
+from fx_lightning.formats.base import FormatEntry, WriteContext, fields_from
+from fx_lightning.formats import FORMATS
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.provenance import Provenance

@@ -27,7 +27,7 @@ from torch import nn
 
 from fx_lightning.config import Traffic
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.formats import FORMATS
+from fx_lightning.formats import FORMATS
 from fx_lightning.export.loader import load_artifact
 from fx_lightning.export.manifest import (
     ArtifactCheck,
@@ -58,7 +58,7 @@ def check_saved(module: nn.Module, saved: CheckData, *, lossy: bool = False) -> 
     variant (``lossy``) is judged by its accuracy gate at export; here it passes when it runs and its outputs
     have the reference's structure and shapes, and its error is recorded for information."""
     try:
-        comparison = check_artifact(module, tuple(saved.inputs), saved.expected, saved.fused_error)
+        comparison = check_artifact(module, tuple(saved.inputs), saved.expected, saved.fused_error, saved.stochastic)
     except Exception as exc:  # noqa: BLE001
         return ArtifactCheck(False, reason=f"raises {type(exc).__name__}: {first_line(exc)[:200]}")
     if comparison.mismatch is not None:
@@ -117,7 +117,11 @@ def bench_export(
             check = dataclasses.replace(check, passed=entry.gate.passed, reason="accuracy gate at export")
         table.checks[name] = check
     inputs = saved.inputs if saved is not None else _random_inputs(manifest)
-    samples, failures = time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress)
+    signature = manifest.call_signature()
+    if not signature.batched:  # no sample axis: the example is timed as it is, one "batch size"
+        batch_sizes = [1]
+    samples, failures = time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress,
+                                         axes=signature.input_axes() if signature.batched else None)
     table.timings = [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * _p90(ts), len(ts), traffic, runtime)
                      for ((name, runtime), b), by_traffic in samples.items() for traffic, ts in by_traffic.items() if ts]
     table.failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact

@@ -27,10 +27,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import with_batch_size
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import TimingFailure
+from fx_lightning.signature import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "time_interleaved", "time_in_own_process"]
 
@@ -47,14 +47,16 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
 def time_interleaved(models: Dict[Candidate, nn.Module], inputs: Sequence[Any], batch_sizes: Sequence[int],
-                     rounds: int, warmup: int,
-                     progress: Optional[Progress] = None) -> Tuple[Samples, List[TimingFailure]]:
+                     rounds: int, warmup: int, progress: Optional[Progress] = None,
+                     axes: Optional[Sequence[Optional[int]]] = None) -> Tuple[Samples, List[TimingFailure]]:
     """Every candidate at every batch size, interleaved in shuffled rounds; in each round a candidate runs once
-    after the idle gap (``idle``) and once right after that (``back_to_back``). Returns the samples and what could
-    not run (a model that raises at a batch size is not timed there again)."""
+    after the idle gap (``idle``) and once right after that (``back_to_back``). ``axes``: the inputs' sample axes
+    (the inputs cut or repeated to each batch size along them); None: no sample axis, the inputs are timed as they
+    are (give one batch size). Returns the samples and what could not run (a model that raises at a batch size is
+    not timed there again)."""
     cells = [(key, b) for b in batch_sizes for key in models]
     failures: List[TimingFailure] = []
-    args = {b: with_batch_size(inputs, b) for b in batch_sizes}
+    args = {b: (tuple(with_rows(inputs, axes, b)) if axes is not None else tuple(inputs)) for b in batch_sizes}
     times: Samples = {cell: {t.value: [] for t in Traffic} for cell in cells}
     runnable = set(cells)
     rng = random.Random(0)
@@ -129,8 +131,11 @@ def _time_request(path: Path) -> None:
     saved = read_check_file(root)
     if saved is None:
         raise SystemExit("no check.pt: nothing to time the artifact on")
+    manifest = Manifest.from_dict(request["manifest"])
+    signature = manifest.call_signature()
     samples, failures = time_interleaved({(name, runtime): module}, saved.inputs, request["batch_sizes"],
-                                         int(request["rounds"]), int(request["warmup"]))
+                                         int(request["rounds"]), int(request["warmup"]),
+                                         axes=signature.input_axes() if signature.batched else None)
     if failures:
         raise SystemExit(failures[0].reason)
     Path(request["out"]).write_text(json.dumps([[b, traffic, ts] for (_, b), by_traffic in samples.items()

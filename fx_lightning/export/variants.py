@@ -4,7 +4,7 @@ named after the variant, and kept only when the artifact itself, loaded back, pa
 A variant comes from one of two places. The torch formats (pt2, aoti) write the model a variant pass made
 (``quantize_int8``: torchao's int8; ``cast_bf16``): :func:`add_variant`. Other formats make it from their own
 fp32 artifact (OpenVINO int8 through NNCF and bf16 through its precision hint, ONNX Runtime int8):
-:func:`add_format_variants`, from each :class:`~fx_lightning.export.base.Format`'s ``variants``. Either way the
+:func:`add_format_variants`, from each :class:`~fx_lightning.formats.base.Format`'s ``variants``. Either way the
 entry is named ``<format>-<variant>`` (``aoti-int8``, ``openvino-int8``), says which format loads it, and carries
 its gate report instead of a round-trip check (a lossy model is not expected to match the fp32 one). A variant
 the CPU cannot run fast is recorded as skipped, with the reason (:func:`skip_variant`). Variants are written into
@@ -24,8 +24,8 @@ from torch import nn
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import first_line
 from fx_lightning.export.atomic import list_files
-from fx_lightning.export.base import Format, FormatEntry, VariantRequest
-from fx_lightning.export.formats import FORMATS
+from fx_lightning.formats.base import Format, FormatEntry, VariantRequest
+from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome, file_infos
 from fx_lightning.export.writer import make_context, require_formats
 from fx_lightning.notes import Note

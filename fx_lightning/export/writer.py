@@ -25,8 +25,8 @@ from fx_lightning.calls import Call, no_distribution_validation
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
 from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
-from fx_lightning.export.base import FUSED_CLASS_NAME, ExactReference, Format, FormatEntry, RoundTrip, WriteContext
-from fx_lightning.export.formats import FORMATS
+from fx_lightning.formats.base import FUSED_CLASS_NAME, ExactReference, Format, FormatEntry, RoundTrip, WriteContext
+from fx_lightning.formats import FORMATS
 from fx_lightning.export.prologue import with_prologue
 from fx_lightning.export.manifest import (
     MANIFEST_NAME,

@@ -433,11 +433,14 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     """Time the export's artifacts against the unfused target (eager) and record the table and the fastest that
     passed its check. ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes
     timed, and an error when nothing could be selected (nothing would be after training either)."""
-    size = config.export.select_batch_size
+    # Without a sample axis the example is timed as it is: one "batch size".
+    size = config.export.select_batch_size if fused.signature.batched else 1
     rounds, warmup, finalists = (1, 0, 0) if rehearsal else (15, 3, 3)
+    interface = fused.result.interface
+    eager = interface.flattened(fused.reference) if interface is not None else fused.reference
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
-                             baselines={"eager": raw_input.eager_baseline(fused.reference, fused.contract.preprocess)},
+                             baselines={"eager": raw_input.eager_baseline(eager, fused.contract.preprocess)},
                              rounds=rounds, warmup=warmup,
                              own_process_finalists=finalists)
         selected = select_fastest(table, size, config.export.select_traffic)

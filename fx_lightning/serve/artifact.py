@@ -15,14 +15,14 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import with_batch_size
 from fx_lightning.errors import ConfigError, ExportError
-from fx_lightning.export.batching import BatchPieces
+from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.export.loader import load_artifact, selection_for
 from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.selection import check_saved
 from fx_lightning.export.writer import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
+from fx_lightning.signature import with_rows
 
 __all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
            "serving_batch_sizes"]
@@ -99,10 +99,16 @@ def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, Self
     if not check.passed:
         raise ExportError(f"{root / entry.path}: the {name} artifact failed its self-check on check.pt: "
                           f"{check.reason}")
+    signature = manifest.call_signature()
+    if not signature.batched:  # no sample axis: each request runs whole, as check.pt did
+        return module, SelfCheck(True, name, runtime, check.relative_error, check.reason or "",
+                                 warm_up(module, saved.inputs, [1], None))
+    axes = signature.input_axes()
     sizes = serving_batch_sizes(entry.batch_sizes, options.max_batch_size)
     if not entry.batch_sizes:  # any size: run only the warmed ones (OpenVINO compiles, and keeps, a few shapes)
-        module = BatchPieces({str(size): module for size in sizes}, what=f"{name} artifact", warn=False)
-    seconds = warm_up(module, saved.inputs, sizes)
+        module = BatchPieces({str(size): module for size in sizes}, axes, signature.output_axes(),
+                             what=f"{name} artifact", warn=False)
+    seconds = warm_up(module, saved.inputs, sizes, axes)
     return module, SelfCheck(True, name, runtime, check.relative_error, check.reason or "", seconds)
 
 
@@ -116,13 +122,15 @@ def serving_batch_sizes(built: Optional[Sequence[int]], max_batch_size: int) -> 
     return sizes + ([max_batch_size] if max_batch_size not in sizes else [])
 
 
-def warm_up(module: nn.Module, inputs: Sequence[Any], batch_sizes: Iterable[int]) -> float:
-    """Run ``module`` once at each batch size, so that no request pays a runtime's first run at a new shape
-    (OpenVINO and Inductor compile per shape: 0.3 s at resnet18's batch sizes; that was the served p99)."""
+def warm_up(module: nn.Module, inputs: Sequence[Any], batch_sizes: Iterable[int],
+            axes: Optional[Sequence[Optional[int]]]) -> float:
+    """Run ``module`` once at each batch size (``inputs`` cut or repeated along the sample ``axes``; None: no sample
+    axis, the inputs as they are), so that no request pays a runtime's first run at a new shape (OpenVINO and
+    Inductor compile per shape: 0.3 s at resnet18's batch sizes; that was the served p99)."""
     start = time.perf_counter()
     with torch.no_grad():
         for size in batch_sizes:
-            module(*with_batch_size(tuple(inputs), size))
+            module(*(with_rows(inputs, axes, size) if axes is not None else inputs))
     return time.perf_counter() - start
 
 
@@ -131,7 +139,7 @@ def artifact_for(manifest: Manifest, options: ServeOptions) -> Tuple[str, str]:
     for the batch size the server forms and the traffic batching makes, else the first format available."""
     if options.format is not None:
         return options.format, ""
-    traffic = "back_to_back" if options.max_batch_size > 1 else None
+    traffic = "back_to_back" if options.max_batch_size > 1 and manifest.call_signature().batched else None
     pick = selection_for(manifest, options.max_batch_size, traffic)
     if pick is not None:
         return pick.format, pick.runtime

@@ -56,15 +56,18 @@ class BadRequest(Exception):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One model input: its name, dtype and the shape of one sample (``None``: any size on that axis)."""
+    """One model input: its name, dtype and the shape of one sample (``None``: any size on that axis); for an export
+    without a sample axis (``batched`` false), the shape of the whole input."""
 
     name: str
     dtype: str
     sample_shape: Tuple[Optional[int], ...]
+    batched: bool = True
 
     @property
     def shape_text(self) -> str:
-        return "[" + ", ".join(["batch", *("any" if d is None else str(d) for d in self.sample_shape)]) + "]"
+        dims = ("any" if d is None else str(d) for d in self.sample_shape)
+        return "[" + ", ".join(["batch", *dims] if self.batched else list(dims)) + "]"
 
     @property
     def finite_only(self) -> bool:
@@ -81,12 +84,14 @@ class Decoded:
 
     @property
     def batch_size(self) -> int:
-        return int(self.arrays[0].shape[0])
+        return int(self.arrays[0].shape[0]) if self.arrays[0].ndim else 1
 
 
 @dataclass
 class Contract:
-    """What the server accepts: the inputs, the limits, the image layout when there is one, and the labels."""
+    """What the server accepts: the inputs, the limits, the image layout when there is one, and the labels.
+    ``batched``: the export has a proven sample axis (dim 0 of every input and output), so requests hold samples
+    and are batched together; without one a request is the model's whole input and runs alone."""
 
     inputs: List[InputSpec]
     outputs: List[TensorSpec] = field(default_factory=list)
@@ -94,6 +99,7 @@ class Contract:
     labels: List[str] = field(default_factory=list)
     max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH
     max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
+    batched: bool = True
 
     @classmethod
     def of(cls, manifest: Manifest, *, max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH,
@@ -101,6 +107,8 @@ class Contract:
         """The contract of an export. Raises ValueError for inputs a server cannot take (non-tensor or nested)."""
         specs: List[InputSpec] = []
         tensors = manifest.tensor_inputs()
+        signature = manifest.call_signature()
+        batched = signature.batched and all(a == 0 for a in signature.input_axes() + signature.output_axes())
         for spec in manifest.inputs:
             if spec not in tensors or spec.shape is None or spec.dtype is None:
                 raise ValueError(f"input {spec.name!r} is a {spec.kind} ({spec.value}), not a tensor: a server "
@@ -111,12 +119,13 @@ class Contract:
             if spec.dtype not in _NUMPY_DTYPES:
                 raise ValueError(f"input {spec.name!r} has dtype {spec.dtype}: not served (allowed: "
                                  f"{', '.join(_NUMPY_DTYPES)})")
-            sample = tuple(d if isinstance(d, int) else None for d in spec.shape[1:])
-            specs.append(InputSpec(spec.name, spec.dtype, sample))
+            dims = spec.shape[1:] if batched else spec.shape
+            specs.append(InputSpec(spec.name, spec.dtype, tuple(d if isinstance(d, int) else None for d in dims),
+                                   batched))
         if not specs:
             raise ValueError("the manifest lists no tensor inputs")
         return cls(specs, list(manifest.outputs), manifest.preprocess, list(manifest.labels), max_request_batch,
-                   max_body_bytes)
+                   max_body_bytes, batched)
 
     # ------------------------------------------------------------------------------------------- decoding
 
@@ -258,7 +267,7 @@ class Contract:
             raise BadRequest(422, f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype}")
         count = int(np.prod(shape, dtype=np.float64)) if shape else 1
         sample = int(np.prod([d or 1 for d in spec.sample_shape], dtype=np.float64)) or 1
-        if count > sample * self.max_request_batch and all(d is not None for d in spec.sample_shape):
+        if self.batched and count > sample * self.max_request_batch and all(d is not None for d in spec.sample_shape):
             raise BadRequest(413, f"input {spec.name!r}: an array of shape {list(shape)} exceeds the limit of "
                                   f"{self.max_request_batch} samples per request (--max-request-batch)")
         data = stream.read(count * dtype.itemsize)
@@ -298,6 +307,8 @@ class Contract:
 
     def _checked(self, arrays: List[np.ndarray], top_k: Optional[int]) -> Decoded:
         """Rank, shape, batch size and finiteness of each array; one sample gets its batch axis."""
+        if not self.batched:
+            return self._checked_whole(arrays, top_k)
         single = None
         for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
             rank = len(spec.sample_shape) + 1
@@ -328,12 +339,27 @@ class Contract:
                                   "request (--max-request-batch)")
         return Decoded(arrays, bool(single), top_k)
 
+    def _checked_whole(self, arrays: List[np.ndarray], top_k: Optional[int]) -> Decoded:
+        """An export without a sample axis: each array is the whole input, of its rank and fixed sizes."""
+        for spec, array in zip(self.inputs, arrays):
+            if array.ndim != len(spec.sample_shape) or any(
+                    want is not None and want != got for want, got in zip(spec.sample_shape, array.shape)):
+                raise BadRequest(422, f"input {spec.name!r}: expected shape {spec.shape_text} (the whole input: this "
+                                      f"model has no sample axis), got {list(array.shape)}")
+            if spec.finite_only and array.size and not np.isfinite(array).all():
+                count = int((~np.isfinite(array)).sum())
+                raise BadRequest(422, f"input {spec.name!r}: {count} NaN or infinite value(s); the model takes "
+                                      f"finite {spec.dtype}")
+        return Decoded(arrays, False, top_k)
+
     # ------------------------------------------------------------------------------------------- describing
 
     def to_dict(self) -> Dict[str, object]:
         """The contract as ``/info`` shows it."""
         out: Dict[str, object] = {
-            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": ["batch", *s.sample_shape]} for s in self.inputs],
+            "inputs": [{"name": s.name, "dtype": s.dtype,
+                        "shape": ["batch", *s.sample_shape] if s.batched else list(s.sample_shape)} for s in self.inputs],
+            "batched": self.batched,
             "outputs": [o.to_dict() for o in self.outputs],
             "content_types": self.content_types,
             "max_request_batch": self.max_request_batch,

@@ -70,6 +70,8 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
                                max_body_bytes=options.max_body_bytes)
     except ValueError as exc:
         raise ExportError(f"{root}: cannot be served: {exc}.") from None
+    if not contract.batched:  # no sample axis to batch requests along: each runs whole, alone
+        options = dataclasses.replace(options, max_batch_size=1)
     board = StatusBoard(Path(tempfile.mkdtemp(prefix="fxl-serve-")), options.workers)
     from fx_lightning.serve.app import make_server  # imports litserve
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from fx_lightning.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
-from fx_lightning.export.base import FormatEntry
+from fx_lightning.formats.base import FormatEntry
 from fx_lightning.export.manifest import Manifest, TensorSpec, read_manifest, sha256_file, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
                                               TritonModel, TritonRepository, TritonTensor, config_text, describe,
@@ -61,26 +62,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VERSION = "1"  # the model version directory every model's files go in
-
-# The torch dtype names a manifest records -> Triton's data types (model_config.proto's DataType).
-TORCH_TO_TRITON: Dict[str, str] = {
-    "float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float64": "TYPE_FP64",
-    "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32", "int64": "TYPE_INT64",
-    "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32", "uint64": "TYPE_UINT64", "bool": "TYPE_BOOL",
-}
-# ONNX element types (TensorProto.DataType names) -> Triton's; the ONNX Runtime backend's own table.
-_ONNX_TO_TRITON: Dict[str, str] = {
-    "FLOAT": "TYPE_FP32", "FLOAT16": "TYPE_FP16", "BFLOAT16": "TYPE_BF16", "DOUBLE": "TYPE_FP64",
-    "UINT8": "TYPE_UINT8", "INT8": "TYPE_INT8", "UINT16": "TYPE_UINT16", "INT16": "TYPE_INT16",
-    "UINT32": "TYPE_UINT32", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64", "INT64": "TYPE_INT64",
-    "BOOL": "TYPE_BOOL", "STRING": "TYPE_STRING",
-}
-# OpenVINO element types -> Triton's: the OpenVINO backend's table, which has no bf16 and no f64.
-_OPENVINO_TO_TRITON: Dict[str, str] = {
-    "f32": "TYPE_FP32", "f16": "TYPE_FP16", "u8": "TYPE_UINT8", "i8": "TYPE_INT8", "u16": "TYPE_UINT16",
-    "i16": "TYPE_INT16", "u32": "TYPE_UINT32", "i32": "TYPE_INT32", "u64": "TYPE_UINT64", "i64": "TYPE_INT64",
-    "boolean": "TYPE_BOOL",
-}
 
 # Why the formats Triton cannot serve from an fx-lightning export are not written.
 _NOT_SERVED: Dict[str, str] = {
@@ -274,8 +255,9 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     where = f"{entry_name} ({folder / backend.model_file})"
     in_names, out_names = _recorded_names(entry)
     in_specs = manifest.tensor_inputs()
-    _agree(where, "input", inputs, in_specs, in_names)
-    _agree(where, "output", outputs, manifest.outputs, out_names)
+    static = bool(entry.batch_sizes or entry.built_shapes)
+    _agree(where, "input", inputs, in_specs, in_names, static)
+    _agree(where, "output", outputs, manifest.outputs, out_names, static)
     max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name)
     batching = max_batch > 0
     model = TritonModel(
@@ -315,9 +297,10 @@ def _recorded_names(entry: FormatEntry) -> Tuple[Optional[List[str]], Optional[L
 
 
 def _agree(where: str, kind: str, found: List[ArtifactTensor], specs: List[TensorSpec],
-           recorded: Optional[List[str]]) -> None:
+           recorded: Optional[List[str]], static: bool) -> None:
     """The artifact's tensors are the manifest's: same count, the names the export recorded for it, and each
-    tensor's data type and shape (a dynamic axis where the manifest says ``batch``, its size elsewhere)."""
+    tensor's data type and shape (a dynamic axis where the manifest names one, ``batch`` or a size that varies,
+    unless the artifact is ``static``: built for the example's sizes; its size elsewhere)."""
     names = [t.name for t in found]
     if len(found) != len(specs):
         raise ExportError(f"{where}: the artifact has {len(found)} {kind}s ({', '.join(names)}), the manifest "
@@ -330,15 +313,16 @@ def _agree(where: str, kind: str, found: List[ArtifactTensor], specs: List[Tenso
         if tensor.data_type != expected:
             raise ExportError(f"{where}: {kind} {tensor.name!r} is {tensor.data_type} in the artifact, the manifest "
                               f"says {spec.dtype} ({expected}); re-export it.")
-        _agree_shape(where, kind, tensor, spec)
+        _agree_shape(where, kind, tensor, spec, static)
 
 
-def _agree_shape(where: str, kind: str, tensor: ArtifactTensor, spec: TensorSpec) -> None:
+def _agree_shape(where: str, kind: str, tensor: ArtifactTensor, spec: TensorSpec, static: bool) -> None:
     if spec.shape is None:
         return
     shape = tuple(spec.shape)
     mismatch = len(shape) != len(tensor.shape) or any(
-        (want == "batch" and got is not None) or (isinstance(want, int) and got is not None and got != want)
+        (isinstance(want, str) and not static and got is not None)
+        or (isinstance(want, int) and got is not None and got != want)
         for want, got in zip(shape, tensor.shape))
     if mismatch:
         shown = ["any" if d is None else d for d in tensor.shape]
@@ -368,6 +352,11 @@ def _max_batch_size(manifest: Manifest, entry: FormatEntry, tensors: List[Artifa
 
 
 def _fixed_batch_reason(manifest: Manifest, entry: FormatEntry, tensors: List[ArtifactTensor]) -> Optional[str]:
+    signature = manifest.call_signature()
+    if not signature.batched:
+        return f"the model has no sample axis ({signature.sample.how})"
+    if any(a != 0 for a in signature.input_axes() + signature.output_axes()):
+        return "the samples are not on the leading axis of every input and output"
     if not manifest.dynamic_batch:
         sizes = sorted({s.example_shape[0] for s in manifest.inputs if s.example_shape})
         built = f" (batch size {', '.join(map(str, sizes))} only)" if sizes else ""
@@ -455,10 +444,10 @@ def onnx_tensors(path: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTensor]
         if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
             raise ExportError(f"{path}: {value.name!r} is not a tensor of known rank; Triton needs one.")
         kind = onnx.TensorProto.DataType.Name(value.type.tensor_type.elem_type)
-        if kind not in _ONNX_TO_TRITON:
+        if kind not in ONNX_TO_TRITON:
             raise NotServable(f"{value.name!r} has ONNX type {kind}, which Triton has no data type for")
         shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim)
-        return ArtifactTensor(value.name, _ONNX_TO_TRITON[kind], shape)
+        return ArtifactTensor(value.name, ONNX_TO_TRITON[kind], shape)
 
     return ([one(v) for v in graph.input if v.name not in initializers], [one(v) for v in graph.output])
 
@@ -477,13 +466,13 @@ def openvino_tensors(xml: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTens
         except RuntimeError:
             raise ExportError(f"{xml}: a tensor has no name, which Triton needs to address it.") from None
         kind = port.get_element_type().get_type_name()
-        if kind not in _OPENVINO_TO_TRITON:
+        if kind not in OPENVINO_TO_TRITON:
             raise NotServable(f"{name!r} has OpenVINO type {kind}, which Triton's OpenVINO backend does not take "
-                              f"(it takes {', '.join(_OPENVINO_TO_TRITON)})")
+                              f"(it takes {', '.join(OPENVINO_TO_TRITON)})")
         shape = port.get_partial_shape()
         if shape.rank.is_dynamic:
             raise ExportError(f"{xml}: {name!r} has a dynamic rank; Triton needs a fixed one.")
-        return ArtifactTensor(name, _OPENVINO_TO_TRITON[kind],
+        return ArtifactTensor(name, OPENVINO_TO_TRITON[kind],
                               tuple(d.get_length() if d.is_static else None for d in shape))
 
     return [one(p) for p in model.inputs], [one(p) for p in model.outputs]

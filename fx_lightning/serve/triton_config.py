@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from fx_lightning.dtypes import TRITON_TO_NUMPY, TRITON_TO_V2
 from fx_lightning.export.manifest import Manifest
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
@@ -122,7 +123,7 @@ def _quote(text: str) -> str:
 
 # --- README ------------------------------------------------------------------------------------------------------
 
-_V2_TYPES = {"TYPE_BOOL": "BOOL", "TYPE_STRING": "BYTES"}  # the rest: TYPE_X -> X
+
 
 
 def readme_text(models: Sequence[TritonModel], skipped: Sequence[SkippedArtifact], manifest: Manifest) -> str:
@@ -218,12 +219,11 @@ def _count(shape: Tuple[int, ...]) -> int:
 
 
 def _v2_type(data_type: str) -> str:
-    return _V2_TYPES.get(data_type, data_type[len("TYPE_"):])
+    return TRITON_TO_V2.get(data_type, data_type[len("TYPE_"):])
 
 
 def _numpy_type(data_type: str) -> str:
-    return {"TYPE_FP32": "float32", "TYPE_FP16": "float16", "TYPE_FP64": "float64", "TYPE_BOOL": "bool",
-            "TYPE_BF16": "float32", "TYPE_STRING": "object"}.get(data_type, data_type[len("TYPE_"):].lower())
+    return TRITON_TO_NUMPY.get(data_type, data_type[len("TYPE_"):].lower())
 
 
 def describe(repository: TritonRepository) -> List[str]:

@@ -12,8 +12,8 @@ from torch import nn
 
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import FUSED_CLASS_NAME, Format, FormatEntry, WriteContext, pickled_classes
-from fx_lightning.export.codegen import generate_code
+from fx_lightning.formats.base import FUSED_CLASS_NAME, Format, FormatEntry, WriteContext, pickled_classes
+from fx_lightning.formats.codegen import generate_code
 
 __all__ = ["FORMAT"]
 

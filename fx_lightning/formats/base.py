@@ -1,7 +1,7 @@
 """The export format record and what every writer is handed.
 
 An export format is declared once, as a :class:`Format` in its own module under
-``fx_lightning/export/formats/``: its name, where it lives in the export directory, how it is written,
+``fx_lightning/formats/``: its name, where it lives in the export directory, how it is written,
 loaded and described. The config schema (``export.formats``), the writer, ``load_fused``, the manifest
 and the export's README are all derived from these records.
 """
@@ -92,7 +92,7 @@ class FormatEntry:
 
     @property
     def format_name(self) -> str:
-        """The :class:`~fx_lightning.export.base.Format` that loads it."""
+        """The :class:`~fx_lightning.formats.base.Format` that loads it."""
         return self.format or ""
 
     def to_dict(self) -> Dict[str, object]:

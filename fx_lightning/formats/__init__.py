@@ -1,4 +1,4 @@
-"""The export formats: every module here declares one :class:`~fx_lightning.export.base.Format` as
+"""The export formats: every module here declares one :class:`~fx_lightning.formats.base.Format` as
 ``FORMAT``. Adding a format is adding a module (and its tests); ``FORMATS`` is derived, in load_fused's
 order of preference."""
 
@@ -8,7 +8,7 @@ import importlib
 import pkgutil
 from typing import Dict
 
-from fx_lightning.export.base import Format
+from fx_lightning.formats.base import Format
 
 __all__ = ["FORMATS", "get_format"]
 

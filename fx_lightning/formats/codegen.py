@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import FUSED_CLASS_NAME
+from fx_lightning.formats.base import FUSED_CLASS_NAME
 
 __all__ = ["generate_code"]
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import Format, FormatEntry, WriteContext, pickled_classes
+from fx_lightning.formats.base import Format, FormatEntry, WriteContext, pickled_classes
 
 __all__ = ["FORMAT"]
 

@@ -15,7 +15,7 @@ from torch import nn
 from fx_lightning._json import JsonObject
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, FormatEntry, VariantRequest, WriteContext
+from fx_lightning.formats.base import Format, FormatEntry, VariantRequest, WriteContext
 from fx_lightning.signature import DimKind, LeafSpec
 
 __all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL"]

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from fx_lightning.errors import ExportError
-from fx_lightning.export.base import Format, FormatEntry, WriteContext, fields_from
-from fx_lightning.export.batching import BatchPieces
+from fx_lightning.formats.base import Format, FormatEntry, WriteContext, fields_from
+from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.signature import with_rows
 
 __all__ = ["FORMAT", "AotiModule", "BuiltFor", "cpu_capability"]
@@ -131,7 +131,7 @@ def _refusal(built: BuiltFor, device: torch.device) -> Optional[str]:
 
 class AotiModule(BatchPieces):
     """AOTInductor packages behind the nn.Module interface: the package for the input's batch size, else the
-    dynamic one, else the batch run as pieces of the compiled sizes (:class:`~fx_lightning.export.batching.
+    dynamic one, else the batch run as pieces of the compiled sizes (:class:`~fx_lightning.formats.batching.
     BatchPieces`): list the sizes a server sees in ``export.aoti_batch_sizes``."""
 
     def __init__(self, runners: Dict[str, Callable[..., Any]], axes: Optional[List[Optional[int]]] = None,

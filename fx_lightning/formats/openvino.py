@@ -26,7 +26,7 @@ from torch import nn
 
 from fx_lightning._json import JsonObject
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, FormatEntry, VariantRequest, WriteContext
+from fx_lightning.formats.base import Format, FormatEntry, VariantRequest, WriteContext
 
 __all__ = ["FORMAT", "OpenVinoModule", "COMPILE_CONFIG"]
 
@@ -42,7 +42,7 @@ def _convert(ctx: WriteContext) -> Tuple[Any, str, Optional[str]]:
     """The OpenVINO model, the route that converted it, and why the first route failed (None: it did not)."""
     import openvino as ov
 
-    from fx_lightning.export.formats.pt2 import export_program
+    from fx_lightning.formats.pt2 import export_program
 
     try:
         with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.export.base import Format, FormatEntry, WriteContext
+from fx_lightning.formats.base import Format, FormatEntry, WriteContext
 
 __all__ = ["FORMAT", "export_program"]
 
