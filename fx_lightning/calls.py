@@ -424,7 +424,7 @@ class Interface:
     """How capture calls a module: the module itself on the call, or a :class:`FlatCall` on the call's tensor
     leaves when the call is not positional tensors or the outputs are not plain (``flat``)."""
 
-    module: nn.Module  # what is captured and exported
+    module: Optional[nn.Module]  # what is captured (dropped once captured: the graph holds what it uses)
     call: Call  # what it is called with
     inputs: Tree  # the original call's structure
     outputs: Tree  # the original outputs' structure

@@ -309,11 +309,42 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
         )
     leaves = tree_of_call(call).leaves(call)
     dims = capture_dims(signature, leaves, dynamic_samples=trace.dynamic_batch)
-    at_least_two = _at_least_two(call, signature) if trace.dynamic_batch else call
+    # Dynamic first (a sample repeated to two: torch.export specialises 0 and 1), then the example's own sizes, for a
+    # model whose graph is right only at the size it was traced with.
+    plans = ([(dims, _at_least_two(call, signature) if trace.dynamic_batch else call)] if any(dims) else []) + \
+        [(None, call)]
     target: nn.Module = working
+    first: Optional[TraceError] = None
+    for plan_dims, plan_call in plans:
+        try:
+            made, target = _exported(working, target, plan_call, plan_dims, check)
+        except TraceError as exc:
+            first = first or exc
+            continue
+        result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
+        if target is not working:
+            result.notes.append(PLAIN_OUTPUTS())
+        if made.strict or made.batchnorm_kernel:
+            result.notes.append(CAPTURED_ROUTE(route=made.route))
+        try:
+            _raise_if_unfaithful(result, working, call, check if made.dynamic else ())
+        except TraceError as exc:
+            first = first or exc
+            continue
+        if not made.dynamic and any(dims):
+            reason = made.static_reason or (first_line(first) if first is not None else "unknown")
+            result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=reason))
+        return result
+    assert first is not None
+    raise first
+
+
+def _exported(working: nn.Module, target: nn.Module, call: Call, dims: Any, check: Sequence[Call]) -> Any:
+    """(the program, the module exported): ``target``, or a wrapper making its record outputs plain when torch.export
+    cannot carry them. Raises TraceError naming the user's line and every route tried."""
     for attempt in range(2):
         try:
-            made = export_program(target, at_least_two, dims, allow_static=True, check=check)
+            return export_program(target, call, dims, allow_static=dims is None, check=check), target
         except ExportFailed as exc:
             cause = exc.first
             if attempt == 0 and "not a known type" in str(exc) and target is working:
@@ -326,17 +357,7 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
                 + "".join(f"\n  tried {a}" for a in exc.attempts[1:])
                 + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
             ) from cause
-        break
-    result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
-    if target is not working:
-        result.notes.append(PLAIN_OUTPUTS())
-    if made.strict or made.batchnorm_kernel:
-        result.notes.append(CAPTURED_ROUTE(route=made.route))
-    if not made.dynamic and any(dims):
-        result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=made.static_reason
-                                                 or "unknown"))
-    _raise_if_unfaithful(result, working, call, check if made.dynamic else ())
-    return result
+    raise AssertionError("unreachable")
 
 
 def _at_least_two(call: Call, signature: Optional[Signature]) -> Call:

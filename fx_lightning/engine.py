@@ -105,6 +105,7 @@ def fuse(
         inputs = interface.call.args
         if interface.flat:
             captured.notes.append(FLAT_INTERFACE(names=tuple(interface.names)))
+        interface = dataclasses.replace(interface, module=None)
     del working  # the graph module holds what it uses
     gm = captured.graph_module
     if captured.mode == "export":

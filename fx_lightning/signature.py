@@ -224,9 +224,9 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     shapes = [[tuple(t.shape) for t in ls] for ls in leaves] + [list(s) for s, _ in extra_shapes
                                                                 if len(s) == len(paths)]
     counts = [c.samples for c in same] + [n for s, n in extra_shapes if len(s) == len(paths)]
-    sample = _sample_axis(same, leaves, out_leaves, shapes, counts, run, tree)
-    in_axes, out_axes = sample[1], sample[2]
     stochastic = _stochastic(same[0], out_leaves[0], rerun) if rerun is not None else set()
+    sample = _sample_axis(same, leaves, out_leaves, shapes, counts, run, tree, stochastic)
+    in_axes, out_axes = sample[1], sample[2]
     in_specs = [_leaf(names[i], path_text(paths[i], root_names), paths[i], leaves[0][i],
                       [s[i] for s in shapes], in_axes[i] if sample[0].proven else None)
                 for i in range(len(paths))]
@@ -311,8 +311,9 @@ def _stochastic(call: Observed, first: Sequence[torch.Tensor], rerun: Runner) ->
 def _sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tensor]],
                  outputs: Sequence[Optional[Sequence[torch.Tensor]]],
                  all_shapes: Sequence[Sequence[Tuple[int, ...]]], all_counts: Sequence[Optional[int]],
-                 run: Runner, tree: Tree) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
-    """Which input and output dimensions carry the samples, and the evidence."""
+                 run: Runner, tree: Tree, stochastic: set) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
+    """Which input and output dimensions carry the samples, and the evidence (the outputs drawn at random in forward
+    are left out of the experiments: their draws differ with the batch's shape)."""
     n_in = len(leaves[0])
     none_in: List[Optional[int]] = [None] * n_in
     none_out: List[Optional[int]] = [None] * len(outputs[0] or [])
@@ -348,12 +349,15 @@ def _sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tens
             return refused(f"output {i} ({[list(o[i].shape) for o in outputs[:3]]}) does not follow the number of "  # type: ignore[index]
                            f"samples ({sizes_per_call[:3]})")
         out_axes.append(axis)
+    compared = [None if i in stochastic else a for i, a in enumerate(out_axes)]
     best = max(range(len(calls)), key=lambda c: sizes_per_call[c])
     n = sizes_per_call[best]
-    if n < 2:
-        return refused("every call observed had one sample, so no experiment could show that rows are "
-                       "independent; give batches of two or more")
-    verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, out_axes, n, run, tree)  # type: ignore[arg-type]
+    if n < 2:  # one sample: a second, made of the first's values in another order, is the probe
+        verdict = _probe_second_row(calls[best].call, leaves[best], outputs[best], in_axes, compared, run, tree)  # type: ignore[arg-type]
+        if not verdict[0]:
+            return refused(f"{how}; every call observed had one sample, and {verdict[1]}")
+        return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", True), in_axes, out_axes
+    verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, compared, n, run, tree)  # type: ignore[arg-type]
     if verdict is not None and not verdict[0]:
         return refused(f"{how}, but the samples interact: {verdict[1]}")
     assert verdict is not None
@@ -400,14 +404,42 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
     alone = [t.narrow(a, 0, k) if a is not None else t for t, a in zip(leaves, in_axes)]
     try:
         out = run(tree.rebuild(alone))
-        first = compare_outputs([o.narrow(a, 0, k) if a is not None else o
-                                 for o, a in zip(tree_of(out).leaves(out), out_axes)], want)
+        first = compare_outputs([o.narrow(a, 0, k) for o, a in zip(tree_of(out).leaves(out), out_axes)
+                                 if a is not None], want)
         any_size = first.passed
     except Exception:  # noqa: BLE001 - a model fixed to its batch size: pieces padded to that size only
         any_size = False
     seen = f"replacing rows {k}..{n - 1} of {n} left rows 0..{k - 1} unchanged"
     return True, seen + ("; the first rows alone gave the same outputs" if any_size else
                          "; the first rows alone did not run the same, so only padding to a size seen is exact"), any_size
+
+
+def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                      in_axes: Sequence[Optional[int]], out_axes: Sequence[Optional[int]], run: Runner,
+                      tree: Tree) -> Tuple[bool, str]:
+    """The experiment with one sample: a second row made of the first's own values in another order (same dtype,
+    same values: valid indices stay valid); run together, each row must give what it gives alone."""
+    g = torch.Generator().manual_seed(0)
+
+    def scrambled(t: torch.Tensor, axis: int) -> torch.Tensor:
+        row = t.narrow(axis, 0, 1)
+        flat = row.reshape(-1)
+        return flat[torch.randperm(flat.numel(), generator=g).to(flat.device)].reshape(row.shape)
+
+    probe = [scrambled(t, a) if a is not None else t for t, a in zip(leaves, in_axes)]
+    both = [torch.cat([t, p], dim=a) if a is not None else t for t, p, a in zip(leaves, probe, in_axes)]
+    try:
+        together, alone = run(tree.rebuild(both)), run(tree.rebuild(probe))
+    except Exception as exc:  # noqa: BLE001
+        return False, f"two rows (the second its values reordered) make the model raise {type(exc).__name__}"
+    together_leaves, alone_leaves = tree_of(together).leaves(together), tree_of(alone).leaves(alone)
+    first = compare_outputs([t.narrow(a, 0, 1) for t, a in zip(together_leaves, out_axes) if a is not None],
+                            [o for o, a in zip(outputs, out_axes) if a is not None])
+    second = compare_outputs([t.narrow(a, 1, 1) for t, a in zip(together_leaves, out_axes) if a is not None],
+                             [o for o, a in zip(alone_leaves, out_axes) if a is not None])
+    if not (first.passed and second.passed):
+        return False, f"a second row changed the first's outputs: {(first if not first.passed else second).describe()}"
+    return True, "a second row, the first's values reordered, ran beside it as each ran alone"
 
 
 # -------------------------------------------------------------------------------------- rows on the axis

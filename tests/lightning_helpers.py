@@ -194,3 +194,41 @@ class HashCheckpoints(pl.Callback):
         self.directory = Path(cb.dirpath)
         self.hashes = file_hashes(self.directory)
 
+
+
+# The preflight's checks that need no model run, made when fit starts: a failure there stops before any step. The
+# others need the target's calls, observed in the sanity check or, without one, in the first training step's
+# forward: a failure there stops before the first optimizer step (that one forward may have run, nothing trained).
+SETTINGS_STAGES = {"device", "target", "weights", "export directory", "export dependencies", "export.preprocess"}
+
+
+def assert_stopped_before_training(message: str, model: Any, stage: str, before: Any = None) -> None:
+    """The preflight stopped fit at ``stage`` before anything was trained, and its message says when. ``before``:
+    :func:`snapshot` of the model before fit: unchanged (after the first training forward, only BatchNorm
+    statistics may have moved: that forward updates them, as any does; no weight changed)."""
+    assert f"stage '{stage}'" in message, message
+    if stage in SETTINGS_STAGES:
+        assert "before the first training step" in message and model.training_steps == 0, message
+    else:
+        assert "before the first optimizer step" in message and model.training_steps <= 1, message
+    assert model.trainer.global_step == 0  # no optimizer step
+    if before is not None:
+        state, parameters = before
+        if model.training_steps == 0:
+            assert state_fingerprint(model) == state
+        assert parameters_fingerprint(model) == parameters
+
+
+def snapshot(model: Any) -> Tuple[Any, str]:
+    """The model's state fingerprint and its parameters' own."""
+    return state_fingerprint(model), parameters_fingerprint(model)
+
+
+def parameters_fingerprint(model: Any) -> str:
+    """A hash of every parameter's values (not the buffers: BatchNorm statistics move in any training forward)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode() + p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

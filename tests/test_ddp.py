@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 import lightning_helpers as H
 from fx_lightning import ConfigError, FXFuseCallback, load_fused
 from fx_lightning.export import read_manifest
-from fx_lightning.parity import check_parity, judge_parity, measure_parity, merge_parity_states
+from fx_lightning.parity.gate import check_parity, judge_parity, measure_parity, merge_parity_states
 from fx_lightning.parity.gate import CLASS_WIDTHS_DISAGREE, NO_BATCHES
 from fx_lightning.pipeline.driver import BUFFERS_DIFFERED, PARITY_MERGED
 
@@ -123,8 +123,8 @@ def test_ddp_preflight_failure_on_rank_1_stops_every_rank_before_training(tmp_pa
         raised = r[rank]["raised"]
         assert raised is not None and raised["type"] == "PassError", r[rank]
         assert "on rank 1 of 2" in raised["message"] and "boom from a user pass on rank 1" in raised["message"]
-        assert "stage 'passes'" in raised["message"] and "before the first training step" in raised["message"]
-        assert r[rank]["global_step"] == 0 and r[rank]["training_steps"] == 0
+        assert "stage 'passes'" in raised["message"] and "before the first optimizer step" in raised["message"]
+        assert r[rank]["global_step"] == 0 and r[rank]["training_steps"] <= 1  # its forward observed, no step
         # Rank 0's own preflight got as far as its temporary export; nothing real was written anywhere.
         assert r[rank]["export_dir"] is None and _split_writes(r[rank]["export_writes"])[1] == []
     assert r[0]["raised"]["message"] == r[1]["raised"]["message"]  # the same error text on both ranks

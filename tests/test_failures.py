@@ -297,16 +297,15 @@ def _fit_counting(tmp_path: Path, model: pl.LightningModule, fuse_cb: FXFuseCall
 def test_preflight_stops_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     config, error_type, stage, cause = _preflight_case(case, monkeypatch, tmp_path)
     model = H.LitClassifier()
-    before = H.state_fingerprint(model)
+    before = H.snapshot(model)
     fuse_cb = FXFuseCallback(**config)
     with pytest.raises(Exception) as info:
         _fit_counting(tmp_path, model, fuse_cb)
     assert type(info.value).__name__ == error_type, info.value
     message = str(info.value)
-    assert f"stage '{stage}'" in message and cause in message and "before the first training step" in message
-    assert "Fix:" in message
-    assert model.training_steps == 0 and model.trainer.global_step == 0  # no optimizer step
-    assert H.state_fingerprint(model) == before and no_export_anywhere(tmp_path)
+    assert cause in message and "Fix:" in message
+    H.assert_stopped_before_training(message, model, stage, before)
+    assert no_export_anywhere(tmp_path)
     assert fuse_cb.preflight is None and fuse_cb.result is None
 
 

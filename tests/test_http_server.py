@@ -422,8 +422,8 @@ def test_a_worker_runs_few_batch_sizes_each_warmed_once() -> None:
             return x * 2
 
     sizes = serving_batch_sizes(None, 8)
-    served = BatchPieces({str(size): Recorder() for size in sizes}, warn=False)
-    warm_up(served, [torch.zeros(3, 2)], sizes)
+    served = BatchPieces({str(size): Recorder() for size in sizes}, [0], [0], warn=False)
+    warm_up(served, [torch.zeros(3, 2)], sizes, [0])
     assert seen == [1, 2, 4, 8]
     seen.clear()
     x = torch.arange(26.0).view(13, 2)

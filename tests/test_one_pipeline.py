@@ -110,13 +110,12 @@ def test_args_kwargs_forward_without_backbone_fuses(tmp_path: Path) -> None:
 
 def test_capture_that_needs_the_real_batch_stops_before_training(tmp_path: Path) -> None:
     model = H.LitClassifier(backbone=OnlyAtBatchOne(), width=8)
-    before = H.state_fingerprint(model)
+    before = H.snapshot(model)
     cb = FXFuseCallback()
     with pytest.raises(TraceError) as info:
         H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders(batch_size=8))
     message = str(info.value)
-    assert "stage 'capture'" in message and "before the first training step" in message
-    assert model.training_steps == 0 and H.state_fingerprint(model) == before
+    H.assert_stopped_before_training(message, model, "capture", before)
     assert cb.result is None and cb.export_dir is None
 
 
@@ -135,9 +134,8 @@ def test_preflight_stops_when_the_int8_variant_cannot_run(tmp_path: Path, monkey
         H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders())
     message = str(info.value)
     assert type(info.value).__name__ == "PassError", message
-    assert "stage 'variants'" in message and "quantize_int8 needs torchao: pip install 'fx-lightning[int8]'" in message
-    assert "before the first training step" in message
-    assert model.training_steps == 0 and model.trainer.global_step == 0
+    assert "quantize_int8 needs torchao: pip install 'fx-lightning[int8]'" in message
+    H.assert_stopped_before_training(message, model, "variants")
 
 
 def test_preflight_stops_when_the_selection_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,9 +150,9 @@ def test_preflight_stops_when_the_selection_cannot_run(tmp_path: Path, monkeypat
     with pytest.raises(ExportError) as info:
         H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders())
     message = str(info.value)
-    assert "stage 'selection'" in message and "export.select_batch_size 1" in message
+    assert "export.select_batch_size 1" in message
     assert "onnx: check failed" in message and "needs onnxruntime" in message
-    assert model.training_steps == 0
+    H.assert_stopped_before_training(message, model, "selection")
 
 
 def _export(tmp_path: Path, config: Dict[str, Any]) -> Path:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 import lightning_helpers as H
-from fusion_helpers import randomize_batchnorms, rel_err
+from fusion_helpers import real_cpu_has, randomize_batchnorms, rel_err
 from fx_lightning import ConfigError, FXFuseCallback, fuse_and_export, load_fused
 from fx_lightning.config import load_config
 from fx_lightning.export import read_manifest
@@ -376,9 +376,9 @@ def test_configured_labels_of_the_wrong_length_fail_before_training(tmp_path):
     transform = T.Compose([T.ToTensor(), T.Normalize(MEAN, STD)])
     model = LitPixels()
     cb = FXFuseCallback(target="", export={"formats": ["pt2"], "labels": ["a", "b"]})
-    with pytest.raises(ConfigError, match=r"export\.labels: 2 class names \['a', 'b'\] .* 4 columns"):
+    with pytest.raises(ConfigError, match=r"export\.labels: 2 class names \['a', 'b'\] .* 4 columns") as info:
         H.make_trainer(tmp_path, [cb]).fit(model, datamodule=PixelData(transform))
-    assert model.training_steps == 0
+    H.assert_stopped_before_training(str(info.value), model, "export")  # the output's width: a model run
 
 
 def test_a_wrong_channel_count_fails_before_training(tmp_path):
@@ -386,9 +386,9 @@ def test_a_wrong_channel_count_fails_before_training(tmp_path):
     model = LitPixels()
     cb = FXFuseCallback(target="", export={"formats": ["pt2"], "preprocess": {
         "enabled": True, "mean": [0.5, 0.5], "std": [0.2, 0.2]}})
-    with pytest.raises(ConfigError, match=r"export\.preprocess\.mean: 2 value\(s\)"):
+    with pytest.raises(ConfigError, match=r"export\.preprocess\.mean: 2 value\(s\)") as info:
         H.make_trainer(tmp_path, [cb]).fit(model, datamodule=PixelData(transform))
-    assert model.training_steps == 0
+    H.assert_stopped_before_training(str(info.value), model, "parity")  # the input's channels: a model run
 
 
 def test_the_selection_times_the_eager_baseline_on_the_same_raw_pixels(tmp_path):
@@ -418,7 +418,11 @@ def test_int8_and_bf16_variants_take_raw_pixels_and_pass_their_gates(tmp_path):
     outcome = fuse_and_export(model, tmp_path / "e", batches=_normalised_batches(4, 16), config=config)
     manifest = read_manifest(outcome.export_dir)
     variants = {n for n in manifest.formats if "-" in n}
-    assert {"pt2-int8", "onnx-int8", "openvino-int8", "pt2-bf16", "openvino-bf16"} <= variants, manifest.variants
+    wanted = {"pt2-int8", "openvino-int8", "pt2-bf16", "openvino-bf16"}
+    # ONNX Runtime's int8 saturates its 8-bit activations on a CPU without VNNI: it may miss this gate there.
+    if real_cpu_has("avx512_vnni") or real_cpu_has("avx_vnni"):
+        wanted.add("onnx-int8")
+    assert wanted <= variants and all(o.gate is not None for o in manifest.variants["int8"]), manifest.variants
     raw = _raw(8, "NHWC", seed=3)
     want = reference(model, raw, layout="NHWC")
     for name in sorted(variants):

@@ -107,7 +107,8 @@ class FXFuseCallback(Callback):
             return
         failure = check_settings(trainer, pl_module, self.config)
         if failure is not None:
-            self._refuse_preflight(failure)
+            self._refuse_preflight(failure, "before the first training step")
+            return
         self._recorder = CallRecorder(pl_module, self.config)
 
     def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
@@ -145,14 +146,14 @@ class FXFuseCallback(Callback):
             rank_zero_warn(f"FXFuseCallback: {self.preflight}. Training goes on; the end of fit runs them on the "
                            "trained model.")
         if failure is not None:
-            self._refuse_preflight(failure)
+            self._refuse_preflight(failure, "before the first optimizer step")
 
-    def _refuse_preflight(self, failure: Failure) -> None:
+    def _refuse_preflight(self, failure: Failure, when: str) -> None:
         stage = failure.step or "preflight"
         failure.error.add_context(
-            headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped before the "
-                     f"first optimizer step ({failure.type_name or type(failure.error).__name__}).\npreflight "
-                     f"failed at stage '{stage}' (before the first optimizer step; nothing was trained):",
+            headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped {when} "
+                     f"({failure.type_name or type(failure.error).__name__}).\npreflight failed at stage '{stage}' "
+                     f"({when}; nothing was trained):",
             after=[f"  Fix: {FIXES.get(stage, 'see the error above')}."])
         self._refuse_before_fit(failure, f"preflight failed: {failure.error}")
 

@@ -26,9 +26,9 @@ from torch import nn
 
 from fx_lightning.batches import detached, extract_labels, loader_sample_counts
 from fx_lightning.calls import Call, tree_of_call
-from fx_lightning.callback.trainer_data import first_loader
+from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, first_loader
 from fx_lightning.capture import is_compiled_module
-from fx_lightning.config import FuseConfig
+from fx_lightning.config import FuseConfig, ParityData
 from fx_lightning.errors import ConfigError
 from fx_lightning.notes import NoteKind
 from fx_lightning.pipeline import Observations, ObservedStep, resolve_target
@@ -51,6 +51,7 @@ class _Step:
     labels: Optional[torch.Tensor]
     whole: Optional[Call] = None
     depth: int = 0  # > 0 while the LightningModule's forward runs
+    counted: List[bool] = field(default_factory=list)  # per open call of the LightningModule: was it its forward
     # The first call of each module watched in this step, and whether the LightningModule's forward made it.
     calls: Dict[str, Tuple[Call, bool]] = field(default_factory=dict)
 
@@ -71,13 +72,15 @@ class _Log:
         if len(self.shapes) < MAX_SHAPES:
             self.shapes.append((_shapes(observed.target), observed.samples))
 
-    def observations(self, path: str, prefer: str, notes: List[Any]) -> Optional[Observations]:
-        stage = prefer if (self.validation if prefer == "validation" else self.training) else (
-            "training" if prefer == "validation" else "validation")
-        steps = self.validation if stage == "validation" else self.training
-        if not steps:
-            return None
-        return Observations(path, list(steps), list(self.shapes), list(self.training), stage, notes)
+    def observations(self, path: str, stages: Tuple[str, ...], notes: List[Any]) -> Optional[Observations]:
+        """The first of ``stages`` whose calls were seen."""
+        for stage in stages:
+            steps = self.validation if stage == "validation" else self.training
+            if steps:
+                extra = [NO_VALIDATION_DATA()] if stage == "training" and "validation" in stages else []
+                return Observations(path, list(steps), list(self.shapes), list(self.training), stage,
+                                    [*notes, *extra])
+        return None
 
 
 class CallRecorder:
@@ -85,6 +88,9 @@ class CallRecorder:
 
     def __init__(self, pl_module: "pl.LightningModule", config: FuseConfig) -> None:
         self.root = pl_module
+        # parity.data: whose calls parity compares on (example: the example_input_array, nothing observed).
+        self.stages: Tuple[str, ...] = {ParityData.auto: ("validation", "training"), ParityData.val: ("validation",),
+                                        ParityData.train: ("training",), ParityData.example: ()}[config.parity.data]
         self.path, self.target = resolve_target(pl_module, config.target)
         self.keep = max(1, config.parity.max_batches)
         # Watched: the target, and the LightningModule's children when it is the default target (its steps may
@@ -156,6 +162,12 @@ class CallRecorder:
         step = self.step
         if step is None or module is not self.root:
             return
+        # Under DDP (and the strategies like it) Lightning calls the module with the step's arguments, its forward
+        # swapped for the step on the instance for that one call: that call is the step, not the forward.
+        redirected = "forward" in vars(module)
+        step.counted.append(not redirected)
+        if redirected:
+            return
         if step.depth == 0 and step.whole is None:
             step.whole = _kept(args, kwargs)
             self.root_called = True
@@ -164,8 +176,9 @@ class CallRecorder:
         step.depth += 1
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.step is not None and module is self.root:
-            self.step.depth -= 1
+        step = self.step
+        if step is not None and module is self.root and step.counted and step.counted.pop():
+            step.depth -= 1
 
     def _watch(self, name: str, watched: nn.Module) -> Any:
         def hook(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -181,17 +194,18 @@ class CallRecorder:
     # --------------------------------------------------------------------------------------- the result
 
     def observations_from(self, stage: str) -> bool:
-        """Whether the target's calls of ``stage`` were observed (their values kept)."""
+        """Whether the target's calls of ``stage`` were observed (their values kept) and parity would use them."""
         log = self.logs[self.path]
-        return self.off is None and bool(log.validation if stage == "validation" else log.training)
+        return self.off is None and stage in self.stages[:1] and bool(log.validation if stage == "validation"
+                                                                      else log.training)
 
-    def observations(self, prefer: str = "validation") -> Optional[Observations]:
-        """What was observed (None: nothing, or observation was off). ``prefer``: whose values parity compares on
-        when both stages were seen. Raises ConfigError when the LightningModule is the default target, its forward
-        was never called, and its steps called several submodules."""
-        if self.off is not None:
+    def observations(self) -> Optional[Observations]:
+        """What was observed (None: nothing, observation was off, or ``parity.data: example``), of the first stage
+        ``parity.data`` names that was seen. Raises ConfigError when the LightningModule is the default target, its
+        forward was never called, and its steps called several submodules."""
+        if self.off is not None or not self.stages:
             return None
-        found = self.logs[self.path].observations(self.path, prefer, [])
+        found = self.logs[self.path].observations(self.path, self.stages, [])
         if found is not None or self.target is not self.root or self.root_called:
             return found
         called = sorted(name for name, log in self.logs.items() if name != self.path and (log.validation or
@@ -203,7 +217,7 @@ class CallRecorder:
         if not called:
             return None
         name = called[0]
-        return self.logs[name].observations(name, prefer, [TARGET_CALLED_BY_STEPS(called=name, target=name)])
+        return self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(called=name, target=name)])
 
 
 def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:

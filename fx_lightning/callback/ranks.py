@@ -101,7 +101,7 @@ def end_of_fit_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", co
     device = resolve_device(config.device, trainer.strategy.root_device)
     model, weights = pick_weights(trainer, pl_module, config)
     differ = reference_buffers is not None and _buffers_differ(model, reference_buffers)
-    observed_steps = observed is not None and bool(observed.steps)
+    observed_steps = observed is not None and bool(observed.steps) and config.parity.input is None
     batches = Batches([], "val") if observed_steps and not calibration_batch_count(config) else \
         parity_batches(trainer, config)  # the calls observed are compared on; batches for calibration only
     return Source(model, batches, getattr(pl_module, "example_input_array", None),

@@ -39,6 +39,25 @@ class ArtifactInterface(nn.Module):
         self.names = [leaf.name for leaf in signature.inputs]
         self.eval()
 
+    @staticmethod
+    def needed(signature: Signature, built: Optional[List[List[Optional[int]]]]) -> bool:
+        """Whether an artifact needs the interface: a flat one (its callers pass the original arguments or names), one
+        without a sample axis or built for fixed sizes (sizes checked, named, before a runtime refuses them), or one
+        whose outputs nest (a runtime returns them flat)."""
+        nested = any(len(leaf.steps) > 1 or any(kind != "index" for kind, _ in leaf.steps)
+                     for leaf in signature.outputs)
+        fixed = built is not None and any(d is not None for shape in built for d in shape)
+        return signature.flat or not signature.batched or fixed or nested
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the runtime's own attributes (a session, a compiled model) through the interface
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call_args = self._arguments(args, kwargs)
         tensors = [a for a in call_args if isinstance(a, torch.Tensor)]

@@ -100,7 +100,7 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
             module = BatchPieces({str(size): module for size in entry.batch_sizes}, signature.input_axes(),
                                  signature.output_axes(), what=f"{chosen} artifact",
                                  hint="it was exported for those batch sizes only (see the manifest's notes)")
-        if manifest.signature is not None:  # the call checked and nested as the signature says (version 3)
+        if manifest.signature is not None and ArtifactInterface.needed(signature, entry.built_shapes):
             module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact")
         return CompiledForServing(module) if compile else module
     except ExportError:

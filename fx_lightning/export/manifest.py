@@ -460,12 +460,18 @@ def _input_specs(ctx: WriteContext) -> List[TensorSpec]:
             specs.append(TensorSpec(name, type(a).__name__, value=repr(a)[:200]))
             continue
         leaf = next(leaves)
-        specs.append(TensorSpec(name, "tensor", leaf.shape, dtype_name(a.dtype), list(a.shape), str(a.device)))
+        specs.append(TensorSpec(name, "tensor", _shape(leaf, ctx), dtype_name(a.dtype), list(a.shape), str(a.device)))
     return specs
 
 
 def _output_specs(ctx: WriteContext) -> List[TensorSpec]:
-    return [TensorSpec(leaf.name, None, leaf.shape, leaf.dtype) for leaf in ctx.signature.outputs]
+    return [TensorSpec(leaf.name, None, _shape(leaf, ctx), leaf.dtype) for leaf in ctx.signature.outputs]
+
+
+def _shape(leaf: LeafSpec, ctx: WriteContext) -> List[Union[int, str]]:
+    """A leaf's shape as manifests write it: ``"batch"`` on a sample axis the artifacts take at any size (its size,
+    when they are built for the example's), a name where a size varies, the size elsewhere."""
+    return [d.size if token == "batch" and not ctx.sample_dynamic else token for token, d in zip(leaf.shape, leaf.dims)]
 
 
 def legacy_signature(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], dynamic_batch: bool) -> Signature:

@@ -77,6 +77,8 @@ LOW_PRECISION_GATE = NoteKind("low_precision_gate", "low-precision model: error 
                                                     "unfused model's own error against fp64) = {rtol:.3g}")
 LOSSY_NOT_GATED = NoteKind("lossy_not_gated", "lossy model: relative error reported, not gated")
 NOT_CLASS_SCORES = NoteKind("not_class_scores", "outputs are not class scores: top-1 agreement not measured")
+ALL_STOCHASTIC = NoteKind("all_stochastic", "every output of the target ({count}) changes from run to run (drawn at "
+                                            "random in forward, in eval mode): nothing deterministic to compare")
 NO_LABELS = NoteKind("no_labels", "no integer labels in the batches: accuracy not measured")
 
 
@@ -148,9 +150,11 @@ def parity_config(cfg: Union[ParityConfig, Mapping[str, Any], None]) -> ParityCo
 class _Measurement:
     """The metrics and counts of one measure_parity call, updated batch by batch."""
 
-    def __init__(self, cfg: ParityConfig, device: Optional[torch.device], notes: Sequence[Note], nested: bool) -> None:
+    def __init__(self, cfg: ParityConfig, device: Optional[torch.device], notes: Sequence[Note], nested: bool,
+                 stochastic: Sequence[int] = ()) -> None:
         self.cfg = cfg
         self.nested = nested
+        self.stochastic = set(stochastic)
         self.device = device
         self.state = ParityState(notes=list(notes))
         # The metrics live on the model's device while measuring, on the CPU in the state.
@@ -173,7 +177,12 @@ class _Measurement:
                 self.state.failures.append(OUTPUT_STRUCTURE(mismatch=mismatch))
                 return False
             refs, cands = flat_tensors(ref), flat_tensors(cand)
-            for r, c in zip(refs, cands):
+            if self.stochastic and len(self.stochastic) >= len(refs):
+                self.state.failures.append(ALL_STOCHASTIC(count=len(refs)))
+                return False
+            for i, (r, c) in enumerate(zip(refs, cands)):
+                if i in self.stochastic:
+                    continue  # drawn at random: its structure was compared above
                 if is_discrete(r):  # labels, masks, thresholded scores: judged by agreement
                     self.discrete.update(c.detach(), r.detach())
                     continue
@@ -272,37 +281,40 @@ def measure_parity(
     notes: Sequence[Note] = (),
     precise_reference: Optional[nn.Module] = None,
     nested: bool = True,
-    stochastic: bool = False,
+    stochastic: Sequence[int] = (),
 ) -> ParityState:
     """Run the comparison of :func:`check_parity` on this process's batches and return the metric states
     (nothing is computed or gated here, and there is no collective call). ``input_rule`` takes forward's
-    inputs out of a batch (None: automatic). Both sides run with the same random seed per batch; ``stochastic``
-    (outputs drawn at random in forward): the target's calls are rerun alone, seeded alike, when they went through
-    the whole model."""
+    inputs out of a batch (None: automatic). Both sides draw the same random numbers (the generators' state is
+    replayed for the candidate), so a model that draws in eval mode is compared on equal terms. ``stochastic``: the
+    target's outputs (by position among its tensors) drawn at random in forward: compared by structure only (no
+    runtime draws the same numbers), and a target whose every output is drawn at random fails."""
     cfg = parity_config(cfg)
     if whole_reference is not None and whole_candidate is None:
         raise ValueError("whole_candidate is required with whole_reference")
     device, dtype = model_device_dtype(reference if whole_reference is None else whole_reference)
-    run = _Measurement(cfg, device, notes, nested)
-    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
-    with torch.no_grad(), no_distribution_validation(), torch.random.fork_rng(devices=cuda):
-        for index, batch in enumerate(itertools.islice(iter(batches), cfg.max_batches)):
+    run = _Measurement(cfg, device, notes, nested, stochastic)
+    with torch.no_grad(), no_distribution_validation():
+        for batch in itertools.islice(iter(batches), cfg.max_batches):
             call = as_call(to_model(extract_input(batch, input_rule), device, dtype))
-            seed = _SEED + index  # the same random numbers for both sides: a sample drawn in forward matches
+            drawn = _RandomState.now(device)  # both sides draw the same random numbers, if they draw any
             if whole_reference is not None:
                 with record_calls(reference) as calls:
-                    whole_ref_out = _seeded(seed, lambda: call.run(whole_reference))
+                    whole_ref_out = call.run(whole_reference)
                 if not calls:
                     raise ConfigError(
                         "target: the target module is never called by the model's forward, so the fused target "
                         "cannot be compared; point `target` at a module that forward uses."
                     )
-                whole_cand_out = _seeded(seed, lambda: call.run(whole_candidate))  # type: ignore[arg-type]
-                if stochastic:  # the target alone, seeded alike on both sides
-                    calls = [(a, k, detached(_seeded(seed, lambda: reference(*a, **k)))) for a, k, _ in calls]
+                drawn.restore()
+                whole_cand_out = call.run(whole_candidate)  # type: ignore[misc]
+                drawn = _RandomState.now(device)
             else:
-                calls = [(call.args, call.kwargs, detached(_seeded(seed, lambda: call.run(reference))))]
-            cand_outs = [_seeded(seed, lambda: candidate(*a, **k)) for a, k, _ in calls]
+                calls = [(call.args, call.kwargs, detached(call.run(reference)))]
+            cand_outs = []
+            for a, k, _ in calls:
+                drawn.restore()
+                cand_outs.append(candidate(*a, **k))
             if not run.compare_target(calls, cand_outs, precise_reference):
                 break
             if whole_reference is not None:
@@ -314,12 +326,21 @@ def measure_parity(
     return run.finish(source, whole_reference is not None, precise_reference is not None)
 
 
-_SEED = 20260
+class _RandomState:
+    """The random number generators' state (the CPU's, and the model's GPU's), to replay the same draws."""
 
+    def __init__(self, cpu: torch.Tensor, cuda: Optional[Tuple[int, torch.Tensor]]) -> None:
+        self.cpu, self.cuda = cpu, cuda
 
-def _seeded(seed: int, fn: Callable[[], Any]) -> Any:
-    torch.manual_seed(seed)
-    return fn()
+    @classmethod
+    def now(cls, device: Optional[torch.device]) -> "_RandomState":
+        index = (device.index or 0) if device is not None and device.type == "cuda" else None
+        return cls(torch.get_rng_state(), (index, torch.cuda.get_rng_state(index)) if index is not None else None)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda[1], self.cuda[0])
 
 
 # ---------------------------------------------------------------------------------------------- merge

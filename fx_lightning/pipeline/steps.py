@@ -233,7 +233,12 @@ def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, who
         reference, candidate, fused.steps, cfg,
         whole_reference=fused.reference_whole if whole else None, whole_candidate=whole_candidate if whole else None,
         input_rule=_whole_call if whole else _target_call, label_rule=_labels, source=fused.source,
-        precise_reference=precise, nested=nested, stochastic=any(o.stochastic for o in fused.signature.outputs))
+        precise_reference=precise, nested=nested, stochastic=_stochastic(fused))
+
+
+def _stochastic(fused: Fused) -> List[int]:
+    """The target's outputs drawn at random in forward (by position among its tensors)."""
+    return [i for i, leaf in enumerate(fused.signature.outputs) if leaf.stochastic]
 
 
 def _whole_call(step: ObservedStep) -> Call:
@@ -424,7 +429,7 @@ def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_
                            whole_candidate=whole_candidate if fused.through_whole else None,
                            input_rule=_whole_call if fused.through_whole else _target_call, label_rule=_labels,
                            source=fused.source, nested=False,
-                           stochastic=any(o.stochastic for o in fused.signature.outputs))
+                           stochastic=_stochastic(fused))
     return judge_parity(state, config, lossy=True, config_key=config_key)
 
 
