@@ -207,6 +207,22 @@ def test_bench_times_export_and_unfused(cli_export, capsys):
     assert "--format: onnx not in this export" in capsys.readouterr().err
 
 
+def test_bench_times_the_unfused_model_of_a_raw_pixel_export_on_raw_pixels(trained, tmp_path, capsys):
+    """With export.preprocess the artifacts take raw uint8 pixels: the unfused model is timed behind the same
+    normalisation (it failed with "Input type (unsigned char) and bias type (float)" and was left out)."""
+    out = tmp_path / "raw"
+    assert _fuse(trained, out, "--datamodule", DATA, "export.formats=[pt2]", "export.preprocess.enabled=true",
+                 "export.preprocess.mean=[0.5,0.5,0.5]", "export.preprocess.std=[0.25,0.25,0.25]") == 0
+    capsys.readouterr()
+    assert main(["bench", str(out), "--iters", "2", "--warmup", "0", "--batch-size", "2", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+    unfused = [row for row in cells if row[0] == "unfused"]
+    pt2 = [row for row in cells if row[0] == "pt2"]
+    assert unfused and pt2, text  # earlier: no unfused row at all
+    assert all(row[-1].endswith("x") and float(row[-1][:-1]) > 0 for row in pt2), text  # earlier: "-"
+
+
 def test_console_script_is_installed(cli_export, tmp_path):
     script = Path(sys.executable).parent / "fx-lightning"
     assert script.exists(), "pip install -e . should have created the console script"

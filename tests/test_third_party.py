@@ -437,9 +437,10 @@ class SelfSupervised(H.LitClassifier):
 
 def test_a_two_view_self_supervised_module_needs_no_configuration(tmp_path) -> None:
     """Before: the automatic input was the list of views (conv2d() received a list), before training with the
-    preflight, after it without; the only way out was a module-level function for parity.input."""
+    preflight, after it without; the only way out was a module-level function for parity.input. The callback now
+    observes what the backbone receives in the module's own steps: each view."""
     from fx_lightning import FXFuseCallback, load_fused
-    from fx_lightning.pipeline.steps import STEP_INPUTS
+    from fx_lightning.pipeline.inputs import OBSERVED_CALLS
 
     loader = lambda: torch.utils.data.DataLoader(TwoViews(), batch_size=16)  # noqa: E731
     model = SelfSupervised()
@@ -447,8 +448,8 @@ def test_a_two_view_self_supervised_module_needs_no_configuration(tmp_path) -> N
     H.make_trainer(tmp_path, [cb]).fit(model, loader(), loader())
     assert cb.parity_report is not None and cb.parity_report.passed
     assert cb.parity_report.batches == 4  # 2 validation batches x 2 views: what the backbone received
-    note = next(n for n in cb.outcome.notes if n.kind == STEP_INPUTS)  # type: ignore[union-attr]
-    assert note["step"] == "validation_step" and note["calls"] == 4 and "list(list(Tensor[16, 3, 8, 8]" in str(note["batch"])
+    note = next(n for n in cb.outcome.notes if n.kind == OBSERVED_CALLS)  # type: ignore[union-attr]
+    assert note["stage"] == "validation" and note["calls"] == 4
     x = torch.randn(5, 3, 8, 8)
     assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model.backbone)(x.double())) < 1e-5
 
@@ -490,7 +491,7 @@ def test_when_no_input_can_be_found_the_error_says_what_was_tried() -> None:
     message = str(info.value)
     assert "tuple(list(Tensor[4, 3, 8, 8] float32, Tensor[4, 3, 8, 8] float32), Tensor[4] int64)" in message
     assert "validation_step never called the target; its training_step never called the target" in message
-    assert "Set parity.input" in message
+    assert "parity.input can be a key of a dict batch" in message and "'*' (the whole batch" in message
 
 
 class Tabular(nn.Module):
@@ -509,21 +510,26 @@ class Tabular(nn.Module):
 @pytest.mark.parametrize("mode", ["fx", "export"])
 def test_a_dict_input_model_is_exported_with_a_dynamic_batch(tmp_path, mode: str) -> None:
     """Before: dict inputs got dynamic_shapes of the wrong structure, and the export refused "nested or keyword
-    inputs". ONNX takes tensors only: it is left out with its reason."""
+    inputs". The dict is captured through a flat interface (one tensor per key, by name), so ONNX takes it too, and
+    every artifact is called with the dict as the model is."""
     import fx_lightning
 
     model = H.randomize_batchnorms(Tabular()).eval()
     g = torch.Generator().manual_seed(0)
     x = {"continuous": torch.randn(8, 3, generator=g), "categorical": torch.randint(0, 10, (8, 5), generator=g)}
+    formats = ["pt2", "graph_module", "onnx"]
     outcome = fx_lightning.fuse_and_export(model, tmp_path / "e", example_inputs=(x,),
-                                           config={"trace": {"mode": mode}, "export": {"formats": ["pt2", "graph_module"]}})
+                                           config={"trace": {"mode": mode}, "export": {"formats": formats}})
     assert outcome.result.report.batchnorms_folded == 1 and outcome.manifest.dynamic_batch
-    assert [(s.name.split(".")[-1], s.shape) for s in outcome.manifest.inputs] == [
-        ("continuous", ["batch", 3]), ("categorical", ["batch", 5])]
+    assert [(s.name, s.shape) for s in outcome.manifest.inputs] == [
+        ("batch_continuous", ["batch", 3]), ("batch_categorical", ["batch", 5])]
+    assert [leaf.path for leaf in outcome.manifest.signature.inputs] == ["batch['continuous']", "batch['categorical']"]
     y = {"continuous": torch.randn(3, 3), "categorical": torch.randint(0, 10, (3, 5))}
     want = H.fp64_copy(model)({"continuous": y["continuous"].double(), "categorical": y["categorical"]})
-    for fmt in ("pt2", "graph_module"):
-        assert H.rel_err(fx_lightning.load_fused(tmp_path / "e", fmt)(y), want) < 1e-5
+    for fmt in formats:
+        loaded = fx_lightning.load_fused(tmp_path / "e", fmt)
+        assert H.rel_err(loaded(y), want) < 1e-5, fmt  # the dict, as the model takes it
+        assert H.rel_err(loaded(batch_continuous=y["continuous"], batch_categorical=y["categorical"]), want) < 1e-5
 
 
 class MemoryBank(nn.Module):
@@ -559,17 +565,16 @@ class Detector(H.LitClassifier):
 
 
 def test_a_model_that_runs_only_once_trained_is_not_stopped_by_the_preflight(tmp_path) -> None:
-    """Before: the preflight stopped training (the untrained model raised). Now it proves what needs no model run,
-    says what it could not prove and why, and the end of fit fuses, verifies and exports the trained model."""
+    """Before: the preflight stopped training (the untrained model raised). With no sanity check the preflight runs
+    after the first training step's forward (which fills the memory bank), before its optimizer step: it proves the
+    whole pipeline; the end of fit fuses, verifies and exports the trained model."""
     from fx_lightning import FXFuseCallback, load_fused
 
     model = Detector()
     cb = FXFuseCallback(export={"formats": ["pt2"]})
-    with pytest.warns(UserWarning, match="not proven: the pipeline's steps: the model's own forward raises"):
-        H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders())
-    assert model.training_steps == 8 and cb.preflight is not None
-    assert cb.preflight.stages == ["device", "target", "weights", "export directory", "export dependencies"]
-    assert "the memory bank is empty" in (cb.preflight.unproven or "")
+    H.make_trainer(tmp_path, [cb]).fit(model, *H.loaders())
+    assert model.training_steps == 8 and cb.preflight is not None and cb.preflight.unproven is None
+    assert {"capture", "parity", "export"} <= set(cb.preflight.stages)
     assert cb.parity_report is not None and cb.parity_report.passed
     x = torch.randn(5, 3, 8, 8)
     assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model.backbone)(x.double())) < 1e-5

@@ -42,6 +42,8 @@ NOT_OBSERVED = NoteKind("not_observed", "the target's calls were not observed ({
                                         "the batches")
 # Shapes of this many calls are kept (evidence of which sizes vary).
 MAX_SHAPES = 512
+# Calls of the target kept with their values per step (a self-supervised step calls it once per view).
+CALLS_PER_STEP = 4
 
 
 @dataclass
@@ -52,8 +54,9 @@ class _Step:
     whole: Optional[Call] = None
     depth: int = 0  # > 0 while the LightningModule's forward runs
     counted: List[bool] = field(default_factory=list)  # per open call of the LightningModule: was it its forward
-    # The first call of each module watched in this step, and whether the LightningModule's forward made it.
-    calls: Dict[str, Tuple[Call, bool]] = field(default_factory=dict)
+    # The calls of each module watched in this step (the first few): the call, the LightningModule's call it was
+    # made in (None: outside its forward).
+    calls: Dict[str, List[Tuple[Call, Optional[Call]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,11 +128,12 @@ class CallRecorder:
         step, self.step = self.step, None
         if step is None:
             return
-        for name, (call, in_forward) in step.calls.items():
-            if name != self.path and in_forward:
-                continue  # a child called by the forward: the forward is what the steps call
-            whole = step.whole if name and in_forward else None
-            self.logs[name].add(step.stage, ObservedStep(call, whole, step.samples, step.labels), self.keep)
+        for name, calls in step.calls.items():
+            for call, whole in calls:
+                if name != self.path and whole is not None:
+                    continue  # a child called by the forward: the forward is what the steps call
+                self.logs[name].add(step.stage, ObservedStep(call, whole if name else None, step.samples,
+                                                             step.labels), self.keep)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -168,11 +172,11 @@ class CallRecorder:
         step.counted.append(not redirected)
         if redirected:
             return
-        if step.depth == 0 and step.whole is None:
-            step.whole = _kept(args, kwargs)
+        if step.depth == 0:
+            step.whole = _kept(args, kwargs) if self._room(step, self.path) else None
             self.root_called = True
-            if self.target is self.root:
-                step.calls[self.path] = (step.whole, True)
+            if self.target is self.root and step.whole is not None:
+                step.calls.setdefault(self.path, []).append((step.whole, step.whole))
         step.depth += 1
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -185,11 +189,16 @@ class CallRecorder:
             step = self.step
             if step is None or module is not watched:
                 return
-            if name not in step.calls:
-                step.calls[name] = (_kept(args, kwargs), step.depth > 0)
-            elif name == self.path and len(self.logs[name].shapes) < MAX_SHAPES:  # a second call: its shapes
+            if self._room(step, name):
+                step.calls.setdefault(name, []).append((_kept(args, kwargs), step.whole if step.depth > 0 else None))
+            elif name == self.path and len(self.logs[name].shapes) < MAX_SHAPES:  # more calls: their shapes
                 self.logs[name].shapes.append((_shapes(Call(tuple(args), dict(kwargs))), None))
         return hook
+
+    def _room(self, step: _Step, name: str) -> bool:
+        """Whether a call of ``name`` in this step is kept with its values: a few per step (two views of a batch,
+        say), within what parity compares on."""
+        return len(step.calls.get(name, [])) < CALLS_PER_STEP
 
     # --------------------------------------------------------------------------------------- the result
 
