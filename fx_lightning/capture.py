@@ -136,6 +136,8 @@ class Capture:
     inlined_batchnorms: List[RemainingBatchNorm] = field(default_factory=list)
     # BatchNorm subclasses symbolic tracing had to keep whole (their forward does not trace): not foldable by fx.
     opaque_batchnorms: List[str] = field(default_factory=list)
+    # The input shapes a torch.export capture is fixed to (its sizes could not stay dynamic); None: it takes others.
+    static_shapes: Optional[List[List[int]]] = None
 
 
 class FXLeafTracer(fx.Tracer):
@@ -334,6 +336,7 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
         if not made.dynamic and any(dims):
             reason = made.static_reason or (first_line(first) if first is not None else "unknown")
             result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=reason))
+            result.static_shapes = [list(t.shape) for t in leaves]
         return result
     assert first is not None
     raise first

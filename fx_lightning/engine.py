@@ -30,7 +30,7 @@ from fx_lightning.passes import (
 )
 from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
 from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
-from fx_lightning.report import FuseReport, GraphStats, PassReport, graph_stats
+from fx_lightning.report import FuseReport, GraphStats, PassReport, batchnorms_in_leaves, graph_stats
 from fx_lightning.signature import Signature
 
 __all__ = ["FuseResult", "fuse", "run_once", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
@@ -53,6 +53,8 @@ class FuseResult:
     config: FuseConfig
     example_inputs: Optional[tuple] = None  # what graph_module was captured with (the leaves, when flat)
     interface: Optional[Interface] = None
+    # The input shapes graph_module is fixed to (a torch.export capture whose sizes could not stay dynamic).
+    static_shapes: Optional[List[List[int]]] = None
 
     @property
     def module(self) -> nn.Module:
@@ -122,14 +124,15 @@ def fuse(
         after=_with_batchnorms(graph_stats(gm), inlined),
         passes=[PassReport(spec.name, spec.preserves_computation, result.changed, result.skipped, seconds)
                 for spec, result, seconds in module_runs + graph_runs],
-        remaining_batchnorms=captured.inlined_batchnorms + _with_pass_reasons(unfused_batchnorm_reasons(gm), graph_runs),
+        remaining_batchnorms=captured.inlined_batchnorms + _with_pass_reasons(unfused_batchnorm_reasons(gm), graph_runs)
+        + batchnorms_in_leaves(gm),
         notes=list(captured.notes),
         seconds=time.perf_counter() - start,
     )
     if inputs is None and captured.mode == "fx":
         report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
-    return FuseResult(gm, report, cfg, inputs, interface)
+    return FuseResult(gm, report, cfg, inputs, interface, captured.static_shapes)
 
 
 def _as_call(example_inputs: Any) -> Optional[Call]:

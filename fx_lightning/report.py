@@ -15,8 +15,9 @@ from fx_lightning.notes import Note
 from fx_lightning.passes.base import Change, RemainingBatchNorm, Skip
 from fx_lightning.passes.batchnorm import is_batchnorm_node
 from fx_lightning.passes.dropout import is_dropout_node
+from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
 
-__all__ = ["GraphStats", "PassReport", "FuseReport", "graph_stats", "reason_kind"]
+__all__ = ["GraphStats", "PassReport", "FuseReport", "graph_stats", "batchnorms_in_leaves", "reason_kind"]
 
 
 @dataclass
@@ -28,7 +29,9 @@ class GraphStats:
 
 
 def graph_stats(gm: fx.GraphModule) -> GraphStats:
-    bns = dropouts = 0
+    """Nodes, BatchNorms (those the graph calls, and those inside the modules it keeps whole), dropouts, and the
+    elements of every parameter and buffer."""
+    bns, dropouts = len(batchnorms_in_leaves(gm)), 0
     for node in gm.graph.nodes:
         if is_batchnorm_node(gm, node):
             bns += 1
@@ -41,6 +44,26 @@ def graph_stats(gm: fx.GraphModule) -> GraphStats:
             seen.add(id(t))
             numel += t.numel()
     return GraphStats(len(gm.graph.nodes), bns, dropouts, numel)
+
+
+def batchnorms_in_leaves(gm: fx.GraphModule) -> List[RemainingBatchNorm]:
+    """The BatchNorms inside the modules the graph calls whole (leaf modules: configured, or kept opaque because
+    their forward does not trace): in the export, and never folded."""
+    out: List[RemainingBatchNorm] = []
+    seen = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.target in seen:
+            continue
+        seen.add(node.target)
+        leaf = gm.get_submodule(str(node.target))
+        if is_batchnorm_like(leaf) or looks_like_batchnorm(leaf):
+            continue  # a BatchNorm itself: counted as a node
+        for name, sub in leaf.named_modules():
+            if name and (is_batchnorm_like(sub) or looks_like_batchnorm(sub)):
+                out.append(RemainingBatchNorm(f"{node.target}.{name}",
+                                              f"inside {type(leaf).__qualname__} '{node.target}', a module the graph "
+                                              "calls whole (a leaf: not traced into), so not folded"))
+    return out
 
 
 @dataclass

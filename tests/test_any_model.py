@@ -276,3 +276,68 @@ def test_load_fused_never_splits_or_pads_a_dimension_that_is_not_a_proven_sample
     batch2 = torch.sort(torch.randint(0, 8, (200,), generator=g)).values
     with pytest.raises(ExportError, match=r"(?i)input v .* dim 0 is 200; the artifact was built for 171"):
         loaded(V2, batch2)
+
+
+def test_a_bf16_variant_of_a_model_that_only_exports_for_its_batch_size(tmp_path: Path) -> None:
+    """The fp32 export of a model fixed to its batch size falls back to a static export; the bf16 variant did not
+    (it always asked for a dynamic batch), so the preflight stopped training. Now it falls back alike: pt2-bf16 is
+    built for that batch size and run as pieces of it."""
+    lit, cb = _fit("fixed_batch", tmp_path, export={"formats": ["pt2"]},
+                   passes={"cast_bf16": {"enabled": True, "min_top1_agreement": 0.5, "max_accuracy_drop": 0.5,
+                                         "min_cosine": 0.9}})
+    manifest = read_manifest(cb.export_dir)
+    assert manifest.formats["pt2-bf16"].batch_sizes == [4] and manifest.formats["pt2"].batch_sizes == [4]
+    x = torch.randn(6, 3, 8, 8)
+    want = _fixed_batch_reference(copy.deepcopy(lit.backbone).double().eval(), x.double(), 4)
+    got = load_fused(cb.export_dir, "pt2-bf16")(x)
+    assert got.shape == (6, 4) and got.dtype == torch.float32 and rel_err(got, want) < 0.05
+
+
+class PythonBatchSize(torch.nn.Module):
+    """Branches on its batch size (a path for the batch size it usually runs): torch.export fixes the graph to the
+    example's batch size, while the model itself runs any."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = torch.nn.Conv2d(3, 6, 3), torch.nn.BatchNorm2d(6), torch.nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.head(self.bn(self.conv(x)).mean((2, 3)))
+        if x.shape[0] == 4:
+            return h * 1.0
+        return h
+
+
+class PythonBatchSizeLit(mp.FixedBatchLit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = PythonBatchSize()
+
+    @staticmethod
+    def loaders(batch_size: int = 4) -> Tuple[Any, Any]:
+        from torch.utils.data import DataLoader, TensorDataset
+
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(30, 3, 8, 8, generator=g), torch.randint(0, 4, (30,), generator=g)
+        return (DataLoader(TensorDataset(x[:20], y[:20]), batch_size=batch_size, shuffle=True),
+                DataLoader(TensorDataset(x[20:], y[20:]), batch_size=batch_size))  # 4, 4, 2
+
+
+def test_a_graph_fixed_to_its_batch_size_is_compared_in_pieces_of_it(tmp_path: Path) -> None:
+    """The last validation batch holds 2 samples; the captured graph takes 4 only. Earlier parity stopped with
+    "Guard failed: x.size()[0] == 4" and the advice to check parity.input; now the 2 samples run as a piece of 4
+    (padded: the rows were shown independent), and the export says what it is built for."""
+    torch.manual_seed(0)
+    lit = PythonBatchSizeLit()
+    train, val = lit.loaders()
+    cb = FXFuseCallback(export={"formats": ["pt2"]})
+    pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, callbacks=[cb], default_root_dir=tmp_path).fit(lit, train, val)
+    assert cb.parity_report.passed and cb.parity_report.batches == 3, cb.summary
+    kinds = {n.kind.name for n in cb.outcome.notes}
+    assert "static_export" in kinds, kinds  # built for batch size 4, run as pieces of it
+    manifest = read_manifest(cb.export_dir)
+    assert manifest.signature.sample.proven and manifest.formats["pt2"].batch_sizes == [4]
+    x = torch.randn(7, 3, 8, 8)
+    want = copy.deepcopy(lit.backbone).double().eval()(x.double())
+    assert rel_err(load_fused(cb.export_dir)(x), want) < 1e-5

@@ -47,6 +47,30 @@ def test_leaf_module_from_config_makes_it_traceable():
     assert_exact(model, result.graph_module, (torch.randn(2, 3, 5, 5),))
 
 
+class GatedWithNorm(nn.Module):
+    """A data-dependent branch and a BatchNorm of its own: kept whole as a leaf, its BatchNorm stays in the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x)
+        return y * 2 if y.sum() > 0 else y
+
+
+def test_batchnorms_inside_leaf_modules_are_counted_as_left_with_the_reason():
+    """Earlier the report said "left: 0" while the leaf's BatchNorm was still in the export."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), GatedWithNorm())
+    randomize_batchnorms(model)
+    result = fuse(model, {"trace": {"mode": "fx", "leaf_modules": ["test_capture.GatedWithNorm"]}},
+                  example_inputs=torch.randn(2, 3, 6, 6))
+    assert result.report.batchnorms_folded == 1 and result.report.after.batchnorms == 1
+    (left,) = result.report.remaining_batchnorms
+    assert left.node == "2.bn" and "inside GatedWithNorm '2'" in left.reason and "not folded" in left.reason
+    assert_exact(model, result.graph_module, (torch.randn(2, 3, 6, 6),))
+
+
 def gated(x: torch.Tensor) -> torch.Tensor:
     return x * 2 if x.sum() > 0 else x
 

@@ -20,9 +20,10 @@ from torch import nn
 
 from fx_lightning.calls import Call, Step, leaf_values, value_at
 from fx_lightning.errors import ExportError
+from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.signature import LeafSpec, Signature, shape_problem
 
-__all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs"]
+__all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
 
 
 class ArtifactInterface(nn.Module):
@@ -166,3 +167,14 @@ def _nested_call(items: List[Tuple[Tuple[Step, ...], Any]]) -> Any:
     if kind_set == {"attr"}:
         return types.SimpleNamespace(**values)
     return values
+
+
+def for_sizes(module: nn.Module, signature: Signature, shapes: Sequence[Sequence[int]], what: str) -> nn.Module:
+    """``module``, fixed to the input ``shapes``, behind its signature: another number of samples runs as pieces of
+    the one it takes along a proven sample axis; any other size is refused, naming the input and the dimension."""
+    axes = signature.input_axes() if signature.batched else [None] * len(signature.inputs)
+    rows = next((shape[a] for shape, a in zip(shapes, axes) if a is not None), None)
+    if rows is not None:
+        module = BatchPieces({str(rows): module}, axes, signature.output_axes(), what=what, warn=False)
+    built = [[None if d == a else int(size) for d, size in enumerate(shape)] for shape, a in zip(shapes, axes)]
+    return ArtifactInterface(module, signature, built, what=what)

@@ -53,20 +53,21 @@ def torch_variant_formats(config: FuseConfig, precision: str) -> List[str]:
 def add_variant(root: Path, manifest: Manifest, name: str, module: nn.Module, example_inputs: tuple,
                 config: FuseConfig, gate: Gate, imports: Sequence[str] = (), notes: Sequence[Note] = (),
                 preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
-                signature: Optional[Signature] = None,
-                other_inputs: Sequence[tuple] = ()) -> Tuple[Manifest, List[VariantOutcome]]:
+                signature: Optional[Signature] = None, other_inputs: Sequence[tuple] = (),
+                fixed: Optional[str] = None) -> Tuple[Manifest, List[VariantOutcome]]:
     """Write ``module`` as variant ``name`` in :func:`torch_variant_formats`, gate each artifact loaded back,
     keep those that pass. Returns the manifest with the kept entries, their files and every outcome recorded,
     and the outcomes (an artifact that cannot be written, loaded or run has an ``error`` and no gate).
     ``imports``: modules a process must import to load the variant (the ones that register its ops); ``notes``:
     how the variant was made (recorded with each outcome); ``preprocess``: the raw-input prologue the fp32
     artifacts have, spliced in front of ``module`` too (``example_inputs`` are then raw inputs; ``normalised_dtype``:
-    the dtype ``module`` takes its input in); ``signature`` and ``other_inputs``: how the fp32 model is called and
-    examples of its other sizes (the variant is made dynamic where it is)."""
+    the dtype ``module`` takes its input in); ``signature``, ``other_inputs`` and ``fixed``: how the fp32 model is
+    called, examples of its other sizes, and why it is fixed to the example's (the variant is made dynamic where it
+    is)."""
     formats = [FORMATS[f] for f in torch_variant_formats(config, name)]
     require_formats(formats)
     ctx = make_context(module, example_inputs, config, preprocess=preprocess, normalised_dtype=normalised_dtype,
-                       signature=signature, other_inputs=other_inputs)
+                       signature=signature, other_inputs=other_inputs, fixed=fixed)
 
     def write(fmt: Format) -> FormatEntry:
         entry = fmt.write(root / name, ctx)

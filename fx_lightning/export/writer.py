@@ -135,10 +135,11 @@ def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: 
 def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path, *,
                    preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
                    reference: Optional[ExactReference] = None, signature: Optional[Signature] = None,
-                   other_inputs: Sequence[Tuple[Any, ...]] = ()) -> WriteContext:
+                   other_inputs: Sequence[Tuple[Any, ...]] = (), fixed: Optional[str] = None) -> WriteContext:
     """Everything that can be checked before writing: the model and inputs, the formats' dependencies, and
     whether ``final`` may be replaced. Returns the context every writer gets (``preprocess``, ``normalised_dtype``,
-    ``reference``, ``signature`` and ``other_inputs``: see :func:`make_context`). Raises :class:`ExportError`."""
+    ``reference``, ``signature``, ``other_inputs`` and ``fixed``: see :func:`make_context`). Raises
+    :class:`ExportError`."""
     if not isinstance(graph_module, nn.Module):
         raise ExportError(f"export_fused() takes the fused nn.Module, got {type(graph_module).__name__}.")
     if example_inputs is None:
@@ -151,7 +152,7 @@ def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseCon
     refuse_existing(final, config.export.overwrite)
     try:
         return make_context(graph_module, args, config, preprocess=preprocess, normalised_dtype=normalised_dtype,
-                            reference=reference, signature=signature, other_inputs=other_inputs)
+                            reference=reference, signature=signature, other_inputs=other_inputs, fixed=fixed)
     except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take: the export's condition
         raise ExportError(exc.message) from exc
 
@@ -246,8 +247,10 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
 def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig, *,
                  preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
                  reference: Optional[ExactReference] = None, signature: Optional[Signature] = None,
-                 other_inputs: Sequence[Tuple[Any, ...]] = ()) -> WriteContext:
+                 other_inputs: Sequence[Tuple[Any, ...]] = (), fixed: Optional[str] = None) -> WriteContext:
     """The plain fused model, the example inputs and how the artifacts are called, made once for every writer.
+    ``fixed``: why the fused model itself is fixed to the example's sizes (a capture that could not stay dynamic):
+    its artifacts are then built for those sizes too.
 
     ``signature``: what the observed calls showed (the sample axis, the sizes that vary); without one it is derived
     here from the example (dim 0 is the sample axis only when an experiment shows that rows are independent).
@@ -279,8 +282,12 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     dims = signature_dims(signature, dynamic_samples=config.export.dynamic_batch)
     if not signature.batched:
         ctx.notes.append(NO_SAMPLE_AXIS(how=signature.sample.how))
-    if not any(dims):
+    if not any(dims) or fixed is not None:
         ctx.program = _program(ctx, args)
+        if any(dims):
+            ctx.notes.append(static_note(signature, args, fixed or ""))
+            if signature.batched:
+                ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []
         return ctx
     dynamic_args = tuple(with_rows(args, axes, 2)) if rows == 1 and config.export.dynamic_batch else args
     try:

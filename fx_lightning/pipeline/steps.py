@@ -29,7 +29,7 @@ from fx_lightning.batches import model_device_dtype
 from fx_lightning.calls import Call, tree_of_call
 from fx_lightning.capture import eval_copy
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
-from fx_lightning.engine import fuse
+from fx_lightning.engine import FuseResult, fuse
 from fx_lightning.errors import (
     ConfigError,
     ExportError,
@@ -38,6 +38,7 @@ from fx_lightning.errors import (
     TraceError,
     first_line,
 )
+from fx_lightning.export.interface import for_sizes
 from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome
 from fx_lightning.export.selection import bench_export, select_fastest, with_selection
 from fx_lightning.export.variants import (
@@ -57,6 +58,7 @@ from fx_lightning.pipeline.inputs import calibration_steps, signature_for, targe
 from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
 from fx_lightning.provenance import Provenance
+from fx_lightning.signature import Signature
 
 __all__ = [
     "Step",
@@ -178,11 +180,21 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
     notes = [*source.notes, *source.batches.notes, *found.notes, *contract.notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
-    fused = Fused(path, result, reference, reference_whole,
-                  whole_model_with(reference_whole, path, result.module), result.example_inputs, found.steps,
-                  signature, found.source, [], notes, found.through_whole, contract)
+    candidate = _candidate(result, signature)
+    fused = Fused(path, result, reference, reference_whole, whole_model_with(reference_whole, path, candidate),
+                  result.example_inputs, found.steps, signature, found.source, [], notes, found.through_whole,
+                  contract, candidate)
     fused.calibration = [fused.graph_inputs(call) for call in calibration]
     return fused
+
+
+def _candidate(result: FuseResult, signature: Signature) -> nn.Module:
+    """The fused model as parity runs it, called as the original is: a graph fixed to its capture's sizes runs
+    another number of samples as pieces of its own along a proven sample axis, and refuses other sizes by name."""
+    graph: nn.Module = result.graph_module
+    if result.static_shapes is not None:
+        graph = for_sizes(graph, signature, result.static_shapes, "the fused model (captured for these sizes only)")
+    return result.interface.structured(graph) if result.interface is not None else graph
 
 
 def _other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
@@ -217,7 +229,7 @@ def measure(fused: Fused, config: FuseConfig) -> Optional[ParityState]:
     with in_step(Step.parity), own_rng(fused.reference_whole), torch.no_grad():
         _, dtype = model_device_dtype(fused.reference_whole)
         precise = copy.deepcopy(fused.reference).double() if dtype in _LOW_PRECISION else None
-        state = _measure_steps(fused, fused.reference, fused.result.module, fused.fused_model, config.parity,
+        state = _measure_steps(fused, fused.reference, fused.candidate, fused.fused_model, config.parity,
                                precise=precise)
         raw_path = raw_input.measure_raw_path(fused)  # with a prologue: the batches as raw pixels, too
         state.notes += [raw_path] if raw_path is not None else []
@@ -280,7 +292,7 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
         example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
         ctx = prepare_export(fused.result.graph_module, example, config, directory, preprocess=fused.contract.preprocess,
                              normalised_dtype=raw_input.normalised_dtype(fused), reference=reference,
-                             signature=fused.signature, other_inputs=_other_inputs(fused))
+                             signature=fused.signature, other_inputs=_other_inputs(fused), fixed=_fixed(fused))
 
     def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
         manifest = raw_input.with_contract(manifest, fused.contract)
@@ -295,6 +307,14 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
     steps = [Step.export.value] + ([Step.variants.value] if manifest.variants else []) + (
         [Step.selection.value] if config.export.select is Selection.fastest else [])
     return Exported(directory, manifest, export_notes(manifest, rehearsal), steps)
+
+
+def _fixed(fused: Fused) -> Optional[str]:
+    """Why the fused graph is fixed to its capture's sizes (None: it is not)."""
+    if fused.result.static_shapes is None:
+        return None
+    return "its capture is fixed to these sizes: " + next(
+        (str(n) for n in fused.result.report.notes if n.kind.name == "static_batch_capture"), "see the fuse report")
 
 
 def _other_inputs(fused: Fused) -> List[tuple]:
@@ -345,7 +365,7 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                         raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
                         imports=made.variant_imports, notes=made.variant_notes, preprocess=preprocess,
                         normalised_dtype=raw_input.normalised_dtype(fused), signature=fused.signature,
-                        other_inputs=_other_inputs(fused))
+                        other_inputs=_other_inputs(fused), fixed=_fixed(fused))
                 outcomes += made_outcomes
         with in_step(Step.variants):
             manifest, format_outcomes = add_format_variants(
@@ -419,7 +439,7 @@ def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_
                   preprocess: Optional[Preprocess] = None) -> ParityReport:
     """A lossy variant against the fp32 fused model on the parity steps: cosine, top-1 agreement, accuracy drop.
     ``preprocess``: ``loaded`` takes raw pixels (an artifact with the prologue)."""
-    reference, loaded = raw_input.variant_gate_models(fused.result.module, fused.result.interface.structured(loaded)
+    reference, loaded = raw_input.variant_gate_models(fused.candidate, fused.result.interface.structured(loaded)
                                                       if fused.result.interface is not None else loaded, preprocess)
     whole_reference = fused.fused_model if preprocess is None else whole_model_with(fused.fused_model, fused.target,
                                                                                     reference)
