@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -28,7 +28,6 @@ __all__ = [
     "extract_labels",
     "describe",
     "identity_rule",
-    "as_args",
     "as_example_inputs",
     "map_tensors",
     "to_model",
@@ -36,12 +35,6 @@ __all__ = [
     "flat_tensors",
     "detached",
     "record_calls",
-    "batch_size_of",
-    "take_rows",
-    "batch_at_least_two",
-    "batch_dims",
-    "with_batch_size",
-    "concat_outputs",
     "is_record_type",
     "PlainOutputs",
     "describe_call",
@@ -132,16 +125,15 @@ def _automatic_input(batch: Any) -> Any:
                 return batch[key]
         raise ConfigError(
             f"parity.input: cannot tell which entry of the batch is the model input (keys: "
-            f"{', '.join(map(str, batch))}; tried {', '.join(INPUT_KEYS)}). Set parity.input to the key, "
-            "or to 'pkg.module:function' taking the batch."
+            f"{', '.join(map(str, batch))}; tried {', '.join(INPUT_KEYS)}). {PARITY_INPUT_SPELLINGS}."
         )
     found = next((getattr(batch, key) for key in INPUT_KEYS if isinstance(getattr(batch, key, None), torch.Tensor)),
                  None)
     if found is not None:  # a library's own batch type (a dataclass with an ``image`` field, say)
         return found
     raise ConfigError(
-        f"parity.input: cannot take a model input out of a batch of type {type(batch).__name__}; set "
-        "parity.input to a key, an index or 'pkg.module:function'."
+        f"parity.input: cannot take a model input out of a batch of type {type(batch).__name__}. "
+        f"{PARITY_INPUT_SPELLINGS}."
     )
 
 
@@ -184,9 +176,6 @@ def describe(value: Any, depth: int = 0) -> str:
     return type(value).__name__
 
 
-def as_args(inputs: Any) -> Tuple[Any, ...]:
-    """Forward's positional arguments: a tuple is several arguments, anything else is one."""
-    return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
 def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
@@ -269,49 +258,14 @@ def record_calls(module: nn.Module) -> Iterator[List[Tuple[tuple, dict, Any]]]:
         handle.remove()
 
 
-def batch_size_of(args: Sequence[Any]) -> Optional[int]:
-    """Dim 0 of the first tensor with a dimension in the arguments, nested ones too (None: no batched tensor)."""
-    return next((int(t.shape[0]) for t in flat_tensors(list(args)) if t.dim() > 0), None)
 
 
-def take_rows(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
-    """The first ``n`` samples of every batched tensor in the arguments (others unchanged)."""
-    return tuple(map_tensors(lambda t: t[:n] if t.dim() > 0 else t, a) for a in args)
 
 
-def batch_dims(value: Any, dim: Any) -> Any:
-    """torch.export's ``dynamic_shapes`` for ``value``: ``{0: dim}`` for every batched tensor, nested as the value
-    is (a dict of named inputs gets a dict), None for everything else."""
-    if isinstance(value, torch.Tensor):
-        return {0: dim} if value.dim() > 0 else None
-    if isinstance(value, Mapping):
-        return {k: batch_dims(v, dim) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        specs = [batch_dims(v, dim) for v in value]
-        return tuple(specs) if isinstance(value, tuple) else specs
-    return None
 
 
-def batch_at_least_two(args: Sequence[Any]) -> Tuple[Any, ...]:
-    """torch.export specialises a dimension of size 0 or 1: repeat a batch of one to trace with two."""
-    def two(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or t.shape[0] >= 2:
-            return t
-        if t.shape[0] == 0:
-            raise ValueError("a tensor argument has batch size 0; give at least one sample")
-        return torch.cat([t, t], dim=0)
-
-    return tuple(map_tensors(two, a) for a in args)
 
 
-def with_batch_size(args: Sequence[Any], n: int) -> Tuple[Any, ...]:
-    """``args`` with every batched tensor (nested ones too) cut or repeated along dim 0 to ``n`` samples."""
-    def sized(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or t.shape[0] == n:
-            return t
-        return t.repeat(-(-n // t.shape[0]), *([1] * (t.dim() - 1)))[:n]
-
-    return tuple(map_tensors(sized, a) for a in args)
 
 
 def is_record_type(cls: Any) -> bool:
@@ -335,17 +289,6 @@ class PlainOutputs(nn.Module):
         return plain(self.model(*args))
 
 
-def concat_outputs(parts: Sequence[Any]) -> Any:
-    """Outputs of one model on consecutive pieces of a batch, joined into the output on the whole batch: every
-    batched tensor (nested as in ``map_tensors``) concatenated along dim 0; anything else taken from the first."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(parts)) if first.dim() > 0 else first
-    if isinstance(first, (tuple, list)):
-        return _rebuilt(first, [concat_outputs([p[i] for p in parts]) for i in range(len(first))])
-    if isinstance(first, Mapping):
-        return {k: concat_outputs([p[k] for p in parts]) for k in first}
-    return first
 
 
 def loader_sample_counts(loader: Any, count: int) -> List[Optional[int]]:

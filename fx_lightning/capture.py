@@ -47,6 +47,8 @@ __all__ = [
     "STATIC_BATCH_CAPTURE",
     "PLAIN_OUTPUTS",
     "CAPTURED_ROUTE",
+    "CAPTURED_KEEPING_WHOLE",
+    "KEPT_WHOLE",
 ]
 
 CAPTURE_FELL_BACK = NoteKind("capture_fell_back", "symbolic tracing {what}, captured with torch.export instead: "
@@ -57,6 +59,10 @@ CAPTURE_PREFERRED_EXPORT = NoteKind("capture_preferred_export", "captured with t
 CAPTURED_WITH_EXPORT = NoteKind("captured_with_export", "captured with torch.export (ATen-level graph)")
 STATIC_BATCH_CAPTURE = NoteKind("static_batch_capture", "captured for {what} only: with those sizes dynamic, {reason}")
 CAPTURED_ROUTE = NoteKind("captured_route", "torch.export needed its {route} route (data-dependent sizes)")
+CAPTURED_KEEPING_WHOLE = NoteKind("captured_keeping_whole", "neither capture followed the whole model (torch.export: "
+                                                            "{export}); symbolic tracing kept whole what it could not "
+                                                            "follow")
+KEPT_WHOLE = NoteKind("kept_whole", "kept whole (run as one call, not traced into, unfused): {kept}")
 PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
                                           "of their fields (torch.export carries no record class it does not know)")
 
@@ -239,9 +245,13 @@ def capture(
         try:
             result = _capture_export(working, trace, call, signature, check)
         except TraceError as export_error:
-            raise TraceError(
-                f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
-            ) from export_error.__cause__
+            result = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
+            if result is None:
+                raise TraceError(
+                    f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
+                ) from export_error.__cause__
+            result.notes.insert(0, CAPTURED_KEEPING_WHOLE(export=first_line(export_error)))
+            return result
         what = "gave a graph that differs from the model" if "unfaithful" in str(fx_error) else "failed"
         result.notes.insert(0, CAPTURE_FELL_BACK(what=what, reason=first_line(fx_error)))
         return result
@@ -259,9 +269,13 @@ def _prefer_export(fx_result: Capture, working: nn.Module, trace: TraceConfig, c
     return result
 
 
-def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
-    leaf_types = tuple(import_object(p) for p in trace.leaf_modules)
-    functions = tuple(import_object(p) for p in trace.autowrap_functions)
+def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, ...] = ()) -> Capture:
+    """Symbolic tracing with the configured leaves and wrapped functions, and ``kept_whole`` (module classes and
+    functions the automatic route adds)."""
+    leaf_types = tuple(import_object(p) for p in trace.leaf_modules) + tuple(k for k in kept_whole
+                                                                              if isinstance(k, type))
+    functions = tuple(import_object(p) for p in trace.autowrap_functions) + tuple(k for k in kept_whole
+                                                                                  if not isinstance(k, type))
     modules = tuple(__import__(m, fromlist=["_"]) for m in trace.autowrap_modules)
     tracer = FXLeafTracer(leaf_types, functions, modules)
     concrete = dict(trace.concrete_args) or None
@@ -269,7 +283,9 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
         with no_distribution_validation():
             graph = tracer.trace(working, concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
-        raise _explain_fx_failure(working, tracer, exc) from exc
+        error = _explain_fx_failure(working, tracer, exc)
+        error.keep_whole = _what_to_keep_whole(working, tracer, exc)  # type: ignore[attr-defined]
+        raise error from exc
     name = working.__class__.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     # torch.fx's Tracer.trace leaves the tracer in a reference cycle (its patched __call__/__getattr__
@@ -285,6 +301,64 @@ def _capture_fx(working: nn.Module, trace: TraceConfig) -> Capture:
                for path, cls in tracer.traced_through.items() if not _has_batch_norm_call(gm, path)]
     opaque = [f"{path} ({cls})" for path, cls in tracer.opaque_batchnorms.items()]
     return Capture(gm, "fx", inlined_batchnorms=inlined, opaque_batchnorms=opaque)
+
+
+# Modules and functions the automatic route keeps whole, at most (each retry traces the model again).
+MAX_KEPT_WHOLE = 8
+
+
+def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call, check: Sequence[Call],
+                              error: TraceError) -> Optional[Capture]:
+    """Symbolic tracing once more, keeping whole what it could not follow: the module class or the module-level
+    function its failure was in (its own code runs as one call, unfused: BatchNorms inside a module kept whole are
+    counted as left). When torch.export cannot capture the model either (a value read in Python, say), this is the
+    graph the passes can still work on. None: nothing more to keep whole, or it still fails."""
+    kept: List[Any] = []
+    while len(kept) < MAX_KEPT_WHOLE:
+        more = getattr(error, "keep_whole", None)
+        if more is None or more in kept:
+            return None
+        kept.append(more)
+        try:
+            result = _capture_fx(working, trace, tuple(kept))
+            _raise_if_unfaithful(result, working, call, check)
+        except TraceError as exc:
+            error = exc
+            continue
+        names = ", ".join(f"{k.__module__}.{k.__qualname__}" for k in kept)
+        result.notes.append(KEPT_WHOLE(kept=names))
+        return result
+    return None
+
+
+def _what_to_keep_whole(root: nn.Module, tracer: FXLeafTracer, exc: BaseException) -> Optional[Any]:
+    """What symbolic tracing failed in: the module-level function of the innermost user frame, else the innermost
+    module's class (not the root: kept whole, nothing would be fused)."""
+    for fs in reversed(_user_frames(exc)):
+        fn = fs.f_globals.get(fs.f_code.co_name)
+        if isinstance(fn, types.FunctionType) and fn.__code__ is fs.f_code:
+            return fn
+        break
+    stack = [(p, c) for p, c in (tracer.failed_in or []) if p]
+    if not stack:
+        return None
+    try:
+        module = root.get_submodule(stack[-1][0])
+    except AttributeError:
+        return None
+    return type(module) if type(module) is not type(root) else None
+
+
+def _user_frames(exc: BaseException) -> List[Any]:
+    """The traceback's frames outside torch and this package (the user's code), outermost first."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        fname = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not (fname.startswith(_TORCH_DIR) or fname.startswith(_PKG_DIR) or "<" in tb.tb_frame.f_code.co_filename):
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
 
 
 def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
@@ -313,8 +387,10 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
     dims = capture_dims(signature, leaves, dynamic_samples=trace.dynamic_batch)
     # Dynamic first (a sample repeated to two: torch.export specialises 0 and 1), then the example's own sizes, for a
     # model whose graph is right only at the size it was traced with.
+    # A graph fixed to sizes that vary (a graph's node count) would take no other graph: no static capture then.
+    varies = signature is not None and any(d.kind is DimKind.variable for leaf in signature.inputs for d in leaf.dims)
     plans = ([(dims, _at_least_two(call, signature) if trace.dynamic_batch else call)] if any(dims) else []) + \
-        [(None, call)]
+        ([] if varies else [(None, call)])
     target: nn.Module = working
     first: Optional[TraceError] = None
     for plan_dims, plan_call in plans:
@@ -338,7 +414,9 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
             result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=reason))
             result.static_shapes = [list(t.shape) for t in leaves]
         return result
-    assert first is not None
+    if first is None:
+        raise TraceError(f"torch.export could not capture {type(working).__qualname__} with the sizes that vary "
+                         "dynamic, and a capture fixed to the example's sizes would take no other")
     raise first
 
 

@@ -225,8 +225,9 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
     for is_dynamic in groups:
         shapes = nested_dynamic_shapes(module, call, leaf_dims) if is_dynamic else None  # type: ignore[arg-type]
         for strict, kernel in _ROUTES:
-            if kernel and not batchnorms:
-                continue
+            earlier = [a for a in attempts if a.dynamic == is_dynamic]
+            if kernel and not (batchnorms and any(_in_batch_norm(a.error) for a in earlier)):
+                continue  # the kernel route answers a BatchNorm's question about a data-dependent row count only
             attempt = ExportAttempt(is_dynamic, strict, kernel)
             attempts.append(attempt)
             try:
@@ -248,6 +249,10 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
 
 # (strict, BatchNorm as its inference kernel), in the order tried.
 _ROUTES = ((False, False), (True, False), (True, True), (False, True))
+
+
+def _in_batch_norm(exc: Optional[BaseException]) -> bool:
+    return exc is not None and "batch_norm" in str(exc)
 
 
 def _check_runs(program: "torch.export.ExportedProgram", calls: Sequence[Call]) -> None:

@@ -341,3 +341,47 @@ def test_a_graph_fixed_to_its_batch_size_is_compared_in_pieces_of_it(tmp_path: P
     x = torch.randn(7, 3, 8, 8)
     want = copy.deepcopy(lit.backbone).double().eval()(x.double())
     assert rel_err(load_fused(cb.export_dir)(x), want) < 1e-5
+
+
+class ListConv(mp.GraphConv):
+    """Message passing over Python lists of node ids: no tracer follows values read into Python."""
+
+    def propagate(self, edge_index: Any, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for src, dst in edge_index.t().tolist():
+            out[dst] = out[dst] + x[src]
+        return out
+
+
+class ListGraphLit(mp.GraphLit):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.conv1, self.model.conv2 = ListConv(8, 16), ListConv(16, 16)
+
+    @staticmethod
+    def loaders(batch_size: int = 2) -> Tuple[Any, Any]:  # few edges a batch: torch.export's attempts unroll them
+        return mp.GraphLit.loaders(batch_size)
+
+
+def test_a_model_neither_tracer_follows_is_captured_keeping_whole_what_they_cannot(tmp_path: Path) -> None:
+    """torch.export cannot capture Python lists of node ids (in either mode), symbolic tracing cannot either: the
+    message-passing layers are kept whole (leaves), the rest is traced, the head's BatchNorm folded, and the
+    layers' own BatchNorms are reported as left; the formats that need torch.export are skipped with the reason."""
+    torch.manual_seed(0)
+    lit = ListGraphLit()
+    train, val = lit.loaders()
+    cb = FXFuseCallback()
+    pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, callbacks=[cb], default_root_dir=tmp_path).fit(lit, train, val)
+    assert cb.parity_report.passed, cb.summary
+    report = cb.result.report
+    kept = [n for n in report.notes if n.kind.name == "kept_whole"]
+    assert kept and "ListConv" in str(kept[0]) and report.capture_mode == "fx"
+    assert report.batchnorms_folded == 1 and report.after.batchnorms == 2  # bn1, bn2 follow an add: not foldable
+    manifest = read_manifest(cb.export_dir)
+    assert set(manifest.formats) == {"graph_module"} and "pt2" in manifest.failed_formats
+    batch = _graph_batches()[0]
+    call = Call((batch.x, batch.edge_index, batch.batch))
+    with torch.no_grad():
+        want = _fp64(call).run(copy.deepcopy(lit).double().eval())
+        assert rel_err(load_fused(cb.export_dir)(*call.args), want) < 1e-5

@@ -74,9 +74,8 @@ def add_variant(root: Path, manifest: Manifest, name: str, module: nn.Module, ex
         entry.path = f"{name}/{entry.path}"
         entry.imports = list(imports)
         entry.device = entry.device or str(ctx.device)
-        if ctx.static_batch is not None:
-            entry.batch_sizes = entry.batch_sizes or [ctx.static_batch]
-        entry.built_shapes = ctx.built_shapes()
+        sizes, entry.built_shapes = ctx.built_for(fmt)
+        entry.batch_sizes = entry.batch_sizes or sizes
         return entry
 
     return _judged(root, manifest, name, [(fmt, lambda fmt=fmt: write(fmt)) for fmt in formats], gate, notes)

@@ -65,9 +65,12 @@ CHECK_FILE = "check.pt"
 STATIC_EXPORT = NoteKind("static_export", "exported for batch size {batch_size} only: the fused model does not take "
                                           "a dynamic batch ({reason}); load_fused runs other batch sizes as pieces of "
                                           "{batch_size}")
-STATIC_SIZES = NoteKind("static_sizes", "exported for the example's sizes only: the sizes that varied ({sizes}) could "
-                                        "not stay dynamic ({reason}); load_fused refuses other sizes (they are not a "
-                                        "sample axis it could split or pad along)")
+NOT_DYNAMIC = NoteKind("not_dynamic", "torch.export could not keep the sizes that vary dynamic ({reason}): the formats "
+                                      "made with it are left out (a program fixed to one graph's sizes would take no "
+                                      "other)")
+STATIC_SIZES = NoteKind("static_sizes", "the formats made with torch.export take the example's sizes only: the sizes "
+                                        "that varied ({sizes}) could not stay dynamic ({reason}); load_fused refuses "
+                                        "other sizes for them (not a sample axis it could split or pad along)")
 NO_SAMPLE_AXIS = NoteKind("no_sample_axis", "no sample axis: {how}; every artifact takes its inputs whole (never split "
                                             "or padded)")
 
@@ -135,11 +138,12 @@ def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: 
 def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path, *,
                    preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
                    reference: Optional[ExactReference] = None, signature: Optional[Signature] = None,
-                   other_inputs: Sequence[Tuple[Any, ...]] = (), fixed: Optional[str] = None) -> WriteContext:
+                   other_inputs: Sequence[Tuple[Any, ...]] = (), fixed: Optional[str] = None,
+                   no_program: Optional[str] = None) -> WriteContext:
     """Everything that can be checked before writing: the model and inputs, the formats' dependencies, and
     whether ``final`` may be replaced. Returns the context every writer gets (``preprocess``, ``normalised_dtype``,
-    ``reference``, ``signature``, ``other_inputs`` and ``fixed``: see :func:`make_context`). Raises
-    :class:`ExportError`."""
+    ``reference``, ``signature``, ``other_inputs``, ``fixed`` and ``no_program``: see :func:`make_context`).
+    Raises :class:`ExportError`."""
     if not isinstance(graph_module, nn.Module):
         raise ExportError(f"export_fused() takes the fused nn.Module, got {type(graph_module).__name__}.")
     if example_inputs is None:
@@ -152,7 +156,8 @@ def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseCon
     refuse_existing(final, config.export.overwrite)
     try:
         return make_context(graph_module, args, config, preprocess=preprocess, normalised_dtype=normalised_dtype,
-                            reference=reference, signature=signature, other_inputs=other_inputs, fixed=fixed)
+                            reference=reference, signature=signature, other_inputs=other_inputs, fixed=fixed,
+                            no_program=no_program)
     except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take: the export's condition
         raise ExportError(exc.message) from exc
 
@@ -234,10 +239,9 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
     entry.format = fmt.name
     entry.files = sorted(set(list_files(staging)) - before)
     entry.device = entry.device or str(ctx.device)
-    if ctx.static_batch is not None:
-        entry.batch_sizes = entry.batch_sizes or [ctx.static_batch]
-    entry.built_shapes = ctx.built_shapes()
-    entry.check = _check_roundtrip(staging, fmt, entry, reference, ctx.dynamic)
+    sizes, entry.built_shapes = ctx.built_for(fmt)
+    entry.batch_sizes = entry.batch_sizes or sizes
+    entry.check = _check_roundtrip(staging, fmt, entry, reference, ctx.takes_other_sizes(fmt))
     return entry
 
 
@@ -247,10 +251,12 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: "Re
 def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], config: FuseConfig, *,
                  preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
                  reference: Optional[ExactReference] = None, signature: Optional[Signature] = None,
-                 other_inputs: Sequence[Tuple[Any, ...]] = (), fixed: Optional[str] = None) -> WriteContext:
+                 other_inputs: Sequence[Tuple[Any, ...]] = (), fixed: Optional[str] = None,
+                 no_program: Optional[str] = None) -> WriteContext:
     """The plain fused model, the example inputs and how the artifacts are called, made once for every writer.
     ``fixed``: why the fused model itself is fixed to the example's sizes (a capture that could not stay dynamic):
-    its artifacts are then built for those sizes too.
+    its artifacts are then built for those sizes too. ``no_program``: why no torch.export program is tried (its
+    capture showed torch.export cannot follow the model): the formats made with one are left out with that reason.
 
     ``signature``: what the observed calls showed (the sample axis, the sizes that vary); without one it is derived
     here from the example (dim 0 is the sample axis only when an experiment shows that rows are independent).
@@ -282,6 +288,10 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     dims = signature_dims(signature, dynamic_samples=config.export.dynamic_batch)
     if not signature.batched:
         ctx.notes.append(NO_SAMPLE_AXIS(how=signature.sample.how))
+    ctx.graph_fixed = fixed is not None
+    if no_program is not None:
+        ctx.program_refused = no_program
+        return ctx
     if not any(dims) or fixed is not None:
         ctx.program = _program(ctx, args)
         if any(dims):
@@ -297,6 +307,12 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
         return ctx
     except ExportFailed as exc:  # the graph fixes a size: export it for the example's
         reason = first_line(exc.first, with_type=True)
+    if any(d.kind is DimKind.variable for leaf in signature.inputs for d in leaf.dims):
+        # Fixed to sizes that vary (a graph's node count), a program would take no other input: the formats made
+        # with torch.export are left out with this reason; the fused graph's own formats take every size.
+        ctx.notes.append(NOT_DYNAMIC(reason=reason))
+        ctx.program_refused = f"the sizes that vary could not stay dynamic in torch.export ({reason})"
+        return ctx
     ctx.program = _program(ctx, args)
     ctx.notes.append(static_note(signature, args, reason))
     if signature.batched:
@@ -396,8 +412,8 @@ def _reference(ctx: WriteContext) -> Reference:
     if signature.batched:
         sizes = {rows_of(b, axes) for b in batches}
         batches += [tuple(with_rows(ctx.args, axes, n)) for n in ctx.aoti_batch_sizes if n not in sizes]
-    if ctx.dynamic:
-        batches += ctx.check_args
+    if ctx.dynamic or not ctx.graph_fixed:
+        batches += ctx.check_args  # examples of other sizes: for the artifacts that take them
     stochastic = [i for i, leaf in enumerate(signature.outputs) if leaf.stochastic]
     fused = [_outputs(ctx.model, b) for b in batches]
     try:  # the fp64 copy is made, used and freed here: no second copy of the model lives through the export

@@ -163,6 +163,8 @@ class WriteContext:
     program: Optional[Program] = None
     reference: Optional[ExactReference] = None  # None: artifacts are judged against an fp64 copy of ``model``
     dynamic_samples: bool = True  # export.dynamic_batch: the sample axis dynamic
+    graph_fixed: bool = False  # the fused graph itself takes the example's sizes only (its capture was fixed)
+    program_refused: Optional[str] = None  # why no torch.export program is made (the formats that need one fail)
     # Example inputs of other sizes along the dimensions that vary: every dynamic program must take them.
     check_args: List[Tuple[Any, ...]] = field(default_factory=list)
 
@@ -177,6 +179,10 @@ class WriteContext:
     def dynamic(self) -> bool:
         """Whether the artifacts take other sizes than the example's (the program is dynamic)."""
         return self.program is not None and self.program.dynamic
+
+    def takes_other_sizes(self, fmt: "Format") -> bool:
+        """Whether ``fmt``'s artifact takes other sizes than the example's: its program's, or the fused graph's."""
+        return self.dynamic if fmt.from_program else not self.graph_fixed
 
     @property
     def leaf_dims(self) -> Optional[List[Any]]:
@@ -199,20 +205,28 @@ class WriteContext:
 
     @property
     def static_batch(self) -> Optional[int]:
-        """The one number of samples every artifact is built for (None: any, or no sample axis)."""
+        """The one number of samples every program-made artifact is built for (None: any, or no sample axis)."""
         if not self.signature.batched or self.sample_dynamic:
             return None
         return rows_of(self.args, self.signature.input_axes())
+
+    def built_for(self, fmt: "Format") -> Tuple[Optional[List[int]], Optional[List[List[Optional[int]]]]]:
+        """The batch sizes and input shapes ``fmt``'s artifact is built for (None: any)."""
+        if self.takes_other_sizes(fmt):
+            return None, None
+        batch = self.static_batch if fmt.from_program else (
+            rows_of(self.args, self.signature.input_axes()) if self.signature.batched else None)
+        return ([batch] if batch is not None else None), self.built_shapes(force=True)
 
     @property
     def device(self) -> torch.device:
         """Where the model and its example inputs are: the device the artifacts are built for."""
         return next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
-    def built_shapes(self) -> Optional[List[List[Optional[int]]]]:
-        """The input shapes the artifacts are built for when the program is static (the sample axis left free: it is
-        run as pieces), else None."""
-        if self.dynamic or not any(isinstance(a, torch.Tensor) and a.dim() for a in self.args):
+    def built_shapes(self, force: bool = False) -> Optional[List[List[Optional[int]]]]:
+        """The input shapes the artifacts are built for when the program is static (``force``: whatever it is; the
+        sample axis left free: it is run as pieces), else None."""
+        if (self.dynamic and not force) or not any(isinstance(a, torch.Tensor) and a.dim() for a in self.args):
             return None
         axes = self.signature.input_axes() if self.signature.batched else [None] * len(self.signature.inputs)
         tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
@@ -222,6 +236,8 @@ class WriteContext:
         """The program on ``args`` (another example: a static program for those sizes), else the context's own."""
         if args is None and self.program is not None:
             return self.program.program
+        if self.program_refused is not None:
+            raise ExportError(self.program_refused)
         try:
             made = export_program(self.export_model, Call(args if args is not None else self.args),
                                   self.leaf_dims if args is None else None, allow_static=True,
@@ -280,6 +296,9 @@ class Format:
     # Runtime settings worth timing besides the ones it was written with (name -> options merged over the
     # entry's): the selection records which made it fastest for each traffic.
     runtime_choices: Mapping[str, JsonObject] = field(default_factory=dict)
+    # Written from the context's torch.export program (False: from the fused graph itself, which takes every size
+    # its capture took, whether or not torch.export could make a dynamic program of it).
+    from_program: bool = True
 
     def with_runtime(self, entry: FormatEntry, runtime: str) -> FormatEntry:
         """``entry`` as it loads with the runtime settings ``runtime`` ("": as written)."""

@@ -57,6 +57,7 @@ def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
 
 
 FORMAT = Format(
+    from_program=False,
     name="code",
     path=PACKAGE,
     write=_write,

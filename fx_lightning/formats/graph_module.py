@@ -31,6 +31,7 @@ def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
 
 
 FORMAT = Format(
+    from_program=False,
     name="graph_module",
     path="model.pt",
     write=_write,

@@ -292,7 +292,8 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
         example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
         ctx = prepare_export(fused.result.graph_module, example, config, directory, preprocess=fused.contract.preprocess,
                              normalised_dtype=raw_input.normalised_dtype(fused), reference=reference,
-                             signature=fused.signature, other_inputs=_other_inputs(fused), fixed=_fixed(fused))
+                             signature=fused.signature, other_inputs=_other_inputs(fused), fixed=_fixed(fused),
+                             no_program=_no_program(fused))
 
     def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
         manifest = raw_input.with_contract(manifest, fused.contract)
@@ -315,6 +316,12 @@ def _fixed(fused: Fused) -> Optional[str]:
         return None
     return "its capture is fixed to these sizes: " + next(
         (str(n) for n in fused.result.report.notes if n.kind.name == "static_batch_capture"), "see the fuse report")
+
+
+def _no_program(fused: Fused) -> Optional[str]:
+    """Why torch.export is not tried again (its capture showed it cannot follow the model), else None."""
+    note = next((n for n in fused.result.report.notes if n.kind.name == "captured_keeping_whole"), None)
+    return None if note is None else f"torch.export could not capture the model: {note['export']}"
 
 
 def _other_inputs(fused: Fused) -> List[tuple]:
