@@ -20,12 +20,12 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning._imports import import_object
-from fx_lightning.batches import PlainOutputs, describe_call, flat_tensors
+from fx_lightning.batches import PlainOutputs
 from fx_lightning.calls import Call, as_call, no_distribution_validation, tree_of_call
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.notes import Note, NoteKind
-from fx_lightning.parity.compare import compare_outputs
+from fx_lightning.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
 from fx_lightning.program import ExportFailed, capture_dims, export_program
@@ -230,7 +230,7 @@ def capture(
         return _capture_export(working, trace, call, signature, check)
     try:
         result = _capture_fx(working, trace)
-        _raise_if_unfaithful(result, working, call, check)
+        raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         if result.opaque_batchnorms and mode is TraceMode.auto and call is not None:
             return _prefer_export(result, working, trace, call, signature, check)
         return result
@@ -321,7 +321,7 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
         kept.append(more)
         try:
             result = _capture_fx(working, trace, tuple(kept))
-            _raise_if_unfaithful(result, working, call, check)
+            raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         except TraceError as exc:
             error = exc
             continue
@@ -405,7 +405,7 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
         if made.strict or made.batchnorm_kernel:
             result.notes.append(CAPTURED_ROUTE(route=made.route))
         try:
-            _raise_if_unfaithful(result, working, call, check if made.dynamic else ())
+            raise_if_unfaithful(result.graph_module, result.mode, working, call, check if made.dynamic else ())
         except TraceError as exc:
             first = first or exc
             continue
@@ -466,104 +466,6 @@ def _static_what(signature: Optional[Signature], leaves: Sequence[Any]) -> str:
     fixed = [f"{leaf.name} dim {d} = {dim.size}" for leaf in signature.inputs for d, dim in enumerate(leaf.dims)
              if dim.kind is not DimKind.fixed]
     return ", ".join(fixed) or "the example's sizes"
-
-
-# ------------------------------------------------------------------------------ is the capture faithful?
-
-def _run(fn: Any, call: Call) -> Any:
-    # Same inputs, eval mode, no grad, a fixed RNG: a faithful graph gives the same numbers as eager.
-    with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(call)), no_distribution_validation():
-        torch.manual_seed(0)
-        return call.run(fn)
-
-
-def _cuda_indices(call: Call) -> List[int]:
-    return sorted({t.device.index or 0 for t in tree_of_call(call).leaves(call) if t.is_cuda})
-
-
-def _raise_if_unfaithful(captured: Capture, working: nn.Module, call: Optional[Call],
-                         check: Sequence[Call] = ()) -> None:
-    """Run the captured graph against the eager module on the example (and on the ``check`` calls, other sizes
-    it must take); raise a TraceError saying where it goes wrong when it raises or gives other numbers."""
-    if call is None:
-        return
-    for index, inputs in enumerate([call, *check]):
-        expected = _run(working, inputs)
-        try:
-            got = _run(captured.graph_module, inputs)
-        except Exception as exc:  # noqa: BLE001 - a graph that raises is the clearest sign of a wrong trace
-            problem = f"the captured graph raises {first_line(exc, with_type=True)}"
-        else:
-            problem = _difference(got, expected)
-        if problem is None:
-            continue
-        where = _first_divergence(captured.graph_module, working, inputs) if captured.mode == "fx" else None
-        which = "on the example inputs" if index == 0 else \
-            f"on observed call {index + 1} ({describe_call(inputs)})"
-        raise TraceError(
-            f"the {captured.mode} capture of {type(working).__qualname__} is unfaithful: {which} {problem}"
-            + (f"\n  first difference at {where}" if where else "")
-            + (_FX_UNFAITHFUL_FIXES if captured.mode == "fx" else _EXPORT_UNFAITHFUL_FIXES)
-        )
-
-
-_FX_UNFAITHFUL_FIXES = (
-    "\n  Python code that depends on shapes or types can be recorded wrongly by symbolic tracing. Fixes:"
-    "\n  - trace.mode: export (or auto, the default, which falls back to it)"
-    "\n  - keep the module that differs opaque: trace.leaf_modules: ['pkg.module:Class']"
-)
-_EXPORT_UNFAITHFUL_FIXES = (
-    "\n  torch.export specialised the graph to something the example inputs do not meet. Fixes:"
-    "\n  - trace.mode: fx, with the offending module kept opaque: trace.leaf_modules: ['pkg.module:Class']"
-    "\n  - trace.dynamic_batch: false, when the model fixes its batch size"
-)
-
-
-def _difference(got: Any, expected: Any) -> Optional[str]:
-    """How the captured graph's outputs differ from the model's (None: within float rounding, the same kernels
-    having run; structure included: count, nesting, shapes, dtypes)."""
-    comparison = compare_outputs(got, expected)
-    return None if comparison.passed else comparison.describe().replace("the reference", "the model")
-
-
-def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> Optional[str]:
-    """The first module call of the graph whose output differs from (or raises unlike) the eager module's."""
-    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    eager: Dict[str, List[torch.Tensor]] = {}
-    handles = []
-    def record(name: str) -> Any:
-        def hook(_m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
-            eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
-        return hook
-
-    for name, sub in working.named_modules():
-        if name in targets:
-            handles.append(sub.register_forward_hook(record(name)))
-    try:
-        _run(working, inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    found: List[str] = []
-
-    class Watch(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            try:
-                out = super().run_node(n)
-            except Exception as exc:
-                found.append(f"node {n.name} ({n.op} {n.target}): it raises {first_line(exc, with_type=True)}")
-                raise
-            if n.op == "call_module" and not found and str(n.target) in eager:
-                problem = _difference(flat_tensors(out), eager[str(n.target)])
-                if problem is not None:
-                    found.append(f"module '{n.target}' ({n.name}): {problem.replace('the captured graph', 'it')}")
-            return out
-
-    try:
-        _run(lambda *args, **kwargs: Watch(gm).run(*args, **kwargs), inputs)
-    except Exception:  # noqa: BLE001 - recorded in `found`
-        pass
-    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------------------- error explanation

@@ -412,7 +412,7 @@ def _reference(ctx: WriteContext) -> Reference:
     if signature.batched:
         sizes = {rows_of(b, axes) for b in batches}
         batches += [tuple(with_rows(ctx.args, axes, n)) for n in ctx.aoti_batch_sizes if n not in sizes]
-    if ctx.dynamic or not ctx.graph_fixed:
+    if ctx.dynamic or ctx.graph_takes_other_sizes:
         batches += ctx.check_args  # examples of other sizes: for the artifacts that take them
     stochastic = [i for i, leaf in enumerate(signature.outputs) if leaf.stochastic]
     fused = [_outputs(ctx.model, b) for b in batches]

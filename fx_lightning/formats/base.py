@@ -182,7 +182,13 @@ class WriteContext:
 
     def takes_other_sizes(self, fmt: "Format") -> bool:
         """Whether ``fmt``'s artifact takes other sizes than the example's: its program's, or the fused graph's."""
-        return self.dynamic if fmt.from_program else not self.graph_fixed
+        return self.dynamic if fmt.from_program else self.graph_takes_other_sizes
+
+    @property
+    def graph_takes_other_sizes(self) -> bool:
+        """Whether the fused graph itself is right at other sizes than the example's: its capture was not fixed,
+        and a proven sample axis also holds for fewer rows (else only padding to the size seen is exact)."""
+        return not self.graph_fixed and not (self.signature.batched and not self.signature.sample.any_size)
 
     @property
     def leaf_dims(self) -> Optional[List[Any]]:
