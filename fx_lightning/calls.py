@@ -97,6 +97,12 @@ class Tree:
             return [()]
         return [(step, *rest) for step, child in self.children for rest in child.leaf_paths()]
 
+    def constants(self) -> List[Tuple[Tuple[Step, ...], Any]]:
+        """The path and value of every constant (a flag, a count): part of what a call means."""
+        if self.kind == "const":
+            return [((), self.template)]
+        return [((step, *rest), value) for step, child in self.children for rest, value in child.constants()]
+
     @property
     def num_leaves(self) -> int:
         return len(self.leaf_paths())
@@ -245,7 +251,11 @@ def _distribution_params(value: Any) -> List[Tuple[str, Any]]:
     if isinstance(value, torch.distributions.Independent):
         return [("base_dist", value.base_dist)]
     own = vars(value)
-    return [(name, own[name]) for name in value.arg_constraints if name in own]
+    names = [name for name in value.arg_constraints if name in own]
+    if "probs" in names and "logits" in names:  # one was derived (lazily, when read): after it in the instance's dict
+        order = list(own)
+        names.remove("probs" if order.index("probs") > order.index("logits") else "logits")
+    return [(name, own[name]) for name in names]
 
 
 def _rebuilt_distribution(tree: Tree, params: Dict[str, Any]) -> Any:
@@ -335,8 +345,9 @@ def plain(value: Any) -> Any:
 
 
 def is_flat_call(tree: Tree) -> bool:
-    """Whether a call is tensors (and constants) as positional arguments only: no nesting, no keyword tensors."""
-    return all(kind == "arg" and child.kind in ("tensor", "const") for (kind, _), child in tree.children)
+    """Whether a call is tensors as positional arguments only: no nesting, no keywords, no constants (a flag or a
+    count is part of the graph: the artifact takes the tensors, and the constants are checked where given)."""
+    return all(kind == "arg" and child.kind == "tensor" for (kind, _), child in tree.children)
 
 
 def needs_flat_outputs(tree: Tree) -> bool:

@@ -28,7 +28,7 @@ from fx_lightning.notes import Note, NoteKind
 from fx_lightning.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
-from fx_lightning.program import ExportFailed, capture_dims, export_program
+from fx_lightning.program import ExportFailed, capture_dims, export_program, specialised
 from fx_lightning.signature import DimKind, Signature, rows_of, with_rows
 
 __all__ = [
@@ -409,8 +409,10 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
         except TraceError as exc:
             first = first or exc
             continue
-        if not made.dynamic and any(dims):
-            reason = made.static_reason or (first_line(first) if first is not None else "unknown")
+        fixed_by_code = made.dynamic and signature is None and specialised(made.program, plan_dims)
+        if (not made.dynamic or fixed_by_code) and any(dims):
+            reason = "torch.export fixed the batch size the model's code depends on" if fixed_by_code else \
+                made.static_reason or (first_line(first) if first is not None else "unknown")
             result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=reason))
             result.static_shapes = [list(t.shape) for t in leaves]
         return result

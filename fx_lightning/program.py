@@ -90,14 +90,15 @@ class Program:
 
 def signature_dims(signature: Signature, *, dynamic_samples: bool = True) -> List[LeafDims]:
     """The input leaves' dynamic dimensions for an artifact: the proven sample axis (one shared ``batch`` Dim, from
-    1) unless ``dynamic_samples`` is off, and every dimension that varied (``Dim.DYNAMIC``: torch.export must keep
-    it dynamic or fail)."""
+    1) unless ``dynamic_samples`` is off or only padding to a size seen is exact along it (``any_size`` false), and
+    every dimension that varied (``Dim.DYNAMIC``: torch.export must keep it dynamic or fail)."""
     batch = torch.export.Dim("batch", min=1)
+    samples = dynamic_samples and signature.sample.any_size
     out: List[LeafDims] = []
     for leaf in signature.inputs:
         dims: Dict[int, Any] = {}
         for i, d in enumerate(leaf.dims):
-            if d.kind is DimKind.sample and dynamic_samples:
+            if d.kind is DimKind.sample and samples:
                 dims[i] = batch
             elif d.kind is DimKind.variable:
                 dims[i] = torch.export.Dim.DYNAMIC
@@ -107,9 +108,9 @@ def signature_dims(signature: Signature, *, dynamic_samples: bool = True) -> Lis
 
 def capture_dims(signature: Optional[Signature], leaves: Sequence[Any], *, dynamic_samples: bool = True
                  ) -> List[LeafDims]:
-    """The dimensions capture keeps dynamic: those that varied (``Dim.DYNAMIC``), and the sample axis, or dim 0
-    where none is proven (``Dim.AUTO``: torch.export decides; the graph is used in this process, where guards
-    keep it right, and exported artifacts are made dynamic by the signature alone)."""
+    """The dimensions capture keeps dynamic: those that varied and the proven sample axis (``Dim.DYNAMIC``: a
+    model that fixes one fails, and is captured for the example's sizes instead, with a note), and dim 0 where no
+    signature is given (``Dim.AUTO``: torch.export decides; :func:`specialised` tells whether it kept it)."""
     out: List[LeafDims] = []
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -117,15 +118,30 @@ def capture_dims(signature: Optional[Signature], leaves: Sequence[Any], *, dynam
             continue
         dims: Dict[int, Any] = {}
         spec = signature.inputs[i] if signature is not None and i < len(signature.inputs) else None
-        axis = spec.sample_axis if spec is not None and spec.sample_axis is not None else 0
-        if dynamic_samples:
-            dims[axis] = torch.export.Dim.AUTO
+        if dynamic_samples and spec is not None and spec.sample_axis is not None:
+            dims[spec.sample_axis] = torch.export.Dim.DYNAMIC
+        elif dynamic_samples:
+            dims[0] = torch.export.Dim.AUTO
         if spec is not None:
             for d, dim in enumerate(spec.dims):
                 if dim.kind is DimKind.variable:
                     dims[d] = torch.export.Dim.DYNAMIC
         out.append(dims or None)
     return out
+
+
+def specialised(program: "torch.export.ExportedProgram", leaf_dims: Sequence[LeafDims]) -> bool:
+    """Whether torch.export fixed a dimension asked for as ``Dim.AUTO`` to the example's size (its code depends on
+    that size). True also when the program's tensor inputs cannot be matched to ``leaf_dims``: not shown dynamic."""
+    user = set(program.graph_signature.user_inputs)
+    vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder" and n.name in user]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+    if len(tensors) != len(leaf_dims):
+        return True
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int  # a SymInt fixed to a number counts
+
+    return any(is_concrete_int(t.shape[d]) for t, dims in zip(tensors, leaf_dims)
+               for d, how in (dims or {}).items() if how == torch.export.Dim.AUTO)
 
 
 def nested_dynamic_shapes(module: nn.Module, call: Call, leaf_dims: Sequence[LeafDims]) -> Any:
@@ -191,12 +207,13 @@ def eval_batchnorm_kernels(module: nn.Module) -> Iterator[int]:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """torch's shape machinery logs a failed attempt's whole graph as a warning; the attempt's error says enough."""
+    """torch's shape machinery logs a failed attempt's whole graph as a warning (and the guard it could not make as
+    an error); the attempt's error, kept and reported, says enough."""
     loggers = [logging.getLogger(name) for name in ("torch.fx.experimental.symbolic_shapes", "torch._dynamo",
-                                                    "torch.export", "torch._export")]
+                                                    "torch.export", "torch._export", "torch._guards")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -233,7 +250,7 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
             try:
                 with eval_batchnorm_kernels(module) if kernel else contextlib.nullcontext(0), _quiet():
                     with torch.no_grad(), no_distribution_validation():
-                        made_on = call if is_dynamic or static_call is None else static_call
+                        made_on = _fresh(call if is_dynamic or static_call is None else static_call)
                         program = torch.export.export(module, made_on.args, made_on.kwargs or None, strict=strict,
                                                       dynamic_shapes=shapes)
                 if is_dynamic:
@@ -245,6 +262,13 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
                 continue
             return Program(program, is_dynamic, strict, kernel, attempts)
     raise ExportFailed(attempts)
+
+
+def _fresh(call: Call) -> Call:
+    """``call`` with new tensor objects on the same storage: a strict attempt marks its inputs' dimensions dynamic
+    on the objects themselves, and a later static attempt on them would still see the marks."""
+    tree = tree_of_call(call)
+    return tree.rebuild([t.detach() for t in tree.leaves(call)])
 
 
 # (strict, BatchNorm as its inference kernel), in the order tried.

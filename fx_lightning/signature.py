@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -124,6 +124,23 @@ class SampleAxis:
     any_size: bool = False
 
 
+@dataclass(frozen=True)
+class ConstSpec:
+    """A constant of the observed calls (a flag, a count: the same in every call), baked into the graph: a caller
+    who passes the original arguments must pass this value there, or leave it out."""
+
+    path: str
+    steps: Tuple[Tuple[str, Any], ...]
+    value: Union[int, float, bool, str, None]
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"path": self.path, "steps": [list(s) for s in self.steps], "value": self.value}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ConstSpec":
+        return cls(str(data["path"]), tuple((str(k), v) for k, v in data.get("steps") or []), data.get("value"))
+
+
 @dataclass
 class Signature:
     """How the artifact is called. ``flat``: it takes one tensor per input leaf, by name, rebuilt into the
@@ -135,6 +152,7 @@ class Signature:
     calls: int = 1
     flat: bool = False
     notes: List[str] = field(default_factory=list)
+    constants: List[ConstSpec] = field(default_factory=list)
 
     @property
     def batched(self) -> bool:
@@ -146,13 +164,6 @@ class Signature:
 
     def output_axes(self) -> List[Optional[int]]:
         return [leaf.sample_axis for leaf in self.outputs]
-
-    def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
-        """The number of samples in a flat input (None: no proven sample axis)."""
-        if not self.batched:
-            return None
-        return next((int(t.shape[a]) for t, a in zip(leaves, self.input_axes())
-                     if a is not None and isinstance(t, torch.Tensor) and t.dim() > a), None)
 
     def renamed(self, names: Sequence[str]) -> "Signature":
         """The same signature with its input leaves named ``names`` (what the exported graph calls them)."""
@@ -171,7 +182,7 @@ class Signature:
     def to_dict(self) -> Dict[str, object]:
         return {"inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
                 "sample_axis": dataclasses.asdict(self.sample), "calls": self.calls, "flat": self.flat,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "constants": [c.to_dict() for c in self.constants]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -180,7 +191,8 @@ class Signature:
                    [LeafSpec.from_dict(s) for s in data.get("outputs") or []],
                    SampleAxis(bool(sample.get("proven", False)), str(sample.get("how", "")),
                               bool(sample.get("any_size", False))),
-                   int(data.get("calls", 1)), bool(data.get("flat", False)), [str(n) for n in data.get("notes") or []])
+                   int(data.get("calls", 1)), bool(data.get("flat", False)), [str(n) for n in data.get("notes") or []],
+                   [ConstSpec.from_dict(c) for c in data.get("constants") or []])
 
 
 @dataclass
@@ -238,7 +250,9 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     keys = {}  # a variable dimension's sizes in the calls -> its name: equal sizes in every call, one name
     in_specs = _grouped(in_specs, [[s[i] for s in shapes[:len(same)]] for i in range(len(paths))], keys)
     out_specs = _grouped(out_specs, [[tuple(o[i].shape) for o in out_leaves] for i in range(len(out_paths))], keys)  # type: ignore[index]
-    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes)
+    constants = [ConstSpec(path_text(path, root_names), tuple(path), value) for path, value in tree.constants()
+                 if value is None or isinstance(value, (int, float, bool, str))]
+    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants)
 
 
 def _shapes_text(leaves: Sequence[torch.Tensor]) -> str:
@@ -350,6 +364,9 @@ def _sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tens
                            f"samples ({sizes_per_call[:3]})")
         out_axes.append(axis)
     compared = [None if i in stochastic else a for i, a in enumerate(out_axes)]
+    if all(a is None for a in compared):  # nothing to compare rows with: no evidence either way
+        return refused(f"{how}, but every output on it is drawn at random, so no experiment can show the rows "
+                       "independent")
     best = max(range(len(calls)), key=lambda c: sizes_per_call[c])
     n = sizes_per_call[best]
     if n < 2:  # one sample: a second, made of the first's values in another order, is the probe
@@ -359,7 +376,7 @@ def _sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tens
         return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", True), in_axes, out_axes
     verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, compared, n, run, tree)  # type: ignore[arg-type]
     if verdict is not None and not verdict[0]:
-        return refused(f"{how}, but the samples interact: {verdict[1]}")
+        return refused(f"{how}, but the samples are not independent: {verdict[1]}")
     assert verdict is not None
     return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", verdict[2]), in_axes, out_axes
 
@@ -402,16 +419,18 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
         return False, f"replacing rows {k}..{n - 1} changed the outputs of rows 0..{k - 1}: {comparison.describe()}", \
             False
     alone = [t.narrow(a, 0, k) if a is not None else t for t, a in zip(leaves, in_axes)]
+    seen = f"replacing rows {k}..{n - 1} of {n} left rows 0..{k - 1} unchanged"
     try:
         out = run(tree.rebuild(alone))
-        first = compare_outputs([o.narrow(a, 0, k) for o, a in zip(tree_of(out).leaves(out), out_axes)
-                                 if a is not None], want)
-        any_size = first.passed
-    except Exception:  # noqa: BLE001 - a model fixed to its batch size: pieces padded to that size only
-        any_size = False
-    seen = f"replacing rows {k}..{n - 1} of {n} left rows 0..{k - 1} unchanged"
-    return True, seen + ("; the first rows alone gave the same outputs" if any_size else
-                         "; the first rows alone did not run the same, so only padding to a size seen is exact"), any_size
+    except Exception as exc:  # noqa: BLE001 - a model fixed to its batch size: pieces padded to that size only
+        return True, seen + f"; the first rows alone make it raise {type(exc).__name__}, so only padding to a " \
+            "size seen is exact", False
+    first = compare_outputs([o.narrow(a, 0, k) for o, a in zip(tree_of(out).leaves(out), out_axes) if a is not None],
+                            want)
+    if not first.passed:  # the outputs depend on how many rows there are: neither pieces nor padding are exact
+        return False, f"{seen}, but the first {k} rows alone gave other outputs than in the batch of {n} (the " \
+            f"outputs depend on the batch size): {first.describe()}", False
+    return True, seen + "; the first rows alone gave the same outputs", True
 
 
 def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
@@ -493,6 +512,11 @@ def shape_problem(specs: Sequence[LeafSpec], leaves: Sequence[Any], built: Optio
                         DimKind.variable: f"a size that varied ({dim.low}..{dim.high} seen)"}[dim.kind]
                 return (f"input {spec.name} ({spec.path}) dim {d} is {size}; the artifact was built for {static} "
                         f"there ({what}{', exported for that size only' if dim.kind is not DimKind.fixed else ''})")
+    rows = {f"{spec.name} dim {spec.sample_axis}": int(t.shape[spec.sample_axis])
+            for spec, t in zip(specs, leaves) if spec.sample_axis is not None}
+    if len(set(rows.values())) > 1:  # one number of samples per call: pieces of one would cut the others wrong
+        return "the inputs on the sample axis hold different numbers of samples (" + \
+            ", ".join(f"{where}: {n}" for where, n in rows.items()) + "); every input takes the same number"
     return None
 
 

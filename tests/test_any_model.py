@@ -198,6 +198,12 @@ def test_zero_configuration_export_matches_fp64_at_unseen_sizes_in_a_fresh_proce
             assert g.dtype == (torch.float32 if w.dtype == torch.float64 else w.dtype), (i, g.dtype)
             if i not in stochastic and w.is_floating_point():
                 assert rel_err(g, w) < 1e-5, (name, i, rel_err(g, w))
+    if name == "single_cell":  # one output is the batch's loss (a mean over the cells): pieces would change it
+        assert not signature.sample.proven and "does not follow the number of samples" in signature.sample.how
+    if name in ("tabular", "anomaly", "fixed_batch"):  # rows of a table, images: every input carries samples on dim 0
+        assert signature.sample.proven, signature.sample.how
+        assert signature.input_axes() == [0] * len(signature.inputs), signature.describe()
+        assert all(a == 0 for a, leaf in zip(signature.output_axes(), signature.outputs) if not leaf.stochastic)
     if name in ("graph", "molecule"):  # every dimension that carries nodes, edges or graphs varies; none is a sample axis
         assert not signature.sample.proven, signature.sample.how
         kinds = {d.kind for leaf in signature.inputs for d in leaf.dims}
@@ -385,3 +391,19 @@ def test_a_model_neither_tracer_follows_is_captured_keeping_whole_what_they_cann
     with torch.no_grad():
         want = _fp64(call).run(copy.deepcopy(lit).double().eval())
         assert rel_err(load_fused(cb.export_dir)(*call.args), want) < 1e-5
+
+
+def test_without_validation_data_the_preflight_runs_on_the_first_training_call_it_observed(tmp_path: Path) -> None:
+    """No validation data: the rehearsal runs at the first optimizer step, on the call of the target that step
+    made. Before, that step's call was kept only when the step ended, after the rehearsal: the preflight read the
+    batches instead, could not find the backbone's input in the batch dict, and stopped training."""
+    torch.manual_seed(0)
+    lit = mp.TabularLit()
+    train, _ = lit.loaders()
+    cb = FXFuseCallback()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False,
+                         enable_model_summary=False, logger=CSVLogger(tmp_path), default_root_dir=tmp_path,
+                         callbacks=[cb], enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(lit, train)
+    assert cb.preflight is not None and not cb.preflight.unproven, cb.preflight
+    assert cb.parity_report is not None and cb.parity_report.passed and cb.parity_report.source == "train"

@@ -483,3 +483,46 @@ def test_two_workers_each_self_check_and_share_the_load(served: Dict[str, Any], 
 
         with ThreadPoolExecutor(max_workers=6) as pool:
             assert max(pool.map(one, inputs)) < 1e-5
+
+
+class MeanOverTime(nn.Module):
+    """[batch, time, features] -> scores: the time length varies from batch to batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.bn, self.head = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.bn(self.proj(x).mean(1))))
+
+
+def test_batched_requests_whose_sizes_vary_off_the_sample_axis_run_in_groups_of_one_shape(tmp_path: Path) -> None:
+    """Requests of 5 and 7 time steps in one batch: before, their inputs were concatenated into one tensor, which
+    raised, and every request of the batch failed. Now each shape runs as its own group, each request gets its rows."""
+    from fx_lightning.export.manifest import read_manifest
+    from fx_lightning.serve.app import ArtifactAPI
+    from fx_lightning.serve.contract import Contract, Decoded
+
+    torch.manual_seed(0)
+    model = MeanOverTime().eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, t, 4, generator=g) for n, t in ((6, 5), (6, 9), (4, 7))]
+    cfg = FuseConfig()
+    cfg.export.formats = [ExportFormat.pt2]
+    fuse_and_export(model, tmp_path / "e", batches=batches, config=cfg)
+    contract = Contract.of(read_manifest(tmp_path / "e"))
+    assert contract.batched and contract.inputs[0].sample_shape == (None, 4)
+    api = object.__new__(ArtifactAPI)  # the worker's batch and predict, without a server around them
+    api.model = load_fused(tmp_path / "e")
+    requests = [torch.randn(n, t, 4, generator=g) for n, t in ((2, 5), (1, 7), (3, 5), (1, 11))]
+    batch = ArtifactAPI.batch(api, [Decoded([x.numpy()]) for x in requests])
+    assert sorted(len(places) for _, _, places in batch.groups) == [1, 1, 2]
+    answers = ArtifactAPI.predict(api, batch)
+    assert len(answers) == len(requests)
+    for x, answer in zip(requests, answers):
+        want = reference_fp64(model, x)
+        assert len(answer) == 1 and answer[0].shape == (x.shape[0], 3)
+        assert rel_err(torch.from_numpy(answer[0]), want) < 1e-5

@@ -126,9 +126,13 @@ class CallRecorder:
         """The step ended: keep what it showed."""
         self._unhook()
         step, self.step = self.step, None
-        if step is None:
-            return
-        for name, calls in step.calls.items():
+        if step is not None:
+            self._keep(step)
+
+    def _keep(self, step: _Step) -> None:
+        """The step's calls so far into the logs (taken out of the step: a step still running keeps adding)."""
+        taken, step.calls = step.calls, {}
+        for name, calls in taken.items():
             for call, whole in calls:
                 if name != self.path and whole is not None:
                     continue  # a child called by the forward: the forward is what the steps call
@@ -214,6 +218,8 @@ class CallRecorder:
         forward was never called, and its steps called several submodules."""
         if self.off is not None or not self.stages:
             return None
+        if self.step is not None:  # asked during a step (the preflight before the first optimizer step): its calls
+            self._keep(self.step)
         found = self.logs[self.path].observations(self.path, self.stages, [])
         if found is not None or self.target is not self.root or self.root_called:
             return found

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch import nn
 from fx_lightning.calls import Call, Step, leaf_values, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature import LeafSpec, Signature, shape_problem
+from fx_lightning.signature import ConstSpec, LeafSpec, Signature, shape_problem
 
 __all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
 
@@ -79,6 +79,15 @@ class ArtifactInterface(nn.Module):
         if not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor) for a in args):
             return args
         call = Call(args, kwargs)
+        for const in self.signature.constants:  # baked into the graph: another value would be ignored silently
+            try:
+                given = value_at(call, _steps(const))
+            except (KeyError, IndexError, AttributeError, TypeError):
+                continue  # left out: the artifact computes with the value the calls had
+            if type(given) is not type(const.value) or given != const.value:
+                raise ExportError(f"{self.what}: {const.path} is {given!r}; the artifact was built with "
+                                  f"{const.path}={const.value!r} (the value of every call observed), and computes "
+                                  "with that value only")
         try:
             return tuple(value_at(call, _steps(leaf)) for leaf in self.signature.inputs)
         except (KeyError, IndexError, AttributeError, TypeError) as exc:
@@ -88,7 +97,7 @@ class ArtifactInterface(nn.Module):
                               ) from None
 
 
-def _steps(leaf: LeafSpec) -> Tuple[Step, ...]:
+def _steps(leaf: Union[LeafSpec, ConstSpec]) -> Tuple[Step, ...]:
     return tuple((str(kind), key) for kind, key in leaf.steps)
 
 

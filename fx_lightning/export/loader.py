@@ -12,7 +12,7 @@ from torch import nn
 from fx_lightning._imports import missing_modules
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.base import FormatEntry
-from fx_lightning.formats.batching import BatchPieces
+from fx_lightning.formats.batching import with_pieces
 from fx_lightning.export.interface import ArtifactInterface
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
@@ -96,10 +96,7 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
     signature = manifest.call_signature()
     try:
         module = fmt.load(root, entry, target)
-        if entry.batch_sizes and not isinstance(module, BatchPieces) and signature.batched:  # built for those only
-            module = BatchPieces({str(size): module for size in entry.batch_sizes}, signature.input_axes(),
-                                 signature.output_axes(), what=f"{chosen} artifact",
-                                 hint="it was exported for those batch sizes only (see the manifest's notes)")
+        module = with_pieces(module, entry.batch_sizes, signature, f"{chosen} artifact")
         if manifest.signature is not None and ArtifactInterface.needed(signature, entry.built_shapes):
             module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact")
         return CompiledForServing(module) if compile else module

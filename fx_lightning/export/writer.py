@@ -271,8 +271,9 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     if preprocess is not None:
         plain = with_prologue(plain, preprocess, normalised_dtype)
     args = tuple(example_inputs)
-    if signature is None:
-        signature = _signature_of(plain, args)
+    if signature is None:  # the experiment on the model as given: an export capture's guards show a fixed size
+        signature = _signature_of(plain if preprocess is not None else graph_module, args,
+                                  [n.name for n in plain.graph.nodes if n.op == "placeholder"])
     elif preprocess is not None:
         signature = with_raw_input(signature, args[0], preprocess.layout == "NHWC")
     ctx = WriteContext(plain, args, signature, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
@@ -292,13 +293,19 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     if no_program is not None:
         ctx.program_refused = no_program
         return ctx
+    # Along a sample axis where the first rows alone do not run the same, only padding to the size seen is exact.
+    padded_only = signature.batched and not signature.sample.any_size and config.export.dynamic_batch
+    if padded_only:
+        ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []
     if not any(dims) or fixed is not None:
         ctx.program = _program(ctx, args)
-        if any(dims):
-            ctx.notes.append(static_note(signature, args, fixed or ""))
+        if any(dims) or padded_only:
+            ctx.notes.append(static_note(signature, args, fixed or signature.sample.how))
             if signature.batched:
                 ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []
         return ctx
+    if padded_only:
+        ctx.notes.append(static_note(signature, args, signature.sample.how))
     dynamic_args = tuple(with_rows(args, axes, 2)) if rows == 1 and config.export.dynamic_batch else args
     try:
         ctx.program = export_program(ctx.export_model, Call(dynamic_args), dims, allow_static=False,
@@ -333,7 +340,7 @@ def _leaf_shapes(args: Sequence[Any]) -> Tuple[Tuple[int, ...], ...]:
     return tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
 
 
-def _signature_of(model: nn.Module, args: Tuple[Any, ...]) -> Signature:
+def _signature_of(model: nn.Module, args: Tuple[Any, ...], names: List[str]) -> Signature:
     """The signature one example shows (no loader says how many samples it holds: dim 0 is tested)."""
     def run(call: Call, seed: int = 0) -> Any:
         with torch.no_grad(), torch.random.fork_rng(), no_distribution_validation():
@@ -342,7 +349,7 @@ def _signature_of(model: nn.Module, args: Tuple[Any, ...]) -> Signature:
 
     try:
         return derive_signature([Observed(Call(args))], run, rerun=lambda c: run(c, 1),
-                                root_names=[n.name for n in model.graph.nodes if n.op == "placeholder"])
+                                root_names=names)
     except ValueError as exc:
         raise ExportError(f"example_inputs: {exc}") from exc
 

@@ -24,7 +24,7 @@ from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.program import ExportFailed, Program, export_program, nested_dynamic_shapes, signature_dims
-from fx_lightning.signature import Signature, rows_of
+from fx_lightning.signature import DimKind, Signature, rows_of
 
 __all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "ExactReference", "WriteContext", "Writer",
            "Loader",
@@ -182,7 +182,9 @@ class WriteContext:
 
     def takes_other_sizes(self, fmt: "Format") -> bool:
         """Whether ``fmt``'s artifact takes other sizes than the example's: its program's, or the fused graph's."""
-        return self.dynamic if fmt.from_program else self.graph_takes_other_sizes
+        if fmt.from_program:
+            return self.dynamic and self.static_batch is None
+        return self.graph_takes_other_sizes
 
     @property
     def graph_takes_other_sizes(self) -> bool:
@@ -206,8 +208,9 @@ class WriteContext:
 
     @property
     def sample_dynamic(self) -> bool:
-        """Whether the sample axis is proven and dynamic in the artifacts."""
-        return self.signature.batched and self.dynamic_samples and self.dynamic
+        """Whether the sample axis is proven and dynamic in the artifacts (only where pieces of any size are exact:
+        otherwise they are built for the size seen, and others padded to it)."""
+        return self.signature.batched and self.dynamic_samples and self.signature.sample.any_size and self.dynamic
 
     @property
     def static_batch(self) -> Optional[int]:
@@ -236,7 +239,9 @@ class WriteContext:
             return None
         axes = self.signature.input_axes() if self.signature.batched else [None] * len(self.signature.inputs)
         tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
-        return [[None if d == axis else int(size) for d, size in enumerate(t.shape)] for t, axis in zip(tensors, axes)]
+        varies = [[self.dynamic and d.kind is DimKind.variable for d in leaf.dims] for leaf in self.signature.inputs]
+        return [[None if d == axis or (d < len(free) and free[d]) else int(size) for d, size in enumerate(t.shape)]
+                for t, axis, free in zip(tensors, axes, varies)]
 
     def export(self, args: Optional[Tuple[Any, ...]] = None) -> "torch.export.ExportedProgram":
         """The program on ``args`` (another example: a static program for those sizes), else the context's own."""

@@ -14,10 +14,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from fx_lightning.errors import ExportError
 from fx_lightning.calls import tree_of
 from fx_lightning.signature import concat_rows, rows_of, take_rows, with_rows
 
-__all__ = ["ANY_BATCH", "BatchPieces"]
+__all__ = ["ANY_BATCH", "BatchPieces", "with_pieces"]
 
 # The key of a runner that takes any batch size.
 ANY_BATCH = "dynamic"
@@ -45,7 +46,12 @@ class BatchPieces(nn.Module):
         return sorted(self.runners)
 
     def forward(self, *args: Any) -> Any:
-        size = rows_of(args, self._axes(args, self.axes))
+        axes = self._axes(args, self.axes)
+        sizes = {int(t.shape[a]) for t, a in zip(args, axes) if a is not None and isinstance(t, torch.Tensor)}
+        if len(sizes) > 1:  # pieces of the first input would cut the others wrong
+            raise ExportError(f"{self.what}: the inputs on the sample axis hold different numbers of samples "
+                              f"({sorted(sizes)}); every input takes the same number")
+        size = rows_of(args, axes)
         runner = self.runners.get(str(size)) or self.runners.get(ANY_BATCH)
         if runner is not None or size is None:
             return (runner or next(iter(self.runners.values())))(*args)
@@ -78,3 +84,14 @@ class BatchPieces(nn.Module):
                 out = tree.rebuild(take_rows(leaves, self._axes(leaves, self.output_axes), 0, left))
             yield out
             start += piece
+
+
+def with_pieces(module: nn.Module, batch_sizes: Optional[Sequence[int]], signature: Any, what: str) -> nn.Module:
+    """A loaded artifact built for ``batch_sizes`` only (None or empty: any) as it is called: other numbers of
+    samples as pieces along the proven sample axis of ``signature`` (a :class:`~fx_lightning.signature.Signature`);
+    without one, as it is (it refuses other sizes itself). Used by ``load_fused`` and by the variant gate alike."""
+    if not batch_sizes or isinstance(module, BatchPieces) or not signature.batched:
+        return module
+    return BatchPieces({str(size): module for size in batch_sizes}, signature.input_axes(), signature.output_axes(),
+                       what=what, hint="it was exported for those batch sizes only (see the manifest's notes)")
+

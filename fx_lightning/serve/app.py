@@ -13,6 +13,7 @@ import os
 import pickle
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -32,7 +33,14 @@ from fx_lightning.serve.artifact import SelfCheck, ServeOptions, StatusBoard, lo
 
 __all__ = ["ArtifactAPI", "ContractSpec", "make_server"]
 
-Batched = Tuple[List[torch.Tensor], List[int]]
+@dataclass
+class Batched:
+    """Requests batched along the sample axis: one group per shape of their inputs beyond it (requests whose
+    sizes vary elsewhere, a sequence length say, cannot share a tensor), each with the joined inputs, its requests'
+    sample counts and their places in the batch."""
+
+    groups: List[Tuple[List[torch.Tensor], List[int], List[int]]]
+    count: int
 
 
 class ArtifactAPI(ls.LitAPI):
@@ -57,19 +65,32 @@ class ArtifactAPI(ls.LitAPI):
         return request  # decoded and checked by the HTTP side
 
     def batch(self, inputs: List[Decoded]) -> Batched:
-        joined = [torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
-                  for parts in zip(*(d.arrays for d in inputs))]
-        return joined, [d.batch_size for d in inputs]
+        by_shape: Dict[Tuple[Tuple[int, ...], ...], List[int]] = {}
+        for i, d in enumerate(inputs):
+            by_shape.setdefault(tuple(a.shape[1:] for a in d.arrays), []).append(i)
+        groups = []
+        for places in by_shape.values():
+            parts = list(zip(*(inputs[i].arrays for i in places)))
+            joined = [torch.from_numpy(np.concatenate(p) if len(p) > 1 else p[0]) for p in parts]
+            groups.append((joined, [inputs[i].batch_size for i in places], places))
+        return Batched(groups, len(inputs))
 
     def predict(self, x: Union[Decoded, Batched]) -> Any:
         """One request's outputs (no batching), or each request's outputs of a batch."""
         if self.model is None:
             raise RuntimeError("the artifact failed its self-check (see /health)")
-        batched = isinstance(x, tuple)
-        args, sizes = x if isinstance(x, tuple) else ([torch.from_numpy(a) for a in x.arrays], [x.batch_size])
+        if not isinstance(x, Batched):
+            return self._run([torch.from_numpy(a) for a in x.arrays])
+        answers: List[Any] = [None] * x.count
+        for args, sizes, places in x.groups:
+            for place, rows in zip(places, split_rows(self._run(args), sizes)):
+                answers[place] = rows
+        return answers
+
+    def _run(self, args: List[torch.Tensor]) -> List[np.ndarray]:
+        assert self.model is not None
         with torch.no_grad():
-            outputs = [t.detach().cpu().numpy() for t in flat_tensors(self.model(*args))]
-        return split_rows(outputs, sizes) if batched else outputs
+            return [t.detach().cpu().numpy() for t in flat_tensors(self.model(*args))]
 
     def unbatch(self, output: List[List[np.ndarray]]) -> List[List[np.ndarray]]:
         return output
@@ -196,8 +217,11 @@ def encode_outputs(outputs: List[np.ndarray], decoded: Decoded, contract: Contra
 
 
 def split_rows(outputs: Sequence[np.ndarray], sizes: Sequence[int]) -> List[List[np.ndarray]]:
-    """Each request's rows of every output (an output without the batch axis goes to each request whole)."""
+    """Each request's rows of every output: a batching server's outputs all carry the sample axis on dim 0
+    (:class:`~fx_lightning.serve.contract.Contract` batches only then)."""
     total = sum(sizes)
+    if any(o.ndim == 0 or o.shape[0] != total for o in outputs):
+        raise RuntimeError(f"an output does not hold the batch's {total} samples on dim 0: "
+                           f"{[list(o.shape) for o in outputs]}")
     bounds = np.cumsum([0, *sizes])
-    return [[o[bounds[i]:bounds[i + 1]] if o.ndim and o.shape[0] == total else o for o in outputs]
-            for i in range(len(sizes))]
+    return [[o[bounds[i]:bounds[i + 1]] for o in outputs] for i in range(len(sizes))]

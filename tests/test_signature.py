@@ -1,0 +1,204 @@
+"""The signature: what the observed calls prove about how the target is called (the sample axis, or none), and the
+artifacts that follow it. Each test here is a way to a wrong answer that the package must observe or refuse."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+import torch
+from torch import nn
+
+import fx_lightning
+from fusion_helpers import randomize_batchnorms, rel_err
+from fx_lightning import ExportError, fuse, load_fused
+from fx_lightning.calls import Call, tree_of
+from fx_lightning.config import load_config
+from fx_lightning.export.manifest import read_manifest
+from fx_lightning.export.writer import export_fused
+from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, shape_problem
+
+
+def _run(model: nn.Module) -> Any:
+    def run(call: Call, seed: int = 0) -> Any:
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return call.run(model)
+    return run
+
+
+def _signature(model: nn.Module, calls: List[Call], samples: List[Any]) -> Signature:
+    model.eval()
+    run = _run(model)
+    return derive_signature([Observed(c, n) for c, n in zip(calls, samples)], run, rerun=lambda c: run(c, 1))
+
+
+class Scaled(nn.Module):
+    """Its outputs depend on how many rows the batch holds: rows are independent at one size, not across sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * x.shape[0]
+
+
+class BranchOnBatch(nn.Module):
+    """Code that branches on the batch size it is called with (torch.export specialises it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.bn = nn.Linear(3, 2), nn.BatchNorm1d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.linear(x))
+        return h * 1.0 if x.shape[0] == 4 else h * 2.0
+
+
+class Centred(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0, keepdim=True)
+
+
+class Noisy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn_like(x)
+
+
+class TimeMajor(nn.Module):
+    """A recurrent model's layout: [time, batch, features], the samples on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+def test_outputs_that_depend_on_the_batch_size_prove_no_sample_axis() -> None:
+    """Before: rows independent at 4 samples made dim 0 a sample axis 'padded only', and the export padded 3 rows
+    to 4, giving linear(x) * 4 where the model gives linear(x) * 3."""
+    sig = _signature(Scaled(), [Call((torch.randn(4, 3),)), Call((torch.randn(4, 3),))], [4, 4])
+    assert not sig.sample.proven and "depend on the batch size" in sig.sample.how
+
+
+def test_rows_that_interact_prove_no_sample_axis() -> None:
+    sig = _signature(Centred(), [Call((torch.randn(6, 3),))], [6])
+    assert not sig.sample.proven and "not independent" in sig.sample.how
+
+
+def test_outputs_all_drawn_at_random_prove_nothing() -> None:
+    """Nothing to compare rows with: before, the empty comparison passed and the axis was 'proven'."""
+    sig = _signature(Noisy(), [Call((torch.randn(4, 3),))], [4])
+    assert not sig.sample.proven and "drawn at random" in sig.sample.how
+    assert sig.outputs[0].stochastic
+
+
+def test_a_time_major_input_has_its_samples_on_dim_1() -> None:
+    calls = [Call((torch.randn(7, 5, 3),)), Call((torch.randn(9, 3, 3),))]
+    sig = _signature(TimeMajor(), calls, [5, 3])
+    assert sig.sample.proven and sig.input_axes() == [1] and sig.output_axes() == [1], sig.describe()
+    assert sig.inputs[0].dims[0].kind is DimKind.variable  # time varied: dynamic, never split
+
+
+def test_inputs_with_different_numbers_of_samples_are_refused() -> None:
+    sig = _signature(nn.Bilinear(3, 3, 2), [Call((torch.randn(4, 3), torch.randn(4, 3)))], [4])
+    assert sig.sample.proven and sig.input_axes() == [0, 0]
+    problem = shape_problem(sig.inputs, [torch.randn(6, 3), torch.randn(9, 3)])
+    assert problem is not None and "different numbers of samples" in problem and "6" in problem and "9" in problem
+
+
+def test_the_signature_survives_the_manifest() -> None:
+    calls = [Call((torch.randn(7, 5, 3),)), Call((torch.randn(9, 3, 3),))]
+    sig = _signature(TimeMajor(), calls, [5, 3])
+    again = Signature.from_dict(sig.to_dict())
+    assert again.to_dict() == sig.to_dict()
+    assert again.input_axes() == sig.input_axes() and again.sample == sig.sample
+
+
+@pytest.mark.parametrize("built_with", ["logits", "probs"])
+def test_a_categorical_whose_derived_parameter_was_read_keeps_one_parameter(built_with: str) -> None:
+    """Reading ``.probs`` of a Categorical built from logits caches it on the instance: before, both became leaves,
+    and rebuilding the distribution raised (``Either probs or logits must be specified, but not both``)."""
+    logits = torch.randn(3, 4)
+    dist = torch.distributions.Categorical(**{built_with: logits.softmax(-1) if built_with == "probs" else logits})
+    _ = dist.probs, dist.logits
+    tree = tree_of(dist)
+    assert tree.leaf_paths() == [(("attr", built_with),)]
+    rebuilt = tree.rebuild(tree.leaves(dist))
+    assert rel_err(rebuilt.probs, dist.probs) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- exported
+
+
+def _fuse_and_export(model: nn.Module, directory: Path, batches: Any = None, example_inputs: Any = None) -> Any:
+    return fx_lightning.fuse_and_export(model, directory, batches=batches, example_inputs=example_inputs,
+                                        config={"export": {"formats": ["pt2", "graph_module"]}})
+
+
+@pytest.mark.parametrize("model_cls", [BranchOnBatch, Scaled])
+def test_a_model_whose_answers_depend_on_the_batch_size_is_never_padded_to_it(model_cls: type,
+                                                                             tmp_path: Path) -> None:
+    """Before: the batch size was taken for a sample axis, and 6 samples came back from pieces padded to 4 with the
+    answers the model gives at 4 (BranchOnBatch: h * 1 where it gives h * 2)."""
+    model = randomize_batchnorms(model_cls()).eval()
+    batches = [(torch.randn(4, 3), torch.zeros(4)) for _ in range(3)]
+    _fuse_and_export(model, tmp_path / "e", batches=batches)
+    manifest = read_manifest(tmp_path / "e")
+    assert manifest.signature is not None and not manifest.signature.sample.proven
+    x4 = torch.randn(4, 3)
+    want4 = copy.deepcopy(model).double()(x4.double())
+    for fmt in ("pt2", "graph_module"):
+        loaded = load_fused(tmp_path / "e", fmt)
+        with torch.no_grad():
+            assert rel_err(loaded(x4), want4) < 1e-5
+            with pytest.raises(ExportError, match="dim 0 is 6; the artifact was built for 4"):
+                loaded(torch.randn(6, 3))
+
+
+def test_a_graph_fixed_to_the_batch_size_by_torch_export_is_exported_for_that_size_only(tmp_path: Path) -> None:
+    """fuse() without a signature: torch.export fixes dim 0 (the model branches on it). Before: the capture was
+    taken to be dynamic and its guard erased, and the export answered 6 rows with the branch taken at 4."""
+    model = randomize_batchnorms(BranchOnBatch()).eval()
+    x = torch.randn(4, 3)
+    result = fuse(model, example_inputs=(x,))
+    assert result.static_shapes == [[4, 3]]
+    export_fused(result.graph_module, tmp_path / "e", example_inputs=(x,),
+                 config=load_config({"export": {"formats": ["pt2", "graph_module"]}}))
+    manifest = read_manifest(tmp_path / "e")
+    assert {name: entry.batch_sizes for name, entry in manifest.formats.items()} == {"pt2": [4], "graph_module": [4]}
+    assert not manifest.dynamic_batch
+
+
+def test_a_constant_argument_is_baked_in_and_another_value_refused(tmp_path: Path) -> None:
+    """``forward(x, n)`` called with n=3: the artifact takes x and computes with n=3. Before, the export failed
+    with ``forward() missing 1 required positional argument: 'n'`` (the axes of the tensors were matched with
+    the arguments, constants included)."""
+
+    class Repeated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+            for _ in range(n):
+                x = self.linear(x)
+            return x
+
+    model = Repeated().eval()
+    x = torch.randn(4, 6)
+    _fuse_and_export(model, tmp_path / "e", example_inputs=(x, 3))
+    manifest = read_manifest(tmp_path / "e")
+    assert manifest.signature is not None and [(c.path, c.value) for c in manifest.signature.constants] == [("n", 3)]
+    want = copy.deepcopy(model).double()(x.double(), 3)
+    for fmt in ("pt2", "graph_module"):
+        loaded = load_fused(tmp_path / "e", fmt)
+        with torch.no_grad():
+            assert rel_err(loaded(x, 3), want) < 1e-5 and rel_err(loaded(x=x), want) < 1e-5
+            with pytest.raises(ExportError, match="n is 5; the artifact was built with n=3"):
+                loaded(x, 5)
