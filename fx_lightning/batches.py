@@ -29,7 +29,6 @@ __all__ = [
     "describe",
     "identity_rule",
     "as_example_inputs",
-    "map_tensors",
     "to_model",
     "model_device_dtype",
     "flat_tensors",
@@ -187,25 +186,6 @@ def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
     return tuple(example_inputs)
 
 
-def _rebuilt(like: Any, items: List[Any]) -> Any:
-    """A sequence of ``like``'s kind holding ``items``: a named tuple, a tuple or a list."""
-    if isinstance(like, tuple) and hasattr(like, "_make"):
-        return like._make(items)
-    return tuple(items) if isinstance(like, tuple) else list(items)
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor nested in tuples, lists, named tuples and mappings (any
-    ``Mapping``: a dict, an OrderedDict, Hugging Face's ``BatchEncoding``, a UserDict; each becomes a dict)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return _rebuilt(value, [map_tensors(fn, v) for v in value])
-    if isinstance(value, Mapping):
-        return {k: map_tensors(fn, v) for k, v in value.items()}
-    return value
-
-
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
     """Move tensors (nested in tuples, lists, named tuples, mappings, a :class:`~fx_lightning.calls.Call`, a
     library's batch object) to ``device`` and floating ones to ``dtype``."""
@@ -240,7 +220,7 @@ def describe_call(call: Call) -> str:
 
 def detached(value: Any) -> Any:
     """A detached clone of every tensor in ``value``: a later in-place op (``ReLU(inplace=True)``) cannot change it."""
-    return map_tensors(lambda t: t.detach().clone(), value)
+    return map_leaves(lambda t: t.detach().clone(), value)
 
 
 @contextlib.contextmanager

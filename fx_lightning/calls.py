@@ -88,6 +88,7 @@ class Tree:
     cls: Optional[type] = None
     children: List[Tuple[Step, "Tree"]] = field(default_factory=list)
     template: Any = None
+    hidden: bool = False  # a constant whose object holds tensors where they cannot be read (private attributes)
 
     # ------------------------------------------------------------------------------------------ leaves
 
@@ -96,6 +97,12 @@ class Tree:
         if self.kind == "tensor":
             return [()]
         return [(step, *rest) for step, child in self.children for rest in child.leaf_paths()]
+
+    def hidden_paths(self) -> List[Tuple[Tuple[Step, ...], type]]:
+        """The path and class of every object holding tensors that cannot be read as its fields."""
+        if self.kind == "const":
+            return [((), self.cls)] if self.hidden and self.cls is not None else []
+        return [((step, *rest), cls) for step, child in self.children for rest, cls in child.hidden_paths()]
 
     def constants(self) -> List[Tuple[Tuple[Step, ...], Any]]:
         """The path and value of every constant (a flag, a count): part of what a call means."""
@@ -154,7 +161,7 @@ class Tree:
             return _rebuilt_distribution(self, {key: v for (_, key), v in parts})
         obj = copy.copy(self.template)  # keeps the fields that hold no tensor; init=False fields, slots, frozen
         for (_, key), v in parts:
-            object.__setattr__(obj, key, v)
+            _set_field(obj, key, v)
         return obj
 
     # ------------------------------------------------------------------------------------------ names
@@ -172,6 +179,15 @@ class Tree:
                 name = f"{base}_{n}"
             names.append(name)
         return names
+
+
+def _set_field(obj: Any, key: str, value: Any) -> None:
+    """``obj.key = value`` as the class does it (a batch type may keep its fields in a store of its own), else past
+    a frozen dataclass's guard."""
+    try:
+        setattr(obj, key, value)
+    except (AttributeError, TypeError, dataclasses.FrozenInstanceError):
+        object.__setattr__(obj, key, value)
 
 
 def _same_constant(a: Any, b: Any) -> bool:
@@ -282,6 +298,13 @@ def _object_fields(value: Any) -> Optional[List[Tuple[str, Any]]]:
         except TypeError:
             return None
         items = [(k, v) for k, v in own.items() if not k.startswith("_")]
+        if not any(_holds_tensor(v) for _, v in items) and callable(getattr(value, "to_dict", None)):
+            try:  # a batch type keeping its fields in a private store (a graph library's Data): its own view
+                mapped = value.to_dict()
+            except Exception:  # noqa: BLE001 - no usable view: the fields above
+                mapped = None
+            if isinstance(mapped, Mapping):
+                items = [(str(k), v) for k, v in mapped.items() if not str(k).startswith("_")]
     return items if any(_holds_tensor(v) for _, v in items) else None
 
 
@@ -319,9 +342,11 @@ def tree_of(value: Any, depth: int = 0) -> Tree:
     if _is_distribution(value):
         return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in _distribution_params(value)],
                     template=value)
-    fields = _object_fields(value)
-    if fields is None or isinstance(value, nn.Module):
+    if isinstance(value, nn.Module):
         return Tree("const", template=value)
+    fields = _object_fields(value)
+    if fields is None:  # tensors only in private attributes: not readable as fields, and not a constant either
+        return Tree("const", type(value), template=value, hidden=True)
     return Tree("obj", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in fields], template=value)
 
 

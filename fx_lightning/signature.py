@@ -165,13 +165,6 @@ class Signature:
     def output_axes(self) -> List[Optional[int]]:
         return [leaf.sample_axis for leaf in self.outputs]
 
-    def renamed(self, names: Sequence[str]) -> "Signature":
-        """The same signature with its input leaves named ``names`` (what the exported graph calls them)."""
-        if len(names) != len(self.inputs):
-            return self
-        return dataclasses.replace(self, inputs=[dataclasses.replace(leaf, name=name)
-                                                 for leaf, name in zip(self.inputs, names)])
-
     def describe(self) -> str:
         lines = [f"input {leaf.name} ({leaf.path}): {leaf.dtype} {leaf.shape}" for leaf in self.inputs]
         lines += [f"output {leaf.name} ({leaf.path}): {leaf.dtype} {leaf.shape}"
@@ -220,6 +213,13 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     if not calls:
         raise ValueError("derive_signature() needs at least one call")
     tree = tree_of_call(calls[0].call)
+    hidden = tree.hidden_paths()
+    if hidden:  # taken for a constant, the first batch's tensors would be baked into the graph
+        path, cls = hidden[0]
+        raise ValueError(f"{path_text(path, root_names)} is a {cls.__module__}.{cls.__qualname__} that keeps its "
+                         "tensors in private attributes, with no to_dict(): they cannot be read as its inputs. Give "
+                         "the class public fields or a to_dict(), or set parity.input to a function returning "
+                         "the tensors the target takes")
     same = [c for c in calls if tree_of_call(c.call).same_structure(tree)]
     notes = [] if len(same) == len(calls) else [
         f"{len(calls) - len(same)} of {len(calls)} calls had another structure (other arguments or flags) and were "

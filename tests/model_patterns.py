@@ -22,9 +22,8 @@ Every dataset is synthetic and small; every fit takes seconds on a CPU.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, InitVar
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch

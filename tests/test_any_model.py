@@ -7,7 +7,6 @@ not a proven sample axis (the 192-rows-for-40-molecules case)."""
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 import sys
 import textwrap

@@ -202,3 +202,112 @@ def test_a_constant_argument_is_baked_in_and_another_value_refused(tmp_path: Pat
             assert rel_err(loaded(x, 3), want) < 1e-5 and rel_err(loaded(x=x), want) < 1e-5
             with pytest.raises(ExportError, match="n is 5; the artifact was built with n=3"):
                 loaded(x, 5)
+
+
+# ------------------------------------------------------------------------------ batch objects with a store
+
+
+class StoreData:
+    """A graph library's batch as PyG writes it: the fields live in a private store, read and written through
+    ``__getattr__``/``__setattr__``, with ``to_dict()``; ``num_graphs`` is computed from the store."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__["_store"] = dict(fields)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["_store"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self.__dict__["_store"][key] = value
+
+    def __copy__(self) -> "StoreData":
+        return StoreData(**self.__dict__["_store"])
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__["_store"])
+
+    @property
+    def num_graphs(self) -> int:
+        return int(self.__dict__["_store"]["batch"].max()) + 1
+
+
+class Hidden(StoreData):
+    to_dict = None  # type: ignore[assignment]
+
+
+class GraphRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.head = nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+
+    def forward(self, data: StoreData) -> torch.Tensor:
+        h = self.bn(self.lin(data.x))
+        src, dst = data.edge_index
+        h = h.index_add(0, dst, h[src])
+        pooled = torch.zeros(data.num_graphs, h.shape[1], dtype=h.dtype).index_add(0, data.batch, h)
+        return self.head(pooled.relu())
+
+
+def _graphs(g: torch.Generator, sizes: List[int], cls: type = StoreData) -> StoreData:
+    xs, edges, batch, start = [], [], [], 0
+    for i, n in enumerate(sizes):
+        xs.append(torch.randn(n, 5, generator=g))
+        if n > 1:
+            src = torch.arange(n - 1) + start
+            edges.append(torch.stack([src, src + 1]))
+        batch.append(torch.full((n,), i))
+        start += n
+    edge_index = torch.cat(edges, 1) if edges else torch.zeros(2, 0, dtype=torch.long)
+    return cls(x=torch.cat(xs), edge_index=edge_index, batch=torch.cat(batch))
+
+
+def test_a_batch_object_keeping_its_fields_in_a_store_is_read_through_to_dict(tmp_path: Path) -> None:
+    """Before: the fields were private attributes, so the object was taken for a constant (no leaf): the first
+    batch baked into the graph. Now its ``to_dict()`` fields are the leaves, and the export answers new graphs."""
+    model = randomize_batchnorms(GraphRegressor()).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [(_graphs(g, sizes), None) for sizes in ([3, 4, 2], [5, 1], [2, 2, 6, 3])]
+    fx_lightning.fuse_and_export(model, tmp_path / "e", batches=[b for b, _ in batches],
+                                 config={"parity": {"input": "*"}, "export": {"formats": ["pt2"]}})
+    manifest = read_manifest(tmp_path / "e")
+    assert [leaf.path for leaf in manifest.signature.inputs] == ["data.x", "data.edge_index", "data.batch"]
+    loaded = load_fused(tmp_path / "e")
+    for sizes in ([7, 1, 9], [1]):  # unseen: 17 nodes in 3 graphs; one node without edges
+        data = _graphs(g, sizes)
+        want = copy.deepcopy(model).double()(StoreData(x=data.x.double(), edge_index=data.edge_index,
+                                                        batch=data.batch))
+        with torch.no_grad():
+            got = loaded(data)
+        assert got.shape == (len(sizes), 1) and rel_err(got, want) < 1e-5
+
+
+def test_a_batch_object_whose_tensors_cannot_be_read_is_refused_by_name(tmp_path: Path) -> None:
+    model = GraphRegressor().eval()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(fx_lightning.FXLightningError, match="Hidden that keeps its tensors in private attributes"):
+        fx_lightning.fuse_and_export(model, tmp_path / "e", batches=[_graphs(g, [3, 4], Hidden)],
+                                     config={"parity": {"input": "*"}, "export": {"formats": ["pt2"]}})
+    assert not (tmp_path / "e").exists()
+
+
+def test_every_runtime_and_the_manifest_name_an_input_as_forward_does(tmp_path: Path) -> None:
+    """``forward(self, input)``: fx names the graph's placeholder ``input_1``. Before, the manifest and ONNX said
+    ``input_1`` while the signature said ``input``: a server or a caller by name saw two names for one input."""
+    pytest.importorskip("onnxruntime")
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - the name is the point
+            return self.linear(input)
+
+    fx_lightning.fuse_and_export(Plain().eval(), tmp_path / "e", batches=[torch.randn(4, 3) for _ in range(2)],
+                                 config={"export": {"formats": ["pt2", "onnx"]}})
+    manifest = read_manifest(tmp_path / "e")
+    assert [i.name for i in manifest.inputs] == [leaf.name for leaf in manifest.signature.inputs] == ["input"]
+    assert manifest.formats["onnx"].options["input_names"] == ["input"]

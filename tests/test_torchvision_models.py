@@ -26,7 +26,7 @@ from fusion_helpers import (  # noqa: E402
     count_batchnorms, fingerprint, foldable_after_conv, randomize_batchnorms, rel_err, reference_fp64,
 )
 from fx_lightning import fuse  # noqa: E402
-from fx_lightning.batches import map_tensors  # noqa: E402
+from fx_lightning.calls import map_leaves  # noqa: E402
 from fx_lightning.parity.compare import structure_mismatch  # noqa: E402
 
 FAMILIES = [
@@ -85,7 +85,7 @@ def check_model(name: str, ddp: bool) -> None:
     del result  # the fused copy goes before the fp64 one comes: regnet_y_128gf peaks ~5 GB lower
     gc.collect()
     ref = reference_fp64(model, (x,))
-    as_fp32 = map_tensors(lambda t: t.float() if t.is_floating_point() else t, ref)  # the model's own dtype
+    as_fp32 = map_leaves(lambda t: t.float() if t.is_floating_point() else t, ref)  # the model's own dtype
     mismatch = structure_mismatch(out, as_fp32)
     assert mismatch is None, f"{name}: the fused outputs have another structure: {mismatch}"
     err = rel_err(out, ref)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from fx_lightning._imports import missing_modules
-from fx_lightning.batches import flat_tensors, map_tensors
-from fx_lightning.calls import Call, no_distribution_validation
+from fx_lightning.batches import flat_tensors
+from fx_lightning.calls import Call, map_leaves, no_distribution_validation
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
 from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
@@ -276,7 +276,11 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
                                   [n.name for n in plain.graph.nodes if n.op == "placeholder"])
     elif preprocess is not None:
         signature = with_raw_input(signature, args[0], preprocess.layout == "NHWC")
-    ctx = WriteContext(plain, args, signature, [n.name for n in plain.graph.nodes if n.op == "placeholder"],
+    placeholders = [n.name for n in plain.graph.nodes if n.op == "placeholder"]
+    # One name per input for every runtime, the manifest and the server: the signature's (forward's parameters,
+    # as users write them), not the graph's (fx renames `input` to `input_1`).
+    names = [leaf.name for leaf in signature.inputs] if len(signature.inputs) == len(placeholders) else placeholders
+    ctx = WriteContext(plain, args, signature, names,
                        onnx_opset=config.export.onnx_opset, reference=reference,
                        dynamic_samples=config.export.dynamic_batch,
                        check_args=[tuple(a) for a in other_inputs if _leaf_shapes(a) != _leaf_shapes(args)][:3])
@@ -425,7 +429,7 @@ def _reference(ctx: WriteContext) -> Reference:
     fused = [_outputs(ctx.model, b) for b in batches]
     try:  # the fp64 copy is made, used and freed here: no second copy of the model lives through the export
         exact_model = copy.deepcopy(ctx.reference.model if ctx.reference is not None else ctx.model).double()
-        exact = [[_as_double(t) for t in _outputs(exact_model, map_tensors(_as_double, b))] for b in batches]
+        exact = [[_as_double(t) for t in _outputs(exact_model, map_leaves(_as_double, b))] for b in batches]
         del exact_model
     except RuntimeError:  # no fp64 kernel for some op: judge against the fused model itself
         exact = [[_as_double(t) for t in out] for out in fused]
