@@ -425,12 +425,30 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
     except Exception as exc:  # noqa: BLE001 - a model fixed to its batch size: pieces padded to that size only
         return True, seen + f"; the first rows alone make it raise {type(exc).__name__}, so only padding to a " \
             "size seen is exact", False
-    first = compare_outputs([o.narrow(a, 0, k) for o, a in zip(tree_of(out).leaves(out), out_axes) if a is not None],
-                            want)
+    out_leaves = tree_of(out).leaves(out)
+    if not _same_structure(out_leaves, outputs, out_axes, k):  # malformed at k rows, as if it raised: pad only
+        return True, seen + f"; the first rows alone give outputs of another structure ({_shapes_text(out_leaves)}, " \
+            f"not {_shapes_text(outputs)} with {k} rows), so only padding to a size seen is exact", False
+    first = compare_outputs([o.narrow(a, 0, k) for o, a in zip(out_leaves, out_axes) if a is not None], want)
     if not first.passed:  # the outputs depend on how many rows there are: neither pieces nor padding are exact
         return False, f"{seen}, but the first {k} rows alone gave other outputs than in the batch of {n} (the " \
             f"outputs depend on the batch size): {first.describe()}", False
     return True, seen + "; the first rows alone gave the same outputs", True
+
+
+def _same_structure(got: Sequence[Any], outputs: Sequence[torch.Tensor], out_axes: Sequence[Optional[int]],
+                    k: int) -> bool:
+    """Whether ``got`` (the outputs of ``k`` rows) has the batch's outputs' count, dtypes and shapes, ``k`` rows
+    on each sample axis."""
+    if len(got) != len(outputs):
+        return False
+    for g, o, a in zip(got, outputs, out_axes):
+        want = list(o.shape)
+        if a is not None:
+            want[a] = k
+        if not isinstance(g, torch.Tensor) or g.dtype != o.dtype or list(g.shape) != want:
+            return False
+    return True
 
 
 def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],

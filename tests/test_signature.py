@@ -86,6 +86,25 @@ def test_outputs_that_depend_on_the_batch_size_prove_no_sample_axis() -> None:
     assert not sig.sample.proven and "depend on the batch size" in sig.sample.how
 
 
+class FixedReshape(nn.Module):
+    """Built for batches of 4 (a reshape to that size): at 2 rows it runs but gives outputs of another shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).reshape(4, -1)
+
+
+def test_outputs_of_another_shape_at_fewer_rows_mean_padding_to_the_size_seen() -> None:
+    """The first rows alone gave [2, 2] where the batch gives [4, 4]: the model does not run at 2 rows (as if it
+    raised). Rows are independent at 4, so padding to 4 is exact. Before: refused as 'depends on the batch size',
+    and the third-party ensemble lost its padded pieces."""
+    sig = _signature(FixedReshape(), [Call((torch.randn(4, 3),)), Call((torch.randn(4, 3),))], [4, 4])
+    assert sig.sample.proven and not sig.sample.any_size and "another structure" in sig.sample.how, sig.describe()
+
+
 def test_rows_that_interact_prove_no_sample_axis() -> None:
     sig = _signature(Centred(), [Call((torch.randn(6, 3),))], [6])
     assert not sig.sample.proven and "not independent" in sig.sample.how
