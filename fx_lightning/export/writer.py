@@ -50,7 +50,7 @@ from fx_lightning.parity.compare import (
 )
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
-from fx_lightning.program import ExportFailed, Program, export_program, signature_dims
+from fx_lightning.program import ExportFailed, LeafDims, Program, export_program, signature_dims
 from fx_lightning.provenance import Provenance
 from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, rows_of, take_rows, with_raw_input, with_rows
 
@@ -310,7 +310,14 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
         return ctx
     if padded_only:
         ctx.notes.append(static_note(signature, args, signature.sample.how))
-    dynamic_args = tuple(with_rows(args, axes, 2)) if rows == 1 and config.export.dynamic_batch else args
+    return _with_dynamic_program(ctx, dims, rows, config.export.dynamic_batch)
+
+
+def _with_dynamic_program(ctx: WriteContext, dims: List[LeafDims], rows: Optional[int], dynamic_samples: bool) -> WriteContext:
+    """``ctx`` with a program dynamic on ``dims``; where the graph fixes a size, one for the example's sizes (or
+    none, where the sizes that vary could not stay dynamic), with a note saying why."""
+    signature, args = ctx.signature, ctx.args
+    dynamic_args = tuple(with_rows(args, signature.input_axes(), 2)) if rows == 1 and dynamic_samples else args
     try:
         ctx.program = export_program(ctx.export_model, Call(dynamic_args), dims, allow_static=False,
                                      check=[Call(a) for a in ctx.check_args])
