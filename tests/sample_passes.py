@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 
+import torch
 import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassBase
+from torch.fx.passes.infra.pass_base import PassResult as FxPassResult
 
 from fx_lightning.passes import PassResult
 
@@ -78,3 +82,35 @@ def _flip_first(mask):
     flat = mask.clone().reshape(-1)
     flat[0] = 1.0 - flat[0]
     return flat.reshape(mask.shape)
+
+
+class ScaleOutputFxPass(PassBase):
+    """A torch.fx pass as torch.fx users write one: edits the graph in place and says it did."""
+
+    def __init__(self, factor: float = 2.0) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def call(self, graph_module: fx.GraphModule) -> FxPassResult:
+        out = next(n for n in graph_module.graph.nodes if n.op == "output")
+        with graph_module.graph.inserting_before(out):
+            scaled = graph_module.graph.call_function(operator.mul, (out.args[0], self.factor))
+        out.args = (scaled,)
+        return FxPassResult(graph_module, True)
+
+
+class RebuildWithOffsetFxPass(PassBase):
+    """A torch.fx pass that returns a new GraphModule (a new root holding a new buffer the graph reads)."""
+
+    def call(self, graph_module: fx.GraphModule) -> FxPassResult:
+        root = torch.nn.Module()
+        for name, child in graph_module.named_children():
+            root.add_module(name, child)
+        root.register_buffer("offset", torch.tensor(0.5))
+        graph = copy.deepcopy(graph_module.graph)
+        out = next(n for n in graph.nodes if n.op == "output")
+        with graph.inserting_before(out):
+            offset = graph.get_attr("offset")
+            shifted = graph.call_function(operator.add, (out.args[0], offset))
+        out.args = (shifted,)
+        return FxPassResult(fx.GraphModule(root, graph), True)

@@ -80,6 +80,29 @@ def test_user_pass_by_import_path():
         assert rel_err(result.graph_module(x), 2.0 * model.eval()(x)) < 1e-5
 
 
+def test_a_torch_fx_pass_base_registered_as_a_user_pass_runs_with_its_options():
+    """torch.fx's own pass interface (``PassBase.call(gm) -> PassResult(graph_module, modified)``): before, a
+    registered subclass was called as ``fn(gm, options, ctx)`` and failed in its constructor."""
+    from sample_passes import ScaleOutputFxPass
+
+    register_pass("test_fx_scale", preserves_computation=False, replace=True)(ScaleOutputFxPass)
+    model, x = small(), torch.randn(2, 3, 6, 6)
+    result = fuse(model, {"passes": {"extra": [{"name": "test_fx_scale", "options": {"factor": 3.0}}]}},
+                  example_inputs=x)
+    report = result.report.pass_report("test_fx_scale")
+    assert [c.what for c in report.changed] == ["modified by the torch.fx pass ScaleOutputFxPass"]
+    with torch.no_grad():
+        assert rel_err(result.graph_module(x), 3.0 * model.eval().double()(x.double())) < 1e-5
+
+
+def test_a_torch_fx_pass_returning_a_new_graph_module_by_import_path():
+    model, x = small(), torch.randn(2, 3, 6, 6)
+    result = fuse(model, {"passes": {"extra": ["sample_passes:RebuildWithOffsetFxPass"]}}, example_inputs=x)
+    assert result.report.pass_report("sample_passes:RebuildWithOffsetFxPass").changed
+    with torch.no_grad():
+        assert rel_err(result.graph_module(x), model.eval().double()(x.double()) + 0.5) < 1e-5
+
+
 def test_register_pass_refuses_silent_overwrite():
     with pytest.raises(ValueError, match="already registered"):
         register_pass("fuse_conv_bn")(lambda gm, o, c: None)

@@ -249,6 +249,46 @@ class PassResult:
 PassFn = Callable[..., Optional[PassResult]]
 
 
+def _is_fx_pass(obj: object) -> bool:
+    """A torch.fx ``PassBase``: a subclass (made with the pass's options as keyword arguments) or an instance."""
+    from torch.fx.passes.infra.pass_base import PassBase
+
+    return isinstance(obj, PassBase) or (isinstance(obj, type) and issubclass(obj, PassBase))
+
+
+def _fx_pass_fn(fx_pass: Any) -> PassFn:
+    """A torch.fx ``PassBase`` as a pass of ours: called on the GraphModule, the ``(graph_module, modified)`` it
+    returns taken in place (a new GraphModule's graph and attributes moved onto the one being fused)."""
+    name = fx_pass.__name__ if isinstance(fx_pass, type) else type(fx_pass).__name__
+
+    def run(gm: fx.GraphModule, options: Any, ctx: PassContext) -> PassResult:
+        instance = fx_pass(**dict(options or {})) if isinstance(fx_pass, type) else fx_pass
+        out = instance(gm)
+        result = PassResult()
+        if out is None:
+            return result
+        if out.graph_module is not gm:
+            _adopt(gm, out.graph_module)
+        if out.modified:
+            result.change("<graph>", f"modified by the torch.fx pass {name}")
+        return result
+
+    run.__doc__ = inspect.getdoc(fx_pass)
+    return run
+
+
+def _adopt(gm: fx.GraphModule, new: fx.GraphModule) -> None:
+    """Make ``gm`` compute what ``new`` does: its submodules and the attributes its graph reads, then its graph."""
+    for child_name, child in new.named_children():
+        setattr(gm, child_name, child)
+    for node in new.graph.nodes:
+        if node.op == "get_attr":
+            top = str(node.target).split(".")[0]
+            if top not in dict(new.named_children()):
+                setattr(gm, top, getattr(new, top))
+    gm.graph = new.graph
+
+
 @dataclass(frozen=True)
 class PassSpec:
     """One pass, declared once: everything else (config key, default order, report) is derived from it."""
@@ -298,7 +338,9 @@ def register_pass(
     replace: bool = False,
     reports_changes: bool = False,
 ) -> Callable[[PassFn], PassFn]:
-    """Register ``fn(gm, options, ctx) -> PassResult | None`` under ``name``.
+    """Register ``fn(gm, options, ctx) -> PassResult | None`` under ``name``; or a torch.fx ``PassBase``
+    (subclass, made with the pass's options as keyword arguments, or instance), whose
+    ``PassResult(graph_module, modified)`` is taken in place.
 
     Example::
 
@@ -310,7 +352,8 @@ def register_pass(
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        spec = PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes)
+        run = _fx_pass_fn(fn) if _is_fx_pass(fn) else fn
+        spec = PassSpec(name, run, options, preserves_computation, _doc_line(fn), reports_changes and run is fn)
         _register(spec, replace)
         return fn
 
@@ -367,6 +410,8 @@ def resolve_pass(name: str) -> PassSpec:
         return _REGISTRY[name]
     if isinstance(obj, PassSpec):
         return obj
+    if _is_fx_pass(obj):
+        return PassSpec(name=name, fn=_fx_pass_fn(obj), description=_doc_line(obj))
     if not callable(obj):
         raise ValueError(f"{name!r} is not callable")
     return PassSpec(name=name, fn=obj, description=_doc_line(obj))
