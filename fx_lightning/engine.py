@@ -17,7 +17,8 @@ from fx_lightning.calls import Call, Interface, no_distribution_validation
 from fx_lightning.capture import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
 from fx_lightning.notes import NoteKind
-from fx_lightning.parity.compare import compare_outputs, rounding_tolerance
+from fx_lightning.parity.compare import compare_outputs
+from fx_lightning.tolerance import rounding_tolerance
 from fx_lightning.passes import (
     PassContext,
     PassResult,

@@ -58,8 +58,8 @@ def _run(tmp_path: Path, config: Dict[str, Any], monkeypatch: pytest.MonkeyPatch
          load_fails_on: Optional[int] = None, skip_on: Optional[int] = None) -> List[Any]:
     """Run the pipeline on ``WORLD`` threads; every rank's outcome (or what it raised) and its calls."""
     lock = threading.Lock()  # torch.fx tracing is not thread-safe: the local work runs one rank at a time
-    local = driver._run_locally
-    monkeypatch.setattr(driver, "_run_locally", lambda *a, **k: _locked(lock, local, *a, **k))
+    local = driver.run_locally
+    monkeypatch.setattr(driver, "run_locally", lambda *a, **k: _locked(lock, local, *a, **k))
     barrier, slots = threading.Barrier(WORLD, timeout=60), [None] * WORLD
     collectives = [ThreadCollectives(barrier, slots, r) for r in range(WORLD)]
     g = torch.Generator().manual_seed(1)

@@ -242,13 +242,13 @@ def test_the_callback_calibrates_on_training_data_and_judges_on_validation_data(
     from fx_lightning.passes import quantize
 
     seen: List[torch.Tensor] = []
-    real_convert = quantize._convert
+    real_convert = quantize.calibrate_int8
 
     def spying_convert(program, batches, float_nodes):
         seen.extend(b[0] for b in batches)
         return real_convert(program, batches, float_nodes)
 
-    monkeypatch.setattr(quantize, "_convert", spying_convert)
+    monkeypatch.setattr(quantize, "calibrate_int8", spying_convert)
     train, val = H.loaders()
     callback = FXFuseCallback(export={"formats": ["pt2"]}, preflight="off",
                               passes={"quantize_int8": {"enabled": True, "calibration_batches": 2,

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from fx_lightning._imports import exception_text, import_object
 from fx_lightning.formats import FORMATS
 from fx_lightning.passes import DEFAULT_ORDER, USER_PASSES, builtin_passes
+from fx_lightning.tolerance import DISCRETE_AGREEMENT, GATE_RTOL
 
 __all__ = [
     "TraceMode",
@@ -175,14 +176,14 @@ class ParityConfig:
     # dict key x/input/inputs/image/images), a dict key, an integer index, or "pkg.module:function".
     input: Optional[str] = None
     # Gate: max|fused - ref| / max|ref| over all batches.
-    rtol: float = 1e-4
+    rtol: float = GATE_RTOL
     min_cosine: float = 0.9999
     min_top1_agreement: float = 0.999
     # Allowed accuracy drop (fraction, 0.001 = 0.1 points) when labels are in the batch.
     max_accuracy_drop: float = 0.001
     # Discrete outputs (labels, masks, thresholded scores: integer, boolean, or only 0 and 1) are judged by the
     # fraction of elements equal to the reference's: one value on the threshold must not count as a relative error of 1.
-    min_discrete_agreement: float = 0.999
+    min_discrete_agreement: float = DISCRETE_AGREEMENT
     on_failure: OnFailure = OnFailure["raise"]
 
     def check(self) -> None:

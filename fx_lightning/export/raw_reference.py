@@ -16,7 +16,8 @@ from torch import nn
 
 from fx_lightning.batches import flat_tensors, model_device_dtype
 from fx_lightning.export.manifest import Preprocess
-from fx_lightning.parity.compare import DISCRETE_AGREEMENT, Comparison, compare_outputs, relative_error
+from fx_lightning.parity.compare import Comparison, compare_outputs, relative_error
+from fx_lightning.tolerance import DISCRETE_AGREEMENT
 
 __all__ = ["normalise_fp64", "NormalisedReference", "compare_raw_path"]
 

@@ -41,14 +41,14 @@ from fx_lightning.export.manifest import (
 )
 from fx_lightning.export.timing import IDLE_GAP_S, Progress, time_interleaved, time_in_own_process
 from fx_lightning.export.writer import CheckData, check_artifact, read_check_file
+from fx_lightning.tolerance import LOSSY_MAX_ERROR
 
 __all__ = ["Timing", "BenchTable", "bench_export", "check_saved", "select_fastest", "select_all", "record_selection",
            "with_selection", "IDLE_GAP_S", "FINALIST_WITHIN", "FINALIST_ROUNDS"]
 
 # Passing artifacts within this factor of the fastest (at most ``own_process_finalists`` per batch size and
-# traffic) are the finalists, timed each in a process of its own for FINALIST_ROUNDS rounds (see timing.py: the
-# shared bench had made ONNX Runtime 1.4-1.6x slower than it runs alone; and two shared runs' medians of one
-# artifact differed by up to 15%, so a near tie had gone to the artifact 20% slower).
+# traffic) are the finalists, timed each in a process of its own for FINALIST_ROUNDS rounds: a shared bench slows
+# some runtimes and its medians wander, so near ties are decided alone (figures: docs/performance.md).
 FINALIST_WITHIN = 1.6
 FINALIST_ROUNDS = 30
 
@@ -65,7 +65,7 @@ def check_saved(module: nn.Module, saved: CheckData, *, lossy: bool = False) -> 
         return ArtifactCheck(False, reason=f"outputs of another structure or shape: {comparison.mismatch}")
     if lossy:  # its gate at export judged its accuracy; here it must run, with the structure and finite outputs
         error = comparison.relative_error
-        sane = error is not None and math.isfinite(error) and error < 1.0
+        sane = error is not None and math.isfinite(error) and error < LOSSY_MAX_ERROR
         return ArtifactCheck(sane, error, comparison.tolerance,
                              "lossy variant: judged by its accuracy gate at export; here it ran with the reference's "
                              "output structure" if sane else f"lossy variant: relative error {error} (NaN, infinite "

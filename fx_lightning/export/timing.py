@@ -6,9 +6,8 @@ lands on all of them; each candidate runs once after an idle gap (:data:`IDLE_GA
 gone to sleep, as under sparse traffic) and once right after (back to back); the gap also keeps one runtime's
 spinning threads from slowing the next.
 
-Alone: runtimes in one process steal each other's cores. In the shared bench ONNX Runtime ran mobilenet_v3_large
-at 6.7-7.4 ms after an idle gap, against 4.71 ms alone in a process (2 cores, Zen 4 with AVX512-VNNI/BF16). A
-server runs one model per process, so the finalists are timed each in a fresh Python process
+Alone: runtimes in one process steal each other's cores (figures: docs/performance.md). A server runs one model
+per process, so the finalists are timed each in a fresh Python process
 (``python -m fx_lightning.export.timing``) with the same loop, inputs (``check.pt``), threads and idle gap.
 """
 
@@ -34,10 +33,9 @@ from fx_lightning.signature import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "time_interleaved", "time_in_own_process"]
 
-# The idle gap before a call in the ``idle`` traffic (and before each candidate in a round). Measured (resnet18,
-# batch 1, 2 cores): ONNX Runtime ran 55.2 ms right after torch calls, 49.1 ms alone and 49.2 ms after this
-# pause; and with its threads not spinning, 16.5 ms after it against 8.8 ms back to back: the wake-up the idle
-# traffic measures.
+# The idle gap before a call in the ``idle`` traffic (and before each candidate in a round): long enough for a
+# runtime's threads to go to sleep (the wake-up the idle traffic measures) and for one runtime's spinning threads
+# to stop slowing the next (figures: docs/performance.md).
 IDLE_GAP_S = 0.02
 OWN_PROCESS_TIMEOUT_S = 600.0
 

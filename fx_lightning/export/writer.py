@@ -41,7 +41,6 @@ from fx_lightning.export.manifest import (
 from fx_lightning.notes import NoteKind
 from fx_lightning.notes import Note
 from fx_lightning.parity.compare import (
-    DISCRETE_AGREEMENT,
     Comparison,
     compare_outputs,
     is_discrete,
@@ -52,6 +51,7 @@ from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.program import ExportFailed, LeafDims, Program, export_program, signature_dims
 from fx_lightning.provenance import Provenance
+from fx_lightning.tolerance import DISCRETE_AGREEMENT
 from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, rows_of, take_rows, with_raw_input, with_rows
 
 __all__ = ["CHECK_FILE", "Reference", "Extension", "export_fused", "prepare_export", "write_export", "write_formats",

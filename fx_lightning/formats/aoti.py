@@ -1,7 +1,7 @@
 """``aoti``: AOTInductor packages, the fused model compiled ahead of time to native code for its device.
 
 One package with a dynamic batch (``export.aoti_batch_sizes: []``), or one per listed batch size (a package
-compiled for a static batch is faster: 17-38% at batch 1 on the CPUs measured). Built under
+compiled for a static batch is faster where measured: docs/performance.md). Built under
 ``torch.no_grad()`` with Inductor's freezing (weights folded into the code), which a package built with
 gradients on silently skips. Building needs a C++ compiler; loading needs none, but a CPU package only runs
 on CPUs with the instruction set it was built for (recorded in the manifest and checked when loading), and

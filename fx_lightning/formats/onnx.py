@@ -100,9 +100,8 @@ def _dynamic_axes(leaf: LeafSpec, ctx: WriteContext) -> Dict[int, str]:
 # ONNX Runtime's default) with as many intra-op threads as torch uses in this process.
 SESSION_LEVEL = "ORT_ENABLE_ALL"
 # ONNX Runtime's intra-op threads spin between runs by default and take the cores from anything else in the
-# process: with one spinning session, eager torch ran resnet18 at 127 ms instead of 78 (2 cores), and the session
-# itself was no faster (59-63 ms spinning, 56-57 not). A server that also runs torch (pre-processing, other
-# models) wants them off; so does a side-by-side benchmark.
+# process, and the session itself is no faster for it (figures: docs/performance.md). A server that also runs
+# torch (pre-processing, other models) wants them off; so does a side-by-side benchmark.
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 
 
@@ -215,7 +214,7 @@ FORMAT = Format(
     install_hint="pip install 'fx-lightning[onnx]' (onnx, onnxscript, onnxruntime)",
     variants={"int8": _make_variant},
     # Intra-op threads spinning between runs: slower for torch beside it in the process, but no wake-up cost for
-    # a request after an idle gap (measured: resnet18 16.5 ms median after 20 ms idle without, 8.8 ms with).
+    # a request after an idle gap; the selection times both on the machine at hand (docs/performance.md).
     runtime_choices={"spinning": {"session_options": {"config_entries": {"session.intra_op.allow_spinning": "1"}}}},
     readme="- `{path}` (onnx): `onnxruntime.InferenceSession('{path}')`; dynamic batch axis.",
 )

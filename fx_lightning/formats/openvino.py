@@ -5,7 +5,7 @@ the fallback), saved with fp32 weights (``ov.save_model`` would halve them to fp
 axis dynamic and every other axis fixed to the example's. Compiled for inference in fp32 (OpenVINO picks bf16
 on CPUs that have it unless told), latency hint, as many threads as torch uses; the loaded module compiles one
 static-shape copy per input shape it meets (a few to tens of milliseconds each, a handful kept), which ran
-1-6% faster than the dynamic-shape model on the four image models measured. Optional extra:
+faster than the dynamic-shape model where measured (docs/performance.md). Optional extra:
 ``pip install 'fx-lightning[openvino]'``.
 
 In C++: ``ov::Core core; auto compiled = core.compile_model("openvino/model.xml", "CPU");``.

@@ -20,7 +20,8 @@ capture use the comparison, and the config schema that ``gate`` reads is built f
 
 from __future__ import annotations
 
-from fx_lightning.parity.compare import LOW_PRECISION_FACTOR, Comparison, compare_outputs
+from fx_lightning.parity.compare import Comparison, compare_outputs
+from fx_lightning.tolerance import LOW_PRECISION_FACTOR
 from fx_lightning.parity.metrics import RelativeMaxError, SampleCosineSimilarity
 from fx_lightning.parity.report import ParityReport
 

@@ -3,7 +3,7 @@ checks, the export's round trip, the selection's check and the parity gate's str
 
 Structure first (how many tensors, how they nest, their shapes and dtypes), then values: the error of each
 floating output is relative to the reference's scale, ``max|got - want| / max|want|`` (the functional core of
-:mod:`.metrics`), and NaNs must sit where the reference has them. The tolerance table is :data:`ROUNDING_RTOL`:
+:mod:`.metrics`), and NaNs must sit where the reference has them. The tolerances are :mod:`fx_lightning.tolerance`'s:
 rerunning the same arithmetic stays within float rounding, so anything beyond it means the graph or artifact is
 not the model.
 """
@@ -11,12 +11,19 @@ not the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
 from fx_lightning.calls import plain
 from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
+from fx_lightning.tolerance import (  # the policy is declared there; named here for the comparison's callers
+    DISCRETE_AGREEMENT,
+    LOW_PRECISION_FACTOR,
+    ROUNDING_RTOL,
+    RUNTIME_FACTOR,
+    rounding_tolerance,
+)
 
 __all__ = [
     "ROUNDING_RTOL",
@@ -31,26 +38,6 @@ __all__ = [
     "agreement",
     "DISCRETE_AGREEMENT",
 ]
-
-# Relative error a rerun of the same arithmetic stays within, by dtype (the one tolerance table).
-ROUNDING_RTOL: Dict[torch.dtype, float] = {
-    torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2,
-}
-# Another runtime's kernels (ONNX Runtime, Inductor) round differently: an artifact may be this many times
-# further from an fp64 reference than the fused model itself is.
-RUNTIME_FACTOR = 8.0
-# A low-precision model is compared against its own rounding error: a correct fusion may differ from the
-# unfused model by a few times that error.
-LOW_PRECISION_FACTOR = 4.0
-# An artifact's discrete outputs (labels, masks) may differ from the fused model's in this small a share of
-# elements: another runtime's rounding flips a value that sits on a threshold.
-DISCRETE_AGREEMENT = 0.999
-
-
-def rounding_tolerance(dtype: torch.dtype, own_error: float = 0.0, factor: float = RUNTIME_FACTOR) -> float:
-    """What an output of ``dtype`` may differ by: float rounding, or ``factor`` times a known own error."""
-    return max(ROUNDING_RTOL.get(dtype, ROUNDING_RTOL[torch.float32]), factor * own_error)
-
 
 @dataclass(frozen=True)
 class Comparison:

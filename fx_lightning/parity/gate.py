@@ -32,7 +32,8 @@ from fx_lightning.calls import as_call, no_distribution_validation
 from fx_lightning.config import ParityConfig, load_config
 from fx_lightning.errors import ConfigError
 from fx_lightning.notes import Note, NoteKind
-from fx_lightning.parity.compare import LOW_PRECISION_FACTOR, is_discrete, structure_mismatch
+from fx_lightning.parity.compare import is_discrete, structure_mismatch
+from fx_lightning.tolerance import LOW_PRECISION_FACTOR
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.parity.metrics import (
     CLASSIFICATION_KEYS,

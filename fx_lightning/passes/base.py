@@ -24,7 +24,6 @@ import torch.fx as fx
 
 from fx_lightning._imports import import_object
 from fx_lightning.errors import PassError
-from fx_lightning.notes import Note
 
 __all__ = [
     "Stage",
@@ -69,7 +68,7 @@ DEFAULT_ORDER: Tuple[str, ...] = (
 
 class Stage(str, Enum):
     """What a pass works on: the working copy of the module before capture, the captured graph, or (``variant``)
-    the verified fused graph, from which a lossy pass makes a serving variant (``PassResult.variant``) that is
+    the verified fused graph, from which a lossy pass makes a serving variant (``passes.lossy.MadeVariant``) that is
     gated on its own accuracy before it is exported beside the exact model."""
 
     module = "module"
@@ -232,10 +231,6 @@ class PassResult:
 
     changed: List[Change] = field(default_factory=list)
     skipped: List[Skip] = field(default_factory=list)
-    variant: Any = None  # stage "variant": the model it made (the input graph is left as it was)
-    variant_name: str = ""  # and its name in the export ("int8": artifacts aoti-int8, pt2-int8)
-    variant_imports: List[str] = field(default_factory=list)  # modules that register its ops (to load it)
-    variant_notes: List[Note] = field(default_factory=list)  # Notes on how it was made (layers kept in float, ...)
 
     def change(self, node: str, what: str, **detail: object) -> None:
         """Record an edit: ``result.change("bn1", "folded", into="conv1 (Conv2d 'conv1')", kind="conv")``."""

@@ -31,6 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fx_lightning._imports import import_object
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
 from fx_lightning.passes.module_check import output_change, record_module_inputs
+from fx_lightning.tolerance import MODULE_CHECK_RTOL
 
 __all__ = [
     "BatchNormForm",
@@ -95,7 +96,7 @@ class BatchNormFormsOptions(PassOptions):
     # frozen BatchNorms).
     modules: List[BatchNormFormConfig] = field(default_factory=list)
     # A replacement whose output moves by more than this (relative) on the module's own input is refused.
-    rtol: float = 1e-4
+    rtol: float = MODULE_CHECK_RTOL
 
     def check(self) -> None:
         if not math.isfinite(self.rtol) or self.rtol < 0:

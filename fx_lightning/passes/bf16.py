@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.passes.base import PassContext, PassResult, Stage, builtin_pass
+from fx_lightning.passes.base import PassContext, Stage, builtin_pass
 from fx_lightning.passes.graph_utils import plain_graph_module
-from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, export_variant
+from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, MadeVariant, export_variant
 
 __all__ = ["CastBf16Options", "cast_bf16"]
 
@@ -44,9 +44,9 @@ class _InBf16(nn.Module):
 
 
 @builtin_pass("cast_bf16", options=CastBf16Options, stage=Stage.variant, preserves_computation=False)
-def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: PassContext) -> PassResult:
+def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: PassContext) -> MadeVariant:
     """The fused model in bfloat16 (inputs and outputs stay fp32), exported with a dynamic batch."""
-    result = PassResult()
+    result = MadeVariant(precision=options.PRECISION)
     inputs = ctx.calibration[0] if ctx.calibration else ctx.example_inputs
     if inputs is None:
         from fx_lightning.errors import PassError
@@ -54,9 +54,8 @@ def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: PassContext) ->
         raise PassError("cast_bf16: no example inputs to export the bf16 model with")
     model = _InBf16(copy.deepcopy(plain_graph_module(gm)).to(torch.bfloat16)).eval()
     made = export_variant(model, tuple(inputs), ctx.signature)
-    result.variant = made.program.module()
+    result.model = made.program.module()
     if not made.dynamic:
-        result.variant_notes = [VARIANT_STATIC(variant="bf16", reason=made.static_reason or "unknown")]
-    result.variant_name = "bf16"
+        result.notes = [VARIANT_STATIC(variant="bf16", reason=made.static_reason or "unknown")]
     result.change("<graph>", "cast to bfloat16", parameters=sum(p.numel() for p in model.parameters()))
     return result

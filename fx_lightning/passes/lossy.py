@@ -11,21 +11,19 @@ most half a point of accuracy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar
-
-from typing import Any, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from fx_lightning.calls import Call
-from fx_lightning.notes import NoteKind
-from fx_lightning.passes.base import PassOptions
+from fx_lightning.notes import Note, NoteKind
+from fx_lightning.passes.base import PassOptions, PassResult
 from fx_lightning.program import Program, export_program, signature_dims
 from fx_lightning.signature import Signature, rows_of, with_rows
 
-__all__ = ["LossyOptions", "export_variant", "VARIANT_STATIC"]
+__all__ = ["LossyOptions", "MadeVariant", "export_variant", "VARIANT_STATIC"]
 
 VARIANT_STATIC = NoteKind("variant_static", "the {variant} model exports for the example's sizes only ({reason})")
 
@@ -46,6 +44,19 @@ def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optiona
 
 
 @dataclass
+class MadeVariant(PassResult):
+    """What a variant pass returns besides its edits: the lossy ``model`` it made from the fused graph (which it
+    leaves as it was), the ``precision`` that names its artifacts (``aoti-int8``), the ``imports`` a process needs
+    to load it (the modules that register its ops) and ``notes`` on how it was made (layers kept in float...).
+    Graph passes return a plain :class:`~fx_lightning.passes.base.PassResult`: only variants make a new model."""
+
+    model: Any = None
+    precision: str = ""
+    imports: List[str] = field(default_factory=list)
+    notes: List[Note] = field(default_factory=list)
+
+
+@dataclass
 class LossyOptions(PassOptions):
     PRECISION: ClassVar[str] = ""  # what the variant computes in ("int8", "bf16"): names its artifacts
 
@@ -58,6 +69,11 @@ class LossyOptions(PassOptions):
     # or AMX-BF16); elsewhere skipped with the reason. false: made and judged anyway (a model trained here to be
     # served on another CPU).
     require_cpu_features: bool = True
+
+    def for_rehearsal(self) -> "LossyOptions":
+        """The options the preflight makes the variant with on the untrained model (which misses any gate): enough
+        to prove that making it runs. By default the same."""
+        return self
 
     def check(self) -> None:
         if not 0.0 <= self.min_top1_agreement <= 1.0:

@@ -18,6 +18,7 @@ for), at most ``max_float_layers``. The report names the layers kept in float an
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -27,11 +28,11 @@ import torch.fx as fx
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import PassError
 from fx_lightning.notes import NoteKind
-from fx_lightning.passes.base import PassContext, PassResult, Stage, builtin_pass
+from fx_lightning.passes.base import PassContext, Stage, builtin_pass
 from fx_lightning.passes.graph_utils import plain_graph_module, unique_module_stacks
-from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, export_variant
+from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, MadeVariant, export_variant
 
-__all__ = ["QuantizeInt8Options", "quantize_int8", "FLOAT_LAYERS", "LayerEffect", "rank_layers"]
+__all__ = ["QuantizeInt8Options", "quantize_int8", "calibrate_int8", "FLOAT_LAYERS", "LayerEffect", "rank_layers"]
 
 FLOAT_LAYERS = NoteKind(
     "float_layers", "{kept} of {layers} quantisable layers kept in float so the int8 model passes its gate, the "
@@ -54,6 +55,10 @@ class QuantizeInt8Options(LossyOptions):
     max_float_layers: int = 8
     # Calibration batches the layers are ranked on (one run over them per quantisable layer).
     ranking_batches: int = 2
+
+    def for_rehearsal(self) -> "QuantizeInt8Options":
+        """The accuracy-aware search on one layer and one batch: the untrained model misses any gate."""
+        return dataclasses.replace(self, max_float_layers=min(self.max_float_layers, 1), ranking_batches=1)
 
     def check(self) -> None:
         super().check()
@@ -99,7 +104,9 @@ def _quantizer(float_nodes: Sequence[str] = ()) -> Any:
     return quantizer
 
 
-def _convert(program: fx.GraphModule, batches: Sequence[tuple], float_nodes: Sequence[str]) -> fx.GraphModule:
+def calibrate_int8(program: fx.GraphModule, batches: Sequence[tuple], float_nodes: Sequence[str]) -> fx.GraphModule:
+    """``program`` quantised to int8 (pt2e, X86InductorQuantizer), its scales set by running ``batches``, the layers
+    at ``float_nodes`` kept in float. Every int8 model the pass makes comes from here."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     prepared = prepare_pt2e(copy.deepcopy(program), _quantizer(float_nodes))  # type: ignore[arg-type]
@@ -110,33 +117,32 @@ def _convert(program: fx.GraphModule, batches: Sequence[tuple], float_nodes: Seq
 
 @builtin_pass("quantize_int8", options=QuantizeInt8Options, stage=Stage.variant,
               preserves_computation=False)
-def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: PassContext) -> PassResult:
+def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: PassContext) -> MadeVariant:
     """Post-training static int8 (torchao pt2e, X86InductorQuantizer), calibrated on data batches; accuracy-aware
     (layers kept in float until the gate passes)."""
     _quantizer()  # first: without torchao it says what to install
-    result = PassResult()
+    # torchao's quantize/dequantize ops: a saved program needs them imported to load
+    result = MadeVariant(precision=options.PRECISION, imports=["torchao"])
     batches = ctx.calibration[: options.calibration_batches]
     if not batches:
         raise PassError("quantize_int8: no calibration batches (the model's inputs on data batches are needed)")
     plain = plain_graph_module(gm)
     made = export_variant(plain, tuple(batches[0]), ctx.signature)
     if not made.dynamic:
-        result.variant_notes = [VARIANT_STATIC(variant="int8", reason=made.static_reason or "unknown")]
+        result.notes = [VARIANT_STATIC(variant="int8", reason=made.static_reason or "unknown")]
     with torch.no_grad():
         program = made.program.module()
         renamed = unique_module_stacks(program)  # pt2e needs one module per call site
-        variant = _convert(program, batches, ())
+        variant = calibrate_int8(program, batches, ())
         if ctx.gate is not None and options.max_float_layers > 0 and not ctx.gate(variant).passed:
             variant = _keep_sensitive_layers_float(program, batches, options, ctx.gate, result)
-    result.variant = variant
-    result.variant_name = "int8"
-    result.variant_imports = ["torchao"]  # its quantize/dequantize ops: a saved program needs them to load
+    result.model = variant
     result.change("<graph>", "quantized to int8", calibration_batches=len(batches), calls_made_unique=renamed)
     return result
 
 
 def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tuple], options: QuantizeInt8Options,
-                                 gate: Callable[[Any], Any], result: PassResult) -> fx.GraphModule:
+                                 gate: Callable[[Any], Any], result: MadeVariant) -> fx.GraphModule:
     """The int8 model with the fewest most-sensitive layers in float that passes ``gate`` (counts 1, 2, 4, ...
     up to ``max_float_layers``, then bisected down), or, when none passes, the one with the most in float."""
     ranking = rank_layers(program, batches[: options.ranking_batches])
@@ -145,7 +151,7 @@ def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tupl
 
     def attempt(count: int) -> bool:
         if count not in tried:
-            candidate = _convert(program, batches, [layer.node for layer in ranking[:count]])
+            candidate = calibrate_int8(program, batches, [layer.node for layer in ranking[:count]])
             tried[count] = (bool(gate(candidate).passed), candidate)
         return tried[count][0]
 
@@ -153,7 +159,7 @@ def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tupl
     while count < bound and not attempt(count):
         failing, count = count, min(2 * count, bound)
     if not attempt(count):  # even the bound misses the gate
-        result.variant_notes.append(FLOAT_LAYERS_NOT_ENOUGH(kept=count, layers=len(ranking), tries=len(tried) + 1))
+        result.notes.append(FLOAT_LAYERS_NOT_ENOUGH(kept=count, layers=len(ranking), tries=len(tried) + 1))
         return tried[count][1]
     passing = count
     while passing - failing > 1:  # the fewest float layers that pass
@@ -163,7 +169,7 @@ def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tupl
         else:
             failing = middle
     kept = ranking[:passing]
-    result.variant_notes.append(FLOAT_LAYERS(
+    result.notes.append(FLOAT_LAYERS(
         kept=passing, layers=len(ranking), tries=len(tried) + 1, float_layers=[layer.module for layer in kept],
         effects=", ".join(f"{layer.module} {layer.effect:.2g}" for layer in kept)))
     for layer in kept:

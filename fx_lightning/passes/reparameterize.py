@@ -26,6 +26,7 @@ from torch import nn
 
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
 from fx_lightning.passes.module_check import output_change, record_module_inputs
+from fx_lightning.tolerance import MODULE_CHECK_RTOL
 
 __all__ = ["ReparameterizeOptions", "reparameterize", "DEPLOY_METHODS"]
 
@@ -37,7 +38,7 @@ DEPLOY_METHODS: Tuple[str, ...] = ("fuse", "reparameterize", "switch_to_deploy")
 class ReparameterizeOptions(PassOptions):
     # A converted module whose output moves by more than this (max|after - before| / max|before|, on the
     # input it received) is put back as it was.
-    rtol: float = 1e-4
+    rtol: float = MODULE_CHECK_RTOL
 
     def check(self) -> None:
         if not math.isfinite(self.rtol) or self.rtol < 0:

@@ -56,6 +56,8 @@ __all__ = [
     "Outcome",
     "ErrorInfo",
     "run_pipeline",
+    "run_locally",
+    "LocalShare",
     "exchange_failure",
     "fuse_verify_export",
     "fuse_and_export",
@@ -193,7 +195,9 @@ class _Written:
 
 
 @dataclass
-class _Local:
+class LocalShare:
+    """This rank's share before the exchange: its source, fused target, parity state, or what it raised."""
+
     source: Optional[Source] = None
     fused: Optional[Fused] = None
     state: Optional[ParityState] = None
@@ -213,7 +217,7 @@ def run_pipeline(
     collective protocol above. Raises nothing: the outcome's ``failure`` says what failed, and every rank gets
     the same. ``skip``: a reason not to run on this rank (every rank then skips)."""
     rank = collectives.rank
-    local = _run_locally(config, load) if skip is None else _Local()
+    local = run_locally(config, load) if skip is None else LocalShare()
     mine = _RankReport(rank, skip, ErrorInfo.of(rank, local.error) if local.error is not None else None, local.state,
                        local.source.buffers_differ if local.source is not None else False,
                        len(local.fused.steps) if local.fused is not None else 0)
@@ -253,9 +257,10 @@ def run_pipeline(
     return outcome
 
 
-def _run_locally(config: FuseConfig, load: Callable[[], Source]) -> _Local:
-    """This rank's share: load the source, fuse a copy, measure parity on this rank's batches."""
-    local = _Local()
+def run_locally(config: FuseConfig, load: Callable[[], Source]) -> LocalShare:
+    """This rank's share: load the source, fuse a copy, measure parity on this rank's batches. Public as the seam
+    a caller wraps to run ranks its own way (the tests run them as threads, one at a time through torch.fx)."""
+    local = LocalShare()
     try:
         local.source = load()
         local.fused = fuse_target(local.source, config)

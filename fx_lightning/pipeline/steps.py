@@ -20,7 +20,7 @@ import dataclasses
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ from fx_lightning.machine import cpu_info
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
-from fx_lightning.passes import PassContext, Stage, plan_passes, run_pass
+from fx_lightning.passes import PassContext, PassSpec, Stage, plan_passes, run_pass
+from fx_lightning.passes.lossy import LossyOptions, MadeVariant
 from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.inputs import calibration_steps, signature_for, target_steps
 from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
@@ -342,8 +343,8 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
     for spec, options in plan_passes(config.passes):
         if spec.stage is not Stage.variant:
             continue
-        precision = getattr(options, "PRECISION", "") or spec.name
-        lacking = cpu_info().lacks(precision) if getattr(options, "require_cpu_features", False) else None
+        precision = options.PRECISION  # a variant pass's options are LossyOptions (declared so in the schema)
+        lacking = cpu_info().lacks(precision) if options.require_cpu_features else None
         if lacking is not None:
             manifest = skip_variant(manifest, precision, f"{lacking}; passes.{spec.name}.require_cpu_features: "
                                                          "false makes it anyway")
@@ -368,9 +369,9 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
             else:
                 with in_step(Step.variants):
                     manifest, made_outcomes = add_variant(
-                        staging, manifest, made.variant_name, made.variant,
+                        staging, manifest, made.precision, made.model,
                         raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
-                        imports=made.variant_imports, notes=made.variant_notes, preprocess=preprocess,
+                        imports=made.imports, notes=made.notes, preprocess=preprocess,
                         normalised_dtype=raw_input.normalised_dtype(fused), signature=fused.signature,
                         other_inputs=_other_inputs(fused), fixed=_fixed(fused))
                 outcomes += made_outcomes
@@ -386,17 +387,21 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
     return manifest
 
 
-def _run_variant_pass(spec: Any, options: Any, fused: Fused, gate: Any, rehearsal: bool) -> Any:
+def _run_variant_pass(spec: PassSpec, options: LossyOptions, fused: Fused, gate: Any,
+                      rehearsal: bool) -> Union[MadeVariant, VariantOutcome]:
     """The variant pass's result, or (after training) the outcome recording why it could not be made."""
-    if rehearsal and hasattr(options, "max_float_layers"):
-        # The untrained model misses any gate: prove the accuracy-aware search runs, on one layer and one batch.
-        options = dataclasses.replace(options, max_float_layers=min(options.max_float_layers, 1), ranking_batches=1)
+    if rehearsal:
+        options = options.for_rehearsal()
     ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
                       signature=fused.signature,
                       calibration=fused.calibration, gate=gate)
     try:
         with in_step(Step.variants):
-            return run_pass(spec, fused.result.graph_module, options, ctx)
+            made = run_pass(spec, fused.result.graph_module, options, ctx)
+        if not isinstance(made, MadeVariant) or made.model is None:
+            raise PassError(f"variant pass {spec.name!r} made no model: a variant pass returns a MadeVariant "
+                            "(fx_lightning.passes.lossy) with the model it made")
+        return made
     except FXLightningError as exc:
         if rehearsal:  # a variant that cannot be made now cannot be made after training either
             raise
