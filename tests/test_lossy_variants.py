@@ -25,7 +25,7 @@ from fx_lightning.machine import CPUINFO_ENV, cpu_info
 from fx_lightning.parity.gate import GATE_MISSED
 from fx_lightning.passes.quantize import FLOAT_LAYERS
 from fx_lightning.pipeline import Batches, fuse_verify_export
-from fx_lightning.pipeline.steps import VARIANT_MISSED, VARIANT_PASSED, VARIANT_SKIPPED
+from fx_lightning.pipeline.export_step import VARIANT_MISSED, VARIANT_PASSED, VARIANT_SKIPPED
 
 pytest.importorskip("torchao")
 

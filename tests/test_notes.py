@@ -7,7 +7,8 @@ import json
 import pytest
 
 from fx_lightning.notes import TEXT, Note, NoteKind, unique_notes
-from fx_lightning.pipeline.steps import FORMAT_NOT_EXPORTED, PARITY_DISABLED
+from fx_lightning.pipeline.export_step import FORMAT_NOT_EXPORTED
+from fx_lightning.pipeline.steps import PARITY_DISABLED
 
 
 def test_a_note_is_its_kind_and_facts_and_renders_only_when_asked() -> None:

@@ -240,12 +240,12 @@ def test_variants_and_selection_are_written_before_the_rename(tmp_path: Path,
 
 
 def test_a_failing_selection_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fx_lightning.pipeline import steps
+    from fx_lightning.pipeline import export_step
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("the bench broke (simulated)")
 
-    monkeypatch.setattr(steps, "bench_export", broken)
+    monkeypatch.setattr(export_step, "bench_export", broken)
     with pytest.raises(ExportError, match="the bench broke") as info:
         _export(tmp_path, {"export": {"formats": ["pt2"], "select": "fastest"}})
     assert info.value.step == "selection"
@@ -296,7 +296,7 @@ def test_an_export_directory_that_holds_the_checkpoints_stops_before_training(tm
 
 def test_an_int8_pass_that_fails_after_training_leaves_the_fp32_export(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from fx_lightning.pipeline.steps import VARIANT_FAILED
+    from fx_lightning.pipeline.export_step import VARIANT_FAILED
 
     _hide_module(monkeypatch, "torchao")
     cb = FXFuseCallback(passes={"quantize_int8": {"enabled": True}}, export={"formats": ["pt2"]}, preflight="off")

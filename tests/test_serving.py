@@ -24,7 +24,7 @@ from fx_lightning.export.manifest import ArtifactCheck
 from fx_lightning.export.selection import BenchTable, Timing, bench_export, select_fastest
 from fx_lightning.parity.gate import GATE_MISSED
 from fx_lightning.pipeline import Batches, fuse_verify_export
-from fx_lightning.pipeline.steps import SELECTED, VARIANT_MISSED, VARIANT_PASSED
+from fx_lightning.pipeline.export_step import SELECTED, VARIANT_MISSED, VARIANT_PASSED
 
 pytest.importorskip("torchao")
 

@@ -70,6 +70,10 @@ class LossyOptions(PassOptions):
     # served on another CPU).
     require_cpu_features: bool = True
 
+    def calibration_needed(self) -> int:
+        """How many data batches the variant is made from (besides its gate): one by default (its example)."""
+        return 1
+
     def for_rehearsal(self) -> "LossyOptions":
         """The options the preflight makes the variant with on the untrained model (which misses any gate): enough
         to prove that making it runs. By default the same."""

@@ -56,6 +56,9 @@ class QuantizeInt8Options(LossyOptions):
     # Calibration batches the layers are ranked on (one run over them per quantisable layer).
     ranking_batches: int = 2
 
+    def calibration_needed(self) -> int:
+        return self.calibration_batches
+
     def for_rehearsal(self) -> "QuantizeInt8Options":
         """The accuracy-aware search on one layer and one batch: the untrained model misses any gate."""
         return dataclasses.replace(self, max_float_layers=min(self.max_float_layers, 1), ranking_batches=1)

@@ -34,12 +34,12 @@ from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
+from fx_lightning.pipeline.export_step import export
 from fx_lightning.pipeline.steps import (
     Batches,
     Fused,
     Source,
     Step,
-    export,
     fuse_target,
     judge,
     measure,

@@ -3,9 +3,10 @@
     fuse_target    a working copy of the model, the target's inputs, capture + passes  -> Fused
     measure        parity measured on this process's batches (no verdict, no collective) -> ParityState
     judge          the gate, once, on the (merged) measurements                         -> ParityReport
-    export         the formats, the variants and the selection, written in one staging directory and renamed into
-                   place once                                                            -> Exported
-      write_formats (export.writer), add_variants, select_artifact: the parts of the export
+    export         (:mod:`.export_step`) the formats, the variants and the selection     -> Exported
+
+Here too: the step names and the error type each step's failures become (:func:`in_step`), and
+:func:`gate_variant` (a lossy variant measured and judged on the same steps as parity).
 
 :func:`fx_lightning.pipeline.driver.run_pipeline` runs them for the callback, the CLI and the preflight. An error
 leaving a step names the step (``FXLightningError.step``); a foreign exception is wrapped once, in the error type
@@ -17,10 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 from enum import Enum
-from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from torch import nn
 from fx_lightning.batches import model_device_dtype
 from fx_lightning.calls import Call, tree_of_call
 from fx_lightning.capture import eval_copy
-from fx_lightning.config import FuseConfig, ParityConfig, Selection
+from fx_lightning.config import FuseConfig, ParityConfig
 from fx_lightning.engine import FuseResult, fuse
 from fx_lightning.errors import (
     ConfigError,
@@ -36,24 +35,13 @@ from fx_lightning.errors import (
     FXLightningError,
     PassError,
     TraceError,
-    first_line,
 )
 from fx_lightning.export.interface import for_sizes
-from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome
-from fx_lightning.export.selection import bench_export, select_fastest, with_selection
-from fx_lightning.export.variants import (
-    add_format_variants,
-    add_variant,
-    skip_variant,
-    torch_variant_formats,
-)
-from fx_lightning.export.writer import prepare_export, write_export
-from fx_lightning.machine import cpu_info
-from fx_lightning.notes import Note, NoteKind
+from fx_lightning.export.manifest import Preprocess
+from fx_lightning.notes import NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
-from fx_lightning.passes import PassContext, PassSpec, Stage, plan_passes, run_pass
-from fx_lightning.passes.lossy import LossyOptions, MadeVariant
+from fx_lightning.passes import Stage, plan_passes
 from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.inputs import calibration_steps, signature_for, target_steps
 from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
@@ -69,21 +57,14 @@ __all__ = [
     "Exported",
     "in_step",
     "fuse_target",
+    "other_sizes",
+    "calibration_batch_count",
     "measure",
     "judge",
-    "export",
-    "add_variants",
-    "calibration_batch_count",
-    "select_artifact",
+    "gate_variant",
+    "provenance_for",
+    "sequence_steps",
     "PARITY_DISABLED",
-    "FORMAT_NOT_EXPORTED",
-    "VARIANT_PASSED",
-    "VARIANT_MISSED",
-    "VARIANT_MISSED_UNTRAINED",
-    "VARIANT_FAILED",
-    "VARIANT_SKIPPED",
-    "SELECTED",
-    "NOTHING_SELECTED",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -114,19 +95,6 @@ _STEP_ERRORS = {Step.capture: TraceError, Step.passes: PassError, Step.export: E
 
 PARITY_DISABLED = NoteKind("parity_disabled", "parity check disabled (parity.enabled: false): the fused model was "
                                               "not verified")
-FORMAT_NOT_EXPORTED = NoteKind("format_not_exported", "format {format} not exported ({reason})")
-_FIGURES = "top-1 agreement {top1_agreement}, accuracy drop {accuracy_drop}, worst cosine {cosine_min}"
-VARIANT_PASSED = NoteKind("variant_passed", "{artifact} passed its gate (" + _FIGURES + ")")
-VARIANT_MISSED = NoteKind("variant_missed", "{artifact} missed its gate: {failures} (" + _FIGURES + "); the fp32 "
-                                            "artifacts stand")
-VARIANT_MISSED_UNTRAINED = NoteKind("variant_missed_untrained", "{artifact} missed its gate on the untrained model: "
-                                                                "{failures} (" + _FIGURES + "); the gate applies "
-                                                                "after training")
-VARIANT_FAILED = NoteKind("variant_failed", "{artifact} could not be made: {error}; the fp32 artifacts stand")
-VARIANT_SKIPPED = NoteKind("variant_skipped", "{variant} variants not made: {reason}")
-SELECTED = NoteKind("selected", "load_fused selects {format}: {why}; {speedup}x eager")
-NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no artifact passed its check; load_fused "
-                                                "falls back to the order of preference")
 
 
 @contextlib.contextmanager
@@ -168,7 +136,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
                 result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
-                              check_inputs=_other_sizes(found.steps))
+                              check_inputs=other_sizes(found.steps))
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
@@ -198,7 +166,7 @@ def _candidate(result: FuseResult, signature: Signature) -> nn.Module:
     return result.interface.structured(graph) if result.interface is not None else graph
 
 
-def _other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
+def other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
     """The calls whose shapes differ from the first's (and from each other's): what a capture must also take."""
     seen = {_shapes(steps[0].target)}
     out = []
@@ -217,7 +185,7 @@ def _shapes(call: Call) -> Tuple[Tuple[int, ...], ...]:
 def calibration_batch_count(config: FuseConfig) -> int:
     """How many batches the enabled variant passes calibrate on (0: none is enabled)."""
     wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
-    return max((getattr(options, "calibration_batches", 1) for options in wanted), default=0)
+    return max((options.calibration_needed() for options in wanted), default=0)
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -275,179 +243,7 @@ def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityRe
         return raw_input.judge_raw_path(judge_parity(state, config.parity))
 
 
-# --------------------------------------------------------------------------------------------- export
-
-
-def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], directory: Path,
-           provenance: Provenance, *, rehearsal: bool = False) -> Exported:
-    """Write the fused model: every format (each loaded back and checked), the variants and the selection, all in
-    one staging directory renamed to ``directory`` (made absolute) at the end, so the export appears complete or
-    not at all. ``rehearsal`` (the preflight): as the end of fit will (a format that cannot be written is skipped
-    with a note under ``export.on_format_failure: skip``), except that a variant or the selection that cannot run
-    is an error, a variant's gate is measured but not required, and the selection times each artifact once."""
-    if fused.example_inputs is None:
-        raise ConfigError(f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
-                          "exporter needs them to write the fused model")
-    directory = Path(os.path.abspath(directory))
-    with in_step(Step.export):
-        example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
-        ctx = prepare_export(fused.result.graph_module, example, config, directory, preprocess=fused.contract.preprocess,
-                             normalised_dtype=raw_input.normalised_dtype(fused), reference=reference,
-                             signature=fused.signature, other_inputs=_other_inputs(fused), fixed=_fixed(fused),
-                             no_program=_no_program(fused))
-
-    def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
-        manifest = raw_input.with_contract(manifest, fused.contract)
-        manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal)
-        if config.export.select is Selection.fastest:
-            manifest = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal)
-        return manifest
-
-    with in_step(Step.export):
-        manifest = write_export(directory, ctx, config, report=fused.result.report, parity=parity,
-                                provenance=provenance, extend=variants_and_selection)
-    steps = [Step.export.value] + ([Step.variants.value] if manifest.variants else []) + (
-        [Step.selection.value] if config.export.select is Selection.fastest else [])
-    return Exported(directory, manifest, export_notes(manifest, rehearsal), steps)
-
-
-def _fixed(fused: Fused) -> Optional[str]:
-    """Why the fused graph is fixed to its capture's sizes (None: it is not)."""
-    if fused.result.static_shapes is None:
-        return None
-    return "its capture is fixed to these sizes: " + next(
-        (str(n) for n in fused.result.report.notes if n.kind.name == "static_batch_capture"), "see the fuse report")
-
-
-def _no_program(fused: Fused) -> Optional[str]:
-    """Why torch.export is not tried again (its capture showed it cannot follow the model), else None."""
-    note = next((n for n in fused.result.report.notes if n.kind.name == "captured_keeping_whole"), None)
-    return None if note is None else f"torch.export could not capture the model: {note['export']}"
-
-
-def _other_inputs(fused: Fused) -> List[tuple]:
-    """The graph's inputs on the steps of other sizes than the first (raw with a prologue): the sizes that vary,
-    which every dynamic artifact must take."""
-    preprocess = fused.contract.preprocess
-    return [raw_input.example_raw(fused.graph_inputs(call), preprocess) for call in _other_sizes(fused.steps)]
-
-
-def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                 rehearsal: bool = False) -> Manifest:
-    """Make each enabled lossy variant (int8, bf16) of the verified fused model: the variant pass's model in the
-    torch formats, and each exported format's own variant (OpenVINO through NNCF, ONNX Runtime); keep the
-    artifacts that pass the variant's gate, loaded back. Every outcome is recorded in the manifest, and a variant
-    this CPU cannot run fast is skipped with the reason. A variant that cannot be made is an error in the
-    rehearsal (which runs the accuracy-aware search on one layer, to prove it runs), and a recorded outcome after
-    training (the fp32 artifacts stand)."""
-    for spec, options in plan_passes(config.passes):
-        if spec.stage is not Stage.variant:
-            continue
-        precision = options.PRECISION  # a variant pass's options are LossyOptions (declared so in the schema)
-        lacking = cpu_info().lacks(precision) if options.require_cpu_features else None
-        if lacking is not None:
-            manifest = skip_variant(manifest, precision, f"{lacking}; passes.{spec.name}.require_cpu_features: "
-                                                         "false makes it anyway")
-            continue
-        gate_config = dataclasses.replace(config.parity, min_cosine=options.min_cosine,
-                                          min_top1_agreement=options.min_top1_agreement,
-                                          max_accuracy_drop=options.max_accuracy_drop)
-        key, preprocess = f"passes.{spec.name}", fused.contract.preprocess
-
-        def gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
-            return _gate_variant(fused, loaded, gate_config, key)
-
-        def artifact_gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
-            return _gate_variant(fused, loaded, gate_config, key, preprocess)  # it takes raw pixels (the prologue)
-
-        outcomes: List[VariantOutcome] = []
-        if torch_variant_formats(config, precision):
-            made = _run_variant_pass(spec, options, fused, gate, rehearsal)
-            if isinstance(made, VariantOutcome):
-                manifest = dataclasses.replace(manifest, variants={**manifest.variants, precision: [made]})
-                outcomes.append(made)
-            else:
-                with in_step(Step.variants):
-                    manifest, made_outcomes = add_variant(
-                        staging, manifest, made.precision, made.model,
-                        raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
-                        imports=made.imports, notes=made.notes, preprocess=preprocess,
-                        normalised_dtype=raw_input.normalised_dtype(fused), signature=fused.signature,
-                        other_inputs=_other_inputs(fused), fixed=_fixed(fused))
-                outcomes += made_outcomes
-        with in_step(Step.variants):
-            manifest, format_outcomes = add_format_variants(
-                staging, manifest, precision, raw_input.raw_calibration(fused.calibration, preprocess), artifact_gate)
-        outcomes += format_outcomes
-        broken = next((o for o in outcomes if o.error is not None), None)
-        if rehearsal and broken is not None:
-            error = ExportError(f"{broken.entry} could not be made: {broken.error}")
-            error.step = Step.variants.value
-            raise error
-    return manifest
-
-
-def _run_variant_pass(spec: PassSpec, options: LossyOptions, fused: Fused, gate: Any,
-                      rehearsal: bool) -> Union[MadeVariant, VariantOutcome]:
-    """The variant pass's result, or (after training) the outcome recording why it could not be made."""
-    if rehearsal:
-        options = options.for_rehearsal()
-    ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
-                      signature=fused.signature,
-                      calibration=fused.calibration, gate=gate)
-    try:
-        with in_step(Step.variants):
-            made = run_pass(spec, fused.result.graph_module, options, ctx)
-        if not isinstance(made, MadeVariant) or made.model is None:
-            raise PassError(f"variant pass {spec.name!r} made no model: a variant pass returns a MadeVariant "
-                            "(fx_lightning.passes.lossy) with the model it made")
-        return made
-    except FXLightningError as exc:
-        if rehearsal:  # a variant that cannot be made now cannot be made after training either
-            raise
-        return VariantOutcome(spec.name, False, error=f"{type(exc).__name__}: {first_line(exc)}")
-
-
-def export_notes(manifest: Manifest, rehearsal: bool = False) -> List[Note]:
-    """What the export's manifest tells the user: its own notes (a static batch, say), formats left out, each
-    variant's verdict, the selection."""
-    notes = list(manifest.notes)
-    notes += [FORMAT_NOT_EXPORTED(format=name, reason=reason) for name, reason in manifest.failed_formats.items()]
-    for outcomes in manifest.variants.values():
-        notes.extend(dict.fromkeys(n for outcome in outcomes for n in outcome.notes))  # how it was made, once
-        notes.extend(_variant_note(outcome, rehearsal) for outcome in outcomes)
-    if manifest.bench is not None:
-        selected = manifest.selected
-        if selected is None:
-            notes.append(NOTHING_SELECTED())
-        else:
-            eager = manifest.bench.median("eager", selected.batch_size, selected.traffic)
-            notes.append(SELECTED(format=selected.format, why=selected.why,
-                                  speedup=round(eager / selected.median_ms, 2) if eager else None))
-    return notes
-
-
-def _variant_note(outcome: VariantOutcome, rehearsal: bool) -> Note:
-    if outcome.skipped is not None:
-        return VARIANT_SKIPPED(variant=outcome.entry, reason=outcome.skipped)
-    if outcome.gate is None:
-        return VARIANT_FAILED(artifact=outcome.entry, error=outcome.error or "not made")
-    metrics = outcome.gate.metrics
-    figures = {"top1_agreement": _rounded(metrics.get("top1_agreement")),
-               "accuracy_drop": _rounded(metrics.get("accuracy_drop")),
-               "cosine_min": _rounded(metrics.get("cosine_similarity_min"))}
-    if outcome.gate.passed:
-        return VARIANT_PASSED(artifact=outcome.entry, **figures)
-    failures = "; ".join(str(f) for f in outcome.gate.failures)
-    return (VARIANT_MISSED_UNTRAINED if rehearsal else VARIANT_MISSED)(artifact=outcome.entry, failures=failures,
-                                                                       **figures)
-
-
-def _rounded(value: Optional[float]) -> Optional[float]:
-    return None if value is None else round(float(value), 4)
-
-
-def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str,
+def gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str,
                   preprocess: Optional[Preprocess] = None) -> ParityReport:
     """A lossy variant against the fp32 fused model on the parity steps: cosine, top-1 agreement, accuracy drop.
     ``preprocess``: ``loaded`` takes raw pixels (an artifact with the prologue)."""
@@ -463,30 +259,6 @@ def _gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_
                            source=fused.source, nested=False,
                            stochastic=_stochastic(fused))
     return judge_parity(state, config, lossy=True, config_key=config_key)
-
-
-def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                    rehearsal: bool = False) -> Manifest:
-    """Time the export's artifacts against the unfused target (eager) and record the table and the fastest that
-    passed its check. ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes
-    timed, and an error when nothing could be selected (nothing would be after training either)."""
-    # Without a sample axis the example is timed as it is: one "batch size".
-    size = config.export.select_batch_size if fused.signature.batched else 1
-    rounds, warmup, finalists = (1, 0, 0) if rehearsal else (15, 3, 3)
-    interface = fused.result.interface
-    eager = interface.flattened(fused.reference) if interface is not None else fused.reference
-    with in_step(Step.selection):
-        table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
-                             baselines={"eager": raw_input.eager_baseline(eager, fused.contract.preprocess)},
-                             rounds=rounds, warmup=warmup,
-                             own_process_finalists=finalists)
-        selected = select_fastest(table, size, config.export.select_traffic)
-        if rehearsal and selected is None:
-            why = [f"{n}: check failed ({c.reason})" for n, c in table.checks.items() if not c.passed]
-            why += [f"{f.artifact} at batch {f.batch_size}: {f.reason}" for f in table.failures if f.artifact != "eager"]
-            raise ExportError(f"export.select: fastest: no artifact can be selected at export.select_batch_size "
-                              f"{size}: " + ("; ".join(why) or "none was timed"))
-    return with_selection(manifest, table, selected)
 
 
 def provenance_for(fused: Fused, source: Source, base: Provenance) -> Provenance:
