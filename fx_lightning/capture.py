@@ -29,7 +29,8 @@ from fx_lightning.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
 from fx_lightning.program import ExportFailed, capture_dims, export_program, specialised
-from fx_lightning.signature import DimKind, Signature, rows_of, with_rows
+from fx_lightning.rows import rows_of, with_rows
+from fx_lightning.signature import DimKind, Signature
 
 __all__ = [
     "Capture",

@@ -36,10 +36,6 @@ __all__ = [
     "Signature",
     "Observed",
     "derive_signature",
-    "rows_of",
-    "with_rows",
-    "take_rows",
-    "concat_rows",
     "shape_problem",
     "with_raw_input",
 ]
@@ -498,37 +494,6 @@ def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
     if not (first.passed and second.passed):
         return False, f"a second row changed the first's outputs: {(first if not first.passed else second).describe()}"
     return True, "a second row, the first's values reordered, ran beside it as each ran alone"
-
-
-# -------------------------------------------------------------------------------------- rows on the axis
-
-
-def rows_of(leaves: Sequence[Any], axes: Sequence[Optional[int]]) -> Optional[int]:
-    """The number of rows of flat ``leaves`` on their sample axes (None: no leaf has one)."""
-    return next((int(t.shape[a]) for t, a in zip(leaves, axes) if a is not None and isinstance(t, torch.Tensor)),
-                None)
-
-
-def take_rows(leaves: Sequence[Any], axes: Sequence[Optional[int]], start: int, count: int) -> List[Any]:
-    """Rows ``start .. start+count`` of every leaf on its sample axis (the others whole)."""
-    return [t.narrow(a, start, count) if a is not None else t for t, a in zip(leaves, axes)]
-
-
-def with_rows(leaves: Sequence[Any], axes: Sequence[Optional[int]], n: int) -> List[Any]:
-    """Every leaf cut or padded to ``n`` rows on its sample axis, padding by repeating its rows."""
-    out = []
-    for t, a in zip(leaves, axes):
-        if a is None or t.shape[a] == n:
-            out.append(t)
-            continue
-        index = torch.arange(n, device=t.device) % t.shape[a]
-        out.append(t.index_select(a, index))
-    return out
-
-
-def concat_rows(parts: Sequence[Sequence[torch.Tensor]], axes: Sequence[Optional[int]]) -> List[torch.Tensor]:
-    """Output leaves of consecutive pieces joined along their sample axes."""
-    return [torch.cat([p[i] for p in parts], dim=a) if a is not None else parts[0][i] for i, a in enumerate(axes)]
 
 
 def shape_problem(specs: Sequence[LeafSpec], leaves: Sequence[Any], built: Optional[Sequence[Sequence[int]]] = None

@@ -29,7 +29,7 @@ from torch import nn
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import TimingFailure
-from fx_lightning.signature import with_rows
+from fx_lightning.rows import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "time_interleaved", "time_in_own_process"]
 

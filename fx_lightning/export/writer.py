@@ -52,7 +52,8 @@ from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.program import ExportFailed, LeafDims, Program, export_program, signature_dims
 from fx_lightning.provenance import Provenance
 from fx_lightning.tolerance import DISCRETE_AGREEMENT
-from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, rows_of, take_rows, with_raw_input, with_rows
+from fx_lightning.rows import rows_of, take_rows, with_rows
+from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, with_raw_input
 
 __all__ = ["CHECK_FILE", "Reference", "Extension", "export_fused", "prepare_export", "write_export", "write_formats",
            "make_context",

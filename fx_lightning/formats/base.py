@@ -24,7 +24,8 @@ from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.program import ExportFailed, Program, export_program, nested_dynamic_shapes, signature_dims
-from fx_lightning.signature import DimKind, Signature, rows_of
+from fx_lightning.rows import rows_of
+from fx_lightning.signature import DimKind, Signature
 
 __all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "ExactReference", "WriteContext", "Writer",
            "Loader",

@@ -16,7 +16,7 @@ from torch import nn
 
 from fx_lightning.errors import ExportError
 from fx_lightning.calls import tree_of
-from fx_lightning.signature import concat_rows, rows_of, take_rows, with_rows
+from fx_lightning.rows import concat_rows, rows_of, take_rows, with_rows
 
 __all__ = ["ANY_BATCH", "BatchPieces", "with_pieces"]
 

@@ -21,7 +21,8 @@ from fx_lightning.calls import Call
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.passes.base import PassOptions, PassResult
 from fx_lightning.program import Program, export_program, signature_dims
-from fx_lightning.signature import Signature, rows_of, with_rows
+from fx_lightning.rows import rows_of, with_rows
+from fx_lightning.signature import Signature
 
 __all__ = ["LossyOptions", "MadeVariant", "export_variant", "VARIANT_STATIC"]
 

@@ -22,7 +22,7 @@ from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.selection import check_saved
 from fx_lightning.export.writer import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
-from fx_lightning.signature import with_rows
+from fx_lightning.rows import with_rows
 
 __all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
            "serving_batch_sizes"]
