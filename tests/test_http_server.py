@@ -30,7 +30,7 @@ from export_helpers import clean_env, free_port
 from fusion_helpers import reference_fp64, rel_err
 from fx_lightning import FuseConfig, fuse_and_export, load_fused
 from fx_lightning.config.schema import ExportFormat
-from fx_lightning.export.writer import read_check_file
+from fx_lightning.export.check import read_check_file
 
 pytest.importorskip("litserve")
 

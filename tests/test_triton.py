@@ -25,7 +25,7 @@ from fx_lightning import ConfigError, ExportError, FuseConfig, fuse_and_export
 from fx_lightning.cli import main
 from fx_lightning.config import ExportFormat, load_config
 from fx_lightning.export import read_manifest
-from fx_lightning.export.writer import read_check_file
+from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.triton import TritonRepository, triton_dtype, write_triton_repository
 
 tritonclient = pytest.importorskip("tritonclient")

@@ -40,7 +40,7 @@ from fx_lightning.export.manifest import (
     replace_manifest,
 )
 from fx_lightning.export.timing import IDLE_GAP_S, Progress, time_interleaved, time_in_own_process
-from fx_lightning.export.writer import CheckData, check_artifact, read_check_file
+from fx_lightning.export.check import CheckData, check_artifact, read_check_file
 from fx_lightning.tolerance import LOSSY_MAX_ERROR
 
 __all__ = ["Timing", "BenchTable", "bench_export", "check_saved", "select_fastest", "select_all", "record_selection",

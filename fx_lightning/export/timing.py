@@ -119,7 +119,7 @@ def _time_request(path: Path) -> None:
     """The worker of :func:`time_in_own_process`: load the one artifact, time it, write the samples."""
     from fx_lightning.export.loader import load_artifact
     from fx_lightning.export.manifest import Manifest
-    from fx_lightning.export.writer import read_check_file
+    from fx_lightning.export.check import read_check_file
 
     request = json.loads(path.read_text(encoding="utf-8"))
     torch.set_num_threads(int(request["threads"]))

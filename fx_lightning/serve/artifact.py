@@ -20,7 +20,7 @@ from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.export.loader import load_artifact, selection_for
 from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.selection import check_saved
-from fx_lightning.export.writer import read_check_file
+from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
 from fx_lightning.rows import with_rows
 
