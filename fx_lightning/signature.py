@@ -199,10 +199,6 @@ class Observed:
 Runner = Callable[[Call], Any]  # runs the reference on a call (eval mode, no grad, a fixed RNG) -> its outputs
 
 
-# How many calls of each distinct input shape the model is run on to derive the signature.
-RUNS_PER_SHAPE = 2
-
-
 def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Sequence[Tuple[List[Tuple[int, ...]],
                      Optional[int]]] = (), root_names: Optional[Sequence[str]] = None, flat: bool = False,
                      rerun: Optional[Runner] = None) -> Signature:
@@ -226,22 +222,18 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
         "left out"]
     paths = tree.leaf_paths()
     names = tree.leaf_names(root_names)
-    all_leaves = [tree.leaves(c.call) for c in same]
-    # The model runs on a few calls of each input shape, not on all (parity runs it on every call anyway): enough
-    # to see which output sizes vary with the inputs' and, with two of a shape, with the values (nonzero, unique).
-    ran = _few_of_each_shape(all_leaves, RUNS_PER_SHAPE)
-    leaves = [all_leaves[i] for i in ran]
-    outputs = [run(same[i].call) for i in ran]
+    leaves = [tree.leaves(c.call) for c in same]
+    outputs = [run(c.call) for c in same]
     out_tree = tree_of(outputs[0])
     out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree) else None for o in outputs]
     if any(o is None for o in out_leaves):
         raise ValueError("the model's outputs change structure from call to call; the calls: "
                          + "; ".join(_shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
-    shapes = [[tuple(t.shape) for t in ls] for ls in all_leaves] + [list(s) for s, _ in extra_shapes
-                                                                    if len(s) == len(paths)]
+    shapes = [[tuple(t.shape) for t in ls] for ls in leaves] + [list(s) for s, _ in extra_shapes
+                                                                if len(s) == len(paths)]
     counts = [c.samples for c in same] + [n for s, n in extra_shapes if len(s) == len(paths)]
     stochastic = _stochastic(same[0], out_leaves[0], rerun) if rerun is not None else set()
-    sample = _sample_axis([same[i] for i in ran], leaves, out_leaves, shapes, counts, run, tree, stochastic)
+    sample = _sample_axis(same, leaves, out_leaves, shapes, counts, run, tree, stochastic)
     in_axes, out_axes = sample[1], sample[2]
     in_specs = [_leaf(names[i], path_text(paths[i], root_names), paths[i], leaves[0][i],
                       [s[i] for s in shapes], in_axes[i] if sample[0].proven else None)
@@ -257,19 +249,6 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     constants = [ConstSpec(path_text(path, root_names), tuple(path), value) for path, value in tree.constants()
                  if value is None or isinstance(value, (int, float, bool, str))]
     return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants)
-
-
-def _few_of_each_shape(leaves: Sequence[Sequence[torch.Tensor]], per_shape: int) -> List[int]:
-    """The indices of the first ``per_shape`` calls of each distinct set of input shapes, in order (the first
-    call always among them)."""
-    seen: Dict[Tuple[Tuple[int, ...], ...], int] = {}
-    picked = []
-    for i, ls in enumerate(leaves):
-        key = tuple(tuple(t.shape) for t in ls)
-        if seen.get(key, 0) < per_shape:
-            seen[key] = seen.get(key, 0) + 1
-            picked.append(i)
-    return picked
 
 
 def _shapes_text(leaves: Sequence[torch.Tensor]) -> str:

@@ -105,24 +105,6 @@ def test_outputs_of_another_shape_at_fewer_rows_mean_padding_to_the_size_seen() 
     assert sig.sample.proven and not sig.sample.any_size and "another structure" in sig.sample.how, sig.describe()
 
 
-def test_the_model_runs_on_a_few_calls_of_each_shape_not_on_all() -> None:
-    """Parity runs the reference on every call; the signature needs a few of each input shape (before: every call,
-    the held-out split run twice: 14 of the serving benchmark's 130 s export). The sizes of all calls still count."""
-    model = nn.Linear(3, 2).eval()
-    runs = []
-
-    def run(call: Call, seed: int = 0) -> Any:
-        runs.append(tuple(call.args[0].shape))
-        with torch.no_grad():
-            return call.run(model)
-
-    calls = [Call((torch.randn(8, 3),)) for _ in range(10)] + [Call((torch.randn(5, 3),))]
-    sig = derive_signature([Observed(c, c.args[0].shape[0]) for c in calls], run)
-    assert sig.sample.proven and sig.input_axes() == [0] and sig.calls == 11
-    experiment = 2  # rows replaced, then the first rows alone
-    assert sorted(runs[:-experiment]) == [(5, 3), (8, 3), (8, 3)], runs
-
-
 def test_rows_that_interact_prove_no_sample_axis() -> None:
     sig = _signature(Centred(), [Call((torch.randn(6, 3),))], [6])
     assert not sig.sample.proven and "not independent" in sig.sample.how
