@@ -370,7 +370,8 @@ def _sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tens
         if not verdict[0]:
             return refused(f"{how}; every call observed had one sample, and {verdict[1]}")
         return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", True), in_axes, out_axes
-    verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, compared, n, run, tree)  # type: ignore[arg-type]
+    verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, compared, n, run, tree,  # type: ignore[arg-type]
+                                out_axes)
     if verdict is not None and not verdict[0]:
         return refused(f"{how}, but the samples are not independent: {verdict[1]}")
     assert verdict is not None
@@ -397,10 +398,11 @@ def _axis_following(pairs: Sequence[Tuple[Tuple[int, ...], int]]) -> Optional[in
 
 def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                       in_axes: Sequence[Optional[int]], out_axes: Sequence[Optional[int]], n: int, run: Runner,
-                      tree: Tree) -> Optional[Tuple[bool, str, bool]]:
+                      tree: Tree, all_out_axes: Sequence[Optional[int]]) -> Optional[Tuple[bool, str, bool]]:
     """The experiment: (independent, what was seen, any_size). Rows ``k..n`` of every input on the axis replaced
     by copies of the first rows must leave the first ``k`` rows of every output unchanged; the first ``k`` rows
-    alone must give them too (else only padding to a size seen is exact)."""
+    alone must give them too (else only padding to a size seen is exact). ``out_axes``: the outputs compared
+    (None: drawn at random, left out); ``all_out_axes``: every output's sample axis, for the structure check."""
     k = max(1, n // 2)
     index = torch.arange(n) % k
     replaced = [t.index_select(a, index.to(t.device)) if a is not None else t for t, a in zip(leaves, in_axes)]
@@ -422,7 +424,7 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
         return True, seen + f"; the first rows alone make it raise {type(exc).__name__}, so only padding to a " \
             "size seen is exact", False
     out_leaves = tree_of(out).leaves(out)
-    if not _same_structure(out_leaves, outputs, out_axes, k):  # malformed at k rows, as if it raised: pad only
+    if not _same_structure(out_leaves, outputs, all_out_axes, k):  # malformed at k rows, as if it raised: pad only
         return True, seen + f"; the first rows alone give outputs of another structure ({_shapes_text(out_leaves)}, " \
             f"not {_shapes_text(outputs)} with {k} rows), so only padding to a size seen is exact", False
     first = compare_outputs([o.narrow(a, 0, k) for o, a in zip(out_leaves, out_axes) if a is not None], want)

@@ -105,6 +105,26 @@ def test_outputs_of_another_shape_at_fewer_rows_mean_padding_to_the_size_seen() 
     assert sig.sample.proven and not sig.sample.any_size and "another structure" in sig.sample.how, sig.describe()
 
 
+class HalfNoisy(nn.Module):
+    """A mean and a sample drawn around it (a VAE's encoder): one output drawn at random, both with a sample axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        loc = self.linear(x)
+        return loc, loc + torch.randn_like(loc)
+
+
+def test_an_output_drawn_at_random_does_not_hide_that_pieces_of_any_size_are_exact() -> None:
+    """Before the fix, the output drawn at random was checked for the structure of a batch of n at k rows (its
+    axis left out of the comparison was taken for none), and every such model was padded to the size seen."""
+    sig = _signature(HalfNoisy(), [Call((torch.randn(6, 3),))], [6])
+    assert sig.sample.proven and sig.sample.any_size, sig.describe()
+    assert [o.stochastic for o in sig.outputs] == [False, True]
+
+
 def test_rows_that_interact_prove_no_sample_axis() -> None:
     sig = _signature(Centred(), [Call((torch.randn(6, 3),))], [6])
     assert not sig.sample.proven and "not independent" in sig.sample.how
