@@ -114,3 +114,24 @@ class RebuildWithOffsetFxPass(PassBase):
             shifted = graph.call_function(operator.add, (out.args[0], offset))
         out.args = (shifted,)
         return FxPassResult(fx.GraphModule(root, graph), True)
+
+
+class ReplaceSubmoduleByTensorFxPass(PassBase):
+    """Returns a new GraphModule whose name ``0`` (a submodule of the one given) is a parameter-free buffer the graph
+    adds to its output: a name that changes kind, and a buffer that must stay a buffer."""
+
+    def call(self, graph_module: fx.GraphModule) -> FxPassResult:
+        root = torch.nn.Module()
+        for name, child in graph_module.named_children():
+            root.add_module(f"kept_{name}", child)
+        root.register_buffer("shift", torch.full((1,), 0.25))
+        graph = copy.deepcopy(graph_module.graph)
+        for node in graph.nodes:
+            if node.op == "call_module":
+                node.target = f"kept_{node.target}"
+        out = next(n for n in graph.nodes if n.op == "output")
+        with graph.inserting_before(out):
+            shift = graph.get_attr("shift")
+            shifted = graph.call_function(operator.add, (out.args[0], shift))
+        out.args = (shifted,)
+        return FxPassResult(fx.GraphModule(root, graph), True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -101,6 +102,30 @@ def test_a_torch_fx_pass_returning_a_new_graph_module_by_import_path():
     assert result.report.pass_report("sample_passes:RebuildWithOffsetFxPass").changed
     with torch.no_grad():
         assert rel_err(result.graph_module(x), model.eval().double()(x.double()) + 0.5) < 1e-5
+
+
+def test_a_torch_fx_pass_s_new_buffers_stay_buffers_and_follow_dtype_moves():
+    """Before: a new GraphModule's buffer was set as a plain attribute: missing from state_dict() and left in fp32 by
+    ``.double()`` (the bf16 variant's ``.to(bfloat16)`` likewise)."""
+    model, x = small(), torch.randn(2, 3, 6, 6)
+    result = fuse(model, {"passes": {"extra": ["sample_passes:ReplaceSubmoduleByTensorFxPass"]}}, example_inputs=x)
+    gm = result.graph_module
+    assert "shift" in dict(gm.named_buffers()) and "shift" in gm.state_dict()
+    doubled = copy.deepcopy(gm).double()
+    assert doubled.shift.dtype == torch.float64
+    with torch.no_grad():
+        assert rel_err(doubled(x.double()), model.eval().double()(x.double()) + 0.25) < 1e-5  # folded in fp32
+
+
+def test_the_same_torch_fx_pass_registered_twice_is_one_pass_and_an_instance_refuses_options():
+    from sample_passes import ScaleOutputFxPass
+
+    register_pass("test_fx_twice", preserves_computation=False)(ScaleOutputFxPass)
+    register_pass("test_fx_twice", preserves_computation=False)(ScaleOutputFxPass)  # a module imported again
+    register_pass("test_fx_instance", preserves_computation=False, replace=True)(ScaleOutputFxPass(factor=5.0))
+    with pytest.raises(PassError, match="registered as an instance: it takes no options"):
+        fuse(small(), {"passes": {"extra": [{"name": "test_fx_instance", "options": {"factor": 3.0}}]}},
+             example_inputs=torch.randn(2, 3, 6, 6))
 
 
 def test_register_pass_refuses_silent_overwrite():

@@ -257,7 +257,11 @@ def _fx_pass_fn(fx_pass: Any) -> PassFn:
     name = fx_pass.__name__ if isinstance(fx_pass, type) else type(fx_pass).__name__
 
     def run(gm: fx.GraphModule, options: Any, ctx: PassContext) -> PassResult:
-        instance = fx_pass(**dict(options or {})) if isinstance(fx_pass, type) else fx_pass
+        given = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+        if not isinstance(fx_pass, type) and given:
+            raise PassError(f"{name} is registered as an instance: it takes no options (got {sorted(given)}); "
+                            "register the class to have them passed to its constructor")
+        instance = fx_pass(**given) if isinstance(fx_pass, type) else fx_pass
         out = instance(gm)
         result = PassResult()
         if out is None:
@@ -269,18 +273,31 @@ def _fx_pass_fn(fx_pass: Any) -> PassFn:
         return result
 
     run.__doc__ = inspect.getdoc(fx_pass)
+    run.__wrapped__ = fx_pass  # type: ignore[attr-defined]  # the same PassBase registered again is the same pass
     return run
 
 
 def _adopt(gm: fx.GraphModule, new: fx.GraphModule) -> None:
-    """Make ``gm`` compute what ``new`` does: its submodules and the attributes its graph reads, then its graph."""
+    """Make ``gm`` what ``new`` is: exactly its submodules, parameters and buffers (as such, so ``.to()``,
+    ``.double()`` and ``state_dict()`` see them) and the other attributes its graph reads, then its graph. Nothing
+    of ``gm``'s own is kept: a later pass that prunes what the graph does not use must not reach, through an old
+    name, a module the new graph shares."""
+    old_reads = {str(n.target).split(".")[0] for n in gm.graph.nodes if n.op == "get_attr"}
+    for attr in old_reads:
+        gm.__dict__.pop(attr, None)  # plain tensors the old graph read
+    gm._modules.clear()
+    gm._parameters.clear()
+    gm._buffers.clear()
     for child_name, child in new.named_children():
-        setattr(gm, child_name, child)
+        gm.add_module(child_name, child)
+    for param_name, param in new._parameters.items():
+        gm.register_parameter(param_name, param)
+    for buffer_name, buffer in new._buffers.items():
+        gm.register_buffer(buffer_name, buffer, persistent=buffer_name not in new._non_persistent_buffers_set)
     for node in new.graph.nodes:
-        if node.op == "get_attr":
-            top = str(node.target).split(".")[0]
-            if top not in dict(new.named_children()):
-                setattr(gm, top, getattr(new, top))
+        top = str(node.target).split(".")[0]
+        if node.op == "get_attr" and not hasattr(gm, top):
+            setattr(gm, top, getattr(new, top))
     gm.graph = new.graph
 
 
@@ -314,7 +331,9 @@ _REGISTRY: Dict[str, PassSpec] = {}
 
 def _register(spec: PassSpec, replace: bool) -> None:
     existing = _REGISTRY.get(spec.name)
-    if existing is not None and not replace and existing.fn is not spec.fn:
+    same = existing is not None and getattr(existing.fn, "__wrapped__", existing.fn) is getattr(spec.fn, "__wrapped__",
+                                                                                                 spec.fn)
+    if existing is not None and not replace and not same:
         raise ValueError(f"a pass named {spec.name!r} is already registered; pass replace=True to override it")
     if existing is not None and existing.builtin and not spec.builtin:
         raise ValueError(f"{spec.name!r} is a built-in pass; configure it under passes.{spec.name} instead")

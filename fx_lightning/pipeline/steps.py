@@ -244,7 +244,7 @@ def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityRe
 
 
 def gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_key: str,
-                  preprocess: Optional[Preprocess] = None) -> ParityReport:
+                 preprocess: Optional[Preprocess] = None) -> ParityReport:
     """A lossy variant against the fp32 fused model on the parity steps: cosine, top-1 agreement, accuracy drop.
     ``preprocess``: ``loaded`` takes raw pixels (an artifact with the prologue)."""
     reference, loaded = raw_input.variant_gate_models(fused.candidate, fused.result.interface.structured(loaded)
