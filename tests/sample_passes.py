@@ -99,39 +99,35 @@ class ScaleOutputFxPass(PassBase):
         return FxPassResult(graph_module, True)
 
 
+def _rebuilt_adding_a_buffer(graph_module: fx.GraphModule, name: str, value: torch.Tensor,
+                             prefix: str = "") -> fx.GraphModule:
+    """A new GraphModule (a new root, the children renamed ``prefix + name``) whose output is the old one plus a
+    new buffer ``name`` read with get_attr."""
+    root = torch.nn.Module()
+    for child_name, child in graph_module.named_children():
+        root.add_module(f"{prefix}{child_name}", child)
+    root.register_buffer(name, value)
+    graph = copy.deepcopy(graph_module.graph)
+    for node in graph.nodes:
+        if node.op == "call_module":
+            node.target = f"{prefix}{node.target}"
+    out = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(out):
+        shifted = graph.call_function(operator.add, (out.args[0], graph.get_attr(name)))
+    out.args = (shifted,)
+    return fx.GraphModule(root, graph)
+
+
 class RebuildWithOffsetFxPass(PassBase):
     """A torch.fx pass that returns a new GraphModule (a new root holding a new buffer the graph reads)."""
 
     def call(self, graph_module: fx.GraphModule) -> FxPassResult:
-        root = torch.nn.Module()
-        for name, child in graph_module.named_children():
-            root.add_module(name, child)
-        root.register_buffer("offset", torch.tensor(0.5))
-        graph = copy.deepcopy(graph_module.graph)
-        out = next(n for n in graph.nodes if n.op == "output")
-        with graph.inserting_before(out):
-            offset = graph.get_attr("offset")
-            shifted = graph.call_function(operator.add, (out.args[0], offset))
-        out.args = (shifted,)
-        return FxPassResult(fx.GraphModule(root, graph), True)
+        return FxPassResult(_rebuilt_adding_a_buffer(graph_module, "offset", torch.tensor(0.5)), True)
 
 
 class ReplaceSubmoduleByTensorFxPass(PassBase):
-    """Returns a new GraphModule whose name ``0`` (a submodule of the one given) is a parameter-free buffer the graph
-    adds to its output: a name that changes kind, and a buffer that must stay a buffer."""
+    """Returns a new GraphModule whose submodules are renamed (``kept_0``...) and which adds a new buffer to its
+    output: names the old GraphModule had must not survive, and a buffer must stay a buffer."""
 
     def call(self, graph_module: fx.GraphModule) -> FxPassResult:
-        root = torch.nn.Module()
-        for name, child in graph_module.named_children():
-            root.add_module(f"kept_{name}", child)
-        root.register_buffer("shift", torch.full((1,), 0.25))
-        graph = copy.deepcopy(graph_module.graph)
-        for node in graph.nodes:
-            if node.op == "call_module":
-                node.target = f"kept_{node.target}"
-        out = next(n for n in graph.nodes if n.op == "output")
-        with graph.inserting_before(out):
-            shift = graph.get_attr("shift")
-            shifted = graph.call_function(operator.add, (out.args[0], shift))
-        out.args = (shifted,)
-        return FxPassResult(fx.GraphModule(root, graph), True)
+        return FxPassResult(_rebuilt_adding_a_buffer(graph_module, "shift", torch.full((1,), 0.25), "kept_"), True)

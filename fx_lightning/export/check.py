@@ -47,7 +47,7 @@ class Reference:
     (on the example, on one sample when the sample axis is dynamic, on each number of samples an AOTInductor
     package is built for, and on the examples of other sizes), and the fused model's own error against it.
     Another runtime's kernels (ONNX Runtime, Inductor) round differently, so an artifact passes when its error is of
-    the order of the fused model's own (:func:`~fx_lightning.parity.compare.rounding_tolerance`). ``stochastic``:
+    the order of the fused model's own (:func:`~fx_lightning.tolerance.rounding_tolerance`). ``stochastic``:
     the outputs drawn at random in forward (no other runtime draws the same numbers), left out of the values
     compared."""
 

@@ -17,26 +17,15 @@ import torch
 
 from fx_lightning.calls import plain
 from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
-from fx_lightning.tolerance import (  # the policy is declared there; named here for the comparison's callers
-    DISCRETE_AGREEMENT,
-    LOW_PRECISION_FACTOR,
-    ROUNDING_RTOL,
-    RUNTIME_FACTOR,
-    rounding_tolerance,
-)
+from fx_lightning.tolerance import rounding_tolerance
 
 __all__ = [
-    "ROUNDING_RTOL",
-    "RUNTIME_FACTOR",
-    "LOW_PRECISION_FACTOR",
-    "rounding_tolerance",
     "Comparison",
     "compare_outputs",
     "structure_mismatch",
     "relative_error",
     "is_discrete",
     "agreement",
-    "DISCRETE_AGREEMENT",
 ]
 
 @dataclass(frozen=True)
