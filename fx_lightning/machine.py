@@ -1,6 +1,5 @@
 """The CPU this process runs on: its model and the instruction-set features that decide whether a lossy variant
-can be fast here (int8 needs VNNI or AMX-INT8; bf16 needs AVX512-BF16 or AMX-BF16; without them the runtimes
-emulate and the variant is slower than fp32).
+can be fast here (each variant declares the flags that run it natively: :class:`fx_lightning.variants.Variant`).
 
 Read from ``/proc/cpuinfo`` (Linux), or from the file ``$FX_LIGHTNING_CPUINFO`` names; elsewhere from what torch
 dispatches to, which says AVX-512 but not VNNI or BF16, so the lossy variants are then made only when asked for
@@ -35,24 +34,6 @@ class CpuInfo:
     family: Optional[str] = None
     model_number: Optional[str] = None
     known: bool = True  # False: no cpuinfo was readable, the flags are not known
-
-    @property
-    def int8_fast(self) -> bool:
-        """Integer dot-product instructions: int8 convolutions and matmuls beat fp32 by 2-4x."""
-        return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & self.flags)
-
-    @property
-    def bf16_fast(self) -> bool:
-        """bf16 dot products in hardware; without them bf16 is converted to fp32 and back (slower than fp32)."""
-        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
-
-    def lacks(self, precision: str) -> Optional[str]:
-        """Why a ``precision`` ('int8', 'bf16') variant cannot be fast on this CPU, or None when it can."""
-        if precision == "int8" and not self.int8_fast:
-            return f"this CPU has no VNNI or AMX-INT8 ({self.short()}): int8 would be no faster than fp32"
-        if precision == "bf16" and not self.bf16_fast:
-            return f"this CPU has no AVX512-BF16 or AMX-BF16 ({self.short()}): bf16 would run emulated"
-        return None
 
     def short(self) -> str:
         """E.g. ``AMD EPYC 9R14 (family 25 model 17; avx2 fma avx512f avx512_vnni avx512_bf16)``."""

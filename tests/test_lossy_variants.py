@@ -23,7 +23,8 @@ from fx_lightning.export.manifest import ArtifactCheck, BenchTable, Manifest, Ti
 from fx_lightning.export.selection import select_all, select_fastest, with_selection
 from fx_lightning.machine import CPUINFO_ENV, cpu_info
 from fx_lightning.parity.gate import GATE_MISSED
-from fx_lightning.passes.quantize import FLOAT_LAYERS
+from fx_lightning.variants import BF16, INT8
+from fx_lightning.variants.int8 import FLOAT_LAYERS
 from fx_lightning.pipeline import Batches, fuse_verify_export
 from fx_lightning.pipeline.export_step import VARIANT_MISSED, VARIANT_PASSED, VARIANT_SKIPPED
 
@@ -169,7 +170,7 @@ def test_on_a_cpu_without_vnni_or_bf16_the_variants_are_skipped_and_the_report_s
     path = tmp_path / "cpuinfo"
     path.write_text(ZEN1)
     monkeypatch.setenv(CPUINFO_ENV, str(path))
-    assert not cpu_info().int8_fast and not cpu_info().bf16_fast
+    assert INT8.lacks(cpu_info()) and BF16.lacks(cpu_info())
     model = OutlierHeadNet()
     outcome = _export(model, tmp_path / "e", export={"formats": ["pt2", "onnx"], "select": "fastest"},
                       passes={"quantize_int8": {"enabled": True}, "cast_bf16": {"enabled": True}})
@@ -239,7 +240,7 @@ def test_the_callback_calibrates_on_training_data_and_judges_on_validation_data(
     import lightning_helpers as H
     from fx_lightning import FXFuseCallback
     from fx_lightning.callback.trainer_data import CALIBRATION_READ
-    from fx_lightning.passes import quantize
+    from fx_lightning.variants import int8 as quantize
 
     seen: List[torch.Tensor] = []
     real_convert = quantize.calibrate_int8

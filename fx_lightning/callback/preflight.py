@@ -57,6 +57,7 @@ from fx_lightning.pipeline import (
 )
 from fx_lightning.pipeline.targets import refuse_protected
 from fx_lightning.provenance import PreflightReport
+from fx_lightning.variants import VARIANTS
 
 __all__ = ["PreflightReport", "FIXES", "check_settings", "check_before_fit", "rehearsal_due", "rehearse", "rehearsal_config", "settings_source",
            "preflight_source", "preflight_batches"]
@@ -77,8 +78,9 @@ FIXES: Dict[Step, str] = {
     Step.passes: "fix the pass named above, or disable it under passes",
     Step.parity: "check parity.input and the model's outputs (the gate itself is applied after training only)",
     Step.export: "drop the failing format from export.formats, or fix what the error names",
-    Step.variants: "install what the variant needs (pip install 'fx-lightning[int8]' for quantize_int8), or disable "
-                   "it under passes",
+    Step.variants: "install what the variant needs (" + ", ".join(
+        f"pip install 'fx-lightning[{v.extra}]' for passes.{v.key}" for v in VARIANTS.values() if v.extra)
+    + "), or disable it under passes",
     Step.selection: "drop the artifact that cannot run from export.formats, or set export.select: preference",
 }
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from fx_lightning._imports import exception_text, import_object
 from fx_lightning.formats import FORMATS
 from fx_lightning.passes import DEFAULT_ORDER, USER_PASSES, builtin_passes
+from fx_lightning.variants import VARIANTS
 from fx_lightning.tolerance import DISCRETE_AGREEMENT, GATE_RTOL
 
 __all__ = [
@@ -149,8 +150,8 @@ class ExtraPassConfig:
 
 def _passes_schema() -> type:
     """``PassesConfig``: one field per built-in pass (its options dataclass), in the default order, with the
-    user passes (``extra``) at their place in it. Derived from the pass declarations, so a new built-in
-    pass needs no edit here."""
+    user passes (``extra``) at their place in it, then one per lossy variant (its options, under the key it
+    declares). Derived from the pass and variant declarations, so a new one needs no edit here."""
     builtins = {spec.name: spec for spec in builtin_passes()}
     fields: List[Any] = []
     for name in DEFAULT_ORDER:
@@ -158,9 +159,11 @@ def _passes_schema() -> type:
             fields.append((USER_PASSES, List[ExtraPassConfig], field(default_factory=list)))
         else:
             fields.append((name, builtins[name].options_type, field(default_factory=builtins[name].options_type)))
+    fields += [(v.key, v.options_type, field(default_factory=v.options_type)) for v in VARIANTS.values()]
     cls = dataclasses.make_dataclass("PassesConfig", fields)
     cls.__module__ = __name__  # picklable by name (Lightning copies callbacks across processes)
-    cls.__doc__ = "Options of every built-in pass, in order; ``extra``: the user's passes, run in place."
+    cls.__doc__ = ("Options of every built-in pass, in order (``extra``: the user's passes, run in place), then of "
+                   "each lossy variant.")
     return cls
 
 

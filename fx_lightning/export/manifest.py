@@ -1,4 +1,4 @@
-"""``manifest.json``: what an export holds, as typed records, and the export's ``README.md``.
+"""``manifest.json``: what an export holds, as typed records, written and read, and its files checked against it.
 
 :class:`Manifest` is the one place the JSON is written (:meth:`Manifest.to_dict`) and read
 (:meth:`Manifest.from_dict`). Format version 2 writes notes and parity failures as objects (``kind``, ``facts``,
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -23,6 +22,7 @@ import torch
 from fx_lightning._json import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
+from fx_lightning.export.files import FileInfo, sha256_file
 from fx_lightning.formats.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.formats import FORMATS
 from fx_lightning.notes import Note
@@ -34,7 +34,6 @@ __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
     "MANIFEST_NAME",
-    "FileInfo",
     "TensorSpec",
     "CheckInfo",
     "VariantOutcome",
@@ -50,9 +49,6 @@ __all__ = [
     "replace_manifest",
     "read_manifest",
     "verify_files",
-    "sha256_file",
-    "file_infos",
-    "readme_text",
     "legacy_signature",
 ]
 
@@ -61,20 +57,6 @@ READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 
 Json = Mapping[str, Any]  # one JSON object as json.loads gives it
-
-
-def sha256_file(path: Any) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-@dataclass
-class FileInfo:
-    size: int
-    sha256: str
 
 
 @dataclass
@@ -348,10 +330,6 @@ def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: 
     )
 
 
-def file_infos(root: Path, names: Sequence[str]) -> Dict[str, FileInfo]:
-    return {name: FileInfo((root / name).stat().st_size, sha256_file(root / name)) for name in names}
-
-
 def write_manifest(root: Path, manifest: Manifest, name: str = MANIFEST_NAME) -> None:
     text = json.dumps(manifest.to_dict(), indent=2, allow_nan=False, sort_keys=False)
     (root / name).write_text(text + "\n", encoding="utf-8")
@@ -421,33 +399,6 @@ def verify_files(root: Path, manifest: Manifest, fmt: Optional[str] = None) -> N
                 f"{path}: corrupt file: sha256 {digest[:16]}... does not match the manifest's "
                 f"{info.sha256[:16]}...; re-export rather than load it."
             )
-
-
-def readme_text(entries: Dict[str, FormatEntry]) -> str:
-    """The export's README.md: how to load each written format, with and without fx-lightning."""
-    lines = [
-        "# Fused model exported by fx-lightning",
-        "",
-        "`manifest.json` lists the formats, the inputs (`batch`: the sample axis, any size when `dynamic_batch`;",
-        "a name: a size that varies; `signature` says how each was observed),",
-        "the fuse report, the parity verdict and each file's sha256. With fx-lightning installed:",
-        "",
-        "    from fx_lightning import load_fused",
-        "    model = load_fused('this/directory')          # checks sha256",
-        "",
-        "Without it, with torch only:",
-        "",
-    ]
-    for name, entry in entries.items():
-        if entry.variant is None:
-            lines.append(FORMATS[entry.format_name or name].readme_text(entry.options))
-            continue
-        metrics = entry.gate.metrics if entry.gate is not None else {}
-        figures = ", ".join(f"{label} {metrics[key]:.4g}" for key, label in (
-            ("top1_agreement", "top-1 agreement with fp32"), ("accuracy_drop", "accuracy drop")) if key in metrics)
-        lines.append(f"- `{entry.path}` ({name}): the {entry.variant} variant, loaded as `{entry.format_name}` is "
-                     f"(lossy: it passed its accuracy gate{': ' + figures if figures else ''}).")
-    return "\n".join(lines) + "\n"
 
 
 def _input_specs(ctx: WriteContext) -> List[TensorSpec]:

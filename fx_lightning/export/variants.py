@@ -1,9 +1,9 @@
 """Serving variants of an export: lossy models (int8, bf16) written beside the exact artifacts, in a subfolder
 named after the variant, and kept only when the artifact itself, loaded back, passes the caller's gate.
 
-A variant comes from one of two places. The torch formats (pt2, aoti) write the model a variant pass made
-(``quantize_int8``: torchao's int8; ``cast_bf16``): :func:`add_variant`. Other formats make it from their own
-fp32 artifact (OpenVINO int8 through NNCF and bf16 through its precision hint, ONNX Runtime int8):
+A variant (:mod:`fx_lightning.variants`) comes from one of two places. The torch formats (pt2, aoti) write the
+model the variant made from the fused graph (int8: torchao's; bf16): :func:`add_variant`. Other formats make it
+from their own fp32 artifact (OpenVINO int8 through NNCF and bf16 through its precision hint, ONNX Runtime int8):
 :func:`add_format_variants`, from each :class:`~fx_lightning.formats.base.Format`'s ``variants``. Either way the
 entry is named ``<format>-<variant>`` (``aoti-int8``, ``openvino-int8``), says which format loads it, and carries
 its gate report instead of a round-trip check (a lossy model is not expected to match the fp32 one). A variant
@@ -27,7 +27,8 @@ from fx_lightning.export.atomic import list_files
 from fx_lightning.formats.base import Format, FormatEntry, VariantRequest
 from fx_lightning.formats.batching import with_pieces
 from fx_lightning.formats import FORMATS
-from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome, file_infos
+from fx_lightning.export.files import file_infos
+from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome
 from fx_lightning.export.writer import make_context, require_formats
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
@@ -35,7 +36,7 @@ from fx_lightning.signature import Signature
 
 __all__ = ["VARIANT_FORMATS", "Gate", "add_variant", "add_format_variants", "skip_variant", "torch_variant_formats"]
 
-# The formats a variant pass's model is written in: those that run it through Inductor (a quantised graph run
+# The formats a variant's own model is written in: those that run it through Inductor (a quantised graph run
 # eagerly is slow). pt2 also serves load_fused(dir, compile=True).
 VARIANT_FORMATS = ("pt2", "aoti")
 
@@ -43,7 +44,7 @@ Gate = Callable[[nn.Module], ParityReport]  # the loaded artifact -> its gate re
 
 
 def torch_variant_formats(config: FuseConfig, precision: str) -> List[str]:
-    """The torch formats a variant pass's model is written in: the configured pt2/aoti; pt2 when none is
+    """The torch formats a variant's own model is written in: the configured pt2/aoti; pt2 when none is
     configured and no configured format makes the variant itself."""
     wanted = [f.value for f in config.export.formats if f.value in VARIANT_FORMATS]
     if wanted or any(precision in FORMATS[f.value].variants for f in config.export.formats):

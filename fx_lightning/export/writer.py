@@ -27,16 +27,9 @@ from fx_lightning.export.check import CHECK_FILE, Reference, check_roundtrip, re
 from fx_lightning.formats.base import FUSED_CLASS_NAME, ExactReference, Format, FormatEntry, WriteContext
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.prologue import with_prologue
-from fx_lightning.export.manifest import (
-    MANIFEST_NAME,
-    CheckInfo,
-    Manifest,
-    Preprocess,
-    file_infos,
-    new_manifest,
-    readme_text,
-    write_manifest,
-)
+from fx_lightning.export.files import file_infos
+from fx_lightning.export.manifest import MANIFEST_NAME, CheckInfo, Manifest, Preprocess, new_manifest, write_manifest
+from fx_lightning.export.readme import readme_text
 from fx_lightning.notes import NoteKind
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport

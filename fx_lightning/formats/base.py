@@ -303,7 +303,7 @@ class Format:
     # Loading it unpickles Python objects (torch.load(weights_only=False)): only for trusted files.
     pickled_code: bool = False
     # Lossy variants it makes from its own fp32 artifact, by precision ("int8", "bf16"); the torch formats get
-    # theirs from the variant passes instead (export/variants.py).
+    # theirs from the variant's own model instead (fx_lightning.variants).
     variants: Mapping[str, VariantMaker] = field(default_factory=dict)
     # Runtime settings worth timing besides the ones it was written with (name -> options merged over the
     # entry's): the selection records which made it fastest for each traffic.

@@ -61,19 +61,14 @@ DEFAULT_ORDER: Tuple[str, ...] = (
     "fuse_bn_into_next",  # after the producer folds: a BatchNorm that could fold backwards already has
     USER_PASSES,
     "eliminate_dead_code",  # after the user's passes: whatever they left unused goes too
-    "quantize_int8",  # variant stage, last: it works on the fused, cleaned-up graph
-    "cast_bf16",  # variant stage, like int8
-)
+)  # the lossy variants (int8, bf16) are not passes: they are made from the verified result (fx_lightning.variants)
 
 
 class Stage(str, Enum):
-    """What a pass works on: the working copy of the module before capture, the captured graph, or (``variant``)
-    the verified fused graph, from which a lossy pass makes a serving variant (``passes.lossy.MadeVariant``) that is
-    gated on its own accuracy before it is exported beside the exact model."""
+    """What a pass works on: the working copy of the module before capture, or the captured graph."""
 
     module = "module"
     graph = "graph"
-    variant = "variant"
 
 
 @dataclass
@@ -98,13 +93,6 @@ class PassContext:
     capture_mode: str = "fx"
     example_inputs: Optional[tuple] = None
     shapes_known: bool = False
-    # Stage "variant": the target's inputs on a few data batches (calibration for quantisation).
-    calibration: List[tuple] = field(default_factory=list)
-    # Stage "variant": the variant's gate on validation data (a candidate module -> its ParityReport), given by the
-    # pipeline: an accuracy-aware pass tries candidates against it. None: no data to judge on (strict variant only).
-    gate: Optional[Callable[[Any], Any]] = None
-    # How the graph is called (which dimensions carry samples and vary): variant passes export with it.
-    signature: Optional[Any] = None
 
     def ensure_shapes(self, gm: fx.GraphModule) -> bool:
         """Annotate ``gm``'s nodes with shapes (ShapeProp on the example inputs); False if impossible."""

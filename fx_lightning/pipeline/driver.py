@@ -35,10 +35,8 @@ from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
 from fx_lightning.pipeline.export_step import export
+from fx_lightning.pipeline.records import Batches, Exported, Fused, Source
 from fx_lightning.pipeline.steps import (
-    Batches,
-    Fused,
-    Source,
     Step,
     fuse_target,
     judge,
@@ -175,23 +173,13 @@ class _RankReport:
 
 @dataclass
 class _Verdict:
-    """Rank zero's decision (2): the merged parity report, the outcome's notes and steps, or its error."""
+    """Rank zero's decision (2): the merged parity report, the outcome's notes and steps. Rank zero broadcasts it,
+    or the ErrorInfo of what failed; the export (3) travels as the step's own record, ``Exported``, or an
+    ErrorInfo likewise."""
 
     parity: Optional[ParityReport]
     notes: List[Note] = field(default_factory=list)
     steps: List[str] = field(default_factory=list)
-    error: Optional[ErrorInfo] = None
-
-
-@dataclass
-class _Written:
-    """Rank zero's export result (3)."""
-
-    directory: Optional[str]
-    manifest: Optional[Manifest] = None
-    notes: List[Note] = field(default_factory=list)
-    steps: List[str] = field(default_factory=list)
-    error: Optional[ErrorInfo] = None
 
 
 @dataclass
@@ -232,8 +220,8 @@ def run_pipeline(
     assert fused is not None and source is not None  # no rank skipped or failed, so this one fused
     verdict, decide_error = _decide(collectives, config, fused, source, everyone) if rank == 0 else (None, None)
     verdict = collectives.broadcast(verdict, src=0)  # 2.
-    if verdict.error is not None:
-        return Outcome(failure=_failure_of(collectives, [verdict.error], decide_error))
+    if isinstance(verdict, ErrorInfo):
+        return Outcome(failure=_failure_of(collectives, [verdict], decide_error))
     outcome = Outcome(fused.target, fused.result, fused.fused_model, verdict.parity, notes=list(verdict.notes),
                       steps=list(verdict.steps))
     if mode is Mode.final and outcome.parity is not None and not outcome.parity.passed:
@@ -248,12 +236,12 @@ def run_pipeline(
         return outcome
     written, export_error = _write(config, fused, source, outcome.parity, destination, mode) if rank == 0 else (None, None)
     written = collectives.broadcast(written, src=0)  # 3.
-    outcome.export_dir = Path(written.directory) if written.directory is not None else None
-    outcome.manifest = written.manifest
+    if isinstance(written, ErrorInfo):
+        outcome.failure = _failure_of(collectives, [written], export_error)
+        return outcome
+    outcome.export_dir, outcome.manifest = written.directory, written.manifest
     outcome.notes += written.notes
     outcome.steps += written.steps
-    if written.error is not None:
-        outcome.failure = _failure_of(collectives, [written.error], export_error)
     return outcome
 
 
@@ -271,7 +259,7 @@ def run_locally(config: FuseConfig, load: Callable[[], Source]) -> LocalShare:
 
 
 def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: Source,
-            everyone: List[_RankReport]) -> Tuple[_Verdict, Optional[Exception]]:
+            everyone: List[_RankReport]) -> Tuple[Union[_Verdict, ErrorInfo], Optional[Exception]]:
     """Rank zero: merge every rank's parity measurements and judge them once."""
     try:
         states = [r.state for r in everyone]
@@ -289,22 +277,21 @@ def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: 
                                [Step.parity.value] if parity is not None else [])
         return _Verdict(parity, notes, steps), None
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the verdict broadcast
-        return _Verdict(None, error=ErrorInfo.of(0, exc)), exc
+        return ErrorInfo.of(0, exc), exc
 
 
 def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[ParityReport],
-           destination: Destination, mode: Mode) -> Tuple[_Written, Optional[Exception]]:
+           destination: Destination, mode: Mode) -> Tuple[Union[Exported, ErrorInfo], Optional[Exception]]:
     """Rank zero: the export step (atomically: complete or not at all)."""
     assert destination.directory is not None
     try:
         refuse_protected(destination.directory, destination.protected)
-        exported = export(fused, config, parity, destination.directory,
-                          provenance_for(fused, source, destination.provenance), rehearsal=mode is Mode.rehearsal)
-        return _Written(str(exported.directory), exported.manifest, exported.notes, exported.steps), None
+        return export(fused, config, parity, destination.directory,
+                      provenance_for(fused, source, destination.provenance), rehearsal=mode is Mode.rehearsal), None
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the export broadcast
         if isinstance(exc, FXLightningError):
             exc.step = exc.step or Step.export.value
-        return _Written(None, error=ErrorInfo.of(0, exc)), exc
+        return ErrorInfo.of(0, exc), exc
 
 
 def exchange_failure(collectives: Collectives, error: Optional[Exception]) -> Optional[Failure]:

@@ -4,8 +4,8 @@ staging directory renamed into place once, and the notes the export's manifest g
     export            the whole step                                                      -> Exported
       write_formats (export.writer), add_variants, select_artifact: its parts
 
-The variants are the verified fused model made lossy (int8, bf16): the variant pass's model in the torch formats,
-each exported format's own variant beside it, each gated loaded back
+The variants are the verified fused model made lossy (int8, bf16: :mod:`fx_lightning.variants`): the variant's own
+model in the torch formats, each exported format's own variant beside it, each gated loaded back
 (:func:`fx_lightning.pipeline.steps.gate_variant`) and kept only when it passes.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Union
 from torch import nn
 
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
-from fx_lightning.errors import ConfigError, ExportError, FXLightningError, PassError, first_line
+from fx_lightning.errors import ConfigError, ExportError, FXLightningError, first_line
 from fx_lightning.export.manifest import Manifest, VariantOutcome
 from fx_lightning.export.selection import bench_export, select_fastest, with_selection
 from fx_lightning.export.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
@@ -27,12 +27,11 @@ from fx_lightning.export.writer import prepare_export, write_export
 from fx_lightning.machine import cpu_info
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.report import ParityReport
-from fx_lightning.passes import PassContext, PassSpec, Stage, plan_passes, run_pass
-from fx_lightning.passes.lossy import LossyOptions, MadeVariant
 from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.records import Exported, Fused
 from fx_lightning.pipeline.steps import Step, gate_variant, in_step, other_sizes
 from fx_lightning.provenance import Provenance
+from fx_lightning.variants import MadeVariant, Variant, VariantContext, VariantOptions, enabled_variants
 
 __all__ = [
     "export",
@@ -122,25 +121,20 @@ def _other_inputs(fused: Fused) -> List[tuple]:
 
 def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
                  rehearsal: bool = False) -> Manifest:
-    """Make each enabled lossy variant (int8, bf16) of the verified fused model: the variant pass's model in the
-    torch formats, and each exported format's own variant (OpenVINO through NNCF, ONNX Runtime); keep the
-    artifacts that pass the variant's gate, loaded back. Every outcome is recorded in the manifest, and a variant
-    this CPU cannot run fast is skipped with the reason. A variant that cannot be made is an error in the
-    rehearsal (which runs the accuracy-aware search on one layer, to prove it runs), and a recorded outcome after
-    training (the fp32 artifacts stand)."""
-    for spec, options in plan_passes(config.passes):
-        if spec.stage is not Stage.variant:
-            continue
-        precision = options.PRECISION  # a variant pass's options are LossyOptions (declared so in the schema)
-        lacking = cpu_info().lacks(precision) if options.require_cpu_features else None
+    """Make each enabled lossy variant (int8, bf16) of the verified fused model: its own model in the torch
+    formats, and each exported format's own variant (OpenVINO through NNCF, ONNX Runtime); keep the artifacts that
+    pass the variant's gate, loaded back. Every outcome is recorded in the manifest, and a variant this CPU cannot
+    run fast is skipped with the reason. A variant that cannot be made is an error in the rehearsal (which runs the
+    accuracy-aware search on one layer, to prove it runs), and a recorded outcome after training (the fp32
+    artifacts stand)."""
+    for variant, options in enabled_variants(config.passes):
+        key = f"passes.{variant.key}"
+        lacking = variant.lacks(cpu_info()) if options.require_cpu_features else None
         if lacking is not None:
-            manifest = skip_variant(manifest, precision, f"{lacking}; passes.{spec.name}.require_cpu_features: "
-                                                         "false makes it anyway")
+            manifest = skip_variant(manifest, variant.name, f"{lacking}; {key}.require_cpu_features: false makes "
+                                                            "it anyway")
             continue
-        gate_config = dataclasses.replace(config.parity, min_cosine=options.min_cosine,
-                                          min_top1_agreement=options.min_top1_agreement,
-                                          max_accuracy_drop=options.max_accuracy_drop)
-        key, preprocess = f"passes.{spec.name}", fused.contract.preprocess
+        gate_config, preprocess = options.gate_of(config.parity), fused.contract.preprocess
 
         def gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
             return gate_variant(fused, loaded, gate_config, key)
@@ -149,23 +143,24 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
             return gate_variant(fused, loaded, gate_config, key, preprocess)  # it takes raw pixels (the prologue)
 
         outcomes: List[VariantOutcome] = []
-        if torch_variant_formats(config, precision):
-            made = _run_variant_pass(spec, options, fused, gate, rehearsal)
+        if torch_variant_formats(config, variant.name):
+            made = _make_variant(variant, options, fused, gate, rehearsal)
             if isinstance(made, VariantOutcome):
-                manifest = dataclasses.replace(manifest, variants={**manifest.variants, precision: [made]})
+                manifest = dataclasses.replace(manifest, variants={**manifest.variants, variant.name: [made]})
                 outcomes.append(made)
             else:
                 with in_step(Step.variants):
                     manifest, made_outcomes = add_variant(
-                        staging, manifest, made.precision, made.model,
+                        staging, manifest, variant.name, made.model,
                         raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
-                        imports=made.imports, notes=made.notes, preprocess=preprocess,
+                        imports=variant.imports, notes=made.notes, preprocess=preprocess,
                         normalised_dtype=raw_input.normalised_dtype(fused), signature=fused.signature,
                         other_inputs=_other_inputs(fused), fixed=_fixed(fused))
                 outcomes += made_outcomes
         with in_step(Step.variants):
             manifest, format_outcomes = add_format_variants(
-                staging, manifest, precision, raw_input.raw_calibration(fused.calibration, preprocess), artifact_gate)
+                staging, manifest, variant.name, raw_input.raw_calibration(fused.calibration, preprocess),
+                artifact_gate)
         outcomes += format_outcomes
         broken = next((o for o in outcomes if o.error is not None), None)
         if rehearsal and broken is not None:
@@ -175,25 +170,17 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
     return manifest
 
 
-def _run_variant_pass(spec: PassSpec, options: LossyOptions, fused: Fused, gate: Any,
-                      rehearsal: bool) -> Union[MadeVariant, VariantOutcome]:
-    """The variant pass's result, or (after training) the outcome recording why it could not be made."""
-    if rehearsal:
-        options = options.for_rehearsal()
-    ctx = PassContext(capture_mode=fused.result.report.capture_mode, example_inputs=fused.example_inputs,
-                      signature=fused.signature,
-                      calibration=fused.calibration, gate=gate)
+def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate: Any,
+                  rehearsal: bool) -> Union[MadeVariant, VariantOutcome]:
+    """The variant's model, or (after training) the outcome recording why it could not be made."""
+    ctx = VariantContext(fused.example_inputs, list(fused.calibration), fused.signature, gate)
     try:
         with in_step(Step.variants):
-            made = run_pass(spec, fused.result.graph_module, options, ctx)
-        if not isinstance(made, MadeVariant) or made.model is None:
-            raise PassError(f"variant pass {spec.name!r} made no model: a variant pass returns a MadeVariant "
-                            "(fx_lightning.passes.lossy) with the model it made")
-        return made
+            return variant.build(fused.result.graph_module, options.for_rehearsal() if rehearsal else options, ctx)
     except FXLightningError as exc:
         if rehearsal:  # a variant that cannot be made now cannot be made after training either
             raise
-        return VariantOutcome(spec.name, False, error=f"{type(exc).__name__}: {first_line(exc)}")
+        return VariantOutcome(variant.key, False, error=f"{type(exc).__name__}: {first_line(exc)}")
 
 
 def export_notes(manifest: Manifest, rehearsal: bool = False) -> List[Note]:

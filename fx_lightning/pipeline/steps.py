@@ -41,13 +41,13 @@ from fx_lightning.export.manifest import Preprocess
 from fx_lightning.notes import NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
-from fx_lightning.passes import Stage, plan_passes
 from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.inputs import calibration_steps, signature_for, target_steps
 from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
 from fx_lightning.provenance import Provenance
 from fx_lightning.signature import Signature
+from fx_lightning.variants import enabled_variants
 
 __all__ = [
     "Step",
@@ -183,9 +183,8 @@ def _shapes(call: Call) -> Tuple[Tuple[int, ...], ...]:
 
 
 def calibration_batch_count(config: FuseConfig) -> int:
-    """How many batches the enabled variant passes calibrate on (0: none is enabled)."""
-    wanted = [options for spec, options in plan_passes(config.passes) if spec.stage is Stage.variant]
-    return max((options.calibration_needed() for options in wanted), default=0)
+    """How many batches the enabled variants calibrate on (0: none is enabled)."""
+    return max((options.calibration_needed() for _, options in enabled_variants(config.passes)), default=0)
 
 
 # --------------------------------------------------------------------------------------------- verify

@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 from fx_lightning.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.base import FormatEntry
-from fx_lightning.export.manifest import Manifest, TensorSpec, read_manifest, sha256_file, verify_files
+from fx_lightning.export.files import sha256_file
+from fx_lightning.export.manifest import Manifest, TensorSpec, read_manifest, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
                                               TritonModel, TritonRepository, TritonTensor, config_text, describe,
                                               readme_text)

@@ -1,10 +1,10 @@
-"""``quantize_int8`` (off by default; on in the serving preset): post-training static int8 of the verified fused
-model, accuracy-aware.
+"""The ``int8`` variant (``passes.quantize_int8``; off by default, on in the serving preset): post-training static
+int8 of the verified fused model, accuracy-aware.
 
 torchao's pt2e flow: the fused graph exported with a dynamic batch, ``prepare_pt2e`` with the
 ``X86InductorQuantizer`` (int8 convs and linears in the patterns Inductor lowers to int8 kernels), calibrated on
 ``calibration_batches`` batches of data, ``convert_pt2e``. The result is a *variant*: lossy, so it is not compared
-like the exact model but gated on accuracy (:mod:`fx_lightning.passes.lossy`) and exported beside the fp32
+like the exact model but gated on accuracy (:mod:`fx_lightning.variants.base`) and exported beside the fp32
 artifacts only when it passes (served through Inductor: the ``aoti`` and ``pt2`` formats).
 
 Accuracy-aware: when the all-int8 model misses the gate, some layers are kept in float. Each quantisable layer
@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -28,11 +28,13 @@ import torch.fx as fx
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import PassError
 from fx_lightning.notes import NoteKind
-from fx_lightning.passes.base import PassContext, Stage, builtin_pass
+from fx_lightning.notes import Note
 from fx_lightning.passes.graph_utils import plain_graph_module, unique_module_stacks
-from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, MadeVariant, export_variant
+from fx_lightning.variants.base import (MadeVariant, Variant, VariantContext, VariantOptions, declare_variant,
+                                        export_variant, static_notes)
 
-__all__ = ["QuantizeInt8Options", "quantize_int8", "calibrate_int8", "FLOAT_LAYERS", "LayerEffect", "rank_layers"]
+__all__ = ["INT8", "QuantizeInt8Options", "quantize_int8", "calibrate_int8", "FLOAT_LAYERS", "LayerEffect",
+           "rank_layers"]
 
 FLOAT_LAYERS = NoteKind(
     "float_layers", "{kept} of {layers} quantisable layers kept in float so the int8 model passes its gate, the "
@@ -46,9 +48,7 @@ _QUANTISABLE = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, to
 
 
 @dataclass
-class QuantizeInt8Options(LossyOptions):
-    PRECISION: ClassVar[str] = "int8"
-
+class QuantizeInt8Options(VariantOptions):
     # Batches of the parity data (validation, else training data) run through the model to set the scales.
     calibration_batches: int = 8
     # When the all-int8 model misses the gate: at most this many layers kept in float (0: all-or-nothing).
@@ -118,34 +118,35 @@ def calibrate_int8(program: fx.GraphModule, batches: Sequence[tuple], float_node
     return convert_pt2e(prepared)
 
 
-@builtin_pass("quantize_int8", options=QuantizeInt8Options, stage=Stage.variant,
-              preserves_computation=False)
-def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: PassContext) -> MadeVariant:
+def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: VariantContext) -> MadeVariant:
     """Post-training static int8 (torchao pt2e, X86InductorQuantizer), calibrated on data batches; accuracy-aware
     (layers kept in float until the gate passes)."""
     _quantizer()  # first: without torchao it says what to install
-    # torchao's quantize/dequantize ops: a saved program needs them imported to load
-    result = MadeVariant(precision=options.PRECISION, imports=["torchao"])
     batches = ctx.calibration[: options.calibration_batches]
     if not batches:
-        raise PassError("quantize_int8: no calibration batches (the model's inputs on data batches are needed)")
-    plain = plain_graph_module(gm)
-    made = export_variant(plain, tuple(batches[0]), ctx.signature)
-    if not made.dynamic:
-        result.notes = [VARIANT_STATIC(variant="int8", reason=made.static_reason or "unknown")]
+        raise PassError("passes.quantize_int8: no calibration batches (the model's inputs on data batches are needed)")
+    made = export_variant(plain_graph_module(gm), tuple(batches[0]), ctx.signature)
+    notes = static_notes(made, "int8")
     with torch.no_grad():
         program = made.program.module()
-        renamed = unique_module_stacks(program)  # pt2e needs one module per call site
+        unique_module_stacks(program)  # pt2e needs one module per call site
         variant = calibrate_int8(program, batches, ())
         if ctx.gate is not None and options.max_float_layers > 0 and not ctx.gate(variant).passed:
-            variant = _keep_sensitive_layers_float(program, batches, options, ctx.gate, result)
-    result.model = variant
-    result.change("<graph>", "quantized to int8", calibration_batches=len(batches), calls_made_unique=renamed)
-    return result
+            variant = _keep_sensitive_layers_float(program, batches, options, ctx.gate, notes)
+    return MadeVariant(variant, notes)
+
+
+INT8 = declare_variant(Variant(
+    "int8", "quantize_int8", QuantizeInt8Options, quantize_int8,
+    native_flags=frozenset({"avx512_vnni", "avx_vnni", "amx_int8"}),
+    native_text="VNNI or AMX-INT8",
+    without_native="int8 would be no faster than fp32",
+    imports=("torchao",),  # its quantize/dequantize ops: a saved program needs them imported to load
+    extra="int8"))
 
 
 def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tuple], options: QuantizeInt8Options,
-                                 gate: Callable[[Any], Any], result: MadeVariant) -> fx.GraphModule:
+                                 gate: Callable[[Any], Any], notes: List[Note]) -> fx.GraphModule:
     """The int8 model with the fewest most-sensitive layers in float that passes ``gate`` (counts 1, 2, 4, ...
     up to ``max_float_layers``, then bisected down), or, when none passes, the one with the most in float."""
     ranking = rank_layers(program, batches[: options.ranking_batches])
@@ -162,7 +163,7 @@ def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tupl
     while count < bound and not attempt(count):
         failing, count = count, min(2 * count, bound)
     if not attempt(count):  # even the bound misses the gate
-        result.notes.append(FLOAT_LAYERS_NOT_ENOUGH(kept=count, layers=len(ranking), tries=len(tried) + 1))
+        notes.append(FLOAT_LAYERS_NOT_ENOUGH(kept=count, layers=len(ranking), tries=len(tried) + 1))
         return tried[count][1]
     passing = count
     while passing - failing > 1:  # the fewest float layers that pass
@@ -172,12 +173,9 @@ def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tupl
         else:
             failing = middle
     kept = ranking[:passing]
-    result.notes.append(FLOAT_LAYERS(
+    notes.append(FLOAT_LAYERS(
         kept=passing, layers=len(ranking), tries=len(tried) + 1, float_layers=[layer.module for layer in kept],
         effects=", ".join(f"{layer.module} {layer.effect:.2g}" for layer in kept)))
-    for layer in kept:
-        result.skip(layer.module, "kept in float: its int8 rounding moved the outputs most", effect=layer.effect,
-                    graph_node=layer.node)
     return tried[passing][1]
 
 

@@ -1,33 +1,34 @@
-"""``cast_bf16`` (off by default; on in the serving preset): the verified fused model computing in bfloat16.
+"""The ``bf16`` variant (``passes.cast_bf16``; off by default, on in the serving preset): the verified fused model
+computing in bfloat16.
 
 Weights and activations in bf16 (8 bits of mantissa: about 3 significant digits), the inputs cast on the way
 in and the outputs back to their fp32 dtype on the way out, so the artifact takes and returns what the fp32 one
 does. Served through Inductor (``aoti``, ``pt2``), which runs bf16 convolutions and matmuls with oneDNN; fast only
 where the CPU has AVX512-BF16 or AMX-BF16 (elsewhere skipped, see ``require_cpu_features``). OpenVINO's bf16 is
 the same variant of the ``openvino`` format (its inference precision hint), made beside it. Gated like every
-lossy variant (:mod:`fx_lightning.passes.lossy`).
+lossy variant (:mod:`fx_lightning.variants.base`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.passes.base import PassContext, Stage, builtin_pass
 from fx_lightning.passes.graph_utils import plain_graph_module
-from fx_lightning.passes.lossy import VARIANT_STATIC, LossyOptions, MadeVariant, export_variant
+from fx_lightning.variants.base import (MadeVariant, Variant, VariantContext, VariantOptions, declare_variant,
+                                        export_variant, static_notes)
 
-__all__ = ["CastBf16Options", "cast_bf16"]
+__all__ = ["BF16", "CastBf16Options", "cast_bf16"]
 
 
 @dataclass
-class CastBf16Options(LossyOptions):
-    PRECISION: ClassVar[str] = "bf16"
+class CastBf16Options(VariantOptions):
+    """The gate's options only: bf16 needs no calibration."""
 
 
 class _InBf16(nn.Module):
@@ -43,19 +44,15 @@ class _InBf16(nn.Module):
             lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, self.model(*cast))
 
 
-@builtin_pass("cast_bf16", options=CastBf16Options, stage=Stage.variant, preserves_computation=False)
-def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: PassContext) -> MadeVariant:
+def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: VariantContext) -> MadeVariant:
     """The fused model in bfloat16 (inputs and outputs stay fp32), exported with a dynamic batch."""
-    result = MadeVariant(precision=options.PRECISION)
-    inputs = ctx.calibration[0] if ctx.calibration else ctx.example_inputs
-    if inputs is None:
-        from fx_lightning.errors import PassError
-
-        raise PassError("cast_bf16: no example inputs to export the bf16 model with")
     model = _InBf16(copy.deepcopy(plain_graph_module(gm)).to(torch.bfloat16)).eval()
-    made = export_variant(model, tuple(inputs), ctx.signature)
-    result.model = made.program.module()
-    if not made.dynamic:
-        result.notes = [VARIANT_STATIC(variant="bf16", reason=made.static_reason or "unknown")]
-    result.change("<graph>", "cast to bfloat16", parameters=sum(p.numel() for p in model.parameters()))
-    return result
+    made = export_variant(model, tuple(ctx.calibration[0] if ctx.calibration else ctx.example_inputs), ctx.signature)
+    return MadeVariant(made.program.module(), static_notes(made, "bf16"))
+
+
+BF16 = declare_variant(Variant(
+    "bf16", "cast_bf16", CastBf16Options, cast_bf16,
+    native_flags=frozenset({"avx512_bf16", "amx_bf16"}),
+    native_text="AVX512-BF16 or AMX-BF16",
+    without_native="bf16 would run emulated"))

@@ -1,0 +1,37 @@
+"""Lossy serving variants of the verified fused model (int8, bf16), each declared once (:mod:`.base`); the export
+side writes them, gates each artifact loaded back and keeps those that pass (:mod:`fx_lightning.export.variants`).
+
+Importing this package declares the built-in variants, in the order they are made: int8, then bf16.
+"""
+
+from __future__ import annotations
+
+from fx_lightning.variants.base import (
+    VARIANT_STATIC,
+    VARIANTS,
+    MadeVariant,
+    Variant,
+    VariantContext,
+    VariantOptions,
+    declare_variant,
+    enabled_variants,
+    export_variant,
+)
+from fx_lightning.variants.int8 import INT8, QuantizeInt8Options
+from fx_lightning.variants.bf16 import BF16, CastBf16Options
+
+__all__ = [
+    "Variant",
+    "VariantOptions",
+    "VariantContext",
+    "MadeVariant",
+    "VARIANTS",
+    "VARIANT_STATIC",
+    "INT8",
+    "BF16",
+    "QuantizeInt8Options",
+    "CastBf16Options",
+    "declare_variant",
+    "enabled_variants",
+    "export_variant",
+]

@@ -1,0 +1,186 @@
+"""What a lossy serving variant is, declared once per precision like a :class:`~fx_lightning.formats.base.Format`.
+
+A :class:`Variant` says everything about one precision (``int8``, ``bf16``): the name its artifacts carry
+(``aoti-int8``), its options (:class:`VariantOptions`: the gate it must pass on validation data, its calibration),
+the function that makes it from the verified fused graph, the modules a process imports to load it, and the CPU
+features that run it natively. It is not a graph pass: a pass edits the graph it is given (graph -> graph); a
+variant makes a *new*, lossy model beside the exact one, which the export side writes, gates loaded back and keeps
+only when it passes (:mod:`fx_lightning.export.variants`). Its options keep the config key they have always had,
+``passes.<key>`` (``passes.quantize_int8``): the config schema reads the declarations.
+
+The gate, declared once here: top-1 agreement with the fp32 model and the accuracy drop against labels on the
+parity batches (validation data, the held-out split), and a floor on each sample's cosine similarity with the fp32
+outputs (catches scores that drift while the top class holds: regression heads, embeddings). The defaults are what
+a user serving a classifier expects: the lossy model agrees with fp32 on 99% of samples and loses at most half a
+point of accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, FrozenSet, Generic, List, Optional, Tuple, Type, TypeVar
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fx_lightning.calls import Call
+from fx_lightning.errors import PassError
+from fx_lightning.machine import CpuInfo
+from fx_lightning.notes import Note, NoteKind
+from fx_lightning.program import Program, export_program, signature_dims
+from fx_lightning.rows import rows_of, with_rows
+from fx_lightning.signature import Signature
+
+__all__ = ["Variant", "VariantOptions", "VariantContext", "MadeVariant", "VARIANTS", "declare_variant",
+           "enabled_variants", "export_variant", "static_notes", "VARIANT_STATIC"]
+
+VARIANT_STATIC = NoteKind("variant_static", "the {variant} model exports for the example's sizes only ({reason})")
+
+
+@dataclass
+class VariantOptions:
+    """Options every variant has: off by default, and the gate it must pass. A variant's own options subclass this."""
+
+    enabled: bool = False
+    min_top1_agreement: float = 0.99
+    # A fraction: 0.005 = half a point of accuracy.
+    max_accuracy_drop: float = 0.005
+    min_cosine: float = 0.99
+    # Made only where the CPU has the instructions that make it fast (Variant.native_flags); elsewhere skipped with
+    # the reason. false: made and judged anyway (a model trained here to be served on another CPU).
+    require_cpu_features: bool = True
+
+    def calibration_needed(self) -> int:
+        """How many data batches the variant is made from (besides its gate): one by default (its example)."""
+        return 1
+
+    def for_rehearsal(self) -> "VariantOptions":
+        """The options the preflight makes the variant with on the untrained model (which misses any gate): enough
+        to prove that making it runs. By default the same."""
+        return self
+
+    def gate_of(self, parity: Any) -> Any:
+        """``parity`` (the exact model's gate, a ``ParityConfig``) with this variant's thresholds: the one gate a
+        lossy artifact is judged by."""
+        return dataclasses.replace(parity, min_cosine=self.min_cosine, min_top1_agreement=self.min_top1_agreement,
+                                   max_accuracy_drop=self.max_accuracy_drop)
+
+    def check(self) -> None:
+        if not 0.0 <= self.min_top1_agreement <= 1.0:
+            raise ValueError(f"min_top1_agreement: must be in [0, 1], got {self.min_top1_agreement}.")
+        if not -1.0 <= self.min_cosine <= 1.0:
+            raise ValueError(f"min_cosine: must be in [-1, 1], got {self.min_cosine}.")
+        if not math.isfinite(self.max_accuracy_drop) or self.max_accuracy_drop < 0:
+            raise ValueError(f"max_accuracy_drop: must be a finite number >= 0, got {self.max_accuracy_drop}.")
+
+
+@dataclass
+class VariantContext:
+    """What making a variant may use: the fused graph's example inputs and its inputs on data batches
+    (``calibration``, as many as the options' ``calibration_needed()``), how the graph is called (which dimensions
+    carry samples and vary), and the gate (a candidate module -> its ParityReport) an accuracy-aware variant tries
+    candidates against (None: no data to judge on)."""
+
+    example_inputs: Optional[tuple] = None
+    calibration: List[tuple] = field(default_factory=list)
+    signature: Optional[Signature] = None
+    gate: Optional[Callable[[Any], Any]] = None
+
+
+@dataclass
+class MadeVariant:
+    """What making a variant gives: the lossy ``model`` (the fused graph is left as it was) and ``notes`` on how it
+    was made (layers kept in float, a static export...)."""
+
+    model: nn.Module
+    notes: List[Note] = field(default_factory=list)
+
+
+OptionsT = TypeVar("OptionsT", bound=VariantOptions)
+MakeVariant = Callable[[fx.GraphModule, Any, VariantContext], MadeVariant]
+
+
+@dataclass(frozen=True)
+class Variant(Generic[OptionsT]):
+    """One lossy precision, declared once (:func:`declare_variant`).
+
+    ``name`` names its artifacts and its manifest record (``int8``: ``aoti-int8``); ``key`` its options under
+    ``passes`` in the config; ``make`` makes it from the fused graph (written in the torch formats, pt2 and aoti);
+    the formats that make it from their own fp32 artifact say so themselves (``Format.variants``); ``imports``: the
+    modules a process imports to load it (those registering its ops); ``native_flags``: the CPU flags (any one) that
+    run it natively (``native_text`` names them for people), ``without_native`` what happens without them;
+    ``extra``: the pip extra it needs, if any."""
+
+    name: str
+    key: str
+    options_type: Type[OptionsT]
+    make: MakeVariant
+    native_flags: FrozenSet[str]
+    native_text: str
+    without_native: str
+    imports: Tuple[str, ...] = ()
+    extra: Optional[str] = None
+
+    def lacks(self, cpu: CpuInfo) -> Optional[str]:
+        """Why this variant cannot be fast on ``cpu``, or None when it can."""
+        if self.native_flags & cpu.flags:
+            return None
+        return f"this CPU has no {self.native_text} ({cpu.short()}): {self.without_native}"
+
+    def build(self, fused: fx.GraphModule, options: OptionsT, ctx: VariantContext) -> MadeVariant:
+        """The variant made from ``fused``; any failure is a PassError naming the options' key."""
+        if not ctx.calibration and ctx.example_inputs is None:
+            raise PassError(f"passes.{self.key}: no inputs to make the {self.name} model from (the model's inputs "
+                            "on data batches are needed)")
+        try:
+            made = self.make(fused, options, ctx)
+        except PassError:
+            raise
+        except Exception as exc:
+            raise PassError(f"passes.{self.key} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(made, MadeVariant) or not isinstance(made.model, nn.Module):
+            raise PassError(f"passes.{self.key} made {type(made).__name__}, not a MadeVariant with a model")
+        return made
+
+
+# Every variant, by name, in the order they are made (and their options listed in the config).
+VARIANTS: Dict[str, Variant] = {}
+
+
+def declare_variant(variant: Variant) -> Variant:
+    """Register ``variant``; its name and its key are each taken once."""
+    clash = [v.name for v in VARIANTS.values() if variant.name == v.name or variant.key == v.key]
+    if clash:
+        raise ValueError(f"variant {variant.name!r} (passes.{variant.key}): name or key already declared by "
+                         f"{clash[0]!r}")
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+def enabled_variants(passes: Any) -> List[Tuple[Variant, VariantOptions]]:
+    """The (variant, options) a ``PassesConfig`` enables, in declaration order."""
+    pairs = [(v, getattr(passes, v.key)) for v in VARIANTS.values()]
+    return [(v, options) for v, options in pairs if options.enabled]
+
+
+def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optional[Signature]) -> Program:
+    """A variant's model exported with the dimensions the signature says vary (the sample axis repeated to two
+    samples when the example has one), else for the example's sizes: a model that fixes a size is fixed in its
+    variants too."""
+    if signature is None:  # no observed calls (made by hand): dim 0 of every tensor
+        dims = [{0: torch.export.Dim("batch", min=1)} if isinstance(a, torch.Tensor) and a.dim() else None
+                for a in inputs]
+        axes = [0 if d else None for d in dims]
+    else:
+        dims, axes = signature_dims(signature), (signature.input_axes() if signature.batched else [])
+    dynamic_inputs = tuple(with_rows(inputs, axes, 2)) if axes and rows_of(inputs, axes) == 1 else inputs
+    return export_program(model, Call(dynamic_inputs), dims if any(dims) else None, allow_static=True,
+                          static_call=Call(tuple(inputs)))
+
+
+def static_notes(made: Program, name: str) -> List[Note]:
+    """A note when the variant's program is fixed to the example's sizes, else none."""
+    return [] if made.dynamic else [VARIANT_STATIC(variant=name, reason=made.static_reason or "unknown")]
