@@ -13,11 +13,14 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> None:
     defaults = ServeOptions()
     serve = sub.add_parser(
-        "serve", help="serve an export over HTTP: POST /predict, GET /health, GET /info",
+        "serve", help="serve an export over HTTP: POST /predict, GET /health, GET /info, and the Open Inference "
+                      "Protocol (/v2, as Triton and KServe speak it)",
         description="Loads the artifact the export selected for the batch size the server forms (or --format), "
                     "checks its sha256 and runs it on check.pt before /health reports ready; batches requests "
                     "dynamically; refuses a request that does not fit the export's input contract with a 4xx "
-                    "naming what was expected. Needs the serve extra: pip install 'fx-lightning[serve]'.",
+                    "naming what was expected. Speaks the Open Inference Protocol (KServe v2 REST, JSON and binary "
+                    "tensors) under /v2 too, so Triton's clients and perf_analyzer work unchanged. Needs the serve "
+                    "extra: pip install 'fx-lightning[serve]'.",
     )
     serve.add_argument("directory", help="an export directory (holds manifest.json)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
@@ -36,6 +39,9 @@ def add_parser(sub: Any) -> None:
                        help=f"request body limit in MiB (default {defaults.max_body_mb:g})")
     serve.add_argument("--top-k", type=int, default=defaults.top_k,
                        help=f"labels per row in a response when the export has labels (default {defaults.top_k})")
+    serve.add_argument("--model-name", default=None,
+                       help="the model's name under /v2/models/ (default: the export directory's name, as "
+                            "fx-lightning triton names it)")
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -44,8 +50,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     options = ServeOptions(format=args.format, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
                            workers=args.workers, threads=args.threads, max_request_batch=args.max_request_batch,
-                           max_body_mb=args.max_body_mb, top_k=args.top_k)
+                           max_body_mb=args.max_body_mb, top_k=args.top_k, model_name=args.model_name)
     console.print(f"serving {args.directory} on http://{args.host}:{args.port} (POST /predict, GET /health, "
-                  "GET /info)", markup=False)
+                  "GET /info; Open Inference Protocol under /v2)", markup=False)
     serve(args.directory, options, host=args.host, port=args.port, log_level=args.log_level)
     return 0

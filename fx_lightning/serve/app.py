@@ -1,7 +1,8 @@
 """The LitServe side of :mod:`fx_lightning.serve.server`: the worker's LitAPI (load and self-check the artifact,
 batch, run, split) and the HTTP side's LitSpec (read the body within its limit, decode it against the contract,
-answer 4xx for what does not fit, encode the outputs). Module-level classes: LitServe pickles the LitAPI into
-each worker process. Imported only when a server is built (``litserve`` is an optional extra)."""
+answer 4xx for what does not fit, encode the outputs), for ``/predict`` and for the Open Inference Protocol's
+``/v2`` endpoints (:mod:`fx_lightning.serve.oip`). Module-level classes: LitServe pickles the LitAPI into each
+worker process. Imported only when a server is built (``litserve`` is an optional extra)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,21 @@ from litserve.utils import LitAPIStatus, ResponseBufferItem
 
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import first_line
-from fx_lightning.serve.contract import NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
+from fx_lightning.serve import oip
 from fx_lightning.serve.artifact import SelfCheck, ServeOptions, StatusBoard, load_checked
+from fx_lightning.serve.contract import NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
+from fx_lightning.serve.triton_config import TritonModel, config_json
 
-__all__ = ["ArtifactAPI", "ContractSpec", "make_server"]
+__all__ = ["ArtifactAPI", "ContractSpec", "Ran", "make_server"]
+
+
+@dataclass
+class Ran:
+    """A request's outputs as the worker sends them back, with how long the run that made them took (the whole
+    batch's run when it was batched): the statistics' compute time."""
+
+    outputs: List[np.ndarray]
+    ns: int
 
 @dataclass
 class Batched:
@@ -80,11 +92,16 @@ class ArtifactAPI(ls.LitAPI):
         if self.model is None:
             raise RuntimeError("the artifact failed its self-check (see /health)")
         if not isinstance(x, Batched):
-            return self._run([torch.from_numpy(a) for a in x.arrays])
+            start = time.perf_counter_ns()
+            outputs = self._run([torch.from_numpy(a) for a in x.arrays])
+            return Ran(outputs, time.perf_counter_ns() - start)
         answers: List[Any] = [None] * x.count
         for args, sizes, places in x.groups:
-            for place, rows in zip(places, split_rows(self._run(args), sizes)):
-                answers[place] = rows
+            start = time.perf_counter_ns()
+            outputs = self._run(args)
+            took = time.perf_counter_ns() - start
+            for place, rows in zip(places, split_rows(outputs, sizes)):
+                answers[place] = Ran(rows, took)
         return answers
 
     def _run(self, args: List[torch.Tensor]) -> List[np.ndarray]:
@@ -92,24 +109,37 @@ class ArtifactAPI(ls.LitAPI):
         with torch.no_grad():
             return [t.detach().cpu().numpy() for t in flat_tensors(self.model(*args))]
 
-    def unbatch(self, output: List[List[np.ndarray]]) -> List[List[np.ndarray]]:
+    def unbatch(self, output: List[Ran]) -> List[Ran]:
         return output
 
-    def encode_response(self, output: List[np.ndarray], **kwargs: Any) -> List[np.ndarray]:
+    def encode_response(self, output: Ran, **kwargs: Any) -> Ran:
         return output  # encoded by the HTTP side, which knows what the client accepts
 
 
 class ContractSpec(LitSpec):
-    """``POST /predict`` and ``GET /health`` on the HTTP side."""
+    """``POST /predict``, ``GET /health`` and the Open Inference Protocol's ``/v2`` endpoints on the HTTP side."""
 
-    def __init__(self, contract: Contract, board: StatusBoard, top_k: int) -> None:
+    def __init__(self, contract: Contract, board: StatusBoard, top_k: int, model: TritonModel,
+                 platform: str) -> None:
         super().__init__()
         self.api_path = "/predict"
         self.contract, self.board, self.top_k = contract, board, top_k
+        self.model, self.platform = model, platform
+        self.output_names = output_names(contract)
+        self.stats = oip.Statistics()
 
     def pre_setup(self, lit_api: Any) -> None:
         self.add_endpoint("/predict", self.predict_endpoint, ["POST"])
         self.add_endpoint("/health", self.health_endpoint, ["GET"])
+        self.add_endpoint("/v2", self.server_metadata, ["GET"])
+        self.add_endpoint("/v2/health/live", self.live, ["GET"])
+        self.add_endpoint("/v2/health/ready", self.server_ready, ["GET"])
+        for base in ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{version}"):
+            self.add_endpoint(base, self.model_metadata, ["GET"])
+            self.add_endpoint(base + "/ready", self.model_ready, ["GET"])
+            self.add_endpoint(base + "/config", self.model_config, ["GET"])
+            self.add_endpoint(base + "/stats", self.model_stats, ["GET"])
+            self.add_endpoint(base + "/infer", self.infer_endpoint, ["POST"])
 
     def decode_request(self, request: Any, context_kwargs: Optional[dict] = None) -> Any:
         return request
@@ -129,6 +159,15 @@ class ContractSpec(LitSpec):
         waiting, body = self.not_ready()
         return JSONResponse(body, status_code=503 if waiting else 200)
 
+    async def run(self, decoded: Decoded) -> Tuple[Any, Any]:
+        """The worker's answer to ``decoded``: (response, LitServe's status)."""
+        uid = uuid.uuid4()
+        event = asyncio.Event()
+        self.response_buffer[uid] = ResponseBufferItem(event=event)
+        self.request_queue.put_nowait((self.response_queue_id, uid, time.monotonic(), decoded))
+        await event.wait()
+        return self.response_buffer.pop(uid).response
+
     async def predict_endpoint(self, request: Request) -> Response:
         waiting, status = self.not_ready()
         if waiting:
@@ -140,21 +179,84 @@ class ContractSpec(LitSpec):
                                               dict(request.query_params))
         except BadRequest as exc:
             return error_response(exc.status, exc.message)
-        uid = uuid.uuid4()
-        event = asyncio.Event()
-        self.response_buffer[uid] = ResponseBufferItem(event=event)
-        self.request_queue.put_nowait((self.response_queue_id, uid, time.monotonic(), decoded))
-        await event.wait()
-        response, state = self.response_buffer.pop(uid).response
+        response, state = await self.run(decoded)
         if state == LitAPIStatus.ERROR:
             return error_response(*worker_error(response))
-        return await run_in_threadpool(encode_outputs, response, decoded, self.contract, self.top_k,
+        return await run_in_threadpool(encode_outputs, response.outputs, decoded, self.contract, self.top_k,
                                        npz=NPZ_TYPE in request.headers.get("accept", ""))
+
+    # ------------------------------------------------------------------------- Open Inference Protocol (v2)
+
+    def unknown(self, model_name: str, version: Optional[str]) -> Optional[Response]:
+        """A 404 naming what is served, when the path names another model or version."""
+        if model_name != self.model.name:
+            return error_response(404, f"unknown model {model_name!r}: this server serves {self.model.name!r}")
+        if version not in (None, "", oip.MODEL_VERSION):
+            return error_response(404, f"unknown version {version!r} of model {model_name!r}: it has version "
+                                       f"{oip.MODEL_VERSION}")
+        return None
+
+    async def server_metadata(self) -> Response:
+        return JSONResponse(oip.server_metadata())
+
+    async def live(self) -> Response:
+        return JSONResponse({"live": True})
+
+    async def server_ready(self) -> Response:
+        waiting, _ = self.not_ready()
+        return JSONResponse({"ready": not waiting}, status_code=503 if waiting else 200)
+
+    async def model_metadata(self, model_name: str, version: Optional[str] = None) -> Response:
+        return self.unknown(model_name, version) or JSONResponse(oip.model_metadata(self.model, self.platform))
+
+    async def model_ready(self, model_name: str, version: Optional[str] = None) -> Response:
+        waiting, _ = self.not_ready()
+        return self.unknown(model_name, version) or JSONResponse({"name": model_name, "ready": not waiting},
+                                                                 status_code=503 if waiting else 200)
+
+    async def model_config(self, model_name: str, version: Optional[str] = None) -> Response:
+        return self.unknown(model_name, version) or JSONResponse(config_json(self.model))
+
+    async def model_stats(self, model_name: str, version: Optional[str] = None) -> Response:
+        return self.unknown(model_name, version) or JSONResponse(self.stats.to_dict(self.model.name))
+
+    async def infer_endpoint(self, request: Request, model_name: str, version: Optional[str] = None) -> Response:
+        refused = self.unknown(model_name, version)
+        if refused is not None:
+            return refused
+        arrived = time.perf_counter_ns()
+        waiting, status = self.not_ready()
+        if waiting:
+            return error_response(503, f"not ready: {status['reason']}")
+        try:
+            body = await read_body(request, self.contract.max_body_bytes)
+            infer = await run_in_threadpool(oip.decode_infer, self.contract, body,
+                                            request.headers.get(oip.BINARY_HEADER), self.output_names)
+        except BadRequest as exc:
+            self.stats.record_failure(time.perf_counter_ns() - arrived)
+            return error_response(exc.status, exc.message)
+        decoded_at = time.perf_counter_ns()
+        response, state = await self.run(infer.decoded)
+        ran_at = time.perf_counter_ns()
+        if state == LitAPIStatus.ERROR:
+            self.stats.record_failure(ran_at - arrived)
+            return error_response(*worker_error(response))
+        content, headers = await run_in_threadpool(oip.encode_infer, self.model.name, infer, response.outputs,
+                                                   self.output_names)
+        done = time.perf_counter_ns()
+        self.stats.record(total_ns=done - arrived, decode_ns=decoded_at - arrived, wait_ns=ran_at - decoded_at,
+                          infer_ns=response.ns, encode_ns=done - ran_at, samples=infer.decoded.batch_size)
+        return Response(content, headers=headers, media_type=headers["content-type"])
+
+
+def output_names(contract: Contract) -> List[str]:
+    """The outputs' names: the manifest's (those the Triton repository states too)."""
+    return [o.name for o in contract.outputs]
 
 
 def make_server(root: Path, options: ServeOptions, contract: Contract, board: StatusBoard,
-                info: Dict[str, object]) -> ls.LitServer:
-    api = ArtifactAPI(root, options, board, ContractSpec(contract, board, options.top_k))
+                info: Dict[str, object], model: TritonModel, platform: str) -> ls.LitServer:
+    api = ArtifactAPI(root, options, board, ContractSpec(contract, board, options.top_k, model, platform))
     # LitServe's own health check moves aside: it answers 200 once the worker started, ours once it checked.
     return ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=options.workers,
                         timeout=options.timeout, healthcheck_path="/litserve/health", model_metadata=info)

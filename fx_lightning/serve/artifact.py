@@ -22,6 +22,7 @@ from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.selection import check_saved
 from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
+from fx_lightning.serve.triton_config import MODEL_NAME
 from fx_lightning.rows import with_rows
 
 __all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
@@ -41,6 +42,7 @@ class ServeOptions:
     max_body_mb: float = float(DEFAULT_MAX_BODY_MB)
     top_k: int = 5  # labels per row in a response, when the export has labels
     timeout: float = 30.0  # seconds a request may wait in the queue
+    model_name: Optional[str] = None  # the Open Inference Protocol's model name; None: the export directory's
 
     def check(self) -> None:
         for key, minimum in (("max_batch_size", 1), ("workers", 1), ("max_request_batch", 1), ("top_k", 0)):
@@ -56,6 +58,9 @@ class ServeOptions:
                 raise ConfigError(f"serve {key}: {value!r}; allowed: a number > 0"
                                   + (" (seconds; 0 would make an idle worker poll without pause)"
                                      if key == "batch_timeout" else "") + ".")
+        if self.model_name is not None and not MODEL_NAME.match(self.model_name):
+            raise ConfigError(f"serve model_name: {self.model_name!r}; allowed: letters, digits, '_', '-' and '.', not "
+                              "starting with '.' or '-' (the name a Triton repository would give it).")
         if self.batch_timeout >= self.timeout:
             raise ConfigError(f"serve batch_timeout: {self.batch_timeout!r}; allowed: less than timeout "
                               f"({self.timeout!r} s, how long a request may wait).")

@@ -142,7 +142,7 @@ class Contract:
             return self._from_json(body, top_k)
         if media in (NPY_TYPE, NPZ_TYPE):
             arrays = self._from_numpy(body, media)
-            return self._checked(arrays, top_k)
+            return self.checked(arrays, top_k)
         if media in IMAGE_TYPES:
             return self._from_image(body, media, top_k)
         raise BadRequest(415, f"content type {content_type or '(none)'!r} is not accepted; send "
@@ -194,7 +194,7 @@ class Contract:
                                   f"name, got a JSON {type(given).__name__}")
         arrays = [self._json_array(spec, value) for spec, value in zip(self.inputs, values)]
         top_k = _top_k(data.get("top_k"), "top_k")
-        return self._checked(arrays, query_top_k if top_k is None else top_k)
+        return self.checked(arrays, query_top_k if top_k is None else top_k)
 
     def _json_array(self, spec: InputSpec, value: Any) -> np.ndarray:
         where = f"input {spec.name!r}"
@@ -305,8 +305,9 @@ class Contract:
         sample = hwc if self.preprocess.layout == "NHWC" else hwc.transpose(2, 0, 1)
         return Decoded([np.ascontiguousarray(sample)[None]], single=True, top_k=top_k)
 
-    def _checked(self, arrays: List[np.ndarray], top_k: Optional[int]) -> Decoded:
-        """Rank, shape, batch size and finiteness of each array; one sample gets its batch axis."""
+    def checked(self, arrays: List[np.ndarray], top_k: Optional[int] = None) -> Decoded:
+        """The arrays (one per input, in order) checked: rank, shape, batch size and finiteness of each; one sample
+        gets its batch axis. Raises :class:`BadRequest`."""
         if not self.batched:
             return self._checked_whole(arrays, top_k)
         single = None

@@ -7,7 +7,11 @@ it reports ready. Requests are decoded and checked against the input contract in
 the worker batches what passed (LitServe's dynamic batching), runs the artifact and splits the outputs back.
 
 Endpoints: ``POST /predict``, ``GET /health`` (503 with the reason until the artifact is loaded and has passed its
-self-check), ``GET /info`` (the manifest summary and the contract; LitServe's own endpoint).
+self-check), ``GET /info`` (the manifest summary and the contract; LitServe's own endpoint), and the Open Inference
+Protocol (KServe v2, as Triton speaks it): ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``,
+``/v2/models/{name}[/versions/1]`` with ``/ready``, ``/config``, ``/stats`` and ``POST .../infer`` (JSON and the
+binary tensor extension; :mod:`fx_lightning.serve.oip`). The model's name is the export directory's name unless
+``model_name`` says otherwise: the name ``fx-lightning triton`` gives the repository's model of the same artifact.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import Manifest, read_manifest
 from fx_lightning.serve.artifact import ServeOptions, StatusBoard, artifact_for
 from fx_lightning.serve.contract import Contract
+from fx_lightning.serve.triton_config import TritonModel, contract_model, default_model_name
 
-__all__ = ["ServeOptions", "build_server", "serve", "info_summary", "stop_on_sigterm"]
+__all__ = ["ServeOptions", "build_server", "serve", "info_summary", "served_model", "stop_on_sigterm"]
 
 INSTALL_HINT = "pip install 'fx-lightning[serve]'"
 
@@ -48,6 +53,18 @@ def info_summary(directory: Any, manifest: Manifest, contract: Contract, options
         "versions": manifest.versions,
         "options": dataclasses.asdict(options),
     }
+
+
+def served_model(directory: Any, contract: Contract, options: ServeOptions) -> TritonModel:
+    """The model as the Open Inference Protocol states it (``/v2/models/{name}/config``): named after the export
+    directory (or ``model_name``); it batches where the export has a sample axis, up to ``max_request_batch``
+    samples a request (Triton's ``max_batch_size``: what one request may hold), the server joining requests for up
+    to ``batch_timeout``."""
+    name, _ = artifact_for(read_manifest(directory), options)
+    return contract_model(options.model_name or default_model_name(Path(directory)), contract, name, "fx-lightning",
+                          Path(directory), max_batch_size=options.max_request_batch,
+                          dynamic_batching=options.max_batch_size > 1,
+                          max_queue_delay_us=int(options.batch_timeout * 1e6))
 
 
 def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
@@ -75,7 +92,8 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
     board = StatusBoard(Path(tempfile.mkdtemp(prefix="fxl-serve-")), options.workers)
     from fx_lightning.serve.app import make_server  # imports litserve
 
-    server = make_server(root, options, contract, board, info_summary(root, manifest, contract, options))
+    server = make_server(root, options, contract, board, info_summary(root, manifest, contract, options),
+                         served_model(root, contract, options), f"fx-lightning:{name}")
     server.fxl_status_dir = board.directory  # the workers' status files: serve() removes them at exit
     return server
 

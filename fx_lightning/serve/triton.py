@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -36,9 +35,10 @@ from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import Manifest, TensorSpec, read_manifest, verify_files
-from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
-                                              TritonModel, TritonRepository, TritonTensor, config_text, describe,
-                                              readme_text)
+from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, MODEL_NAME,
+                                              SkippedArtifact,
+                                              TritonModel, TritonRepository, TritonTensor, config_text,
+                                              default_model_name, describe, readme_text)
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
@@ -93,7 +93,7 @@ class TritonOptions:
 
     def check(self) -> None:
         """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
-        if self.name is not None and not _NAME.match(self.name):
+        if self.name is not None and not MODEL_NAME.match(self.name):
             raise ConfigError(f"triton name: {self.name!r}; allowed: letters, digits, '_', '-' and '.', not starting "
                               "with '.' or '-' (it names the model directories).")
         _check_int("max_batch_size", self.max_batch_size, 0, optional=True)
@@ -109,9 +109,6 @@ class TritonOptions:
         if self.formats is not None and not self.formats:
             raise ConfigError("triton formats: []; allowed: manifest entries such as onnx or openvino, or None for "
                               "every one Triton can serve.")
-
-
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def _check_int(key: str, value: object, minimum: int, optional: bool = False) -> None:
@@ -194,7 +191,7 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
                     options: TritonOptions) -> Tuple[List[TritonModel], List[SkippedArtifact]]:
     """The models to write and the entries left out, decided from the verified artifacts; writes nothing."""
     chosen, skipped = _choose_entries(manifest, options.formats)
-    base = options.name or _default_name(root)
+    base = options.name or default_model_name(root)
     models = []
     verified: Set[Tuple[str, ...]] = set()
     for entry_name in chosen:
@@ -240,12 +237,6 @@ def _servable(manifest: Manifest) -> List[str]:
 def _skip_reason(manifest: Manifest, entry_name: str) -> str:
     fmt = manifest.formats[entry_name].format_name or entry_name
     return _NOT_SERVED.get(fmt, f"no Triton backend is written for format {fmt!r}")
-
-
-def _default_name(root: Path) -> str:
-    """The export directory's name, made a valid model name."""
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", root.resolve().name).lstrip(".-")
-    return cleaned or "model"
 
 
 def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEntry, directory: Path,

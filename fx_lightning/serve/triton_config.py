@@ -5,16 +5,18 @@ protobuf) and the repository's README. :mod:`fx_lightning.serve.triton` plans, c
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fx_lightning.dtypes import TRITON_TO_NUMPY, TRITON_TO_V2
+from fx_lightning.dtypes import TORCH_TO_TRITON, TRITON_TO_NUMPY, TRITON_TO_V2
 from fx_lightning.export.manifest import Manifest
+from fx_lightning.serve.contract import Contract
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
-           "config_text", "readme_text", "describe"]
+           "contract_model", "MODEL_NAME", "default_model_name", "config_text", "config_json", "readme_text", "describe"]
 
 # Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
 # batches beyond a few samples add latency and little throughput, and OpenVINO's backend runs every batch padded
@@ -81,6 +83,68 @@ class TritonRepository:
     @property
     def directories(self) -> List[Path]:
         return [m.directory for m in self.models]
+
+
+# What Triton accepts as a model name (it names the model's directory).
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def default_model_name(export_dir: Path) -> str:
+    """The export directory's name, made a valid Triton model name: what the repository and the server call the
+    model unless told otherwise."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", export_dir.resolve().name).lstrip(".-")
+    return cleaned or "model"
+
+
+def contract_model(name: str, contract: Contract, entry: str, backend: str, directory: Path, *,
+                   max_batch_size: int, instances: int = 1, dynamic_batching: bool = True,
+                   preferred_batch_sizes: Sequence[int] = (),
+                   max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US) -> TritonModel:
+    """A model that serves the export's contract as it stands (its input and output names, dtypes and shapes from
+    the manifest): what ``fx-lightning serve`` states at ``/v2/models/{name}/config`` and what the repository's
+    Python-backend models are written with, one record for both. It batches when the export has a sample axis
+    (dim 0 of every input and output) and ``max_batch_size`` > 0; else dims are full shapes (-1: any size)."""
+    batching = contract.batched and max_batch_size > 0
+
+    def tensor(tensor_name: str, dtype: str, shape: Sequence[object]) -> TritonTensor:
+        sizes = tuple(d if isinstance(d, int) else -1 for d in shape)
+        if batching:
+            sizes = sizes[1:]
+        return TritonTensor(tensor_name, TORCH_TO_TRITON[dtype], sizes or (1,), () if not sizes else None)
+
+    inputs = [tensor(s.name, s.dtype, ([None] if contract.batched else []) + list(s.sample_shape))
+              for s in contract.inputs]
+    outputs = [tensor(o.name, str(o.dtype), list(o.shape or [])) for o in contract.outputs]
+    return TritonModel(name=name, entry=entry, backend=backend, directory=directory, files=[],
+                       max_batch_size=max_batch_size if batching else 0, inputs=inputs, outputs=outputs,
+                       instances=instances, dynamic_batching=batching and dynamic_batching,
+                       preferred_batch_sizes=list(preferred_batch_sizes) if batching else [],
+                       max_queue_delay_us=max_queue_delay_us)
+
+
+def config_json(model: TritonModel) -> Dict[str, object]:
+    """The model's config as Triton's ``GET /v2/models/{name}/config`` renders it (JSON of the same ModelConfig
+    :func:`config_text` writes)."""
+
+    def tensor(t: TritonTensor) -> Dict[str, object]:
+        out: Dict[str, object] = {"name": t.name, "data_type": t.data_type, "dims": list(t.dims)}
+        if t.reshape is not None:
+            out["reshape"] = {"shape": list(t.reshape)}
+        if t.label_filename:
+            out["label_filename"] = t.label_filename
+        return out
+
+    config: Dict[str, object] = {
+        "name": model.name, "platform": "", "backend": model.backend, "max_batch_size": model.max_batch_size,
+        "input": [tensor(t) for t in model.inputs], "output": [tensor(t) for t in model.outputs],
+        "instance_group": [{"name": f"{model.name}_0", "kind": "KIND_CPU", "count": model.instances}],
+        "version_policy": {"latest": {"num_versions": 1}},
+        "parameters": {k: {"string_value": v} for k, v in model.parameters.items()},
+    }
+    if model.dynamic_batching:
+        config["dynamic_batching"] = {"preferred_batch_size": list(model.preferred_batch_sizes),
+                                      "max_queue_delay_microseconds": model.max_queue_delay_us}
+    return config
 
 
 def config_text(model: TritonModel) -> str:
