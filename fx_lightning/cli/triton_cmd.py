@@ -12,12 +12,15 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     triton = sub.add_parser(
-        "triton", help="write a Triton Inference Server model repository from an export (ONNX Runtime, OpenVINO)",
+        "triton", help="write a Triton Inference Server model repository from an export (ONNX Runtime, OpenVINO, "
+                       "Python backend)",
         description="Writes OUT/<name>_<format>/config.pbtxt and 1/<the artifact's files> for each artifact Triton "
-                    "can serve (onnx and openvino, and their int8/bf16 variants), with names, data types and dims "
-                    "read off the artifact and checked against the manifest, each file checked against its "
-                    "sha256; plus OUT/README.md on running tritonserver on it. AOTInductor, pt2, graph_module and "
-                    "code artifacts are not written (the reason is printed).",
+                    "can serve: onnx and openvino (and their int8/bf16 variants) on their own backends, with names, "
+                    "data types and dims read off the artifact and checked against the manifest; the export's "
+                    "selection (OUT/<name>: the model fx-lightning serve names so too) and each pt2/aoti artifact on "
+                    "the Python backend, through the export's checked loader. Each file is checked against its "
+                    "sha256; plus OUT/README.md on running tritonserver on it. graph_module and code artifacts are "
+                    "not written (the reason is printed).",
     )
     triton.add_argument("directory", help="an export directory (holds manifest.json)")
     triton.add_argument("out", help="the model repository to write into (created if missing)")
@@ -35,6 +38,8 @@ def add_parser(sub: Any) -> None:
     triton.add_argument("--max-queue-delay-us", type=int, default=DEFAULT_MAX_QUEUE_DELAY_US, metavar="US",
                         help=f"how long the batcher waits for a batch to fill (default {DEFAULT_MAX_QUEUE_DELAY_US})")
     triton.add_argument("--overwrite", action="store_true", help="replace model directories of the same name")
+    triton.add_argument("--no-python", action="store_false", dest="python",
+                        help="write no Python-backend models (the server then needs no torch or fx-lightning)")
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -44,7 +49,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         args.directory, args.out, name=args.name, formats=args.formats, max_batch_size=args.max_batch_size,
         instances=args.instances, dynamic_batching=args.dynamic_batching,
         preferred_batch_sizes=args.preferred_batch_sizes, max_queue_delay_us=args.max_queue_delay_us,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, python=args.python,
     )
     for line in describe(repository):
         console.print(line, markup=False, soft_wrap=True)

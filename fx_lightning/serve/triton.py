@@ -7,11 +7,15 @@ artifact's files, copied byte for byte, in version ``1/``:
 - ``openvino`` and its variants (``openvino-int8``, ``openvino-bf16``): the OpenVINO backend, ``1/model.xml`` +
   ``1/model.bin`` (``openvino-bf16`` is the fp32 IR with the backend's ``HINT_BF16``).
 
-AOTInductor (``aoti``, ``*.pt2``) is not written: Triton's PyTorch backend loads such packages only as
-``platform: "torch_aoti"``, a beta of Triton 26.03 and later that serves batch size 1 only, and a package runs
-only under the torch version and CPU instruction set it was built with, which the server's libtorch need not be.
-``pt2`` (a torch.export program), ``graph_module`` (a pickle, not TorchScript) and ``code`` (Python source) are
-not files any Triton backend loads. Each is listed in :attr:`TritonRepository.skipped` with its reason.
+- the export's selection (``OUT/<name>/``, the name ``fx-lightning serve`` gives the model) and each ``pt2`` and
+  ``aoti`` artifact and variant: Triton's Python backend, through the export's own checked loader
+  (:mod:`fx_lightning.serve.triton_python`; ``python=False`` leaves them out).
+
+Triton's PyTorch backend is not used: it loads AOTInductor packages only as ``platform: "torch_aoti"``, a beta of
+Triton 26.03 and later that serves batch size 1 only, and a package runs only under the torch version and CPU
+instruction set it was built with, which the server's libtorch need not be; it does not load torch.export
+programs at all. ``graph_module`` (a pickle) and ``code`` (Python source) are not written. Each artifact left out
+is listed in :attr:`TritonRepository.skipped` with its reason.
 
 The config is read off the artifact itself (``onnx.load``, ``openvino.Core().read_model``), not copied from the
 manifest, and checked against the manifest before anything is written, so a config that names a tensor the model
@@ -34,11 +38,12 @@ from fx_lightning.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRI
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.export.files import sha256_file
-from fx_lightning.export.manifest import Manifest, TensorSpec, read_manifest, verify_files
+from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, read_manifest, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, MODEL_NAME,
                                               SkippedArtifact,
                                               TritonModel, TritonRepository, TritonTensor, config_text,
                                               default_model_name, describe, readme_text)
+from fx_lightning.serve.triton_python import ENTRY_PARAMETER, MODEL_PY, PYTHON_FORMATS, python_copies, python_model
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
@@ -66,12 +71,10 @@ VERSION = "1"  # the model version directory every model's files go in
 
 # Why the formats Triton cannot serve from an fx-lightning export are not written.
 _NOT_SERVED: Dict[str, str] = {
-    "aoti": "AOTInductor packages load only in Triton's PyTorch backend as platform \"torch_aoti\", a beta "
-            "(Triton 26.03 and later) that serves batch size 1 only, and a package runs only under the torch version "
-            "and CPU instruction set it was built with, which the server's libtorch need not match; serve the onnx or "
-            "openvino artifact instead",
-    "pt2": "a torch.export program (.pt2) is not a file Triton's PyTorch backend loads (it takes TorchScript model.pt "
-           "or, in beta, AOTInductor packages)",
+    "aoti": "python=False: AOTInductor packages are served by the Python-backend model only (Triton's PyTorch "
+            "backend loads them as platform \"torch_aoti\", a beta that serves batch size 1 only)",
+    "pt2": "python=False: a torch.export program (.pt2) is served by the Python-backend model only (Triton's "
+           "PyTorch backend does not load it)",
     "graph_module": "a pickled GraphModule is not TorchScript, which is what Triton's PyTorch backend loads, and "
                     "it holds pickled code",
     "code": "Python source needs Triton's Python backend and a model.py written for it",
@@ -90,6 +93,7 @@ class TritonOptions:
     preferred_batch_sizes: Optional[List[int]] = None  # None: Triton's default (the largest batch it can form)
     max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US
     overwrite: bool = False  # replace a model directory of the same name in OUT
+    python: bool = True  # also Python-backend models: the selection (named NAME) and each pt2/aoti artifact
 
     def check(self) -> None:
         """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
@@ -155,6 +159,7 @@ def write_triton_repository(
     preferred_batch_sizes: Optional[Sequence[int]] = None,
     max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US,
     overwrite: bool = False,
+    python: bool = True,
 ) -> TritonRepository:
     """Write a Triton model repository in ``out_dir`` from the export in ``export_dir``; returns what was written.
 
@@ -162,14 +167,16 @@ def write_triton_repository(
     dynamic-batch artifacts (default 8; 0: Triton does not batch, dims are full shapes); an artifact built for
     fixed batch sizes gets 0 (a value > 0 is refused). ``instances``: CPU instances of each model.
     ``dynamic_batching``, ``preferred_batch_sizes``, ``max_queue_delay_us``: Triton's dynamic batcher, written
-    only for a model that batches. ``overwrite``: replace model directories of the same names.
+    only for a model that batches. ``overwrite``: replace model directories of the same names. ``python``: also
+    Python-backend models (:mod:`fx_lightning.serve.triton_python`): ``NAME`` serving the export's selection as
+    ``fx-lightning serve`` does, and ``NAME_<entry>`` for each pt2/aoti artifact and variant.
 
     Raises :class:`ConfigError` for a bad option (naming it, the value and what is allowed) and
     :class:`ExportError` when the export is not one Triton can serve or a file does not match the manifest
     (nothing is written then)."""
     options = TritonOptions(name, list(formats) if formats is not None else None, max_batch_size, instances,
                             dynamic_batching, list(preferred_batch_sizes) if preferred_batch_sizes else None,
-                            max_queue_delay_us, overwrite)
+                            max_queue_delay_us, overwrite, python)
     options.check()
     root, out = Path(export_dir), Path(out_dir)
     manifest = read_manifest(root)
@@ -190,9 +197,10 @@ def write_triton_repository(
 def plan_repository(root: Path, manifest: Manifest, out: Path,
                     options: TritonOptions) -> Tuple[List[TritonModel], List[SkippedArtifact]]:
     """The models to write and the entries left out, decided from the verified artifacts; writes nothing."""
-    chosen, skipped = _choose_entries(manifest, options.formats)
+    chosen, skipped = _choose_entries(manifest, options.formats, options.python)
     base = options.name or default_model_name(root)
-    models = []
+    models = [_python_model(base, manifest, None, out / base, options)] if options.python and options.formats is None \
+        else []
     verified: Set[Tuple[str, ...]] = set()
     for entry_name in chosen:
         entry = manifest.formats[entry_name]
@@ -200,7 +208,10 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
             verify_files(root, manifest, entry_name)  # before the artifact is read, let alone copied
             verified.add(tuple(entry.files))
         try:
-            models.append(_plan_model(root, manifest, entry_name, entry, out / f"{base}_{entry_name}", options))
+            directory = out / f"{base}_{entry_name}"
+            models.append(_plan_model(root, manifest, entry_name, entry, directory, options)
+                          if (entry.format_name or entry_name) in _BACKENDS
+                          else _python_model(f"{base}_{entry_name}", manifest, entry_name, directory, options))
         except NotServable as exc:
             if options.formats is not None:  # asked for by name: refused, not skipped
                 raise ExportError(f"{root}: {entry_name} cannot be served by Triton: {exc}.") from None
@@ -214,10 +225,22 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
     return models, skipped
 
 
-def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]]) -> Tuple[List[str], List[SkippedArtifact]]:
+def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path,
+                  options: TritonOptions) -> TritonModel:
+    batched = manifest.call_signature().batched
+    max_batch = options.max_batch_size if options.max_batch_size is not None else (
+        DEFAULT_MAX_BATCH_SIZE if batched else 0)
+    return python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
+                        dynamic_batching=options.dynamic_batching,
+                        preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
+                        max_queue_delay_us=options.max_queue_delay_us)
+
+
+def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]],
+                    python: bool) -> Tuple[List[str], List[SkippedArtifact]]:
     """The entries to write (in manifest order) and those skipped with the reason; a named entry that is not in
     the export, or not servable, is refused."""
-    servable = _servable(manifest)
+    servable = _servable(manifest, python)
     if wanted is not None:
         for name in wanted:
             if name not in manifest.formats:
@@ -230,8 +253,9 @@ def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]]) -> Tupl
     return servable, [SkippedArtifact(n, _skip_reason(manifest, n)) for n in manifest.formats if n not in servable]
 
 
-def _servable(manifest: Manifest) -> List[str]:
-    return [n for n, e in manifest.formats.items() if (e.format_name or n) in _BACKENDS]
+def _servable(manifest: Manifest, python: bool) -> List[str]:
+    formats = set(_BACKENDS) | (set(PYTHON_FORMATS) if python else set())
+    return [n for n, e in manifest.formats.items() if (e.format_name or n) in formats]
 
 
 def _skip_reason(manifest: Manifest, entry_name: str) -> str:
@@ -493,7 +517,15 @@ def _write_model(root: Path, manifest: Manifest, model: TritonModel) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{model.name}.", dir=parent))
     try:
         version = staging / VERSION
-        for export_name, name in zip(manifest.formats[model.entry].files, model.files):
+        if model.backend == "python":
+            copies = python_copies(manifest, model.parameters.get(ENTRY_PARAMETER))
+            pairs = [(name, f"export/{name}") for name in copies]
+            (version / "export").mkdir(parents=True)
+            shutil.copyfile(root / MANIFEST_NAME, version / "export" / MANIFEST_NAME)
+            (version / "model.py").write_text(MODEL_PY, encoding="utf-8")
+        else:
+            pairs = list(zip(manifest.formats[model.entry].files, model.files))
+        for export_name, name in pairs:
             _copy_checked(root / export_name, version / name, manifest.files[export_name].sha256)
         if model.labels:
             (staging / "labels.txt").write_text("\n".join(model.labels) + "\n", encoding="utf-8")

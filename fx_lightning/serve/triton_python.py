@@ -1,0 +1,141 @@
+"""Python-backend models of a Triton repository: any artifact of an export (``aoti``, ``pt2``, their variants, the
+export's selection) served by Triton's Python backend through the export's own checked loader, the same one
+``fx-lightning serve`` runs (sha256 of every file, then the artifact on ``check.pt`` before the model reports
+ready; a failing self-check fails the model's load).
+
+Each such model's version directory holds ``model.py`` (:data:`MODEL_PY`: it delegates to :class:`ExportRunner`)
+and ``export/``: the manifest, ``check.pt`` and the artifact's files (the whole export for the selection, whose
+artifact is picked on the serving machine as ``load_fused`` picks it). Tensors cross between Triton and torch by
+DLPack, never through numpy (with numpy 2 the Python backend's numpy path returned another input's data). The
+server's Python environment needs torch and fx-lightning (what trained the model, or ``pip install fx-lightning``
+with the extras of the artifact's format); Triton's Python backend runs the stub of that Python version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from fx_lightning.errors import ExportError
+from fx_lightning.export.manifest import MANIFEST_NAME, Manifest
+from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
+from fx_lightning.serve.contract import Contract
+from fx_lightning.serve.triton_config import TritonModel, contract_model
+
+__all__ = ["MODEL_PY", "ENTRY_PARAMETER", "PYTHON_FORMATS", "ExportRunner", "python_model", "python_copies"]
+
+ENTRY_PARAMETER = "fx_lightning_entry"  # the config parameter naming the artifact; absent: the export's selection
+# The formats a Python-backend model is written for (besides the selection): those no native backend serves whose
+# loader runs no pickled code (graph_module is a pickle, code is Python source: load them yourself if you trust them).
+PYTHON_FORMATS = ("pt2", "aoti")
+
+MODEL_PY = '''"""Triton Python-backend model written by fx-lightning: serves the export in ./export with its checked loader."""
+
+import json
+import os
+
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import from_dlpack, to_dlpack
+
+from fx_lightning.serve.triton_python import ENTRY_PARAMETER, ExportRunner
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        folder = os.path.join(args["model_repository"], args["model_version"], "export")
+        self.runner = ExportRunner(folder, parameters.get(ENTRY_PARAMETER), int(config.get("max_batch_size", 0)))
+
+    def execute(self, requests):
+        calls = [[from_dlpack(pb_utils.get_input_tensor_by_name(r, name).to_dlpack())
+                  for name in self.runner.input_names] for r in requests]
+        try:
+            answers = self.runner.run(calls)
+        except Exception as exc:  # every request of the batch gets the error, and the model keeps serving
+            return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{type(exc).__name__}: {exc}"))
+                    for _ in requests]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(name, to_dlpack(t.contiguous()))
+                                            for name, t in zip(self.runner.output_names, outputs)])
+                for outputs in answers]
+'''
+
+
+class ExportRunner:
+    """The artifact ``entry`` of the export in ``folder`` (None: the export's selection for ``max_batch_size``),
+    loaded and self-checked; runs the requests Triton hands over, joining those of one shape along the sample axis
+    when the model batches (``max_batch_size`` > 0)."""
+
+    def __init__(self, folder: Any, entry: Optional[str], max_batch_size: int) -> None:
+        from fx_lightning.export.manifest import read_manifest
+
+        manifest = read_manifest(folder)
+        contract = Contract.of(manifest)
+        self.batched = contract.batched and max_batch_size > 0
+        self.module, self.status = load_checked(folder, ServeOptions(format=entry or None,
+                                                                     max_batch_size=max(1, max_batch_size)))
+        self.input_names = [s.name for s in contract.inputs]
+        self.output_names = [o.name for o in contract.outputs]
+
+    def run(self, calls: Sequence[Sequence[torch.Tensor]]) -> List[List[torch.Tensor]]:
+        """Each call's outputs (one tensor per output, in order)."""
+        with torch.no_grad():
+            if not self.batched:
+                return [self._outputs(call) for call in calls]
+            groups: Dict[Tuple[Tuple[int, ...], ...], List[int]] = {}
+            for i, call in enumerate(calls):
+                groups.setdefault(tuple(tuple(t.shape[1:]) for t in call), []).append(i)
+            answers: List[List[torch.Tensor]] = [[] for _ in calls]
+            for places in groups.values():
+                joined = [torch.cat([calls[i][k] for i in places]) for k in range(len(self.input_names))]
+                outputs = self._outputs(joined)
+                start = 0
+                for i in places:
+                    rows = int(calls[i][0].shape[0])
+                    answers[i] = [o[start:start + rows] for o in outputs]
+                    start += rows
+            return answers
+
+    def _outputs(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        out = self.module(*args)
+        flat = list(out) if isinstance(out, (list, tuple)) else [out]
+        if len(flat) != len(self.output_names) or not all(isinstance(t, torch.Tensor) for t in flat):
+            raise ExportError(f"the artifact returned {len(flat)} outputs, the export names {self.output_names}")
+        return flat
+
+
+def python_copies(manifest: Manifest, entry: Optional[str]) -> List[str]:
+    """The export's files a Python-backend model copies into ``export/``: the artifact's files and ``check.pt``
+    (every file for the selection: its artifact is picked on the serving machine)."""
+    if entry is None:
+        return sorted(manifest.files)
+    files = list(manifest.formats[entry].files)
+    if manifest.check is not None:
+        files.append(manifest.check.path)
+    return files
+
+
+def python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path, *, max_batch_size: int,
+                 instances: int, dynamic_batching: bool, preferred_batch_sizes: Sequence[int],
+                 max_queue_delay_us: int) -> TritonModel:
+    """A Python-backend model of artifact ``entry`` (None: the export's selection), stated from the export's
+    contract exactly as ``fx-lightning serve`` states it (the record :func:`contract_model` makes for both)."""
+    try:
+        contract = Contract.of(manifest)
+    except ValueError as exc:
+        raise ExportError(f"the Python backend cannot serve this export: {exc}") from None
+    chosen = entry or artifact_for(manifest, ServeOptions(max_batch_size=max(1, max_batch_size)))[0]
+    model = contract_model(name, contract, entry or chosen, "python", directory, max_batch_size=max_batch_size,
+                           instances=instances, dynamic_batching=dynamic_batching,
+                           preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us)
+    model.files = ["model.py", f"export/{MANIFEST_NAME}"] + [f"export/{f}" for f in python_copies(manifest, entry)]
+    if entry is not None:
+        model.parameters[ENTRY_PARAMETER] = entry
+    else:
+        model.notes.append(f"serves the export's selection ({chosen} on this machine), picked again on the server's")
+    if max_batch_size > 0 and not contract.batched:
+        model.notes.append("max_batch_size 0 (dims are full shapes): the export has no sample axis on dim 0 of "
+                           "every input and output")
+    return model
