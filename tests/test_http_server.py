@@ -524,5 +524,6 @@ def test_batched_requests_whose_sizes_vary_off_the_sample_axis_run_in_groups_of_
     assert len(answers) == len(requests)
     for x, answer in zip(requests, answers):
         want = reference_fp64(model, x)
-        assert len(answer) == 1 and answer[0].shape == (x.shape[0], 3)
-        assert rel_err(torch.from_numpy(answer[0]), want) < 1e-5
+        assert len(answer.outputs) == 1 and answer.outputs[0].shape == (x.shape[0], 3)
+        assert rel_err(torch.from_numpy(answer.outputs[0]), want) < 1e-5
+        assert answer.ns > 0  # the run's time, for the Open Inference Protocol's statistics

@@ -156,8 +156,9 @@ def written(two_io, static, variants) -> List[Dict[str, Any]]:
     return [two_io, static, variants]
 
 
-def _models(written: List[Dict[str, Any]]) -> List[Any]:
-    return [(w, m) for w in written for m in w["repository"].models]
+def _models(written: List[Dict[str, Any]], python: bool = False) -> List[Any]:
+    """(fixture, model) of every native-backend model, or (``python``) every Python-backend one."""
+    return [(w, m) for w in written for m in w["repository"].models if (m.backend == "python") == python]
 
 
 # --- the configs are Triton's and state the artifacts ------------------------------------------------------------
@@ -166,10 +167,15 @@ def _models(written: List[Dict[str, Any]]) -> List[Any]:
 def test_every_config_parses_with_tritons_model_config(written):
     models = _models(written)
     assert len(models) == 2 + 2 + 5
-    for _, model in models:
+    # The Python backend: each export's selection, and two_io's pt2.
+    python = _models(written, python=True)
+    assert sorted(m.name for _, m in python) == ["exp", "exp", "exp_pt2", "fixed"]
+    assert [m.selection for _, m in python] == [m.name in ("exp", "fixed") for _, m in python]
+    for _, model in models + python:
         cfg = parse_config(model.directory)
         assert cfg.name == model.directory.name
-        assert cfg.backend == {"onnx": "onnxruntime", "openvino": "openvino"}[model.entry.split("-")[0]]
+        assert cfg.backend == {"onnx": "onnxruntime", "openvino": "openvino"}.get(model.entry.split("-")[0], "python") \
+            if model.backend != "python" else cfg.backend == "python"
         assert [(g.kind, g.count) for g in cfg.instance_group] == [(PB.ModelInstanceGroup.KIND_CPU, 1)]
         assert cfg.dynamic_batching.max_queue_delay_microseconds == (100 if cfg.max_batch_size else 0)
     # The parser refuses what Triton would: this check can fail.
@@ -219,15 +225,28 @@ def test_the_configs_state_the_openvino_irs_names_types_and_shapes(written):
     assert checked == 5
 
 
+def _copied(model: Any) -> List[str]:
+    return sorted(p.relative_to(model.directory / "1").as_posix() for p in (model.directory / "1").rglob("*")
+                  if p.is_file())
+
+
 def test_the_copied_files_are_the_manifests(written):
     for w, model in _models(written):
         manifest = w["manifest"]
         entry = manifest.formats[model.entry]
-        copied = sorted(p.relative_to(model.directory / "1").as_posix()
-                        for p in (model.directory / "1").rglob("*") if p.is_file())
-        assert copied == sorted(Path(f).name for f in entry.files)
+        assert _copied(model) == sorted(Path(f).name for f in entry.files)
         for name in entry.files:
             digest = hashlib.sha256((model.directory / "1" / Path(name).name).read_bytes()).hexdigest()
+            assert digest == manifest.files[name].sha256, (model.name, name)
+    # A Python-backend model: model.py and, under export/, the manifest, check.pt and its artifact (all for the
+    # selection), byte for byte.
+    for w, model in _models(written, python=True):
+        manifest = w["manifest"]
+        exported = sorted(manifest.files) if model.selection else sorted(
+            [*manifest.formats[model.entry].files, manifest.check.path])
+        assert _copied(model) == sorted(["model.py", "export/manifest.json", *[f"export/{f}" for f in exported]])
+        for name in exported:
+            digest = hashlib.sha256((model.directory / "1" / "export" / name).read_bytes()).hexdigest()
             assert digest == manifest.files[name].sha256, (model.name, name)
 
 
@@ -247,7 +266,7 @@ def test_two_inputs_two_outputs_and_a_uint8_input(two_io):
 
 
 def test_a_fixed_batch_export_gets_max_batch_size_0_and_full_dims(static, tmp_path):
-    for model in static["repository"].models:
+    for _, model in _models([static]):
         cfg = parse_config(model.directory)
         assert cfg.max_batch_size == 0
         assert [list(t.dims) for t in cfg.input] == [[4, 3, 8, 8]]
@@ -255,6 +274,11 @@ def test_a_fixed_batch_export_gets_max_batch_size_0_and_full_dims(static, tmp_pa
         assert not cfg.HasField("dynamic_batching")
         assert "ENABLE_BATCH_PADDING" not in cfg.parameters
         assert any("export.dynamic_batch: false" in n and "batch size 4 only" in n for n in model.notes)
+    # The Python backend runs it through the export's loader, which cuts and pads along the proven sample axis
+    # (as fx-lightning serve does): it batches.
+    (_, selection), = _models([static], python=True)
+    cfg = parse_config(selection.directory)
+    assert cfg.max_batch_size == 8 and [list(t.dims) for t in cfg.input] == [[3, 8, 8]]
     with pytest.raises(ConfigError, match=r"max_batch_size: 8.*allowed: 0"):
         write_triton_repository(static["dir"], tmp_path / "repo", max_batch_size=8)
     assert not (tmp_path / "repo").exists()
@@ -268,7 +292,7 @@ def test_the_export_labels_become_the_first_outputs_label_file(static):
 
 
 def test_lossy_variants_are_models_of_their_own(variants):
-    models = {m.entry: m for m in variants["repository"].models}
+    models = {m.entry: m for _, m in _models([variants])}
     assert set(models) == {"onnx", "onnx-int8", "openvino", "openvino-int8", "openvino-bf16"}
     bf16 = parse_config(models["openvino-bf16"].directory)
     assert bf16.parameters["HINT_BF16"].string_value == "YES"
@@ -279,14 +303,18 @@ def test_lossy_variants_are_models_of_their_own(variants):
     assert list(top.dims) == [1] and list(top.reshape.shape) == []  # Triton wants a dim; the model sees [batch]
 
 
-def test_aoti_and_pt2_are_not_written_and_the_reason_is_given(two_io, tmp_path):
-    skipped = {s.entry: s.reason for s in two_io["repository"].skipped}
-    assert set(skipped) == {"pt2"} and "TorchScript" in skipped["pt2"]
-    readme = (two_io["out"] / "README.md").read_text()
+def test_pt2_is_served_by_the_python_backend_and_without_it_not_written_with_the_reason(two_io, tmp_path):
+    assert two_io["repository"].skipped == []
+    pt2 = parse_config(two_io["out"] / "exp_pt2")
+    assert pt2.backend == "python" and pt2.parameters["fx_lightning_entry"].string_value == "pt2"
+    without = write_triton_repository(two_io["dir"], tmp_path / "repo", python=False)
+    skipped = {s.entry: s.reason for s in without.skipped}
+    assert set(skipped) == {"pt2"} and "python=False" in skipped["pt2"]
+    readme = (tmp_path / "repo" / "README.md").read_text()
     assert "## Not written" in readme and "`pt2`" in readme
-    assert not (two_io["out"] / "exp_pt2").exists()
+    assert not (tmp_path / "repo" / "exp_pt2").exists() and not (tmp_path / "repo" / "exp").exists()
     with pytest.raises(ConfigError, match=r"formats: 'pt2' cannot be served.*allowed: onnx, openvino"):
-        write_triton_repository(two_io["dir"], tmp_path / "repo", formats=["pt2"])
+        write_triton_repository(two_io["dir"], tmp_path / "repo2", formats=["pt2"], python=False)
 
 
 def test_the_readme_says_how_to_run_and_query_each_model(two_io):
@@ -343,7 +371,8 @@ class WithScalar(nn.Module):
 def test_a_scalar_output_is_refused_since_triton_cannot_state_it(tmp_path):
     outcome = fuse_and_export(WithScalar().eval(), tmp_path / "exp", example_inputs=torch.randn(4, 5),
                               config=_config([ExportFormat.onnx]))
-    with pytest.raises(ExportError, match=r"nothing Triton can serve: onnx: 'output_1' is a scalar"):
+    with pytest.raises(ExportError, match=r"nothing Triton can serve: .*selection.*'output_1' is a scalar.*"
+                                          r"onnx: 'output_1' is a scalar"):
         write_triton_repository(outcome.export_dir, tmp_path / "repo")
     with pytest.raises(ExportError, match=r"onnx cannot be served by Triton: 'output_1' is a scalar"):
         write_triton_repository(outcome.export_dir, tmp_path / "repo", formats=["onnx"])
@@ -400,7 +429,7 @@ def test_the_cli_subcommand_writes_the_repository(two_io, tmp_path, capsys):
                                                        ("variants", "onnx-int8", 0.1)])
 def test_the_copied_onnx_model_runs_batches_of_3_as_its_config_states(request, fixture, entry, tolerance):
     w = request.getfixturevalue(fixture)
-    model = next(m for m in w["repository"].models if m.entry == entry)
+    model = next(m for _, m in _models([w]) if m.entry == entry)
     cfg = parse_config(model.directory)
     check = read_check_file(w["dir"])
     assert check is not None
@@ -422,5 +451,5 @@ def test_the_copied_onnx_model_runs_batches_of_3_as_its_config_states(request, f
 
 def test_the_result_lists_the_written_directories(two_io):
     repository: TritonRepository = two_io["repository"]
-    assert repository.directories == [two_io["out"] / "exp_onnx", two_io["out"] / "exp_openvino"]
+    assert repository.directories == [two_io["out"] / name for name in ("exp", "exp_onnx", "exp_openvino", "exp_pt2")]
     assert repository.readme == two_io["out"] / "README.md"

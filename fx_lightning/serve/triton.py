@@ -199,8 +199,12 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
     """The models to write and the entries left out, decided from the verified artifacts; writes nothing."""
     chosen, skipped = _choose_entries(manifest, options.formats, options.python)
     base = options.name or default_model_name(root)
-    models = [_python_model(base, manifest, None, out / base, options)] if options.python and options.formats is None \
-        else []
+    models: List[TritonModel] = []
+    if options.python and options.formats is None:
+        try:
+            models.append(_python_model(base, manifest, None, out / base, options))
+        except NotServable as exc:
+            skipped.append(SkippedArtifact("the selection (Python backend)", str(exc)))
     verified: Set[Tuple[str, ...]] = set()
     for entry_name in chosen:
         entry = manifest.formats[entry_name]
@@ -230,10 +234,16 @@ def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory
     batched = manifest.call_signature().batched
     max_batch = options.max_batch_size if options.max_batch_size is not None else (
         DEFAULT_MAX_BATCH_SIZE if batched else 0)
-    return python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
-                        dynamic_batching=options.dynamic_batching,
-                        preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
-                        max_queue_delay_us=options.max_queue_delay_us)
+    model = python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
+                         dynamic_batching=options.dynamic_batching,
+                         preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
+                         max_queue_delay_us=options.max_queue_delay_us)
+    scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]
+    if model.max_batch_size == 0 and scalar:
+        raise NotServable(f"{scalar[0]!r} is a scalar (no axes), which a Triton model that does not batch cannot "
+                          "state; return it with a batch axis")
+    _attach_labels(model, manifest.labels)
+    return model
 
 
 def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]],
@@ -290,6 +300,10 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     if backend.name == "openvino":
         model.parameters, notes = _openvino_parameters(entry, batching)
         model.notes.extend(notes)
+    scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]
+    if model.max_batch_size == 0 and scalar:
+        raise NotServable(f"{scalar[0]!r} is a scalar (no axes), which a Triton model that does not batch cannot "
+                          "state; return it with a batch axis")
     _attach_labels(model, manifest.labels)
     return model
 

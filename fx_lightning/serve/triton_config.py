@@ -61,6 +61,7 @@ class TritonModel:
     parameters: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)  # decisions a user should know (no batching, padding, precision)
     labels: List[str] = field(default_factory=list)  # written to labels.txt, named by the first output
+    selection: bool = False  # serves the export's selection (``entry`` is what this machine picks), not one entry
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ def readme_text(models: Sequence[TritonModel], skipped: Sequence[SkippedArtifact
 def _model_readme(model: TritonModel, manifest: Manifest) -> List[str]:
     batch = (f"batches of up to {model.max_batch_size} (Triton's dynamic batcher joins requests)"
              if model.max_batch_size else "no batching by Triton: each request holds the model's full shape")
-    lines = [f"## `{model.name}`", "", f"`{model.entry}` of the export, {model.backend} backend, {batch}.", ""]
+    what = f"the export's selection (`{model.entry}` here)" if model.selection else f"`{model.entry}` of the export"
+    lines = [f"## `{model.name}`", "", f"{what}, {model.backend} backend, {batch}.", ""]
     lines += ["| | name | type | shape per request | export's name |", "|---|---|---|---|---|"]
     for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
         for t in tensors:
@@ -292,7 +294,8 @@ def _numpy_type(data_type: str) -> str:
 
 def describe(repository: TritonRepository) -> List[str]:
     """One line per model written and per entry skipped, for the command line."""
-    lines = [f"{m.directory}: {m.entry} on the {m.backend} backend, max_batch_size {m.max_batch_size}"
+    lines = [f"{m.directory}: {'the selection, ' if m.selection else ''}{m.entry} on the {m.backend} backend, "
+             f"max_batch_size {m.max_batch_size}"
              + "".join(f"\n  note: {n}" for n in m.notes) for m in repository.models]
     lines += [f"not written: {s.entry}: {s.reason}" for s in repository.skipped]
     if repository.readme is not None:

@@ -134,6 +134,7 @@ def python_model(name: str, manifest: Manifest, entry: Optional[str], directory:
     if entry is not None:
         model.parameters[ENTRY_PARAMETER] = entry
     else:
+        model.selection = True
         model.notes.append(f"serves the export's selection ({chosen} on this machine), picked again on the server's")
     if max_batch_size > 0 and not contract.batched:
         model.notes.append("max_batch_size 0 (dims are full shapes): the export has no sample axis on dim 0 of "
