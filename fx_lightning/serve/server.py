@@ -85,6 +85,7 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
     try:
         contract = Contract.of(manifest, max_request_batch=options.max_request_batch,
                                max_body_bytes=options.max_body_bytes)
+        model = served_model(root, contract, options)
     except ValueError as exc:
         raise ExportError(f"{root}: cannot be served: {exc}.") from None
     if not contract.batched:  # no sample axis to batch requests along: each runs whole, alone
@@ -93,7 +94,7 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
     from fx_lightning.serve.app import make_server  # imports litserve
 
     server = make_server(root, options, contract, board, info_summary(root, manifest, contract, options),
-                         served_model(root, contract, options), f"fx-lightning:{name}")
+                         model, f"fx-lightning:{name}")
     server.fxl_status_dir = board.directory  # the workers' status files: serve() removes them at exit
     return server
 

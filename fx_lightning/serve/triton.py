@@ -234,10 +234,13 @@ def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory
     batched = manifest.call_signature().batched
     max_batch = options.max_batch_size if options.max_batch_size is not None else (
         DEFAULT_MAX_BATCH_SIZE if batched else 0)
-    model = python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
-                         dynamic_batching=options.dynamic_batching,
-                         preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
-                         max_queue_delay_us=options.max_queue_delay_us)
+    try:
+        model = python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
+                             dynamic_batching=options.dynamic_batching,
+                             preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
+                             max_queue_delay_us=options.max_queue_delay_us)
+    except ExportError as exc:  # what the contract cannot state: skipped like any other artifact Triton cannot take
+        raise NotServable(str(exc)) from None
     scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]
     if model.max_batch_size == 0 and scalar:
         raise NotServable(f"{scalar[0]!r} is a scalar (no axes), which a Triton model that does not batch cannot "

@@ -104,10 +104,13 @@ def contract_model(name: str, contract: Contract, entry: str, backend: str, dire
     """A model that serves the export's contract as it stands (its input and output names, dtypes and shapes from
     the manifest): what ``fx-lightning serve`` states at ``/v2/models/{name}/config`` and what the repository's
     Python-backend models are written with, one record for both. It batches when the export has a sample axis
-    (dim 0 of every input and output) and ``max_batch_size`` > 0; else dims are full shapes (-1: any size)."""
+    (dim 0 of every input and output) and ``max_batch_size`` > 0; else dims are full shapes (-1: any size). Raises
+    ValueError for a tensor whose dtype Triton has no data type for."""
     batching = contract.batched and max_batch_size > 0
 
     def tensor(tensor_name: str, dtype: str, shape: Sequence[object]) -> TritonTensor:
+        if dtype not in TORCH_TO_TRITON:
+            raise ValueError(f"{tensor_name!r} has dtype {dtype}, which Triton has no data type for")
         sizes = tuple(d if isinstance(d, int) else -1 for d in shape)
         if batching:
             sizes = sizes[1:]

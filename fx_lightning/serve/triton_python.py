@@ -127,9 +127,12 @@ def python_model(name: str, manifest: Manifest, entry: Optional[str], directory:
     except ValueError as exc:
         raise ExportError(f"the Python backend cannot serve this export: {exc}") from None
     chosen = entry or artifact_for(manifest, ServeOptions(max_batch_size=max(1, max_batch_size)))[0]
-    model = contract_model(name, contract, entry or chosen, "python", directory, max_batch_size=max_batch_size,
-                           instances=instances, dynamic_batching=dynamic_batching,
-                           preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us)
+    try:
+        model = contract_model(name, contract, entry or chosen, "python", directory, max_batch_size=max_batch_size,
+                               instances=instances, dynamic_batching=dynamic_batching,
+                               preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us)
+    except ValueError as exc:
+        raise ExportError(f"the Python backend cannot serve this export: {exc}") from None
     model.files = ["model.py", f"export/{MANIFEST_NAME}"] + [f"export/{f}" for f in python_copies(manifest, entry)]
     if entry is not None:
         model.parameters[ENTRY_PARAMETER] = entry
