@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 RESULTS = HERE / "results"
 MAX_BATCH, BATCH_TIMEOUT = 8, 0.005
 THREADS = 2
-NAME = "resnet18"
+NAME = "resnet18-http"  # the export directory's name (http_serving.py's export): both servers' default model name
 SERVERS = {
     "serve": f"fx-lightning serve (batching {MAX_BATCH}, {BATCH_TIMEOUT * 1000:g} ms)",
     "triton": f"tritonserver 2.51, Python backend (dynamic batching {MAX_BATCH}, {BATCH_TIMEOUT * 1000:g} ms)",
@@ -95,7 +95,8 @@ def run(concurrency: Sequence[int], requests: int, repeats: int, console: Any) -
     samples: Dict[str, Dict[int, List[Dict[str, float]]]] = {k: {c: [] for c in concurrency} for k in SERVERS}
     with tempfile.TemporaryDirectory(prefix="oip-") as tmp:
         work = Path(tmp)
-        repository = write_triton_repository(directory, work / "repository", name=NAME, max_batch_size=MAX_BATCH,
+        assert directory.name == NAME, directory
+        repository = write_triton_repository(directory, work / "repository", max_batch_size=MAX_BATCH,
                                              max_queue_delay_us=int(BATCH_TIMEOUT * 1e6)).root
         for repeat in range(repeats):
             for kind in SERVERS:
