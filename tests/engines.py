@@ -123,7 +123,7 @@ class Engines:
         return env
 
     @contextlib.contextmanager
-    def tritonserver(self, repository: Path, workdir: Path, ready_within_s: float = 120.0,
+    def tritonserver(self, repository: Path, workdir: Path, ready_within_s: float = 300.0,
                      flags: Sequence[str] = ()) -> Iterator[str]:
         """tritonserver on ``repository`` (every model loaded, or it fails) on loopback ports; yields the HTTP
         address (``127.0.0.1:PORT``); stopped by SIGTERM, then killed."""
@@ -142,7 +142,7 @@ class Engines:
         url = f"127.0.0.1:{http}"
         try:
             deadline = time.monotonic() + ready_within_s
-            while not _ready(url):
+            while proc.poll() is not None or not _ready(url):
                 if proc.poll() is not None:
                     raise RuntimeError(f"tritonserver exited ({proc.returncode}):\n{log_path.read_text()[-6000:]}")
                 if time.monotonic() > deadline:

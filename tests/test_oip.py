@@ -5,6 +5,7 @@ naming the input, and the configuration ``fx-lightning serve`` states is the one
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -19,6 +20,7 @@ CONTRACT = Contract([InputSpec("image", "float32", (3, 4, 4)), InputSpec("mask",
                     outputs=[TensorSpec("scores", shape=["batch", 5], dtype="float32"),
                              TensorSpec("count", shape=["batch"], dtype="int64")])
 OUTPUTS = ["scores", "count"]
+MODEL = contract_model("m", CONTRACT, "onnx", "fx-lightning", Path("."), max_batch_size=16)
 RNG = np.random.default_rng(0)
 IMAGE = RNG.standard_normal((2, 3, 4, 4)).astype(np.float32)
 MASK = RNG.random((2, 4)) > 0.5
@@ -47,7 +49,7 @@ def _body(binary: bool, outputs: Optional[List[Dict[str, Any]]] = None, **extra:
 @pytest.mark.parametrize("binary", [False, True])
 def test_an_infer_request_decodes_into_the_contracts_arrays_in_the_models_order(binary: bool) -> None:
     body, header = _body(binary)
-    request = oip.decode_infer(CONTRACT, body, header, OUTPUTS)
+    request = oip.decode_infer(CONTRACT, MODEL, body, header)
     image, mask = request.decoded.arrays
     assert image.dtype == np.float32 and image.shape == (2, 3, 4, 4) and np.array_equal(image, IMAGE)
     assert mask.dtype == np.bool_ and np.array_equal(mask, MASK)
@@ -57,29 +59,29 @@ def test_an_infer_request_decodes_into_the_contracts_arrays_in_the_models_order(
 
 def test_outputs_are_encoded_as_asked_json_or_binary() -> None:
     body, _ = _body(False, outputs=[{"name": "count"}, {"name": "scores", "parameters": {"binary_data": True}}])
-    request = oip.decode_infer(CONTRACT, body, None, OUTPUTS)
+    request = oip.decode_infer(CONTRACT, MODEL, body, None)
     scores, count = RNG.standard_normal((2, 5)).astype(np.float32), np.array([3, 1], dtype=np.int64)
-    content, headers = oip.encode_infer("m", request, [scores, count], OUTPUTS)
+    content, headers = oip.encode_infer(MODEL, request, [scores, count])
     size = int(headers[oip.BINARY_HEADER])
     head = json.loads(content[:size])
     assert head["model_name"] == "m" and head["model_version"] == "1" and head["id"] == "r1"
     assert [(o["name"], o["datatype"], o["shape"]) for o in head["outputs"]] == [
-        ("count", "INT64", [2]), ("scores", "FP32", [2, 5])]
+        ("count", "INT64", [2, 1]), ("scores", "FP32", [2, 5])]  # a per-sample scalar as Triton states it
     assert head["outputs"][0]["data"] == [3, 1]
     got = np.frombuffer(content[size:], dtype=np.float32).reshape(2, 5)
     assert head["outputs"][1]["parameters"]["binary_data_size"] == scores.nbytes and np.array_equal(got, scores)
     # binary_data_output asks for every output in binary; none asked: plain JSON.
-    everything = oip.decode_infer(CONTRACT, _body(False, parameters={"binary_data_output": True})[0], None, OUTPUTS)
+    everything = oip.decode_infer(CONTRACT, MODEL, _body(False, parameters={"binary_data_output": True})[0], None)
     assert all(w.binary for w in everything.outputs)
-    plain, plain_headers = oip.encode_infer("m", oip.decode_infer(CONTRACT, _body(False)[0], None, OUTPUTS),
-                                            [scores, count], OUTPUTS)
+    plain, plain_headers = oip.encode_infer(MODEL, oip.decode_infer(CONTRACT, MODEL, _body(False)[0], None),
+                                            [scores, count])
     assert oip.BINARY_HEADER not in plain_headers
     assert np.allclose(json.loads(plain)["outputs"][0]["data"], scores.reshape(-1))
 
 
 def _refused(body: bytes, header: Optional[str] = None) -> BadRequest:
     with pytest.raises(BadRequest) as info:
-        oip.decode_infer(CONTRACT, body, header, OUTPUTS)
+        oip.decode_infer(CONTRACT, MODEL, body, header)
     return info.value
 
 
@@ -102,6 +104,8 @@ def _json(**changes: Any) -> bytes:
     (_json(inputs={1: {**_item("image", IMAGE, "FP32", False), "data": [1.0] * 5}}), None, 400, ["5 values"]),
     (json.dumps({"inputs": [_item("image", IMAGE, "FP32", False)]}).encode(), None, 400, ["missing ['mask']"]),
     (_json(outputs=[{"name": "logits"}]), None, 400, ["unknown output 'logits'", "scores"]),
+    (_json(outputs=[{"name": "scores", "parameters": {"classification": 3}}]), None, 400,
+     ["classification extension", "'scores'"]),
     (_body(True)[0], "99999", 400, ["Inference-Header-Content-Length", "99999"]),
     (_body(True)[0][:-8], _body(True)[1], 400, ["input 'image'", "binary_data_size", "runs past"]),
     (_body(True)[0] + b"extra", _body(True)[1], 400, ["binary section", "add up"]),
@@ -117,8 +121,6 @@ def test_what_does_not_fit_is_a_4xx_naming_the_problem(body: bytes, header: Opti
 
 
 def test_the_servers_config_is_the_repositorys_record_and_its_metadata_follows() -> None:
-    from pathlib import Path
-
     model = contract_model("m", CONTRACT, "onnx", "fx-lightning", Path("."), max_batch_size=16,
                            max_queue_delay_us=5000)
     config = config_json(model)
@@ -131,7 +133,7 @@ def test_the_servers_config_is_the_repositorys_record_and_its_metadata_follows()
     metadata = oip.model_metadata(model, "fx-lightning:onnx")
     assert metadata["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 3, 4, 4]},
                                   {"name": "mask", "datatype": "BOOL", "shape": [-1, 4]}]
-    assert metadata["outputs"][1] == {"name": "count", "datatype": "INT64", "shape": [-1]}
+    assert metadata["outputs"][1] == {"name": "count", "datatype": "INT64", "shape": [-1, 1]}  # Triton's dims
     # Without batching: full dims, the sample axis any size.
     whole = contract_model("m", CONTRACT, "onnx", "fx-lightning", Path("."), max_batch_size=0)
     assert whole.max_batch_size == 0 and [list(t.dims) for t in whole.inputs] == [[-1, 3, 4, 4], [-1, 4]]
@@ -143,12 +145,38 @@ def test_statistics_keep_tritons_shape_and_survive_pickling() -> None:
 
     stats = oip.Statistics()
     stats.record(total_ns=10_000, decode_ns=1_000, wait_ns=7_000, infer_ns=5_000, encode_ns=2_000, samples=3)
+    for _ in range(4):  # four requests served by one batched run: one execution
+        stats.record(total_ns=0, decode_ns=0, wait_ns=0, infer_ns=0, encode_ns=0, samples=1, requests_in_run=4)
     stats.record_failure(500)
     copy = pickle.loads(pickle.dumps(stats))  # LitServe pickles the spec into each worker
     for current in (stats, copy):
         model = current.to_dict("m")["model_stats"][0]
-        assert model["name"] == "m" and model["inference_count"] == 3 and model["execution_count"] == 1
+        assert model["name"] == "m" and model["inference_count"] == 7 and model["execution_count"] == 2
         inference = model["inference_stats"]
-        assert inference["success"] == {"count": 1, "ns": 10_000} and inference["fail"] == {"count": 1, "ns": 500}
+        assert inference["success"] == {"count": 5, "ns": 10_000} and inference["fail"] == {"count": 1, "ns": 500}
         assert inference["queue"]["ns"] == 2_000 and inference["compute_infer"]["ns"] == 5_000
     copy.record(total_ns=1, decode_ns=0, wait_ns=1, infer_ns=1, encode_ns=0, samples=1)  # its lock works
+
+
+def test_a_per_sample_scalar_is_sent_and_answered_as_triton_states_it() -> None:
+    """An input with no axis but the sample axis is [N, 1] on the wire (the config's dims: [1], reshape []), as
+    Triton takes it, and reaches the model as [N]; an output so shaped goes back as [N, 1]."""
+    contract = Contract([InputSpec("lengths", "int64", ())],
+                        outputs=[TensorSpec("y", shape=["batch"], dtype="float32")])
+    model = contract_model("m", contract, "pt2", "fx-lightning", Path("."), max_batch_size=8)
+    body = json.dumps({"inputs": [{"name": "lengths", "shape": [3, 1], "datatype": "INT64", "data": [4, 5, 6]}]})
+    request = oip.decode_infer(contract, model, body.encode(), None)
+    assert request.decoded.arrays[0].shape == (3,) and request.decoded.arrays[0].tolist() == [4, 5, 6]
+    flat = json.dumps({"inputs": [{"name": "lengths", "shape": [3], "datatype": "INT64", "data": [4, 5, 6]}]})
+    assert "[-1, 1]" in _refused_by(contract, model, flat.encode()).message
+    content, _ = oip.encode_infer(model, request, [np.array([0.5, 1.5, 2.5], dtype=np.float32)])
+    out = json.loads(content)["outputs"][0]
+    assert out["shape"] == [3, 1] and out["data"] == [0.5, 1.5, 2.5]
+    with pytest.raises(ValueError, match="returned 2 outputs"):
+        oip.encode_infer(model, request, [np.zeros(3, np.float32)] * 2)
+
+
+def _refused_by(contract: Contract, model: Any, body: bytes) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        oip.decode_infer(contract, model, body, None)
+    return info.value

@@ -44,6 +44,7 @@ class Ran:
 
     outputs: List[np.ndarray]
     ns: int
+    requests_in_run: int = 1
 
 @dataclass
 class Batched:
@@ -101,7 +102,7 @@ class ArtifactAPI(ls.LitAPI):
             outputs = self._run(args)
             took = time.perf_counter_ns() - start
             for place, rows in zip(places, split_rows(outputs, sizes)):
-                answers[place] = Ran(rows, took)
+                answers[place] = Ran(rows, took, len(places))
         return answers
 
     def _run(self, args: List[torch.Tensor]) -> List[np.ndarray]:
@@ -119,13 +120,14 @@ class ArtifactAPI(ls.LitAPI):
 class ContractSpec(LitSpec):
     """``POST /predict``, ``GET /health`` and the Open Inference Protocol's ``/v2`` endpoints on the HTTP side."""
 
-    def __init__(self, contract: Contract, board: StatusBoard, top_k: int, model: TritonModel,
+    def __init__(self, contract: Contract, board: StatusBoard, top_k: int, model: Union[TritonModel, str],
                  platform: str) -> None:
         super().__init__()
         self.api_path = "/predict"
         self.contract, self.board, self.top_k = contract, board, top_k
-        self.model, self.platform = model, platform
-        self.output_names = output_names(contract)
+        # The model as the protocol states it, or why it cannot (then /v2's model endpoints answer 501 saying so).
+        self.model, self.unstated = (model, "") if isinstance(model, TritonModel) else (None, model)
+        self.platform = platform
         self.stats = oip.Statistics()
 
     def pre_setup(self, lit_api: Any) -> None:
@@ -134,6 +136,7 @@ class ContractSpec(LitSpec):
         self.add_endpoint("/v2", self.server_metadata, ["GET"])
         self.add_endpoint("/v2/health/live", self.live, ["GET"])
         self.add_endpoint("/v2/health/ready", self.server_ready, ["GET"])
+        self.add_endpoint("/v2/models/stats", self.all_stats, ["GET"])  # before /v2/models/{model_name} matches it
         for base in ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{version}"):
             self.add_endpoint(base, self.model_metadata, ["GET"])
             self.add_endpoint(base + "/ready", self.model_ready, ["GET"])
@@ -188,7 +191,10 @@ class ContractSpec(LitSpec):
     # ------------------------------------------------------------------------- Open Inference Protocol (v2)
 
     def unknown(self, model_name: str, version: Optional[str]) -> Optional[Response]:
-        """A 404 naming what is served, when the path names another model or version."""
+        """A 404 naming what is served, when the path names another model or version (501 when the protocol cannot
+        state the model)."""
+        if self.model is None:
+            return error_response(501, self.unstated)
         if model_name != self.model.name:
             return error_response(404, f"unknown model {model_name!r}: this server serves {self.model.name!r}")
         if version not in (None, "", oip.MODEL_VERSION):
@@ -217,6 +223,11 @@ class ContractSpec(LitSpec):
     async def model_config(self, model_name: str, version: Optional[str] = None) -> Response:
         return self.unknown(model_name, version) or JSONResponse(config_json(self.model))
 
+    async def all_stats(self) -> Response:
+        if self.model is None:
+            return error_response(501, self.unstated)
+        return JSONResponse(self.stats.to_dict(self.model.name))
+
     async def model_stats(self, model_name: str, version: Optional[str] = None) -> Response:
         return self.unknown(model_name, version) or JSONResponse(self.stats.to_dict(self.model.name))
 
@@ -230,8 +241,8 @@ class ContractSpec(LitSpec):
             return error_response(503, f"not ready: {status['reason']}")
         try:
             body = await read_body(request, self.contract.max_body_bytes)
-            infer = await run_in_threadpool(oip.decode_infer, self.contract, body,
-                                            request.headers.get(oip.BINARY_HEADER), self.output_names)
+            infer = await run_in_threadpool(oip.decode_infer, self.contract, self.model, body,
+                                            request.headers.get(oip.BINARY_HEADER))
         except BadRequest as exc:
             self.stats.record_failure(time.perf_counter_ns() - arrived)
             return error_response(exc.status, exc.message)
@@ -241,21 +252,21 @@ class ContractSpec(LitSpec):
         if state == LitAPIStatus.ERROR:
             self.stats.record_failure(ran_at - arrived)
             return error_response(*worker_error(response))
-        content, headers = await run_in_threadpool(oip.encode_infer, self.model.name, infer, response.outputs,
-                                                   self.output_names)
+        try:
+            content, headers = await run_in_threadpool(oip.encode_infer, self.model, infer, response.outputs)
+        except ValueError as exc:
+            self.stats.record_failure(time.perf_counter_ns() - arrived)
+            return error_response(500, f"inference failed: {exc}")
         done = time.perf_counter_ns()
         self.stats.record(total_ns=done - arrived, decode_ns=decoded_at - arrived, wait_ns=ran_at - decoded_at,
-                          infer_ns=response.ns, encode_ns=done - ran_at, samples=infer.decoded.batch_size)
+                          infer_ns=response.ns, encode_ns=done - ran_at,
+                          samples=infer.decoded.batch_size if self.contract.batched else 1,
+                          requests_in_run=response.requests_in_run)
         return Response(content, headers=headers, media_type=headers["content-type"])
 
 
-def output_names(contract: Contract) -> List[str]:
-    """The outputs' names: the manifest's (those the Triton repository states too)."""
-    return [o.name for o in contract.outputs]
-
-
 def make_server(root: Path, options: ServeOptions, contract: Contract, board: StatusBoard,
-                info: Dict[str, object], model: TritonModel, platform: str) -> ls.LitServer:
+                info: Dict[str, object], model: Union[TritonModel, str], platform: str) -> ls.LitServer:
     api = ArtifactAPI(root, options, board, ContractSpec(contract, board, options.top_k, model, platform))
     # LitServe's own health check moves aside: it answers 200 once the worker started, ours once it checked.
     return ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=options.workers,

@@ -27,16 +27,14 @@ from fx_lightning.serve.contract import BadRequest, Contract, Decoded, InputSpec
 from fx_lightning.serve.triton_config import TritonModel, TritonTensor
 
 __all__ = ["BINARY_HEADER", "MODEL_VERSION", "EXTENSIONS", "Wanted", "InferRequest", "decode_infer",
-           "encode_infer", "server_metadata", "model_metadata", "Statistics"]
+           "encode_infer", "stated_shape", "server_metadata", "model_metadata", "Statistics"]
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 MODEL_VERSION = "1"  # one version per served export, as in the Triton repository
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
-_V2_OF_NUMPY: Dict[str, str] = {}
-for _d in DTYPES:  # bfloat16 has no numpy type (float32 stands in): the first row of a numpy name wins
-    _V2_OF_NUMPY.setdefault(_d.numpy, _d.v2)
-_NUMPY_OF_V2: Dict[str, str] = {d.v2: d.numpy for d in DTYPES if d.v2 != "BF16"}
+# What an output of each datatype is sent as (bfloat16 has no numpy type: float32 stands in, as the server computes).
+_NUMPY_OF_V2: Dict[str, str] = {d.v2: d.numpy for d in DTYPES}
 
 
 @dataclass(frozen=True)
@@ -64,15 +62,10 @@ def v2_datatype(spec: InputSpec) -> str:
     return row.v2
 
 
-def _sample_axis_dims(contract: Contract, spec: InputSpec) -> List[int]:
-    dims = [-1 if d is None else int(d) for d in spec.sample_shape]
-    return [-1, *dims] if contract.batched else dims
-
-
-def decode_infer(contract: Contract, body: bytes, header_length: Optional[str], output_names: Sequence[str]
-                 ) -> InferRequest:
+def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_length: Optional[str]) -> InferRequest:
     """The infer request in ``body`` (JSON, or JSON then binary tensors when ``header_length`` is given), checked
-    against the protocol and then the contract; raises :class:`BadRequest`."""
+    against the protocol and the model's stated tensors (``model``: its config), then the contract; raises
+    :class:`BadRequest`."""
     if len(body) > contract.max_body_bytes:
         raise BadRequest(413, f"body of {len(body)} bytes exceeds the limit of {contract.max_body_bytes} bytes "
                               "(--max-body-mb)")
@@ -87,6 +80,7 @@ def decode_infer(contract: Contract, body: bytes, header_length: Optional[str], 
         raise BadRequest(400, "an infer request is a JSON object with 'inputs': a list of "
                               "{name, shape, datatype, data}")
     by_name = {s.name: s for s in contract.inputs}
+    stated = {t.name: t for t in model.inputs}
     given: Dict[str, np.ndarray] = {}
     offset = 0
     for i, item in enumerate(data["inputs"]):
@@ -97,7 +91,8 @@ def decode_infer(contract: Contract, body: bytes, header_length: Optional[str], 
             raise BadRequest(400, f"inputs[{i}]: unknown input {name!r}; the model's inputs are {list(by_name)}")
         if name in given:
             raise BadRequest(400, f"inputs[{i}]: input {name!r} given twice")
-        given[name], offset = _input_array(contract, by_name[name], item, binary, offset)
+        given[name], offset = _input_array(by_name[name], stated[name], model.max_batch_size > 0, item, binary,
+                                           offset)
     if offset != len(binary):
         raise BadRequest(400, f"the binary section holds {len(binary)} bytes, the inputs' binary_data_size add up "
                               f"to {offset}")
@@ -106,7 +101,14 @@ def decode_infer(contract: Contract, body: bytes, header_length: Optional[str], 
         raise BadRequest(400, f"inputs: missing {missing}; the model's inputs are {list(by_name)}")
     decoded = contract.checked([given[s.name] for s in contract.inputs])
     request_id = data.get("id")
-    return InferRequest(decoded, _wanted(data, output_names), str(request_id) if request_id is not None else None)
+    return InferRequest(decoded, _wanted(data, [t.name for t in model.outputs]),
+                        str(request_id) if request_id is not None else None)
+
+
+def stated_shape(tensor: TritonTensor, batching: bool) -> List[int]:
+    """A tensor's shape as the protocol states it: the config's dims, after the sample axis where the model
+    batches (-1: any size). A tensor with no axis but the sample axis is ``[-1, 1]``, as in Triton."""
+    return ([-1] if batching else []) + list(tensor.dims)
 
 
 def _split(body: bytes, header_length: Optional[str]) -> Tuple[bytes, bytes]:
@@ -119,11 +121,11 @@ def _split(body: bytes, header_length: Optional[str]) -> Tuple[bytes, bytes]:
     return body[:size], body[size:]
 
 
-def _input_array(contract: Contract, spec: InputSpec, item: Mapping[str, Any], binary: bytes,
+def _input_array(spec: InputSpec, tensor: TritonTensor, batching: bool, item: Mapping[str, Any], binary: bytes,
                  offset: int) -> Tuple[np.ndarray, int]:
-    """One input as the contract's array, and the binary section's offset after it."""
+    """One input as the contract's array (the config's reshape applied), and the binary section's offset after it."""
     where = f"input {spec.name!r}"
-    want_type, want_shape = v2_datatype(spec), _sample_axis_dims(contract, spec)
+    want_type, want_shape = v2_datatype(spec), stated_shape(tensor, batching)
     if item.get("datatype") != want_type:
         raise BadRequest(400, f"{where}: datatype {item.get('datatype')!r}; the model takes {want_type}")
     shape = item.get("shape")
@@ -143,7 +145,8 @@ def _input_array(contract: Contract, spec: InputSpec, item: Mapping[str, Any], b
         if offset + size > len(binary):
             raise BadRequest(400, f"{where}: binary_data_size {size} runs past the binary section's "
                                   f"{len(binary)} bytes")
-        return np.frombuffer(binary, dtype=dtype, count=count, offset=offset).reshape(shape), offset + size
+        array = np.frombuffer(binary, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return _as_model_sees(array, tensor, batching), offset + size
     if "data" not in item:
         raise BadRequest(400, f"{where}: no 'data' and no parameters.binary_data_size")
     try:
@@ -157,7 +160,13 @@ def _input_array(contract: Contract, spec: InputSpec, item: Mapping[str, Any], b
                               f"datatype {want_type}")
     if dtype.kind in "iu" and raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
         raise BadRequest(400, f"{where}: non-integer data for datatype {want_type}")
-    return raw.astype(dtype).reshape(shape), offset
+    return _as_model_sees(raw.astype(dtype).reshape(shape), tensor, batching), offset
+
+
+def _as_model_sees(array: np.ndarray, tensor: TritonTensor, batching: bool) -> np.ndarray:
+    if tensor.reshape is None:
+        return array
+    return array.reshape(([array.shape[0]] if batching else []) + list(tensor.reshape))
 
 
 def _wanted(data: Mapping[str, Any], output_names: Sequence[str]) -> List[Wanted]:
@@ -175,19 +184,31 @@ def _wanted(data: Mapping[str, Any], output_names: Sequence[str]) -> List[Wanted
             raise BadRequest(400, f"outputs[{i}]: unknown output {name!r}; the model's outputs are "
                                   f"{list(output_names)}")
         own = item.get("parameters") if isinstance(item.get("parameters"), dict) else {}
+        if own.get("classification"):
+            raise BadRequest(400, f"outputs[{i}]: the classification extension is not served; ask for {name!r} "
+                                  "itself (its scores) and take the top classes on the client")
         wanted.append(Wanted(name, bool(own.get("binary_data", binary_default))))
     return wanted
 
 
-def encode_infer(model_name: str, request: InferRequest, outputs: Sequence[np.ndarray],
-                 output_names: Sequence[str]) -> Tuple[bytes, Dict[str, str]]:
-    """The response body and its headers: the JSON part, then the binary outputs when any was asked for so."""
-    by_name = dict(zip(output_names, outputs))
+def encode_infer(model: TritonModel, request: InferRequest, outputs: Sequence[np.ndarray]
+                 ) -> Tuple[bytes, Dict[str, str]]:
+    """The response body and its headers: the JSON part, then the binary outputs when any was asked for so. Each
+    output is shaped as the config states it and typed as it declares; raises ValueError when the run's outputs are
+    not the model's."""
+    if len(outputs) != len(model.outputs):
+        raise ValueError(f"the artifact returned {len(outputs)} outputs, the model states "
+                         f"{[t.name for t in model.outputs]}")
+    batching = model.max_batch_size > 0
+    by_name = {t.name: (t, o) for t, o in zip(model.outputs, outputs)}
     described, chunks = [], []
     for want in request.outputs:
-        array = np.ascontiguousarray(by_name[want.name])
-        item: Dict[str, Any] = {"name": want.name, "datatype": _V2_OF_NUMPY.get(array.dtype.name, "FP32"),
-                                "shape": list(array.shape)}
+        tensor, array = by_name[want.name]
+        datatype = TRITON_TO_V2[tensor.data_type]
+        array = np.ascontiguousarray(array, dtype=_NUMPY_OF_V2.get(datatype, array.dtype))
+        if tensor.reshape is not None:
+            array = array.reshape(([array.shape[0]] if batching else []) + list(tensor.dims))
+        item: Dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": list(array.shape)}
         if want.binary:
             raw = array.tobytes()
             item["parameters"] = {"binary_data_size": len(raw)}
@@ -195,7 +216,7 @@ def encode_infer(model_name: str, request: InferRequest, outputs: Sequence[np.nd
         else:
             item["data"] = array.reshape(-1).tolist()
         described.append(item)
-    head: Dict[str, Any] = {"model_name": model_name, "model_version": MODEL_VERSION, "outputs": described}
+    head: Dict[str, Any] = {"model_name": model.name, "model_version": MODEL_VERSION, "outputs": described}
     if request.id is not None:
         head["id"] = request.id
     text = json.dumps(head).encode()
@@ -214,8 +235,8 @@ def model_metadata(model: TritonModel, platform: str) -> Dict[str, object]:
     batch = [-1] if model.max_batch_size > 0 else []
 
     def tensors(items: Sequence[TritonTensor]) -> List[Dict[str, object]]:
-        return [{"name": t.name, "datatype": TRITON_TO_V2[t.data_type],
-                 "shape": batch + list(t.reshape if t.reshape is not None else t.dims)} for t in items]
+        return [{"name": t.name, "datatype": TRITON_TO_V2[t.data_type], "shape": batch + list(t.dims)}
+                for t in items]
 
     return {"name": model.name, "versions": [MODEL_VERSION], "platform": platform,
             "inputs": tensors(model.inputs), "outputs": tensors(model.outputs)}
@@ -240,7 +261,8 @@ class Statistics:
     """Triton's per-model inference statistics (``GET /v2/models/{name}/stats``), kept by the HTTP process:
     ``success`` from a request's arrival to its response, ``compute_input`` decoding, ``queue`` waiting for a
     worker (the wait less the worker's run), ``compute_infer`` the worker's run of the batch it was in,
-    ``compute_output`` encoding; ``fail`` requests refused or failed. Thread-safe."""
+    ``compute_output`` encoding; ``fail`` requests refused or failed; ``execution_count`` the model's runs (a
+    batched run counted once). Thread-safe."""
 
     success: _Duration = field(default_factory=_Duration)
     fail: _Duration = field(default_factory=_Duration)
@@ -249,6 +271,7 @@ class Statistics:
     compute_infer: _Duration = field(default_factory=_Duration)
     compute_output: _Duration = field(default_factory=_Duration)
     inference_count: int = 0
+    executions: float = 0.0  # each request adds 1 / the requests its run served: whole runs once all are in
     last_inference_ms: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -259,8 +282,9 @@ class Statistics:
         self.__dict__.update(state, _lock=threading.Lock())
 
     def record(self, *, total_ns: int, decode_ns: int, wait_ns: int, infer_ns: int, encode_ns: int,
-               samples: int) -> None:
+               samples: int, requests_in_run: int = 1) -> None:
         with self._lock:
+            self.executions += 1.0 / max(1, requests_in_run)
             self.success.add(total_ns)
             self.compute_input.add(decode_ns)
             self.queue.add(max(0, wait_ns - infer_ns))
@@ -280,5 +304,5 @@ class Statistics:
             stats.update(cache_hit={"count": 0, "ns": 0}, cache_miss={"count": 0, "ns": 0})
             return {"model_stats": [{
                 "name": model_name, "version": MODEL_VERSION, "last_inference": self.last_inference_ms,
-                "inference_count": self.inference_count, "execution_count": self.success.count,
+                "inference_count": self.inference_count, "execution_count": round(self.executions),
                 "inference_stats": stats, "batch_stats": []}]}

@@ -21,7 +21,7 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from fx_lightning._imports import missing_modules
 from fx_lightning.errors import ExportError
@@ -85,9 +85,12 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
     try:
         contract = Contract.of(manifest, max_request_batch=options.max_request_batch,
                                max_body_bytes=options.max_body_bytes)
-        model = served_model(root, contract, options)
     except ValueError as exc:
         raise ExportError(f"{root}: cannot be served: {exc}.") from None
+    try:
+        model: Union[TritonModel, str] = served_model(root, contract, options)
+    except ValueError as exc:  # an output the protocol has no datatype for: /predict serves, /v2 says why not
+        model = f"the Open Inference Protocol cannot state this model: {exc}"
     if not contract.batched:  # no sample axis to batch requests along: each runs whole, alone
         options = dataclasses.replace(options, max_batch_size=1)
     board = StatusBoard(Path(tempfile.mkdtemp(prefix="fxl-serve-")), options.workers)

@@ -91,6 +91,10 @@ class ExportRunner:
             for places in groups.values():
                 joined = [torch.cat([calls[i][k] for i in places]) for k in range(len(self.input_names))]
                 outputs = self._outputs(joined)
+                total = sum(int(calls[i][0].shape[0]) for i in places)
+                if any(o.dim() == 0 or o.shape[0] != total for o in outputs):
+                    raise ExportError(f"an output does not hold the batch's {total} samples on dim 0: "
+                                      f"{[list(o.shape) for o in outputs]}")
                 start = 0
                 for i in places:
                     rows = int(calls[i][0].shape[0])
