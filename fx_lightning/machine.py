@@ -1,5 +1,6 @@
 """The CPU this process runs on: its model and the instruction-set features that decide whether a lossy variant
-can be fast here (each variant declares the flags that run it natively: :class:`fx_lightning.variants.Variant`).
+runs natively here (each variant declares the flags it needs: :class:`fx_lightning.variants.Variant`; whether it is
+faster than fp32 is measured by the selection, not read off the flags).
 
 Read from ``/proc/cpuinfo`` (Linux), or from the file ``$FX_LIGHTNING_CPUINFO`` names; elsewhere from what torch
 dispatches to, which says AVX-512 but not VNNI or BF16, so the lossy variants are then made only when asked for

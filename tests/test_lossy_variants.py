@@ -1,6 +1,6 @@
 """Lossy variants (int8, bf16) judged on validation data: the accuracy-aware int8 search keeps the layers that
 break the gate in float, every variant is gated before it is kept, a variant that misses is never selected, the
-variants are made only where the CPU runs them fast (faked CPUs), and the selection is recorded per batch size
+variants are made only where the CPU runs them natively and then raced against fp32 (faked CPUs), and the selection is recorded per batch size
 and traffic, which ``load_fused`` picks from."""
 
 from __future__ import annotations
@@ -164,12 +164,39 @@ def test_the_selection_is_recorded_per_batch_size_and_traffic_and_load_fused_pic
 
 ZEN1 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
         "model name\t: AMD EPYC 7571\nflags\t\t: fpu sse2 avx avx2 fma\n")
+NO_AVX2 = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 45\n"
+           "model name\t: Intel Xeon E5-2670\nflags\t\t: fpu sse2 sse4_2 avx\n")
 
 
-def test_on_a_cpu_without_vnni_or_bf16_the_variants_are_skipped_and_the_report_says_why(tmp_path, monkeypatch):
+def _fake_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     path = tmp_path / "cpuinfo"
-    path.write_text(ZEN1)
+    path.write_text(text)
     monkeypatch.setenv(CPUINFO_ENV, str(path))
+
+
+def test_on_an_avx2_only_cpu_int8_is_made_gated_and_timed_against_fp32(tmp_path, monkeypatch):
+    """AVX2 has SIMD integer dot products: int8 is made, gated and timed beside fp32, and the selection (which
+    takes the fastest artifact that passed) decides; bf16 would run emulated and is skipped, saying why."""
+    _fake_cpu(tmp_path, monkeypatch, ZEN1)
+    assert INT8.lacks(cpu_info()) is None and BF16.lacks(cpu_info())
+    torch.manual_seed(0)
+    outcome = _export(OutlierHeadNet(), tmp_path / "e", export={"formats": ["pt2", "onnx"], "select": "fastest"},
+                      passes={"quantize_int8": {"enabled": True, **GATE}, "cast_bf16": {"enabled": True}})
+    manifest = read_manifest(outcome.export_dir)
+    made = {o.entry: o for o in manifest.variants["int8"]}
+    assert set(made) == {"pt2-int8", "onnx-int8"} and all(o.gate is not None for o in made.values())
+    kept = [name for name, o in made.items() if o.kept]
+    assert kept and set(kept) <= set(manifest.formats)  # the accuracy-aware torchao int8 passes this gate
+    assert manifest.bench is not None and manifest.selected is not None
+    timed = {t.artifact for t in manifest.bench.timings}
+    assert set(kept) <= timed and {"pt2", "onnx"} <= timed  # each kept int8 raced the fp32 artifacts
+    assert manifest.selected.format in manifest.formats and manifest.bench.checks[manifest.selected.format].passed
+    skipped = {n["variant"]: str(n) for n in outcome.notes if n.kind == VARIANT_SKIPPED}
+    assert set(skipped) == {"bf16"} and "AVX512-BF16" in skipped["bf16"] and "AMD EPYC 7571" in skipped["bf16"]
+
+
+def test_on_a_cpu_without_avx2_the_variants_are_skipped_and_the_report_says_why(tmp_path, monkeypatch):
+    _fake_cpu(tmp_path, monkeypatch, NO_AVX2)
     assert INT8.lacks(cpu_info()) and BF16.lacks(cpu_info())
     model = OutlierHeadNet()
     outcome = _export(model, tmp_path / "e", export={"formats": ["pt2", "onnx"], "select": "fastest"},
@@ -178,8 +205,8 @@ def test_on_a_cpu_without_vnni_or_bf16_the_variants_are_skipped_and_the_report_s
     assert set(manifest.formats) == {"pt2", "onnx"}  # fp32 only: nothing faster could pass here
     skipped = {n["variant"]: str(n) for n in outcome.notes if n.kind == VARIANT_SKIPPED}
     assert set(skipped) == {"int8", "bf16"}
-    assert "no VNNI" in skipped["int8"] and "AMD EPYC 7571" in skipped["int8"] and "require_cpu_features" in skipped["int8"]
-    assert "AVX512-BF16" in skipped["bf16"]
+    assert "no AVX2" in skipped["int8"] and "Intel Xeon E5-2670" in skipped["int8"]
+    assert "require_cpu_features" in skipped["int8"] and "AVX512-BF16" in skipped["bf16"]
     assert manifest.variants["int8"][0].skipped and manifest.selected is not None
     assert manifest.selected.format in {"pt2", "onnx"}
     # Asked for anyway (a model trained here for another CPU): made and judged.

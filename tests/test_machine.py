@@ -9,6 +9,7 @@ from fx_lightning.machine import CpuInfo, cpu_info, parse_cpuinfo
 from fx_lightning.variants import BF16, INT8
 
 ZEN1 = "flags\t\t: fpu sse2 avx avx2 fma"
+SANDY_BRIDGE = "flags\t\t: fpu sse2 sse4_2 avx"  # no AVX2: no SIMD integer dot products
 ZEN4 = "flags\t\t: fpu avx2 fma avx512f avx512_vnni avx512_bf16"
 SAPPHIRE_RAPIDS = "flags\t\t: avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
 ALDER_LAKE = "flags\t\t: avx2 fma avx_vnni"
@@ -20,19 +21,20 @@ def cpuinfo(flags: str, name: str = "AMD EPYC 7571", family: str = "23", model: 
 
 
 @pytest.mark.parametrize("flags, int8, bf16", [
-    (ZEN1, False, False), (ZEN4, True, True), (SAPPHIRE_RAPIDS, True, True), (ALDER_LAKE, True, False)])
+    (SANDY_BRIDGE, False, False), (ZEN1, True, False), (ZEN4, True, True), (SAPPHIRE_RAPIDS, True, True),
+    (ALDER_LAKE, True, False)])
 def test_features_follow_the_flags(flags: str, int8: bool, bf16: bool) -> None:
     cpu = parse_cpuinfo(cpuinfo(flags))
     assert (INT8.lacks(cpu) is None, BF16.lacks(cpu) is None) == (int8, bf16)
 
 
 def test_only_the_first_processor_is_read_and_the_reason_names_the_cpu() -> None:
-    cpu = parse_cpuinfo(cpuinfo(ZEN1))
-    assert cpu.model == "AMD EPYC 7571" and (cpu.family, cpu.model_number) == ("23", "1")
+    cpu = parse_cpuinfo(cpuinfo(SANDY_BRIDGE, name="Intel Xeon E5-2670", family="6", model="45"))
+    assert cpu.model == "Intel Xeon E5-2670" and (cpu.family, cpu.model_number) == ("6", "45")
     assert "avx512_vnni" not in cpu.flags  # the second processor's is not read
     reason = INT8.lacks(cpu)
-    assert reason == ("this CPU has no VNNI or AMX-INT8 (AMD EPYC 7571 (family 23 model 1; avx2 fma)): "
-                      "int8 would be no faster than fp32")
+    assert reason == ("this CPU has no AVX2, VNNI or AMX-INT8 (Intel Xeon E5-2670 (family 6 model 45; no AVX2)): "
+                      "int8 would run without SIMD integer dot products")
     assert (BF16.lacks(cpu) or "").endswith("bf16 would run emulated")
 
 

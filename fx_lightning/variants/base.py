@@ -49,8 +49,9 @@ class VariantOptions:
     # A fraction: 0.005 = half a point of accuracy.
     max_accuracy_drop: float = 0.005
     min_cosine: float = 0.99
-    # Made only where the CPU has the instructions that make it fast (Variant.native_flags); elsewhere skipped with
-    # the reason. false: made and judged anyway (a model trained here to be served on another CPU).
+    # Made only where the CPU runs it natively (Variant.native_flags: int8 needs SIMD integer dot products, bf16
+    # bf16 ones); elsewhere skipped with the reason. Where it is made, the selection times it against the fp32
+    # artifacts and serves it only when it is faster. false: made and judged anyway (for another CPU).
     require_cpu_features: bool = True
 
     def calibration_needed(self) -> int:
