@@ -28,7 +28,7 @@ import numpy as np
 from fx_lightning.export.manifest import Manifest, Preprocess, TensorSpec
 
 __all__ = ["DEFAULT_MAX_REQUEST_BATCH", "DEFAULT_MAX_BODY_MB", "BadRequest", "InputSpec", "Contract", "Decoded", "JSON_TYPE", "NPY_TYPE", "NPZ_TYPE", "IMAGE_TYPES",
-           "top_k_labels"]
+           "parse_json", "top_k_labels"]
 
 JSON_TYPE = "application/json"
 NPY_TYPE = "application/x-npy"
@@ -129,11 +129,15 @@ class Contract:
 
     # ------------------------------------------------------------------------------------------- decoding
 
-    def decode(self, body: bytes, content_type: str, query: Mapping[str, str] = {}) -> Decoded:
-        """The request's inputs, checked against the contract; raises :class:`BadRequest`."""
+    def refuse_oversized(self, body: bytes) -> None:
+        """A 413 for a body over the limit (``--max-body-mb``)."""
         if len(body) > self.max_body_bytes:
             raise BadRequest(413, f"body of {len(body)} bytes exceeds the limit of {self.max_body_bytes} bytes "
                                   "(--max-body-mb)")
+
+    def decode(self, body: bytes, content_type: str, query: Mapping[str, str] = {}) -> Decoded:
+        """The request's inputs, checked against the contract; raises :class:`BadRequest`."""
+        self.refuse_oversized(body)
         if not body:
             raise BadRequest(400, "empty body: send JSON {\"inputs\": [...]}, an .npy/.npz array or an image")
         media = content_type.split(";")[0].strip().lower()
@@ -166,12 +170,7 @@ class Contract:
         return h, w, c
 
     def _from_json(self, body: bytes, query_top_k: Optional[int]) -> Decoded:
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequest(400, f"malformed JSON: {exc}") from None
-        except RecursionError:
-            raise BadRequest(400, "malformed JSON: nested too deeply") from None
+        data = parse_json(body, "JSON")
         if not isinstance(data, dict) or "inputs" not in data:
             got = "an object without 'inputs'" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
             raise BadRequest(422, f"expected a JSON object {{\"inputs\": [...]}}, got {got}")
@@ -373,6 +372,16 @@ class Contract:
         if self.labels:
             out["labels"] = len(self.labels)
         return out
+
+
+def parse_json(body: bytes, what: str) -> Any:
+    """``body`` as JSON, or a 400 naming ``what`` was malformed."""
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(400, f"malformed {what}: {exc}") from None
+    except RecursionError:
+        raise BadRequest(400, f"malformed {what}: nested too deeply") from None
 
 
 def top_k_labels(scores: np.ndarray, labels: Sequence[str], k: int) -> List[List[Dict[str, Union[int, str, float]]]]:

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from fx_lightning._version import __version__
-from fx_lightning.dtypes import DTYPES, TRITON_TO_V2, by_torch
-from fx_lightning.serve.contract import BadRequest, Contract, Decoded, InputSpec
+from fx_lightning.dtypes import TRITON_TO_NUMPY, TRITON_TO_V2, by_torch
+from fx_lightning.serve.contract import BadRequest, Contract, Decoded, InputSpec, parse_json
 from fx_lightning.serve.triton_config import TritonModel, TritonTensor
 
 __all__ = ["BINARY_HEADER", "MODEL_VERSION", "EXTENSIONS", "Wanted", "InferRequest", "decode_infer",
@@ -33,8 +33,6 @@ BINARY_HEADER = "Inference-Header-Content-Length"
 MODEL_VERSION = "1"  # one version per served export, as in the Triton repository
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
-# What an output of each datatype is sent as (bfloat16 has no numpy type: float32 stands in, as the server computes).
-_NUMPY_OF_V2: Dict[str, str] = {d.v2: d.numpy for d in DTYPES}
 
 
 @dataclass(frozen=True)
@@ -55,27 +53,13 @@ class InferRequest:
     id: Optional[str] = None
 
 
-def v2_datatype(spec: InputSpec) -> str:
-    """The protocol's datatype for an input of the contract (``float32`` -> ``FP32``)."""
-    row = by_torch(spec.dtype)
-    assert row is not None  # the contract serves only dtypes of the table
-    return row.v2
-
-
 def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_length: Optional[str]) -> InferRequest:
     """The infer request in ``body`` (JSON, or JSON then binary tensors when ``header_length`` is given), checked
     against the protocol and the model's stated tensors (``model``: its config), then the contract; raises
     :class:`BadRequest`."""
-    if len(body) > contract.max_body_bytes:
-        raise BadRequest(413, f"body of {len(body)} bytes exceeds the limit of {contract.max_body_bytes} bytes "
-                              "(--max-body-mb)")
+    contract.refuse_oversized(body)
     json_part, binary = _split(body, header_length)
-    try:
-        data = json.loads(json_part)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(400, f"malformed JSON infer request: {exc}") from None
-    except RecursionError:
-        raise BadRequest(400, "malformed JSON infer request: nested too deeply") from None
+    data = parse_json(json_part, "JSON infer request")
     if not isinstance(data, dict) or not isinstance(data.get("inputs"), list):
         raise BadRequest(400, "an infer request is a JSON object with 'inputs': a list of "
                               "{name, shape, datatype, data}")
@@ -125,7 +109,9 @@ def _input_array(spec: InputSpec, tensor: TritonTensor, batching: bool, item: Ma
                  offset: int) -> Tuple[np.ndarray, int]:
     """One input as the contract's array (the config's reshape applied), and the binary section's offset after it."""
     where = f"input {spec.name!r}"
-    want_type, want_shape = v2_datatype(spec), stated_shape(tensor, batching)
+    row = by_torch(spec.dtype)
+    assert row is not None  # the contract serves only dtypes of the table
+    want_type, want_shape, dtype = row.v2, stated_shape(tensor, batching), np.dtype(row.numpy)
     if item.get("datatype") != want_type:
         raise BadRequest(400, f"{where}: datatype {item.get('datatype')!r}; the model takes {want_type}")
     shape = item.get("shape")
@@ -134,7 +120,6 @@ def _input_array(spec: InputSpec, tensor: TritonTensor, batching: bool, item: Ma
         raise BadRequest(400, f"{where}: shape {shape!r}; expected a list of sizes, {want_shape}")
     if len(shape) != len(want_shape) or any(w != -1 and w != d for w, d in zip(want_shape, shape)):
         raise BadRequest(400, f"{where}: shape {shape}; the model takes {want_shape} (-1: any size)")
-    dtype = np.dtype(spec.dtype if spec.dtype != "bfloat16" else "float32")
     count = int(np.prod(shape, dtype=np.int64))
     parameters = item.get("parameters") or {}
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
@@ -205,7 +190,7 @@ def encode_infer(model: TritonModel, request: InferRequest, outputs: Sequence[np
     for want in request.outputs:
         tensor, array = by_name[want.name]
         datatype = TRITON_TO_V2[tensor.data_type]
-        array = np.ascontiguousarray(array, dtype=_NUMPY_OF_V2.get(datatype, array.dtype))
+        array = np.ascontiguousarray(array, dtype=TRITON_TO_NUMPY[tensor.data_type])  # bf16: float32 stands in
         if tensor.reshape is not None:
             array = array.reshape(([array.shape[0]] if batching else []) + list(tensor.dims))
         item: Dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": list(array.shape)}
@@ -232,11 +217,9 @@ def server_metadata() -> Dict[str, object]:
 def model_metadata(model: TritonModel, platform: str) -> Dict[str, object]:
     """``GET /v2/models/{name}``: names, datatypes and shapes (-1 where a size varies, the sample axis included
     where the model batches), as the Triton repository's config states them."""
-    batch = [-1] if model.max_batch_size > 0 else []
-
     def tensors(items: Sequence[TritonTensor]) -> List[Dict[str, object]]:
-        return [{"name": t.name, "datatype": TRITON_TO_V2[t.data_type], "shape": batch + list(t.dims)}
-                for t in items]
+        return [{"name": t.name, "datatype": TRITON_TO_V2[t.data_type],
+                 "shape": stated_shape(t, model.max_batch_size > 0)} for t in items]
 
     return {"name": model.name, "versions": [MODEL_VERSION], "platform": platform,
             "inputs": tensors(model.inputs), "outputs": tensors(model.outputs)}

@@ -55,14 +55,14 @@ def info_summary(directory: Any, manifest: Manifest, contract: Contract, options
     }
 
 
-def served_model(directory: Any, contract: Contract, options: ServeOptions) -> TritonModel:
+def served_model(directory: Any, contract: Contract, options: ServeOptions, artifact: str) -> TritonModel:
     """The model as the Open Inference Protocol states it (``/v2/models/{name}/config``): named after the export
     directory (or ``model_name``); it batches where the export has a sample axis, up to ``max_request_batch``
     samples a request (Triton's ``max_batch_size``: what one request may hold), the server joining requests for up
-    to ``batch_timeout``."""
-    name, _ = artifact_for(read_manifest(directory), options)
-    return contract_model(options.model_name or default_model_name(Path(directory)), contract, name, "fx-lightning",
-                          Path(directory), max_batch_size=options.max_request_batch,
+    to ``batch_timeout``. ``artifact``: the entry the workers serve."""
+    name = options.model_name or default_model_name(Path(directory))
+    return contract_model(name, contract, artifact, "fx-lightning", Path(directory),
+                          max_batch_size=options.max_request_batch,
                           dynamic_batching=options.max_batch_size > 1,
                           max_queue_delay_us=int(options.batch_timeout * 1e6))
 
@@ -88,7 +88,7 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
     except ValueError as exc:
         raise ExportError(f"{root}: cannot be served: {exc}.") from None
     try:
-        model: Union[TritonModel, str] = served_model(root, contract, options)
+        model: Union[TritonModel, str] = served_model(root, contract, options, name)
     except ValueError as exc:  # an output the protocol has no datatype for: /predict serves, /v2 says why not
         model = f"the Open Inference Protocol cannot state this model: {exc}"
     if not contract.batched:  # no sample axis to batch requests along: each runs whole, alone

@@ -303,10 +303,6 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     if backend.name == "openvino":
         model.parameters, notes = _openvino_parameters(entry, batching)
         model.notes.extend(notes)
-    scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]
-    if model.max_batch_size == 0 and scalar:
-        raise NotServable(f"{scalar[0]!r} is a scalar (no axes), which a Triton model that does not batch cannot "
-                          "state; return it with a batch axis")
     _attach_labels(model, manifest.labels)
     return model
 

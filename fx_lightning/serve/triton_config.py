@@ -16,7 +16,8 @@ from fx_lightning.export.manifest import Manifest
 from fx_lightning.serve.contract import Contract
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
-           "contract_model", "MODEL_NAME", "default_model_name", "config_text", "config_json", "readme_text", "describe"]
+           "contract_model", "MODEL_NAME", "default_model_name", "config_text", "config_json", "readme_text",
+           "describe"]
 
 # Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
 # batches beyond a few samples add latency and little throughput, and OpenVINO's backend runs every batch padded

@@ -20,6 +20,7 @@ import torch
 
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest
+from fx_lightning.rows import concat_rows, take_rows
 from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
 from fx_lightning.serve.contract import Contract
 from fx_lightning.serve.triton_config import TritonModel, contract_model
@@ -31,7 +32,7 @@ ENTRY_PARAMETER = "fx_lightning_entry"  # the config parameter naming the artifa
 # loader runs no pickled code (graph_module is a pickle, code is Python source: load them yourself if you trust them).
 PYTHON_FORMATS = ("pt2", "aoti")
 
-MODEL_PY = '''"""Triton Python-backend model written by fx-lightning: serves the export in ./export with its checked loader."""
+MODEL_PY = '''"""Triton Python-backend model written by fx-lightning: serves ./export with its checked loader."""
 
 import json
 import os
@@ -89,16 +90,14 @@ class ExportRunner:
                 groups.setdefault(tuple(tuple(t.shape[1:]) for t in call), []).append(i)
             answers: List[List[torch.Tensor]] = [[] for _ in calls]
             for places in groups.values():
-                joined = [torch.cat([calls[i][k] for i in places]) for k in range(len(self.input_names))]
-                outputs = self._outputs(joined)
-                total = sum(int(calls[i][0].shape[0]) for i in places)
-                if any(o.dim() == 0 or o.shape[0] != total for o in outputs):
-                    raise ExportError(f"an output does not hold the batch's {total} samples on dim 0: "
+                outputs = self._outputs(concat_rows([calls[i] for i in places], [0] * len(self.input_names)))
+                sizes = [int(calls[i][0].shape[0]) for i in places]
+                if any(o.dim() == 0 or o.shape[0] != sum(sizes) for o in outputs):
+                    raise ExportError(f"an output does not hold the batch's {sum(sizes)} samples on dim 0: "
                                       f"{[list(o.shape) for o in outputs]}")
                 start = 0
-                for i in places:
-                    rows = int(calls[i][0].shape[0])
-                    answers[i] = [o[start:start + rows] for o in outputs]
+                for i, rows in zip(places, sizes):
+                    answers[i] = take_rows(outputs, [0] * len(outputs), start, rows)
                     start += rows
             return answers
 
