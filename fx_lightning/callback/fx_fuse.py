@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from fx_lightning.callback.mlflow_logging import log_to_mlflow
 from fx_lightning.callback.observe import CallRecorder, step_loader
 from fx_lightning.callback.preflight import FIXES, check_settings, rehearsal_due, rehearse
 from fx_lightning.callback.ranks import fuse_after_fit, unsupported_strategy
@@ -27,6 +28,7 @@ from fx_lightning.errors import ConfigError, FXLightningError
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import Failure, Outcome, summary_text
 from fx_lightning.provenance import PreflightReport
+from fx_lightning.tracking import LoggedExport
 
 __all__ = ["FXFuseCallback"]
 
@@ -49,8 +51,9 @@ class FXFuseCallback(Callback):
                        export={"formats": ["graph_module"]}, on_error="warn")
 
     After fit: ``result`` (:class:`~fx_lightning.engine.FuseResult`), ``parity_report``
-    (:class:`~fx_lightning.parity.ParityReport`), ``export_dir`` (Path or None), ``outcome`` (everything the
-    pipeline did), ``summary`` (str); before it, ``preflight`` (what was proven).
+    (:class:`~fx_lightning.parity.ParityReport`), ``export_dir`` (Path or None), ``mlflow``
+    (:class:`~fx_lightning.tracking.LoggedExport` when it was logged into the Trainer's MLFlowLogger run),
+    ``outcome`` (everything the pipeline did), ``summary`` (str); before it, ``preflight`` (what was proven).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class FXFuseCallback(Callback):
         self.result: Optional[FuseResult] = None
         self.parity_report: Optional[ParityReport] = None
         self.export_dir: Optional[Path] = None
+        self.mlflow: Optional[LoggedExport] = None
         self.outcome: Optional[Outcome] = None
         self.summary: Optional[str] = None
         self.error: Optional[BaseException] = None
@@ -181,6 +185,8 @@ class FXFuseCallback(Callback):
                 self._fail(trainer, Failure.of(exc))
                 return
         outcome = fuse_after_fit(trainer, pl_module, self.config, skip, self.preflight, observed)
+        if outcome.export_dir is not None and outcome.failure is None:
+            self.mlflow, outcome.failure = log_to_mlflow(trainer, self.config, outcome)
         if outcome.result is not None:
             self._record(trainer, outcome)
         if outcome.skipped is not None:
@@ -190,6 +196,7 @@ class FXFuseCallback(Callback):
             self._fail(trainer, outcome.failure)
 
     def _record(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
+        """Keep what the pipeline did, log its figures once and print its summary."""
         self.outcome, self.result, self.parity_report, self.export_dir = (
             outcome, outcome.result, outcome.parity, outcome.export_dir)
         banner = "=" * 30 + " FXFuseCallback " + "=" * 30

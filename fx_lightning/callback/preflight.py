@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 
 from fx_lightning.batches import extract_input, flat_tensors
+from fx_lightning.callback.mlflow_logging import check_mlflow
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.observe import CallRecorder
 from fx_lightning.callback.ranks import StrategyCollectives
@@ -82,6 +83,8 @@ FIXES: Dict[Step, str] = {
         f"pip install 'fx-lightning[{v.extra}]' for passes.{v.key}" for v in VARIANTS.values() if v.extra)
     + "), or disable it under passes",
     Step.selection: "drop the artifact that cannot run from export.formats, or set export.select: preference",
+    Step.mlflow: "fix the MLFlowLogger's tracking_uri or export.mlflow as the error says, or set "
+                 "export.mlflow.enabled: false",
 }
 
 
@@ -166,7 +169,7 @@ def _checks(config: FuseConfig) -> List[str]:
     checks = [Step.device, Step.target]
     if config.preflight is Preflight.full:
         checks.append(Step.weights)
-        checks += [Step.export_directory, Step.export_dependencies] if config.export.enabled else []
+        checks += [Step.export_directory, Step.export_dependencies, Step.mlflow] if config.export.enabled else []
     if config.export.enabled and config.export.preprocess.enabled:
         checks.append(Step.preprocess)
     return [c.value for c in checks]
@@ -227,6 +230,8 @@ def settings_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", conf
                                  if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint")) and cb.dirpath])
             with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
+            with in_step(Step.mlflow):
+                check_mlflow(trainer, config)
     with in_step(Step.preprocess):
         contract = input_contract(trainer, config)  # enabled with nothing to take mean/std from: fails here
     return device, contract

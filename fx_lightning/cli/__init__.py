@@ -5,6 +5,7 @@
     fx-lightning inspect DIR [--json]
     fx-lightning bench DIR [--format pt2 ...] [--batch-size 8] [--iters 50]
     fx-lightning triton DIR OUT [--name N] [--format onnx ...] [--max-batch-size 8] [--instances 1]
+    fx-lightning mlflow DIR --tracking-uri URI [--run-id ID] [--register NAME [--alias A]]
 
 ``fuse`` runs the same pipeline as :class:`~fx_lightning.FXFuseCallback` (fuse -> parity -> export), with
 the same config schema; overrides use OmegaConf's dotlist syntax (``parity.rtol=1e-3``,
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fx-lightning",
         description="Fuse (fold BatchNorms), verify and export PyTorch Lightning models with torch.fx.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fuse,inspect,bench,serve,triton}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fuse,inspect,bench,serve,triton,mlflow}")
 
     fuse = sub.add_parser(
         "fuse", help="fuse a Lightning checkpoint, check parity and export it",
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fx_lightning.cli import triton_cmd
 
     triton_cmd.add_parser(sub)
+    from fx_lightning.cli import mlflow_cmd
+
+    mlflow_cmd.add_parser(sub)
     return parser
 
 
@@ -124,6 +128,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from fx_lightning.cli import triton_cmd
 
             return triton_cmd.run(args, console)
+        if args.command == "mlflow":
+            from fx_lightning.cli import mlflow_cmd
+
+            return mlflow_cmd.run(args, console)
         return bench_cmd.run(args, console)
     except FXLightningError as exc:
         print_error(console, f"{type(exc).__name__}: {exc}")

@@ -41,6 +41,7 @@ __all__ = [
     "PassesConfig",
     "ParityConfig",
     "PreprocessConfig",
+    "MlflowConfig",
     "ExportConfig",
     "FuseConfig",
 ]
@@ -241,6 +242,62 @@ class PreprocessConfig:
                              f"{list(self.mean)}; give one value per channel in both.")
 
 
+# MLflow's rules for the names export.mlflow gives it (mlflow.utils.validation): checked here, before training.
+_LOGGED_MODEL_NAME_FORBIDDEN = ("/", ":", ".", "%", '"', "'")
+_ALIAS = re.compile(r"^[\w\-]{1,255}$")
+_VERSION_ALIAS = re.compile(r"^[vV]\d+$")
+
+
+@dataclass
+class MlflowConfig:
+    """``export.mlflow``: the verified export logged into the Trainer's ``MLFlowLogger`` run as an MLflow model (a
+    pyfunc over the export's checked loader), and optionally registered as a new model version."""
+
+    # null: on when the Trainer has an MLFlowLogger; true: one is required (refused before training without one);
+    # false: off.
+    enabled: Optional[bool] = None
+    # The logged model's name in the run: runs:/<run_id>/<artifact_path>.
+    artifact_path: str = "fx_fused"
+    # The artifact the pyfunc serves: a format or variant entry of the export (pt2, onnx, openvino-int8...);
+    # null: the export's selection (the fastest that passed, for batched requests).
+    format: Optional[str] = None
+    # A registered model name: the logged model becomes a new version of it, tagged with the export's figures.
+    register_as: Optional[str] = None
+    # An alias to point at that version (e.g. candidate); needs register_as.
+    alias: Optional[str] = None
+    # The model registry's URI, when it is not the tracking server's; null: MLflow's own ($MLFLOW_REGISTRY_URI, else
+    # the MLFlowLogger's tracking server).
+    registry_uri: Optional[str] = None
+
+    def check(self) -> None:
+        """The names MLflow would refuse, refused here: ``artifact_path`` a logged model's name, ``register_as`` a
+        registered model's, ``alias`` an alias (with ``register_as``); ``format`` a format or variant entry."""
+        if not self.artifact_path or any(c in self.artifact_path for c in _LOGGED_MODEL_NAME_FORBIDDEN):
+            raise ValueError(f"artifact_path: {self.artifact_path!r}; allowed: a non-empty name without "
+                             f"{' '.join(_LOGGED_MODEL_NAME_FORBIDDEN)} (MLflow's rule for a logged model's name).")
+        if self.register_as is not None:
+            name = self.register_as
+            if not name.strip() or "/" in name or ":" in name or name != name.strip() or name in (".", ".."):
+                raise ValueError(f"register_as: {name!r}; allowed: a registered model name without '/' or ':' nor "
+                                 "surrounding spaces, not '.' or '..' (MLflow's rule), or null not to register.")
+        if self.registry_uri is not None and self.register_as is None:
+            raise ValueError(f"registry_uri: {self.registry_uri!r} given without register_as; nothing would be "
+                             "registered: set register_as too, or registry_uri: null.")
+        if self.alias is not None:
+            if self.register_as is None:
+                raise ValueError(f"alias: {self.alias!r} given without register_as; an alias points at a registered "
+                                 "model version: set register_as too.")
+            if not _ALIAS.match(self.alias) or _VERSION_ALIAS.match(self.alias) or self.alias.lower() == "latest":
+                raise ValueError(f"alias: {self.alias!r}; allowed: 1-255 letters, digits, '_' or '-', not 'latest' "
+                                 "nor a version name such as 'v3' (MLflow reserves both).")
+        if self.format is not None:
+            base, _, variant = self.format.partition("-")
+            if base not in FORMATS or (variant and variant not in {v.name for v in VARIANTS.values()}):
+                raise ValueError(f"format: {self.format!r}; allowed: a format of the export ({', '.join(FORMATS)}), "
+                                 "a variant entry <format>-<variant> (variants: "
+                                 f"{', '.join(v.name for v in VARIANTS.values())}), or null for the export's selection.")
+
+
 @dataclass
 class ExportConfig:
     enabled: bool = True
@@ -264,6 +321,8 @@ class ExportConfig:
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     # Class names of the first output's columns (manifest ``labels``); null: the datamodule's ``classes``.
     labels: Optional[List[str]] = None
+    # The export logged into an MLflow run (and registry) when the Trainer has an MLFlowLogger.
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
     def check(self) -> None:
         """Formats listed (when enabled) and once each; batch sizes positive (and distinct); opset in range."""

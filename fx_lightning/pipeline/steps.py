@@ -86,6 +86,7 @@ class Step(str, Enum):
     export = "export"
     variants = "variants"
     selection = "selection"
+    mlflow = "export.mlflow"  # the export logged into an MLflow run (and registry) after it is written
 
 
 # The error type of the condition a foreign exception leaving a step means; a crash elsewhere (the model's own

@@ -1,0 +1,319 @@
+"""An export logged into an MLflow run as a pyfunc model, and registered as a model version.
+
+:func:`log_export` is the one function every caller runs (the callback at the end of fit with its
+``MLFlowLogger``'s run, ``fx-lightning mlflow DIR`` after the fact): the whole export directory becomes the model's
+artifact, :mod:`fx_lightning.tracking.pyfunc` its model (logged as code: nothing is pickled), with a tensor
+signature and an input example from the export's own signature and ``check.pt``, the pip requirements of the
+artifact it serves, and the export's verdict and figures as tags on the run, the logged model and the model version.
+:func:`check_destination` is what the preflight proves before training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Union
+
+import numpy as np
+
+from fx_lightning._version import __version__
+from fx_lightning.config import MlflowConfig
+from fx_lightning.errors import ConfigError, ExportError, first_line
+from fx_lightning.export.check import read_check_file
+from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
+from fx_lightning.formats import FORMATS
+from fx_lightning.rows import take_rows
+from fx_lightning.serve.artifact import ServeOptions, artifact_for
+from fx_lightning.serve.contract import Contract
+
+__all__ = ["EXPORT_ARTIFACT", "TAG_PREFIX", "MlflowRun", "RegisteredVersion", "LoggedExport", "log_export",
+           "check_destination", "pyfunc_serve_options", "model_signature", "pip_requirements", "export_tags"]
+
+# The pyfunc's artifact key: the export directory, copied whole into the logged model.
+EXPORT_ARTIFACT = "export"
+TAG_PREFIX = "fx_lightning."
+# The batch size the pyfunc's artifact is chosen and warmed for (larger inputs run in pieces of the sizes warmed).
+PYFUNC_BATCH_SIZE = 8
+# Samples of check.pt in the logged input example (MLflow runs it through the loaded model when it logs).
+EXAMPLE_SAMPLES = 2
+DISTRIBUTION = "fx-lightning"
+
+
+@dataclass(frozen=True)
+class MlflowRun:
+    """Where to log: the tracking server (``tracking_uri``; ``registry_uri``: the registry's, when it is elsewhere;
+    None: MLflow's own, ``$MLFLOW_REGISTRY_URI`` else the tracking server), and the run (``run_id``; None: a new run
+    in ``experiment``, ended once the model is logged)."""
+
+    tracking_uri: str
+    run_id: Optional[str] = None
+    experiment: str = "fx-lightning"
+    registry_uri: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    """The model version a logged export became: ``models:/<name>/<version>`` (and ``models:/<name>@<alias>``)."""
+
+    name: str
+    version: str
+    alias: Optional[str] = None
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+
+@dataclass(frozen=True)
+class LoggedExport:
+    """What :func:`log_export` did: the run and logged model (``model_uri``: ``models:/<model_id>``; also loadable
+    as ``runs:/<run_id>/<artifact_path>``), the artifact the pyfunc serves, and the version it was registered as."""
+
+    run_id: str
+    model_id: str
+    model_uri: str
+    artifact_path: str
+    served: str
+    tracking_uri: str
+    registered: Optional[RegisteredVersion] = None
+
+    @property
+    def run_uri(self) -> str:
+        return f"runs:/{self.run_id}/{self.artifact_path}"
+
+
+def log_export(directory: Union[str, Path], run: MlflowRun, options: Optional[MlflowConfig] = None) -> LoggedExport:
+    """Log the export in ``directory`` into ``run`` as a pyfunc model, and register it when
+    ``options.register_as`` is set. Every file is checked against the manifest first; the export directory is
+    only read. Raises :class:`ExportError` naming what failed (the step and MLflow's message), ``ConfigError`` for
+    an option the export cannot honour (a ``format`` it does not hold)."""
+    import mlflow
+    from mlflow.models import Model
+
+    options = options or MlflowConfig()
+    root = Path(directory)
+    manifest = read_manifest(root)
+    verify_files(root, manifest)
+    served = _served_artifact(manifest, options)
+    signature, example = model_signature(manifest), _input_example(root, manifest)
+    tags = export_tags(manifest, served)
+    with _tracking_uri(run.tracking_uri, run.registry_uri):
+        client = mlflow.MlflowClient(run.tracking_uri, registry_uri=run.registry_uri)
+        run_id, experiment_id, own_run = _resolve_run(client, run)
+        try:
+            logged = _step("create the logged model", lambda: mlflow.initialize_logged_model(
+                name=options.artifact_path, source_run_id=run_id, experiment_id=experiment_id, tags=tags))
+            try:
+                info = _step("log the model", lambda: Model.log(
+                    artifact_path=None, name=options.artifact_path, flavor=mlflow.pyfunc, run_id=run_id,
+                    model_id=logged.model_id, python_model=str(Path(__file__).with_name("model_code.py")),
+                    artifacts={EXPORT_ARTIFACT: str(root)}, code_paths=[str(Path(__file__).parents[1])],
+                    model_config={"format": options.format}, signature=signature, input_example=example,
+                    pip_requirements=pip_requirements(manifest, served)))
+            except ExportError:
+                with contextlib.suppress(Exception):  # the model stays listed, marked FAILED
+                    mlflow.finalize_logged_model(logged.model_id, "FAILED")
+                raise
+            for key, value in tags.items():
+                client.set_tag(run_id, key, value)
+            registered = _register(client, info.model_uri, run_id, options, tags) if options.register_as else None
+        finally:
+            if own_run:
+                client.set_terminated(run_id)
+    return LoggedExport(run_id, logged.model_id, info.model_uri, options.artifact_path, served, run.tracking_uri,
+                        registered)
+
+
+def check_destination(run: MlflowRun, options: MlflowConfig) -> None:
+    """What can be proven before training: MLflow imports, the tracking server answers and holds the run, and the
+    registry answers when a model is to be registered. Raises :class:`ConfigError` naming the key and the cause."""
+    try:
+        import mlflow
+    except ImportError as exc:
+        raise ConfigError(f"export.mlflow: logging the export into MLflow needs mlflow ({exc}): pip install "
+                          "'fx-lightning[mlflow]', or set export.mlflow.enabled: false.") from None
+    with _tracking_uri(run.tracking_uri, run.registry_uri):
+        client = mlflow.MlflowClient(run.tracking_uri, registry_uri=run.registry_uri)
+        try:
+            if run.run_id is not None:
+                client.get_run(run.run_id)
+            else:
+                client.search_experiments(max_results=1)
+        except Exception as exc:  # noqa: BLE001 - any failure to reach the store is the answer
+            raise ConfigError(f"export.mlflow: the tracking server {run.tracking_uri!r} does not answer"
+                              + (f" for run {run.run_id}" if run.run_id else "")
+                              + f": {type(exc).__name__}: {first_line(exc)}. Fix the MLFlowLogger's tracking_uri, or "
+                                "set export.mlflow.enabled: false.") from None
+        if options.register_as:
+            try:
+                client.search_registered_models(max_results=1)
+            except Exception as exc:  # noqa: BLE001
+                key = "registry_uri" if run.registry_uri else "register_as"
+                raise ConfigError(f"export.mlflow.{key}: the model registry at {mlflow.get_registry_uri()!r} does not "
+                                  f"answer, so {options.register_as!r} cannot be registered: {type(exc).__name__}: "
+                                  f"{first_line(exc)}. Fix the registry URI, or set register_as: null.") from None
+
+
+def model_signature(manifest: Manifest) -> Any:
+    """The MLflow tensor signature of the export: each input named, typed and shaped as the manifest records (the
+    sample axis and every dynamic dimension -1); each output likewise when numpy has its dtype."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    contract = _contract(manifest)
+    inputs = [TensorSpec(np.dtype(spec.dtype), ((-1,) if spec.batched else ()) + tuple(
+        -1 if d is None else d for d in spec.sample_shape), spec.name) for spec in contract.inputs]
+    outputs = None
+    known = [s for s in manifest.outputs if s.dtype is not None and _numpy_dtype(s.dtype) is not None]
+    if manifest.outputs and len(known) == len(manifest.outputs):
+        outputs = Schema([TensorSpec(_numpy_dtype(s.dtype), tuple(d if isinstance(d, int) else -1 for d in s.shape or []),
+                                     s.name if len(known) > 1 else None) for s in known])
+    return ModelSignature(inputs=Schema(inputs), outputs=outputs)
+
+
+def pip_requirements(manifest: Manifest, served: str) -> List[str]:
+    """What the pyfunc needs installed, pinned to the versions here: fx-lightning's own dependencies (its code
+    travels with the model), numpy, and the runtime of the artifact it serves (ONNX Runtime, OpenVINO, torchao for
+    int8...)."""
+    try:
+        declared = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        declared = ["torch"]
+    names = [re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] for r in declared if "extra ==" not in r]
+    entry = manifest.formats[served]
+    fmt = FORMATS[entry.format_name or served]
+    distributions = importlib.metadata.packages_distributions()
+    for module in [*fmt.runtime_requires, *entry.imports]:
+        names += distributions.get(module.split(".")[0], [module])
+    names.append("numpy")
+    pinned: List[str] = []
+    for name in dict.fromkeys(names):
+        try:
+            pinned.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pinned.append(name)
+    return pinned
+
+
+def export_tags(manifest: Manifest, served: str) -> Dict[str, str]:
+    """The export's verdict and figures as MLflow tags: parity (passed, each gate figure and threshold), the artifact
+    served and its timing, the CPU it was chosen on, the variants made, fx-lightning's version."""
+    tags: Dict[str, str] = {"version": __version__, "served_artifact": served,
+                            "formats": ",".join(manifest.formats), "created_utc": manifest.created_utc}
+    if manifest.parity is not None:
+        tags["parity.passed"] = str(manifest.parity.passed).lower()
+        tags["parity.batches"] = str(manifest.parity.batches)
+        tags.update({f"parity.{k}": f"{v:.6g}" for k, v in manifest.parity.metrics.items()})
+        tags.update({f"parity.threshold.{k}": f"{v:.6g}" for k, v in manifest.parity.thresholds.items()})
+    if manifest.selected is not None:
+        tags.update({"selected": manifest.selected.format, "selected.batch_size": str(manifest.selected.batch_size),
+                     "selected.median_ms": f"{manifest.selected.median_ms:.4g}",
+                     "selected.traffic": manifest.selected.traffic})
+    if manifest.bench is not None:
+        tags.update({"cpu": manifest.bench.machine, "cpu.isa": manifest.bench.isa,
+                     "bench.threads": str(manifest.bench.threads)})
+    for variant, outcomes in manifest.variants.items():
+        for outcome in outcomes:
+            tags[f"variant.{outcome.entry}"] = "kept" if outcome.kept else f"dropped: {outcome.reason}"[:250]
+    return {TAG_PREFIX + k: v for k, v in tags.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _served_artifact(manifest: Manifest, options: MlflowConfig) -> str:
+    """The artifact the pyfunc serves: ``options.format`` when the export holds it, else its selection."""
+    if options.format is not None and options.format not in manifest.formats:
+        raise ConfigError(f"export.mlflow.format: {options.format!r} is not in the export; it holds "
+                          f"{', '.join(manifest.formats)} (or null for its selection).")
+    return artifact_for(manifest, pyfunc_serve_options(options.format))[0]
+
+
+def pyfunc_serve_options(format: Optional[str]) -> ServeOptions:
+    """How the pyfunc loads the export: ``format`` (None: the selection for batches of :data:`PYFUNC_BATCH_SIZE`,
+    with the runtime settings that made it fastest), warmed for the batch sizes up to that."""
+    return ServeOptions(format=format, max_batch_size=PYFUNC_BATCH_SIZE)
+
+
+def _contract(manifest: Manifest) -> Contract:
+    try:
+        return Contract.of(manifest)
+    except ValueError as exc:
+        raise ExportError(f"the export cannot be logged as an MLflow pyfunc with a tensor signature: {exc}") from None
+
+
+def _numpy_dtype(name: str) -> Optional[np.dtype]:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None  # bfloat16 and the like: numpy has none
+
+
+def _input_example(root: Path, manifest: Manifest) -> Optional[Dict[str, np.ndarray]]:
+    """A few samples of ``check.pt``'s inputs, keyed by input name (None when the export has no check.pt)."""
+    saved = read_check_file(root)
+    if saved is None:
+        return None
+    contract = _contract(manifest)
+    inputs = list(saved.inputs)
+    if contract.batched:
+        inputs = list(take_rows(tuple(inputs), [0] * len(inputs), 0, EXAMPLE_SAMPLES))
+    return {spec.name: t.numpy() for spec, t in zip(contract.inputs, inputs)}
+
+
+def _resolve_run(client: Any, run: MlflowRun) -> tuple:
+    """The run to log into, its experiment, and whether it was made here (then ended here)."""
+    if run.run_id is not None:
+        found = _step(f"find run {run.run_id}", lambda: client.get_run(run.run_id))
+        return run.run_id, found.info.experiment_id, False
+    experiment = client.get_experiment_by_name(run.experiment)
+    experiment_id = experiment.experiment_id if experiment is not None else _step(
+        f"create experiment {run.experiment!r}", lambda: client.create_experiment(run.experiment))
+    made = _step("create a run", lambda: client.create_run(experiment_id, run_name="fx-lightning export"))
+    return made.info.run_id, experiment_id, True
+
+
+def _register(client: Any, model_uri: str, run_id: str, options: MlflowConfig,
+              tags: Dict[str, str]) -> RegisteredVersion:
+    """A new version of ``options.register_as`` (the registered model made when missing), tagged, and the alias."""
+    import mlflow
+
+    name = options.register_as
+    assert name is not None
+    version = _step(f"register the model as {name!r}", lambda: mlflow.register_model(
+        model_uri, name, tags=tags, await_registration_for=60))
+    if options.alias:
+        _step(f"set alias {options.alias!r} on {name!r} version {version.version}",
+              lambda: client.set_registered_model_alias(name, options.alias, version.version))
+    return RegisteredVersion(name, str(version.version), options.alias)
+
+
+def _step(what: str, call: Any) -> Any:
+    """``call()``, with a failure raised as an :class:`ExportError` saying what was being done."""
+    try:
+        return call()
+    except ExportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - MLflow raises its own and its stores' exceptions
+        raise ExportError(f"MLflow: could not {what}: {type(exc).__name__}: {first_line(exc)}") from exc
+
+
+@contextlib.contextmanager
+def _tracking_uri(tracking_uri: str, registry_uri: Optional[str]) -> Iterator[None]:
+    """MLflow's process-wide tracking (and registry) URI set for the block and put back after it: its model-logging
+    functions read them, and the caller's own MLflow use must not be redirected."""
+    import mlflow
+
+    previous, previous_registry = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(tracking_uri)
+    if registry_uri is not None:
+        mlflow.set_registry_uri(registry_uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)
+        if registry_uri is not None:
+            mlflow.set_registry_uri(previous_registry)
