@@ -244,6 +244,7 @@ def test_no_mlflow_logger_and_enabled_null_logs_nothing(tmp_path: Path) -> None:
     ({"alias": "candidate"}, "export.mlflow.alias"),
     ({"register_as": "a/b"}, "export.mlflow.register_as"),
     ({"register_as": ".."}, "export.mlflow.register_as"),
+    ({"register_as": "..x"}, "export.mlflow.register_as"),
     ({"register_as": "m", "alias": "latest"}, "export.mlflow.alias"),
     ({"register_as": "m", "alias": "v2"}, "export.mlflow.alias"),
     ({"artifact_path": "a.b"}, "export.mlflow.artifact_path"),
@@ -349,3 +350,76 @@ def test_signature_requirements_and_tags_come_from_the_export(two_input_export: 
     tags = export_tags(manifest, "pt2")
     assert tags["fx_lightning.parity.passed"] == str(manifest.parity.passed).lower()
     assert all(k.startswith("fx_lightning.") and isinstance(v, str) for k, v in tags.items())
+
+
+# ------------------------------------------------------------------------------------ review: edge cases
+
+
+def test_tags_say_why_each_variant_was_not_kept(two_input_export: Dict[str, Any]) -> None:
+    import dataclasses
+
+    from fx_lightning.export.manifest import VariantOutcome
+    from fx_lightning.parity.report import ParityReport
+
+    manifest = read_manifest(two_input_export["dir"])
+    missed = ParityReport(False, {"top1_agreement": 0.9}, failures=[])
+    variants = {"int8": [VariantOutcome("onnx-int8", True), VariantOutcome("pt2-int8", False, error="no kernel"),
+                         VariantOutcome("openvino-int8", False, gate=missed)],
+                "bf16": [VariantOutcome("pt2-bf16", False, skipped="the CPU has no avx512_bf16")]}
+    tags = export_tags(dataclasses.replace(manifest, variants=variants), "pt2")
+    assert tags["fx_lightning.variant.onnx-int8"] == "kept"
+    assert tags["fx_lightning.variant.pt2-int8"] == "failed: no kernel"
+    assert tags["fx_lightning.variant.openvino-int8"].startswith("dropped")
+    assert tags["fx_lightning.variant.pt2-bf16"] == "skipped: the CPU has no avx512_bf16"
+
+
+def test_one_row_export_and_the_callers_mlflow_state_untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check.pt of one sample gives a one-sample input example; the process's MLflow URIs and their environment
+    variables are as they were after logging elsewhere; the pyfunc refuses a NaN itself, naming the input."""
+    from fx_lightning import fuse_and_export
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).eval()
+    model[1].running_mean.uniform_(-1, 1)
+    fuse_and_export(model, tmp_path / "export", example_inputs=(torch.randn(1, 6),), config={"export": {"formats": ["pt2"]}})
+    users = f"sqlite:///{tmp_path}/users.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", users)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    before = (mlflow.get_tracking_uri(), mlflow.get_registry_uri(), os.environ.get("MLFLOW_TRACKING_URI"),
+              os.environ.get("MLFLOW_REGISTRY_URI"))
+    ours = f"sqlite:///{tmp_path}/ours.db"
+    logged = log_export(tmp_path / "export", MlflowRun(ours), MlflowConfig(register_as="one-row"))
+    after = (mlflow.get_tracking_uri(), mlflow.get_registry_uri(), os.environ.get("MLFLOW_TRACKING_URI"),
+             os.environ.get("MLFLOW_REGISTRY_URI"))
+    assert after == before == (users, users, users, None)
+    client = mlflow.MlflowClient(ours)
+    assert client.get_run(logged.run_id).info.status == "FINISHED"  # the run made for it, ended
+    assert "format" not in client.get_run(logged.run_id).data.params
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", ours)
+    pyfunc = mlflow.pyfunc.load_model(logged.registered.uri)
+    name = pyfunc.metadata.get_input_schema().input_names()[0]
+    x = torch.randn(3, 6)
+    got = pyfunc.predict({name: x.numpy()})
+    assert got.shape == (3, 4) and rel_err(torch.from_numpy(got), reference_fp64(model, x)) < TOLERANCE
+    bad = x.numpy().copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(mlflow.exceptions.MlflowException, match=rf"input '{name}': 1 NaN or infinite"):
+        pyfunc.predict({name: bad})
+
+
+def test_preflight_capture_refuses_enabled_without_a_logger_and_export_off_is_refused(tmp_path: Path) -> None:
+    model = LitClassifier()
+    callback = FXFuseCallback(export={"dir": str(tmp_path / "a"), "mlflow": {"enabled": True}}, preflight="capture")
+    with pytest.raises(ConfigError, match=r"export\.mlflow\.enabled: true, but the Trainer has no MLFlowLogger"):
+        make_trainer(tmp_path, [callback]).fit(model, *loaders())
+    assert model.training_steps == 0
+    with pytest.raises(ConfigError, match=r"export\.mlflow\.enabled: true while export\.enabled is false"):
+        FXFuseCallback(export={"enabled": False, "mlflow": {"enabled": True}})
+
+
+def test_log_again_command_repeats_the_options(tmp_path: Path) -> None:
+    from fx_lightning.callback.mlflow_logging import log_again_command
+
+    config = load_config(export={"mlflow": {"register_as": "my model", "alias": "candidate", "format": "onnx"}})
+    command = log_again_command(tmp_path / "fx fused", MlflowRun("sqlite:///m.db", "abc"), config)
+    assert command == (f"fx-lightning mlflow '{tmp_path / 'fx fused'}' --tracking-uri sqlite:///m.db --run-id abc "
+                       "--artifact-path fx_fused --format onnx --register 'my model' --alias candidate")

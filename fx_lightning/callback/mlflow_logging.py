@@ -5,6 +5,7 @@ the same result through the strategy's collectives). The logging itself is :func
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
@@ -17,7 +18,7 @@ from fx_lightning.errors import ConfigError, ExportError, FXLightningError
 from fx_lightning.notes import NoteKind
 from fx_lightning.pipeline import Failure, Outcome, Step, exchange_failure
 
-__all__ = ["MLFLOW_LOGGED", "mlflow_loggers", "mlflow_run", "check_mlflow", "log_to_mlflow"]
+__all__ = ["MLFLOW_LOGGED", "mlflow_loggers", "mlflow_run", "check_mlflow", "log_to_mlflow", "log_again_command"]
 
 MLFLOW_LOGGED = NoteKind("mlflow_logged", "logged to MLflow as {run_uri} ({model_uri}, serving {served}){registered}")
 
@@ -83,7 +84,7 @@ def log_to_mlflow(trainer: "pl.Trainer", config: FuseConfig, outcome: Outcome) -
 
                 logged = log_export(export_dir, run, config.export.mlflow)
         except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised (or warned) by the caller
-            error = _explained(exc, export_dir, run)
+            error = _explained(exc, export_dir, run, config)
     collectives = StrategyCollectives(trainer)
     failure = exchange_failure(collectives, error)
     logged = collectives.broadcast(logged, src=0)
@@ -94,13 +95,23 @@ def log_to_mlflow(trainer: "pl.Trainer", config: FuseConfig, outcome: Outcome) -
     return logged, failure
 
 
-def _explained(exc: Exception, export_dir: Path, run: Optional[Any]) -> FXLightningError:
-    """``exc`` as our error, saying that the export stands and how to log it again."""
+def _explained(exc: Exception, export_dir: Path, run: Optional[Any], config: FuseConfig) -> FXLightningError:
+    """``exc`` as our error, saying that the export stands and the command that logs it again."""
     error = exc if isinstance(exc, FXLightningError) else ExportError(f"{type(exc).__name__}: {exc}")
     if error is not exc:
         error.__cause__ = exc
     error.step = error.step or Step.mlflow.value
-    again = f"fx-lightning mlflow {export_dir}" + (
-        f" --tracking-uri {run.tracking_uri} --run-id {run.run_id}" if run is not None else " --tracking-uri URI")
     return error.add_context(after=[f"The export in {export_dir} is complete and was not changed; log it again "
-                                    f"with: {again}"])
+                                    f"with: {log_again_command(export_dir, run, config)}"])
+
+
+def log_again_command(export_dir: Path, run: Optional[Any], config: FuseConfig) -> str:
+    """The ``fx-lightning mlflow`` command that logs ``export_dir`` as the callback would have, shell-quoted."""
+    options = config.export.mlflow
+    words = ["fx-lightning", "mlflow", str(export_dir), "--tracking-uri",
+             run.tracking_uri if run is not None else "URI"]
+    flags = [("--run-id", run.run_id if run is not None else None), ("--artifact-path", options.artifact_path),
+             ("--format", options.format), ("--register", options.register_as), ("--alias", options.alias),
+             ("--registry-uri", options.registry_uri)]
+    words += [w for flag, value in flags if value for w in (flag, value)]
+    return " ".join(w if w in ("URI",) else shlex.quote(w) for w in words)

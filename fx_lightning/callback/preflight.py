@@ -169,7 +169,9 @@ def _checks(config: FuseConfig) -> List[str]:
     checks = [Step.device, Step.target]
     if config.preflight is Preflight.full:
         checks.append(Step.weights)
-        checks += [Step.export_directory, Step.export_dependencies, Step.mlflow] if config.export.enabled else []
+        checks += [Step.export_directory, Step.export_dependencies] if config.export.enabled else []
+    if config.export.enabled and config.export.mlflow.enabled is not False:
+        checks.append(Step.mlflow)
     if config.export.enabled and config.export.preprocess.enabled:
         checks.append(Step.preprocess)
     return [c.value for c in checks]
@@ -230,8 +232,9 @@ def settings_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", conf
                                  if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint")) and cb.dirpath])
             with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
-            with in_step(Step.mlflow):
-                check_mlflow(trainer, config)
+    if config.export.enabled and config.export.mlflow.enabled is not False:
+        with in_step(Step.mlflow):
+            check_mlflow(trainer, config)
     with in_step(Step.preprocess):
         contract = input_contract(trainer, config)  # enabled with nothing to take mean/std from: fails here
     return device, contract

@@ -59,8 +59,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     run_ = MlflowRun(args.tracking_uri, args.run_id, args.experiment, args.registry_uri)
     try:
         logged = log_export(args.directory, run_, options)
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+    except ConfigError as exc:  # the flags' names, not the config keys they stand for
+        raise UsageError(f"fx-lightning mlflow: {str(exc).replace('export.mlflow.format', '--format')}") from None
     console.print(f"logged {args.directory} into run {logged.run_id} (serving {logged.served}):", markup=False)
     console.print(f"  {logged.run_uri}\n  {logged.model_uri}", markup=False)
     if logged.registered is not None:

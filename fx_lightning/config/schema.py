@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import posixpath
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -277,9 +278,10 @@ class MlflowConfig:
                              f"{' '.join(_LOGGED_MODEL_NAME_FORBIDDEN)} (MLflow's rule for a logged model's name).")
         if self.register_as is not None:
             name = self.register_as
-            if not name.strip() or "/" in name or ":" in name or name != name.strip() or name in (".", ".."):
-                raise ValueError(f"register_as: {name!r}; allowed: a registered model name without '/' or ':' nor "
-                                 "surrounding spaces, not '.' or '..' (MLflow's rule), or null not to register.")
+            normal = posixpath.normpath(name)
+            if not name.strip() or "/" in name or ":" in name or normal != name or normal.startswith(".."):
+                raise ValueError(f"register_as: {name!r}; allowed: a registered model name without '/' or ':', not "
+                                 "'.' nor starting with '..' (MLflow's rules), or null not to register.")
         if self.registry_uri is not None and self.register_as is None:
             raise ValueError(f"registry_uri: {self.registry_uri!r} given without register_as; nothing would be "
                              "registered: set register_as too, or registry_uri: null.")
@@ -340,6 +342,9 @@ class ExportConfig:
         if any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
             raise ValueError(f"aoti_batch_sizes: positive and distinct batch sizes, or [] for one dynamic-batch "
                              f"package; got {list(sizes)}.")
+        if self.mlflow.enabled and not self.enabled:
+            raise ValueError("mlflow.enabled: true while export.enabled is false: there would be nothing to log; set "
+                             "export.enabled: true, or mlflow.enabled: null or false.")
         if self.select_batch_size < 1:
             raise ValueError(f"select_batch_size: must be >= 1, got {self.select_batch_size}.")
         if self.onnx_opset is not None and not 7 <= self.onnx_opset <= 30:

@@ -12,34 +12,40 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
 from fx_lightning._version import __version__
 from fx_lightning.config import MlflowConfig
+from fx_lightning.dtypes import by_torch
 from fx_lightning.errors import ConfigError, ExportError, first_line
 from fx_lightning.export.check import read_check_file
-from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
+from fx_lightning.export.manifest import Manifest, VariantOutcome, read_manifest, verify_files
 from fx_lightning.formats import FORMATS
-from fx_lightning.rows import take_rows
+from fx_lightning.rows import rows_of, take_rows
 from fx_lightning.serve.artifact import ServeOptions, artifact_for
 from fx_lightning.serve.contract import Contract
 
-__all__ = ["EXPORT_ARTIFACT", "TAG_PREFIX", "MlflowRun", "RegisteredVersion", "LoggedExport", "log_export",
+__all__ = ["EXPORT_ARTIFACT", "FORMAT_KEY", "TAG_PREFIX", "MlflowRun", "RegisteredVersion", "LoggedExport", "log_export",
            "check_destination", "pyfunc_serve_options", "model_signature", "pip_requirements", "export_tags"]
 
 # The pyfunc's artifact key: the export directory, copied whole into the logged model.
 EXPORT_ARTIFACT = "export"
+# The pyfunc's model_config key naming the artifact it serves (absent: the export's selection).
+FORMAT_KEY = "fx_lightning_format"
 TAG_PREFIX = "fx_lightning."
 # The batch size the pyfunc's artifact is chosen and warmed for (larger inputs run in pieces of the sizes warmed).
 PYFUNC_BATCH_SIZE = 8
 # Samples of check.pt in the logged input example (MLflow runs it through the loaded model when it logs).
 EXAMPLE_SAMPLES = 2
 DISTRIBUTION = "fx-lightning"
+MAX_TAG = 5000  # MLflow's limit on a tag's value
+_URI_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,12 @@ def log_export(directory: Union[str, Path], run: MlflowRun, options: Optional[Ml
     ``options.register_as`` is set. Every file is checked against the manifest first; the export directory is
     only read. Raises :class:`ExportError` naming what failed (the step and MLflow's message), ``ConfigError`` for
     an option the export cannot honour (a ``format`` it does not hold)."""
-    import mlflow
-    from mlflow.models import Model
+    try:
+        import mlflow
+        from mlflow.models import Model
+    except ImportError as exc:
+        raise ConfigError(f"export.mlflow: logging into MLflow needs mlflow ({exc}): pip install "
+                          "'fx-lightning[mlflow]'.") from None
 
     options = options or MlflowConfig()
     root = Path(directory)
@@ -103,6 +113,7 @@ def log_export(directory: Union[str, Path], run: MlflowRun, options: Optional[Ml
     with _tracking_uri(run.tracking_uri, run.registry_uri):
         client = mlflow.MlflowClient(run.tracking_uri, registry_uri=run.registry_uri)
         run_id, experiment_id, own_run = _resolve_run(client, run)
+        status = "FAILED"
         try:
             logged = _step("create the logged model", lambda: mlflow.initialize_logged_model(
                 name=options.artifact_path, source_run_id=run_id, experiment_id=experiment_id, tags=tags))
@@ -111,18 +122,21 @@ def log_export(directory: Union[str, Path], run: MlflowRun, options: Optional[Ml
                     artifact_path=None, name=options.artifact_path, flavor=mlflow.pyfunc, run_id=run_id,
                     model_id=logged.model_id, python_model=str(Path(__file__).with_name("model_code.py")),
                     artifacts={EXPORT_ARTIFACT: str(root)}, code_paths=[str(Path(__file__).parents[1])],
-                    model_config={"format": options.format}, signature=signature, input_example=example,
+                    # Given only when a format is chosen: MLflow also logs model_config as the run's parameters.
+                    model_config={FORMAT_KEY: options.format} if options.format else None,
+                    signature=signature, input_example=example,
                     pip_requirements=pip_requirements(manifest, served)))
             except ExportError:
                 with contextlib.suppress(Exception):  # the model stays listed, marked FAILED
                     mlflow.finalize_logged_model(logged.model_id, "FAILED")
                 raise
-            for key, value in tags.items():
-                client.set_tag(run_id, key, value)
+            _step("tag the run", lambda: [client.set_tag(run_id, key, value) for key, value in tags.items()])
             registered = _register(client, info.model_uri, run_id, options, tags) if options.register_as else None
+            status = "FINISHED"
         finally:
-            if own_run:
-                client.set_terminated(run_id)
+            if own_run:  # a run made here ends here, FAILED when the model is not fully logged
+                with contextlib.suppress(Exception):
+                    client.set_terminated(run_id, status)
     return LoggedExport(run_id, logged.model_id, info.model_uri, options.artifact_path, served, run.tracking_uri,
                         registered)
 
@@ -166,35 +180,40 @@ def model_signature(manifest: Manifest) -> Any:
     contract = _contract(manifest)
     inputs = [TensorSpec(np.dtype(spec.dtype), ((-1,) if spec.batched else ()) + tuple(
         -1 if d is None else d for d in spec.sample_shape), spec.name) for spec in contract.inputs]
-    outputs = None
-    known = [s for s in manifest.outputs if s.dtype is not None and _numpy_dtype(s.dtype) is not None]
-    if manifest.outputs and len(known) == len(manifest.outputs):
-        outputs = Schema([TensorSpec(_numpy_dtype(s.dtype), tuple(d if isinstance(d, int) else -1 for d in s.shape or []),
-                                     s.name if len(known) > 1 else None) for s in known])
+    outputs = None  # stated only when every output's dtype and shape are known
+    stated = [(s, by_torch(s.dtype)) for s in manifest.outputs if s.dtype is not None and s.shape is not None]
+    if manifest.outputs and len(stated) == len(manifest.outputs) and all(d is not None for _, d in stated):
+        outputs = Schema([TensorSpec(np.dtype(d.numpy), tuple(x if isinstance(x, int) else -1 for x in s.shape),
+                                     s.name if len(stated) > 1 else None) for s, d in stated])
     return ModelSignature(inputs=Schema(inputs), outputs=outputs)
 
 
 def pip_requirements(manifest: Manifest, served: str) -> List[str]:
-    """What the pyfunc needs installed, pinned to the versions here: fx-lightning's own dependencies (its code
-    travels with the model), numpy, and the runtime of the artifact it serves (ONNX Runtime, OpenVINO, torchao for
-    int8...)."""
+    """What the pyfunc needs installed: fx-lightning's own dependencies (its code travels with the model), numpy, and
+    the runtime of the artifact it serves (ONNX Runtime, OpenVINO, torchao for int8...), each pinned to the version
+    the export recorded (``manifest.versions``: what made and checked the artifact), else the one installed here;
+    local version labels (``+cpu``) are dropped, since no package index serves them."""
     try:
         declared = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:
         declared = ["torch"]
-    names = [re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] for r in declared if "extra ==" not in r]
+    names = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0]: r for r in declared if "extra ==" not in r}
     entry = manifest.formats[served]
     fmt = FORMATS[entry.format_name or served]
     distributions = importlib.metadata.packages_distributions()
     for module in [*fmt.runtime_requires, *entry.imports]:
-        names += distributions.get(module.split(".")[0], [module])
-    names.append("numpy")
+        for name in distributions.get(module.split(".")[0], [module]):
+            names.setdefault(name, module)
+    names.setdefault("numpy", "numpy")
     pinned: List[str] = []
-    for name in dict.fromkeys(names):
-        try:
-            pinned.append(f"{name}=={importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pinned.append(name)
+    for name, module in names.items():
+        version = manifest.versions.get(name) or manifest.versions.get(module)
+        if not version:
+            try:
+                version = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                version = None
+        pinned.append(f"{name}=={version.split('+')[0]}" if version else name)
     return pinned
 
 
@@ -215,13 +234,25 @@ def export_tags(manifest: Manifest, served: str) -> Dict[str, str]:
     if manifest.bench is not None:
         tags.update({"cpu": manifest.bench.machine, "cpu.isa": manifest.bench.isa,
                      "bench.threads": str(manifest.bench.threads)})
-    for variant, outcomes in manifest.variants.items():
+    for outcomes in manifest.variants.values():
         for outcome in outcomes:
-            tags[f"variant.{outcome.entry}"] = "kept" if outcome.kept else f"dropped: {outcome.reason}"[:250]
+            tags[f"variant.{outcome.entry}"] = _variant_verdict(outcome)
     return {TAG_PREFIX + k: v for k, v in tags.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _variant_verdict(outcome: VariantOutcome) -> str:
+    """``kept``, or why not: skipped on this CPU, failed to build, or the gate it missed (a tag holds 5000 chars)."""
+    if outcome.kept:
+        return "kept"
+    if outcome.skipped:
+        return f"skipped: {outcome.skipped}"[:MAX_TAG]
+    if outcome.error:
+        return f"failed: {outcome.error}"[:MAX_TAG]
+    failures = "; ".join(str(f) for f in outcome.gate.failures) if outcome.gate is not None else ""
+    return f"dropped: {failures or 'gate missed'}"[:MAX_TAG]
 
 
 def _served_artifact(manifest: Manifest, options: MlflowConfig) -> str:
@@ -245,13 +276,6 @@ def _contract(manifest: Manifest) -> Contract:
         raise ExportError(f"the export cannot be logged as an MLflow pyfunc with a tensor signature: {exc}") from None
 
 
-def _numpy_dtype(name: str) -> Optional[np.dtype]:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        return None  # bfloat16 and the like: numpy has none
-
-
 def _input_example(root: Path, manifest: Manifest) -> Optional[Dict[str, np.ndarray]]:
     """A few samples of ``check.pt``'s inputs, keyed by input name (None when the export has no check.pt)."""
     saved = read_check_file(root)
@@ -260,16 +284,17 @@ def _input_example(root: Path, manifest: Manifest) -> Optional[Dict[str, np.ndar
     contract = _contract(manifest)
     inputs = list(saved.inputs)
     if contract.batched:
-        inputs = list(take_rows(tuple(inputs), [0] * len(inputs), 0, EXAMPLE_SAMPLES))
+        axes = [0] * len(inputs)
+        inputs = list(take_rows(tuple(inputs), axes, 0, min(EXAMPLE_SAMPLES, rows_of(tuple(inputs), axes) or 1)))
     return {spec.name: t.numpy() for spec, t in zip(contract.inputs, inputs)}
 
 
-def _resolve_run(client: Any, run: MlflowRun) -> tuple:
+def _resolve_run(client: Any, run: MlflowRun) -> Tuple[str, str, bool]:
     """The run to log into, its experiment, and whether it was made here (then ended here)."""
     if run.run_id is not None:
         found = _step(f"find run {run.run_id}", lambda: client.get_run(run.run_id))
         return run.run_id, found.info.experiment_id, False
-    experiment = client.get_experiment_by_name(run.experiment)
+    experiment = _step(f"find experiment {run.experiment!r}", lambda: client.get_experiment_by_name(run.experiment))
     experiment_id = experiment.experiment_id if experiment is not None else _step(
         f"create experiment {run.experiment!r}", lambda: client.create_experiment(run.experiment))
     made = _step("create a run", lambda: client.create_run(experiment_id, run_name="fx-lightning export"))
@@ -303,17 +328,23 @@ def _step(what: str, call: Any) -> Any:
 
 @contextlib.contextmanager
 def _tracking_uri(tracking_uri: str, registry_uri: Optional[str]) -> Iterator[None]:
-    """MLflow's process-wide tracking (and registry) URI set for the block and put back after it: its model-logging
-    functions read them, and the caller's own MLflow use must not be redirected."""
+    """MLflow's process-wide tracking (and registry) URI set for the block, then put back as it was: its model-logging
+    functions read them, and the caller's own MLflow use must not be redirected. MLflow keeps each in a module global
+    and mirrors it in an environment variable (for subprocesses): both are restored."""
     import mlflow
 
-    previous, previous_registry = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    saved = {name: os.environ.get(name) for name in _URI_VARIABLES}
     mlflow.set_tracking_uri(tracking_uri)
     if registry_uri is not None:
         mlflow.set_registry_uri(registry_uri)
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(previous)
-        if registry_uri is not None:
-            mlflow.set_registry_uri(previous_registry)
+        # Unset, then the variables as they were: a URI the caller had set is still resolved from its variable.
+        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
+        mlflow.set_registry_uri(None)  # type: ignore[arg-type]
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

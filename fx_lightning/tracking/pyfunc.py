@@ -15,7 +15,7 @@ from fx_lightning.batches import flat_tensors
 from fx_lightning.export.manifest import read_manifest
 from fx_lightning.serve.artifact import load_checked
 from fx_lightning.serve.contract import BadRequest, Contract
-from fx_lightning.tracking.mlflow_export import EXPORT_ARTIFACT, pyfunc_serve_options
+from fx_lightning.tracking.mlflow_export import EXPORT_ARTIFACT, FORMAT_KEY, pyfunc_serve_options
 
 __all__ = ["FusedExportModel"]
 
@@ -30,7 +30,7 @@ class FusedExportModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context: Any) -> None:
         config = dict(context.model_config or {})
         directory = Path(context.artifacts[EXPORT_ARTIFACT])
-        self.module, self.self_check = load_checked(directory, pyfunc_serve_options(config.get("format")))
+        self.module, self.self_check = load_checked(directory, pyfunc_serve_options(config.get(FORMAT_KEY)))
         manifest = read_manifest(directory)
         self.contract = Contract.of(manifest, max_request_batch=sys.maxsize, max_body_bytes=sys.maxsize)
         self.output_names: List[str] = [spec.name for spec in manifest.outputs]
@@ -45,7 +45,9 @@ class FusedExportModel(mlflow.pyfunc.PythonModel):
             raise MlflowException(exc.message, error_code=INVALID_PARAMETER_VALUE) from None
         tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in decoded.arrays]
         with torch.no_grad():
-            outputs = [t.detach().cpu().numpy() for t in flat_tensors(self.module(*tensors))]
+            # numpy has no bfloat16: such an output comes back as float32, as the signature states it.
+            outputs = [(t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
+                       for t in flat_tensors(self.module(*tensors))]
         if decoded.single:
             outputs = [o[0] for o in outputs]
         if len(outputs) == 1:
