@@ -166,6 +166,14 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     ),
     "trace.autowrap_functions[]": st.sampled_from(["math:sqrt", "torch.nn.functional.relu", "builtins:len", "operator:add"]),
     "trace.autowrap_modules[]": st.sampled_from(["math", "torch", "operator", "torch.nn.functional"]),
+    # export.mlflow: names MLflow accepts; alias and registry_uri need register_as, enabled: true needs an export.
+    "export.mlflow.enabled": st.none() | st.just(False),
+    "export.mlflow.artifact_path": st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True),
+    "export.mlflow.format": st.none() | st.sampled_from([f.name for f in ExportFormat] + ["openvino-int8", "pt2-bf16"]),
+    "export.mlflow.register_as": st.none() | st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_ .-]{0,20}", fullmatch=True)
+    .filter(lambda s: ".." not in s and not s.endswith((".", " "))),
+    "export.mlflow.alias": st.none(),
+    "export.mlflow.registry_uri": st.none(),
 }
 
 # Spellings OmegaConf's BooleanNode accepts besides True/False.
@@ -302,6 +310,10 @@ BAD_LEAVES: Dict[str, st.SearchStrategy] = {
     "trace.leaf_modules[]": st.sampled_from(BAD_IMPORT_PATHS + ["builtins:len", "math:pi", "torch.nn.functional:relu"]),
     "trace.autowrap_functions[]": st.sampled_from(BAD_IMPORT_PATHS + ["math:pi", "sample_passes:NOT_CALLABLE"]),
     "trace.autowrap_modules[]": st.sampled_from([NO_MODULE, ".relative", "..x", "", "math.", "1abc", "math:sqrt"]),
+    "export.mlflow.artifact_path": st.sampled_from(["", "a.b", "a/b", "x:y", "50%"]),
+    "export.mlflow.format": st.sampled_from(["tflite", "onnx-int4", "ONNX", ""]),
+    "export.mlflow.register_as": st.sampled_from(["a/b", "a:b", "..x", ".", "", " "]),
+    "export.mlflow.alias": st.sampled_from(["latest", "v3", "a b", "x/y"]),
     "passes.extra[].name": st.sampled_from(
         ["no_such_pass", "fuse_conv_bnn", "", "???"] + BAD_IMPORT_PATHS[:8] + ["sample_passes:NOT_CALLABLE"]
     ),

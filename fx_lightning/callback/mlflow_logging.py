@@ -18,7 +18,7 @@ from fx_lightning.errors import ConfigError, ExportError, FXLightningError
 from fx_lightning.notes import NoteKind
 from fx_lightning.pipeline import Failure, Outcome, Step, exchange_failure
 
-__all__ = ["MLFLOW_LOGGED", "mlflow_loggers", "mlflow_run", "check_mlflow", "log_to_mlflow", "log_again_command"]
+__all__ = ["MLFLOW_LOGGED", "mlflow_loggers", "mlflow_run", "mlflow_wanted", "check_mlflow", "log_to_mlflow", "log_again_command"]
 
 MLFLOW_LOGGED = NoteKind("mlflow_logged", "logged to MLflow as {run_uri} ({model_uri}, serving {served}){registered}")
 
@@ -49,6 +49,12 @@ def mlflow_run(trainer: "pl.Trainer", config: FuseConfig) -> Optional[Any]:
     client = logger.experiment  # creates the logger's experiment and run when they do not exist yet
     return MlflowRun(tracking_uri=str(client.tracking_uri), run_id=logger.run_id,
                      registry_uri=config.export.mlflow.registry_uri)
+
+
+def mlflow_wanted(trainer: "pl.Trainer", config: FuseConfig) -> bool:
+    """Whether the end of fit logs into MLflow (or must refuse): an export, and ``enabled: true`` or an MLFlowLogger."""
+    enabled = config.export.mlflow.enabled
+    return config.export.enabled and (enabled is True or (enabled is None and bool(mlflow_loggers(trainer))))
 
 
 def check_mlflow(trainer: "pl.Trainer", config: FuseConfig) -> None:

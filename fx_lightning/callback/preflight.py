@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 
 from fx_lightning.batches import extract_input, flat_tensors
-from fx_lightning.callback.mlflow_logging import check_mlflow
+from fx_lightning.callback.mlflow_logging import check_mlflow, mlflow_wanted
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.observe import CallRecorder
 from fx_lightning.callback.ranks import StrategyCollectives
@@ -170,7 +170,7 @@ def _checks(config: FuseConfig) -> List[str]:
     if config.preflight is Preflight.full:
         checks.append(Step.weights)
         checks += [Step.export_directory, Step.export_dependencies] if config.export.enabled else []
-    if config.export.enabled and config.export.mlflow.enabled is not False:
+    if config.export.enabled and config.export.mlflow.enabled:  # else it depends on the Trainer's loggers
         checks.append(Step.mlflow)
     if config.export.enabled and config.export.preprocess.enabled:
         checks.append(Step.preprocess)
@@ -232,7 +232,7 @@ def settings_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", conf
                                  if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint")) and cb.dirpath])
             with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
-    if config.export.enabled and config.export.mlflow.enabled is not False:
+    if mlflow_wanted(trainer, config):
         with in_step(Step.mlflow):
             check_mlflow(trainer, config)
     with in_step(Step.preprocess):
