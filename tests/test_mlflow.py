@@ -188,7 +188,10 @@ def _wait_ready(url: str, server: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"mlflow models serve did not answer {url} within {SERVE_STARTUP_S:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def test_a_registry_failure_after_export_leaves_the_export_and_checkpoints_whole(tmp_path: Path) -> None:
+def test_a_registry_failure_after_export_leaves_the_export_and_checkpoints_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLflow makes the directories of a SQLite path relative to the working directory ("file:..." here): keep them in tmp.
+    monkeypatch.chdir(tmp_path)
     # A registry that answers reads (the preflight's check passes) and refuses writes: SQLite opened read-only.
     registry = tmp_path / "registry.db"
     mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db", registry_uri=f"sqlite:///{registry}"
@@ -381,6 +384,7 @@ def test_one_row_export_and_the_callers_mlflow_state_untouched(tmp_path: Path, m
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).eval()
     model[1].running_mean.uniform_(-1, 1)
     fuse_and_export(model, tmp_path / "export", example_inputs=(torch.randn(1, 6),), config={"export": {"formats": ["pt2"]}})
+    monkeypatch.chdir(tmp_path)  # the run made for it goes to a new experiment, whose artifacts MLflow puts in ./mlruns
     users = f"sqlite:///{tmp_path}/users.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", users)
     monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)

@@ -17,6 +17,7 @@ from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError
 from fx_lightning.notes import NoteKind
 from fx_lightning.pipeline import Failure, Outcome, Step, exchange_failure
+from fx_lightning.tracking import LoggedExport, MlflowRun, check_destination, log_export
 
 __all__ = ["MLFLOW_LOGGED", "mlflow_loggers", "mlflow_run", "mlflow_wanted", "check_mlflow", "log_to_mlflow", "log_again_command"]
 
@@ -29,65 +30,54 @@ def mlflow_loggers(trainer: "pl.Trainer") -> List[Any]:
     return [lg for lg in trainer.loggers if classes and isinstance(lg, classes)]
 
 
-def mlflow_run(trainer: "pl.Trainer", config: FuseConfig) -> Optional[Any]:
-    """The :class:`~fx_lightning.tracking.MlflowRun` of the first MLFlowLogger (its tracking URI and run), or None when
-    nothing is to be logged: ``export.mlflow.enabled`` false, null without an MLFlowLogger, or no export. Raises
-    ConfigError for ``enabled: true`` without one. On rank zero only: the logger's run exists there alone."""
-    enabled = config.export.mlflow.enabled
-    if enabled is False or not config.export.enabled:
-        return None
-    loggers = mlflow_loggers(trainer)
-    if not loggers:
-        if enabled:
-            raise ConfigError("export.mlflow.enabled: true, but the Trainer has no MLFlowLogger; add one "
-                              "(Trainer(logger=MLFlowLogger(tracking_uri=...))), or set export.mlflow.enabled: null "
-                              "(log when one is attached) or false.")
-        return None
-    from fx_lightning.tracking import MlflowRun
-
-    logger = loggers[0]
-    client = logger.experiment  # creates the logger's experiment and run when they do not exist yet
-    return MlflowRun(tracking_uri=str(client.tracking_uri), run_id=logger.run_id,
-                     registry_uri=config.export.mlflow.registry_uri)
-
-
 def mlflow_wanted(trainer: "pl.Trainer", config: FuseConfig) -> bool:
     """Whether the end of fit logs into MLflow (or must refuse): an export, and ``enabled: true`` or an MLFlowLogger."""
     enabled = config.export.mlflow.enabled
     return config.export.enabled and (enabled is True or (enabled is None and bool(mlflow_loggers(trainer))))
 
 
-def check_mlflow(trainer: "pl.Trainer", config: FuseConfig) -> None:
-    """The preflight's check: the option fits the Trainer (every rank), and on rank zero MLflow imports, the
-    tracking server answers for the logger's run and the registry answers when a model is to be registered."""
-    enabled = config.export.mlflow.enabled
-    if enabled is False or not config.export.enabled:
-        return
-    if not trainer.is_global_zero:
-        if enabled and not mlflow_loggers(trainer):
-            mlflow_run(trainer, config)  # raises the same ConfigError as rank zero
-        return
-    run = mlflow_run(trainer, config)
-    if run is not None:
-        from fx_lightning.tracking import check_destination
+def mlflow_run(trainer: "pl.Trainer", config: FuseConfig) -> Optional[MlflowRun]:
+    """The :class:`~fx_lightning.tracking.MlflowRun` of the first MLFlowLogger (its tracking URI and run), or None when
+    nothing is to be logged (:func:`mlflow_wanted`). Raises ConfigError for ``enabled: true`` without one. The run
+    exists on rank zero alone: call it there (the ConfigError needs no logger and comes on any rank)."""
+    if not mlflow_wanted(trainer, config):
+        return None
+    loggers = mlflow_loggers(trainer)
+    if not loggers:
+        raise ConfigError("export.mlflow.enabled: true, but the Trainer has no MLFlowLogger; add one "
+                          "(Trainer(logger=MLFlowLogger(tracking_uri=...))), or set export.mlflow.enabled: null "
+                          "(log when one is attached) or false.")
+    logger = loggers[0]
+    client = logger.experiment  # creates the logger's experiment and run when they do not exist yet
+    return MlflowRun(tracking_uri=str(client.tracking_uri), run_id=logger.run_id,
+                     registry_uri=config.export.mlflow.registry_uri)
 
+
+def check_mlflow(trainer: "pl.Trainer", config: FuseConfig) -> None:
+    """The preflight's check when :func:`mlflow_wanted`: an MLFlowLogger is there (every rank), and on rank zero MLflow
+    imports, the tracking server answers for the logger's run and the registry answers when a model is to be
+    registered."""
+    if not mlflow_loggers(trainer):
+        mlflow_run(trainer, config)  # enabled: true without one: the ConfigError, on every rank
+        return
+    run = mlflow_run(trainer, config) if trainer.is_global_zero else None
+    if run is not None:
         check_destination(run, config.export.mlflow)
 
 
-def log_to_mlflow(trainer: "pl.Trainer", config: FuseConfig, outcome: Outcome) -> Tuple[Optional[Any], Optional[Failure]]:
+def log_to_mlflow(trainer: "pl.Trainer", config: FuseConfig, outcome: Outcome
+                  ) -> Tuple[Optional[LoggedExport], Optional[Failure]]:
     """Log the export the outcome wrote into the MLFlowLogger's run (rank zero, once): the
     :class:`~fx_lightning.tracking.LoggedExport` on every rank (and a note in the outcome), or the failure every rank
     gets. A collective: every rank calls it. A failure leaves the export directory and the checkpoints as they are,
     and says so."""
     assert outcome.export_dir is not None
     export_dir, logged, error = outcome.export_dir, None, None
-    run = None
+    run: Optional[MlflowRun] = None
     if trainer.is_global_zero:
         try:
             run = mlflow_run(trainer, config)
             if run is not None:
-                from fx_lightning.tracking import log_export
-
                 logged = log_export(export_dir, run, config.export.mlflow)
         except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised (or warned) by the caller
             error = _explained(exc, export_dir, run, config)
@@ -101,7 +91,7 @@ def log_to_mlflow(trainer: "pl.Trainer", config: FuseConfig, outcome: Outcome) -
     return logged, failure
 
 
-def _explained(exc: Exception, export_dir: Path, run: Optional[Any], config: FuseConfig) -> FXLightningError:
+def _explained(exc: Exception, export_dir: Path, run: Optional[MlflowRun], config: FuseConfig) -> FXLightningError:
     """``exc`` as our error, saying that the export stands and the command that logs it again."""
     error = exc if isinstance(exc, FXLightningError) else ExportError(f"{type(exc).__name__}: {exc}")
     if error is not exc:
@@ -111,7 +101,7 @@ def _explained(exc: Exception, export_dir: Path, run: Optional[Any], config: Fus
                                     f"with: {log_again_command(export_dir, run, config)}"])
 
 
-def log_again_command(export_dir: Path, run: Optional[Any], config: FuseConfig) -> str:
+def log_again_command(export_dir: Path, run: Optional[MlflowRun], config: FuseConfig) -> str:
     """The ``fx-lightning mlflow`` command that logs ``export_dir`` as the callback would have, shell-quoted."""
     options = config.export.mlflow
     words = ["fx-lightning", "mlflow", str(export_dir), "--tracking-uri",

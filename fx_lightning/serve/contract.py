@@ -177,12 +177,7 @@ class Contract:
         given = data["inputs"]
         names = [s.name for s in self.inputs]
         if isinstance(given, dict):
-            unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
-            if unknown or missing:
-                raise BadRequest(422, f"inputs: expected the keys {names}; "
-                                      + "; ".join(p for p in (f"unknown {unknown}" if unknown else "",
-                                                               f"missing {missing}" if missing else "") if p))
-            values = [given[n] for n in names]
+            values = self.by_name(given)
         elif isinstance(given, list):
             if len(given) != len(names):
                 raise BadRequest(422, f"inputs: expected {len(names)} array(s), one per model input {names}, got "
@@ -194,6 +189,16 @@ class Contract:
         arrays = [self._json_array(spec, value) for spec, value in zip(self.inputs, values)]
         top_k = _top_k(data.get("top_k"), "top_k")
         return self.checked(arrays, query_top_k if top_k is None else top_k)
+
+    def by_name(self, given: Mapping[str, Any]) -> List[Any]:
+        """The values of ``given`` (keyed by input name) in the inputs' order; a 422 naming unknown and missing keys."""
+        names = [s.name for s in self.inputs]
+        unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
+        if unknown or missing:
+            raise BadRequest(422, f"inputs: expected the keys {names}; "
+                                  + "; ".join(p for p in (f"unknown {unknown}" if unknown else "",
+                                                           f"missing {missing}" if missing else "") if p))
+        return [given[n] for n in names]
 
     def _json_array(self, spec: InputSpec, value: Any) -> np.ndarray:
         where = f"input {spec.name!r}"

@@ -38,9 +38,8 @@ class FusedExportModel(mlflow.pyfunc.PythonModel):
     # model_input carries no type hint: MLflow would infer a schema from one (a dict of arrays has none it accepts);
     # the schema is the tensor signature the model is logged with. MLflow says so once, as a UserWarning.
     def predict(self, context: Any, model_input, params: Optional[Dict[str, Any]] = None) -> Prediction:  # type: ignore[no-untyped-def]
-        arrays = self._arrays(model_input)
         try:
-            decoded = self.contract.checked(arrays)
+            decoded = self.contract.checked([np.asarray(a) for a in self._values(model_input)])
         except BadRequest as exc:
             raise MlflowException(exc.message, error_code=INVALID_PARAMETER_VALUE) from None
         tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in decoded.arrays]
@@ -56,21 +55,13 @@ class FusedExportModel(mlflow.pyfunc.PythonModel):
             f"output_{i}" for i in range(len(outputs))]
         return dict(zip(names, outputs))
 
-    def _arrays(self, model_input: Any) -> List[np.ndarray]:
-        """One array per input, in the signature's order; anything else refused naming what is accepted."""
-        names = [spec.name for spec in self.contract.inputs]
+    def _values(self, model_input: Any) -> List[Any]:
+        """One value per input, in the contract's order (raises BadRequest naming what is accepted)."""
         if isinstance(model_input, dict):
-            unknown = sorted(set(model_input) - set(names))
-            missing = [n for n in names if n not in model_input]
-            if unknown or missing:
-                raise MlflowException(f"inputs: expected the keys {names}, got {sorted(model_input)}"
-                                      + (f" (missing {missing})" if missing else "")
-                                      + (f" (unknown {unknown})" if unknown else ""),
-                                      error_code=INVALID_PARAMETER_VALUE)
-            return [np.asarray(model_input[n]) for n in names]
+            return self.contract.by_name(model_input)
+        names = [spec.name for spec in self.contract.inputs]
         if isinstance(model_input, (np.ndarray, list)) and len(names) == 1:
-            return [np.asarray(model_input)]
-        raise MlflowException(
-            f"inputs: expected {'a dict of arrays keyed ' + str(names) if len(names) > 1 else 'an array (or a dict keyed ' + str(names) + ')'}"
-            f" with the sample axis first, got {type(model_input).__name__}",
-            error_code=INVALID_PARAMETER_VALUE)
+            return [model_input]
+        raise BadRequest(422, f"inputs: expected a dict of arrays keyed by input name {names}"
+                              + (" (or the one array)" if len(names) == 1 else "")
+                              + f", with the sample axis first; got {type(model_input).__name__}")
