@@ -6,6 +6,7 @@ and traffic, which ``load_fused`` picks from."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, List
 
@@ -191,8 +192,20 @@ def test_on_an_avx2_only_cpu_int8_is_made_gated_and_timed_against_fp32(tmp_path,
     timed = {t.artifact for t in manifest.bench.timings}
     assert set(kept) <= timed and {"pt2", "onnx"} <= timed  # each kept int8 raced the fp32 artifacts
     assert manifest.selected.format in manifest.formats and manifest.bench.checks[manifest.selected.format].passed
+    # Selected only when faster and passing: the pick is the fastest passing row, and every row faster than it
+    # is an artifact that did not pass (an int8 that missed its gate is timed but never picked).
+    pick = manifest.selected
+    rows = [t for t in manifest.bench.timings if (t.batch_size, t.traffic) == (pick.batch_size, pick.traffic)
+            and t.artifact != "eager"]
+    passing = [t for t in rows if manifest.bench.checks[t.artifact].passed]
+    assert pick.median_ms == min(t.median_ms for t in passing)
+    assert all(not manifest.bench.checks[t.artifact].passed for t in rows if t.median_ms < pick.median_ms)
+    missed = [name for name, o in made.items() if not o.kept]
+    assert not set(missed) & {s.format for s in manifest.selections}
     skipped = {n["variant"]: str(n) for n in outcome.notes if n.kind == VARIANT_SKIPPED}
     assert set(skipped) == {"bf16"} and "AVX512-BF16" in skipped["bf16"] and "AMD EPYC 7571" in skipped["bf16"]
+    # The skip says what was measured here, not only which flag is missing.
+    assert re.search(r"measured here .*bf16 [0-9.]+ ms against fp32 [0-9.]+ ms \([0-9.]+x\)", skipped["bf16"])
 
 
 def test_on_a_cpu_without_avx2_the_variants_are_skipped_and_the_report_says_why(tmp_path, monkeypatch):

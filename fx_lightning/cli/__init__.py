@@ -3,7 +3,7 @@
     fx-lightning fuse CKPT --model pkg.module:Class [--config file.yaml] [--datamodule pkg.mod:Class]
                      [--input-shape 1,3,32,32] [--output DIR] [dotted.key=value ...]
     fx-lightning inspect DIR [--json]
-    fx-lightning bench DIR [--format pt2 ...] [--batch-size 8] [--iters 50]
+    fx-lightning bench DIR [--format pt2 ...] [--batch-size 8] [--iters 50] [--select [--strategy max_throughput]]
     fx-lightning triton DIR OUT [--name N] [--format onnx ...] [--max-batch-size 8] [--instances 1]
     fx-lightning mlflow DIR --tracking-uri URI [--run-id ID] [--register NAME [--alias A]]
 
@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="time every artifact of an export side by side, check each, and pick the fastest",
         description="Times each exported format (and the unfused model, when its class and checkpoint are known) "
                     "interleaved, in one process, with fixed threads; checks every artifact's outputs on the "
-                    "export's check batch; --select records the fastest that passed in the manifest, which "
-                    "load_fused(dir) then loads.",
+                    "export's check batch; --select also sweeps the likely winners' throughput over batch sizes on "
+                    "this machine and records the table, the sweep and the picks in the manifest, which "
+                    "load_fused(dir), fx-lightning serve and fx-lightning triton then use.",
     )
     bench.add_argument("directory")
     bench.add_argument("--format", action="append", dest="formats", metavar="FORMAT",
@@ -82,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--select-traffic", choices=["idle", "back_to_back"], default="idle",
                        help="the traffic the default artifact is chosen for: requests after an idle gap, or back "
                             "to back (the manifest records the fastest for both)")
+    bench.add_argument("--strategy", choices=["min_latency", "max_throughput"], default="min_latency",
+                       help="with --select: the default artifact is the fastest at --select-batch-size "
+                            "(min_latency) or the most samples/s over the throughput sweep (max_throughput); the "
+                            "manifest records both")
+    bench.add_argument("--latency-budget-ms", type=float, default=None, metavar="MS",
+                       help="with --strategy max_throughput: the p99 a batch may take at most (refused, with each "
+                            "artifact's figures, when none meets it)")
+    bench.add_argument("--no-sweep", action="store_false", dest="sweep",
+                       help="with --select: leave out the throughput sweep (batch sizes 1, 2, 4... until "
+                            "throughput stops growing, in a process of its own per artifact), which serve and "
+                            "triton take their batching from")
     bench.add_argument("--model", metavar="PKG.MODULE:CLASS",
                        help="unfused LightningModule class (default: the one recorded in the manifest)")
     bench.add_argument("--checkpoint", help="its checkpoint (default: the one recorded in the manifest)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
@@ -14,14 +15,27 @@ from fx_lightning.cli.common import UsageError, import_path, load_lightning_modu
 
 __all__ = ["run"]
 
+FINALISTS = 3  # with --select: the fastest artifacts timed again (and swept) each in a process of its own
+
 
 def run(args: argparse.Namespace, console: Any) -> int:
     """``fx-lightning bench``: every artifact timed side by side and checked; optionally, select the fastest."""
-    from fx_lightning.export import bench_export, read_manifest, record_selection, select_fastest
+    from fx_lightning.export import bench_export, read_manifest, record_selection
+    from fx_lightning.export.selection import select_by_strategy
+    from fx_lightning.export.sweep import SweepSettings
 
     sizes = args.batch_sizes or [1, 8]
     if any(b < 1 for b in sizes) or args.iters < 1 or args.warmup < 0:
         raise UsageError("--batch-size and --iters must be >= 1, --warmup >= 0")
+    budget = args.latency_budget_ms
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise UsageError(f"--latency-budget-ms: {budget!r}; allowed: a number of milliseconds > 0")
+    if budget is not None and args.strategy != "max_throughput":
+        raise UsageError("--latency-budget-ms bounds the max_throughput pick: add --strategy max_throughput")
+    if (args.strategy != "min_latency" or budget is not None) and not args.select:
+        raise UsageError("--strategy and --latency-budget-ms choose what --select records: add --select")
+    if args.strategy == "max_throughput" and not args.sweep:
+        raise UsageError("--strategy max_throughput picks from the throughput sweep: drop --no-sweep")
     root = Path(args.directory)
     manifest = read_manifest(root)
     formats = args.formats or list(manifest.formats)
@@ -36,17 +50,23 @@ def run(args: argparse.Namespace, console: Any) -> int:
             baselines["unfused"] = unfused
     with _progress(console) as update:
         table = bench_export(root, manifest=manifest, batch_sizes=sizes, formats=formats, baselines=baselines,
-                             rounds=args.iters, warmup=args.warmup, threads=args.threads, progress=update)
+                             rounds=args.iters, warmup=args.warmup, threads=args.threads, progress=update,
+                             own_process_finalists=FINALISTS if args.select else 0,
+                             sweep=SweepSettings() if args.select and args.sweep else None)
     for size in sizes:
         for traffic in ("idle", "back_to_back"):
             console.print(_table(table, size, traffic, args.iters, "unfused" if baselines else None))
+    for traffic in ("idle", "back_to_back"):
+        if any(w.traffic == traffic for w in table.sweeps):
+            console.print(_sweep_table(table, traffic))
     if unfused_note:
         console.print(f"note: {unfused_note}", markup=False)
     for name, check in table.checks.items():
         if not check.passed:
             console.print(f"{name}: check FAILED ({check.reason}): never selected", markup=False)
     if args.select:
-        selected = select_fastest(table, args.select_batch_size or sizes[0], args.select_traffic)
+        selected = select_by_strategy(table, args.strategy, args.select_batch_size or sizes[0], args.select_traffic,
+                                      budget)  # a budget nobody meets raises: the manifest is left as it was
         record_selection(root, table, selected)
         console.print(f"selected: {selected.format} ({selected.why})" if selected else
                       "selected: nothing (no artifact passed its check)", markup=False)
@@ -84,6 +104,24 @@ def _table(table: Any, size: int, traffic: str, iters: int, baseline: Optional[s
         if baseline:
             row.append(f"{base / t.median_ms:.2f}x" if base else "-")
         out.add_row(*row)
+    return out
+
+
+def _sweep_table(table: Any, traffic: str) -> Any:
+    from rich.table import Table
+
+    out = Table(title=f"throughput sweep, {traffic.replace('_', ' ')} traffic ({table.threads} threads, {table.isa})",
+                title_justify="left")
+    for col in ("model", "batch", "p50 ms", "p99 ms", "samples/s", "stable"):
+        out.add_column(col, justify="left" if col == "model" else "right")
+    for w in (w for w in table.sweeps if w.traffic == traffic):
+        best = w.best()
+        for p in w.points:
+            name = w.artifact + (f" [{w.runtime}]" if w.runtime else "") if p is w.points[0] else ""
+            mark = " *" if p is best else ""
+            out.add_row(name, str(p.batch_size), f"{p.p50_ms:.3f}", f"{p.p99_ms:.3f}", f"{p.throughput:,.1f}{mark}",
+                        "yes" if p.stable else "no")
+        out.add_row("", "", "", "", f"stop: {w.stop}", "")
     return out
 
 

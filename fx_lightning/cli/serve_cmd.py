@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fx_lightning.serve.artifact import DEFAULT_BATCH_TIMEOUT, DEFAULT_MAX_BATCH_SIZE
 from fx_lightning.serve.server import ServeOptions
 
 __all__ = ["add_parser", "run"]
@@ -27,10 +28,13 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--format", default=None, metavar="FORMAT",
                        help="the format or variant to serve (default: the export's selection)")
-    serve.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
-                       help=f"requests batched into one run (default {defaults.max_batch_size}; 1: no batching)")
-    serve.add_argument("--batch-timeout", type=float, default=defaults.batch_timeout,
-                       help=f"seconds a batch waits to fill (default {defaults.batch_timeout})")
+    serve.add_argument("--max-batch-size", type=int, default=None,
+                       help="requests batched into one run (1: no batching; default: the batch size of most "
+                            "throughput in the export's sweep, whose artifact is then served, else "
+                            f"{DEFAULT_MAX_BATCH_SIZE})")
+    serve.add_argument("--batch-timeout", type=float, default=None,
+                       help="seconds a batch waits to fill (default: one batch-1 call in the export's sweep, else "
+                            f"{DEFAULT_BATCH_TIMEOUT})")
     serve.add_argument("--workers", type=int, default=defaults.workers, help="inference worker processes")
     serve.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     serve.add_argument("--max-request-batch", type=int, default=defaults.max_request_batch,

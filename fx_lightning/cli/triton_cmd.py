@@ -28,15 +28,18 @@ def add_parser(sub: Any) -> None:
     triton.add_argument("--format", action="append", dest="formats", metavar="FORMAT",
                         help="manifest entry to write (repeatable; default: every one Triton can serve)")
     triton.add_argument("--max-batch-size", type=int, default=None, metavar="N",
-                        help=f"Triton's max_batch_size for dynamic-batch artifacts (default {DEFAULT_MAX_BATCH_SIZE}; "
-                             "0: no batching, full shapes); fixed-batch artifacts get 0")
+                        help="Triton's max_batch_size for dynamic-batch artifacts (default: the batch size of most "
+                             "throughput in the export's sweep of the artifact, else "
+                             f"{DEFAULT_MAX_BATCH_SIZE}; 0: no batching, full shapes); fixed-batch artifacts get 0")
     triton.add_argument("--instances", type=int, default=1, metavar="N", help="CPU instances of each model")
     triton.add_argument("--no-dynamic-batching", action="store_false", dest="dynamic_batching",
                         help="leave Triton's dynamic batcher off (requests still may hold a batch)")
     triton.add_argument("--preferred-batch-size", type=int, action="append", dest="preferred_batch_sizes",
-                        metavar="N", help="the dynamic batcher's preferred batch size (repeatable)")
-    triton.add_argument("--max-queue-delay-us", type=int, default=DEFAULT_MAX_QUEUE_DELAY_US, metavar="US",
-                        help=f"how long the batcher waits for a batch to fill (default {DEFAULT_MAX_QUEUE_DELAY_US})")
+                        metavar="N", help="the dynamic batcher's preferred batch size (repeatable; default: the "
+                                          "swept sizes within 5%% of the most throughput, else Triton's default)")
+    triton.add_argument("--max-queue-delay-us", type=int, default=None, metavar="US",
+                        help="how long the batcher waits for a batch to fill (default: one batch-1 call of the "
+                             f"artifact in the export's sweep, else {DEFAULT_MAX_QUEUE_DELAY_US})")
     triton.add_argument("--overwrite", action="store_true", help="replace model directories of the same name")
     triton.add_argument("--no-python", action="store_false", dest="python",
                         help="write no Python-backend models (the server then needs no torch or fx-lightning)")

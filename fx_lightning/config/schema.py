@@ -31,6 +31,7 @@ __all__ = [
     "Preflight",
     "FormatFailure",
     "Selection",
+    "Strategy",
     "Traffic",
     "ExportFormat",
     "ParityData",
@@ -90,6 +91,11 @@ FormatFailure = _str_enum("FormatFailure", ["skip", "raise"], (
 Selection = _str_enum("Selection", ["preference", "fastest"], (
     "Which artifact ``load_fused(dir)`` loads by default: ``preference`` (pt2 first), or ``fastest``: every "
     "artifact timed side by side after export, the fastest that passes its check."))
+
+Strategy = _str_enum("Strategy", ["min_latency", "max_throughput"], (
+    "What ``export.select: fastest`` picks for: ``min_latency``: the fastest at ``select_batch_size``; "
+    "``max_throughput``: the most samples per second over the throughput sweep (batch sizes 1, 2, 4... until "
+    "throughput stops growing), with a p99 within ``latency_budget_ms`` when one is set."))
 
 Traffic = _str_enum("Traffic", ["idle", "back_to_back"], (
     "How requests arrive, which decides the fastest artifact and its runtime settings: ``idle``: each after an idle "
@@ -319,6 +325,10 @@ class ExportConfig:
     # batch size timed (1 and this one) and each traffic, and load_fused(dir, batch_size=, traffic=) picks from it.
     select_batch_size: int = 1
     select_traffic: Traffic = Traffic.idle
+    # min_latency (at select_batch_size) or max_throughput (over the throughput sweep); both are recorded.
+    select_strategy: Strategy = Strategy.min_latency
+    # max_throughput only: the p99 latency (ms) a batch may take at most; no artifact within it is an error.
+    latency_budget_ms: Optional[float] = None
     # The raw-input prologue compiled into every artifact (off by default).
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     # Class names of the first output's columns (manifest ``labels``); null: the datamodule's ``classes``.
@@ -347,6 +357,17 @@ class ExportConfig:
                              "export.enabled: true, or mlflow.enabled: null or false.")
         if self.select_batch_size < 1:
             raise ValueError(f"select_batch_size: must be >= 1, got {self.select_batch_size}.")
+        budget = self.latency_budget_ms
+        if budget is not None and (isinstance(budget, bool) or not math.isfinite(budget) or budget <= 0):
+            raise ValueError(f"latency_budget_ms: {budget!r}; allowed: a number of milliseconds > 0, or null.")
+        if budget is not None and self.select_strategy is not Strategy.max_throughput:
+            raise ValueError(f"latency_budget_ms: {budget!r} with select_strategy: {self.select_strategy.value}; a p99 "
+                             "budget bounds the max_throughput pick: set select_strategy: max_throughput, or "
+                             "latency_budget_ms: null.")
+        if self.select is not Selection.fastest and (self.select_strategy is not Strategy.min_latency
+                                                     or budget is not None):
+            raise ValueError(f"select_strategy: {self.select_strategy.value} with select: {self.select.value}; a "
+                             "strategy picks from timings, which only select: fastest takes: set select: fastest.")
         if self.onnx_opset is not None and not 7 <= self.onnx_opset <= 30:
             raise ValueError(f"onnx_opset: must be between 7 and 30 or null, got {self.onnx_opset}.")
 

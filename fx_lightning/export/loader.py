@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fx_lightning._imports import missing_modules
+from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.formats.batching import with_pieces
@@ -29,6 +30,7 @@ def load_fused(
     compile: bool = False,
     batch_size: Optional[int] = None,
     traffic: Optional[str] = None,
+    strategy: Optional[str] = None,
 ) -> nn.Module:
     """Load an export written by :func:`export_fused`, in eval mode.
 
@@ -37,7 +39,9 @@ def load_fused(
     (``export.select: fastest`` or ``fx-lightning bench --select``), with the runtime settings that made it fastest,
     else the first available in order of preference (pt2 first). ``batch_size`` and ``traffic`` (``idle``: requests
     after an idle gap; ``back_to_back``) pick the fastest the export recorded for the batch size (the nearest one
-    timed) and traffic a server will run, instead of the default selection.
+    timed) and traffic a server will run, instead of the default selection; ``strategy="max_throughput"`` the
+    artifact with the most samples per second over the export's throughput sweep (its batch size is the pick's
+    ``batch_size`` in ``manifest.json``'s ``selections``; ``fx-lightning serve`` batches to it).
     ``device``: where to load it (a torch device or its name); ``None``: the device the artifact was built for
     (the manifest records it) when this process has it, else the CPU. A format that cannot run on the device
     asked for raises an :class:`ExportError` saying so.
@@ -52,20 +56,29 @@ def load_fused(
     manifest = read_manifest(root)
     runtime = ""
     if format is None:
-        pick = selection_for(manifest, batch_size, traffic)
+        pick = selection_for(manifest, batch_size, traffic, strategy)
         format, runtime = (pick.format, pick.runtime) if pick is not None else (None, "")
     return load_artifact(root, manifest, format, verify=verify, device=device, compile=compile, runtime=runtime)
 
 
-def selection_for(manifest: Manifest, batch_size: Optional[int] = None, traffic: Optional[str] = None
-                  ) -> Optional[Selected]:
-    """The recorded selection for ``batch_size`` (the nearest batch size timed) and ``traffic``; the default
-    selection when neither is given (None when the export recorded none)."""
-    if batch_size is None and traffic is None or not manifest.selections:
+def selection_for(manifest: Manifest, batch_size: Optional[int] = None, traffic: Optional[str] = None,
+                  strategy: Optional[str] = None) -> Optional[Selected]:
+    """The recorded selection for ``traffic`` and ``strategy`` (``min_latency``, the default: the fastest at the
+    nearest batch size timed to ``batch_size``; ``max_throughput``: the most samples per second over the sweep,
+    within the latency budget of the export's default selection when it had one); the default selection when
+    none is given (None when the export recorded none)."""
+    if batch_size is None and traffic is None and strategy is None or not manifest.selections:
         return manifest.selected
     default = manifest.selected
+    wanted = Strategy(strategy or Strategy.min_latency.value).value
     wanted_traffic = traffic or (default.traffic if default is not None else "idle")
-    matching = [s for s in manifest.selections if s.traffic == wanted_traffic] or list(manifest.selections)
+    of_strategy = [s for s in manifest.selections if s.strategy == wanted]
+    matching = [s for s in of_strategy if s.traffic == wanted_traffic] or of_strategy
+    if not matching:
+        return None
+    if wanted == Strategy.max_throughput.value:
+        budget = default.latency_budget_ms if default is not None and default.strategy == wanted else None
+        return next((s for s in matching if s.latency_budget_ms == budget), matching[0])
     wanted_batch = batch_size or (default.batch_size if default is not None else 1)
     return min(matching, key=lambda s: (abs(s.batch_size - wanted_batch), s.batch_size))
 

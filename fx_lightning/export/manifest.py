@@ -39,6 +39,8 @@ __all__ = [
     "VariantOutcome",
     "ArtifactCheck",
     "Timing",
+    "SweepPoint",
+    "Sweep",
     "TimingFailure",
     "BenchTable",
     "Selected",
@@ -155,6 +157,51 @@ class TimingFailure:
 
 
 @dataclass
+class SweepPoint:
+    """One batch size of a throughput sweep: the calls of its last stable windows (``stable``: the last
+    ``STABLE_WINDOWS`` windows agreed within the sweep's tolerance; False: it ran out of windows first)."""
+
+    batch_size: int
+    p50_ms: float
+    p99_ms: float
+    throughput: float  # samples per second of run time
+    calls: int
+    stable: bool = True
+
+
+@dataclass
+class Sweep:
+    """One artifact (with its runtime settings) timed at batch sizes 1, 2, 4... in one traffic until its
+    throughput stopped growing; ``stop`` says why the sweep ended there."""
+
+    artifact: str
+    traffic: str
+    points: List[SweepPoint]
+    stop: str
+    runtime: str = ""
+    process: str = "shared"
+
+    def best(self, latency_budget_ms: Optional[float] = None, tie: float = 0.05) -> Optional[SweepPoint]:
+        """The smallest batch size whose throughput is within ``tie`` of the highest among the points whose p99 is
+        within the budget (a larger batch for a few percent more samples/s only adds latency: the sweep's own
+        stopping rule)."""
+        within = [p for p in self.points if latency_budget_ms is None or p.p99_ms <= latency_budget_ms]
+        if not within:
+            return None
+        top = max(p.throughput for p in within)
+        return min((p for p in within if p.throughput * (1 + tie) >= top), key=lambda p: p.batch_size)
+
+    def to_dict(self) -> Dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Json) -> "Sweep":
+        return cls(str(data["artifact"]), str(data["traffic"]),
+                   [SweepPoint(**fields_from(SweepPoint, p)) for p in data.get("points") or []],  # type: ignore[arg-type]
+                   str(data.get("stop", "")), str(data.get("runtime", "")), str(data.get("process", "shared")))
+
+
+@dataclass
 class BenchTable:
     """Timings of every artifact (and of the eager baselines given), each artifact's check, and what could not be
     timed."""
@@ -166,6 +213,8 @@ class BenchTable:
     timings: List[Timing] = field(default_factory=list)
     checks: Dict[str, ArtifactCheck] = field(default_factory=dict)
     failures: List[TimingFailure] = field(default_factory=list)
+    sweeps: List[Sweep] = field(default_factory=list)  # the throughput sweep of the artifacts that could win it
+    not_swept: Dict[str, str] = field(default_factory=dict)  # artifact -> why it was not swept
 
     def median(self, artifact: str, batch_size: int, traffic: str = "idle", runtime: str = "") -> Optional[float]:
         return next((t.median_ms for t in self.timings if (t.artifact, t.batch_size, t.traffic, t.runtime)
@@ -175,20 +224,25 @@ class BenchTable:
         return {"threads": self.threads, "isa": self.isa, "machine": self.machine, "torch": self.torch,
                 "timings": [dataclasses.asdict(t) for t in self.timings],
                 "checks": {k: c.to_dict() for k, c in self.checks.items()},
-                "failures": [dataclasses.asdict(f) for f in self.failures]}
+                "failures": [dataclasses.asdict(f) for f in self.failures],
+                "sweeps": [w.to_dict() for w in self.sweeps], "not_swept": dict(self.not_swept)}
 
     @classmethod
     def from_dict(cls, data: Json) -> "BenchTable":
         return cls(int(data.get("threads", 0)), str(data.get("isa", "")), str(data.get("machine", "")),
                    str(data.get("torch", "")), [Timing(**fields_from(Timing, t)) for t in data.get("timings", [])],
                    {k: ArtifactCheck(**fields_from(ArtifactCheck, c)) for k, c in (data.get("checks") or {}).items()},
-                   [TimingFailure(**fields_from(TimingFailure, f)) for f in data.get("failures") or []])
+                   [TimingFailure(**fields_from(TimingFailure, f)) for f in data.get("failures") or []],
+                   [Sweep.from_dict(w) for w in data.get("sweeps") or []],
+                   {str(k): str(v) for k, v in (data.get("not_swept") or {}).items()})
 
 
 @dataclass
 class Selected:
-    """The fastest artifact at ``batch_size`` under ``traffic`` whose check passed, and the runtime settings that
-    made it fastest (``runtime``: a name from its Format's ``runtime_choices``; "": as written)."""
+    """An artifact picked by a strategy (``min_latency``: the fastest at ``batch_size`` under ``traffic`` whose
+    check passed; ``max_throughput``: the most samples per second over its throughput sweep, at ``batch_size``,
+    with a p99 within ``latency_budget_ms`` when one was given), and the runtime settings that made it so
+    (``runtime``: a name from its Format's ``runtime_choices``; "": as written)."""
 
     format: str
     batch_size: int
@@ -198,6 +252,10 @@ class Selected:
     runtime: str = ""
     # What ``runtime`` sets, merged over the entry's own options (for loaders without fx-lightning).
     runtime_options: JsonObject = field(default_factory=dict)
+    strategy: str = "min_latency"
+    throughput: Optional[float] = None  # samples per second at batch_size (max_throughput)
+    p99_ms: Optional[float] = None  # (max_throughput)
+    latency_budget_ms: Optional[float] = None
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.config import Traffic
+from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.loader import load_artifact
@@ -34,23 +34,29 @@ from fx_lightning.export.manifest import (
     BenchTable,
     Manifest,
     Selected,
+    Sweep,
     Timing,
     TimingFailure,
     read_manifest,
     replace_manifest,
 )
-from fx_lightning.export.timing import IDLE_GAP_S, Progress, time_interleaved, time_in_own_process
+from fx_lightning.export.sweep import SweepSettings, sweep_module
+from fx_lightning.export.timing import (IDLE_GAP_S, Progress, sweep_in_own_process, time_interleaved,
+                                        time_in_own_process)
 from fx_lightning.export.check import CheckData, check_artifact, read_check_file
 from fx_lightning.tolerance import LOSSY_MAX_ERROR
 
-__all__ = ["Timing", "BenchTable", "bench_export", "check_saved", "select_fastest", "select_all", "record_selection",
-           "with_selection", "IDLE_GAP_S", "FINALIST_WITHIN", "FINALIST_ROUNDS"]
+__all__ = ["Timing", "BenchTable", "bench_export", "check_saved", "select_fastest", "select_max_throughput",
+           "select_by_strategy", "select_all", "record_selection", "with_selection", "sweep_candidates", "IDLE_GAP_S",
+           "FINALIST_WITHIN", "FINALIST_ROUNDS", "SWEPT_PER_TRAFFIC"]
 
 # Passing artifacts within this factor of the fastest (at most ``own_process_finalists`` per batch size and
 # traffic) are the finalists, timed each in a process of its own for FINALIST_ROUNDS rounds: a shared bench slows
 # some runtimes and its medians wander, so near ties are decided alone (figures: docs/performance.md).
 FINALIST_WITHIN = 1.6
 FINALIST_ROUNDS = 30
+# At most this many artifacts per traffic get the throughput sweep (each costs seconds per batch size).
+SWEPT_PER_TRAFFIC = 3
 
 
 def check_saved(module: nn.Module, saved: CheckData, *, lossy: bool = False) -> ArtifactCheck:
@@ -87,6 +93,7 @@ def bench_export(
     threads: Optional[int] = None,
     progress: Optional[Progress] = None,
     runtime_choices: bool = True,
+    sweep: Optional[SweepSettings] = None,
 ) -> BenchTable:
     """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices unless
     ``runtime_choices`` is false) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
@@ -94,7 +101,9 @@ def bench_export(
     most that many of the fastest passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN`
     of the fastest) are then timed again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those
     timings replace theirs (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet
-    (an export being written), else it is read from ``root``."""
+    (an export being written), else it is read from ``root``. ``sweep``: then the throughput sweep (export/sweep.py)
+    of the passing artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics,
+    each in a process of its own when ``own_process_finalists`` is set."""
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     if threads:
@@ -127,7 +136,56 @@ def bench_export(
     table.failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact
     if own_process_finalists:
         _time_finalists_alone(root, manifest, table, own_process_finalists, warmup)
+    if sweep is not None and signature.batched:
+        _sweep(root, manifest, table, models, inputs, signature.input_axes(), sweep,
+               own_process=bool(own_process_finalists))
+    elif sweep is not None:
+        table.not_swept["*"] = "no sample axis: the artifacts run at one batch size"
     return table
+
+
+def sweep_candidates(table: BenchTable, traffic: str, limit: int = SWEPT_PER_TRAFFIC) -> List[Tuple[str, str]]:
+    """The passing artifacts, each with its fastest runtime settings, whose throughput at the largest batch size
+    timed is within :data:`FINALIST_WITHIN` of the best there (at most ``limit``, fastest first): the others
+    are too far behind to have the most throughput at a larger one."""
+    largest = max((t.batch_size for t in table.timings), default=1)
+    rows = sorted((t for t in table.timings if t.batch_size == largest and t.traffic == traffic
+                   and t.artifact in table.checks and table.checks[t.artifact].passed), key=lambda t: t.median_ms)
+    best: Dict[str, Timing] = {}
+    for t in rows:
+        best.setdefault(t.artifact, t)
+    fastest = min((t.median_ms for t in best.values()), default=0.0)
+    return [(t.artifact, t.runtime) for t in best.values() if t.median_ms <= fastest * FINALIST_WITHIN][:limit]
+
+
+def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple[str, str], nn.Module],
+           inputs: Sequence[Any], axes: Sequence[Optional[int]], settings: SweepSettings, own_process: bool) -> None:
+    """Record the throughput sweep of each traffic's candidates in ``table`` (own process when asked, falling
+    back to this one when that fails)."""
+    largest = max((t.batch_size for t in table.timings), default=1)
+    wanted: Dict[Tuple[str, str], List[str]] = {}
+    for traffic in Traffic:
+        chosen = sweep_candidates(table, traffic.value)
+        for candidate in chosen:
+            wanted.setdefault(candidate, []).append(traffic.value)
+        for name, check in table.checks.items():
+            if check.passed and name not in {c[0] for c in chosen} and name not in table.not_swept:
+                table.not_swept[name] = (f"{traffic.value.replace('_', ' ')} traffic: more than "
+                                         f"{FINALIST_WITHIN}x the fastest at batch {largest}, or not among the "
+                                         f"{SWEPT_PER_TRAFFIC} fastest")
+    manifest_json = manifest.to_dict() if own_process else {}
+    for (artifact, runtime), traffics in wanted.items():
+        table.not_swept.pop(artifact, None)
+        if own_process:
+            raw, why = sweep_in_own_process(root, manifest_json, (artifact, runtime), traffics, settings.to_dict(),
+                                            table.threads)
+            if raw is not None:
+                table.sweeps.extend(Sweep.from_dict(w) for w in raw)
+                continue
+            table.failures.append(TimingFailure(artifact, 1, f"not swept in a process of its own ({why}); swept in "
+                                                             "the selection's process"))
+        table.sweeps.extend(sweep_module(models[(artifact, runtime)], inputs, axes, artifact, runtime, traffic,
+                                         settings) for traffic in traffics)
 
 
 def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, warmup: int) -> None:
@@ -194,14 +252,62 @@ def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") ->
                     traffic, runtime)
 
 
+def select_max_throughput(table: BenchTable, traffic: Any = "back_to_back",
+                          latency_budget_ms: Optional[float] = None) -> Optional[Selected]:
+    """The passing artifact, runtime settings and batch size with the most samples per second over the recorded
+    sweeps in ``traffic`` (the smaller batch size on a tie), its p99 within ``latency_budget_ms`` when given;
+    None when no sweep has such a point."""
+    traffic = Traffic(traffic).value
+    points = [(point, w) for w in table.sweeps if w.traffic == traffic and w.artifact in table.checks
+              and table.checks[w.artifact].passed for point in [w.best(latency_budget_ms)] if point is not None]
+    if not points:
+        return None
+    point, w = max(points, key=lambda pw: (pw[0].throughput, -pw[0].batch_size))
+    settings = f", runtime settings '{w.runtime}'" if w.runtime else ""
+    alone = ", timed in a process of its own" if w.process == "own" else ""
+    within = f" with p99 within {latency_budget_ms:g} ms" if latency_budget_ms is not None else ""
+    return Selected(w.artifact, point.batch_size, point.p50_ms,
+                    f"most samples/s{within} over the throughput sweep, {traffic.replace('_', ' ')} traffic: "
+                    f"{point.throughput:.1f}/s at batch {point.batch_size} (p50 {point.p50_ms:.2f} ms, p99 "
+                    f"{point.p99_ms:.2f} ms; {table.threads} threads, {table.isa}{settings}{alone}) of the artifacts "
+                    "that passed their check", traffic, w.runtime, strategy=Strategy.max_throughput.value,
+                    throughput=point.throughput, p99_ms=point.p99_ms, latency_budget_ms=latency_budget_ms)
+
+
+def select_by_strategy(table: BenchTable, strategy: Any, batch_size: int, traffic: Any,
+                       latency_budget_ms: Optional[float] = None) -> Optional[Selected]:
+    """The artifact ``strategy`` picks: ``min_latency``: the fastest at ``batch_size``; ``max_throughput``: the most
+    samples per second over the sweep (within ``latency_budget_ms`` when given). Raises ExportError, with every
+    swept artifact's lowest p99, when no artifact meets the budget."""
+    if Strategy(strategy) is Strategy.min_latency:
+        return select_fastest(table, batch_size, traffic)
+    pick = select_max_throughput(table, traffic, latency_budget_ms)
+    if pick is None and latency_budget_ms is not None:
+        raise ExportError(_budget_refusal(table, Traffic(traffic).value, latency_budget_ms))
+    return pick
+
+
+def _budget_refusal(table: BenchTable, traffic: str, budget: float) -> str:
+    lowest = [(min(p.p99_ms for p in w.points), w) for w in table.sweeps
+              if w.traffic == traffic and w.points and table.checks.get(w.artifact, ArtifactCheck(False)).passed]
+    figures = "; ".join(f"{w.artifact}{f' [{w.runtime}]' if w.runtime else ''} {ms:.2f} ms at batch "
+                        f"{min(w.points, key=lambda p: p.p99_ms).batch_size}" for ms, w in sorted(lowest, key=lambda x: x[0]))
+    return (f"export.latency_budget_ms: {budget:g}: no artifact that passed its check has a p99 within it in "
+            f"{traffic.replace('_', ' ')} traffic ({table.threads} threads, {table.isa}); the lowest p99 each reached: "
+            f"{figures or 'none was swept'}. Allowed: a budget at least the lowest of these, or no budget.")
+
+
 def select_all(table: BenchTable) -> List[Selected]:
-    """The fastest passing artifact for every batch size timed and every traffic."""
-    picks = (select_fastest(table, b, t) for b in sorted({t.batch_size for t in table.timings}) for t in Traffic)
+    """The fastest passing artifact for every batch size timed and every traffic, and the one with the most
+    throughput in every traffic swept."""
+    picks = [select_fastest(table, b, t) for b in sorted({t.batch_size for t in table.timings}) for t in Traffic]
+    picks += [select_max_throughput(table, t) for t in Traffic]
     return [p for p in picks if p is not None]
 
 
 def with_selection(manifest: Manifest, table: BenchTable, selected: Optional[Selected]) -> Manifest:
-    """``manifest`` with the table, the default selection and the fastest per batch size and traffic recorded."""
+    """``manifest`` with the table, the default selection and the picks of :func:`select_all` recorded (and the
+    default, when it is a pick within a latency budget)."""
     def settings(pick: Optional[Selected]) -> Optional[Selected]:
         if pick is None or not pick.runtime or pick.format not in manifest.formats:
             return pick
@@ -209,8 +315,11 @@ def with_selection(manifest: Manifest, table: BenchTable, selected: Optional[Sel
         return dataclasses.replace(pick, runtime_options=dict(FORMATS[entry.format_name or pick.format]
                                                               .runtime_choices[pick.runtime]))
 
+    picks = select_all(table)
+    if selected is not None and selected.latency_budget_ms is not None:
+        picks.append(selected)
     return dataclasses.replace(manifest, bench=table, selected=settings(selected),
-                               selections=[settings(s) for s in select_all(table)])  # type: ignore[misc]
+                               selections=[settings(s) for s in picks])  # type: ignore[misc]
 
 
 def record_selection(root: Any, table: BenchTable, selected: Optional[Selected]) -> None:

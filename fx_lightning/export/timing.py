@@ -31,7 +31,8 @@ from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import TimingFailure
 from fx_lightning.rows import with_rows
 
-__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "time_interleaved", "time_in_own_process"]
+__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "time_interleaved", "time_in_own_process",
+           "sweep_in_own_process"]
 
 # The idle gap before a call in the ``idle`` traffic (and before each candidate in a round): long enough for a
 # runtime's threads to go to sleep (the wake-up the idle traffic measures) and for one runtime's spinning threads
@@ -95,24 +96,38 @@ def time_in_own_process(root: Path, manifest_json: Dict[str, object], candidate:
                         threads: int) -> Tuple[Optional[Dict[Tuple[int, str], List[float]]], str]:
     """``candidate`` timed by :func:`time_interleaved` in a fresh process. Returns its samples as
     ``{(batch size, traffic): seconds}``, or None and why the process failed (the caller keeps what it had)."""
+    raw, why = _in_own_process({"root": str(root), "manifest": manifest_json, "candidate": list(candidate),
+                                "batch_sizes": list(batch_sizes), "rounds": rounds, "warmup": warmup,
+                                "threads": threads})
+    if raw is None:
+        return None, why
+    return {(int(b), str(traffic)): list(ts) for b, traffic, ts in raw}, ""
+
+
+def sweep_in_own_process(root: Path, manifest_json: Dict[str, object], candidate: Candidate,
+                         traffics: Sequence[str], settings: Dict[str, Any],
+                         threads: int) -> Tuple[Optional[List[Dict[str, Any]]], str]:
+    """``candidate``'s throughput sweep (export/sweep.py) in each of ``traffics``, in a fresh process, as a server
+    runs it. Returns each sweep as the manifest writes it, or None and why the process failed."""
+    return _in_own_process({"root": str(root), "manifest": manifest_json, "candidate": list(candidate),
+                            "sweep": {"traffics": list(traffics), "settings": settings}, "threads": threads})
+
+
+def _in_own_process(request: Dict[str, Any]) -> Tuple[Any, str]:
     with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
-        request, out = Path(tmp) / "request.json", Path(tmp) / "samples.json"
-        request.write_text(json.dumps({
-            "root": str(root), "manifest": manifest_json, "candidate": list(candidate),
-            "batch_sizes": list(batch_sizes), "rounds": rounds, "warmup": warmup, "threads": threads, "out": str(out),
-        }), encoding="utf-8")
+        path, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
+        path.write_text(json.dumps({**request, "out": str(out)}), encoding="utf-8")
         # The parent's import path, so an artifact that imports the user's modules loads as it did here.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            done = subprocess.run([sys.executable, "-m", "fx_lightning.export.timing", str(request)],
+            done = subprocess.run([sys.executable, "-m", "fx_lightning.export.timing", str(path)],
                                   capture_output=True, text=True, timeout=OWN_PROCESS_TIMEOUT_S, env=env, check=False)
         except subprocess.TimeoutExpired:
             return None, f"timed out after {OWN_PROCESS_TIMEOUT_S:.0f} s"
         if done.returncode != 0 or not out.is_file():
             tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or ["no output"]
             return None, f"exit code {done.returncode}: {tail[0][:200]}"
-        raw = json.loads(out.read_text(encoding="utf-8"))
-    return {(int(b), str(traffic)): list(ts) for b, traffic, ts in raw}, ""
+        return json.loads(out.read_text(encoding="utf-8")), ""
 
 
 def _time_request(path: Path) -> None:
@@ -131,13 +146,20 @@ def _time_request(path: Path) -> None:
         raise SystemExit("no check.pt: nothing to time the artifact on")
     manifest = Manifest.from_dict(request["manifest"])
     signature = manifest.call_signature()
-    samples, failures = time_interleaved({(name, runtime): module}, saved.inputs, request["batch_sizes"],
-                                         int(request["rounds"]), int(request["warmup"]),
-                                         axes=signature.input_axes() if signature.batched else None)
-    if failures:
-        raise SystemExit(failures[0].reason)
-    Path(request["out"]).write_text(json.dumps([[b, traffic, ts] for (_, b), by_traffic in samples.items()
-                                                for traffic, ts in by_traffic.items()]), encoding="utf-8")
+    axes = signature.input_axes() if signature.batched else None
+    if "sweep" in request:
+        from fx_lightning.export.sweep import SweepSettings, sweep_module
+
+        settings = SweepSettings(**request["sweep"]["settings"])
+        result: Any = [sweep_module(module, saved.inputs, axes or [], name, runtime, traffic, settings,
+                                    process="own").to_dict() for traffic in request["sweep"]["traffics"]]
+    else:
+        samples, failures = time_interleaved({(name, runtime): module}, saved.inputs, request["batch_sizes"],
+                                             int(request["rounds"]), int(request["warmup"]), axes=axes)
+        if failures:
+            raise SystemExit(failures[0].reason)
+        result = [[b, traffic, ts] for (_, b), by_traffic in samples.items() for traffic, ts in by_traffic.items()]
+    Path(request["out"]).write_text(json.dumps(result), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -14,14 +14,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 from torch import nn
 
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, first_line
 from fx_lightning.export.manifest import Manifest, VariantOutcome
-from fx_lightning.export.selection import bench_export, select_fastest, with_selection
+from fx_lightning.export.selection import bench_export, select_by_strategy, with_selection
+from fx_lightning.export.sweep import REHEARSAL_SWEEP, SweepSettings
 from fx_lightning.export.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
 from fx_lightning.export.writer import prepare_export, write_export
 from fx_lightning.machine import cpu_info
@@ -31,6 +32,7 @@ from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.records import Exported, Fused
 from fx_lightning.pipeline.steps import Step, gate_variant, in_step, other_sizes
 from fx_lightning.provenance import Provenance
+from fx_lightning.rows import with_rows
 from fx_lightning.variants import MadeVariant, Variant, VariantContext, VariantOptions, enabled_variants
 
 __all__ = [
@@ -131,6 +133,8 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
         key = f"passes.{variant.key}"
         lacking = variant.lacks(cpu_info()) if options.require_cpu_features else None
         if lacking is not None:
+            figure = None if rehearsal else variant.measured_here(fused.result.graph_module, _one_example(fused))
+            lacking += f" ({figure})" if figure else ""
             manifest = skip_variant(manifest, variant.name, f"{lacking}; {key}.require_cpu_features: false makes "
                                                             "it anyway")
             continue
@@ -168,6 +172,12 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
             error.step = Step.variants.value
             raise error
     return manifest
+
+
+def _one_example(fused: Fused) -> Tuple[Any, ...]:
+    """One sample of the example inputs (all of them without a sample axis)."""
+    inputs = tuple(fused.example_inputs or ())
+    return tuple(with_rows(inputs, fused.signature.input_axes(), 1)) if fused.signature.batched else inputs
 
 
 def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate: Any,
@@ -224,9 +234,10 @@ def _rounded(value: Optional[float]) -> Optional[float]:
 
 def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
                     rehearsal: bool = False) -> Manifest:
-    """Time the export's artifacts against the unfused target (eager) and record the table and the fastest that
-    passed its check. ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes
-    timed, and an error when nothing could be selected (nothing would be after training either)."""
+    """Time the export's artifacts against the unfused target (eager), sweep the likely winners' throughput, and
+    record the table and the pick of ``export.select_strategy`` among those that passed their check.
+    ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes timed, and an error
+    when nothing could be selected (nothing would be after training either)."""
     # Without a sample axis the example is timed as it is: one "batch size".
     size = config.export.select_batch_size if fused.signature.batched else 1
     rounds, warmup, finalists = (1, 0, 0) if rehearsal else (15, 3, 3)
@@ -236,8 +247,11 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
                              baselines={"eager": raw_input.eager_baseline(eager, fused.contract.preprocess)},
                              rounds=rounds, warmup=warmup,
-                             own_process_finalists=finalists)
-        selected = select_fastest(table, size, config.export.select_traffic)
+                             own_process_finalists=finalists,
+                             sweep=REHEARSAL_SWEEP if rehearsal else SweepSettings())
+        # The rehearsal's one round proves the sweep runs; its figures cannot judge a latency budget.
+        selected = select_by_strategy(table, config.export.select_strategy, size, config.export.select_traffic,
+                                      None if rehearsal else config.export.latency_budget_ms)
         if rehearsal and selected is None:
             why = [f"{n}: check failed ({c.reason})" for n, c in table.checks.items() if not c.passed]
             why += [f"{f.artifact} at batch {f.batch_size}: {f.reason}" for f in table.failures if f.artifact != "eager"]

@@ -15,17 +15,24 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.export.loader import load_artifact, selection_for
 from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.selection import check_saved
+from fx_lightning.export.sweep import recorded_batching
 from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
 from fx_lightning.serve.triton_config import MODEL_NAME
 from fx_lightning.rows import with_rows
 
-__all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
+# Without a recorded sweep: requests batched into one run, and seconds a batch waits to fill.
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_BATCH_TIMEOUT = 0.005
+SWEPT = "the export's throughput sweep"  # ServeOptions.batching when both settings came from it
+
+__all__ = ["ServeOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_BATCH_TIMEOUT", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
            "serving_batch_sizes"]
 
 
@@ -33,9 +40,12 @@ __all__ = ["ServeOptions", "SelfCheck", "StatusBoard", "load_checked", "artifact
 class ServeOptions:
     """The server's settings (the ``fx-lightning serve`` flags), checked in one place by :meth:`check`."""
 
-    format: Optional[str] = None  # None: the artifact the export selected for max_batch_size
-    max_batch_size: int = 8  # requests batched into one run (1: no batching)
-    batch_timeout: float = 0.005  # seconds a batch waits to fill
+    format: Optional[str] = None  # None: the artifact the export selected for the batching
+    # Requests batched into one run (1: no batching) and seconds a batch waits to fill. None: from the export's
+    # throughput sweep (export/sweep.py: recorded_batching), which also picks its max-throughput artifact; else
+    # DEFAULT_MAX_BATCH_SIZE and DEFAULT_BATCH_TIMEOUT. with_batching() fills them and says where from.
+    max_batch_size: Optional[int] = None
+    batch_timeout: Optional[float] = None
     workers: int = 1
     threads: Optional[int] = None  # per worker; None: the CPU cores / workers
     max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH  # samples in one request
@@ -43,17 +53,24 @@ class ServeOptions:
     top_k: int = 5  # labels per row in a response, when the export has labels
     timeout: float = 30.0  # seconds a request may wait in the queue
     model_name: Optional[str] = None  # the Open Inference Protocol's model name; None: the export directory's
+    batching: str = ""  # where max_batch_size and batch_timeout came from (with_batching)
 
     def check(self) -> None:
         for key, minimum in (("max_batch_size", 1), ("workers", 1), ("max_request_batch", 1), ("top_k", 0)):
             value = getattr(self, key)
+            if value is None and key == "max_batch_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"serve {key}: {value!r}; allowed: an integer >= {minimum}.")
+                raise ConfigError(f"serve {key}: {value!r}; allowed: an integer >= {minimum}"
+                                  + (", or None for the export's throughput sweep" if key == "max_batch_size" else "")
+                                  + ".")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ConfigError(f"serve threads: {self.threads!r}; allowed: an integer >= 1, or None for the cores "
                               "per worker.")
         for key in ("batch_timeout", "max_body_mb", "timeout"):
             value = getattr(self, key)
+            if value is None and key == "batch_timeout":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"serve {key}: {value!r}; allowed: a number > 0"
                                   + (" (seconds; 0 would make an idle worker poll without pause)"
@@ -61,9 +78,27 @@ class ServeOptions:
         if self.model_name is not None and not MODEL_NAME.match(self.model_name):
             raise ConfigError(f"serve model_name: {self.model_name!r}; allowed: letters, digits, '_', '-' and '.', not "
                               "starting with '.' or '-' (the name a Triton repository would give it).")
-        if self.batch_timeout >= self.timeout:
+        if self.batch_timeout is not None and self.batch_timeout >= self.timeout:
             raise ConfigError(f"serve batch_timeout: {self.batch_timeout!r}; allowed: less than timeout "
                               f"({self.timeout!r} s, how long a request may wait).")
+
+    def with_batching(self, manifest: Manifest) -> "ServeOptions":
+        """These options with ``max_batch_size`` and ``batch_timeout`` filled where None: from the export's
+        throughput sweep of ``format`` (None: of its max-throughput pick, which is then served) when it recorded
+        one, else the defaults; ``batching`` says which."""
+        if self.max_batch_size is not None and self.batch_timeout is not None:
+            return self if self.batching else dataclasses.replace(self, batching="given")
+        recorded = recorded_batching(manifest, self.format) if manifest.call_signature().batched else None
+        if recorded is None:
+            return dataclasses.replace(
+                self, max_batch_size=DEFAULT_MAX_BATCH_SIZE if self.max_batch_size is None else self.max_batch_size,
+                batch_timeout=DEFAULT_BATCH_TIMEOUT if self.batch_timeout is None else self.batch_timeout,
+                batching=self.batching or "defaults (the export recorded no throughput sweep of the artifact)")
+        timeout = min(recorded.queue_delay_s, self.timeout / 2)
+        return dataclasses.replace(
+            self, max_batch_size=recorded.max_batch_size if self.max_batch_size is None else self.max_batch_size,
+            batch_timeout=timeout if self.batch_timeout is None else self.batch_timeout,
+            batching=SWEPT if self.max_batch_size is None else f"batch_timeout from {recorded.why}")
 
     @property
     def max_body_bytes(self) -> int:
@@ -90,6 +125,7 @@ def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, Self
     be served, with the reason."""
     root = Path(directory)
     manifest = read_manifest(root)
+    options = options.with_batching(manifest)
     name, runtime = artifact_for(manifest, options)
     module = load_artifact(root, manifest, name, verify=True, device="cpu", runtime=runtime)
     entry = manifest.formats[name]
@@ -109,7 +145,7 @@ def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, Self
         return module, SelfCheck(True, name, runtime, check.relative_error, check.reason or "",
                                  warm_up(module, saved.inputs, [1], None))
     axes = signature.input_axes()
-    sizes = serving_batch_sizes(entry.batch_sizes, options.max_batch_size)
+    sizes = serving_batch_sizes(entry.batch_sizes, options.max_batch_size or 1)
     if not entry.batch_sizes:  # any size: run only the warmed ones (OpenVINO compiles, and keeps, a few shapes)
         module = BatchPieces({str(size): module for size in sizes}, axes, signature.output_axes(),
                              what=f"{name} artifact", warn=False)
@@ -140,12 +176,16 @@ def warm_up(module: nn.Module, inputs: Sequence[Any], batch_sizes: Iterable[int]
 
 
 def artifact_for(manifest: Manifest, options: ServeOptions) -> Tuple[str, str]:
-    """The format (or variant) and runtime settings to serve: ``options.format``, else the export's selection
-    for the batch size the server forms and the traffic batching makes, else the first format available."""
+    """The format (or variant) and runtime settings to serve: ``options.format``, else the export's selection:
+    its max-throughput pick when the batching came from its sweep, else its fastest for the batch size the server
+    forms and the traffic batching makes; else the first format available."""
     if options.format is not None:
         return options.format, ""
-    traffic = "back_to_back" if options.max_batch_size > 1 and manifest.call_signature().batched else None
-    pick = selection_for(manifest, options.max_batch_size, traffic)
+    options = options.with_batching(manifest)
+    max_batch = options.max_batch_size or 1
+    traffic = "back_to_back" if max_batch > 1 and manifest.call_signature().batched else None
+    pick = (selection_for(manifest, traffic=Traffic.back_to_back.value, strategy=Strategy.max_throughput.value)
+            if options.batching == SWEPT else selection_for(manifest, max_batch, traffic))
     if pick is not None:
         return pick.format, pick.runtime
     available = list(manifest.formats)

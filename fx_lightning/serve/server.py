@@ -79,6 +79,7 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
         raise ExportError(f"fx-lightning serve needs litserve: {INSTALL_HINT}.")
     root = Path(directory).resolve()
     manifest = read_manifest(root)
+    options = options.with_batching(manifest)
     name, _ = artifact_for(manifest, options)
     if name not in manifest.formats:
         raise ExportError(f"{root}: format {name!r} was not exported; available: {', '.join(manifest.formats)}.")

@@ -26,6 +26,8 @@ The config is written as protobuf text by hand: writing needs neither tritonclie
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import shutil
@@ -39,6 +41,7 @@ from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, read_manifest, verify_files
+from fx_lightning.export.sweep import recorded_batching
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, MODEL_NAME,
                                               SkippedArtifact,
                                               TritonModel, TritonRepository, TritonTensor, config_text,
@@ -87,11 +90,14 @@ class TritonOptions:
 
     name: Optional[str] = None  # None: the export directory's name
     formats: Optional[List[str]] = None  # manifest entries; None: every one Triton can serve
-    max_batch_size: Optional[int] = None  # None: DEFAULT_MAX_BATCH_SIZE for a dynamic batch, 0 for a fixed one
+    # None (these three): from the export's throughput sweep of the artifact (export/sweep.py: recorded_batching),
+    # else DEFAULT_MAX_BATCH_SIZE for a dynamic batch (0 for a fixed one), Triton's default preferred sizes (the
+    # largest batch it can form) and DEFAULT_MAX_QUEUE_DELAY_US.
+    max_batch_size: Optional[int] = None
     instances: int = 1
     dynamic_batching: bool = True
-    preferred_batch_sizes: Optional[List[int]] = None  # None: Triton's default (the largest batch it can form)
-    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US
+    preferred_batch_sizes: Optional[List[int]] = None
+    max_queue_delay_us: Optional[int] = None
     overwrite: bool = False  # replace a model directory of the same name in OUT
     python: bool = True  # also Python-backend models: the selection (named NAME) and each pt2/aoti artifact
 
@@ -102,7 +108,7 @@ class TritonOptions:
                               "with '.' or '-' (it names the model directories).")
         _check_int("max_batch_size", self.max_batch_size, 0, optional=True)
         _check_int("instances", self.instances, 1)
-        _check_int("max_queue_delay_us", self.max_queue_delay_us, 0)
+        _check_int("max_queue_delay_us", self.max_queue_delay_us, 0, optional=True)
         for size in self.preferred_batch_sizes or []:
             _check_int("preferred_batch_sizes", size, 1)
         if self.preferred_batch_sizes and self.max_batch_size is not None and \
@@ -157,7 +163,7 @@ def write_triton_repository(
     instances: int = 1,
     dynamic_batching: bool = True,
     preferred_batch_sizes: Optional[Sequence[int]] = None,
-    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US,
+    max_queue_delay_us: Optional[int] = None,
     overwrite: bool = False,
     python: bool = True,
 ) -> TritonRepository:
@@ -167,7 +173,9 @@ def write_triton_repository(
     dynamic-batch artifacts (default 8; 0: Triton does not batch, dims are full shapes); an artifact built for
     fixed batch sizes gets 0 (a value > 0 is refused). ``instances``: CPU instances of each model.
     ``dynamic_batching``, ``preferred_batch_sizes``, ``max_queue_delay_us``: Triton's dynamic batcher, written
-    only for a model that batches. ``overwrite``: replace model directories of the same names. ``python``: also
+    only for a model that batches. ``max_batch_size``, ``preferred_batch_sizes`` and ``max_queue_delay_us`` left
+    None come from the export's throughput sweep of each artifact when it recorded one (the model's notes say so),
+    else the defaults (8, Triton's default, 100 us). ``overwrite``: replace model directories of the same names. ``python``: also
     Python-backend models (:mod:`fx_lightning.serve.triton_python`): ``NAME`` serving the export's selection as
     ``fx-lightning serve`` does, and ``NAME_<entry>`` for each pt2/aoti artifact and variant.
 
@@ -232,19 +240,22 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
 def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path,
                   options: TritonOptions) -> TritonModel:
     batched = manifest.call_signature().batched
+    options, note = _recorded_batching(manifest, entry, options)
     max_batch = options.max_batch_size if options.max_batch_size is not None else (
         DEFAULT_MAX_BATCH_SIZE if batched else 0)
     try:
         model = python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
                              dynamic_batching=options.dynamic_batching,
                              preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
-                             max_queue_delay_us=options.max_queue_delay_us)
+                             max_queue_delay_us=_queue_delay(options))
     except ExportError as exc:  # what the contract cannot state: skipped like any other artifact Triton cannot take
         raise NotServable(str(exc)) from None
     scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]
     if model.max_batch_size == 0 and scalar:
         raise NotServable(f"{scalar[0]!r} is a scalar (no axes), which a Triton model that does not batch cannot "
                           "state; return it with a batch axis")
+    if note and model.max_batch_size:
+        model.notes.append(note)
     _attach_labels(model, manifest.labels)
     return model
 
@@ -287,7 +298,10 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     static = bool(entry.batch_sizes or entry.built_shapes)
     _agree(where, "input", inputs, in_specs, in_names, static)
     _agree(where, "output", outputs, manifest.outputs, out_names, static)
-    max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name)
+    swept, note = _recorded_batching(manifest, entry_name, options)
+    max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name,
+                                         swept.max_batch_size or DEFAULT_MAX_BATCH_SIZE)
+    options = swept if why_not is None else options
     batching = max_batch > 0
     model = TritonModel(
         name=directory.name, entry=entry_name, backend=backend.name, directory=directory,
@@ -296,8 +310,10 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
         outputs=[_config_tensor(t, s, batching) for t, s in zip(outputs, manifest.outputs)],
         instances=options.instances, dynamic_batching=batching and options.dynamic_batching,
         preferred_batch_sizes=_preferred(options, max_batch) if batching and options.dynamic_batching else [],
-        max_queue_delay_us=options.max_queue_delay_us,
+        max_queue_delay_us=_queue_delay(options),
     )
+    if note and why_not is None and batching:
+        model.notes.append(note)
     if why_not:
         model.notes.append(f"max_batch_size 0 (dims are full shapes, Triton does not batch requests): {why_not}")
     if backend.name == "openvino":
@@ -368,12 +384,13 @@ def triton_dtype(torch_dtype: Optional[str], what: str) -> str:
 
 
 def _max_batch_size(manifest: Manifest, entry: FormatEntry, tensors: List[ArtifactTensor], requested: Optional[int],
-                    entry_name: str) -> Tuple[int, Optional[str]]:
-    """max_batch_size for the artifact, and why it is 0 when it must be: Triton batches only along a leading
-    axis that every input and output has and that the artifact leaves dynamic."""
+                    entry_name: str, default: int = DEFAULT_MAX_BATCH_SIZE) -> Tuple[int, Optional[str]]:
+    """max_batch_size for the artifact (``default`` when none is ``requested``), and why it is 0 when it must be:
+    Triton batches only along a leading axis that every input and output has and that the artifact leaves
+    dynamic."""
     why_not = _fixed_batch_reason(manifest, entry, tensors)
     if why_not is None:
-        return (DEFAULT_MAX_BATCH_SIZE if requested is None else requested), None
+        return (default if requested is None else requested), None
     if requested:
         raise ConfigError(f"triton max_batch_size: {requested}; {entry_name} cannot batch: {why_not}; allowed: 0 "
                           "(or unset). Re-export with export.dynamic_batch: true to let Triton batch it.")
@@ -406,6 +423,31 @@ def _config_tensor(tensor: ArtifactTensor, spec: TensorSpec, batching: bool) -> 
     dims = tuple(-1 if d is None else int(d) for d in shape)
     return TritonTensor(tensor.name, tensor.data_type, dims or (1,), () if not dims else None,
                         spec.name if spec.name != tensor.name else None)
+
+
+def _recorded_batching(manifest: Manifest, entry: Optional[str],
+                       options: TritonOptions) -> Tuple[TritonOptions, Optional[str]]:
+    """``options`` with the batching settings left None taken from the export's throughput sweep of ``entry``
+    (None: the selection's max-throughput pick), and a note saying so; ``options`` unchanged when the export
+    recorded no sweep of it or every setting was given."""
+    wanted = (options.max_batch_size, options.preferred_batch_sizes, options.max_queue_delay_us)
+    recorded = recorded_batching(manifest, entry) if manifest.call_signature().batched else None
+    if recorded is None or None not in wanted:
+        return options, None
+    max_batch = options.max_batch_size if options.max_batch_size is not None else recorded.max_batch_size
+    preferred = options.preferred_batch_sizes if options.preferred_batch_sizes is not None else [
+        size for size in recorded.preferred_batch_sizes if size <= max_batch]
+    delay = options.max_queue_delay_us if options.max_queue_delay_us is not None else \
+        max(1, round(recorded.queue_delay_s * 1e6))
+    taken = [key for key, value in zip(("max_batch_size", "preferred_batch_sizes", "max_queue_delay_us"), wanted)
+             if value is None]
+    return (dataclasses.replace(options, max_batch_size=max_batch, preferred_batch_sizes=preferred or None,
+                                max_queue_delay_us=delay),
+            f"{', '.join(taken)} from {recorded.why}")
+
+
+def _queue_delay(options: TritonOptions) -> int:
+    return DEFAULT_MAX_QUEUE_DELAY_US if options.max_queue_delay_us is None else options.max_queue_delay_us
 
 
 def _preferred(options: TritonOptions, max_batch: int) -> List[int]:

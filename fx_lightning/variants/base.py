@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Generic, List, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, FrozenSet, Generic, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 import torch.fx as fx
@@ -124,12 +125,28 @@ class Variant(Generic[OptionsT]):
     without_native: str
     imports: Tuple[str, ...] = ()
     extra: Optional[str] = None
+    # A quick stand-in of the variant in eager PyTorch (the fused model -> a model computing at its precision),
+    # timed against fp32 when the CPU lacks the flags, so the skip reason carries a figure measured here.
+    probe: Optional[Callable[[nn.Module], nn.Module]] = None
 
     def lacks(self, cpu: CpuInfo) -> Optional[str]:
         """Why this variant cannot be fast on ``cpu``, or None when it can."""
         if self.native_flags & cpu.flags:
             return None
         return f"this CPU has no {self.native_text} ({cpu.short()}): {self.without_native}"
+
+    def measured_here(self, fused: nn.Module, inputs: Sequence[Any], calls: int = 3) -> Optional[str]:
+        """The :attr:`probe` and ``fused`` timed on ``inputs`` (medians of ``calls`` after one warm-up each), as a
+        phrase for a skip reason; None without a probe or when the probe cannot run."""
+        if self.probe is None:
+            return None
+        try:
+            slow = self.probe(fused)
+            fp32, variant = _median_s(fused, inputs, calls), _median_s(slow, inputs, calls)
+        except Exception:  # noqa: BLE001 - a figure for the report only; the skip stands without it
+            return None
+        return (f"measured here in eager PyTorch on one example: {self.name} {1e3 * variant:.2f} ms against fp32 "
+                f"{1e3 * fp32:.2f} ms ({variant / fp32:.1f}x)")
 
     def build(self, fused: fx.GraphModule, options: OptionsT, ctx: VariantContext) -> MadeVariant:
         """The variant made from ``fused``; any failure is a PassError naming the options' key."""
@@ -145,6 +162,17 @@ class Variant(Generic[OptionsT]):
         if not isinstance(made, MadeVariant) or not isinstance(made.model, nn.Module):
             raise PassError(f"passes.{self.key} made {type(made).__name__}, not a MadeVariant with a model")
         return made
+
+
+def _median_s(module: nn.Module, inputs: Sequence[Any], calls: int) -> float:
+    times = []
+    with torch.no_grad():
+        module(*inputs)
+        for _ in range(calls):
+            start = time.perf_counter()
+            module(*inputs)
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 # Every variant, by name, in the order they are made (and their options listed in the config).

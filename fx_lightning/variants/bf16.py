@@ -44,9 +44,15 @@ class _InBf16(nn.Module):
             lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, self.model(*cast))
 
 
+def in_bf16(gm: nn.Module) -> nn.Module:
+    """A copy of ``gm`` computing in bf16 behind its fp32 interface (``gm`` is left as it was)."""
+    return _InBf16(copy.deepcopy(plain_graph_module(gm) if isinstance(gm, fx.GraphModule) else gm)
+                   .to(torch.bfloat16)).eval()
+
+
 def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: VariantContext) -> MadeVariant:
     """The fused model in bfloat16 (inputs and outputs stay fp32), exported with a dynamic batch."""
-    model = _InBf16(copy.deepcopy(plain_graph_module(gm)).to(torch.bfloat16)).eval()
+    model = in_bf16(gm)
     made = export_variant(model, tuple(ctx.calibration[0] if ctx.calibration else ctx.example_inputs), ctx.signature)
     return MadeVariant(made.program.module(), static_notes(made, "bf16"))
 
@@ -55,4 +61,5 @@ BF16 = declare_variant(Variant(
     "bf16", "cast_bf16", CastBf16Options, cast_bf16,
     native_flags=frozenset({"avx512_bf16", "amx_bf16"}),
     native_text="AVX512-BF16 or AMX-BF16",
-    without_native="bf16 would run emulated"))
+    without_native="bf16 would run emulated",
+    probe=in_bf16))

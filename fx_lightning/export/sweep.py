@@ -1,0 +1,181 @@
+"""The throughput sweep: an artifact timed at batch sizes 1, 2, 4, ... until its throughput stops growing, and
+the batching a server should use that the sweep implies.
+
+Each batch size is timed in windows of calls (about :attr:`SweepSettings.window_s` of wall time each); windows
+are repeated until the last :attr:`SweepSettings.stable_windows` agree on throughput within
+:attr:`SweepSettings.agreement` (a shared machine's slow minute shows as a window that disagrees), and the point
+keeps those windows' calls: p50, p99 (nearest rank) and samples per second of run time. The sweep stops at the
+first batch size whose throughput grew by less than :attr:`SweepSettings.growth` over the one before (larger
+batches only add latency), at ``max_batch_size``, at the time limit, or where the artifact raises. In ``idle``
+traffic every call comes after the idle gap (the gap is not run time); in ``back_to_back`` right after the one
+before.
+
+The runner is a function ``run(batch_size) -> seconds`` (one timed call), so the algorithm is tested with a fake
+one; :func:`module_runner` makes one from a loaded artifact and the export's check inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fx_lightning.config import Traffic
+from fx_lightning.errors import first_line
+from fx_lightning.export.manifest import Manifest, Selected, Sweep, SweepPoint
+from fx_lightning.export.timing import IDLE_GAP_S
+from fx_lightning.rows import with_rows
+
+__all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "measure_batch_size", "module_runner",
+           "sweep_module", "Batching", "recorded_batching"]
+
+Runner = Callable[[int], float]  # one timed call at a batch size -> seconds
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """When a batch size's figure is stable and when the sweep stops (module docstring)."""
+
+    growth: float = 0.05  # stop when throughput grows by less than this over the previous batch size
+    agreement: float = 0.10  # windows agree when their throughputs are within this of each other
+    stable_windows: int = 3  # ... this many in a row
+    max_windows: int = 10  # give up on stability after this many (the point is kept, marked unstable)
+    window_s: float = 0.2  # wall time a window takes (idle gaps included), within the calls' bounds below
+    min_window_calls: int = 3
+    max_window_calls: int = 50
+    max_batch_size: int = 256
+    time_limit_s: float = 60.0  # wall time for one artifact's sweep in one traffic
+    max_call_s: float = 5.0  # a batch size whose one call takes longer ends the sweep (no server would use it)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# The preflight's rehearsal: every artifact runs at batch 1 and 2 once, which proves the sweep can run.
+REHEARSAL_SWEEP = SweepSettings(stable_windows=1, max_windows=1, window_s=0.0, min_window_calls=1, max_batch_size=2,
+                                growth=-math.inf)
+
+
+def measure_batch_size(run: Runner, batch_size: int, settings: SweepSettings) -> SweepPoint:
+    """One point of the sweep: windows of calls at ``batch_size`` until the last ``stable_windows`` agree."""
+    run(batch_size)  # the first call at a shape allocates (and some runtimes compile): not timed
+    start = time.perf_counter()
+    first = run(batch_size)
+    wall = max(time.perf_counter() - start, first, 1e-9)  # with the idle gap: a window's wall time is bounded
+    per_window = min(settings.max_window_calls, max(settings.min_window_calls, math.ceil(settings.window_s / wall)))
+    windows: List[List[float]] = []
+    stable = False
+    while not stable and len(windows) < settings.max_windows:
+        windows.append([run(batch_size) for _ in range(per_window)])
+        last = windows[-settings.stable_windows:]
+        rates = [batch_size * len(w) / max(sum(w), 1e-12) for w in last]
+        stable = len(last) == settings.stable_windows and max(rates) <= min(rates) * (1 + settings.agreement)
+    calls = sorted(t for w in windows[-settings.stable_windows:] for t in w)
+    p99 = calls[min(len(calls) - 1, math.ceil(0.99 * len(calls)) - 1)]
+    return SweepPoint(batch_size, 1e3 * statistics.median(calls), 1e3 * p99,
+                      batch_size * len(calls) / max(sum(calls), 1e-12), len(calls), stable)
+
+
+def sweep(run: Runner, settings: SweepSettings = SweepSettings()) -> Tuple[List[SweepPoint], str]:
+    """Batch sizes 1, 2, 4, ... measured until throughput stops growing; returns the points and why it stopped."""
+    points: List[SweepPoint] = []
+    start = time.perf_counter()
+    batch_size = 1
+    while True:
+        if batch_size > settings.max_batch_size:
+            return points, f"batch {batch_size} is above the sweep's max_batch_size ({settings.max_batch_size})"
+        try:
+            point = measure_batch_size(run, batch_size, settings)
+        except Exception as exc:  # noqa: BLE001 - e.g. an artifact built for some batch sizes only
+            return points, f"batch {batch_size} raises {type(exc).__name__}: {first_line(exc)[:200]}"
+        points.append(point)
+        if len(points) > 1:
+            growth = point.throughput / points[-2].throughput - 1
+            if growth < settings.growth:
+                return points, (f"throughput at batch {batch_size} grew {100 * growth:+.1f}% over batch "
+                                f"{points[-2].batch_size} (less than {100 * settings.growth:.0f}%)")
+        if point.p50_ms / 1e3 > settings.max_call_s:
+            return points, f"a call at batch {batch_size} takes {point.p50_ms:.0f} ms (over {settings.max_call_s} s)"
+        if time.perf_counter() - start > settings.time_limit_s:
+            return points, f"time limit ({settings.time_limit_s:.0f} s) reached after batch {batch_size}"
+        batch_size *= 2
+
+
+def module_runner(module: nn.Module, inputs: Sequence[Any], axes: Sequence[Optional[int]], traffic: str) -> Runner:
+    """``module`` called on ``inputs`` cut or repeated to each batch size along the sample ``axes``; in idle
+    traffic each call after the idle gap."""
+    cache: Dict[int, Tuple[Any, ...]] = {}
+    idle = Traffic(traffic) is Traffic.idle
+
+    def run(batch_size: int) -> float:
+        if batch_size not in cache:
+            cache.clear()  # one size at a time: large batches of images are large
+            cache[batch_size] = tuple(with_rows(inputs, axes, batch_size))
+        if idle:
+            time.sleep(IDLE_GAP_S)
+        with torch.no_grad():
+            start = time.perf_counter()
+            module(*cache[batch_size])
+            return time.perf_counter() - start
+
+    return run
+
+
+def sweep_module(module: nn.Module, inputs: Sequence[Any], axes: Sequence[Optional[int]], artifact: str,
+                 runtime: str, traffic: str, settings: SweepSettings, process: str = "shared") -> Sweep:
+    """The sweep of one loaded artifact in one traffic, as the manifest records it."""
+    points, stop = sweep(module_runner(module, inputs, axes, traffic), settings)
+    return Sweep(artifact, Traffic(traffic).value, points, stop, runtime, process)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a server should batch requests, from the recorded sweep: up to ``max_batch_size`` samples a run,
+    ``preferred_batch_sizes`` formed first, a batch waiting at most ``queue_delay_s`` to fill."""
+
+    max_batch_size: int
+    preferred_batch_sizes: Tuple[int, ...]
+    queue_delay_s: float
+    why: str
+
+
+def recorded_batching(manifest: Manifest, artifact: Optional[str] = None) -> Optional[Batching]:
+    """The batching the export's sweep implies for ``artifact`` (default: its max-throughput pick in back to back
+    traffic, the traffic a batching server makes), or None when no sweep was recorded for it: the largest batch
+    size is the max-throughput point (within the export's latency budget when its selection had one); the
+    preferred sizes are the swept sizes up to it that reach 95% of its throughput; a batch waits to fill at most
+    as long as one call at batch 1 takes (waiting longer costs more than running the requests already there)."""
+    bench = manifest.bench
+    if bench is None or not bench.sweeps:
+        return None
+    budget = manifest.selected.latency_budget_ms if manifest.selected is not None else None
+    if artifact is None:
+        pick = _throughput_pick(manifest, budget)
+        if pick is None:
+            return None
+        artifact, runtime = pick.format, pick.runtime
+    else:
+        runtime = ""
+    candidates = [w for w in bench.sweeps if w.artifact == artifact and w.traffic == Traffic.back_to_back.value]
+    chosen = next((w for w in candidates if w.runtime == runtime), candidates[0] if candidates else None)
+    best = chosen.best(budget) if chosen is not None else None
+    if chosen is None or best is None:
+        return None
+    preferred = tuple(p.batch_size for p in chosen.points
+                      if p.batch_size <= best.batch_size and p.throughput >= 0.95 * best.throughput)
+    one = next(p for p in chosen.points if p.batch_size == 1)
+    within = f" with p99 within {budget:g} ms" if budget is not None else ""
+    return Batching(best.batch_size, preferred, one.p50_ms / 1e3,
+                    f"the export's throughput sweep of {artifact} (back to back, {bench.threads} threads, {bench.isa}):"
+                    f" most samples/s{within} at batch {best.batch_size} ({best.throughput:.1f}/s, p99 "
+                    f"{best.p99_ms:.1f} ms); a batch waits at most one batch-1 call ({one.p50_ms:.1f} ms) to fill")
+
+
+def _throughput_pick(manifest: Manifest, budget: Optional[float]) -> Optional[Selected]:
+    return next((s for s in manifest.selections if s.strategy == "max_throughput"
+                 and s.traffic == Traffic.back_to_back.value and s.latency_budget_ms == budget), None)
