@@ -149,6 +149,10 @@ VALID_LEAVES: Dict[str, st.SearchStrategy] = {
     **{f"passes.{lossy}.min_cosine": st.floats(-1, 1) for lossy in LOSSY_PASSES},
     "export.aoti_batch_sizes": st.lists(st.integers(1, 2**31), max_size=4, unique=True),
     "export.select_batch_size": st.integers(1, 2**31),
+    # A strategy other than min_latency, and a budget, need select: fastest (and the budget max_throughput):
+    # drawn together in tests/test_sweep.py's config test; here the defaults.
+    "export.select_strategy": st.just("min_latency"),
+    "export.latency_budget_ms": st.none(),
     "export.preprocess.scale": st.floats(1e-30, 1e30),
     # mean and std: both or neither, one value per channel each, std > 0 (drawn together: preprocess_section).
     "export.preprocess.mean": st.none(),
@@ -303,6 +307,7 @@ BAD_LEAVES: Dict[str, st.SearchStrategy] = {
     "export.aoti_batch_sizes": st.lists(st.integers(-(2**31), 0), min_size=1, max_size=3)
     | st.integers(1, 64).map(lambda b: [b, b]),
     "export.select_batch_size": st.integers(-(2**31), 0),
+    "export.latency_budget_ms": st.floats(max_value=0.0) | st.sampled_from([math.inf, math.nan]),
     "export.preprocess.scale": st.floats(max_value=0.0) | st.sampled_from([math.inf, math.nan]),
     # A std that is not > 0 (with its mean), or mean and std of different lengths: the error names std.
     "export.preprocess.std": st.lists(st.floats(max_value=0.0), min_size=1, max_size=4)
