@@ -11,7 +11,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -23,7 +23,8 @@ from fx_lightning.config import load_config
 from fx_lightning.errors import ConfigError
 from fx_lightning.export import read_manifest
 from fx_lightning.export.loader import selection_for
-from fx_lightning.export.manifest import ArtifactCheck, BenchTable, Manifest, Sweep, SweepPoint, Timing, replace_manifest
+from fx_lightning.export.manifest import (ArtifactCheck, BenchTable, Manifest, Sweep, SweepPoint, Timing,
+                                         replace_manifest)
 from fx_lightning.export.selection import (select_all, select_by_strategy, select_max_throughput, sweep_candidates,
                                            with_selection)
 from fx_lightning.export.sweep import SweepSettings, measure_batch_size, recorded_batching, sweep
@@ -269,3 +270,30 @@ def test_an_export_refuses_a_budget_no_artifact_meets(tmp_path: Path) -> None:
                            export_dir=tmp_path / "fused")
     assert "latency_budget_ms: 1e-06" in str(info.value) and "pt2" in str(info.value) and "ms at batch" in \
         str(info.value)
+
+
+def test_the_triton_repository_takes_its_batching_from_the_recorded_sweep(swept: Tuple[Path, torch.nn.Module],
+                                                                          tmp_path: Path) -> None:
+    from fx_lightning.serve.triton import write_triton_repository
+
+    root = tmp_path / "export"
+    shutil.copytree(swept[0], root)
+    manifest = read_manifest(root)
+    table = recorded_table()  # onnx swept: most throughput at 8; preferred (8,); one batch-1 call 5 ms
+    replace_manifest(root, with_selection(manifest, table, select_by_strategy(table, "min_latency", 1,
+                                                                               "back_to_back")))
+    repository = write_triton_repository(root, tmp_path / "repo", python=False)
+    onnx = next(m for m in repository.models if m.entry == "onnx")
+    assert (onnx.max_batch_size, onnx.preferred_batch_sizes, onnx.max_queue_delay_us) == (8, [8], 5000)
+    assert any("from the export's throughput sweep of onnx" in note for note in onnx.notes)
+    assert "max_batch_size: 8" in (onnx.directory / "config.pbtxt").read_text()
+    # Told otherwise: the flags win, the rest still from the sweep.
+    told = write_triton_repository(root, tmp_path / "told", python=False, max_batch_size=2)
+    onnx = next(m for m in told.models if m.entry == "onnx")
+    assert (onnx.max_batch_size, onnx.preferred_batch_sizes, onnx.max_queue_delay_us) == (2, [], 5000)
+    # Without a sweep: the defaults, and no note claiming one.
+    replace_manifest(root, manifest.__class__.from_dict({**manifest.to_dict(), "bench": None, "selected": None,
+                                                         "selections": []}))
+    bare = next(m for m in write_triton_repository(root, tmp_path / "bare", python=False).models if m.entry == "onnx")
+    assert (bare.max_batch_size, bare.preferred_batch_sizes, bare.max_queue_delay_us) == (8, [], 100)
+    assert not any("sweep" in note for note in bare.notes)

@@ -13,9 +13,51 @@ from torch import nn
 
 from fx_lightning.cli.common import UsageError, import_path, load_lightning_module
 
-__all__ = ["run"]
+__all__ = ["add_parser", "run"]
 
 FINALISTS = 3  # with --select: the fastest artifacts timed again (and swept) each in a process of its own
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser(
+        "bench", help="time every artifact of an export side by side, check each, and pick the fastest",
+        description="Times each exported format (and the unfused model, when its class and checkpoint are known) "
+                    "interleaved, in one process, with fixed threads; checks every artifact's outputs on the "
+                    "export's check batch; --select also sweeps the likely winners' throughput over batch sizes on "
+                    "this machine and records the table, the sweep and the picks in the manifest, which "
+                    "load_fused(dir), fx-lightning serve and fx-lightning triton then use.",
+    )
+    bench.add_argument("directory")
+    bench.add_argument("--format", action="append", dest="formats", metavar="FORMAT",
+                       help="format(s) to time (repeatable; default: every format in the export)")
+    bench.add_argument("--batch-size", type=int, action="append", dest="batch_sizes", metavar="N",
+                       help="batch size(s) to time (repeatable; default: 1 and 8)")
+    bench.add_argument("--iters", type=int, default=30, help="timed rounds (each runs every model once)")
+    bench.add_argument("--warmup", type=int, default=5)
+    bench.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    bench.add_argument("--select", action="store_true",
+                       help="record the table and the fastest artifact that passed its check in the manifest")
+    bench.add_argument("--select-batch-size", type=int, default=None,
+                       help="the batch size the fastest is chosen at (default: the first --batch-size)")
+    bench.add_argument("--select-traffic", choices=["idle", "back_to_back"], default="idle",
+                       help="the traffic the default artifact is chosen for: requests after an idle gap, or back "
+                            "to back (the manifest records the fastest for both)")
+    bench.add_argument("--strategy", choices=["min_latency", "max_throughput"], default="min_latency",
+                       help="with --select: the default artifact is the fastest at --select-batch-size "
+                            "(min_latency) or the most samples/s over the throughput sweep (max_throughput); the "
+                            "manifest records both")
+    bench.add_argument("--latency-budget-ms", type=float, default=None, metavar="MS",
+                       help="with --strategy max_throughput: the p99 a batch may take at most (refused, with each "
+                            "artifact's figures, when none meets it)")
+    bench.add_argument("--no-sweep", action="store_false", dest="sweep",
+                       help="with --select: leave out the throughput sweep (batch sizes 1, 2, 4... until "
+                            "throughput stops growing, in a process of its own per artifact), which serve and "
+                            "triton take their batching from")
+    bench.add_argument("--model", metavar="PKG.MODULE:CLASS",
+                       help="unfused LightningModule class (default: the one recorded in the manifest)")
+    bench.add_argument("--checkpoint", help="its checkpoint (default: the one recorded in the manifest)")
+    bench.add_argument("--no-unfused", action="store_true", help="time the export formats only")
+    bench.add_argument("--unsafe-load", action="store_true", help="load the checkpoint with weights_only=False")
 
 
 def run(args: argparse.Namespace, console: Any) -> int:

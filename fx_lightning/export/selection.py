@@ -34,7 +34,6 @@ from fx_lightning.export.manifest import (
     BenchTable,
     Manifest,
     Selected,
-    Sweep,
     Timing,
     TimingFailure,
     read_manifest,
@@ -177,10 +176,10 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
     for (artifact, runtime), traffics in wanted.items():
         table.not_swept.pop(artifact, None)
         if own_process:
-            raw, why = sweep_in_own_process(root, manifest_json, (artifact, runtime), traffics, settings.to_dict(),
-                                            table.threads)
-            if raw is not None:
-                table.sweeps.extend(Sweep.from_dict(w) for w in raw)
+            swept, why = sweep_in_own_process(root, manifest_json, (artifact, runtime), traffics, settings,
+                                              table.threads)
+            if swept is not None:
+                table.sweeps.extend(swept)
                 continue
             table.failures.append(TimingFailure(artifact, 1, f"not swept in a process of its own ({why}); swept in "
                                                              "the selection's process"))

@@ -28,11 +28,15 @@ from torch import nn
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import Manifest, Selected, Sweep, SweepPoint
-from fx_lightning.export.timing import IDLE_GAP_S
 from fx_lightning.rows import with_rows
 
 __all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "measure_batch_size", "module_runner",
-           "sweep_module", "Batching", "recorded_batching"]
+           "sweep_module", "Batching", "recorded_batching", "IDLE_GAP_S"]
+
+# The idle gap before a call in the ``idle`` traffic: long enough for a runtime's threads to go to sleep (the
+# wake-up the idle traffic measures) and for one runtime's spinning threads to stop slowing the next (figures:
+# docs/performance.md). timing.py's interleaved bench uses it too.
+IDLE_GAP_S = 0.02
 
 Runner = Callable[[int], float]  # one timed call at a batch size -> seconds
 
@@ -51,9 +55,6 @@ class SweepSettings:
     max_batch_size: int = 256
     time_limit_s: float = 60.0  # wall time for one artifact's sweep in one traffic
     max_call_s: float = 5.0  # a batch size whose one call takes longer ends the sweep (no server would use it)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dict(self.__dict__)
 
 
 # The preflight's rehearsal: every artifact runs at batch 1 and 2 once, which proves the sweep can run.

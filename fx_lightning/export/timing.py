@@ -13,6 +13,7 @@ per process, so the finalists are timed each in a fresh Python process
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -28,16 +29,13 @@ from torch import nn
 
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
-from fx_lightning.export.manifest import TimingFailure
+from fx_lightning.export.manifest import Sweep, TimingFailure
+from fx_lightning.export.sweep import IDLE_GAP_S, SweepSettings, sweep_module
 from fx_lightning.rows import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "time_interleaved", "time_in_own_process",
            "sweep_in_own_process"]
 
-# The idle gap before a call in the ``idle`` traffic (and before each candidate in a round): long enough for a
-# runtime's threads to go to sleep (the wake-up the idle traffic measures) and for one runtime's spinning threads
-# to stop slowing the next (figures: docs/performance.md).
-IDLE_GAP_S = 0.02
 OWN_PROCESS_TIMEOUT_S = 600.0
 
 Candidate = Tuple[str, str]  # (artifact or baseline, runtime choice)
@@ -105,15 +103,17 @@ def time_in_own_process(root: Path, manifest_json: Dict[str, object], candidate:
 
 
 def sweep_in_own_process(root: Path, manifest_json: Dict[str, object], candidate: Candidate,
-                         traffics: Sequence[str], settings: Dict[str, Any],
-                         threads: int) -> Tuple[Optional[List[Dict[str, Any]]], str]:
+                         traffics: Sequence[str], settings: SweepSettings,
+                         threads: int) -> Tuple[Optional[List[Sweep]], str]:
     """``candidate``'s throughput sweep (export/sweep.py) in each of ``traffics``, in a fresh process, as a server
-    runs it. Returns each sweep as the manifest writes it, or None and why the process failed."""
-    return _in_own_process({"root": str(root), "manifest": manifest_json, "candidate": list(candidate),
-                            "sweep": {"traffics": list(traffics), "settings": settings}, "threads": threads})
+    runs it. Returns the sweeps, or None and why the process failed."""
+    raw, why = _in_own_process({"root": str(root), "manifest": manifest_json, "candidate": list(candidate),
+                                "sweep": {"traffics": list(traffics), "settings": dataclasses.asdict(settings)},
+                                "threads": threads})
+    return ([Sweep.from_dict(w) for w in raw] if raw is not None else None), why
 
 
-def _in_own_process(request: Dict[str, Any]) -> Tuple[Any, str]:
+def _in_own_process(request: Dict[str, object]) -> Tuple[Any, str]:
     with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
         path, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         path.write_text(json.dumps({**request, "out": str(out)}), encoding="utf-8")
@@ -148,8 +148,6 @@ def _time_request(path: Path) -> None:
     signature = manifest.call_signature()
     axes = signature.input_axes() if signature.batched else None
     if "sweep" in request:
-        from fx_lightning.export.sweep import SweepSettings, sweep_module
-
         settings = SweepSettings(**request["sweep"]["settings"])
         result: Any = [sweep_module(module, saved.inputs, axes or [], name, runtime, traffic, settings,
                                     process="own").to_dict() for traffic in request["sweep"]["traffics"]]

@@ -26,7 +26,6 @@ The config is written as protobuf text by hand: writing needs neither tritonclie
 
 from __future__ import annotations
 
-import dataclasses
 
 import logging
 import os
@@ -41,11 +40,9 @@ from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, read_manifest, verify_files
-from fx_lightning.export.sweep import recorded_batching
-from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, MODEL_NAME,
-                                              SkippedArtifact,
-                                              TritonModel, TritonRepository, TritonTensor, config_text,
-                                              default_model_name, describe, readme_text)
+from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
+                                              TritonModel, TritonOptions, TritonRepository, TritonTensor,
+                                              config_text, default_model_name, describe, readme_text)
 from fx_lightning.serve.triton_python import ENTRY_PARAMETER, MODEL_PY, PYTHON_FORMATS, python_copies, python_model
 
 __all__ = [
@@ -82,51 +79,6 @@ _NOT_SERVED: Dict[str, str] = {
                     "it holds pickled code",
     "code": "Python source needs Triton's Python backend and a model.py written for it",
 }
-
-
-@dataclass
-class TritonOptions:
-    """What to write (``formats``, ``name``) and how Triton is to run it; checked in one place by :meth:`check`."""
-
-    name: Optional[str] = None  # None: the export directory's name
-    formats: Optional[List[str]] = None  # manifest entries; None: every one Triton can serve
-    # None (these three): from the export's throughput sweep of the artifact (export/sweep.py: recorded_batching),
-    # else DEFAULT_MAX_BATCH_SIZE for a dynamic batch (0 for a fixed one), Triton's default preferred sizes (the
-    # largest batch it can form) and DEFAULT_MAX_QUEUE_DELAY_US.
-    max_batch_size: Optional[int] = None
-    instances: int = 1
-    dynamic_batching: bool = True
-    preferred_batch_sizes: Optional[List[int]] = None
-    max_queue_delay_us: Optional[int] = None
-    overwrite: bool = False  # replace a model directory of the same name in OUT
-    python: bool = True  # also Python-backend models: the selection (named NAME) and each pt2/aoti artifact
-
-    def check(self) -> None:
-        """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
-        if self.name is not None and not MODEL_NAME.match(self.name):
-            raise ConfigError(f"triton name: {self.name!r}; allowed: letters, digits, '_', '-' and '.', not starting "
-                              "with '.' or '-' (it names the model directories).")
-        _check_int("max_batch_size", self.max_batch_size, 0, optional=True)
-        _check_int("instances", self.instances, 1)
-        _check_int("max_queue_delay_us", self.max_queue_delay_us, 0, optional=True)
-        for size in self.preferred_batch_sizes or []:
-            _check_int("preferred_batch_sizes", size, 1)
-        if self.preferred_batch_sizes and self.max_batch_size is not None and \
-                max(self.preferred_batch_sizes) > self.max_batch_size:
-            raise ConfigError(f"triton preferred_batch_sizes: {list(self.preferred_batch_sizes)}; allowed: "
-                              + (f"sizes from 1 to max_batch_size ({self.max_batch_size})." if self.max_batch_size
-                                 else "none with max_batch_size 0 (Triton does not batch)."))
-        if self.formats is not None and not self.formats:
-            raise ConfigError("triton formats: []; allowed: manifest entries such as onnx or openvino, or None for "
-                              "every one Triton can serve.")
-
-
-def _check_int(key: str, value: object, minimum: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"triton {key}: {value!r}; allowed: an integer >= {minimum}"
-                          + (" or None" if optional else "") + ".")
 
 
 @dataclass(frozen=True)
@@ -240,14 +192,14 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
 def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path,
                   options: TritonOptions) -> TritonModel:
     batched = manifest.call_signature().batched
-    options, note = _recorded_batching(manifest, entry, options)
+    options, note = options.with_recorded_batching(manifest, entry)
     max_batch = options.max_batch_size if options.max_batch_size is not None else (
         DEFAULT_MAX_BATCH_SIZE if batched else 0)
     try:
         model = python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
                              dynamic_batching=options.dynamic_batching,
                              preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
-                             max_queue_delay_us=_queue_delay(options))
+                             max_queue_delay_us=options.queue_delay_us)
     except ExportError as exc:  # what the contract cannot state: skipped like any other artifact Triton cannot take
         raise NotServable(str(exc)) from None
     scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]
@@ -298,7 +250,7 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     static = bool(entry.batch_sizes or entry.built_shapes)
     _agree(where, "input", inputs, in_specs, in_names, static)
     _agree(where, "output", outputs, manifest.outputs, out_names, static)
-    swept, note = _recorded_batching(manifest, entry_name, options)
+    swept, note = options.with_recorded_batching(manifest, entry_name)
     max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name,
                                          swept.max_batch_size or DEFAULT_MAX_BATCH_SIZE)
     options = swept if why_not is None else options
@@ -310,7 +262,7 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
         outputs=[_config_tensor(t, s, batching) for t, s in zip(outputs, manifest.outputs)],
         instances=options.instances, dynamic_batching=batching and options.dynamic_batching,
         preferred_batch_sizes=_preferred(options, max_batch) if batching and options.dynamic_batching else [],
-        max_queue_delay_us=_queue_delay(options),
+        max_queue_delay_us=options.queue_delay_us,
     )
     if note and why_not is None and batching:
         model.notes.append(note)
@@ -423,31 +375,6 @@ def _config_tensor(tensor: ArtifactTensor, spec: TensorSpec, batching: bool) -> 
     dims = tuple(-1 if d is None else int(d) for d in shape)
     return TritonTensor(tensor.name, tensor.data_type, dims or (1,), () if not dims else None,
                         spec.name if spec.name != tensor.name else None)
-
-
-def _recorded_batching(manifest: Manifest, entry: Optional[str],
-                       options: TritonOptions) -> Tuple[TritonOptions, Optional[str]]:
-    """``options`` with the batching settings left None taken from the export's throughput sweep of ``entry``
-    (None: the selection's max-throughput pick), and a note saying so; ``options`` unchanged when the export
-    recorded no sweep of it or every setting was given."""
-    wanted = (options.max_batch_size, options.preferred_batch_sizes, options.max_queue_delay_us)
-    recorded = recorded_batching(manifest, entry) if manifest.call_signature().batched else None
-    if recorded is None or None not in wanted:
-        return options, None
-    max_batch = options.max_batch_size if options.max_batch_size is not None else recorded.max_batch_size
-    preferred = options.preferred_batch_sizes if options.preferred_batch_sizes is not None else [
-        size for size in recorded.preferred_batch_sizes if size <= max_batch]
-    delay = options.max_queue_delay_us if options.max_queue_delay_us is not None else \
-        max(1, round(recorded.queue_delay_s * 1e6))
-    taken = [key for key, value in zip(("max_batch_size", "preferred_batch_sizes", "max_queue_delay_us"), wanted)
-             if value is None]
-    return (dataclasses.replace(options, max_batch_size=max_batch, preferred_batch_sizes=preferred or None,
-                                max_queue_delay_us=delay),
-            f"{', '.join(taken)} from {recorded.why}")
-
-
-def _queue_delay(options: TritonOptions) -> int:
-    return DEFAULT_MAX_QUEUE_DELAY_US if options.max_queue_delay_us is None else options.max_queue_delay_us
 
 
 def _preferred(options: TritonOptions, max_batch: int) -> List[int]:

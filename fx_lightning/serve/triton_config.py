@@ -4,6 +4,7 @@ protobuf) and the repository's README. :mod:`fx_lightning.serve.triton` plans, c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from fx_lightning.dtypes import TORCH_TO_TRITON, TRITON_TO_NUMPY, TRITON_TO_V2
+from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Manifest
+from fx_lightning.export.sweep import recorded_batching
 from fx_lightning.serve.contract import Contract
 
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
+__all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
            "contract_model", "MODEL_NAME", "default_model_name", "config_text", "config_json", "readme_text",
            "describe"]
 
@@ -305,3 +308,72 @@ def describe(repository: TritonRepository) -> List[str]:
     if repository.readme is not None:
         lines.append(f"how to run it: {repository.readme}")
     return lines
+
+
+@dataclass
+class TritonOptions:
+    """What to write (``formats``, ``name``) and how Triton is to run it; checked in one place by :meth:`check`."""
+
+    name: Optional[str] = None  # None: the export directory's name
+    formats: Optional[List[str]] = None  # manifest entries; None: every one Triton can serve
+    # None (these three): from the export's throughput sweep of the artifact (export/sweep.py: recorded_batching),
+    # else DEFAULT_MAX_BATCH_SIZE for a dynamic batch (0 for a fixed one), Triton's default preferred sizes (the
+    # largest batch it can form) and DEFAULT_MAX_QUEUE_DELAY_US.
+    max_batch_size: Optional[int] = None
+    instances: int = 1
+    dynamic_batching: bool = True
+    preferred_batch_sizes: Optional[List[int]] = None
+    max_queue_delay_us: Optional[int] = None
+    overwrite: bool = False  # replace a model directory of the same name in OUT
+    python: bool = True  # also Python-backend models: the selection (named NAME) and each pt2/aoti artifact
+
+    def check(self) -> None:
+        """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
+        if self.name is not None and not MODEL_NAME.match(self.name):
+            raise ConfigError(f"triton name: {self.name!r}; allowed: letters, digits, '_', '-' and '.', not starting "
+                              "with '.' or '-' (it names the model directories).")
+        _check_int("max_batch_size", self.max_batch_size, 0, optional=True)
+        _check_int("instances", self.instances, 1)
+        _check_int("max_queue_delay_us", self.max_queue_delay_us, 0, optional=True)
+        for size in self.preferred_batch_sizes or []:
+            _check_int("preferred_batch_sizes", size, 1)
+        if self.preferred_batch_sizes and self.max_batch_size is not None and \
+                max(self.preferred_batch_sizes) > self.max_batch_size:
+            raise ConfigError(f"triton preferred_batch_sizes: {list(self.preferred_batch_sizes)}; allowed: "
+                              + (f"sizes from 1 to max_batch_size ({self.max_batch_size})." if self.max_batch_size
+                                 else "none with max_batch_size 0 (Triton does not batch)."))
+        if self.formats is not None and not self.formats:
+            raise ConfigError("triton formats: []; allowed: manifest entries such as onnx or openvino, or None for "
+                              "every one Triton can serve.")
+
+    def with_recorded_batching(self, manifest: Manifest,
+                               entry: Optional[str]) -> Tuple["TritonOptions", Optional[str]]:
+        """These options with the batching settings left None taken from the export's throughput sweep of
+        ``entry`` (None: the selection's max-throughput pick), and a note saying so; unchanged when the export
+        recorded no sweep of it or every setting was given."""
+        wanted = (self.max_batch_size, self.preferred_batch_sizes, self.max_queue_delay_us)
+        recorded = recorded_batching(manifest, entry) if manifest.call_signature().batched else None
+        if recorded is None or None not in wanted:
+            return self, None
+        max_batch = self.max_batch_size if self.max_batch_size is not None else recorded.max_batch_size
+        preferred = self.preferred_batch_sizes if self.preferred_batch_sizes is not None else [
+            size for size in recorded.preferred_batch_sizes if size <= max_batch]
+        delay = self.max_queue_delay_us if self.max_queue_delay_us is not None else \
+            max(1, round(recorded.queue_delay_s * 1e6))
+        taken = [key for key, value in zip(("max_batch_size", "preferred_batch_sizes", "max_queue_delay_us"), wanted)
+                 if value is None]
+        return (dataclasses.replace(self, max_batch_size=max_batch, preferred_batch_sizes=preferred or None,
+                                    max_queue_delay_us=delay),
+                f"{', '.join(taken)} from {recorded.why}")
+
+    @property
+    def queue_delay_us(self) -> int:
+        return DEFAULT_MAX_QUEUE_DELAY_US if self.max_queue_delay_us is None else self.max_queue_delay_us
+
+
+def _check_int(key: str, value: object, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"triton {key}: {value!r}; allowed: an integer >= {minimum}"
+                          + (" or None" if optional else "") + ".")
