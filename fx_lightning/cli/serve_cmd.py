@@ -50,6 +50,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
+    from fx_lightning.export import read_manifest
     from fx_lightning.serve.server import serve
 
     options = ServeOptions(format=args.format, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
@@ -57,5 +58,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
                            max_body_mb=args.max_body_mb, top_k=args.top_k, model_name=args.model_name)
     console.print(f"serving {args.directory} on http://{args.host}:{args.port} (POST /predict, GET /health, "
                   "GET /info; Open Inference Protocol under /v2)", markup=False)
+    batching = options.with_batching(read_manifest(args.directory))
+    console.print(f"batching: up to {batching.max_batch_size} samples a run, waiting at most "
+                  f"{1e3 * (batching.batch_timeout or 0):.1f} ms to fill ({batching.batching})", markup=False)
     serve(args.directory, options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
