@@ -1,26 +1,41 @@
-"""HTTP serving throughput and latency: ``fx-lightning serve`` against plain LitServe servers of the same model.
+"""HTTP serving throughput and latency: ``fx-lightning serve`` against plain LitServe servers of the same model, and
+``fx-lightning serve`` with the batching its export's throughput sweep recorded against itself without batching.
 
 The model is torchvision's resnet18 trained on scikit-learn's handwritten digits at 224x224 (``digits.py``; no
 download, cached), exported with the serving preset plus ``export.preprocess`` (the training normalisation
 compiled into the graph: a client sends raw pixels) and the selection made for batch 8 back to back, the way a
-batching server runs it. The clients send the same 224x224 RGB PNG of a held-out digit to every server, the way
-each server's users send it:
+batching server runs it; the export records the throughput sweep (batch sizes 1, 2, 4... until throughput stops
+growing). An export cached from before the sweep existed gets one first, in place, with
+``fx-lightning bench DIR --select --strategy max_throughput --select-traffic back_to_back --no-unfused --threads 2``
+(the output says so). The clients send the same 224x224 RGB PNG of a held-out digit to every server, the way each
+server's users send it:
 
 - (a) plain LitServe as its docs show an image classifier: JSON ``{"image_data": base64 PNG}``, decoded with PIL,
   torchvision's ``ToTensor`` + ``Normalize``, the eager unfused model, no batching;
 - (b) the same with LitServe's dynamic batching (``max_batch_size=8``, ``batch_timeout=0.005``);
-- (c) ``fx-lightning serve`` on the export (same batching settings): the PNG as the request body, the selected
-  artifact with the normalisation in its graph.
+- (c) ``fx-lightning serve`` on the export (same batching settings, given as flags): the PNG as the request body,
+  the selected artifact with the normalisation in its graph;
+- (d) ``fx-lightning serve`` with no batching flags: the max batch size, batch timeout and artifact come from the
+  export's sweep (the max-throughput batch size of its best artifact, which it serves; one batch-1 call's p50);
+- (e) ``fx-lightning serve --max-batch-size 1``: no batching, the artifact the server picks for batch 1.
 
-Each server runs in a process of its own (LitServe's HTTP process plus one inference worker, 2 threads) on
-loopback; one asyncio client process (aiohttp) sends a fixed number of requests at concurrency 1, 4 and 16 after
-a warm-up, and every answer's class is checked against the eager model's. The servers take turns, ``--repeats``
-times, and the table shows the median throughput and latency percentiles over the repeats. Everything shares the
-machine's cores (clients included), as on a small serving host.
+What (c), (d) and (e) served (artifact, max batch size, batch timeout and where they came from) is read from each
+server's ``GET /info`` and recorded. Each server runs in a process of its own (LitServe's HTTP process plus one
+inference worker, 2 threads) on loopback; one asyncio client process (aiohttp) sends a fixed number of requests at
+concurrency 1, 4 and 16 after a warm-up, and every answer's class is checked against the eager model's. The
+servers take turns, ``--repeats`` times, and the table shows the median throughput and latency percentiles over
+the repeats; below it, per concurrency, (d)'s throughput over (e)'s (the issue's done-when: at least 1.2x).
+Everything shares the machine's cores (clients included), as on a small serving host.
 
-    python benchmarks/http_serving.py                 # the README table
+    python benchmarks/http_serving.py                 # the README table (all servers)
+    python benchmarks/http_serving.py --servers d e   # the sweep's batching against none (-> http_serving_de.*)
+    python benchmarks/http_serving.py --servers d e --merge   # ... its rows into http_serving.json/.md
     python benchmarks/http_serving.py --requests 60 --repeats 1 --concurrency 1 16   # quick look
     python benchmarks/http_serving.py --render        # the table again from the JSON
+
+A run of some servers only writes ``results/http_serving_<servers>.json`` and ``.md`` unless ``--out`` says where;
+``--merge`` instead keeps the other servers' rows of ``--out`` (default ``results/http_serving.json``), which must
+have been measured on the same machine, and the table says which run each row comes from.
 """
 
 from __future__ import annotations
@@ -38,10 +53,11 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import litserve as ls  # the serve extra: pip install 'fx-lightning[serve]'
 
+from fx_lightning.serve.artifact import SWEPT
 from fx_lightning.serve.server import stop_on_sigterm
 
 HERE = Path(__file__).parent
@@ -55,7 +71,14 @@ SERVERS = {
     "a": "LitServe, eager, no batching (LitServe's docs)",
     "b": f"LitServe, eager, batching ({MAX_BATCH}, {BATCH_TIMEOUT * 1000:g} ms)",
     "c": f"fx-lightning serve, selected artifact, batching ({MAX_BATCH}, {BATCH_TIMEOUT * 1000:g} ms)",
+    "d": "fx-lightning serve, no batching flags: the export's sweep",
+    "e": "fx-lightning serve --max-batch-size 1 (no batching)",
 }
+FXL = ("c", "d", "e")  # the fx-lightning servers: the PNG as the body, /info says what they serve
+# (d)'s throughput over (e)'s that the issue asks for (the sweep's batching against none).
+DONE_WHEN = 1.2
+SWEEP_COMMAND = ["bench", "--select", "--strategy", "max_throughput", "--select-traffic", "back_to_back",
+                 "--no-unfused", "--threads", "2"]
 
 
 # ------------------------------------------------------------------------------------------------ the export
@@ -69,7 +92,8 @@ def export_dir() -> Path:
 
 def make_export(console: Any) -> Path:
     """The trained model exported with the serving preset, the normalisation as a prologue, digit labels, and
-    the selection for batch 8 back to back (kept between runs; delete the directory to export again)."""
+    the selection for batch 8 back to back, with the throughput sweep every export records now (kept between runs;
+    delete the directory to export again; :func:`ensure_sweep` adds the sweep to one cached from before)."""
     from digits import MEAN, STD, digits_splits, trained_model
     from serving import serving_config  # benchmarks/serving.py
 
@@ -93,6 +117,46 @@ def make_export(console: Any) -> Path:
     fuse_verify_export(model, config, Batches(held, "held-out digits", calibration=calibration), export_dir=target)
     console.print(f"exported {MODEL} in {time.perf_counter() - start:.0f} s to {target}")
     return target
+
+
+def ensure_sweep(directory: Path, console: Any, again: bool = False) -> Dict[str, Any]:
+    """The batching the export's throughput sweep implies (what (d) takes); an export made before the sweep existed
+    (or any, ``again``: the sweep taken on the machine as it is now) gets one first, in place (``fx-lightning bench
+    --select --strategy max_throughput ...`` rewrites manifest.json; 5 to 10 minutes on 2 cores)."""
+    from fx_lightning.export import read_manifest
+    from fx_lightning.export.sweep import recorded_batching
+
+    added = None
+    if again or recorded_batching(read_manifest(directory)) is None:
+        command = [sys.executable, "-m", "fx_lightning", SWEEP_COMMAND[0], str(directory.resolve()),
+                   *SWEEP_COMMAND[1:]]
+        log = RESULTS / "cache" / "http_serving_sweep.log"
+        console.print(f"{directory}: " + ("sweeping again (--resweep)" if again else "no throughput sweep in its "
+                      "manifest (exported before it existed); adding one") + ": "
+                      f"fx-lightning {' '.join(command[3:4] + [str(directory)] + command[5:])} (log: {log})",
+                      markup=False)
+        start = time.perf_counter()
+        with open(log, "w") as handle:
+            done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, cwd=HERE)
+        if done.returncode != 0:
+            raise RuntimeError(f"fx-lightning bench exited with {done.returncode}: see {log}")
+        added = {"command": f"fx-lightning {' '.join(SWEEP_COMMAND[:1] + [str(directory)] + SWEEP_COMMAND[1:])}",
+                 "seconds": round(time.perf_counter() - start, 1)}
+        console.print(f"sweep recorded in {added['seconds']:.0f} s", markup=False)
+    manifest = read_manifest(directory)
+    batching = recorded_batching(manifest)
+    if batching is None:
+        raise RuntimeError(f"{directory}: still no throughput sweep to take the batching from (see "
+                           f"{RESULTS / 'cache' / 'http_serving_sweep.log'}); (d) would serve the defaults")
+    console.print(f"the sweep's batching: up to {batching.max_batch_size} samples a run, preferred "
+                  f"{list(batching.preferred_batch_sizes)}, a batch waits at most "
+                  f"{1e3 * batching.queue_delay_s:.1f} ms ({batching.why})", markup=False)
+    return {"max_batch_size": batching.max_batch_size, "preferred_batch_sizes": list(batching.preferred_batch_sizes),
+            "queue_delay_ms": 1e3 * batching.queue_delay_s, "why": batching.why, "added_by_this_run": added,
+            "sweeps": [{"artifact": w.artifact, "runtime": w.runtime, "traffic": w.traffic, "stop": w.stop,
+                        "points": [{"batch_size": p.batch_size, "throughput": p.throughput, "p50_ms": p.p50_ms,
+                                    "p99_ms": p.p99_ms} for p in w.points]}
+                       for w in manifest.bench.sweeps]}
 
 
 def request_images(count: int = 16) -> Tuple[List[bytes], List[int]]:
@@ -182,9 +246,12 @@ def free_port() -> int:
 
 
 def start_server(kind: str, port: int, directory: Path, log: Path) -> subprocess.Popen:
-    if kind == "c":
-        command = [sys.executable, "-m", "fx_lightning", "serve", str(directory), "--port", str(port),
-                   "--max-batch-size", str(MAX_BATCH), "--batch-timeout", str(BATCH_TIMEOUT), "--threads", "2"]
+    if kind in FXL:
+        batching = {"c": ["--max-batch-size", str(MAX_BATCH), "--batch-timeout", str(BATCH_TIMEOUT)],
+                    "d": [],  # the export's sweep
+                    "e": ["--max-batch-size", "1"]}[kind]
+        command = [sys.executable, "-m", "fx_lightning", "serve", str(directory), "--port", str(port), *batching,
+                   "--threads", "2"]
     else:
         command = [sys.executable, str(Path(__file__).resolve()), "--serve-peer", kind, "--port", str(port)]
     handle = open(log, "w")
@@ -219,14 +286,33 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
+def served(url: str) -> Dict[str, Any]:
+    """What an fx-lightning server serves and how it batches, from its ``GET /info``."""
+    with urllib.request.urlopen(f"{url}/info", timeout=10) as response:
+        info = json.loads(response.read())["model"]
+    options = info["options"]
+    return {"artifact": info["artifact"]["name"], "runtime": info["artifact"]["runtime"],
+            "max_batch_size": options["max_batch_size"], "batch_timeout_ms": 1e3 * options["batch_timeout"],
+            "batching": options["batching"]}
+
+
+def describe(s: Dict[str, Any]) -> str:
+    runtime = f" [{s['runtime']}]" if s["runtime"] else ""
+    if s["max_batch_size"] == 1:
+        return f"`{s['artifact']}`{runtime}, no batching" + (f" (max batch size 1: {s['batching']})"
+                                                              if s["batching"] == SWEPT else "")
+    return (f"`{s['artifact']}`{runtime}, up to {s['max_batch_size']} a batch, waiting at most "
+            f"{s['batch_timeout_ms']:.1f} ms ({s['batching']})")
+
+
 def request_for(kind: str, png: bytes) -> Tuple[bytes, str]:
-    if kind == "c":
+    if kind in FXL:
         return png, "image/png"
     return json.dumps({"image_data": base64.b64encode(png).decode()}).encode(), "application/json"
 
 
 def class_of(kind: str, body: Dict[str, Any]) -> int:
-    return int(body["class_idx"]) if kind != "c" else int(body["top_k"][0]["index"])
+    return int(body["top_k"][0]["index"]) if kind in FXL else int(body["class_idx"])
 
 
 async def load(url: str, kind: str, pngs: List[bytes], classes: List[int], concurrency: int,
@@ -268,17 +354,16 @@ async def load(url: str, kind: str, pngs: List[bytes], classes: List[int], concu
             "errors": errors, "wrong": wrong, "requests": requests}
 
 
-def run(concurrency: Sequence[int], requests: int, repeats: int, console: Any) -> Dict[str, Any]:
+def run(kinds: Sequence[str], concurrency: Sequence[int], requests: int, repeats: int, console: Any,
+        resweep: bool = False) -> Dict[str, Any]:
     from machine import cpu_description  # benchmarks/machine.py
 
     directory = make_export(console)
-    from fx_lightning.export import read_manifest
-    from fx_lightning.serve.server import ServeOptions, artifact_for
-
-    artifact = artifact_for(read_manifest(directory), ServeOptions(max_batch_size=MAX_BATCH))
+    sweep = ensure_sweep(directory, console, resweep) if any(k in FXL for k in kinds) else None
     pngs, classes = request_images()
-    samples: Dict[str, Dict[int, List[Dict[str, float]]]] = {k: {c: [] for c in concurrency} for k in SERVERS}
-    order = list(SERVERS)
+    samples: Dict[str, Dict[str, List[Dict[str, float]]]] = {k: {str(c): [] for c in concurrency} for k in kinds}
+    what: Dict[str, Dict[str, Any]] = {}  # what each fx-lightning server served (its /info)
+    order = list(kinds)
     for repeat in range(repeats):
         for kind in (order if repeat % 2 == 0 else order[::-1]):
             port = free_port()
@@ -286,49 +371,131 @@ def run(concurrency: Sequence[int], requests: int, repeats: int, console: Any) -
             url = f"http://127.0.0.1:{port}"
             try:
                 wait_ready(url, proc)
+                if kind in FXL:
+                    now = served(url)
+                    if what.setdefault(kind, now) != now:
+                        raise RuntimeError(f"({kind}) served {now} in repeat {repeat + 1}, {what[kind]} before")
+                    console.print(f"({kind}) serves {describe(now)}", markup=False)
                 for c in concurrency:
                     result = asyncio.run(load(url, kind, pngs, classes, c, requests * max(1, c // 4)))
-                    samples[kind][c].append(result)
+                    samples[kind][str(c)].append(result)
                     console.print(f"repeat {repeat + 1} ({kind}) concurrency {c}: {result['rps']:.1f} req/s, "
                                   f"p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms, "
                                   f"{result['errors']} errors, {result['wrong']} wrong")
             finally:
                 stop_server(proc)
-    table = {kind: {str(c): {key: statistics.median(s[key] for s in runs) for key in ("rps", "p50_ms", "p99_ms")}
+    table = {kind: {c: {key: statistics.median(s[key] for s in runs) for key in ("rps", "p50_ms", "p99_ms")}
                     | {"errors": sum(s["errors"] for s in runs), "wrong": sum(s["wrong"] for s in runs),
                        "requests": sum(s["requests"] for s in runs)}
                     for c, runs in by_c.items()} for kind, by_c in samples.items()}
-    return {"machine": cpu_description(), "threads": 2, "model": f"{MODEL} {SIZE}x{SIZE} (digits, 10 classes)",
-            "artifact": {"name": artifact[0], "runtime": artifact[1]}, "repeats": repeats,
-            "requests": requests, "servers": SERVERS, "table": table, "samples": samples}
+    labels = {kind: SERVERS[kind] for kind in kinds}
+    if "d" in what:
+        d = what["d"]
+        labels["d"] = (f"fx-lightning serve, no batching flags: {d['batching']} ({d['max_batch_size']}, "
+                       f"{d['batch_timeout_ms']:.1f} ms)")
+    run_info = {"when": time.strftime("%Y-%m-%d %H:%M", time.localtime()), "servers": list(kinds),
+                "repeats": repeats, "requests": requests, "concurrency": list(concurrency)}
+    result = {"machine": cpu_description(), "threads": 2, "model": f"{MODEL} {SIZE}x{SIZE} (digits, 10 classes)",
+              "repeats": repeats, "requests": requests, "servers": labels, "served": what, "sweep": sweep,
+              "runs": [run_info], "run_of": {kind: 0 for kind in kinds}, "table": table, "samples": samples}
+    if "c" in what:  # the key older results have
+        result["artifact"] = {"name": what["c"]["artifact"], "runtime": what["c"]["runtime"]}
+    return result
+
+
+def merged(previous: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
+    """``previous`` with the servers ``new`` measured replaced by ``new``'s rows (same machine only)."""
+    if previous["machine"] != new["machine"]:
+        raise RuntimeError(f"--merge: the results to merge into were measured on {previous['machine']}, this run on "
+                           f"{new['machine']}; write them apart (--out)")
+    out = dict(previous)
+    runs = list(previous.get("runs") or [{"when": "earlier", "servers": list(previous["table"]),
+                                          "repeats": previous["repeats"], "requests": previous["requests"]}])
+    run_of = dict(previous.get("run_of") or {kind: 0 for kind in previous["table"]})
+    runs.append(new["runs"][0])
+    for key in ("servers", "served", "table", "samples"):
+        out[key] = dict(previous.get(key) or {})
+    for kind in new["table"]:
+        run_of[kind] = len(runs) - 1
+        for key in ("servers", "table", "samples"):
+            out[key][kind] = new[key][kind]
+        if kind in new["served"]:
+            out["served"][kind] = new["served"][kind]
+    out["servers"] = {k: out["servers"][k] for k in sorted(out["servers"])}
+    out["runs"], out["run_of"] = runs, run_of
+    out["sweep"] = new["sweep"] or previous.get("sweep")
+    if "c" in new["served"]:
+        out["artifact"] = new["artifact"]
+    return out
+
+
+def ratio(table: Dict[str, Any], kind: str, base: str, c: str) -> str:
+    if base not in table or c not in table[base] or c not in table[kind]:
+        return "-"
+    return f"{table[kind][c]['rps'] / table[base][c]['rps']:.2f}x"
 
 
 def to_markdown(result: Dict[str, Any]) -> str:
     table = result["table"]
-    levels = list(next(iter(table.values())))
+    served = dict(result.get("served") or {})
+    if "c" in table and "c" not in served and result.get("artifact"):  # results from before /info was read
+        served["c"] = {"artifact": result["artifact"]["name"], "runtime": result["artifact"]["runtime"],
+                       "max_batch_size": MAX_BATCH, "batch_timeout_ms": BATCH_TIMEOUT * 1e3, "batching": "given"}
+    runs = result.get("runs") or [{"repeats": result["repeats"], "requests": result["requests"]}]
+    run_of = result.get("run_of") or {kind: 0 for kind in table}
+    if len(runs) == 1:
+        repeats = f"Median of {result['repeats']} repeats."
+    else:
+        repeats = " ".join(f"{', '.join(f'({k})' for k in sorted(table) if run_of[k] == i)}: run of {r['when']}, "
+                           f"median of {r['repeats']} repeats." for i, r in enumerate(runs)
+                           if any(run_of[k] == i for k in table))
     lines = [f"Machine: {result['machine']}; {result['threads']} threads per inference worker; clients on the same "
-             f"cores. Model: {result['model']}; (c) serves `{result['artifact']['name']}`"
-             + (f" ({result['artifact']['runtime']})" if result['artifact']['runtime'] else "")
-             + f". Median of {result['repeats']} repeats.", "",
-             "| server | concurrency | req/s | p50 ms | p99 ms | vs (a) | vs (b) | errors |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"cores. Model: {result['model']}. {repeats}", ""]
+    lines += [f"- ({kind}) serves {describe(s)}" for kind, s in sorted(served.items()) if kind in table]
+    sweep = result.get("sweep")
+    if sweep and ("d" in table or "e" in table):
+        added = sweep.get("added_by_this_run")
+        lines.append(f"- the sweep: {sweep['why']}"
+                     + (f" (recorded by this run: `{added['command']}`)" if added else ""))
+    lines += ["", "| server | concurrency | req/s | p50 ms | p99 ms | vs (a) | vs (b) | errors |",
+              "|---|---|---|---|---|---|---|---|"]
     for kind, label in result["servers"].items():
-        for c in levels:
-            row = table[kind][c]
-            ratio_a = row["rps"] / table["a"][c]["rps"]
-            ratio_b = row["rps"] / table["b"][c]["rps"]
+        for c, row in table[kind].items():
             lines.append(f"| ({kind}) {label} | {c} | {row['rps']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
-                         f"{ratio_a:.2f}x | {ratio_b:.2f}x | {row['errors']} of {row['requests']}"
+                         f"{ratio(table, kind, 'a', c)} | {ratio(table, kind, 'b', c)} | "
+                         f"{row['errors']} of {row['requests']}"
                          + (f", {row['wrong']} wrong class" if row["wrong"] else "") + " |")
+    if "d" in table and "e" in table:
+        lines += ["", f"The export's sweep batching (d) against no batching (e), throughput (done when at least "
+                      f"{DONE_WHEN:g}x):", "",
+                  "| concurrency | (d) req/s | (e) req/s | (d) / (e) | per repeat | at least " f"{DONE_WHEN:g}x |",
+                  "|---|---|---|---|---|---|"]
+        for c in table["d"]:
+            if c not in table["e"]:
+                continue
+            d, e = table["d"][c]["rps"], table["e"][c]["rps"]
+            each = [sd["rps"] / se["rps"] for sd, se in zip(result["samples"]["d"][c], result["samples"]["e"][c])]
+            lines.append(f"| {c} | {d:.1f} | {e:.1f} | {d / e:.2f}x | {', '.join(f'{r:.2f}' for r in each)} | "
+                         f"{'yes' if d / e >= DONE_WHEN else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS),
+                        help="the servers to run (default: all)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=200, help="requests per level (x concurrency/4 above 4)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--render", action="store_true")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON to write (the .md beside it); default: results/http_serving.json for all "
+                             "servers or --merge, else results/http_serving_<servers>.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the servers not run from --out's JSON (same machine only)")
+    parser.add_argument("--resweep", action="store_true",
+                        help="record the export's throughput sweep again first (fx-lightning bench --select ...), "
+                             "on the machine as it is now, even when it has one")
+    parser.add_argument("--render", action="store_true", help="the table again from --out's JSON")
     parser.add_argument("--serve-peer", choices=["a", "b"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=8000, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -338,14 +505,27 @@ def main(argv: List[str]) -> int:
     from rich.console import Console
 
     console = Console()
-    out = RESULTS / "http_serving.json"
+    kinds = [k for k in SERVERS if k in args.servers]
+    everything = kinds == list(SERVERS) or args.merge
+    out = args.out or RESULTS / ("http_serving.json" if everything else f"http_serving_{''.join(kinds)}.json")
+    previous: Optional[Dict[str, Any]] = json.loads(out.read_text()) if args.merge and out.is_file() else None
+    if previous is not None and not args.render:
+        from machine import cpu_description  # benchmarks/machine.py
+
+        if previous["machine"] != cpu_description():
+            console.print(f"--merge: {out} was measured on {previous['machine']}, this machine is "
+                          f"{cpu_description()}: write this run apart (--out)", markup=False)
+            return 2
     if args.render:
         result = json.loads(out.read_text())
     else:
-        result = run(args.concurrency, args.requests, args.repeats, console)
+        result = run(kinds, args.concurrency, args.requests, args.repeats, console, args.resweep)
+        if previous is not None:
+            result = merged(previous, result)
         out.write_text(json.dumps(result, indent=1))
-    (RESULTS / "http_serving.md").write_text(to_markdown(result))
-    console.print(to_markdown(result), markup=False)
+    out.with_suffix(".md").write_text(to_markdown(result))
+    console.print(to_markdown(result), markup=False, soft_wrap=True)
+    console.print(f"written: {out} and {out.with_suffix('.md')}", markup=False)
     return 0
 
 

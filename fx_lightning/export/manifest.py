@@ -214,7 +214,7 @@ class BenchTable:
     checks: Dict[str, ArtifactCheck] = field(default_factory=dict)
     failures: List[TimingFailure] = field(default_factory=list)
     sweeps: List[Sweep] = field(default_factory=list)  # the throughput sweep of the artifacts that could win it
-    not_swept: Dict[str, str] = field(default_factory=dict)  # artifact -> why it was not swept
+    not_swept: Dict[str, str] = field(default_factory=dict)  # "artifact, traffic" -> why it was not swept
 
     def median(self, artifact: str, batch_size: int, traffic: str = "idle", runtime: str = "") -> Optional[float]:
         return next((t.median_ms for t in self.timings if (t.artifact, t.batch_size, t.traffic, t.runtime)

@@ -168,13 +168,12 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
         for candidate in chosen:
             wanted.setdefault(candidate, []).append(traffic.value)
         for name, check in table.checks.items():
-            if check.passed and name not in {c[0] for c in chosen} and name not in table.not_swept:
-                table.not_swept[name] = (f"{traffic.value.replace('_', ' ')} traffic: more than "
-                                         f"{FINALIST_WITHIN}x the fastest at batch {largest}, or not among the "
-                                         f"{SWEPT_PER_TRAFFIC} fastest")
+            if check.passed and name not in {c[0] for c in chosen}:
+                table.not_swept[f"{name}, {traffic.value}"] = (f"more than {FINALIST_WITHIN}x the fastest at batch "
+                                                               f"{largest}, or not among the {SWEPT_PER_TRAFFIC} "
+                                                               "fastest")
     manifest_json = manifest.to_dict() if own_process else {}
     for (artifact, runtime), traffics in wanted.items():
-        table.not_swept.pop(artifact, None)
         if own_process:
             swept, why = sweep_in_own_process(root, manifest_json, (artifact, runtime), traffics, settings,
                                               table.threads)

@@ -60,7 +60,7 @@ VARIANT_MISSED_UNTRAINED = NoteKind("variant_missed_untrained", "{artifact} miss
                                                                 "after training")
 VARIANT_FAILED = NoteKind("variant_failed", "{artifact} could not be made: {error}; the fp32 artifacts stand")
 VARIANT_SKIPPED = NoteKind("variant_skipped", "{variant} variants not made: {reason}")
-SELECTED = NoteKind("selected", "load_fused selects {format}: {why}; {speedup}x eager")
+SELECTED = NoteKind("selected", "load_fused selects {format}: {why}{speedup}")
 NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no artifact passed its check; load_fused "
                                                 "falls back to the order of preference")
 
@@ -207,8 +207,8 @@ def export_notes(manifest: Manifest, rehearsal: bool = False) -> List[Note]:
             notes.append(NOTHING_SELECTED())
         else:
             eager = manifest.bench.median("eager", selected.batch_size, selected.traffic)
-            notes.append(SELECTED(format=selected.format, why=selected.why,
-                                  speedup=round(eager / selected.median_ms, 2) if eager else None))
+            speedup = f"; {eager / selected.median_ms:.2f}x eager" if eager else ""  # eager is timed at 1 and
+            notes.append(SELECTED(format=selected.format, why=selected.why, speedup=speedup))  # select_batch_size
     return notes
 
 

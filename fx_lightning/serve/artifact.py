@@ -98,7 +98,8 @@ class ServeOptions:
         return dataclasses.replace(
             self, max_batch_size=recorded.max_batch_size if self.max_batch_size is None else self.max_batch_size,
             batch_timeout=timeout if self.batch_timeout is None else self.batch_timeout,
-            batching=SWEPT if self.max_batch_size is None else f"batch_timeout from {recorded.why}")
+            batching=(SWEPT + (" (batch_timeout given)" if self.batch_timeout is not None else "")
+                      if self.max_batch_size is None else f"batch_timeout from {recorded.why}"))
 
     @property
     def max_body_bytes(self) -> int:
@@ -185,7 +186,7 @@ def artifact_for(manifest: Manifest, options: ServeOptions) -> Tuple[str, str]:
     max_batch = options.max_batch_size or 1
     traffic = "back_to_back" if max_batch > 1 and manifest.call_signature().batched else None
     pick = (selection_for(manifest, traffic=Traffic.back_to_back.value, strategy=Strategy.max_throughput.value)
-            if options.batching == SWEPT else selection_for(manifest, max_batch, traffic))
+            if options.batching.startswith(SWEPT) else selection_for(manifest, max_batch, traffic))
     if pick is not None:
         return pick.format, pick.runtime
     available = list(manifest.formats)
