@@ -286,10 +286,11 @@ def select_by_strategy(table: BenchTable, strategy: Any, batch_size: int, traffi
 
 
 def _budget_refusal(table: BenchTable, traffic: str, budget: float) -> str:
-    lowest = [(min(p.p99_ms for p in w.points), w) for w in table.sweeps
-              if w.traffic == traffic and w.points and table.checks.get(w.artifact, ArtifactCheck(False)).passed]
-    figures = "; ".join(f"{w.artifact}{f' [{w.runtime}]' if w.runtime else ''} {ms:.2f} ms at batch "
-                        f"{min(w.points, key=lambda p: p.p99_ms).batch_size}" for ms, w in sorted(lowest, key=lambda x: x[0]))
+    lowest = sorted(((min(w.points, key=lambda p: p.p99_ms), w) for w in table.sweeps
+                     if w.traffic == traffic and w.points and table.checks.get(w.artifact, ArtifactCheck(False)).passed),
+                    key=lambda pw: pw[0].p99_ms)
+    figures = "; ".join(f"{w.artifact}{f' [{w.runtime}]' if w.runtime else ''} {p.p99_ms:.2f} ms at batch "
+                        f"{p.batch_size}" for p, w in lowest)
     return (f"export.latency_budget_ms: {budget:g}: no artifact that passed its check has a p99 within it in "
             f"{traffic.replace('_', ' ')} traffic ({table.threads} threads, {table.isa}); the lowest p99 each reached: "
             f"{figures or 'none was swept'}. Allowed: a budget at least the lowest of these, or no budget.")

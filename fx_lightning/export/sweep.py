@@ -25,9 +25,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.config import Traffic
+from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import first_line
-from fx_lightning.export.manifest import Manifest, Selected, Sweep, SweepPoint
+from fx_lightning.export.loader import selection_for
+from fx_lightning.export.manifest import Manifest, Sweep, SweepPoint
 from fx_lightning.rows import with_rows
 
 __all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "measure_batch_size", "module_runner",
@@ -156,8 +157,8 @@ def recorded_batching(manifest: Manifest, artifact: Optional[str] = None) -> Opt
         return None
     budget = manifest.selected.latency_budget_ms if manifest.selected is not None else None
     if artifact is None:
-        pick = _throughput_pick(manifest, budget)
-        if pick is None:
+        pick = selection_for(manifest, traffic=Traffic.back_to_back.value, strategy=Strategy.max_throughput.value)
+        if pick is None or pick.strategy != Strategy.max_throughput.value:
             return None
         artifact, runtime = pick.format, pick.runtime
     else:
@@ -176,7 +177,3 @@ def recorded_batching(manifest: Manifest, artifact: Optional[str] = None) -> Opt
                     f" most samples/s{within} at batch {best.batch_size} ({best.throughput:.1f}/s, p99 "
                     f"{best.p99_ms:.1f} ms); a batch waits at most one batch-1 call ({one.p50_ms:.1f} ms) to fill")
 
-
-def _throughput_pick(manifest: Manifest, budget: Optional[float]) -> Optional[Selected]:
-    return next((s for s in manifest.selections if s.strategy == "max_throughput"
-                 and s.traffic == Traffic.back_to_back.value and s.latency_budget_ms == budget), None)
