@@ -247,6 +247,7 @@ def test_no_mlflow_logger_and_enabled_null_logs_nothing(tmp_path: Path) -> None:
     ({"alias": "candidate"}, "export.mlflow.alias"),
     ({"register_as": "a/b"}, "export.mlflow.register_as"),
     ({"register_as": ".."}, "export.mlflow.register_as"),
+    ({"register_as": "."}, "export.mlflow.register_as"),
     ({"register_as": "..x"}, "export.mlflow.register_as"),
     ({"register_as": "m", "alias": "latest"}, "export.mlflow.alias"),
     ({"register_as": "m", "alias": "v2"}, "export.mlflow.alias"),

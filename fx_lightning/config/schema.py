@@ -285,7 +285,8 @@ class MlflowConfig:
         if self.register_as is not None:
             name = self.register_as
             normal = posixpath.normpath(name)
-            if not name.strip() or "/" in name or ":" in name or normal != name or normal.startswith(".."):
+            if (not name.strip() or "/" in name or ":" in name or normal != name or normal == "."
+                    or normal.startswith("..")):
                 raise ValueError(f"register_as: {name!r}; allowed: a registered model name without '/' or ':', not "
                                  "'.' nor starting with '..' (MLflow's rules), or null not to register.")
         if self.registry_uri is not None and self.register_as is None:
