@@ -16,7 +16,7 @@ server's users send it:
 - (c) ``fx-lightning serve`` on the export (same batching settings, given as flags): the PNG as the request body,
   the selected artifact with the normalisation in its graph;
 - (d) ``fx-lightning serve`` with no batching flags: the max batch size, batch timeout and artifact come from the
-  export's sweep (the max-throughput batch size of its best artifact, which it serves; one batch-1 call's p50);
+  export's sweep (the max-throughput batch size of its best artifact, which it serves; no queue delay);
 - (e) ``fx-lightning serve --max-batch-size 1``: no batching, the artifact the server picks for batch 1.
 
 What (c), (d) and (e) served (artifact, max batch size, batch timeout and where they came from) is read from each

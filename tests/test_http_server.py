@@ -134,12 +134,13 @@ def as_npy(x: np.ndarray) -> bytes:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Any]]:
-    """A two-output model exported as pt2 and ONNX, served with batching and a 1 MiB body limit."""
+    """A two-output model exported as pt2 and ONNX, served with batching (a batch: what waits when the worker is
+    free) and a 1 MiB body limit."""
     tmp = tmp_path_factory.mktemp("served")
     torch.manual_seed(0)
     model = TwoHeads().eval()
     directory = _export(model, tmp / "export", [ExportFormat.pt2, ExportFormat.onnx])
-    with running_server(directory, tmp, "--max-batch-size", "4", "--batch-timeout", "0.01", "--max-body-mb", "1",
+    with running_server(directory, tmp, "--max-batch-size", "4", "--batch-timeout", "0", "--max-body-mb", "1",
                         "--max-request-batch", "16") as url:
         yield {"url": url, "model": model, "dir": directory}
 
@@ -429,6 +430,49 @@ def test_a_worker_runs_few_batch_sizes_each_warmed_once() -> None:
     x = torch.arange(26.0).view(13, 2)
     assert torch.equal(served(x), x * 2)  # rows in order
     assert seen == [8, 4, 1]
+
+
+class RecordingQueue:
+    """A request queue that records how it was read: ``("wait", timeout)`` for a blocking get, ``"nowait"``."""
+
+    def __init__(self, items: List[Any]) -> None:
+        self.items, self.reads = list(items), []  # type: ignore[var-annotated]
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        import queue
+
+        self.reads.append(("wait", timeout))
+        if not self.items:
+            raise queue.Empty
+        return self.items.pop(0)
+
+    def get_nowait(self) -> Any:
+        import queue
+
+        self.reads.append("nowait")
+        if not self.items:
+            raise queue.Empty
+        return self.items.pop(0)
+
+
+@pytest.mark.parametrize("queued, max_batch, expected", [(0, 4, 0), (1, 4, 1), (3, 4, 3), (6, 4, 4)])
+def test_batch_timeout_0_runs_what_waits_and_an_idle_worker_blocks(queued: int, max_batch: int,
+                                                                   expected: int) -> None:
+    """--batch-timeout 0 (Triton's queue delay 0): a batch is the first request to come and whatever else waits
+    then, up to the largest batch, no request waiting for company; an empty queue is waited on, not polled (LitServe's
+    own timeout-0 collection reads it with get_nowait in a loop without pause: a core spent idle)."""
+    from types import SimpleNamespace
+
+    from fx_lightning.serve.app import IDLE_WAKE_S, GreedyBatchedLoop
+
+    requests = [(0, f"uid{i}", time.monotonic(), f"x{i}") for i in range(queued)]
+    waiting = RecordingQueue(requests)
+    api = SimpleNamespace(batch_timeout=0.0, max_batch_size=max_batch, request_timeout=30.0, stream=False)
+    batch, timed_out = GreedyBatchedLoop().get_batch_requests(api, waiting, None)
+    assert [uid for _, uid, _ in batch] == [f"uid{i}" for i in range(expected)] and timed_out == []
+    assert waiting.reads[0] == ("wait", IDLE_WAKE_S)  # the first read blocks
+    assert all(r == "nowait" for r in waiting.reads[1:])  # the rest take only what is there
+    assert len(waiting.items) == queued - expected
 
 
 def test_health_reports_the_warm_up(served: Dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from fx_lightning.export.selection import (select_all, select_by_strategy, selec
                                            with_selection)
 from fx_lightning.export.sweep import SweepSettings, measure_batch_size, recorded_batching, sweep
 from fx_lightning.pipeline import Batches, fuse_verify_export
+from fx_lightning.serve.triton_python import STRATEGY_PARAMETER, selection_options
 from fx_lightning.serve.artifact import DEFAULT_BATCH_TIMEOUT, DEFAULT_MAX_BATCH_SIZE, ServeOptions, artifact_for
 
 FAST = SweepSettings(window_s=0.0)  # fake runners take no wall time: windows of min_window_calls
@@ -174,13 +175,15 @@ def test_serving_batching_comes_from_the_recorded_sweep() -> None:
     manifest = with_selection(Manifest(formats={}), table, select_by_strategy(table, "min_latency", 1, "back_to_back"))
     batching = recorded_batching(manifest)
     assert batching is not None
-    # The max-throughput pick (onnx at 8); preferred: its sizes up to 8 within 95% of 400/s; waiting at most one
-    # batch-1 call (p50 5 ms).
+    # The max-throughput pick (onnx at 8); preferred: its sizes up to 8 within 95% of 400/s; no queue delay (a
+    # batch is what waits when the worker is free).
     assert (batching.max_batch_size, batching.preferred_batch_sizes) == (8, (8,))
-    assert batching.queue_delay_s == pytest.approx(0.005) and "onnx" in batching.why
+    assert batching.queue_delay_s == 0.0 and "onnx" in batching.why
     assert recorded_batching(manifest, "openvino-int8").max_batch_size == 4  # noqa: the artifact named
     options = ServeOptions().with_batching(manifest)
-    assert (options.max_batch_size, options.batch_timeout) == (8, pytest.approx(0.005))
+    assert (options.max_batch_size, options.batch_timeout) == (8, 0.0)
+    given = ServeOptions(batch_timeout=0.02).with_batching(manifest)
+    assert (given.max_batch_size, given.batch_timeout) == (8, 0.02) and "batch_timeout given" in given.batching
     assert artifact_for(manifest, ServeOptions()) == ("onnx", "spinning")  # the pick whose batching it is
     told = ServeOptions(max_batch_size=1).with_batching(manifest)
     assert told.max_batch_size == 1 and artifact_for(manifest, told)[0] == "openvino-int8"  # fastest at batch 1
@@ -279,18 +282,27 @@ def test_the_triton_repository_takes_its_batching_from_the_recorded_sweep(swept:
     root = tmp_path / "export"
     shutil.copytree(swept[0], root)
     manifest = read_manifest(root)
-    table = recorded_table()  # onnx swept: most throughput at 8; preferred (8,); one batch-1 call 5 ms
+    table = recorded_table()  # onnx swept: most throughput at 8; preferred (8,); no queue delay
     replace_manifest(root, with_selection(manifest, table, select_by_strategy(table, "min_latency", 1,
                                                                                "back_to_back")))
     repository = write_triton_repository(root, tmp_path / "repo", python=False)
     onnx = next(m for m in repository.models if m.entry == "onnx")
-    assert (onnx.max_batch_size, onnx.preferred_batch_sizes, onnx.max_queue_delay_us) == (8, [8], 5000)
+    assert (onnx.max_batch_size, onnx.preferred_batch_sizes, onnx.max_queue_delay_us) == (8, [8], 0)
     assert any("from the export's throughput sweep of onnx" in note for note in onnx.notes)
     assert "max_batch_size: 8" in (onnx.directory / "config.pbtxt").read_text()
+    # The selection's Python-backend model batches as the max-throughput pick's sweep says, so it serves that pick
+    # (onnx), not the fastest at batch 8 (openvino-int8, whose only timing is at batch 1), as fx-lightning serve does.
+    with_python = write_triton_repository(root, tmp_path / "python", python=True)
+    selection = next(m for m in with_python.models if m.selection)
+    assert selection.max_batch_size == 8 and selection.parameters[STRATEGY_PARAMETER] == "max_throughput"
+    assert any("selection (onnx on this machine)" in note for note in selection.notes)
+    assert artifact_for(read_manifest(root), selection_options(None, 8, "max_throughput"))[0] == "onnx"
+    assert artifact_for(read_manifest(root), selection_options(None, 8, None))[0] == "openvino-int8"
     # Told otherwise: the flags win, the rest still from the sweep.
-    told = write_triton_repository(root, tmp_path / "told", python=False, max_batch_size=2)
+    told = write_triton_repository(root, tmp_path / "told", python=True, max_batch_size=2)
     onnx = next(m for m in told.models if m.entry == "onnx")
-    assert (onnx.max_batch_size, onnx.preferred_batch_sizes, onnx.max_queue_delay_us) == (2, [], 5000)
+    assert (onnx.max_batch_size, onnx.preferred_batch_sizes, onnx.max_queue_delay_us) == (2, [], 0)
+    assert STRATEGY_PARAMETER not in next(m for m in told.models if m.selection).parameters  # the fastest at 2
     # Without a sweep: the defaults, and no note claiming one.
     replace_manifest(root, manifest.__class__.from_dict({**manifest.to_dict(), "bench": None, "selected": None,
                                                          "selections": []}))

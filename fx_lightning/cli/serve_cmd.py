@@ -33,8 +33,8 @@ def add_parser(sub: Any) -> None:
                             "throughput in the export's sweep, whose artifact is then served, else "
                             f"{DEFAULT_MAX_BATCH_SIZE})")
     serve.add_argument("--batch-timeout", type=float, default=None,
-                       help="seconds a batch waits to fill (default: one batch-1 call in the export's sweep, else "
-                            f"{DEFAULT_BATCH_TIMEOUT})")
+                       help="seconds a batch waits to fill (default "
+                            f"{DEFAULT_BATCH_TIMEOUT:g}: none; a batch is what waits when the worker is free)")
     serve.add_argument("--workers", type=int, default=defaults.workers, help="inference worker processes")
     serve.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     serve.add_argument("--max-request-batch", type=int, default=defaults.max_request_batch,
@@ -59,7 +59,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
     console.print(f"serving {args.directory} on http://{args.host}:{args.port} (POST /predict, GET /health, "
                   "GET /info; Open Inference Protocol under /v2)", markup=False)
     batching = options.with_batching(read_manifest(args.directory))
-    console.print(f"batching: up to {batching.max_batch_size} samples a run, waiting at most "
-                  f"{1e3 * (batching.batch_timeout or 0):.1f} ms to fill ({batching.batching})", markup=False)
+    wait = (f"waiting at most {1e3 * batching.batch_timeout:.1f} ms to fill" if batching.batch_timeout else
+            "what waits when the worker is free")
+    console.print(f"batching: up to {batching.max_batch_size} samples a run, {wait} ({batching.batching})",
+                  markup=False)
     serve(args.directory, options, host=args.host, port=args.port, log_level=args.log_level)
     return 0

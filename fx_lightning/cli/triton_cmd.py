@@ -38,8 +38,8 @@ def add_parser(sub: Any) -> None:
                         metavar="N", help="the dynamic batcher's preferred batch size (repeatable; default: the "
                                           "swept sizes within 5%% of the most throughput, else Triton's default)")
     triton.add_argument("--max-queue-delay-us", type=int, default=None, metavar="US",
-                        help="how long the batcher waits for a batch to fill (default: one batch-1 call of the "
-                             f"artifact in the export's sweep, else {DEFAULT_MAX_QUEUE_DELAY_US})")
+                        help="how long the batcher waits for a batch to fill (default: 0 with the export's sweep, "
+                             f"a batch being what waits when the model is free; else {DEFAULT_MAX_QUEUE_DELAY_US})")
     triton.add_argument("--overwrite", action="store_true", help="replace model directories of the same name")
     triton.add_argument("--no-python", action="store_false", dest="python",
                         help="write no Python-backend models (the server then needs no torch or fx-lightning)")

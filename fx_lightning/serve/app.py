@@ -24,6 +24,7 @@ import torch
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from litserve.loops import BatchedLoop
 from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
@@ -34,7 +35,11 @@ from fx_lightning.serve.artifact import SelfCheck, ServeOptions, StatusBoard, lo
 from fx_lightning.serve.contract import NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
 from fx_lightning.serve.triton_config import TritonModel, config_json
 
-__all__ = ["ArtifactAPI", "ContractSpec", "Ran", "make_server"]
+__all__ = ["ArtifactAPI", "ContractSpec", "GreedyBatchedLoop", "Ran", "make_server"]
+
+# How long an idle worker blocks on its queue before it looks again (LitServe's own loops stop on a sentinel they
+# read from the queue, so the wait only bounds how often an idle worker wakes).
+IDLE_WAKE_S = 1.0
 
 
 @dataclass
@@ -56,12 +61,42 @@ class Batched:
     count: int
 
 
+class FirstWaits:
+    """A request queue whose first ``get_nowait`` blocks (up to ``wait_s``, then ``queue.Empty``) and the rest do
+    not: handed to LitServe's collection of a batch with ``batch_timeout`` 0, the batch is the first request to
+    come and whatever else waits by then."""
+
+    def __init__(self, queue: Any, wait_s: float) -> None:
+        self.queue, self.wait_s, self.first = queue, wait_s, True
+
+    def get_nowait(self) -> Any:
+        if self.first:
+            self.first = False
+            return self.queue.get(timeout=self.wait_s)
+        return self.queue.get_nowait()
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        return self.queue.get(*args, **kwargs)
+
+
+class GreedyBatchedLoop(BatchedLoop):
+    """LitServe's batched loop, with ``batch_timeout`` 0 meaning what Triton's ``max_queue_delay_microseconds: 0``
+    means: a batch is what waits when the worker is free, no request waits for company, and a worker with nothing
+    to do blocks on its queue (LitServe's own timeout-0 collection polls it without pause, a core spent idle)."""
+
+    def get_batch_requests(self, lit_api: Any, request_queue: Any, transport: Any) -> Tuple[list, list]:
+        if lit_api.batch_timeout == 0:
+            request_queue = FirstWaits(request_queue, IDLE_WAKE_S)
+        return super().get_batch_requests(lit_api, request_queue, transport)
+
+
 class ArtifactAPI(ls.LitAPI):
     """The worker: loads the artifact and checks it in ``setup`` (the result goes to the status board, which
     ``/health`` reads), then runs batches of decoded requests."""
 
     def __init__(self, root: Path, options: ServeOptions, board: StatusBoard, spec: LitSpec) -> None:
-        super().__init__(max_batch_size=options.max_batch_size, batch_timeout=options.batch_timeout, spec=spec)
+        super().__init__(max_batch_size=options.max_batch_size, batch_timeout=options.batch_timeout, spec=spec,
+                         loop=GreedyBatchedLoop() if options.max_batch_size > 1 else "auto")
         self.root, self.options, self.board = root, options, board
         self.model: Optional[torch.nn.Module] = None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST
 from fx_lightning.serve.triton_config import MODEL_NAME
 from fx_lightning.rows import with_rows
 
-# Without a recorded sweep: requests batched into one run, and seconds a batch waits to fill.
+# Without a recorded sweep: requests batched into one run, and seconds a batch waits to fill (0: none; a batch is
+# what waited while the worker ran the one before, as with the sweep's batching: export/sweep.py).
 DEFAULT_MAX_BATCH_SIZE = 8
-DEFAULT_BATCH_TIMEOUT = 0.005
+DEFAULT_BATCH_TIMEOUT = 0.0
 SWEPT = "the export's throughput sweep"  # ServeOptions.batching when both settings came from it
 
 __all__ = ["ServeOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_BATCH_TIMEOUT", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
@@ -71,10 +73,12 @@ class ServeOptions:
             value = getattr(self, key)
             if value is None and key == "batch_timeout":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"serve {key}: {value!r}; allowed: a number > 0"
-                                  + (" (seconds; 0 would make an idle worker poll without pause)"
-                                     if key == "batch_timeout" else "") + ".")
+            if key == "batch_timeout":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                    raise ConfigError(f"serve batch_timeout: {value!r}; allowed: a number of seconds >= 0 (0: a batch "
+                                      "is what waits when the worker is free), or None for the export's sweep.")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"serve {key}: {value!r}; allowed: a number > 0.")
         if self.model_name is not None and not MODEL_NAME.match(self.model_name):
             raise ConfigError(f"serve model_name: {self.model_name!r}; allowed: letters, digits, '_', '-' and '.', not "
                               "starting with '.' or '-' (the name a Triton repository would give it).")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from fx_lightning.config import Strategy
 from fx_lightning.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.base import FormatEntry
@@ -192,14 +193,17 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
 def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path,
                   options: TritonOptions) -> TritonModel:
     batched = manifest.call_signature().batched
-    options, note = options.with_recorded_batching(manifest, entry)
+    swept, note = options.with_recorded_batching(manifest, entry)
+    # The selection's batch size from the sweep: it serves the sweep's max-throughput pick, as fx-lightning serve does.
+    strategy = Strategy.max_throughput.value if entry is None and note and options.max_batch_size is None else None
+    options = swept
     max_batch = options.max_batch_size if options.max_batch_size is not None else (
         DEFAULT_MAX_BATCH_SIZE if batched else 0)
     try:
         model = python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
                              dynamic_batching=options.dynamic_batching,
                              preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
-                             max_queue_delay_us=options.queue_delay_us)
+                             max_queue_delay_us=options.queue_delay_us, strategy=strategy)
     except ExportError as exc:  # what the contract cannot state: skipped like any other artifact Triton cannot take
         raise NotServable(str(exc)) from None
     scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]

@@ -359,7 +359,7 @@ class TritonOptions:
         preferred = self.preferred_batch_sizes if self.preferred_batch_sizes is not None else [
             size for size in recorded.preferred_batch_sizes if size <= max_batch]
         delay = self.max_queue_delay_us if self.max_queue_delay_us is not None else \
-            max(1, round(recorded.queue_delay_s * 1e6))
+            round(recorded.queue_delay_s * 1e6)
         taken = [key for key, value in zip(("max_batch_size", "preferred_batch_sizes", "max_queue_delay_us"), wanted)
                  if value is None]
         return (dataclasses.replace(self, max_batch_size=max_batch, preferred_batch_sizes=preferred or None,

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest
 from fx_lightning.rows import concat_rows, take_rows
@@ -25,9 +26,14 @@ from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
 from fx_lightning.serve.contract import Contract
 from fx_lightning.serve.triton_config import TritonModel, contract_model
 
-__all__ = ["MODEL_PY", "ENTRY_PARAMETER", "PYTHON_FORMATS", "ExportRunner", "python_model", "python_copies"]
+__all__ = ["MODEL_PY", "ENTRY_PARAMETER", "STRATEGY_PARAMETER", "PYTHON_FORMATS", "ExportRunner", "python_model",
+           "python_copies", "selection_options"]
 
 ENTRY_PARAMETER = "fx_lightning_entry"  # the config parameter naming the artifact; absent: the export's selection
+# The selection's strategy, written when the model's batching came from the export's sweep: the selection is then
+# its max-throughput pick, whose batching it is (as ``fx-lightning serve`` serves it); absent: the fastest for
+# the model's max_batch_size.
+STRATEGY_PARAMETER = "fx_lightning_strategy"
 # The formats a Python-backend model is written for (besides the selection): those no native backend serves whose
 # loader runs no pickled code (graph_module is a pickle, code is Python source: load them yourself if you trust them).
 PYTHON_FORMATS = ("pt2", "aoti")
@@ -40,7 +46,7 @@ import os
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from fx_lightning.serve.triton_python import ENTRY_PARAMETER, ExportRunner
+from fx_lightning.serve.triton_python import ENTRY_PARAMETER, STRATEGY_PARAMETER, ExportRunner
 
 
 class TritonPythonModel:
@@ -48,7 +54,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         folder = os.path.join(args["model_repository"], args["model_version"], "export")
-        self.runner = ExportRunner(folder, parameters.get(ENTRY_PARAMETER), int(config.get("max_batch_size", 0)))
+        self.runner = ExportRunner(folder, parameters.get(ENTRY_PARAMETER), int(config.get("max_batch_size", 0)),
+                                   parameters.get(STRATEGY_PARAMETER))
 
     def execute(self, requests):
         calls = [[from_dlpack(pb_utils.get_input_tensor_by_name(r, name).to_dlpack())
@@ -65,18 +72,18 @@ class TritonPythonModel:
 
 
 class ExportRunner:
-    """The artifact ``entry`` of the export in ``folder`` (None: the export's selection for ``max_batch_size``),
-    loaded and self-checked; runs the requests Triton hands over, joining those of one shape along the sample axis
-    when the model batches (``max_batch_size`` > 0)."""
+    """The artifact ``entry`` of the export in ``folder`` (None: the export's selection for ``max_batch_size``, or
+    its max-throughput pick with ``strategy`` ``max_throughput``), loaded and self-checked; runs the requests Triton
+    hands over, joining those of one shape along the sample axis when the model batches (``max_batch_size`` > 0)."""
 
-    def __init__(self, folder: Any, entry: Optional[str], max_batch_size: int) -> None:
+    def __init__(self, folder: Any, entry: Optional[str], max_batch_size: int,
+                 strategy: Optional[str] = None) -> None:
         from fx_lightning.export.manifest import read_manifest
 
         manifest = read_manifest(folder)
         contract = Contract.of(manifest)
         self.batched = contract.batched and max_batch_size > 0
-        self.module, self.status = load_checked(folder, ServeOptions(format=entry or None,
-                                                                     max_batch_size=max(1, max_batch_size)))
+        self.module, self.status = load_checked(folder, selection_options(entry, max_batch_size, strategy))
         self.input_names = [s.name for s in contract.inputs]
         self.output_names = [o.name for o in contract.outputs]
 
@@ -120,16 +127,24 @@ def python_copies(manifest: Manifest, entry: Optional[str]) -> List[str]:
     return files
 
 
+def selection_options(entry: Optional[str], max_batch_size: int, strategy: Optional[str]) -> ServeOptions:
+    """The serve options a Python-backend model loads its artifact by: ``entry``, else the export's selection for
+    ``max_batch_size``, or (``strategy`` ``max_throughput``) the max-throughput pick whose sweep gave the batching."""
+    swept = entry is None and strategy == Strategy.max_throughput.value
+    return ServeOptions(format=entry or None, max_batch_size=None if swept else max(1, max_batch_size))
+
+
 def python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path, *, max_batch_size: int,
                  instances: int, dynamic_batching: bool, preferred_batch_sizes: Sequence[int],
-                 max_queue_delay_us: int) -> TritonModel:
-    """A Python-backend model of artifact ``entry`` (None: the export's selection), stated from the export's
+                 max_queue_delay_us: int, strategy: Optional[str] = None) -> TritonModel:
+    """A Python-backend model of artifact ``entry`` (None: the export's selection; with ``strategy``
+    ``max_throughput``, its max-throughput pick, when the batching came from its sweep), stated from the export's
     contract exactly as ``fx-lightning serve`` states it (the record :func:`contract_model` makes for both)."""
     try:
         contract = Contract.of(manifest)
     except ValueError as exc:
         raise ExportError(f"the Python backend cannot serve this export: {exc}") from None
-    chosen = entry or artifact_for(manifest, ServeOptions(max_batch_size=max(1, max_batch_size)))[0]
+    chosen = entry or artifact_for(manifest, selection_options(entry, max_batch_size, strategy))[0]
     try:
         model = contract_model(name, contract, entry or chosen, "python", directory, max_batch_size=max_batch_size,
                                instances=instances, dynamic_batching=dynamic_batching,
@@ -141,6 +156,8 @@ def python_model(name: str, manifest: Manifest, entry: Optional[str], directory:
         model.parameters[ENTRY_PARAMETER] = entry
     else:
         model.selection = True
+        if strategy is not None:
+            model.parameters[STRATEGY_PARAMETER] = strategy
         model.notes.append(f"serves the export's selection ({chosen} on this machine), picked again on the server's")
     if max_batch_size > 0 and not contract.batched:
         model.notes.append("max_batch_size 0 (dims are full shapes): the export has no sample axis on dim 0 of "
