@@ -75,9 +75,6 @@ class FirstWaits:
             return self.queue.get(timeout=self.wait_s)
         return self.queue.get_nowait()
 
-    def get(self, *args: Any, **kwargs: Any) -> Any:
-        return self.queue.get(*args, **kwargs)
-
 
 class GreedyBatchedLoop(BatchedLoop):
     """LitServe's batched loop, with ``batch_timeout`` 0 meaning what Triton's ``max_queue_delay_microseconds: 0``
