@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import statistics
+import sys
 from pathlib import Path
 from typing import Any, Dict
 
@@ -354,12 +356,76 @@ def test_the_finalists_are_timed_each_in_a_process_of_its_own(tmp_path, monkeypa
     assert Table.from_dict(table.to_dict()).timings == table.timings
 
 
+# A timing process that speaks time_in_own_processes' protocol and times nothing. The host it runs on slows down
+# steadily: each round anyone runs ticks a clock shared by all of them (a file), and a round's "call" takes
+# 1 ms + 0.1 ms per tick before it. Each turn logs the ticks it ran, so a turn that overlapped another's shows.
+DRIFTING_WORKER = """
+import json, os, sys
+request = json.load(open(sys.argv[1]))
+clock, log = os.environ["FAKE_CLOCK"], os.environ["FAKE_LOG"]
+def say(answer):
+    print(json.dumps(answer), flush=True)
+say({"ready": True})
+kept = {}
+for line in sys.stdin:
+    command = json.loads(line)
+    if "finish" in command:
+        say({"samples": [[b, t, ts] for (b, t), ts in kept.items()]})
+        break
+    ticks = []
+    for _ in range(command["rounds"]):
+        tick = int(open(clock).read()) + 1
+        open(clock, "w").write(str(tick))
+        ticks.append(tick)
+        for b in request["batch_sizes"]:
+            for traffic in ("idle", "back_to_back"):
+                kept.setdefault((b, traffic), []).append(0.001 * (1 + 0.1 * tick))
+    with open(log, "a") as handle:
+        handle.write(json.dumps([request["candidate"][0] + request["candidate"][1], ticks]) + "\\n")
+    say({"done": True})
+"""
+
+
+def test_the_finalists_processes_take_turns_so_the_hosts_drift_lands_on_all(tmp_path, monkeypatch):
+    """The finalists were timed one process after another, and on a shared host a minute's drift decided near
+    ties (ONNX Runtime with spinning threads: 4.2 ms interleaved against 4.5-5.2 ms without, yet 7.4 against 6.9 ms
+    timed a minute apart). Their processes now take turns, one running at a time: on a host that slows steadily,
+    three equally fast candidates come out several times closer than in one turn each (the old way)."""
+    from fx_lightning.export import timing
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(DRIFTING_WORKER)
+    monkeypatch.setattr(timing, "WORKER_COMMAND", [sys.executable, str(worker)])
+    candidates = {("onnx", ""): [1], ("onnx", "spinning"): [1], ("openvino", ""): [1, 8]}
+    spread = {}
+    for turns in (1, timing.TURNS):
+        clock, log = tmp_path / f"clock{turns}", tmp_path / f"turns{turns}.jsonl"
+        clock.write_text("0")
+        monkeypatch.setenv("FAKE_CLOCK", str(clock))
+        monkeypatch.setenv("FAKE_LOG", str(log))
+        timed = timing.time_in_own_processes(tmp_path, {}, candidates, rounds=20, warmup=0, threads=1, turns=turns)
+        assert list(timed) == list(candidates) and all(why == "" for _, why in timed.values())
+        for candidate, (samples, _) in timed.items():
+            assert set(samples) == {(b, t) for b in candidates[candidate] for t in ("idle", "back_to_back")}
+            assert all(len(ts) == 20 for ts in samples.values())
+        medians = [statistics.median(samples[(1, "idle")]) for samples, _ in timed.values()]
+        spread[turns] = max(medians) / min(medians) - 1
+        runs = [json.loads(line) for line in log.read_text().splitlines()]
+        assert len(runs) == len(candidates) * turns
+        ticks = [t for _, ts in runs for t in ts]
+        assert ticks == list(range(1, 61)), "a turn ran while another did"  # each turn's ticks in one run
+        names = [name for name, _ in runs]
+        assert sum(1 for x, y in zip(names, names[1:]) if x != y) >= len(candidates) * turns - turns
+    assert spread[1] > 1.0 and spread[timing.TURNS] < spread[1] / 3, spread
+
+
 def test_a_finalist_that_fails_alone_keeps_its_shared_timing_and_says_why(tmp_path, monkeypatch):
     from fx_lightning.export import selection
 
     outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["graph_module", "pt2"]})
     monkeypatch.setattr(selection, "FINALIST_WITHIN", float("inf"))
-    monkeypatch.setattr(selection, "time_in_own_process", lambda *a: (None, "exit code 1: boom"))
+    monkeypatch.setattr(selection, "time_in_own_processes",
+                        lambda root, manifest, candidates, *a: {c: (None, "exit code 1: boom") for c in candidates})
     table = bench_export(outcome.export_dir, batch_sizes=[1], rounds=2, warmup=0, own_process_finalists=2)
     assert {t.process for t in table.timings} == {"shared"} and {t.rounds for t in table.timings} == {2}
     assert sorted(f.artifact for f in table.failures) == ["graph_module", "pt2"]

@@ -41,7 +41,7 @@ from fx_lightning.export.manifest import (
 )
 from fx_lightning.export.sweep import SweepSettings, sweep_module
 from fx_lightning.export.timing import (IDLE_GAP_S, Progress, sweep_in_own_process, time_interleaved,
-                                        time_in_own_process)
+                                        time_in_own_processes)
 from fx_lightning.export.check import CheckData, check_artifact, read_check_file
 from fx_lightning.tolerance import LOSSY_MAX_ERROR
 
@@ -187,7 +187,8 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
 
 
 def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, warmup: int) -> None:
-    """Replace the finalists' timings in ``table`` with timings taken each in a process of its own."""
+    """Replace the finalists' timings in ``table`` with timings taken each in a process of its own, the processes
+    taking turns (timing.py)."""
     chosen: Dict[Tuple[str, str], set] = {}
     for b in {t.batch_size for t in table.timings}:
         for traffic in Traffic:
@@ -201,13 +202,13 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
                     chosen.setdefault((t.artifact, t.runtime), set()).add(b)
     if len(chosen) < 2:
         return
-    manifest_json = manifest.to_dict()
-    for (artifact, runtime), sizes in chosen.items():
-        samples, why = time_in_own_process(root, manifest_json, (artifact, runtime), sorted(sizes), FINALIST_ROUNDS,
-                                           warmup, table.threads)
+    timed = time_in_own_processes(root, manifest.to_dict(), {c: sorted(sizes) for c, sizes in chosen.items()},
+                                  FINALIST_ROUNDS, warmup, table.threads)
+    for (artifact, runtime), (samples, why) in timed.items():
         if samples is None:
-            table.failures.append(TimingFailure(artifact, min(sizes), f"not timed in a process of its own ({why}); "
-                                                                     "its shared-process timing stands"))
+            table.failures.append(TimingFailure(artifact, min(chosen[(artifact, runtime)]),
+                                                f"not timed in a process of its own ({why}); its shared-process "
+                                                "timing stands"))
             continue
         for i, t in enumerate(table.timings):
             ts = samples.get((t.batch_size, t.traffic))

@@ -1,5 +1,5 @@
-"""Timing artifacts: interleaved rounds in one process (the selection's bench), and one artifact alone in a process
-of its own (the selection's finalists).
+"""Timing artifacts: interleaved rounds in one process (the selection's bench), and each artifact alone in a process
+of its own (the selection's finalists and throughput sweeps).
 
 Interleaved: every round runs every candidate once, in a shuffled order, so a slow minute on a shared machine
 lands on all of them; each candidate runs once after an idle gap (:data:`IDLE_GAP_S`: the runtime's threads have
@@ -7,8 +7,12 @@ gone to sleep, as under sparse traffic) and once right after (back to back); the
 spinning threads from slowing the next.
 
 Alone: runtimes in one process steal each other's cores (figures: docs/performance.md). A server runs one model
-per process, so the finalists are timed each in a fresh Python process
-(``python -m fx_lightning.export.timing``) with the same loop, inputs (``check.pt``), threads and idle gap.
+per process, so the finalists are timed each in a fresh Python process (``python -m fx_lightning.export.timing``)
+with the same loop, inputs (``check.pt``), threads and idle gap. The finalists' processes take turns
+(:func:`time_in_own_processes`): all load, then each in turn runs a share of its rounds while the others wait on
+their pipes, :data:`TURNS` times, so a slow minute lands on all of them here too. Timed one after the other, the
+host's drift decided near ties: ONNX Runtime with spinning threads ran 4.2 ms a call and without 4.5-5.2 ms when
+interleaved, yet 7.4 against 6.9 ms when timed in turn-less processes a minute apart (mobilenet_v3_large, Zen 3).
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -33,10 +39,14 @@ from fx_lightning.export.manifest import Sweep, TimingFailure
 from fx_lightning.export.sweep import IDLE_GAP_S, SweepSettings, sweep_module
 from fx_lightning.rows import with_rows
 
-__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "time_interleaved", "time_in_own_process",
+__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "TURNS", "time_interleaved", "time_in_own_processes",
            "sweep_in_own_process"]
 
 OWN_PROCESS_TIMEOUT_S = 600.0
+# The turns the finalists' processes take: each runs its rounds in this many shares, the others waiting meanwhile.
+TURNS = 5
+# The command that starts one timing process (a request file's path follows).
+WORKER_COMMAND = [sys.executable, "-m", "fx_lightning.export.timing"]
 
 Candidate = Tuple[str, str]  # (artifact or baseline, runtime choice)
 Samples = Dict[Tuple[Candidate, int], Dict[str, List[float]]]  # (candidate, batch size) -> traffic -> seconds
@@ -89,17 +99,104 @@ def _timed(module: nn.Module, args: Sequence[Any]) -> float:
     return time.perf_counter() - start
 
 
-def time_in_own_process(root: Path, manifest_json: Dict[str, object], candidate: Candidate,
-                        batch_sizes: Sequence[int], rounds: int, warmup: int,
-                        threads: int) -> Tuple[Optional[Dict[Tuple[int, str], List[float]]], str]:
-    """``candidate`` timed by :func:`time_interleaved` in a fresh process. Returns its samples as
-    ``{(batch size, traffic): seconds}``, or None and why the process failed (the caller keeps what it had)."""
-    raw, why = _in_own_process({"root": str(root), "manifest": manifest_json, "candidate": list(candidate),
-                                "batch_sizes": list(batch_sizes), "rounds": rounds, "warmup": warmup,
-                                "threads": threads})
-    if raw is None:
-        return None, why
-    return {(int(b), str(traffic)): list(ts) for b, traffic, ts in raw}, ""
+OwnSamples = Dict[Tuple[int, str], List[float]]  # (batch size, traffic) -> seconds
+
+
+def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[int]],
+                          rounds: int, warmup: int, threads: int, turns: int = TURNS
+                          ) -> Dict[Candidate, Tuple[Optional[OwnSamples], str]]:
+    """Each candidate timed by :func:`time_interleaved` at its batch sizes in a fresh process of its own, the
+    processes taking turns: all load and warm up, then ``turns`` times, in a shuffled order, each runs its share
+    of ``rounds`` while the others wait. Returns per candidate its samples as ``{(batch size, traffic): seconds}``,
+    or None and why its process failed (the others go on)."""
+    shares = [rounds // turns + (1 if i < rounds % turns else 0) for i in range(max(1, min(turns, rounds)))]
+    results: Dict[Candidate, Tuple[Optional[OwnSamples], str]] = {}
+    with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
+        workers: Dict[Candidate, _Worker] = {}
+        try:
+            for i, (candidate, sizes) in enumerate(candidates.items()):
+                workers[candidate] = _Worker(Path(tmp) / str(i), {
+                    "root": str(root), "manifest": manifest_json, "candidate": list(candidate),
+                    "batch_sizes": list(sizes), "warmup": warmup, "threads": threads, "turns": True})
+            for candidate, worker in workers.items():  # every one loaded and warm before any is timed
+                _, why = worker.reply()
+                if why:
+                    results[candidate] = (None, why)
+            rng = random.Random(0)
+            for share in shares:
+                order = [c for c in workers if c not in results]
+                rng.shuffle(order)
+                for candidate in order:
+                    _, why = workers[candidate].ask({"rounds": share})
+                    if why:
+                        results[candidate] = (None, why)
+            for candidate in [c for c in workers if c not in results]:
+                answer, why = workers[candidate].ask({"finish": True})
+                results[candidate] = (({(int(b), str(t)): list(ts) for b, t, ts in answer["samples"]}, "")
+                                      if answer is not None else (None, why))
+        finally:
+            for worker in workers.values():
+                worker.close()
+    return {c: results[c] for c in candidates}
+
+
+class _Worker:
+    """One timing process on a request file, spoken to in JSON lines: its answers come on a channel of their own
+    (the libraries' prints go to its stderr, kept in a file for the reason when it fails)."""
+
+    def __init__(self, folder: Path, request: Dict[str, object]) -> None:
+        folder.mkdir(parents=True)
+        path = folder / "request.json"
+        path.write_text(json.dumps(request), encoding="utf-8")
+        self.stderr_path = folder / "stderr.txt"
+        self.stderr = open(self.stderr_path, "w", encoding="utf-8")
+        self.proc = subprocess.Popen([*WORKER_COMMAND, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, env=_child_env())
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def ask(self, command: Dict[str, object]) -> Tuple[Optional[Dict[str, Any]], str]:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it has exited: reply() says why
+        return self.reply()
+
+    def reply(self) -> Tuple[Optional[Dict[str, Any]], str]:
+        """Its next answer, or None and why there is none (it exited, failed or took too long)."""
+        try:
+            line = self.lines.get(timeout=OWN_PROCESS_TIMEOUT_S)
+        except queue.Empty:
+            self.close()
+            return None, f"timed out after {OWN_PROCESS_TIMEOUT_S:.0f} s"
+        answer = json.loads(line) if line else None
+        if answer is not None and "error" not in answer:
+            return answer, ""
+        if answer is not None:
+            return None, str(answer["error"])[:200]
+        code = self.proc.wait()
+        self.stderr.flush()
+        tail = self.stderr_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return None, f"exit code {code}: {tail[0][:200]}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+
+def _child_env() -> Dict[str, str]:
+    # The parent's import path, so an artifact that imports the user's modules loads as it did here.
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
 def sweep_in_own_process(root: Path, manifest_json: Dict[str, object], candidate: Candidate,
@@ -117,11 +214,9 @@ def _in_own_process(request: Dict[str, object]) -> Tuple[Any, str]:
     with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
         path, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         path.write_text(json.dumps({**request, "out": str(out)}), encoding="utf-8")
-        # The parent's import path, so an artifact that imports the user's modules loads as it did here.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            done = subprocess.run([sys.executable, "-m", "fx_lightning.export.timing", str(path)],
-                                  capture_output=True, text=True, timeout=OWN_PROCESS_TIMEOUT_S, env=env, check=False)
+            done = subprocess.run([*WORKER_COMMAND, str(path)], capture_output=True, text=True,
+                                  timeout=OWN_PROCESS_TIMEOUT_S, env=_child_env(), check=False)
         except subprocess.TimeoutExpired:
             return None, f"timed out after {OWN_PROCESS_TIMEOUT_S:.0f} s"
         if done.returncode != 0 or not out.is_file():
@@ -131,33 +226,64 @@ def _in_own_process(request: Dict[str, object]) -> Tuple[Any, str]:
 
 
 def _time_request(path: Path) -> None:
-    """The worker of :func:`time_in_own_process`: load the one artifact, time it, write the samples."""
+    """The worker of :func:`time_in_own_processes` (a request with ``turns``) and :func:`sweep_in_own_process`:
+    load the one artifact, then sweep it, or time it in the rounds its parent asks for."""
     from fx_lightning.export.loader import load_artifact
     from fx_lightning.export.manifest import Manifest
     from fx_lightning.export.check import read_check_file
 
     request = json.loads(path.read_text(encoding="utf-8"))
+    channel = None
+    if request.get("turns"):  # answers on stdout's own descriptor; whatever else prints goes to stderr
+        channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     torch.set_num_threads(int(request["threads"]))
     root = Path(request["root"])
     name, runtime = request["candidate"]
-    module = load_artifact(root, Manifest.from_dict(request["manifest"]), name, device="cpu", runtime=runtime)
+    manifest = Manifest.from_dict(request["manifest"])
+    module = load_artifact(root, manifest, name, device="cpu", runtime=runtime)
     saved = read_check_file(root)
     if saved is None:
         raise SystemExit("no check.pt: nothing to time the artifact on")
-    manifest = Manifest.from_dict(request["manifest"])
     signature = manifest.call_signature()
     axes = signature.input_axes() if signature.batched else None
-    if "sweep" in request:
-        settings = SweepSettings(**request["sweep"]["settings"])
-        result: Any = [sweep_module(module, saved.inputs, axes or [], name, runtime, traffic, settings,
-                                    process="own").to_dict() for traffic in request["sweep"]["traffics"]]
-    else:
-        samples, failures = time_interleaved({(name, runtime): module}, saved.inputs, request["batch_sizes"],
-                                             int(request["rounds"]), int(request["warmup"]), axes=axes)
-        if failures:
-            raise SystemExit(failures[0].reason)
-        result = [[b, traffic, ts] for (_, b), by_traffic in samples.items() for traffic, ts in by_traffic.items()]
+    if channel is not None:
+        _take_turns(channel, module, (name, runtime), saved.inputs, request, axes)
+        return
+    settings = SweepSettings(**request["sweep"]["settings"])
+    result = [sweep_module(module, saved.inputs, axes or [], name, runtime, traffic, settings, process="own").to_dict()
+              for traffic in request["sweep"]["traffics"]]
     Path(request["out"]).write_text(json.dumps(result), encoding="utf-8")
+
+
+def _take_turns(channel: Any, module: nn.Module, candidate: Candidate, inputs: Sequence[Any],
+                request: Dict[str, Any], axes: Optional[Sequence[Optional[int]]]) -> None:
+    """Warm up, say so, then run the rounds asked for, each time the parent asks, until it asks for the samples."""
+    def say(answer: Dict[str, object]) -> None:
+        channel.write(json.dumps(answer) + "\n")
+        channel.flush()
+
+    sizes = request["batch_sizes"]
+    _, failures = time_interleaved({candidate: module}, inputs, sizes, 0, int(request["warmup"]), axes=axes)
+    if failures:
+        say({"error": failures[0].reason})
+        return
+    say({"ready": True})
+    kept: Dict[Tuple[int, str], List[float]] = {}
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "finish" in command:
+            say({"samples": [[b, traffic, ts] for (b, traffic), ts in kept.items()]})
+            return
+        samples, failures = time_interleaved({candidate: module}, inputs, sizes, int(command["rounds"]), 0, axes=axes)
+        if failures:
+            say({"error": failures[0].reason})
+            return
+        for (_, b), by_traffic in samples.items():
+            for traffic, ts in by_traffic.items():
+                kept.setdefault((b, traffic), []).extend(ts)
+        say({"done": True})
 
 
 if __name__ == "__main__":
