@@ -365,10 +365,13 @@ request = json.load(open(sys.argv[1]))
 clock, log = os.environ["FAKE_CLOCK"], os.environ["FAKE_LOG"]
 def say(answer):
     print(json.dumps(answer), flush=True)
+print("a library's banner on stdout")
 say({"ready": True})
 kept = {}
 for line in sys.stdin:
     command = json.loads(line)
+    if request["candidate"][0] == "broken" and kept:
+        sys.exit("boom in its second turn")
     if "finish" in command:
         say({"samples": [[b, t, ts] for (b, t), ts in kept.items()]})
         break
@@ -417,6 +420,23 @@ def test_the_finalists_processes_take_turns_so_the_hosts_drift_lands_on_all(tmp_
         names = [name for name, _ in runs]
         assert sum(1 for x, y in zip(names, names[1:]) if x != y) >= len(candidates) * turns - turns
     assert spread[1] > 1.0 and spread[timing.TURNS] < spread[1] / 3, spread
+
+
+def test_a_finalist_process_that_dies_between_turns_says_why_and_the_others_are_timed(tmp_path, monkeypatch):
+    from fx_lightning.export import timing
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(DRIFTING_WORKER)
+    (tmp_path / "clock").write_text("0")
+    monkeypatch.setattr(timing, "WORKER_COMMAND", [sys.executable, str(worker)])
+    monkeypatch.setenv("FAKE_CLOCK", str(tmp_path / "clock"))
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "turns.jsonl"))
+    candidates = {("onnx", ""): [1], ("broken", ""): [1], ("openvino", ""): [1]}
+    timed = timing.time_in_own_processes(tmp_path, {}, candidates, rounds=6, warmup=0, threads=1, turns=3)
+    assert timed[("broken", "")] == (None, "exit code 1: boom in its second turn")
+    for candidate in (("onnx", ""), ("openvino", "")):
+        samples, why = timed[candidate]
+        assert why == "" and {k: len(v) for k, v in samples.items()} == {(1, "idle"): 6, (1, "back_to_back"): 6}
 
 
 def test_a_finalist_that_fails_alone_keeps_its_shared_timing_and_says_why(tmp_path, monkeypatch):

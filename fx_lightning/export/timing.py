@@ -172,12 +172,20 @@ class _Worker:
 
     def reply(self) -> Tuple[Optional[Dict[str, Any]], str]:
         """Its next answer, or None and why there is none (it exited, failed or took too long)."""
-        try:
-            line = self.lines.get(timeout=OWN_PROCESS_TIMEOUT_S)
-        except queue.Empty:
-            self.close()
-            return None, f"timed out after {OWN_PROCESS_TIMEOUT_S:.0f} s"
-        answer = json.loads(line) if line else None
+        answer = None
+        while True:
+            try:
+                line = self.lines.get(timeout=OWN_PROCESS_TIMEOUT_S)
+            except queue.Empty:
+                self.close()
+                return None, f"timed out after {OWN_PROCESS_TIMEOUT_S:.0f} s"
+            if line is None:
+                break
+            try:  # a line printed before its stdout went to stderr is not an answer
+                answer = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
         if answer is not None and "error" not in answer:
             return answer, ""
         if answer is not None:
