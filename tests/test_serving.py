@@ -373,7 +373,7 @@ for line in sys.stdin:
     if request["candidate"][0] == "broken" and kept:
         sys.exit("boom in its second turn")
     if "finish" in command:
-        say({"samples": [[b, t, ts] for (b, t), ts in kept.items()]})
+        say({"result": [[b, t, ts] for (b, t), ts in kept.items()]})
         break
     ticks = []
     for _ in range(command["rounds"]):

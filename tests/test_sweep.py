@@ -96,6 +96,34 @@ def test_the_sweep_stops_where_the_artifact_raises_and_keeps_what_it_measured() 
     assert [p.batch_size for p in points] == [1, 2] and "batch 4 raises RuntimeError: built for" in stop
 
 
+def test_the_time_limit_counts_the_sweeps_own_steps_not_the_turns_between(monkeypatch) -> None:
+    """Sweeps in processes of their own take turns a batch size at a time (timing.py), so a sweep waits while the
+    others measure: that wait is not its time. Its own measuring still stops it at the limit."""
+    from fx_lightning.export import sweep as sweep_mod
+
+    now = [0.0]
+    monkeypatch.setattr(sweep_mod.time, "perf_counter", lambda: now[0])
+
+    def run(batch_size: int) -> float:  # 10 ms a call whatever the batch: throughput doubles with it
+        now[0] += 0.01
+        return 0.01
+
+    def swept(limit_s: float) -> Tuple[List[int], str]:
+        steps = sweep_mod.sweep_steps(run, SweepSettings(window_s=0.0, max_batch_size=16, time_limit_s=limit_s))
+        sizes = []
+        while True:
+            try:
+                sizes.append(next(steps).batch_size)
+            except StopIteration as done:
+                return sizes, str(done.value)
+            now[0] += 100.0  # the other processes' turns
+
+    sizes, stop = swept(1.0)  # 11 calls a batch size: 0.11 s of its own each
+    assert sizes == [1, 2, 4, 8, 16] and "max_batch_size (16)" in stop
+    sizes, stop = swept(0.3)
+    assert sizes == [1, 2, 4] and "time limit (0.3 s) reached after batch 4" in stop
+
+
 # ------------------------------------------------------------------------------------------ recorded tables
 
 

@@ -34,13 +34,14 @@ from fx_lightning.export.manifest import (
     BenchTable,
     Manifest,
     Selected,
+    Sweep,
     Timing,
     TimingFailure,
     read_manifest,
     replace_manifest,
 )
 from fx_lightning.export.sweep import SweepSettings, sweep_module
-from fx_lightning.export.timing import (IDLE_GAP_S, Progress, sweep_in_own_process, time_interleaved,
+from fx_lightning.export.timing import (IDLE_GAP_S, Progress, sweep_in_own_processes, time_interleaved,
                                         time_in_own_processes)
 from fx_lightning.export.check import CheckData, check_artifact, read_check_file
 from fx_lightning.tolerance import LOSSY_MAX_ERROR
@@ -172,14 +173,15 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
                 table.not_swept[f"{name}, {traffic.value}"] = (f"more than {FINALIST_WITHIN}x the fastest at batch "
                                                                f"{largest}, or not among the {SWEPT_PER_TRAFFIC} "
                                                                "fastest")
-    manifest_json = manifest.to_dict() if own_process else {}
+    swept: Dict[Tuple[str, str], Tuple[Optional[List[Sweep]], str]] = {}
+    if own_process:
+        swept = sweep_in_own_processes(root, manifest.to_dict(), wanted, settings, table.threads)
     for (artifact, runtime), traffics in wanted.items():
+        sweeps, why = swept.get((artifact, runtime), (None, ""))
+        if sweeps is not None:
+            table.sweeps.extend(sweeps)
+            continue
         if own_process:
-            swept, why = sweep_in_own_process(root, manifest_json, (artifact, runtime), traffics, settings,
-                                              table.threads)
-            if swept is not None:
-                table.sweeps.extend(swept)
-                continue
             table.failures.append(TimingFailure(artifact, 1, f"not swept in a process of its own ({why}); swept in "
                                                              "the selection's process"))
         table.sweeps.extend(sweep_module(models[(artifact, runtime)], inputs, axes, artifact, runtime, traffic,

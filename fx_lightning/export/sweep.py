@@ -20,7 +20,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from fx_lightning.export.loader import selection_for
 from fx_lightning.export.manifest import Manifest, Sweep, SweepPoint
 from fx_lightning.rows import with_rows
 
-__all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "measure_batch_size", "module_runner",
+__all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "sweep_steps", "measure_batch_size", "module_runner",
            "sweep_module", "Batching", "recorded_batching", "IDLE_GAP_S"]
 
 # The idle gap before a call in the ``idle`` traffic: long enough for a runtime's threads to go to sleep (the
@@ -54,7 +54,7 @@ class SweepSettings:
     min_window_calls: int = 3
     max_window_calls: int = 50
     max_batch_size: int = 256
-    time_limit_s: float = 60.0  # wall time for one artifact's sweep in one traffic
+    time_limit_s: float = 60.0  # seconds one artifact's sweep in one traffic may spend measuring
     max_call_s: float = 5.0  # a batch size whose one call takes longer ends the sweep (no server would use it)
 
 
@@ -85,26 +85,41 @@ def measure_batch_size(run: Runner, batch_size: int, settings: SweepSettings) ->
 
 def sweep(run: Runner, settings: SweepSettings = SweepSettings()) -> Tuple[List[SweepPoint], str]:
     """Batch sizes 1, 2, 4, ... measured until throughput stops growing; returns the points and why it stopped."""
+    steps = sweep_steps(run, settings)
     points: List[SweepPoint] = []
-    start = time.perf_counter()
+    while True:
+        try:
+            points.append(next(steps))
+        except StopIteration as done:
+            return points, str(done.value)
+
+
+def sweep_steps(run: Runner, settings: SweepSettings = SweepSettings()) -> Generator[SweepPoint, None, str]:
+    """:func:`sweep` a point at a time: yields each batch size's point and returns why it stopped. The time limit
+    counts only the time spent in its own steps, so sweeps taking turns (timing.py) each get theirs."""
+    points: List[SweepPoint] = []
+    spent = 0.0
     batch_size = 1
     while True:
         if batch_size > settings.max_batch_size:
-            return points, f"batch {batch_size} is above the sweep's max_batch_size ({settings.max_batch_size})"
+            return f"batch {batch_size} is above the sweep's max_batch_size ({settings.max_batch_size})"
+        start = time.perf_counter()
         try:
             point = measure_batch_size(run, batch_size, settings)
         except Exception as exc:  # noqa: BLE001 - e.g. an artifact built for some batch sizes only
-            return points, f"batch {batch_size} raises {type(exc).__name__}: {first_line(exc)[:200]}"
+            return f"batch {batch_size} raises {type(exc).__name__}: {first_line(exc)[:200]}"
+        spent += time.perf_counter() - start
         points.append(point)
+        yield point
         if len(points) > 1:
             growth = point.throughput / points[-2].throughput - 1
             if growth < settings.growth:
-                return points, (f"throughput at batch {batch_size} grew {100 * growth:+.1f}% over batch "
-                                f"{points[-2].batch_size} (less than {100 * settings.growth:.0f}%)")
+                return (f"throughput at batch {batch_size} grew {100 * growth:+.1f}% over batch "
+                        f"{points[-2].batch_size} (less than {100 * settings.growth:.0f}%)")
         if point.p50_ms / 1e3 > settings.max_call_s:
-            return points, f"a call at batch {batch_size} takes {point.p50_ms:.0f} ms (over {settings.max_call_s} s)"
-        if time.perf_counter() - start > settings.time_limit_s:
-            return points, f"time limit ({settings.time_limit_s:.0f} s) reached after batch {batch_size}"
+            return f"a call at batch {batch_size} takes {point.p50_ms:.0f} ms (over {settings.max_call_s} s)"
+        if spent > settings.time_limit_s:
+            return f"time limit ({settings.time_limit_s:g} s) reached after batch {batch_size}"
         batch_size *= 2
 
 

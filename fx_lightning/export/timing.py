@@ -8,9 +8,9 @@ spinning threads from slowing the next.
 
 Alone: runtimes in one process steal each other's cores (figures: docs/performance.md). A server runs one model
 per process, so the finalists are timed each in a fresh Python process (``python -m fx_lightning.export.timing``)
-with the same loop, inputs (``check.pt``), threads and idle gap. The finalists' processes take turns
-(:func:`time_in_own_processes`): all load, then each in turn runs a share of its rounds while the others wait on
-their pipes, :data:`TURNS` times, so a slow minute lands on all of them here too. Timed one after the other, the
+with the same loop, inputs (``check.pt``), threads and idle gap. The processes take turns: all load, then each in
+turn runs a share of its work while the others wait on their pipes (the finalists: a share of their rounds,
+:data:`TURNS` times; the sweeps: a batch size each turn), so a slow minute lands on all of them here too. Timed one after the other, the
 host's drift decided near ties: ONNX Runtime with spinning threads ran 4.2 ms a call and without 4.5-5.2 ms when
 interleaved, yet 7.4 against 6.9 ms when timed in turn-less processes a minute apart (mobilenet_v3_large, Zen 3).
 """
@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -36,11 +36,11 @@ from torch import nn
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import Sweep, TimingFailure
-from fx_lightning.export.sweep import IDLE_GAP_S, SweepSettings, sweep_module
+from fx_lightning.export.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps
 from fx_lightning.rows import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "TURNS", "time_interleaved", "time_in_own_processes",
-           "sweep_in_own_process"]
+           "sweep_in_own_processes"]
 
 OWN_PROCESS_TIMEOUT_S = 600.0
 # The turns the finalists' processes take: each runs its rounds in this many shares, the others waiting meanwhile.
@@ -100,6 +100,7 @@ def _timed(module: nn.Module, args: Sequence[Any]) -> float:
 
 
 OwnSamples = Dict[Tuple[int, str], List[float]]  # (batch size, traffic) -> seconds
+Command = Dict[str, object]
 
 
 def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[int]],
@@ -110,34 +111,56 @@ def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidat
     of ``rounds`` while the others wait. Returns per candidate its samples as ``{(batch size, traffic): seconds}``,
     or None and why its process failed (the others go on)."""
     shares = [rounds // turns + (1 if i < rounds % turns else 0) for i in range(max(1, min(turns, rounds)))]
-    results: Dict[Candidate, Tuple[Optional[OwnSamples], str]] = {}
+    requests = {c: {"batch_sizes": list(sizes), "warmup": warmup} for c, sizes in candidates.items()}
+    raw = _take_turns(root, manifest_json, requests, threads,
+                      lambda turn: {"rounds": shares[turn]} if turn < len(shares) else {"finish": True})
+    return {c: (({(int(b), str(t)): list(ts) for b, t, ts in result}, "") if result is not None else (None, why))
+            for c, (result, why) in raw.items()}
+
+
+def sweep_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[str]],
+                           settings: SweepSettings, threads: int) -> Dict[Candidate, Tuple[Optional[List[Sweep]], str]]:
+    """Each candidate's throughput sweep (export/sweep.py) in each of its traffics, in a fresh process of its own, as
+    a server runs it, the processes taking turns a batch size at a time (so the host's drift lands on all of
+    them). Returns per candidate its sweeps, or None and why its process failed."""
+    requests = {c: {"sweep": {"traffics": list(traffics), "settings": dataclasses.asdict(settings)}}
+                for c, traffics in candidates.items()}
+    raw = _take_turns(root, manifest_json, requests, threads, lambda turn: {"step": True})
+    return {c: (([Sweep.from_dict(w) for w in result], "") if result is not None else (None, why))
+            for c, (result, why) in raw.items()}
+
+
+def _take_turns(root: Path, manifest_json: Dict[str, object], requests: Dict[Candidate, Dict[str, object]],
+                threads: int, command: Callable[[int], Command]) -> Dict[Candidate, Tuple[Any, str]]:
+    """One process per candidate on its request; once all have loaded and warmed up, each in turn (a shuffled
+    order every turn) gets ``command(turn)`` while the others wait, until each answers with its result. Returns
+    per candidate its result, or None and why its process failed (the others go on)."""
+    results: Dict[Candidate, Tuple[Any, str]] = {}
     with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
         workers: Dict[Candidate, _Worker] = {}
         try:
-            for i, (candidate, sizes) in enumerate(candidates.items()):
+            for i, (candidate, request) in enumerate(requests.items()):
                 workers[candidate] = _Worker(Path(tmp) / str(i), {
-                    "root": str(root), "manifest": manifest_json, "candidate": list(candidate),
-                    "batch_sizes": list(sizes), "warmup": warmup, "threads": threads, "turns": True})
+                    **request, "root": str(root), "manifest": manifest_json, "candidate": list(candidate),
+                    "threads": threads})
             for candidate, worker in workers.items():  # every one loaded and warm before any is timed
                 _, why = worker.reply()
                 if why:
                     results[candidate] = (None, why)
             rng = random.Random(0)
-            for share in shares:
+            turn = 0
+            while len(results) < len(workers):
                 order = [c for c in workers if c not in results]
                 rng.shuffle(order)
                 for candidate in order:
-                    _, why = workers[candidate].ask({"rounds": share})
-                    if why:
-                        results[candidate] = (None, why)
-            for candidate in [c for c in workers if c not in results]:
-                answer, why = workers[candidate].ask({"finish": True})
-                results[candidate] = (({(int(b), str(t)): list(ts) for b, t, ts in answer["samples"]}, "")
-                                      if answer is not None else (None, why))
+                    answer, why = workers[candidate].ask(command(turn))
+                    if answer is None or "result" in answer:
+                        results[candidate] = (answer["result"] if answer is not None else None, why)
+                turn += 1
         finally:
             for worker in workers.values():
                 worker.close()
-    return {c: results[c] for c in candidates}
+    return {c: results[c] for c in requests}
 
 
 class _Worker:
@@ -207,45 +230,23 @@ def _child_env() -> Dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
-def sweep_in_own_process(root: Path, manifest_json: Dict[str, object], candidate: Candidate,
-                         traffics: Sequence[str], settings: SweepSettings,
-                         threads: int) -> Tuple[Optional[List[Sweep]], str]:
-    """``candidate``'s throughput sweep (export/sweep.py) in each of ``traffics``, in a fresh process, as a server
-    runs it. Returns the sweeps, or None and why the process failed."""
-    raw, why = _in_own_process({"root": str(root), "manifest": manifest_json, "candidate": list(candidate),
-                                "sweep": {"traffics": list(traffics), "settings": dataclasses.asdict(settings)},
-                                "threads": threads})
-    return ([Sweep.from_dict(w) for w in raw] if raw is not None else None), why
-
-
-def _in_own_process(request: Dict[str, object]) -> Tuple[Any, str]:
-    with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
-        path, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
-        path.write_text(json.dumps({**request, "out": str(out)}), encoding="utf-8")
-        try:
-            done = subprocess.run([*WORKER_COMMAND, str(path)], capture_output=True, text=True,
-                                  timeout=OWN_PROCESS_TIMEOUT_S, env=_child_env(), check=False)
-        except subprocess.TimeoutExpired:
-            return None, f"timed out after {OWN_PROCESS_TIMEOUT_S:.0f} s"
-        if done.returncode != 0 or not out.is_file():
-            tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or ["no output"]
-            return None, f"exit code {done.returncode}: {tail[0][:200]}"
-        return json.loads(out.read_text(encoding="utf-8")), ""
-
-
 def _time_request(path: Path) -> None:
-    """The worker of :func:`time_in_own_processes` (a request with ``turns``) and :func:`sweep_in_own_process`:
-    load the one artifact, then sweep it, or time it in the rounds its parent asks for."""
+    """The worker of :func:`time_in_own_processes` and :func:`sweep_in_own_processes`: load the one artifact, warm
+    it up, say so, then do what its parent asks each turn, answering on stdout's own descriptor (whatever else
+    prints goes to stderr) until it answers with its result."""
     from fx_lightning.export.loader import load_artifact
     from fx_lightning.export.manifest import Manifest
     from fx_lightning.export.check import read_check_file
 
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    def say(answer: Dict[str, object]) -> None:
+        channel.write(json.dumps(answer) + "\n")
+        channel.flush()
+
     request = json.loads(path.read_text(encoding="utf-8"))
-    channel = None
-    if request.get("turns"):  # answers on stdout's own descriptor; whatever else prints goes to stderr
-        channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
-        sys.stdout.flush()
-        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     torch.set_num_threads(int(request["threads"]))
     root = Path(request["root"])
     name, runtime = request["candidate"]
@@ -256,42 +257,64 @@ def _time_request(path: Path) -> None:
         raise SystemExit("no check.pt: nothing to time the artifact on")
     signature = manifest.call_signature()
     axes = signature.input_axes() if signature.batched else None
-    if channel is not None:
-        _take_turns(channel, module, (name, runtime), saved.inputs, request, axes)
-        return
-    settings = SweepSettings(**request["sweep"]["settings"])
-    result = [sweep_module(module, saved.inputs, axes or [], name, runtime, traffic, settings, process="own").to_dict()
-              for traffic in request["sweep"]["traffics"]]
-    Path(request["out"]).write_text(json.dumps(result), encoding="utf-8")
+    turns = (_sweep_turns(module, (name, runtime), saved.inputs, request["sweep"], axes) if "sweep" in request
+             else _round_turns(module, (name, runtime), saved.inputs, request, axes))
+    answer = next(turns)  # loaded and warm, or why not
+    while True:
+        say(answer)
+        line = sys.stdin.readline()
+        if "result" in answer or "error" in answer or not line:  # done, failed, or the parent has gone
+            return
+        answer = turns.send(json.loads(line))
 
 
-def _take_turns(channel: Any, module: nn.Module, candidate: Candidate, inputs: Sequence[Any],
-                request: Dict[str, Any], axes: Optional[Sequence[Optional[int]]]) -> None:
-    """Warm up, say so, then run the rounds asked for, each time the parent asks, until it asks for the samples."""
-    def say(answer: Dict[str, object]) -> None:
-        channel.write(json.dumps(answer) + "\n")
-        channel.flush()
+Turns = Generator[Dict[str, object], Command, None]
 
+
+def _round_turns(module: nn.Module, candidate: Candidate, inputs: Sequence[Any], request: Dict[str, Any],
+                 axes: Optional[Sequence[Optional[int]]]) -> Turns:
+    """Warm up; then each turn run the rounds asked for, until asked for the samples."""
     sizes = request["batch_sizes"]
     _, failures = time_interleaved({candidate: module}, inputs, sizes, 0, int(request["warmup"]), axes=axes)
     if failures:
-        say({"error": failures[0].reason})
+        yield {"error": failures[0].reason}
         return
-    say({"ready": True})
+    command = yield {"ready": True}
     kept: Dict[Tuple[int, str], List[float]] = {}
-    for line in sys.stdin:
-        command = json.loads(line)
-        if "finish" in command:
-            say({"samples": [[b, traffic, ts] for (b, traffic), ts in kept.items()]})
-            return
+    while "finish" not in command:
         samples, failures = time_interleaved({candidate: module}, inputs, sizes, int(command["rounds"]), 0, axes=axes)
         if failures:
-            say({"error": failures[0].reason})
+            yield {"error": failures[0].reason}
             return
         for (_, b), by_traffic in samples.items():
             for traffic, ts in by_traffic.items():
                 kept.setdefault((b, traffic), []).extend(ts)
-        say({"done": True})
+        command = yield {"done": True}
+    yield {"result": [[b, traffic, ts] for (b, traffic), ts in kept.items()]}
+
+
+def _sweep_turns(module: nn.Module, candidate: Candidate, inputs: Sequence[Any], request: Dict[str, Any],
+                 axes: Optional[Sequence[Optional[int]]]) -> Turns:
+    """Each turn the next batch size of the sweep in each traffic not done yet; the sweeps once all are done."""
+    name, runtime = candidate
+    settings = SweepSettings(**request["settings"])
+    steps = {traffic: sweep_steps(module_runner(module, inputs, axes or [], traffic), settings)
+             for traffic in request["traffics"]}
+    points: Dict[str, List[Any]] = {traffic: [] for traffic in steps}
+    stops: Dict[str, str] = {}
+    yield {"ready": True}  # each sweep's first call at a batch size is its warm-up
+    while len(stops) < len(steps):
+        for traffic, step in steps.items():
+            if traffic in stops:
+                continue
+            try:
+                points[traffic].append(next(step))
+            except StopIteration as done:
+                stops[traffic] = str(done.value)
+        if len(stops) < len(steps):
+            yield {"done": True}
+    yield {"result": [Sweep(name, Traffic(traffic).value, points[traffic], stops[traffic], runtime, "own").to_dict()
+                      for traffic in steps]}
 
 
 if __name__ == "__main__":
