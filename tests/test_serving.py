@@ -366,14 +366,14 @@ clock, log = os.environ["FAKE_CLOCK"], os.environ["FAKE_LOG"]
 def say(answer):
     print(json.dumps(answer), flush=True)
 print("a library's banner on stdout")
-say({"ready": True})
+say({"status": "ready"})
 kept = {}
 for line in sys.stdin:
     command = json.loads(line)
     if request["candidate"][0] == "broken" and kept:
         sys.exit("boom in its second turn")
-    if "finish" in command:
-        say({"result": [[b, t, ts] for (b, t), ts in kept.items()]})
+    if command["finish"]:
+        say({"status": "result", "result": [[b, t, ts] for (b, t), ts in kept.items()]})
         break
     ticks = []
     for _ in range(command["rounds"]):
@@ -385,7 +385,7 @@ for line in sys.stdin:
                 kept.setdefault((b, traffic), []).append(0.001 * (1 + 0.1 * tick))
     with open(log, "a") as handle:
         handle.write(json.dumps([request["candidate"][0] + request["candidate"][1], ticks]) + "\\n")
-    say({"done": True})
+    say({"status": "done"})
 """
 
 

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
 
@@ -35,12 +36,12 @@ from torch import nn
 
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
-from fx_lightning.export.manifest import Sweep, TimingFailure
+from fx_lightning.export.manifest import Sweep, SweepPoint, TimingFailure
 from fx_lightning.export.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps
 from fx_lightning.rows import with_rows
 
-__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "TURNS", "time_interleaved", "time_in_own_processes",
-           "sweep_in_own_processes"]
+__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "TURNS", "WorkerRequest", "Turn", "Answer",
+           "time_interleaved", "time_in_own_processes", "sweep_in_own_processes"]
 
 OWN_PROCESS_TIMEOUT_S = 600.0
 # The turns the finalists' processes take: each runs its rounds in this many shares, the others waiting meanwhile.
@@ -100,7 +101,38 @@ def _timed(module: nn.Module, args: Sequence[Any]) -> float:
 
 
 OwnSamples = Dict[Tuple[int, str], List[float]]  # (batch size, traffic) -> seconds
-Command = Dict[str, object]
+
+
+@dataclass
+class WorkerRequest:
+    """What one timing process loads and does: time ``batch_sizes`` in rounds (after ``warmup`` rounds), or sweep
+    in ``sweep_traffics`` with ``sweep_settings`` (SweepSettings' fields) when those are given."""
+
+    root: str
+    manifest: Dict[str, object]
+    candidate: Tuple[str, str]
+    threads: int
+    batch_sizes: List[int] = field(default_factory=list)
+    warmup: int = 0
+    sweep_traffics: List[str] = field(default_factory=list)
+    sweep_settings: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Turn:
+    """The parent's word to a timing process: run ``rounds`` more (a sweep: its next batch size), or ``finish``."""
+
+    rounds: int = 0
+    finish: bool = False
+
+
+@dataclass
+class Answer:
+    """A timing process's reply: ``ready`` (loaded and warm), ``done`` (its turn), ``result`` or ``error``."""
+
+    status: str
+    result: object = None
+    error: str = ""
 
 
 def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[int]],
@@ -111,9 +143,9 @@ def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidat
     of ``rounds`` while the others wait. Returns per candidate its samples as ``{(batch size, traffic): seconds}``,
     or None and why its process failed (the others go on)."""
     shares = [rounds // turns + (1 if i < rounds % turns else 0) for i in range(max(1, min(turns, rounds)))]
-    requests = {c: {"batch_sizes": list(sizes), "warmup": warmup} for c, sizes in candidates.items()}
-    raw = _take_turns(root, manifest_json, requests, threads,
-                      lambda turn: {"rounds": shares[turn]} if turn < len(shares) else {"finish": True})
+    requests = {c: WorkerRequest(str(root), manifest_json, c, threads, batch_sizes=list(sizes), warmup=warmup)
+                for c, sizes in candidates.items()}
+    raw = _take_turns(requests, lambda turn: Turn(rounds=shares[turn]) if turn < len(shares) else Turn(finish=True))
     return {c: (({(int(b), str(t)): list(ts) for b, t, ts in result}, "") if result is not None else (None, why))
             for c, (result, why) in raw.items()}
 
@@ -123,26 +155,24 @@ def sweep_in_own_processes(root: Path, manifest_json: Dict[str, object], candida
     """Each candidate's throughput sweep (export/sweep.py) in each of its traffics, in a fresh process of its own, as
     a server runs it, the processes taking turns a batch size at a time (so the host's drift lands on all of
     them). Returns per candidate its sweeps, or None and why its process failed."""
-    requests = {c: {"sweep": {"traffics": list(traffics), "settings": dataclasses.asdict(settings)}}
-                for c, traffics in candidates.items()}
-    raw = _take_turns(root, manifest_json, requests, threads, lambda turn: {"step": True})
+    requests = {c: WorkerRequest(str(root), manifest_json, c, threads, sweep_traffics=list(traffics),
+                                 sweep_settings=dataclasses.asdict(settings)) for c, traffics in candidates.items()}
+    raw = _take_turns(requests, lambda turn: Turn(rounds=1))
     return {c: (([Sweep.from_dict(w) for w in result], "") if result is not None else (None, why))
             for c, (result, why) in raw.items()}
 
 
-def _take_turns(root: Path, manifest_json: Dict[str, object], requests: Dict[Candidate, Dict[str, object]],
-                threads: int, command: Callable[[int], Command]) -> Dict[Candidate, Tuple[Any, str]]:
+def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[int], Turn]
+                ) -> Dict[Candidate, Tuple[Any, str]]:
     """One process per candidate on its request; once all have loaded and warmed up, each in turn (a shuffled
-    order every turn) gets ``command(turn)`` while the others wait, until each answers with its result. Returns
+    order every turn) gets ``turn_for(turn)`` while the others wait, until each answers with its result. Returns
     per candidate its result, or None and why its process failed (the others go on)."""
     results: Dict[Candidate, Tuple[Any, str]] = {}
     with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
         workers: Dict[Candidate, _Worker] = {}
         try:
             for i, (candidate, request) in enumerate(requests.items()):
-                workers[candidate] = _Worker(Path(tmp) / str(i), {
-                    **request, "root": str(root), "manifest": manifest_json, "candidate": list(candidate),
-                    "threads": threads})
+                workers[candidate] = _Worker(Path(tmp) / str(i), request)
             for candidate, worker in workers.items():  # every one loaded and warm before any is timed
                 _, why = worker.reply()
                 if why:
@@ -153,9 +183,9 @@ def _take_turns(root: Path, manifest_json: Dict[str, object], requests: Dict[Can
                 order = [c for c in workers if c not in results]
                 rng.shuffle(order)
                 for candidate in order:
-                    answer, why = workers[candidate].ask(command(turn))
-                    if answer is None or "result" in answer:
-                        results[candidate] = (answer["result"] if answer is not None else None, why)
+                    answer, why = workers[candidate].ask(turn_for(turn))
+                    if answer is None or answer.status == "result":
+                        results[candidate] = (answer.result if answer is not None else None, why)
                 turn += 1
         finally:
             for worker in workers.values():
@@ -164,13 +194,14 @@ def _take_turns(root: Path, manifest_json: Dict[str, object], requests: Dict[Can
 
 
 class _Worker:
-    """One timing process on a request file, spoken to in JSON lines: its answers come on a channel of their own
-    (the libraries' prints go to its stderr, kept in a file for the reason when it fails)."""
+    """One timing process on a request file, spoken to in JSON lines (a :class:`Turn` each way down, an
+    :class:`Answer` up) on a channel of its own: the libraries' prints go to its stderr, kept in a file for the
+    reason when it fails."""
 
-    def __init__(self, folder: Path, request: Dict[str, object]) -> None:
+    def __init__(self, folder: Path, request: WorkerRequest) -> None:
         folder.mkdir(parents=True)
         path = folder / "request.json"
-        path.write_text(json.dumps(request), encoding="utf-8")
+        path.write_text(json.dumps(dataclasses.asdict(request)), encoding="utf-8")
         self.stderr_path = folder / "stderr.txt"
         self.stderr = open(self.stderr_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen([*WORKER_COMMAND, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -184,39 +215,35 @@ class _Worker:
             self.lines.put(line)
         self.lines.put(None)
 
-    def ask(self, command: Dict[str, object]) -> Tuple[Optional[Dict[str, Any]], str]:
+    def ask(self, turn: Turn) -> Tuple[Optional[Answer], str]:
         try:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.write(json.dumps(dataclasses.asdict(turn)) + "\n")
             self.proc.stdin.flush()
         except OSError:
             pass  # it has exited: reply() says why
         return self.reply()
 
-    def reply(self) -> Tuple[Optional[Dict[str, Any]], str]:
+    def reply(self) -> Tuple[Optional[Answer], str]:
         """Its next answer, or None and why there is none (it exited, failed or took too long)."""
         answer = None
-        while True:
+        while answer is None:
             try:
                 line = self.lines.get(timeout=OWN_PROCESS_TIMEOUT_S)
             except queue.Empty:
                 self.close()
                 return None, f"timed out after {OWN_PROCESS_TIMEOUT_S:.0f} s"
             if line is None:
-                break
+                code = self.proc.wait()
+                self.stderr.flush()
+                tail = (self.stderr_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+                        or ["no output"])
+                return None, f"exit code {code}: {tail[0][:200]}"
             try:  # a line printed before its stdout went to stderr is not an answer
-                answer = json.loads(line)
-                break
-            except json.JSONDecodeError:
+                answer = Answer(**json.loads(line))
+            except (json.JSONDecodeError, TypeError):
                 continue
-        if answer is not None and "error" not in answer:
-            return answer, ""
-        if answer is not None:
-            return None, str(answer["error"])[:200]
-        code = self.proc.wait()
-        self.stderr.flush()
-        tail = self.stderr_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["no output"]
-        return None, f"exit code {code}: {tail[0][:200]}"
+        return (None, answer.error[:200]) if answer.status == "error" else (answer, "")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -241,80 +268,75 @@ def _time_request(path: Path) -> None:
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-
-    def say(answer: Dict[str, object]) -> None:
-        channel.write(json.dumps(answer) + "\n")
-        channel.flush()
-
-    request = json.loads(path.read_text(encoding="utf-8"))
-    torch.set_num_threads(int(request["threads"]))
-    root = Path(request["root"])
-    name, runtime = request["candidate"]
-    manifest = Manifest.from_dict(request["manifest"])
-    module = load_artifact(root, manifest, name, device="cpu", runtime=runtime)
+    request = WorkerRequest(**json.loads(path.read_text(encoding="utf-8")))
+    torch.set_num_threads(request.threads)
+    root = Path(request.root)
+    manifest = Manifest.from_dict(request.manifest)
+    module = load_artifact(root, manifest, request.candidate[0], device="cpu", runtime=request.candidate[1])
     saved = read_check_file(root)
     if saved is None:
         raise SystemExit("no check.pt: nothing to time the artifact on")
     signature = manifest.call_signature()
     axes = signature.input_axes() if signature.batched else None
-    turns = (_sweep_turns(module, (name, runtime), saved.inputs, request["sweep"], axes) if "sweep" in request
-             else _round_turns(module, (name, runtime), saved.inputs, request, axes))
+    turns = (_sweep_turns(module, saved.inputs, request, axes) if request.sweep_traffics
+             else _round_turns(module, saved.inputs, request, axes))
     answer = next(turns)  # loaded and warm, or why not
     while True:
-        say(answer)
+        channel.write(json.dumps(dataclasses.asdict(answer)) + "\n")
+        channel.flush()
         line = sys.stdin.readline()
-        if "result" in answer or "error" in answer or not line:  # done, failed, or the parent has gone
+        if answer.status in ("result", "error") or not line:  # done, failed, or the parent has gone
             return
-        answer = turns.send(json.loads(line))
+        answer = turns.send(Turn(**json.loads(line)))
 
 
-Turns = Generator[Dict[str, object], Command, None]
+Turns = Generator[Answer, Turn, None]
 
 
-def _round_turns(module: nn.Module, candidate: Candidate, inputs: Sequence[Any], request: Dict[str, Any],
+def _round_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerRequest,
                  axes: Optional[Sequence[Optional[int]]]) -> Turns:
-    """Warm up; then each turn run the rounds asked for, until asked for the samples."""
-    sizes = request["batch_sizes"]
-    _, failures = time_interleaved({candidate: module}, inputs, sizes, 0, int(request["warmup"]), axes=axes)
+    """Warm up; then each turn run the rounds asked for, until asked to finish: the samples."""
+    candidate = (request.candidate[0], request.candidate[1])
+    _, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, 0, request.warmup, axes=axes)
     if failures:
-        yield {"error": failures[0].reason}
+        yield Answer("error", error=failures[0].reason)
         return
-    command = yield {"ready": True}
+    turn = yield Answer("ready")
     kept: Dict[Tuple[int, str], List[float]] = {}
-    while "finish" not in command:
-        samples, failures = time_interleaved({candidate: module}, inputs, sizes, int(command["rounds"]), 0, axes=axes)
+    while not turn.finish:
+        samples, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, turn.rounds, 0,
+                                             axes=axes)
         if failures:
-            yield {"error": failures[0].reason}
+            yield Answer("error", error=failures[0].reason)
             return
         for (_, b), by_traffic in samples.items():
             for traffic, ts in by_traffic.items():
                 kept.setdefault((b, traffic), []).extend(ts)
-        command = yield {"done": True}
-    yield {"result": [[b, traffic, ts] for (b, traffic), ts in kept.items()]}
+        turn = yield Answer("done")
+    yield Answer("result", [[b, traffic, ts] for (b, traffic), ts in kept.items()])
 
 
-def _sweep_turns(module: nn.Module, candidate: Candidate, inputs: Sequence[Any], request: Dict[str, Any],
+def _sweep_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerRequest,
                  axes: Optional[Sequence[Optional[int]]]) -> Turns:
     """Each turn the next batch size of the sweep in each traffic not done yet; the sweeps once all are done."""
-    name, runtime = candidate
-    settings = SweepSettings(**request["settings"])
+    name, runtime = request.candidate
+    settings = SweepSettings(**request.sweep_settings)
     steps = {traffic: sweep_steps(module_runner(module, inputs, axes or [], traffic), settings)
-             for traffic in request["traffics"]}
-    points: Dict[str, List[Any]] = {traffic: [] for traffic in steps}
+             for traffic in request.sweep_traffics}
+    points: Dict[str, List[SweepPoint]] = {traffic: [] for traffic in steps}
     stops: Dict[str, str] = {}
-    yield {"ready": True}  # each sweep's first call at a batch size is its warm-up
+    yield Answer("ready")  # each sweep's first call at a batch size is its warm-up
     while len(stops) < len(steps):
         for traffic, step in steps.items():
-            if traffic in stops:
-                continue
-            try:
-                points[traffic].append(next(step))
-            except StopIteration as done:
-                stops[traffic] = str(done.value)
+            if traffic not in stops:
+                try:
+                    points[traffic].append(next(step))
+                except StopIteration as done:
+                    stops[traffic] = str(done.value)
         if len(stops) < len(steps):
-            yield {"done": True}
-    yield {"result": [Sweep(name, Traffic(traffic).value, points[traffic], stops[traffic], runtime, "own").to_dict()
-                      for traffic in steps]}
+            yield Answer("done")
+    yield Answer("result", [Sweep(name, Traffic(traffic).value, points[traffic], stops[traffic], runtime,
+                                  "own").to_dict() for traffic in steps])
 
 
 if __name__ == "__main__":
