@@ -97,7 +97,7 @@ def sweep(run: Runner, settings: SweepSettings = SweepSettings()) -> Tuple[List[
 def sweep_steps(run: Runner, settings: SweepSettings = SweepSettings()) -> Generator[SweepPoint, None, str]:
     """:func:`sweep` a point at a time: yields each batch size's point and returns why it stopped. The time limit
     counts only the time spent in its own steps, so sweeps taking turns (timing.py) each get theirs."""
-    points: List[SweepPoint] = []
+    previous: Optional[SweepPoint] = None
     spent = 0.0
     batch_size = 1
     while True:
@@ -109,18 +109,17 @@ def sweep_steps(run: Runner, settings: SweepSettings = SweepSettings()) -> Gener
         except Exception as exc:  # noqa: BLE001 - e.g. an artifact built for some batch sizes only
             return f"batch {batch_size} raises {type(exc).__name__}: {first_line(exc)[:200]}"
         spent += time.perf_counter() - start
-        points.append(point)
         yield point
-        if len(points) > 1:
-            growth = point.throughput / points[-2].throughput - 1
+        if previous is not None:
+            growth = point.throughput / previous.throughput - 1
             if growth < settings.growth:
                 return (f"throughput at batch {batch_size} grew {100 * growth:+.1f}% over batch "
-                        f"{points[-2].batch_size} (less than {100 * settings.growth:.0f}%)")
+                        f"{previous.batch_size} (less than {100 * settings.growth:.0f}%)")
         if point.p50_ms / 1e3 > settings.max_call_s:
             return f"a call at batch {batch_size} takes {point.p50_ms:.0f} ms (over {settings.max_call_s} s)"
         if spent > settings.time_limit_s:
             return f"time limit ({settings.time_limit_s:g} s) reached after batch {batch_size}"
-        batch_size *= 2
+        previous, batch_size = point, 2 * batch_size
 
 
 def module_runner(module: nn.Module, inputs: Sequence[Any], axes: Sequence[Optional[int]], traffic: str) -> Runner:
