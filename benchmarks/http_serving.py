@@ -2,7 +2,7 @@
 ``fx-lightning serve`` with the batching its export's throughput sweep recorded against itself without batching.
 
 The model is torchvision's resnet18 trained on scikit-learn's handwritten digits at 224x224 (``digits.py``; no
-download, cached), exported with the serving preset plus ``export.preprocess`` (the training normalisation
+download, cached; ``--size 32``: at 32x32, a CIFAR-sized input, where a batch costs far less per sample), exported with the serving preset plus ``export.preprocess`` (the training normalisation
 compiled into the graph: a client sends raw pixels) and the selection made for batch 8 back to back, the way a
 batching server runs it; the export records the throughput sweep (batch sizes 1, 2, 4... until throughput stops
 growing). An export cached from before the sweep existed gets one first, in place, with
@@ -30,6 +30,7 @@ Everything shares the machine's cores (clients included), as on a small serving 
     python benchmarks/http_serving.py                 # the README table (all servers)
     python benchmarks/http_serving.py --servers d e   # the sweep's batching against none (-> http_serving_de.*)
     python benchmarks/http_serving.py --servers d e --merge   # ... its rows into http_serving.json/.md
+    python benchmarks/http_serving.py --servers d e --size 32  # the same at 32x32 (-> http_serving_de_32px.*)
     python benchmarks/http_serving.py --requests 60 --repeats 1 --concurrency 1 16   # quick look
     python benchmarks/http_serving.py --render        # the table again from the JSON
 
@@ -87,7 +88,7 @@ SWEEP_COMMAND = ["bench", "--select", "--strategy", "max_throughput", "--select-
 def export_dir() -> Path:
     from digits import CACHE  # benchmarks/digits.py
 
-    return CACHE / "exports" / f"{MODEL}-http"
+    return CACHE / "exports" / (f"{MODEL}-http" if SIZE == 224 else f"{MODEL}-{SIZE}px-http")
 
 
 def make_export(console: Any) -> Path:
@@ -160,7 +161,7 @@ def ensure_sweep(directory: Path, console: Any, again: bool = False) -> Dict[str
 
 
 def request_images(count: int = 16) -> Tuple[List[bytes], List[int]]:
-    """PNGs (224x224 RGB) of held-out digits, as a camera would give them, and the eager model's class of each."""
+    """PNGs (SIZE x SIZE RGB) of held-out digits, as a camera would give them, and the eager model's class of each."""
     import torch
     from PIL import Image
 
@@ -253,7 +254,8 @@ def start_server(kind: str, port: int, directory: Path, log: Path) -> subprocess
         command = [sys.executable, "-m", "fx_lightning", "serve", str(directory), "--port", str(port), *batching,
                    "--threads", "2"]
     else:
-        command = [sys.executable, str(Path(__file__).resolve()), "--serve-peer", kind, "--port", str(port)]
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve-peer", kind, "--port", str(port),
+                   "--size", str(SIZE)]
     handle = open(log, "w")
     return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=HERE, start_new_session=True)
 
@@ -435,6 +437,20 @@ def ratio(table: Dict[str, Any], kind: str, base: str, c: str) -> str:
     return f"{table[kind][c]['rps'] / table[base][c]['rps']:.2f}x"
 
 
+def sweep_gain(sweep: Optional[Dict[str, Any]], d: Optional[Dict[str, Any]], clients: int) -> str:
+    """The recorded sweep's samples/s (back to back, the artifact (d) serves) at the largest batch ``clients`` can
+    fill within (d)'s max batch size, over its batch 1: what batching gains inside the worker, before any HTTP,
+    so about the most (d) / (e) can reach at that concurrency."""
+    for w in (sweep or {}).get("sweeps") or []:
+        if not d or (w["artifact"], w["runtime"], w["traffic"]) != (d["artifact"], d["runtime"], "back_to_back"):
+            continue
+        at = {p["batch_size"]: p["throughput"] for p in w["points"]}
+        fill = max((b for b in at if b <= min(clients, d["max_batch_size"])), default=None)
+        if 1 in at and fill:
+            return f"{at[fill] / at[1]:.2f}x (batch {fill})"
+    return "-"
+
+
 def to_markdown(result: Dict[str, Any]) -> str:
     table = result["table"]
     served = dict(result.get("served") or {})
@@ -467,20 +483,23 @@ def to_markdown(result: Dict[str, Any]) -> str:
                          + (f", {row['wrong']} wrong class" if row["wrong"] else "") + " |")
     if "d" in table and "e" in table:
         lines += ["", f"The export's sweep batching (d) against no batching (e), throughput (done when at least "
-                      f"{DONE_WHEN:g}x):", "",
-                  "| concurrency | (d) req/s | (e) req/s | (d) / (e) | per repeat | at least " f"{DONE_WHEN:g}x |",
-                  "|---|---|---|---|---|---|"]
+                      f"{DONE_WHEN:g}x). The sweep's column: the export's own samples/s at the largest batch that many "
+                      "clients can fill over batch 1, inside the worker (no HTTP), about the most (d) / (e) can reach:",
+                  "",
+                  "| concurrency | (d) req/s | (e) req/s | (d) / (e) | per repeat | at least " f"{DONE_WHEN:g}x | the sweep's |",
+                  "|---|---|---|---|---|---|---|"]
         for c in table["d"]:
             if c not in table["e"]:
                 continue
             d, e = table["d"][c]["rps"], table["e"][c]["rps"]
             each = [sd["rps"] / se["rps"] for sd, se in zip(result["samples"]["d"][c], result["samples"]["e"][c])]
             lines.append(f"| {c} | {d:.1f} | {e:.1f} | {d / e:.2f}x | {', '.join(f'{r:.2f}' for r in each)} | "
-                         f"{'yes' if d / e >= DONE_WHEN else 'no'} |")
+                         f"{'yes' if d / e >= DONE_WHEN else 'no'} | {sweep_gain(sweep, served.get('d'), int(c))} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: List[str]) -> int:
+    global SIZE  # --size: the module's functions (and the peer servers it starts) read it
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS),
                         help="the servers to run (default: all)")
@@ -496,9 +515,13 @@ def main(argv: List[str]) -> int:
                         help="record the export's throughput sweep again first (fx-lightning bench --select ...), "
                              "on the machine as it is now, even when it has one")
     parser.add_argument("--render", action="store_true", help="the table again from --out's JSON")
+    parser.add_argument("--size", type=int, default=SIZE,
+                        help=f"the model's input size in pixels (default {SIZE}; each size is trained and exported "
+                             "once and cached)")
     parser.add_argument("--serve-peer", choices=["a", "b"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=8000, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    SIZE = args.size
     if args.serve_peer:
         serve_plain_litserve(args.serve_peer == "b", args.port)
         return 0
@@ -507,7 +530,8 @@ def main(argv: List[str]) -> int:
     console = Console()
     kinds = [k for k in SERVERS if k in args.servers]
     everything = kinds == list(SERVERS) or args.merge
-    out = args.out or RESULTS / ("http_serving.json" if everything else f"http_serving_{''.join(kinds)}.json")
+    size = "" if SIZE == 224 else f"_{SIZE}px"
+    out = args.out or RESULTS / (f"http_serving{size}.json" if everything else f"http_serving_{''.join(kinds)}{size}.json")
     previous: Optional[Dict[str, Any]] = json.loads(out.read_text()) if args.merge and out.is_file() else None
     if previous is not None and not args.render:
         from machine import cpu_description  # benchmarks/machine.py
