@@ -475,6 +475,40 @@ def test_batch_timeout_0_runs_what_waits_and_an_idle_worker_blocks(queued: int, 
     assert len(waiting.items) == queued - expected
 
 
+def test_small_decoding_and_encoding_run_on_the_event_loop_large_in_a_thread() -> None:
+    """A thread handoff costs more CPU than decoding a small body or encoding a top-k answer (docs/performance.md):
+    those run on the event loop; work beyond LOOP_WORK_BYTES (a large body, an image's pixels, a large answer)
+    goes to a thread so it does not hold up the other requests. An image's work is its pixels, not its compressed
+    body: a flat 224x224 PNG is a few hundred bytes and 150528 bytes of pixels to decode."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from fx_lightning.serve.app import LOOP_WORK_BYTES, answer_work, decode_work, on_loop_if_small
+
+    async def threads_for(works: List[int]) -> Tuple[int, List[int]]:
+        ran = [await on_loop_if_small(w, threading.get_ident) for w in works]
+        return threading.get_ident(), ran
+
+    loop_thread, ran = asyncio.run(threads_for([0, LOOP_WORK_BYTES, LOOP_WORK_BYTES + 1, 10 * LOOP_WORK_BYTES]))
+    assert ran[:2] == [loop_thread, loop_thread]
+    assert ran[2] != loop_thread and ran[3] != loop_thread
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (224, 224)).save(buffer, format="PNG")
+    png = buffer.getvalue()
+    images = SimpleNamespace(image_size=(224, 224, 3))
+    assert len(png) < LOOP_WORK_BYTES < decode_work(png, "image/png", images) == 224 * 224 * 3
+    assert decode_work(png, "image/png; charset=binary", SimpleNamespace(image_size=(8, 8, 3))) == len(png)
+    body = json.dumps({"inputs": [[0.5] * 40] * 100}).encode()
+    assert decode_work(body, "application/json", images) == len(body) > LOOP_WORK_BYTES
+    scores = [np.zeros((1, 10), np.float32)]
+    assert answer_work(scores) == 200 and answer_work(scores, npz=True) == 40
+    assert answer_work([np.zeros((1, 64, 64), np.float32)]) > LOOP_WORK_BYTES  # a 64x64 map as JSON: a thread
+
+
 def test_health_reports_the_warm_up(served: Dict[str, Any]) -> None:
     status, body = get(f"{served['url']}/health")
     worker = json.loads(body)["workers"][0]

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import io
 import json
+import math
 import os
 import pickle
 import time
@@ -32,14 +33,22 @@ from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import first_line
 from fx_lightning.serve import oip
 from fx_lightning.serve.artifact import SelfCheck, ServeOptions, StatusBoard, load_checked
-from fx_lightning.serve.contract import NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
+from fx_lightning.serve.contract import IMAGE_TYPES, NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
 from fx_lightning.serve.triton_config import TritonModel, config_json
 
-__all__ = ["ArtifactAPI", "ContractSpec", "GreedyBatchedLoop", "Ran", "make_server"]
+__all__ = ["ArtifactAPI", "ContractSpec", "GreedyBatchedLoop", "Ran", "make_server", "decode_work", "answer_work",
+           "on_loop_if_small"]
 
 # How long an idle worker blocks on its queue before it looks again (LitServe's own loops stop on a sentinel they
 # read from the queue, so the wait only bounds how often an idle worker wakes).
 IDLE_WAKE_S = 1.0
+# A request's decoding and its answer's encoding run on the event loop up to this much work (bytes read: the body,
+# an image's pixels; or written: the answer), else in a thread, so that a large one does not hold up /health and
+# the other requests' I/O. A thread handoff costs about 0.1 ms of CPU each way, more than such work: 16 KiB is about
+# 0.4 ms of JSON and 0.1 ms of PNG here (figures: docs/performance.md).
+LOOP_WORK_BYTES = 16 * 1024
+# About what json.dumps writes for a float and its separator: a JSON answer's work per value.
+JSON_BYTES_PER_VALUE = 20
 
 
 @dataclass
@@ -209,16 +218,17 @@ class ContractSpec(LitSpec):
             return error_response(503, f"not ready: {status['reason']}")
         try:
             body = await read_body(request, self.contract.max_body_bytes)
-            # In a thread: a large body's decoding must not hold up /health and the other requests' I/O.
-            decoded = await run_in_threadpool(self.contract.decode, body, request.headers.get("content-type", ""),
-                                              dict(request.query_params))
+            content_type = request.headers.get("content-type", "")
+            decoded = await on_loop_if_small(decode_work(body, content_type, self.contract), self.contract.decode,
+                                             body, content_type, dict(request.query_params))
         except BadRequest as exc:
             return error_response(exc.status, exc.message)
         response, state = await self.run(decoded)
         if state == LitAPIStatus.ERROR:
             return error_response(*worker_error(response))
-        return await run_in_threadpool(encode_outputs, response.outputs, decoded, self.contract, self.top_k,
-                                       npz=NPZ_TYPE in request.headers.get("accept", ""))
+        npz = NPZ_TYPE in request.headers.get("accept", "")
+        return await on_loop_if_small(answer_work(response.outputs, npz), encode_outputs, response.outputs, decoded,
+                                      self.contract, self.top_k, npz=npz)
 
     # ------------------------------------------------------------------------- Open Inference Protocol (v2)
 
@@ -273,8 +283,8 @@ class ContractSpec(LitSpec):
             return error_response(503, f"not ready: {status['reason']}")
         try:
             body = await read_body(request, self.contract.max_body_bytes)
-            infer = await run_in_threadpool(oip.decode_infer, self.contract, self.model, body,
-                                            request.headers.get(oip.BINARY_HEADER))
+            infer = await on_loop_if_small(len(body), oip.decode_infer, self.contract, self.model, body,
+                                           request.headers.get(oip.BINARY_HEADER))
         except BadRequest as exc:
             self.stats.record_failure(time.perf_counter_ns() - arrived)
             return error_response(exc.status, exc.message)
@@ -285,7 +295,8 @@ class ContractSpec(LitSpec):
             self.stats.record_failure(ran_at - arrived)
             return error_response(*worker_error(response))
         try:
-            content, headers = await run_in_threadpool(oip.encode_infer, self.model, infer, response.outputs)
+            content, headers = await on_loop_if_small(answer_work(response.outputs), oip.encode_infer, self.model,
+                                                      infer, response.outputs)
         except ValueError as exc:
             self.stats.record_failure(time.perf_counter_ns() - arrived)
             return error_response(500, f"inference failed: {exc}")
@@ -295,6 +306,28 @@ class ContractSpec(LitSpec):
                           samples=infer.decoded.batch_size if self.contract.batched else 1,
                           requests_in_run=response.requests_in_run)
         return Response(content, headers=headers, media_type=headers["content-type"])
+
+
+def decode_work(body: bytes, content_type: str, contract: Contract) -> int:
+    """The bytes decoding ``body`` handles: an image's pixels when the contract takes images (its compressed
+    body says little of them), else the body itself."""
+    media = content_type.split(";")[0].strip().lower()
+    pixels = math.prod(contract.image_size) if media in IMAGE_TYPES and contract.image_size is not None else 0
+    return max(len(body), pixels)
+
+
+def answer_work(outputs: Sequence[np.ndarray], npz: bool = False) -> int:
+    """The bytes encoding the answer writes: the outputs' own for an .npz, about ``JSON_BYTES_PER_VALUE`` per value
+    for JSON."""
+    return sum(int(o.nbytes) if npz else int(o.size) * JSON_BYTES_PER_VALUE for o in outputs)
+
+
+async def on_loop_if_small(work: int, function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` on the event loop when ``work`` is at most ``LOOP_WORK_BYTES``, else in
+    Starlette's thread pool."""
+    if work <= LOOP_WORK_BYTES:
+        return function(*args, **kwargs)
+    return await run_in_threadpool(function, *args, **kwargs)
 
 
 def make_server(root: Path, options: ServeOptions, contract: Contract, board: StatusBoard,
