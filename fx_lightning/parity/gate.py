@@ -170,8 +170,11 @@ class _Measurement:
         return metric.to(self.device) if self.device is not None else metric
 
     def compare_target(self, calls: List[Tuple[tuple, dict, Any]], outputs: List[Any],
-                       precise: Optional[nn.Module]) -> bool:
-        """Update the output metrics for every call of the target; False when the outputs cannot be compared."""
+                       precise: Optional[nn.Module], drawn: "_RandomState") -> bool:
+        """Update the output metrics for every call of the target; False when the outputs cannot be compared.
+        ``precise`` (an fp64 copy of the reference) measures the reference's own error on exactly the outputs
+        compared here, with the same random draws (``drawn`` is replayed): an output drawn at random or discrete
+        would make that error, and so the low-precision gate, as large as the output itself."""
         for (args, kwargs, ref), cand in zip(calls, outputs):
             mismatch = structure_mismatch(cand, ref, nested=self.nested)
             if mismatch is not None:
@@ -181,20 +184,24 @@ class _Measurement:
             if self.stochastic and len(self.stochastic) >= len(refs):
                 self.state.failures.append(ALL_STOCHASTIC(count=len(refs)))
                 return False
+            valued: List[int] = []  # the outputs compared by value: the only ones the own error is measured on
             for i, (r, c) in enumerate(zip(refs, cands)):
                 if i in self.stochastic:
                     continue  # drawn at random: its structure was compared above
                 if is_discrete(r):  # labels, masks, thresholded scores: judged by agreement
                     self.discrete.update(c.detach(), r.detach())
                     continue
+                valued.append(i)
                 # .contiguous(): torchmetrics' MAE uses .view(-1), which fails on channels_last.
                 r64, c64 = r.detach().double().contiguous(), c.detach().double().contiguous()
                 for metric in self.outputs.values():
                     metric.update(c64, r64)
-            if precise is not None:
-                exact = precise(*to_model(args, None, torch.float64), **to_model(kwargs, None, torch.float64))
-                for r, p in zip(refs, flat_tensors(exact)):
-                    self.own_error.update(r.double(), p.double())
+            if precise is not None and valued:
+                drawn.restore()
+                exact = flat_tensors(precise(*to_model(args, None, torch.float64),
+                                             **to_model(kwargs, None, torch.float64)))
+                for i in valued:
+                    self.own_error.update(refs[i].double(), exact[i].double())
         return not self.state.failures
 
     def compare_whole(self, reference_out: Any, candidate_out: Any) -> None:
@@ -316,7 +323,7 @@ def measure_parity(
             for a, k, _ in calls:
                 drawn.restore()
                 cand_outs.append(candidate(*a, **k))
-            if not run.compare_target(calls, cand_outs, precise_reference):
+            if not run.compare_target(calls, cand_outs, precise_reference, drawn):
                 break
             if whole_reference is not None:
                 run.compare_whole(whole_ref_out, whole_cand_out)
