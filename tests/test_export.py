@@ -211,7 +211,7 @@ def test_manifest_content(tmp_path):
     assert manifest["formats"]["code"]["pickled_modules"] == []
     for fmt in ("pt2", "code"):
         check = manifest["formats"][fmt]["check"]
-        assert check["checked"] and check["batch_sizes"] == [4, 1] and check["max_rel_err"] <= 1e-5
+        assert check["passed"] and check["batch_sizes"] == [4, 1] and check["relative_error"] <= 1e-5
     # Every file on disk (but the manifest) is listed with its true size and sha256, and nothing else is.
     on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(manifest["files"]) == on_disk
@@ -563,9 +563,9 @@ def test_artifacts_are_judged_against_fp64_scaled_to_the_fused_models_own_error(
     manifest = read_manifest(out)
     for name in ("pt2", "onnx"):
         check = manifest.formats[name].check
-        assert check is not None and check.checked
+        assert check is not None and check.passed
         assert check.against == "an fp64 copy of the fused model"
-        assert check.max_rel_err <= check.tolerance and check.fused_rel_err > 0
+        assert check.relative_error <= check.tolerance and check.fused_error > 0
         assert check.tolerance >= 1e-5
     options = manifest.formats["onnx"].options["session_options"]
     assert options["graph_optimization_level"] == "ORT_ENABLE_ALL"

@@ -187,7 +187,7 @@ def test_manifest_round_trips_through_its_record(tmp_path: Path) -> None:
     assert isinstance(manifest, Manifest) and manifest.to_dict() == on_disk
     assert manifest.selected is not None and manifest.selected.format in ("pt2", "graph_module")
     assert manifest.provenance.target == "backbone"
-    assert manifest.formats["pt2"].check is not None and manifest.formats["pt2"].check.checked
+    assert manifest.formats["pt2"].check is not None and manifest.formats["pt2"].check.passed
     assert manifest.parity is not None and manifest.parity.passed
 
 

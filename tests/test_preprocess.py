@@ -131,7 +131,7 @@ def test_every_format_takes_raw_uint8_pixels_and_matches_the_original_model(tmp_
             assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, name
             assert got.shape == (batch, len(CLASSES)), name
             assert rel_err(got, want) < 1e-5, (name, batch)
-            assert manifest.formats[name].check.checked and "normalised in fp64" in manifest.formats[name].check.against
+            assert manifest.formats[name].check.passed and "normalised in fp64" in manifest.formats[name].check.against
 
     # check.pt: raw inputs and the fp64 reference of (normalisation -> original model) on them.
     saved = read_check_file(outcome.export_dir)

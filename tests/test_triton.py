@@ -243,7 +243,7 @@ def test_the_copied_files_are_the_manifests(written):
     for w, model in _models(written, python=True):
         manifest = w["manifest"]
         exported = sorted(manifest.files) if model.selection else sorted(
-            [*manifest.formats[model.entry].files, manifest.check.path])
+            [*manifest.formats[model.entry].files, manifest.check_file])
         assert _copied(model) == sorted(["model.py", "export/manifest.json", *[f"export/{f}" for f in exported]])
         for name in exported:
             digest = hashlib.sha256((model.directory / "1" / "export" / name).read_bytes()).hexdigest()

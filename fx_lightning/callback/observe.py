@@ -31,7 +31,7 @@ from fx_lightning.capture import is_compiled_module
 from fx_lightning.config import FuseConfig, ParityData
 from fx_lightning.errors import ConfigError
 from fx_lightning.notes import NoteKind
-from fx_lightning.pipeline import Observations, ObservedStep, resolve_target
+from fx_lightning.pipeline import Observations, ObservedStep, calibration_batch_count, resolve_target
 
 __all__ = ["CallRecorder", "TARGET_CALLED_BY_STEPS", "NOT_OBSERVED"]
 
@@ -68,9 +68,9 @@ class _Log:
     training: List[ObservedStep] = field(default_factory=list)
     shapes: List[Tuple[List[Tuple[int, ...]], Optional[int]]] = field(default_factory=list)
 
-    def add(self, stage: str, observed: ObservedStep, keep: int) -> None:
+    def add(self, stage: str, observed: ObservedStep, keep: int, keep_training: int) -> None:
         kept = self.validation if stage == "validation" else self.training
-        if len(kept) < keep:
+        if len(kept) < (keep if stage == "validation" else keep_training):
             kept.append(observed)
         if len(self.shapes) < MAX_SHAPES:
             self.shapes.append((_shapes(observed.target), observed.samples))
@@ -96,6 +96,8 @@ class CallRecorder:
                                         ParityData.train: ("training",), ParityData.example: ()}[config.parity.data]
         self.path, self.target = resolve_target(pl_module, config.target)
         self.keep = max(1, config.parity.max_batches)
+        # Training calls: parity's (without validation data) and the lossy variants' calibration.
+        self.keep_training = max(self.keep, calibration_batch_count(config))
         # Watched: the target, and the LightningModule's children when it is the default target (its steps may
         # call a submodule instead of its forward).
         self.watched: Dict[str, nn.Module] = {self.path: self.target}
@@ -137,7 +139,7 @@ class CallRecorder:
                 if name != self.path and whole is not None:
                     continue  # a child called by the forward: the forward is what the steps call
                 self.logs[name].add(step.stage, ObservedStep(call, whole if name else None, step.samples,
-                                                             step.labels), self.keep)
+                                                             step.labels), self.keep, self.keep_training)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -51,6 +51,7 @@ from fx_lightning.pipeline import (
     Step,
     in_step,
     FORMAT_NOT_EXPORTED,
+    VARIANT_FAILED,
     own_rng,
     resolve_device,
     resolve_target,
@@ -133,7 +134,7 @@ def check_before_fit(
         return PreflightReport(config.preflight.value, seconds, device, _checks(config),
                                f"the pipeline's steps: {first_line(outcome.failure.error)}"), None
     steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != Step.passes]
-    predicted = [str(n) for n in outcome.notes if n.kind == FORMAT_NOT_EXPORTED]
+    predicted = [str(n) for n in outcome.notes if n.kind in (FORMAT_NOT_EXPORTED, VARIANT_FAILED)]
     return PreflightReport(config.preflight.value, seconds, device, steps, predicted=predicted), None
 
 

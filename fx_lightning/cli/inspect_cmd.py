@@ -121,19 +121,19 @@ def _formats_table(manifest: Any) -> Any:
 
 
 def roundtrip_text(name: str, check: Optional[Any], inputs: List[Any]) -> str:
-    """The round-trip check of one format (a RoundTrip record), in words: what was compared with what, on which
-    batches. A lossy variant has none: its gate judged it."""
+    """The check of one format at export (an ArtifactCheck), in words: what was compared with what, on which
+    batches. A lossy variant has none there: its gate judged it, and the selection's run on check.pt."""
     if check is None:
-        return f"{name}: not checked: no round trip recorded (a variant is judged by its gate)"
-    if not check.checked:
-        return f"{name}: not checked: {check.reason or 'no check recorded'}"
+        return f"{name}: not checked at export: a variant is judged by its gate (and the selection's check)"
+    if not check.passed:
+        return f"{name}: failed its check: {check.reason or 'no reason recorded'}"
     shapes = []
     for size in check.batch_sizes:
         dims = [size if d == "batch" else d for d in (inputs[0].shape or [])] if inputs else []
         shapes.append("x".join(str(d) for d in dims) if dims else f"batch {size}")
-    return (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error {fmt(check.max_rel_err)} "
+    return (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error {fmt(check.relative_error)} "
             f"against {check.against} (max|loaded - reference| / max|reference|); the fused model itself: "
-            f"{fmt(check.fused_rel_err)}, allowed: {fmt(check.tolerance)}")
+            f"{fmt(check.fused_error)}, allowed: {fmt(check.tolerance)}")
 
 
 def _files_table(manifest: Any) -> Any:

@@ -1,11 +1,13 @@
 """Checking an artifact: the examples and fp64 outputs every artifact is judged against (:class:`Reference`), the
 ``check.pt`` file that carries a few of them beside the artifacts (so a fresh process verifies any artifact
-without the training code), and the comparison of a loaded artifact with them (:func:`check_artifact`,
-:func:`check_roundtrip`)."""
+without the training code), and the one judgement of an artifact on them (:func:`check_artifact`, giving an
+:class:`~fx_lightning.parity.report.ArtifactCheck`), used by the export (:func:`check_roundtrip`), the selection and
+the server alike."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
@@ -17,13 +19,15 @@ from fx_lightning._imports import missing_modules
 from fx_lightning.batches import flat_tensors
 from fx_lightning.calls import map_leaves, no_distribution_validation
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.formats.base import Format, FormatEntry, RoundTrip, WriteContext
+from fx_lightning.formats.base import Format, FormatEntry, WriteContext
 from fx_lightning.parity.compare import Comparison, compare_outputs, is_discrete, relative_error, structure_mismatch
+from fx_lightning.parity.metrics import sample_cosine
+from fx_lightning.parity.report import ArtifactCheck, ParityReport
 from fx_lightning.rows import rows_of, take_rows, with_rows
-from fx_lightning.tolerance import DISCRETE_AGREEMENT
+from fx_lightning.tolerance import DISCRETE_AGREEMENT, LOSSY_MAX_ERROR
 
-__all__ = ["CHECK_FILE", "FUSED_FP64", "Reference", "reference_for", "CheckData", "write_check_file",
-           "read_check_file", "check_artifact", "check_roundtrip"]
+__all__ = ["CHECK_FILE", "FUSED_FP64", "Reference", "reference_for", "write_check_file", "read_check_file",
+           "check_artifact", "check_roundtrip"]
 
 # A few example inputs and their fp64 reference outputs, saved beside the artifacts.
 CHECK_FILE = "check.pt"
@@ -58,6 +62,16 @@ class Reference:
     axes: List[Optional[int]] = field(default_factory=list)  # the inputs' sample axes (empty: none proven)
     output_axes: List[Optional[int]] = field(default_factory=list)
     stochastic: List[int] = field(default_factory=list)
+
+    @property
+    def inputs(self) -> Tuple[Any, ...]:
+        """The first example's inputs (``check.pt``'s)."""
+        return self.batches[0]
+
+    @property
+    def expected(self) -> List[torch.Tensor]:
+        """The first example's fp64 outputs."""
+        return self.exact[0]
 
     def rows(self, batch: Tuple[Any, ...]) -> Optional[int]:
         return rows_of(batch, self.axes) if self.axes else None
@@ -102,17 +116,6 @@ def _as_double(t: torch.Tensor) -> torch.Tensor:
     return t.double() if t.is_floating_point() else t
 
 
-@dataclass
-class CheckData:
-    """``check.pt``: example inputs, the fp64 outputs of the fused model on them, its own error, and the outputs
-    drawn at random (left out of the values compared)."""
-
-    inputs: List[Any]
-    expected: List[torch.Tensor]
-    fused_error: float
-    stochastic: List[int] = field(default_factory=list)
-
-
 def write_check_file(root: Path, reference: Reference, samples: int = 8) -> None:
     """``check.pt``: a few example inputs (at most ``samples`` along the sample axis, when there is one) and the
     fp64 reference outputs, so a fresh process (``fx-lightning bench``, a serving health check) can verify any
@@ -124,68 +127,107 @@ def write_check_file(root: Path, reference: Reference, samples: int = 8) -> None
         exact = take_rows(exact, reference.output_axes, 0, samples)
     inputs = [a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in batch]
     torch.save({"inputs": inputs, "expected": [t.cpu() for t in exact], "fused_error": reference.fused_error,
-                "stochastic": list(reference.stochastic)}, root / CHECK_FILE)
+                "stochastic": list(reference.stochastic), "against": reference.against, "axes": list(reference.axes),
+                "output_axes": list(reference.output_axes)}, root / CHECK_FILE)
 
 
-def read_check_file(root: Path) -> Optional[CheckData]:
-    """What :func:`write_check_file` wrote (None when the export has no ``check.pt``); loaded without pickled code."""
+def read_check_file(root: Path) -> Optional[Reference]:
+    """What :func:`write_check_file` wrote, as a :class:`Reference` of one example (None when the export has no
+    ``check.pt``); loaded without pickled code."""
     path = Path(root) / CHECK_FILE
     if not path.is_file():
         return None
     saved = torch.load(path, weights_only=True)
-    return CheckData(list(saved["inputs"]), list(saved["expected"]), float(saved.get("fused_error", 0.0)),
-                     [int(i) for i in saved.get("stochastic", [])])
+    return Reference([tuple(saved["inputs"])], [list(saved["expected"])], float(saved.get("fused_error", 0.0)),
+                     str(saved.get("against", FUSED_FP64)), list(saved.get("axes", [])),
+                     list(saved.get("output_axes", [])), [int(i) for i in saved.get("stochastic", [])])
 
 
-def check_artifact(module: nn.Module, inputs: Tuple[Any, ...], expected: List[torch.Tensor],
-                   fused_error: float, stochastic: Sequence[int] = ()) -> Comparison:
-    """An artifact's outputs on ``inputs`` against the fp64 ``expected`` ones, compared flat (runtimes such as
-    ONNX Runtime return their outputs flat). The reference is cast to each output's dtype, so an output is
-    allowed its own dtype's rounding, or a few times the fused model's own error when that is larger. The outputs
-    listed in ``stochastic`` are compared by structure only."""
-    got = _outputs(module, inputs)
+def check_artifact(module: nn.Module, reference: Reference,
+                   examples: Optional[Sequence[Tuple[Tuple[Any, ...], List[torch.Tensor]]]] = None, *,
+                   min_agreement: float = DISCRETE_AGREEMENT, gate: Optional[ParityReport] = None) -> ArtifactCheck:
+    """The one judgement of an artifact, at export, in the selection and in a server: ``module`` run on each of
+    ``examples`` (default: every example of ``reference``; at least one) against their fp64 outputs.
+
+    An exact artifact passes when every output has the reference's structure and is within its dtype's rounding or
+    a few times the fused model's own error, and every discrete output agrees on at least ``min_agreement`` of its
+    elements (``parity.min_discrete_agreement``). A lossy variant (``gate``: its accuracy gate at export) passes
+    when that gate passed and, here, its outputs have the reference's structure, are finite, are not unrelated to
+    the model (relative error below 1), have a worst per-sample cosine within the gate's ``min_cosine`` and discrete
+    outputs within ``min_agreement``: a lossy artifact that raises or returns NaN on this machine is never served."""
+    pairs = list(zip(reference.batches, reference.exact)) if examples is None else list(examples)
+    lossy = gate is not None
+    record = dict(fused_error=reference.fused_error, against=reference.against, lossy=lossy)
+    if not pairs:
+        return ArtifactCheck(False, "no example to run it on (none of the check's examples has a batch size it is "
+                                    "built for)", **record)
+    if gate is not None and not gate.passed:
+        return ArtifactCheck(False, "lossy variant: it missed its accuracy gate at export", **record)
+    worst, allowed, sizes = 0.0, 0.0, []
+    for batch, want in pairs:
+        rows = reference.rows(batch)
+        where = f"batch size {rows}" if rows is not None else f"inputs of shapes {_shapes_text(batch)}"
+        try:
+            got = _outputs(module, batch)
+        except Exception as exc:  # noqa: BLE001 - the artifact's own failure, in words
+            return ArtifactCheck(False, f"raises on {where}: {type(exc).__name__}: {first_line(exc)[:200]}",
+                                 batch_sizes=sizes, **record)
+        comparison = _compare(got, want, reference, min_agreement, gate)
+        if not comparison.passed:
+            return ArtifactCheck(False, f"on {where}: {comparison.describe()}, against {reference.against}, where "
+                                        f"the fused model itself is at {reference.fused_error:.1e}",
+                                 comparison.relative_error, comparison.tolerance, batch_sizes=sizes, **record)
+        worst, allowed = max(worst, comparison.relative_error), max(allowed, comparison.tolerance)
+        if rows is not None and rows not in sizes:
+            sizes.append(int(rows))
+    return ArtifactCheck(True, None, worst, allowed, batch_sizes=sizes, **record)
+
+
+def _compare(got: List[torch.Tensor], expected: List[torch.Tensor], reference: Reference, min_agreement: float,
+             gate: Optional[ParityReport]) -> Comparison:
+    """``got`` against the fp64 ``expected`` outputs, compared flat (runtimes such as ONNX Runtime return their
+    outputs flat), the outputs drawn at random by structure only. The reference is cast to each output's dtype, so
+    an output is allowed its own dtype's rounding (or a few times the fused model's own error when larger); a lossy
+    one the gate's agreement."""
     want = expected
     if len(got) == len(expected):
         want = [e.to(g.dtype) if g.is_floating_point() and e.is_floating_point() and g.shape == e.shape else e
                 for g, e in zip(got, expected)]
-        if stochastic:
-            mismatch = structure_mismatch(got, want, nested=False)
-            if mismatch is None:
-                got = [g for i, g in enumerate(got) if i not in stochastic]
-                want = [w for i, w in enumerate(want) if i not in stochastic]
-    return compare_outputs(got, want, own_error=fused_error, nested=False, min_agreement=DISCRETE_AGREEMENT)
+        if reference.stochastic and structure_mismatch(got, want, nested=False) is None:
+            got = [g for i, g in enumerate(got) if i not in reference.stochastic]
+            want = [w for i, w in enumerate(want) if i not in reference.stochastic]
+    if gate is None:
+        return compare_outputs(got, want, own_error=reference.fused_error, nested=False, min_agreement=min_agreement)
+    comparison = compare_outputs(got, want, rtol=LOSSY_MAX_ERROR, nested=False, min_agreement=min_agreement)
+    if comparison.mismatch is not None or comparison.failure is not None:
+        return comparison
+    min_cosine = gate.thresholds.get("cosine_similarity_min")
+    cosine = min((float(sample_cosine(g.detach(), w.detach()).min()) for g, w in zip(got, want)
+                  if w.is_floating_point() and not is_discrete(w) and w.numel()), default=1.0)
+    if min_cosine is not None and not cosine >= min_cosine:
+        return dataclasses.replace(comparison, failure=f"worst cosine similarity {cosine:.4f} is below its gate's "
+                                                       f"min_cosine {min_cosine:.4f}")
+    return comparison
 
 
-def check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: Reference,
-                     dynamic: bool) -> RoundTrip:
-    """Load ``fmt`` back and judge it against the fp64 reference on each example it must take."""
+def check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: Reference, dynamic: bool,
+                    min_agreement: float = DISCRETE_AGREEMENT) -> ArtifactCheck:
+    """Load ``fmt`` back and judge it (:func:`check_artifact`) on each example it must take; raises
+    :class:`ExportError` with the reason when it fails (the format is then dropped, or the export fails)."""
     missing = missing_modules(fmt.runtime_requires)
     if missing:
-        return RoundTrip(False, f"{', '.join(missing)} is not installed")
+        return ArtifactCheck(False, f"{', '.join(missing)} is not installed: loaded and checked where it is",
+                             fused_error=reference.fused_error, against=reference.against)
     # Loaded where it was built, so a GPU model is checked where it runs (ONNX Runtime checks on the CPU).
     try:
         loaded = fmt.load(staging, entry, torch.device(entry.device))
     except Exception as exc:  # noqa: BLE001
         raise ExportError(f"written but cannot be loaded back: {type(exc).__name__}: {first_line(exc)}") from exc
-    worst, tolerance = 0.0, 0.0
-    sizes: List[int] = []
-    for batch, want in reference.for_entry(entry, dynamic):
-        rows = reference.rows(batch)
-        what = f"batch size {rows}" if rows is not None else f"inputs of shapes {_shapes_text(batch)}"
-        try:
-            comparison = check_artifact(loaded, batch, want, reference.fused_error, reference.stochastic)
-        except Exception as exc:  # noqa: BLE001
-            raise ExportError(f"the loaded model fails on {what}: {type(exc).__name__}: {first_line(exc)}") from exc
-        if not comparison.passed:
-            raise ExportError(
-                f"the loaded model disagrees with the fused model on {what}: "
-                f"{comparison.describe()}, against {reference.against}, where the fused model itself "
-                f"is at {reference.fused_error:.1e}."
-            )
-        worst, tolerance = max(worst, comparison.relative_error), max(tolerance, comparison.tolerance)
-        if rows is not None and rows not in sizes:
-            sizes.append(int(rows))
-    return RoundTrip(True, None, sizes, worst, reference.fused_error, tolerance, reference.against)
+    check = check_artifact(loaded, reference, reference.for_entry(entry, dynamic), min_agreement=min_agreement)
+    if not check.passed:
+        what = "fails: it" if check.relative_error is None else "disagrees with the fused model"
+        raise ExportError(f"the loaded model {what} {check.reason}.")
+    return check
 
 
 def _shapes_text(batch: Sequence[Any]) -> str:

@@ -26,8 +26,9 @@ from fx_lightning.export.files import FileInfo, sha256_file
 from fx_lightning.formats.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.formats import FORMATS
 from fx_lightning.notes import Note
-from fx_lightning.parity.report import ParityReport
+from fx_lightning.parity.report import ArtifactCheck, ParityReport
 from fx_lightning.provenance import Provenance
+from fx_lightning.tolerance import DISCRETE_AGREEMENT
 from fx_lightning.signature import DimKind, DimSpec, LeafSpec, SampleAxis, Signature
 
 __all__ = [
@@ -35,9 +36,7 @@ __all__ = [
     "READABLE_VERSIONS",
     "MANIFEST_NAME",
     "TensorSpec",
-    "CheckInfo",
     "VariantOutcome",
-    "ArtifactCheck",
     "Timing",
     "SweepPoint",
     "Sweep",
@@ -82,15 +81,6 @@ class TensorSpec:
 
 
 @dataclass
-class CheckInfo:
-    """``check.pt``: example inputs and fp64 outputs any process can check an artifact with."""
-
-    path: str
-    batch_size: Optional[int]
-    fused_error: float
-
-
-@dataclass
 class VariantOutcome:
     """One artifact of a lossy variant (``aoti-int8``): its gate report when it ran, else the error, or why it was
     not made on this machine (``skipped``); ``kept`` when it passed and is in the export; ``notes`` on how it was
@@ -120,19 +110,6 @@ class VariantOutcome:
         return cls(entry, report.passed, report if ran else None,
                    None if ran or skipped else "; ".join(str(f) for f in report.failures),
                    str(skipped) if skipped else None, [Note.from_dict(n) for n in data.get("made_with") or []])
-
-
-@dataclass
-class ArtifactCheck:
-    """An artifact run on ``check.pt`` (or, for a lossy variant, its gate at export) before it is timed."""
-
-    passed: bool
-    relative_error: Optional[float] = None
-    tolerance: Optional[float] = None
-    reason: Optional[str] = None
-
-    def to_dict(self) -> Dict[str, object]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "passed"}
 
 
 @dataclass
@@ -231,7 +208,7 @@ class BenchTable:
     def from_dict(cls, data: Json) -> "BenchTable":
         return cls(int(data.get("threads", 0)), str(data.get("isa", "")), str(data.get("machine", "")),
                    str(data.get("torch", "")), [Timing(**fields_from(Timing, t)) for t in data.get("timings", [])],
-                   {k: ArtifactCheck(**fields_from(ArtifactCheck, c)) for k, c in (data.get("checks") or {}).items()},
+                   {k: ArtifactCheck.from_dict(c) for k, c in (data.get("checks") or {}).items()},
                    [TimingFailure(**fields_from(TimingFailure, f)) for f in data.get("failures") or []],
                    [Sweep.from_dict(w) for w in data.get("sweeps") or []],
                    {str(k): str(v) for k, v in (data.get("not_swept") or {}).items()})
@@ -297,7 +274,7 @@ class Manifest:
     notes: List[Note] = field(default_factory=list)
     provenance: Provenance = field(default_factory=Provenance)
     failed_formats: Dict[str, str] = field(default_factory=dict)
-    check: Optional[CheckInfo] = None
+    check_file: Optional[str] = None  # check.pt: example inputs and fp64 outputs any process checks artifacts with
     variants: Dict[str, List[VariantOutcome]] = field(default_factory=dict)
     bench: Optional[BenchTable] = None
     selected: Optional[Selected] = None  # what load_fused(dir) loads
@@ -317,6 +294,13 @@ class Manifest:
             return self.signature
         return legacy_signature(self.tensor_inputs(), self.outputs, self.dynamic_batch)
 
+    @property
+    def min_discrete_agreement(self) -> float:
+        """``parity.min_discrete_agreement`` of the export's config: what a discrete output of any artifact must
+        agree on, wherever it is checked (the default for an export that did not record it)."""
+        parity = (self.config or {}).get("parity") or {}
+        return float(parity.get("min_discrete_agreement", DISCRETE_AGREEMENT))
+
     def tensor_inputs(self) -> List[TensorSpec]:
         """The inputs a client sends: the tensors (a non-tensor argument is fixed in the graph). Version 1
         manifests did not record ``kind``; a dtype says it is a tensor."""
@@ -332,7 +316,7 @@ class Manifest:
             "files": {k: dataclasses.asdict(v) for k, v in self.files.items()},
             "notes": [n.to_dict() for n in self.notes], "extra": self.provenance.to_dict(),
             "failed_formats": self.failed_formats,
-            "check": dataclasses.asdict(self.check) if self.check is not None else None,
+            "check": {"path": self.check_file} if self.check_file is not None else None,
         }
         if self.variants:
             out["variants"] = {v: {o.entry: o.to_dict() for o in outs} for v, outs in self.variants.items()}
@@ -365,7 +349,7 @@ class Manifest:
             notes=[Note.from_dict(n) for n in data.get("notes") or []],
             provenance=Provenance.from_dict(data.get("extra")),
             failed_formats={str(k): str(v) for k, v in (data.get("failed_formats") or {}).items()},
-            check=CheckInfo(**fields_from(CheckInfo, check)) if isinstance(check, Mapping) else None,  # type: ignore[arg-type]
+            check_file=str(check["path"]) if isinstance(check, Mapping) and check.get("path") else None,
             variants={str(v): [VariantOutcome.from_dict(str(e), r) for e, r in outs.items()]
                       for v, outs in (data.get("variants") or {}).items()},
             bench=BenchTable.from_dict(bench) if isinstance(bench, Mapping) else None,

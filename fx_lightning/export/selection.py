@@ -10,13 +10,13 @@ after another (back to back), interleaved (timing.py); the finalists are then ti
 its own, as a server runs them. The table keeps medians and the 90th percentile. The check
 compares each artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the export's
 own rule (a few times the fused model's own error), so an artifact that disagrees is never selected; a lossy
-variant's accuracy gate at export stands in for it.
+variant must have passed its accuracy gate at export and, on this machine, run on ``check.pt`` within that gate's
+agreement (:func:`~fx_lightning.export.check.check_artifact`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import platform
 import statistics
 from pathlib import Path
@@ -30,7 +30,6 @@ from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.loader import load_artifact
 from fx_lightning.export.manifest import (
-    ArtifactCheck,
     BenchTable,
     Manifest,
     Selected,
@@ -43,10 +42,10 @@ from fx_lightning.export.manifest import (
 from fx_lightning.export.sweep import SweepSettings, sweep_module
 from fx_lightning.export.timing import (IDLE_GAP_S, Progress, sweep_in_own_processes, time_interleaved,
                                         time_in_own_processes)
-from fx_lightning.export.check import CheckData, check_artifact, read_check_file
-from fx_lightning.tolerance import LOSSY_MAX_ERROR
+from fx_lightning.export.check import Reference, check_artifact, read_check_file
+from fx_lightning.parity.report import ArtifactCheck
 
-__all__ = ["Timing", "BenchTable", "bench_export", "check_saved", "select_fastest", "select_max_throughput",
+__all__ = ["Timing", "BenchTable", "bench_export", "check_entry", "select_fastest", "select_max_throughput",
            "select_by_strategy", "select_all", "record_selection", "with_selection", "sweep_candidates", "IDLE_GAP_S",
            "FINALIST_WITHIN", "FINALIST_ROUNDS", "SWEPT_PER_TRAFFIC"]
 
@@ -59,26 +58,13 @@ FINALIST_ROUNDS = 30
 SWEPT_PER_TRAFFIC = 3
 
 
-def check_saved(module: nn.Module, saved: CheckData, *, lossy: bool = False) -> ArtifactCheck:
-    """The artifact's outputs on the saved check inputs against the saved fp64 outputs, as at export. A lossy
-    variant (``lossy``) is judged by its accuracy gate at export; here it passes when it runs and its outputs
-    have the reference's structure and shapes, and its error is recorded for information."""
-    try:
-        comparison = check_artifact(module, tuple(saved.inputs), saved.expected, saved.fused_error, saved.stochastic)
-    except Exception as exc:  # noqa: BLE001
-        return ArtifactCheck(False, reason=f"raises {type(exc).__name__}: {first_line(exc)[:200]}")
-    if comparison.mismatch is not None:
-        return ArtifactCheck(False, reason=f"outputs of another structure or shape: {comparison.mismatch}")
-    if lossy:  # its gate at export judged its accuracy; here it must run, with the structure and finite outputs
-        error = comparison.relative_error
-        sane = error is not None and math.isfinite(error) and error < LOSSY_MAX_ERROR
-        return ArtifactCheck(sane, error, comparison.tolerance,
-                             "lossy variant: judged by its accuracy gate at export; here it ran with the reference's "
-                             "output structure" if sane else f"lossy variant: relative error {error} (NaN, infinite "
-                             "or as large as the outputs): it does not compute the model")
-    return ArtifactCheck(comparison.passed, comparison.relative_error, comparison.tolerance,
-                         None if comparison.passed else comparison.describe())
-
+def check_entry(module: nn.Module, manifest: Manifest, name: str, saved: Optional[Reference]) -> ArtifactCheck:
+    """Entry ``name`` of ``manifest``, loaded as ``module``, judged on ``check.pt`` with the export's own thresholds
+    (:func:`~fx_lightning.export.check.check_artifact`): what the selection and a server require before serving it."""
+    entry = manifest.formats[name]
+    if saved is None:
+        return ArtifactCheck(entry.gate is None or entry.gate.passed, "the export has no check.pt: loaded, not checked")
+    return check_artifact(module, saved, min_agreement=manifest.min_discrete_agreement, gate=entry.gate)
 
 def bench_export(
     root: Any,
@@ -121,10 +107,7 @@ def bench_export(
         except ExportError as exc:
             table.checks[name] = ArtifactCheck(False, reason=first_line(exc))
             continue
-        check = check_saved(models[(name, "")], saved) if saved is not None else ArtifactCheck(True, reason="no check.pt")
-        if entry.gate is not None:  # a lossy variant: its accuracy gate decides, the fp64 error is for information
-            check = dataclasses.replace(check, passed=entry.gate.passed, reason="accuracy gate at export")
-        table.checks[name] = check
+        table.checks[name] = check_entry(models[(name, "")], manifest, name, saved)
     inputs = saved.inputs if saved is not None else _random_inputs(manifest)
     signature = manifest.call_signature()
     if not signature.batched:  # no sample axis: the example is timed as it is, one "batch size"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -119,7 +119,7 @@ def _judged(root: Path, manifest: Manifest, name: str,
         except Exception as exc:  # noqa: BLE001 - a variant that cannot be made is reported; the caller decides
             outcomes.append(VariantOutcome(entry_name, False, error=f"{type(exc).__name__}: {first_line(exc)}",
                                            notes=list(notes)))
-            _remove(root, set(list_files(root)) - before)
+            _remove(root, set(list_files(root)) - before, folder)
             continue
         outcomes.append(VariantOutcome(entry_name, report.passed, report, notes=list(notes)))
         if report.passed:
@@ -127,9 +127,8 @@ def _judged(root: Path, manifest: Manifest, name: str,
             formats_out[entry_name] = entry
             files_out.update(file_infos(root, entry.files))
         else:
-            _remove(root, set(made))
-    if folder.is_dir() and not any(folder.iterdir()):
-        shutil.rmtree(folder, ignore_errors=True)
+            _remove(root, set(made), folder)
+    _remove_empty_folders(folder, keep=root)
     variants = {**manifest.variants, name: [*manifest.variants.get(name, []), *outcomes]}
     return dataclasses.replace(manifest, formats=formats_out, files=files_out, variants=variants), outcomes
 
@@ -140,9 +139,19 @@ def skip_variant(manifest: Manifest, name: str, reason: str) -> Manifest:
     return dataclasses.replace(manifest, variants={**manifest.variants, name: [skipped]})
 
 
-def _remove(root: Path, names: set) -> None:
+def _remove(root: Path, names: Iterable[str], folder: Path) -> None:
+    """Delete the files of an artifact that was dropped, and the folders inside the variant's ``folder`` they leave
+    empty; ``folder`` itself stays until every artifact of the variant was made (the next one is written there)."""
     for rel in names:
         (root / rel).unlink(missing_ok=True)
-    for sub in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         if not any(sub.iterdir()):
             sub.rmdir()
+
+
+def _remove_empty_folders(folder: Path, keep: Path) -> None:
+    """``folder`` and the folders in it when nothing is left in them (``keep``, the export's root, is kept)."""
+    if folder.is_dir() and folder != keep:
+        _remove(keep, (), folder)
+        if not any(folder.iterdir()):
+            shutil.rmtree(folder, ignore_errors=True)

@@ -28,7 +28,7 @@ from fx_lightning.formats.base import FUSED_CLASS_NAME, ExactReference, Format, 
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.prologue import with_prologue
 from fx_lightning.export.files import file_infos
-from fx_lightning.export.manifest import MANIFEST_NAME, CheckInfo, Manifest, Preprocess, new_manifest, write_manifest
+from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Preprocess, new_manifest, write_manifest
 from fx_lightning.export.readme import readme_text
 from fx_lightning.notes import NoteKind
 from fx_lightning.notes import Note
@@ -188,7 +188,8 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
     for fmt in (FORMATS[f.value] for f in config.export.formats):
         before = set(list_files(staging))
         try:
-            entries[fmt.name] = _write_checked(staging, ctx, fmt, reference, before)
+            entries[fmt.name] = _write_checked(staging, ctx, fmt, reference, before,
+                                               config.parity.min_discrete_agreement)
         except ExportError as exc:
             if strict:
                 raise exc.within(f"format {fmt.name!r}")
@@ -206,11 +207,12 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
                             provenance=provenance or Provenance())
     manifest.files = file_infos(staging, list_files(staging))
     manifest.failed_formats = failed
-    manifest.check = CheckInfo(CHECK_FILE, reference.rows(reference.batches[0]), reference.fused_error)
+    manifest.check_file = CHECK_FILE
     return manifest
 
 
-def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: Reference, before: set) -> FormatEntry:
+def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: Reference, before: set,
+                   min_agreement: float) -> FormatEntry:
     try:
         entry = fmt.write(staging, ctx)
     except ExportError:
@@ -222,7 +224,7 @@ def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: Ref
     entry.device = entry.device or str(ctx.device)
     sizes, entry.built_shapes = ctx.built_for(fmt)
     entry.batch_sizes = entry.batch_sizes or sizes
-    entry.check = check_roundtrip(staging, fmt, entry, reference, ctx.takes_other_sizes(fmt))
+    entry.check = check_roundtrip(staging, fmt, entry, reference, ctx.takes_other_sizes(fmt), min_agreement)
     return entry
 
 

@@ -21,13 +21,13 @@ from fx_lightning._json import JsonObject, json_safe
 from fx_lightning.batches import PlainOutputs, is_record_type
 from fx_lightning.calls import Call
 from fx_lightning.notes import Note
-from fx_lightning.parity.report import ParityReport
+from fx_lightning.parity.report import ArtifactCheck, ParityReport
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.program import ExportFailed, Program, export_program, nested_dynamic_shapes, signature_dims
 from fx_lightning.rows import rows_of
 from fx_lightning.signature import DimKind, Signature
 
-__all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "RoundTrip", "ExactReference", "WriteContext", "Writer",
+__all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "ExactReference", "WriteContext", "Writer",
            "Loader",
            "VariantMaker", "VariantRequest",
            "fields_from", "pickled_classes", "returns_named_tuple"]
@@ -39,28 +39,6 @@ def fields_from(cls: type, data: Json) -> Dict[str, object]:
     """The keys of ``data`` that are fields of the dataclass ``cls`` (records read back from JSON)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in data.items() if k in names}
-
-
-@dataclass
-class RoundTrip:
-    """A format loaded back from the export and compared with an fp64 copy of the fused model."""
-
-    checked: bool
-    reason: Optional[str] = None  # why not checked
-    batch_sizes: List[int] = field(default_factory=list)
-    max_rel_err: float = 0.0
-    fused_rel_err: float = 0.0
-    tolerance: float = 0.0
-    against: str = "an fp64 copy of the fused model"
-
-    def to_dict(self) -> Dict[str, object]:
-        if not self.checked:
-            return {"checked": False, "reason": self.reason}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "reason"}
-
-    @classmethod
-    def from_dict(cls, data: Json) -> "RoundTrip":
-        return cls(**fields_from(cls, data))  # type: ignore[arg-type]
 
 
 # The fields every format entry has; the rest of a writer's entry is the format's own (``options``).
@@ -81,7 +59,7 @@ class FormatEntry:
     batch_sizes: Optional[List[int]] = None  # the batch sizes it is built for (None: any)
     weights_only: bool = True
     pickled_code: bool = False
-    check: Optional[RoundTrip] = None
+    check: Optional[ArtifactCheck] = None  # loaded back at export and run against the fp64 reference
     format: Optional[str] = None
     variant: Optional[str] = None
     imports: List[str] = field(default_factory=list)
@@ -120,7 +98,7 @@ class FormatEntry:
             device=str(data.get("device") or "cpu"), weights_only=bool(data.get("weights_only", True)),
             batch_sizes=[int(b) for b in data["batch_sizes"]] if data.get("batch_sizes") else None,
             pickled_code=bool(data.get("pickled_code", False)),
-            check=RoundTrip.from_dict(check) if isinstance(check, Mapping) else None,
+            check=ArtifactCheck.from_dict(check) if isinstance(check, Mapping) else None,
             format=str(data.get("format") or name), variant=data.get("variant"),
             imports=[str(i) for i in data.get("imports", [])],
             gate=ParityReport.from_dict(gate) if isinstance(gate, Mapping) else None,

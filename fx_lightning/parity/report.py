@@ -1,14 +1,15 @@
-"""``ParityReport``: the gate's verdict on a fused model (or a lossy variant), its figures, failures and notes."""
+"""``ParityReport``: the gate's verdict on a fused model (or a lossy variant), its figures, failures and notes;
+``ArtifactCheck``: the verdict on one exported artifact run against the fp64 reference."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from fx_lightning.notes import Note
 
-__all__ = ["ParityReport"]
+__all__ = ["ParityReport", "ArtifactCheck"]
 
 
 def _finite_or_text(value: float) -> Union[float, str]:
@@ -52,3 +53,49 @@ class ParityReport:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+@dataclass
+class ArtifactCheck:
+    """One artifact judged against the fp64 reference outputs: at export (each format loaded back), by the selection
+    and by a server (on ``check.pt``), all with :func:`fx_lightning.export.check.check_artifact`.
+
+    ``passed``: it ran on every example with the reference's output structure and within ``tolerance`` (an exact
+    artifact: a few times ``fused_error``, the fused model's own error against the reference); a lossy variant
+    (``lossy``) also within its gate's agreement, and its gate passed. ``reason``: why not, in words.
+    ``batch_sizes``: the sample counts it ran at (empty without a sample axis)."""
+
+    passed: bool
+    reason: Optional[str] = None
+    relative_error: Optional[float] = None
+    tolerance: Optional[float] = None
+    fused_error: float = 0.0
+    batch_sizes: List[int] = field(default_factory=list)
+    against: str = "an fp64 copy of the fused model"
+    lossy: bool = False
+
+    def to_dict(self) -> Dict[str, object]:
+        out: Dict[str, object] = {"passed": self.passed}
+        for key in ("reason", "relative_error", "tolerance"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = _finite_or_text(value) if isinstance(value, float) else value
+        out.update(fused_error=self.fused_error, batch_sizes=list(self.batch_sizes), against=self.against)
+        if self.lossy:
+            out["lossy"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ArtifactCheck":
+        """Read back :meth:`to_dict`, and the round-trip records of older manifests (``checked``, ``max_rel_err``,
+        ``fused_rel_err``)."""
+        def number(*keys: str) -> Optional[float]:
+            value = next((data[k] for k in keys if data.get(k) is not None), None)
+            return None if value is None else float(value)
+
+        return cls(bool(data.get("passed", data.get("checked", False))),
+                   None if data.get("reason") is None else str(data["reason"]),
+                   number("relative_error", "max_rel_err"), number("tolerance"),
+                   number("fused_error", "fused_rel_err") or 0.0,
+                   [int(b) for b in data.get("batch_sizes") or []],
+                   str(data.get("against") or "an fp64 copy of the fused model"), bool(data.get("lossy", False)))

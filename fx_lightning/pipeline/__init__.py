@@ -19,7 +19,7 @@ from fx_lightning.pipeline.driver import (
     summary_text,
 )
 from fx_lightning.pipeline.records import Batches, Exported, Fused, Observations, ObservedStep, Source
-from fx_lightning.pipeline.export_step import FORMAT_NOT_EXPORTED
+from fx_lightning.pipeline.export_step import FORMAT_NOT_EXPORTED, VARIANT_FAILED
 from fx_lightning.pipeline.steps import Step, calibration_batch_count, in_step
 from fx_lightning.pipeline.targets import (
     own_rng,
@@ -30,6 +30,7 @@ from fx_lightning.pipeline.targets import (
 
 __all__ = [
     "FORMAT_NOT_EXPORTED",
+    "VARIANT_FAILED",
     "LOCAL",
     "Batches",
     "Collectives",

@@ -166,11 +166,6 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                 staging, manifest, variant.name, raw_input.raw_calibration(fused.calibration, preprocess),
                 artifact_gate)
         outcomes += format_outcomes
-        broken = next((o for o in outcomes if o.error is not None), None)
-        if rehearsal and broken is not None:
-            error = ExportError(f"{broken.entry} could not be made: {broken.error}")
-            error.step = Step.variants.value
-            raise error
     return manifest
 
 
@@ -182,15 +177,13 @@ def _one_example(fused: Fused) -> Tuple[Any, ...]:
 
 def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate: Any,
                   rehearsal: bool) -> Union[MadeVariant, VariantOutcome]:
-    """The variant's model, or (after training) the outcome recording why it could not be made."""
+    """The variant's model, or the outcome recording why it could not be made."""
     ctx = VariantContext(fused.example_inputs, list(fused.calibration), fused.signature, gate)
     try:
         with in_step(Step.variants):
             return variant.build(fused.result.graph_module, options.for_rehearsal() if rehearsal else options, ctx)
-    except FXLightningError as exc:
-        if rehearsal:  # a variant that cannot be made now cannot be made after training either
-            raise
-        return VariantOutcome(variant.key, False, error=f"{type(exc).__name__}: {first_line(exc)}")
+    except FXLightningError as exc:  # dropped with its reason, in the preflight too: a lossy variant is never
+        return VariantOutcome(variant.key, False, error=f"{type(exc).__name__}: {first_line(exc)}")  # worth a stop
 
 
 def export_notes(manifest: Manifest, rehearsal: bool = False) -> List[Note]:

@@ -44,6 +44,7 @@ from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, S
 from fx_lightning.signature import Observed, Signature, derive_signature
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
+           "CALIBRATED_ON_OBSERVED",
            "STEP_INPUTS", "EXAMPLE_INPUTS_USED", "EXAMPLE_INPUTS_DICT"]
 
 OBSERVED_CALLS = NoteKind("observed_calls", "the target's inputs as the LightningModule's own {stage} steps called it: "
@@ -52,6 +53,9 @@ STEP_INPUTS = NoteKind("step_inputs", "forward's input could not be taken out of
                                       "LightningModule's {step} ran on them and parity compared the target on the "
                                       "{calls} input(s) it received")
 EXAMPLE_INPUTS_DICT = NoteKind("example_inputs_dict", "example_inputs is a dict: used as forward's keyword arguments")
+CALIBRATED_ON_OBSERVED = NoteKind("calibrated_on_observed", "the lossy variants were calibrated on the {calls} "
+                                                            "{stage} call(s) of the target observed ({wanted} "
+                                                            "wanted): only calls the target was seen to receive")
 EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the example inputs instead")
 
 
@@ -198,21 +202,32 @@ def _step_calls(whole: nn.Module, target: nn.Module, step: Any, batch: Any, inde
 
 
 def calibration_steps(config: FuseConfig, source: Source, whole: nn.Module, target: nn.Module, path: str,
-                      steps: TargetSteps, count: int) -> List[Call]:
-    """The target's calls on ``count`` calibration steps (training data when there is some) for the variants."""
+                      steps: TargetSteps, count: int) -> Tuple[List[Call], List[Note]]:
+    """The target's calls the variants calibrate on (at most ``count``), and a note when they are fewer or not of
+    training data. Under a trainer only calls the target was seen to receive: training calls, else (the preflight,
+    before the first training step) the observed validation calls. Never the loader's raw batches through the
+    module's forward: a module whose steps resize, augment or tokenise the batch would be calibrated, and its
+    variant exported, for inputs the target never receives. Without observation (no trainer): the calibration
+    batches through the whole model, else the parity steps."""
     if not count:
-        return []
+        return [], []
     observed = source.observed
-    if observed is not None and observed.calibration and config.parity.input is None:
-        picked = _observed(dataclasses.replace(observed, steps=observed.calibration), count, whole, target, path)
-        return [s.target for s in picked.steps]
+    if observed is not None and config.parity.input is None:
+        training = observed.calibration[:count]
+        picked = _observed(dataclasses.replace(observed, steps=training or observed.steps), count, whole, target, path)
+        calls = [s.target for s in picked.steps]
+        stage = "training" if training else observed.stage
+        notes = [CALIBRATED_ON_OBSERVED(calls=len(calls), stage=stage, wanted=count)] if len(calls) < count or \
+            not training else []
+        return calls, notes
     if source.batches.calibration and steps.through_whole:
         rule = config.parity.input
         try:
-            return [_batch_step(whole, target, path, b, rule, None).target for b in source.batches.calibration[:count]]
+            return [_batch_step(whole, target, path, b, rule, None).target
+                    for b in source.batches.calibration[:count]], []
         except Exception:  # noqa: BLE001 - the training batches differ from the validation ones: use those
             pass
-    return [s.target for s in steps.steps[:count]]
+    return [s.target for s in steps.steps[:count]], []
 
 
 def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations]) -> Signature:

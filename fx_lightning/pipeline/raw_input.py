@@ -60,7 +60,7 @@ def export_inputs(fused: "Fused") -> Tuple[tuple, Optional[ExactReference]]:
                                                          RAW_REFERENCE)
 
 
-def measure_raw_path(fused: "Fused") -> Optional[Note]:
+def measure_raw_path(fused: "Fused", min_agreement: float) -> Optional[Note]:
     """Parity's batches as raw pixels: the exported graph (prologue + fused) against fp64 normalisation + the
     original model; the figure as a note (None: no prologue)."""
     preprocess = fused.contract.preprocess
@@ -69,7 +69,7 @@ def measure_raw_path(fused: "Fused") -> Optional[Note]:
     raw = [raw_args(inputs, preprocess)[0] for inputs in _target_inputs(fused, preprocess)]
     exported = with_prologue(plain_graph_module(fused.result.graph_module, FUSED_CLASS_NAME), preprocess,
                              normalised_dtype(fused))
-    comparison = compare_raw_path(exported, fused.reference, raw, preprocess)
+    comparison = compare_raw_path(exported, fused.reference, raw, preprocess, min_agreement)
     facts = dict(batches=len(raw), input_dtype=preprocess.input_dtype, layout=preprocess.layout,
                  channel_order=preprocess.channel_order, relative_error=comparison.relative_error,
                  tolerance=comparison.tolerance)

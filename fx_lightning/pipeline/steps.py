@@ -144,10 +144,10 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf
             signature = dataclasses.replace(signature, flat=True)
         with in_step(Step.parity_input):
-            calibration = calibration_steps(config, source, reference_whole, reference, path, found,
-                                            calibration_batch_count(config))
+            calibration, calibration_notes = calibration_steps(config, source, reference_whole, reference, path,
+                                                               found, calibration_batch_count(config))
     contract = raw_input.contract_for(source.contract, config)
-    notes = [*source.notes, *source.batches.notes, *found.notes, *contract.notes]
+    notes = [*source.notes, *source.batches.notes, *found.notes, *calibration_notes, *contract.notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
     candidate = _candidate(result, signature)
@@ -200,7 +200,8 @@ def measure(fused: Fused, config: FuseConfig) -> Optional[ParityState]:
         precise = copy.deepcopy(fused.reference).double() if dtype in _LOW_PRECISION else None
         state = _measure_steps(fused, fused.reference, fused.candidate, fused.fused_model, config.parity,
                                precise=precise)
-        raw_path = raw_input.measure_raw_path(fused)  # with a prologue: the batches as raw pixels, too
+        # With a prologue: the batches as raw pixels, too.
+        raw_path = raw_input.measure_raw_path(fused, config.parity.min_discrete_agreement)
         state.notes += [raw_path] if raw_path is not None else []
         return state
 

@@ -7,7 +7,6 @@ worker process. Imported only when a server is built (``litserve`` is an optiona
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import io
 import json
 import math
@@ -32,7 +31,7 @@ from litserve.utils import LitAPIStatus, ResponseBufferItem
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import first_line
 from fx_lightning.serve import oip
-from fx_lightning.serve.artifact import SelfCheck, ServeOptions, StatusBoard, load_checked
+from fx_lightning.serve.artifact import WorkerStatus, ServeOptions, StatusBoard, load_checked
 from fx_lightning.serve.contract import IMAGE_TYPES, NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
 from fx_lightning.serve.triton_config import TritonModel, config_json
 
@@ -112,7 +111,7 @@ class ArtifactAPI(ls.LitAPI):
         try:
             self.model, status = load_checked(self.root, self.options)
         except Exception as exc:  # noqa: BLE001 - reported by /health instead of stopping the server
-            self.model, status = None, SelfCheck(False, reason=f"{type(exc).__name__}: {first_line(exc)}")
+            self.model, status = None, WorkerStatus(False, reason=f"{type(exc).__name__}: {first_line(exc)}")
         self.board.write(worker, status)
 
     def decode_request(self, request: Decoded, **kwargs: Any) -> Decoded:
@@ -193,7 +192,7 @@ class ContractSpec(LitSpec):
 
     def not_ready(self) -> Tuple[bool, Dict[str, object]]:
         ready, statuses = self.board.read()
-        body: Dict[str, object] = {"ready": ready, "workers": [dataclasses.asdict(s) for s in statuses]}
+        body: Dict[str, object] = {"ready": ready, "workers": [s.to_dict() for s in statuses]}
         if not ready:
             failed = [s.reason for s in statuses if not s.ready]
             body["reason"] = failed[0] if failed else "loading the artifact"

@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +21,8 @@ from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.export.loader import load_artifact, selection_for
 from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
-from fx_lightning.export.selection import check_saved
+from fx_lightning.export.selection import check_entry
+from fx_lightning.parity.report import ArtifactCheck
 from fx_lightning.export.sweep import recorded_batching
 from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
@@ -34,7 +35,7 @@ DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_BATCH_TIMEOUT = 0.0
 SWEPT = "the export's throughput sweep"  # ServeOptions.batching when both settings came from it
 
-__all__ = ["ServeOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_BATCH_TIMEOUT", "SelfCheck", "StatusBoard", "load_checked", "artifact_for", "warm_up",
+__all__ = ["ServeOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_BATCH_TIMEOUT", "WorkerStatus", "StatusBoard", "load_checked", "artifact_for", "warm_up",
            "serving_batch_sizes"]
 
 
@@ -114,48 +115,65 @@ class ServeOptions:
 
 
 @dataclass
-class SelfCheck:
-    """A worker's artifact: which one, and whether it loaded, matched its sha256 and passed on ``check.pt``."""
+class WorkerStatus:
+    """A worker's artifact (which one, with which runtime settings), its :class:`ArtifactCheck` on ``check.pt`` (the
+    one judgement the export and the selection made too) and the seconds its warm-up took; ``reason``: why it is not
+    ready."""
 
     ready: bool
     artifact: str = ""
     runtime: str = ""
-    relative_error: Optional[float] = None
+    check: Optional[ArtifactCheck] = None
     reason: str = ""
     warmup_s: float = 0.0  # running it once at every batch size the batcher can form
 
+    @property
+    def relative_error(self) -> Optional[float]:
+        return self.check.relative_error if self.check is not None else None
 
-def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, SelfCheck]:
-    """The artifact to serve, loaded (sha256 checked) and run on ``check.pt``; raises ExportError when it cannot
-    be served, with the reason."""
+    def to_dict(self) -> Dict[str, object]:
+        return {"ready": self.ready, "artifact": self.artifact, "runtime": self.runtime,
+                "relative_error": self.relative_error, "reason": self.reason, "warmup_s": self.warmup_s,
+                "check": self.check.to_dict() if self.check is not None else None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "WorkerStatus":
+        check = data.get("check")
+        return cls(bool(data["ready"]), str(data.get("artifact", "")), str(data.get("runtime", "")),
+                   ArtifactCheck.from_dict(check) if isinstance(check, Mapping) else None,
+                   str(data.get("reason", "")), float(data.get("warmup_s", 0.0)))
+
+
+def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, WorkerStatus]:
+    """The artifact to serve, loaded (sha256 checked) and judged on ``check.pt`` with the export's thresholds
+    (:func:`~fx_lightning.export.selection.check_entry`); raises ExportError when it cannot be served, with the
+    reason."""
     root = Path(directory)
     manifest = read_manifest(root)
     options = options.with_batching(manifest)
     name, runtime = artifact_for(manifest, options)
     module = load_artifact(root, manifest, name, verify=True, device="cpu", runtime=runtime)
     entry = manifest.formats[name]
-    if manifest.check is None:  # an export written before check.pt existed
-        return module, SelfCheck(True, name, runtime, reason="the export has no check.pt: loaded, not checked")
+    if manifest.check_file is None:  # an export written before check.pt existed
+        return module, WorkerStatus(True, name, runtime, reason="the export has no check.pt: loaded, not checked")
     verify_files(root, dataclasses.replace(manifest, formats={"check": dataclasses.replace(
-        entry, files=[manifest.check.path])}), "check")  # its sha256 too: a swapped check.pt proves nothing
+        entry, files=[manifest.check_file])}), "check")  # its sha256 too: a swapped check.pt proves nothing
     saved = read_check_file(root)
     if saved is None:
-        raise ExportError(f"{root / manifest.check.path}: missing (the manifest lists it)")
-    check = check_saved(module, saved, lossy=entry.variant is not None)
+        raise ExportError(f"{root / manifest.check_file}: missing (the manifest lists it)")
+    check = check_entry(module, manifest, name, saved)
     if not check.passed:
         raise ExportError(f"{root / entry.path}: the {name} artifact failed its self-check on check.pt: "
                           f"{check.reason}")
     signature = manifest.call_signature()
     if not signature.batched:  # no sample axis: each request runs whole, as check.pt did
-        return module, SelfCheck(True, name, runtime, check.relative_error, check.reason or "",
-                                 warm_up(module, saved.inputs, [1], None))
+        return module, WorkerStatus(True, name, runtime, check, warmup_s=warm_up(module, saved.inputs, [1], None))
     axes = signature.input_axes()
     sizes = serving_batch_sizes(entry.batch_sizes, options.max_batch_size or 1)
     if not entry.batch_sizes:  # any size: run only the warmed ones (OpenVINO compiles, and keeps, a few shapes)
         module = BatchPieces({str(size): module for size in sizes}, axes, signature.output_axes(),
                              what=f"{name} artifact", warn=False)
-    seconds = warm_up(module, saved.inputs, sizes, axes)
-    return module, SelfCheck(True, name, runtime, check.relative_error, check.reason or "", seconds)
+    return module, WorkerStatus(True, name, runtime, check, warmup_s=warm_up(module, saved.inputs, sizes, axes))
 
 
 def serving_batch_sizes(built: Optional[Sequence[int]], max_batch_size: int) -> List[int]:
@@ -200,25 +218,25 @@ def artifact_for(manifest: Manifest, options: ServeOptions) -> Tuple[str, str]:
 
 
 class StatusBoard:
-    """Each worker's :class:`SelfCheck`, written as a file the HTTP process reads (they are separate processes)."""
+    """Each worker's :class:`WorkerStatus`, written as a file the HTTP process reads (they are separate processes)."""
 
     def __init__(self, directory: Path, workers: int) -> None:
         self.directory, self.workers = directory, workers
-        self.all_ready: Optional[List[SelfCheck]] = None  # once every worker is ready, no more file reads
+        self.all_ready: Optional[List[WorkerStatus]] = None  # once every worker is ready, no more file reads
 
-    def write(self, worker: str, status: SelfCheck) -> None:
+    def write(self, worker: str, status: WorkerStatus) -> None:
         path = self.directory / f"worker-{worker}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(dataclasses.asdict(status)), encoding="utf-8")
+        path.with_suffix(".tmp").write_text(json.dumps(status.to_dict()), encoding="utf-8")
         os.replace(path.with_suffix(".tmp"), path)
 
-    def read(self) -> Tuple[bool, List[SelfCheck]]:
+    def read(self) -> Tuple[bool, List[WorkerStatus]]:
         if self.all_ready is not None:
             return True, self.all_ready
         statuses = []
         for path in sorted(self.directory.glob("worker-*.json")):
             try:
-                statuses.append(SelfCheck(**json.loads(path.read_text(encoding="utf-8"))))
-            except (OSError, ValueError, TypeError):
+                statuses.append(WorkerStatus.from_dict(json.loads(path.read_text(encoding="utf-8"))))
+            except (OSError, ValueError, TypeError, KeyError):
                 continue  # being replaced: read again next time
         ready = len(statuses) >= self.workers and all(s.ready for s in statuses)
         self.all_ready = statuses if ready else None

@@ -122,8 +122,8 @@ def python_copies(manifest: Manifest, entry: Optional[str]) -> List[str]:
     if entry is None:
         return sorted(manifest.files)
     files = list(manifest.formats[entry].files)
-    if manifest.check is not None:
-        files.append(manifest.check.path)
+    if manifest.check_file is not None:
+        files.append(manifest.check_file)
     return files
 
 
