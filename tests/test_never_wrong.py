@@ -129,3 +129,102 @@ def test_a_variant_that_misses_its_gate_leaves_room_for_the_next_artifact(tmp_pa
     assert {o.entry for o in outcomes} == {"pt2-int8", "aoti-int8"}
     assert all(o.error is None and o.gate is not None and not o.kept for o in outcomes), outcomes
     assert not (outcome.export_dir / "int8").exists()  # nothing kept: the folder is gone
+
+
+# ------------------------------------------------------------------------------------- items 2, 3 and 6
+
+import dataclasses  # noqa: E402
+
+from fx_lightning.errors import ExportError  # noqa: E402
+from fx_lightning.export.check import Reference, check_roundtrip  # noqa: E402
+from fx_lightning.export.manifest import Manifest  # noqa: E402
+from fx_lightning.formats import FORMATS  # noqa: E402
+from fx_lightning.formats.base import FormatEntry  # noqa: E402
+
+
+class _Labels(nn.Module):
+    """Returns ``labels`` with every ``every``-th element flipped: a discrete output that agrees on a known share."""
+
+    def __init__(self, labels: torch.Tensor, every: int) -> None:
+        super().__init__()
+        self.labels, self.every = labels, every
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.labels.clone()
+        out[:: self.every] = 1 - out[:: self.every]
+        return out
+
+
+def test_min_discrete_agreement_reaches_the_artifacts_checks(tmp_path):
+    """Item 3: the export's round trip, the selection and the server used a constant 0.999 for discrete outputs,
+    whatever parity.min_discrete_agreement said."""
+    from fx_lightning.export.selection import check_entry
+
+    labels = (torch.arange(200) % 3 == 0).long()
+    reference = Reference([(torch.zeros(200, 2),)], [[labels]], 0.0)
+    flipped = _Labels(labels, 20)  # 95% agreement
+    loose = Manifest({"pt2": FormatEntry("model.pt2")}, config={"parity": {"min_discrete_agreement": 0.9}})
+    strict = dataclasses.replace(loose, config={"parity": {"min_discrete_agreement": 0.99}})
+    assert check_entry(flipped, loose, "pt2", reference).passed
+    failed = check_entry(flipped, strict, "pt2", reference)
+    assert not failed.passed and "95.0000%" in (failed.reason or "")
+    fmt = dataclasses.replace(FORMATS["pt2"], load=lambda root, entry, device: flipped)
+    assert check_roundtrip(tmp_path, fmt, FormatEntry("model.pt2", device="cpu"), reference, False, 0.9).passed
+    with pytest.raises(ExportError, match="95.0000%"):
+        check_roundtrip(tmp_path, fmt, FormatEntry("model.pt2", device="cpu"), reference, False, 0.99)
+
+
+def test_a_round_trip_on_zero_examples_fails(tmp_path):
+    """Item 6: an artifact built for batch sizes none of the examples has was 'checked' on nothing and passed."""
+    x = torch.randn(4, 3)
+    reference = Reference([(x,)], [[x.double()]], 0.0, axes=[0], output_axes=[0])
+    fmt = dataclasses.replace(FORMATS["pt2"], load=lambda root, entry, device: nn.Identity())
+    entry = FormatEntry("model.pt2", device="cpu", batch_sizes=[3])
+    with pytest.raises(ExportError, match="no example"):
+        check_roundtrip(tmp_path, fmt, entry, reference, False)
+    assert check_roundtrip(tmp_path, fmt, dataclasses.replace(entry, batch_sizes=[4]), reference, False).passed
+
+
+class _Raises(nn.Module):
+    def forward(self, *args):
+        raise RuntimeError("no kernel for this CPU")
+
+
+class _NaN(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args) * float("nan")
+
+
+def test_a_lossy_artifact_that_fails_on_check_pt_is_never_selected(tmp_path, monkeypatch):
+    """Item 2: the selection replaced a lossy artifact's run on check.pt (it raised, returned NaN) by its gate's
+    verdict at export, so `bench --select` on another machine could pick, and load_fused load, an artifact that
+    does not run there."""
+    from fx_lightning.config import load_config
+    from fx_lightning.export import selection
+    from fx_lightning.pipeline import Batches, fuse_verify_export
+
+    torch.manual_seed(0)
+    model = randomize_batchnorms(H.LitClassifier().backbone).eval()
+    data = [(torch.randn(8, 3, 8, 8), torch.zeros(8, dtype=torch.long)) for _ in range(2)]
+    loose = {"enabled": True, "require_cpu_features": False, "min_top1_agreement": 0.0, "max_accuracy_drop": 1.0,
+             "min_cosine": 0.9}
+    outcome = fuse_verify_export(model, load_config({"export": {"formats": ["pt2"]}, "passes": {"cast_bf16": loose}}),
+                                 Batches(data, "val"), export_dir=tmp_path / "e")
+    manifest = read_manifest(outcome.export_dir)
+    assert manifest.formats["pt2-bf16"].gate.passed
+    real = selection.load_artifact
+    for broken, why in ((_Raises(), "raises"), (None, "NaN")):
+        def load(root, manifest, name, broken=broken, **kwargs):
+            module = real(root, manifest, name, **kwargs)
+            return module if name != "pt2-bf16" else broken if broken is not None else _NaN(module)
+
+        monkeypatch.setattr(selection, "load_artifact", load)
+        table = selection.bench_export(outcome.export_dir, batch_sizes=[1], rounds=1, warmup=0)
+        check = table.checks["pt2-bf16"]
+        assert not check.passed and check.lossy and why in (check.reason or ""), check
+        assert table.checks["pt2"].passed
+        assert selection.select_fastest(table, 1).format == "pt2"
