@@ -228,3 +228,25 @@ def test_a_lossy_artifact_that_fails_on_check_pt_is_never_selected(tmp_path, mon
         assert not check.passed and check.lossy and why in (check.reason or ""), check
         assert table.checks["pt2"].passed
         assert selection.select_fastest(table, 1).format == "pt2"
+
+
+# ------------------------------------------------------------------------------------------------ item 7
+
+
+def test_serve_takes_every_dtype_the_export_states() -> None:
+    """Item 7: the server's own numpy table lacked bfloat16 and uint16/32/64, which the manifest, Triton and OIP
+    records state; `fx-lightning serve` refused such exports."""
+    import json as _json
+
+    import numpy as np
+
+    from fx_lightning.dtypes import DTYPES
+    from fx_lightning.export.manifest import TensorSpec
+    from fx_lightning.serve.contract import Contract
+
+    for dtype in DTYPES:
+        manifest = Manifest(formats={}, inputs=[TensorSpec("x", "tensor", ["batch", 3], dtype.torch)])
+        contract = Contract.of(manifest)
+        values = [[0, 1, 1]] if dtype.torch != "bool" else [[False, True, True]]
+        decoded = contract.decode(_json.dumps({"inputs": [values]}).encode(), "application/json")
+        assert decoded.arrays[0].dtype == np.dtype(dtype.numpy) and decoded.arrays[0].tolist() == values, dtype

@@ -31,6 +31,7 @@ from litserve.utils import LitAPIStatus, ResponseBufferItem
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import first_line
 from fx_lightning.serve import oip
+from fx_lightning.export.manifest import read_manifest
 from fx_lightning.serve.artifact import WorkerStatus, ServeOptions, StatusBoard, load_checked
 from fx_lightning.serve.contract import IMAGE_TYPES, NPZ_TYPE, BadRequest, Contract, Decoded, top_k_labels
 from fx_lightning.serve.triton_config import TritonModel, config_json
@@ -104,11 +105,14 @@ class ArtifactAPI(ls.LitAPI):
                          loop=GreedyBatchedLoop() if options.max_batch_size > 1 else "auto")
         self.root, self.options, self.board = root, options, board
         self.model: Optional[torch.nn.Module] = None
+        self.input_dtypes: List[str] = []
+
 
     def setup(self, device: Any) -> None:
         torch.set_num_threads(self.options.threads_per_worker())
         worker = os.environ.get("LITSERVE_WORKER_ID", "0")
         try:
+            self.input_dtypes = [spec.dtype or "" for spec in read_manifest(self.root).tensor_inputs()]
             self.model, status = load_checked(self.root, self.options)
         except Exception as exc:  # noqa: BLE001 - reported by /health instead of stopping the server
             self.model, status = None, WorkerStatus(False, reason=f"{type(exc).__name__}: {first_line(exc)}")
@@ -147,8 +151,11 @@ class ArtifactAPI(ls.LitAPI):
 
     def _run(self, args: List[torch.Tensor]) -> List[np.ndarray]:
         assert self.model is not None
+        # bfloat16 travels as float32 (numpy has no bfloat16): cast in for the model, and out for numpy.
+        args = [a.to(torch.bfloat16) if dtype == "bfloat16" else a for a, dtype in zip(args, self.input_dtypes)]
         with torch.no_grad():
-            return [t.detach().cpu().numpy() for t in flat_tensors(self.model(*args))]
+            return [(t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
+                    for t in flat_tensors(self.model(*args))]
 
     def unbatch(self, output: List[Ran]) -> List[Ran]:
         return output

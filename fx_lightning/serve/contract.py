@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from fx_lightning.dtypes import DTYPES
+
 from fx_lightning.export.manifest import Manifest, Preprocess, TensorSpec
 
 __all__ = ["DEFAULT_MAX_REQUEST_BATCH", "DEFAULT_MAX_BODY_MB", "BadRequest", "InputSpec", "Contract", "Decoded", "JSON_TYPE", "NPY_TYPE", "NPZ_TYPE", "IMAGE_TYPES",
@@ -39,9 +41,9 @@ IMAGE_TYPES = ("image/png", "image/jpeg")
 DEFAULT_MAX_REQUEST_BATCH = 64
 DEFAULT_MAX_BODY_MB = 32
 
-# numpy dtypes of the torch dtype names a manifest records.
-_NUMPY_DTYPES: Dict[str, np.dtype] = {name: np.dtype(name) for name in (
-    "float32", "float64", "float16", "uint8", "int8", "int16", "int32", "int64", "bool")}
+# numpy dtypes of the torch dtype names a manifest records, from the one dtype table (bfloat16 has no numpy dtype:
+# float32 stands in, and the worker casts it to bfloat16 for the model).
+_NUMPY_DTYPES: Dict[str, np.dtype] = {d.torch: np.dtype(d.numpy) for d in DTYPES}
 
 
 class BadRequest(Exception):
