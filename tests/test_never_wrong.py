@@ -250,3 +250,54 @@ def test_serve_takes_every_dtype_the_export_states() -> None:
         values = [[0, 1, 1]] if dtype.torch != "bool" else [[False, True, True]]
         decoded = contract.decode(_json.dumps({"inputs": [values]}).encode(), "application/json")
         assert decoded.arrays[0].dtype == np.dtype(dtype.numpy) and decoded.arrays[0].tolist() == values, dtype
+
+
+# ------------------------------------------------------------------------------------------------ item 4
+
+
+def test_a_triton_repository_is_replaced_all_or_nothing(tmp_path, monkeypatch):
+    """Item 4: each model directory was replaced as soon as it was copied, so a later model's failed copy left the
+    repository half new, and a failed second rename lost the old model."""
+    from fx_lightning import fuse_and_export
+    from fx_lightning.config import ExportFormat, FuseConfig
+    from fx_lightning.export import atomic
+    from fx_lightning.serve import triton
+
+    torch.manual_seed(0)
+    model = randomize_batchnorms(H.LitClassifier().backbone).eval()
+    config = FuseConfig()
+    config.export.formats = [ExportFormat.onnx, ExportFormat.pt2]
+    export = fuse_and_export(model, tmp_path / "exp", example_inputs=(torch.randn(4, 3, 8, 8),),
+                             config=config).export_dir
+    repo = tmp_path / "repo"
+    models = [m.directory for m in triton.write_triton_repository(export, repo).models]
+    assert len(models) >= 2
+    for directory in models:
+        (directory / "old").write_text("the model before")
+    real_copy = triton._copy_checked
+
+    def copy_failing_on_the_last_model(source, target, sha256):
+        if target.relative_to(repo).parts[0].startswith(f".{models[-1].name}."):  # the last model's staging
+            raise OSError("disk full")
+        real_copy(source, target, sha256)
+
+    monkeypatch.setattr(triton, "_copy_checked", copy_failing_on_the_last_model)
+    with pytest.raises(OSError, match="disk full"):
+        triton.write_triton_repository(export, repo, overwrite=True)
+    assert all((d / "old").is_file() for d in models)  # no model replaced
+    assert sorted(p.name for p in repo.iterdir()) == sorted([*(d.name for d in models), "README.md"])  # no leftovers
+    monkeypatch.setattr(triton, "_copy_checked", real_copy)
+
+    real_rename, renames = atomic.os.rename, []
+
+    def rename_failing_on_the_second_model(source, target):
+        renames.append(target)
+        if len(renames) == 4:  # model 1 aside, model 1 in, model 2 aside, model 2 in: fails
+            raise OSError("rename failed")
+        real_rename(source, target)
+
+    monkeypatch.setattr(atomic.os, "rename", rename_failing_on_the_second_model)
+    with pytest.raises(OSError, match="rename failed"):
+        triton.write_triton_repository(export, repo, overwrite=True)
+    monkeypatch.setattr(atomic.os, "rename", real_rename)
+    assert all((d / "old").is_file() and (d / "config.pbtxt").is_file() for d in models)  # old models back

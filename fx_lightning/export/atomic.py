@@ -11,11 +11,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from fx_lightning.errors import ExportError
 
-__all__ = ["staging_directory", "list_files"]
+__all__ = ["staging_directory", "replace_directories", "list_files"]
 
 
 @contextlib.contextmanager
@@ -52,6 +52,30 @@ def _replace(staging: Path, final: Path) -> None:
         os.rename(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def replace_directories(pairs: Sequence[Tuple[Path, Path]]) -> None:
+    """Rename each staged directory onto its final place, all or none: an existing one is moved aside first, and
+    if any rename fails every final place done so far gets its old content back (the staged ones are left for the
+    caller to remove)."""
+    done: List[Tuple[Path, Path, Optional[Path]]] = []
+    try:
+        for staging, final in pairs:
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:10]}" if final.exists() else None
+            if old is not None:
+                os.rename(final, old)
+            done.append((staging, final, old))
+            os.rename(staging, final)
+    except BaseException:
+        for staging, final, old in reversed(done):
+            if final.exists() and not staging.exists():
+                os.rename(final, staging)
+            if old is not None:
+                os.rename(old, final)
+        raise
+    for _, _, old in done:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _make_parents(parent: Path) -> List[Path]:

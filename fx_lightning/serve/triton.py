@@ -39,6 +39,7 @@ from fx_lightning.config import Strategy
 from fx_lightning.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.base import FormatEntry
+from fx_lightning.export.atomic import replace_directories
 from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, read_manifest, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
@@ -144,8 +145,15 @@ def write_triton_repository(
     models, skipped = plan_repository(root, manifest, out, options)
     _refuse_existing(models, options.overwrite)
     out.mkdir(parents=True, exist_ok=True)
+    staged: List[Tuple[Path, Path]] = []
+    try:  # every model assembled first, then all renamed into place: a failure leaves the repository as it was
+        for model in models:
+            staged.append((_stage_model(root, manifest, model), model.directory))
+        replace_directories(staged)
+    finally:
+        for staging, _ in staged:
+            shutil.rmtree(staging, ignore_errors=True)
     for model in models:
-        _write_model(root, manifest, model)
         log.info("triton: wrote %s (%s backend, max_batch_size %d)", model.directory, model.backend,
                  model.max_batch_size)
     for skip in skipped:
@@ -496,9 +504,9 @@ def _refuse_existing(models: List[TritonModel], overwrite: bool) -> None:
                           "them, or choose another name or directory.")
 
 
-def _write_model(root: Path, manifest: Manifest, model: TritonModel) -> None:
-    """The model's directory, assembled beside its final place and renamed into it: Triton polling the
-    repository never sees half a model, and a failure leaves any previous one as it was."""
+def _stage_model(root: Path, manifest: Manifest, model: TritonModel) -> Path:
+    """The model's directory, assembled beside its final place (renamed into it by the caller, with the others):
+    Triton polling the repository never sees half a model. Removed again when assembling it fails."""
     parent = model.directory.parent
     staging = Path(tempfile.mkdtemp(prefix=f".{model.name}.", dir=parent))
     try:
@@ -516,7 +524,7 @@ def _write_model(root: Path, manifest: Manifest, model: TritonModel) -> None:
         if model.labels:
             (staging / "labels.txt").write_text("\n".join(model.labels) + "\n", encoding="utf-8")
         (staging / "config.pbtxt").write_text(config_text(model), encoding="utf-8")
-        _replace_dir(staging, model.directory)
+        return staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -531,14 +539,3 @@ def _copy_checked(source: Path, target: Path, sha256: str) -> None:
     if got != sha256:
         raise ExportError(f"{target}: the copy of {source} has sha256 {got[:16]}..., the manifest says "
                           f"{sha256[:16]}...; the export changed while it was copied.")
-
-
-def _replace_dir(staging: Path, target: Path) -> None:
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, target)
