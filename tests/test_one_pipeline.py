@@ -4,7 +4,7 @@ same batch shapes; the manifest is a typed record written once, inside the atomi
     what                                                           test
     forward(*args, **kwargs), no backbone: fuses at the end of fit  test_args_kwargs_forward_without_backbone_fuses
     a model that captures at batch 1 only: stops in the preflight   test_capture_that_needs_the_real_batch_stops_before_training
-    the int8 variant cannot run (torchao missing): stops before     test_preflight_stops_when_the_int8_variant_cannot_run
+    the int8 variant cannot be made (torchao missing): warns, goes on  test_an_int8_variant_that_cannot_be_made_never_stops_training
     the selection cannot run at its batch size: stops before        test_preflight_stops_when_the_selection_cannot_run
     a manifest from a future version: refused, naming the version   test_manifest_from_a_future_version_is_refused
     an export written by version 1: still loads                     test_an_export_of_format_version_1_still_loads
