@@ -301,3 +301,37 @@ def test_a_triton_repository_is_replaced_all_or_nothing(tmp_path, monkeypatch):
         triton.write_triton_repository(export, repo, overwrite=True)
     monkeypatch.setattr(atomic.os, "rename", real_rename)
     assert all((d / "old").is_file() and (d / "config.pbtxt").is_file() for d in models)  # old models back
+
+
+# ------------------------------------------------------------------------------------------------ item 5
+
+
+@pytest.mark.parametrize("rank_zero_fails", [False, True])
+def test_other_ranks_get_the_export_path_only_after_rank_zero_wrote_it(tmp_path, monkeypatch, rank_zero_fails):
+    """Item 5: under torch.distributed a non-zero rank returned the path at once, before rank zero's export existed
+    (and never heard that it failed). Rank zero's side is faked here: its message arrives by the broadcast."""
+    import torch.distributed as dist
+
+    from fx_lightning.config import FuseConfig
+    from fx_lightning.export.writer import export_fused
+
+    waited = []
+
+    def broadcast(message, src):
+        assert src == 0
+        waited.append(True)
+        message[0] = "ExportError: disk full" if rank_zero_fails else None
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    call = lambda: export_fused(nn.Linear(2, 2), tmp_path / "e", example_inputs=(torch.randn(2, 2),),  # noqa: E731
+                                config=FuseConfig())
+    if rank_zero_fails:
+        with pytest.raises(ExportError, match="rank 0 failed to write the export: ExportError: disk full"):
+            call()
+    else:
+        assert call() == tmp_path / "e"
+    assert waited == [True]
+    assert not (tmp_path / "e").exists()  # rank 1 itself writes nothing

@@ -76,16 +76,22 @@ def export_fused(
 
     Atomic: the export appears complete or not at all, and an existing export is replaced only by a
     complete one. Raises :class:`ExportError` naming the cause. Under ``torch.distributed`` (world size > 1)
-    only rank zero writes: other ranks return the path at once.
+    only rank zero writes; the other ranks wait for it, then return the path or raise its error.
     """
     final = Path(os.path.abspath(os.fspath(directory)))
-    if _rank() != 0:
-        return final
-    ctx = prepare_export(graph_module, example_inputs, config, final)
-    provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
-    if parity is not None and not isinstance(parity, ParityReport):
-        parity = ParityReport.from_dict(parity)
-    write_export(final, ctx, config, report=report, parity=parity, provenance=provenance)
+    error: Optional[BaseException] = None
+    if _rank() == 0:
+        try:
+            ctx = prepare_export(graph_module, example_inputs, config, final)
+            provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
+            if parity is not None and not isinstance(parity, ParityReport):
+                parity = ParityReport.from_dict(parity)
+            write_export(final, ctx, config, report=report, parity=parity, provenance=provenance)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it, after rank zero tells them
+            error = exc
+    _wait_for_rank_zero(error)
+    if error is not None:
+        raise error
     return final
 
 
@@ -160,6 +166,19 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _wait_for_rank_zero(error: Optional[BaseException]) -> None:
+    """Under ``torch.distributed``, every rank returns only once rank zero's write finished (a rank that reads the
+    path at once would find nothing there), and raises rank zero's error as an ExportError when it failed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    message = [None if error is None else f"{type(error).__name__}: {first_line(error)}"]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None and dist.get_rank() != 0:
+        raise ExportError(f"rank 0 failed to write the export: {message[0]}")
 
 
 def refuse_existing(final: Path, overwrite: bool) -> None:
