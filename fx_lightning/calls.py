@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.fx
 from torch import nn
 
 __all__ = [
@@ -309,7 +310,7 @@ def _object_fields(value: Any) -> Optional[List[Tuple[str, Any]]]:
 
 
 def _holds_tensor(value: Any, depth: int = 0) -> bool:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, torch.fx.Proxy)):  # a Proxy: a tensor while symbolic tracing runs
         return True
     if depth > 8:
         return False
@@ -331,7 +332,7 @@ def _holds_tensor(value: Any, depth: int = 0) -> bool:
 
 def tree_of(value: Any, depth: int = 0) -> Tree:
     """The structure of ``value``: tensors are leaves, anything holding no tensor is a constant."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (torch.Tensor, torch.fx.Proxy)):
         return Tree("tensor")
     if depth > 16 or not _holds_tensor(value):
         return Tree("const", template=value)
@@ -379,6 +380,8 @@ def needs_flat_outputs(tree: Tree) -> bool:
     """Whether an output holds something torch.export cannot carry: a distribution or another object."""
     if tree.kind in ("dist", "obj"):
         return True
+    if tree.kind == "seq" and tree.cls not in (tuple, list):  # a named tuple: its class stays out of the graph
+        return True  # (one defined in a function cannot be pickled); it is recorded and rebuilt on load
     return any(needs_flat_outputs(child) for _, child in tree.children)
 
 

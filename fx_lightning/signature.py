@@ -12,7 +12,9 @@ sample axis), the server's batching, the Triton dims and ``bench``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -33,6 +35,10 @@ __all__ = [
     "derive_signature",
     "shape_problem",
     "with_raw_input",
+    "describe_outputs",
+    "rebuild_outputs",
+    "holds_records",
+    "class_at",
 ]
 
 
@@ -134,6 +140,8 @@ class Signature:
     flat: bool = False
     notes: List[str] = field(default_factory=list)
     constants: List[ConstSpec] = field(default_factory=list)
+    # The outputs' containers (:func:`describe_outputs`): named tuples and dataclasses come back as such on load.
+    output_tree: Optional[Dict[str, Any]] = None
 
     @property
     def batched(self) -> bool:
@@ -156,7 +164,8 @@ class Signature:
     def to_dict(self) -> Dict[str, object]:
         return {"inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
                 "sample_axis": dataclasses.asdict(self.sample), "calls": self.calls, "flat": self.flat,
-                "notes": list(self.notes), "constants": [c.to_dict() for c in self.constants]}
+                "notes": list(self.notes), "constants": [c.to_dict() for c in self.constants],
+                **({"output_tree": self.output_tree} if self.output_tree is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -166,7 +175,8 @@ class Signature:
                    SampleAxis(bool(sample.get("proven", False)), str(sample.get("how", "")),
                               bool(sample.get("any_size", False))),
                    int(data.get("calls", 1)), bool(data.get("flat", False)), [str(n) for n in data.get("notes") or []],
-                   [ConstSpec.from_dict(c) for c in data.get("constants") or []])
+                   [ConstSpec.from_dict(c) for c in data.get("constants") or []],
+                   dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None)
 
 
 # ------------------------------------------------------------------------------------------ derivation
@@ -221,7 +231,79 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     out_specs = _grouped(out_specs, [[tuple(o[i].shape) for o in out_leaves] for i in range(len(out_paths))], keys)  # type: ignore[index]
     constants = [ConstSpec(path_text(path, root_names), tuple(path), value) for path, value in tree.constants()
                  if value is None or isinstance(value, (int, float, bool, str))]
-    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants)
+    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree))
+
+
+def describe_outputs(tree: Tree) -> Dict[str, Any]:
+    """The containers of an output as JSON, so a process without the training code rebuilds them: ``tensor``;
+    ``tuple``/``list`` with ``items``; ``namedtuple`` and ``dataclass`` with their ``class`` (``module:qualname``),
+    ``fields`` and whether the class can be imported by that name (``importable``: else a named tuple with the same
+    fields stands in); ``dict`` with ``keys`` (mappings, other objects, distributions: as torch.export gives them)."""
+    if tree.kind == "tensor":
+        return {"kind": "tensor"}
+    if tree.kind == "const":
+        value = tree.template
+        return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
+    items = [describe_outputs(child) for _, child in tree.children]
+    keys = [key for (_, key), _child in tree.children]
+    fields = getattr(tree.cls, "_fields", None) if tree.kind == "seq" else None
+    record = tree.cls is not None and (fields is not None or (tree.kind == "obj" and dataclasses.is_dataclass(tree.cls)))
+    if record:
+        name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
+        return {"kind": "namedtuple" if fields is not None else "dataclass", "class": name,
+                "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
+    if tree.kind == "seq":
+        return {"kind": "list" if tree.cls is list else "tuple", "items": items}
+    return {"kind": "dict", "keys": keys, "items": items}
+
+
+def class_at(name: str) -> Optional[type]:
+    """The class ``module:qualname`` names, when it can be imported by that name (not one defined in a function)."""
+    module_name, _, qualname = name.partition(":")
+    if "<locals>" in qualname or not module_name:
+        return None
+    try:
+        value: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            value = getattr(value, part)
+    except Exception:  # noqa: BLE001 - not importable here
+        return None
+    return value if isinstance(value, type) else None
+
+
+def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> Any:
+    """The outputs with their containers as ``description`` records them, from their tensors in order."""
+    it = iter(leaves)
+
+    def build(node: Mapping[str, Any]) -> Any:
+        kind = node["kind"]
+        if kind == "tensor":
+            return next(it)
+        if kind == "const":
+            return node.get("value")
+        items = [build(child) for child in node.get("items") or []]
+        if kind in ("namedtuple", "dataclass"):
+            cls = class_at(str(node["class"])) if node.get("importable") else None
+            fields = [str(f) for f in node["fields"]]
+            if cls is not None:
+                return cls(*items) if kind == "namedtuple" else cls(**dict(zip(fields, items)))
+            stand_in = collections.namedtuple(str(node["class"]).rpartition(".")[2].rpartition(":")[2], fields)
+            return stand_in(*items)
+        if kind == "list":
+            return list(items)
+        if kind == "tuple":
+            return tuple(items)
+        return dict(zip(node.get("keys") or [], items))
+
+    return build(description)
+
+
+def holds_records(description: Optional[Mapping[str, Any]]) -> bool:
+    """Whether an output description has a named tuple or dataclass (then it is rebuilt on load)."""
+    if description is None:
+        return False
+    return description["kind"] in ("namedtuple", "dataclass") or any(
+        holds_records(child) for child in description.get("items") or [])
 
 
 def _leaf(name: str, path: str, steps: Sequence[Any], example: torch.Tensor, sizes: Sequence[Tuple[int, ...]],

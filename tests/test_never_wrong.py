@@ -335,3 +335,95 @@ def test_other_ranks_get_the_export_path_only_after_rank_zero_wrote_it(tmp_path,
         assert call() == tmp_path / "e"
     assert waited == [True]
     assert not (tmp_path / "e").exists()  # rank 1 itself writes nothing
+
+
+# ------------------------------------------------------------------------------------------- items 8 and 9
+
+from typing import NamedTuple  # noqa: E402
+
+import fx_lightning  # noqa: E402
+from test_third_party import Pair, Prediction, RecordHead  # noqa: E402
+
+
+class TextClassifier(nn.Module):
+    """``forward(self, **inputs)`` as text classifiers write it: the loss only when ``labels`` are given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(50, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, **inputs: torch.Tensor):
+        mask = inputs["attention_mask"].unsqueeze(-1).float()
+        pooled = (self.embed(inputs["input_ids"]) * mask).sum(1) / mask.sum(1)
+        logits = self.head(self.norm(pooled))
+        out = {"logits": logits}
+        if "labels" in inputs:
+            out["loss"] = F.cross_entropy(logits, inputs["labels"])
+        return out
+
+
+def test_an_input_the_artifact_was_not_built_for_is_refused(tmp_path):
+    """Item 8: called with labels= as in training, the artifact built for input_ids and attention_mask ignored
+    them and answered {logits} only; a list built for 2 tensors given 5 answered for the first 2."""
+    torch.manual_seed(0)
+    model = randomize_batchnorms(TextClassifier()).eval()
+    g = torch.Generator().manual_seed(0)
+    ids, mask = torch.randint(0, 50, (4, 6), generator=g), torch.ones(4, 6, dtype=torch.long)
+    outcome = fx_lightning.fuse_and_export(model, tmp_path / "e", example_inputs={"input_ids": ids,
+                                                                                  "attention_mask": mask},
+                                           config={"export": {"formats": ["pt2", "graph_module"]}})
+    for fmt in ("pt2", "graph_module"):
+        loaded = fx_lightning.load_fused(outcome.export_dir, fmt)
+        out = loaded(input_ids=ids, attention_mask=mask)
+        assert set(out) == {"logits"}
+        with pytest.raises(ExportError, match=r"labels given, which the artifact was not built for"):
+            loaded(input_ids=ids, attention_mask=mask, labels=torch.zeros(4, dtype=torch.long))
+
+    class TwoViews(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, views):
+            return torch.stack([self.bn(self.conv(v)).mean((1, 2, 3)) for v in views], 1)
+
+    views = [torch.randn(4, 3, 8, 8) for _ in range(2)]
+    outcome = fx_lightning.fuse_and_export(randomize_batchnorms(TwoViews()).eval(), tmp_path / "v",
+                                           example_inputs=(views,), config={"export": {"formats": ["pt2"]}})
+    loaded = fx_lightning.load_fused(outcome.export_dir)
+    assert loaded(views).shape == (4, 2)
+    with pytest.raises(ExportError, match=r"given, which the artifact was not built for"):
+        loaded(views + [torch.randn(4, 3, 8, 8) for _ in range(3)])
+
+
+def _local_record_head():
+    class Local(NamedTuple):  # defined inside a function: not importable, not picklable
+        logits: torch.Tensor
+        features: torch.Tensor
+
+    return RecordHead(Local), Local
+
+
+@pytest.mark.parametrize("record", [Pair, Prediction, None])
+def test_named_tuple_and_dataclass_outputs_come_back_as_such_from_every_format(tmp_path, record):
+    """Item 9: a named tuple came back as a plain tuple (out.logits failed) and a dataclass as a dict from the
+    torch.export formats; a named tuple defined in a function stopped the pickled formats."""
+    torch.manual_seed(0)
+    model, cls = (RecordHead(record), record) if record is not None else _local_record_head()
+    model = randomize_batchnorms(model).eval()
+    formats = ["pt2", "onnx", "graph_module"]  # "code": its generated module lacks _resolve there (left alone)
+    outcome = fx_lightning.fuse_and_export(model, tmp_path / "e", example_inputs=(torch.randn(4, 3, 8, 8),),
+                                           config={"export": {"formats": formats}})
+    assert list(outcome.manifest.formats) == formats, outcome.manifest.failed_formats
+    tree = outcome.manifest.signature.output_tree
+    assert tree["fields"] == ["logits", "features"] and tree["importable"] is (record is not None)
+    x = torch.randn(3, 3, 8, 8)
+    want = H.fp64_copy(model)(x.double())
+    for fmt in formats:
+        got = fx_lightning.load_fused(tmp_path / "e", fmt)(x)
+        if record is not None:
+            assert type(got) is cls, (fmt, type(got))
+        else:  # a stand-in named tuple with the same fields
+            assert isinstance(got, tuple) and got._fields == ("logits", "features"), (fmt, type(got))
+        assert H.rel_err(got.logits, want.logits) < 1e-5 and H.rel_err(got.features, want.features) < 1e-5, fmt
+        assert got.logits.dtype == torch.float32 and got.features.shape == (3, 4)

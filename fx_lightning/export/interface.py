@@ -18,10 +18,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from fx_lightning.calls import Call, Step, leaf_values, value_at
+from fx_lightning.calls import Call, Step, leaf_values, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature import ConstSpec, LeafSpec, Signature, shape_problem
+from fx_lightning.signature import ConstSpec, LeafSpec, Signature, holds_records, rebuild_outputs, shape_problem
 
 __all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
 
@@ -48,7 +48,7 @@ class ArtifactInterface(nn.Module):
         nested = any(len(leaf.steps) > 1 or any(kind != "index" for kind, _ in leaf.steps)
                      for leaf in signature.outputs)
         fixed = built is not None and any(d is not None for shape in built for d in shape)
-        return signature.flat or not signature.batched or fixed or nested
+        return signature.flat or not signature.batched or fixed or nested or holds_records(signature.output_tree)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -65,7 +65,13 @@ class ArtifactInterface(nn.Module):
         problem = shape_problem(self.signature.inputs, tensors, self.built)
         if problem is not None:
             raise ExportError(f"{self.what}: {problem}")
-        return nest_outputs(self.module(*call_args), self.signature.outputs)
+        out = self.module(*call_args)
+        tree = self.signature.output_tree
+        if tree is not None:
+            leaves = leaf_values(out)
+            if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
+                return rebuild_outputs(tree, leaves)
+        return nest_outputs(out, self.signature.outputs)
 
     def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
         """The artifact's positional arguments from what the caller gave."""
@@ -75,10 +81,14 @@ class ArtifactInterface(nn.Module):
             if kwargs:
                 raise ExportError(f"{self.what}: takes its inputs positionally ({', '.join(self.names)}); got keyword "
                                   f"arguments {', '.join(kwargs)}")
+            if len(args) != len(self.names):  # a runtime may answer for the first ones: refuse, naming them
+                raise ExportError(f"{self.what}: takes {len(self.names)} input(s) ({', '.join(self.names)}); got "
+                                  f"{len(args)}")
             return args
         if not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor) for a in args):
             return args
         call = Call(args, kwargs)
+        self._refuse_unknown(call)
         for const in self.signature.constants:  # baked into the graph: another value would be ignored silently
             try:
                 given = value_at(call, _steps(const))
@@ -95,6 +105,28 @@ class ArtifactInterface(nn.Module):
             raise ExportError(f"{self.what}: cannot find its inputs in the arguments given ({type(exc).__name__}: "
                               f"{exc}); it takes {wanted}: by name, in that order, or as the original arguments"
                               ) from None
+
+
+    def _refuse_unknown(self, call: Call) -> None:
+        """An argument, key, field or item the artifact was not built from (a ``labels=`` keyword, a fifth tensor of a
+        list built for two) would be ignored without a word: refused, naming it. A ``None`` where nothing was passed
+        is what leaving it out means, and is taken."""
+        known = {_normal(_steps(leaf)) for leaf in self.signature.inputs}
+        known |= {_normal(_steps(c)) for c in self.signature.constants}
+        tree = tree_of_call(call)
+        given = [tuple(path) for path in tree.leaf_paths()]
+        given += [tuple(path) for path, value in tree.constants()
+                  if value is not None and isinstance(value, (int, float, bool, str))]  # what a signature records
+        unknown = [path for path in given if _normal(path) not in known]
+        if unknown:
+            wanted = ", ".join(leaf.path for leaf in self.signature.inputs)
+            raise ExportError(f"{self.what}: {', '.join(path_text(p) for p in unknown)} given, which the artifact was "
+                              f"not built for (it takes {wanted}); leave it out, or export from calls that pass it")
+
+
+def _normal(path: Tuple[Step, ...]) -> Tuple[Step, ...]:
+    """``path`` with a field and a key the same step: a dict with the recorded keys stands for an object."""
+    return tuple(("key" if kind == "attr" else str(kind), key) for kind, key in path)
 
 
 def _steps(leaf: Union[LeafSpec, ConstSpec]) -> Tuple[Step, ...]:
