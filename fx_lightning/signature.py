@@ -119,13 +119,31 @@ class ConstSpec:
     path: str
     steps: Tuple[Tuple[str, Any], ...]
     value: Union[int, float, bool, str, None]
+    # A value JSON cannot hold as it is (an enum, a tuple, a torch.dtype): its repr, which a given value must match.
+    text: Optional[str] = None
+
+    @classmethod
+    def of(cls, path: str, steps: Tuple[Tuple[str, Any], ...], value: Any) -> "ConstSpec":
+        if value is None or (type(value) in (int, float, bool, str)):
+            return cls(path, steps, value)
+        return cls(path, steps, None, repr(value))
+
+    def matches(self, given: Any) -> bool:
+        """Whether ``given`` is the value the artifact was built with (by value: an enum as the same member)."""
+        if self.text is not None:
+            return repr(given) == self.text
+        return type(given) is type(self.value) and given == self.value
 
     def to_dict(self) -> Dict[str, object]:
-        return {"path": self.path, "steps": [list(s) for s in self.steps], "value": self.value}
+        out: Dict[str, object] = {"path": self.path, "steps": [list(s) for s in self.steps], "value": self.value}
+        if self.text is not None:
+            out["repr"] = self.text
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ConstSpec":
-        return cls(str(data["path"]), tuple((str(k), v) for k, v in data.get("steps") or []), data.get("value"))
+        return cls(str(data["path"]), tuple((str(k), v) for k, v in data.get("steps") or []), data.get("value"),
+                   None if data.get("repr") is None else str(data["repr"]))
 
 
 @dataclass
@@ -229,8 +247,8 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     keys = {}  # a variable dimension's sizes in the calls -> its name: equal sizes in every call, one name
     in_specs = _grouped(in_specs, [[s[i] for s in shapes[:len(same)]] for i in range(len(paths))], keys)
     out_specs = _grouped(out_specs, [[tuple(o[i].shape) for o in out_leaves] for i in range(len(out_paths))], keys)  # type: ignore[index]
-    constants = [ConstSpec(path_text(path, root_names), tuple(path), value) for path, value in tree.constants()
-                 if value is None or isinstance(value, (int, float, bool, str))]
+    # Every constant, whatever its type: one the artifact cannot check would be ignored when another is passed.
+    constants = [ConstSpec.of(path_text(path, root_names), tuple(path), value) for path, value in tree.constants()]
     return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree))
 
 

@@ -94,9 +94,10 @@ class ArtifactInterface(nn.Module):
                 given = value_at(call, _steps(const))
             except (KeyError, IndexError, AttributeError, TypeError):
                 continue  # left out: the artifact computes with the value the calls had
-            if type(given) is not type(const.value) or given != const.value:
+            if not const.matches(given):
+                built = const.text if const.text is not None else repr(const.value)
                 raise ExportError(f"{self.what}: {const.path} is {given!r}; the artifact was built with "
-                                  f"{const.path}={const.value!r} (the value of every call observed), and computes "
+                                  f"{const.path}={built} (the value of every call observed), and computes "
                                   "with that value only")
         try:
             return tuple(value_at(call, _steps(leaf)) for leaf in self.signature.inputs)
@@ -115,8 +116,7 @@ class ArtifactInterface(nn.Module):
         known |= {_normal(_steps(c)) for c in self.signature.constants}
         tree = tree_of_call(call)
         given = [tuple(path) for path in tree.leaf_paths()]
-        given += [tuple(path) for path, value in tree.constants()
-                  if value is not None and isinstance(value, (int, float, bool, str))]  # what a signature records
+        given += [tuple(path) for path, value in tree.constants() if value is not None]
         unknown = [path for path in given if _normal(path) not in known]
         if unknown:
             wanted = ", ".join(leaf.path for leaf in self.signature.inputs)
