@@ -168,7 +168,7 @@ def test_batchnorm_folds_into_the_next_conv_through_dropout_and_copying_padding(
 def test_zero_padding_after_a_batchnorm_is_left_with_that_reason(mode: str, explicit_pad: bool) -> None:
     result = fused(TDNN("zeros", explicit_pad), torch.randn(2, 4, 16), left=1, mode=mode)
     (reason,) = reasons(result)
-    assert "relu" in reason and ("pads its input with zeros" in reason or "pads it with a constant" in reason), reason
+    assert "relu" in reason and ("pads its input with zeros" in reason or "padding with a constant" in reason), reason
 
 
 class PreNormAttention(nn.Module):
@@ -205,7 +205,7 @@ class PostNormAttention(PreNormAttention):
 def test_a_residual_add_on_both_sides_is_named(mode: str) -> None:
     result = fused(PostNormAttention(), torch.randn(2, 5, 8), left=1, mode=mode)
     (reason,) = reasons(result)
-    assert "a sum of branches" in reason and "adds another branch to it (a residual add)" in reason, reason
+    assert "a sum of branches" in reason and "a residual add beside another branch" in reason, reason
 
 
 class ConcatIntoConv(nn.Module):
@@ -306,10 +306,10 @@ def test_each_batchnorm_left_names_what_blocks_it(mode: str) -> None:
     text = "\n".join(by_node)
     assert all(r.startswith("no exact fold: before it, ") and "is not linear" in r.split("; after it")[0]
                for r in by_node), text
-    assert "multiplies it by another value" in text  # the gate
-    assert "takes statistics of it" in text  # the std of the pooling
+    assert "a product with another value" in text  # the gate
+    assert "statistics that are not linear" in text  # the std of the pooling
     assert "ConvTranspose" in text
-    assert "it is an output of the model" in text
+    assert "the model's output" in text
 
 
 class SharedLinearTwice(nn.Module):
@@ -339,3 +339,37 @@ def test_grouped_conv_through_a_transpose() -> None:
             return self.conv(self.bn(torch.relu(x).transpose(1, 2)))
 
     fused(M(), torch.randn(2, 7, 6), left=0)
+
+
+class PooledHead(nn.Module):
+    """BatchNorm -> global average over time -> Linear: an average of one channel keeps its affine map."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.bn, self.head, self.how = nn.BatchNorm1d(5), nn.Linear(5, 3), how
+        self.pool = nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(torch.relu(x))
+        pooled = y.mean(dim=-1) if self.how == "mean" else self.pool(y).flatten(1)
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["mean", "adaptive_avg_pool"])
+def test_batchnorm_folds_through_a_global_average_into_the_head(mode: str, how: str) -> None:
+    fused(PooledHead(how), torch.randn(3, 5, 7), left=0, mode=mode)
+
+
+class MeanOverChannels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.head = nn.BatchNorm1d(5), nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(torch.relu(x)).mean(dim=1))
+
+
+def test_an_average_over_the_channels_is_left_with_that_reason() -> None:
+    result = fused(MeanOverChannels(), torch.randn(3, 5, 7), left=1)
+    assert "averages values of several channels together" in reasons(result)[0]

@@ -47,14 +47,15 @@ _EXPAND_FUNCTIONS = {torch.broadcast_to} | aten_ops("expand.default")
 
 # Operations that move or select values with constant arguments: run as they are, on the labels.
 _MOVE_METHODS = {"transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "contiguous", "clone",
-                 "detach", "narrow", "select", "chunk", "split", "tensor_split", "unbind", "flip", "roll"}
+                 "detach", "narrow", "select", "chunk", "split", "tensor_split", "unbind", "flip", "roll", "repeat",
+                 "tile"}
 _MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims,
                    torch.t, torch.narrow, torch.select, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
-                   torch.flip, torch.roll, torch.clone, torch.detach, operator.getitem} | aten_ops(
+                   torch.flip, torch.roll, torch.clone, torch.detach, torch.tile, operator.getitem} | aten_ops(
     "transpose.int", "permute.default", "movedim.int", "t.default", "swapaxes.default", "clone.default",
     "alias.default", "detach.default", "contiguous.default", "slice.Tensor", "select.int", "narrow.default", "chunk.default",
     "split.Tensor", "split_with_sizes.default", "tensor_split.sections", "tensor_split.indices", "unbind.int",
-    "flip.default", "roll.default")
+    "flip.default", "roll.default", "repeat.default")
 _CONCAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate, torch.stack} | aten_ops("cat.default", "stack.default")
 
 # Padding that copies values of the same tensor (so it commutes with a per-channel affine map) and padding with
@@ -72,6 +73,18 @@ _CONSTANT_PAD_MODULES: Tuple[type, ...] = tuple(
 _PAD_FUNCTIONS = {F.pad, torch.constant_pad_nd} | aten_ops("pad.default")
 
 _INDEX_TYPES = (int, slice, type(None), type(Ellipsis))
+
+# Averages over positions (each output the mean of some inputs, weights summing to one): a per-channel affine map
+# passes through one exactly when every output averages values of one channel, which is checked on the labels by
+# the maximum and minimum over the same windows.
+_MEAN_FUNCTIONS = {torch.mean} | aten_ops("mean.dim", "mean.default")
+_ADAPTIVE_AVERAGES = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
+                      torch.adaptive_avg_pool1d: 1, **{op: 2 for op in aten_ops("_adaptive_avg_pool2d.default",
+                                                                              "adaptive_avg_pool2d.default")},
+                      **{op: 3 for op in aten_ops("_adaptive_avg_pool3d.default", "adaptive_avg_pool3d.default")},
+                      **{op: 1 for op in aten_ops("adaptive_avg_pool1d.default")}}
+_ADAPTIVE_AVERAGE_MODULES = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}
+_ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
 
 
 def _pad_mode(node: fx.Node) -> Optional[str]:
@@ -98,21 +111,29 @@ def _constant_index(index: Any) -> bool:
 
 
 def _kind(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
-    """"reshape", "expand", "move", "concat" for a layout operation, else None."""
+    """"reshape", "expand", "move", "concat", "average" for a layout operation (or an average), else None."""
     if node.op == "call_module":
         m = module_of(gm, node)
         if isinstance(m, _RESHAPE_MODULES):
             return "reshape"
+        if type(m) in _ADAPTIVE_AVERAGE_MODULES:
+            return "average"
         return "move" if isinstance(m, _COPYING_PAD_MODULES) else None
     if node.op == "call_method":
         if node.target in _RESHAPE_METHODS:  # x.view(torch.float16) reinterprets bits: not a layout operation
             return None if any(isinstance(a, torch.dtype) for a in node.args[1:]) else "reshape"
+        if node.target == "mean":
+            return None if "dtype" in node.kwargs else "average"
         return "expand" if node.target in _EXPAND_METHODS else ("move" if node.target in _MOVE_METHODS else None)
     if node.op != "call_function":
         return None
     target = node.target
     if target in _RESHAPE_FUNCTIONS:
         return "reshape"
+    if target in _MEAN_FUNCTIONS:
+        return None if "dtype" in node.kwargs else "average"
+    if target in _ADAPTIVE_AVERAGES:
+        return "average"
     if target in _EXPAND_FUNCTIONS:
         return "expand"
     if target in _CONCAT_FUNCTIONS:
@@ -164,6 +185,8 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         raise _Unfollowable(f"{_describe(node)} takes {_describe(arg)}, computed in the graph, as an argument")
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lookup)
+    if kind == "average":
+        return _average(gm, node, args, kwargs)
     try:
         if node.op == "call_module":
             return module_of(gm, node)(*args, **kwargs)  # type: ignore[misc]
@@ -172,6 +195,30 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         return node.target(*args, **kwargs)  # type: ignore[operator]
     except Exception as exc:  # noqa: BLE001 - any op may refuse the labels' dtype or shape: then it is not followed
         raise _Unfollowable(f"{_describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
+
+
+def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, Any]) -> torch.Tensor:
+    """The label every output of the average carries: the maximum over its window, which must equal the minimum."""
+    x = args[0]
+    if not isinstance(x, torch.Tensor):
+        raise _Unfollowable(f"{_describe(node)} could not be followed")
+    if node.op == "call_method" or node.target in _MEAN_FUNCTIONS:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        dims = () if dim is None else dim
+        high, low = x.amax(dims, keepdim), x.amin(dims, keepdim)
+    else:
+        if node.op == "call_module":
+            m = module_of(gm, node)
+            spatial, size = _ADAPTIVE_AVERAGE_MODULES[type(m)], m.output_size  # type: ignore[index,union-attr]
+        else:
+            spatial = _ADAPTIVE_AVERAGES[node.target]  # type: ignore[index]
+            size = args[1] if len(args) > 1 else kwargs.get("output_size")
+        pool = _ADAPTIVE_MAX[spatial]
+        high, low = pool(x, size), -pool(-x, size)
+    if not torch.equal(high, low):
+        raise _Unfollowable(f"{_describe(node)} averages values of several channels together")
+    return high
 
 
 def run_layout(gm: fx.GraphModule, source: fx.Node, labels: torch.Tensor,

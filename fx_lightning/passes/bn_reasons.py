@@ -7,7 +7,7 @@ mixed with another axis, another reader), found by the same walks the folds use 
 from __future__ import annotations
 
 import operator
-from typing import List, Union
+from typing import Dict, List, Union
 
 import torch
 import torch.fx as fx
@@ -35,9 +35,8 @@ _SUMS = {"add", "sub", "rsub", "iadd", "isub", "radd"}
 _PRODUCTS = {"mul", "div", "truediv", "imul", "itruediv", "rmul", "rtruediv", "matmul", "bmm", "mm", "einsum",
              "baddbmm", "addmm", "scaled_dot_product_attention", "floordiv", "outer", "bilinear"}
 _STATISTICS = {"std", "var", "var_mean", "std_mean", "norm", "linalg_vector_norm", "linalg_norm", "logsumexp"}
-_POOLING = {"mean", "sum", "avg_pool1d", "avg_pool2d", "avg_pool3d", "avgpool1d", "avgpool2d", "avgpool3d",
-            "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptiveavgpool1d",
-            "adaptiveavgpool2d", "adaptiveavgpool3d", "_adaptive_avg_pool2d"}
+# Means and adaptive averages are followed (bn_layout); these poolings are not.
+_POOLING = {"sum", "avg_pool1d", "avg_pool2d", "avg_pool3d", "avgpool1d", "avgpool2d", "avgpool3d", "cumsum"}
 _MOST = 3  # readers named in one reason
 
 
@@ -61,29 +60,42 @@ def _other_operand_is_a_value(node: fx.Node, value: object) -> bool:
     return any(isinstance(a, fx.Node) and a is not value for a in list(node.args) + list(node.kwargs.values()))
 
 
-def _after(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> str:
-    """What ``user``, reading the BatchNorm's values as ``value``, does that no fold passes."""
-    d = describe(user)
+def _category(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> str:
+    """What ``user``, reading the BatchNorm's values as ``value``, is, among the things no fold passes."""
     name = op_name(gm, user)
     if user.op == "output":
-        return "it is an output of the model"
+        return "the model's output"
     if constant_padding(gm, user):
-        return f"{d} pads it with a constant, which would not be normalised"
+        return "padding with a constant, which would not be normalised"
     if name in _SUMS or user.target in (operator.add, operator.sub):
-        if _other_operand_is_a_value(user, value):
-            return f"{d} adds another branch to it (a residual add): the BatchNorm's scale would reach one side only"
-        return f"{d} adds a constant to it"
+        if not _other_operand_is_a_value(user, value):
+            return "the addition of a constant"
+        if name.endswith("sub") or user.target is operator.sub:
+            return "the subtraction of another value"
+        return "a residual add beside another branch"
     if name in _PRODUCTS or user.target in (operator.mul, operator.truediv, operator.matmul):
-        return f"{d} multiplies it by another value (a gate or an attention product)"
+        return "a product with another value, such as a gate or attention"
     if name in _STATISTICS:
-        return f"{d} takes statistics of it (a standard deviation or norm is not linear)"
+        return "statistics that are not linear, a standard deviation or a norm"
     if name in _POOLING:
-        return f"{d} pools it (the fold does not follow pooling)"
+        return "a pooling the fold does not follow, a sum or a windowed average"
     if name in _NONLINEAR:
-        return f"{d} is not linear"
+        return "a nonlinearity"
     if match_bn(gm, user) is not None:
-        return f"{d} is another BatchNorm"
-    return f"{d} is not a linear layer nor an operation that only moves values"
+        return "another BatchNorm"
+    return "an operation that is neither a linear layer nor one that only moves values"
+
+
+def _after(gm: fx.GraphModule, stops: List[fx.Node], values: Dict[fx.Node, fx.Node]) -> List[str]:
+    """The readers that stop a forward fold, grouped by what they are: ``a nonlinearity (relu (relu), ...)``."""
+    groups: Dict[str, List[str]] = {}
+    for stop in stops:
+        groups.setdefault(_category(gm, stop, values[stop]), []).append(describe(stop))
+    out = []
+    for category, nodes in groups.items():
+        named = ", ".join(nodes[:_MOST]) + (f" and {len(nodes) - _MOST} more" if len(nodes) > _MOST else "")
+        out.append(category if category == "the model's output" else f"{category} ({named})")
+    return out
 
 
 def _before(gm: fx.GraphModule, producer: object, chain: List[fx.Node]) -> str:
@@ -124,17 +136,15 @@ def _producer_side(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Batc
 
 def _consumer_side(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNorm, copy_shared: bool) -> str:
     found = reach(gm, node)
-    parts: List[str] = []
-    for stop in found.stops:
-        value = next((a for a in stop.all_input_nodes if a is node or a in found.layout), node)
-        parts.append(_after(gm, stop, value))
-    if found.layers and len(parts) < _MOST:
-        parts += _layer_refusals(gm, ctx, node, bn, found.layout, found.layers, copy_shared)
-    if not parts:
+    values = {stop: next((a for a in stop.all_input_nodes if a is node or a in found.layout), node)
+              for stop in found.stops}
+    reached = _after(gm, found.stops, values)
+    refusals = _layer_refusals(gm, ctx, node, bn, found.layout, found.layers, copy_shared) if found.layers else []
+    if not reached and not refusals:
         plan = plan_into_consumers(gm, ctx, node, bn, copy_shared, torch.float64)
         return plan if isinstance(plan, str) else f"{plan.into} could take it (the fold into it did not run)"
-    more = f" (and {len(parts) - _MOST} more)" if len(parts) > _MOST else ""
-    return ", ".join(dict.fromkeys(parts[:_MOST])) + more
+    parts = ([f"it reaches {', '.join(reached)}"] if reached else []) + list(dict.fromkeys(refusals))
+    return "; and ".join(parts)
 
 
 def _layer_refusals(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNorm, layout: List[fx.Node],
