@@ -74,3 +74,36 @@ def test_remove_dropout_can_be_disabled():
     result = fuse(model, {"passes": {"remove_dropout": {"enabled": False}}})
     assert dropout_nodes(result.graph_module) == 1
     assert "remove_dropout" not in [p.name for p in result.report.passes]
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [(nn.Dropout(0.3), (2, 4, 5)), (nn.Dropout1d(0.0), (2, 4, 5)), (nn.Dropout1d(0.3), (2, 4, 5)),
+     (nn.Dropout2d(0.3), (2, 4, 5, 5)), (nn.Dropout3d(0.3), (2, 4, 3, 3, 3)), (nn.AlphaDropout(0.3), (2, 4)),
+     (nn.FeatureAlphaDropout(0.3), (2, 4, 3, 3))],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "x",
+)
+def test_every_dropout_module_is_removed_from_an_export_graph(layer, shape):
+    """torch.export records eval-mode Dropout1d/2d/3d as aten.feature_dropout, AlphaDropout as aten.alpha_dropout
+    (p=0 too): each is counted and removed like aten.dropout."""
+    model = nn.Sequential(nn.Conv1d(4, 4, 1) if len(shape) == 3 else nn.Identity(), layer, nn.ReLU())
+    x = torch.randn(*shape)
+    result = fuse(model, {"trace": {"mode": "export"}}, example_inputs=x)
+    assert result.report.before.dropouts == 1, str(result.report)
+    assert dropout_nodes(result.graph_module) == 0 and result.report.after.dropouts == 0
+    assert_exact(model, result.graph_module, (x,))
+
+
+class FunctionalFeatureDropouts(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout1d(x, 0.5, training=self.training)
+        x = torch.feature_dropout(x, 0.3, self.training)
+        x = F.feature_alpha_dropout(x, 0.2, training=self.training)
+        return F.alpha_dropout(x, 0.2, self.training) * 2
+
+
+def test_functional_feature_dropouts_are_removed_from_an_export_graph():
+    x = torch.randn(2, 4, 5)
+    result = fuse(FunctionalFeatureDropouts(), {"trace": {"mode": "export"}}, example_inputs=x)
+    assert result.report.before.dropouts == 4 and dropout_nodes(result.graph_module) == 0, str(result.report)
+    assert_exact(FunctionalFeatureDropouts(), result.graph_module, (x,))

@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fx_lightning.passes.fold_math import bn_scale_shift
+from fx_lightning.passes.fold_math import bn_scale_shift, fold_bn_into_input, fold_bn_into_output
 from fx_lightning.passes.graph_utils import (
     KNOWN_BATCHNORM_FORWARDS,
     add_constant,
@@ -34,6 +34,9 @@ from fx_lightning.passes.graph_utils import (
 
 __all__ = [
     "Layer",
+    "ChannelFold",
+    "apply_channel_fold",
+    "feature_axis",
     "BatchNorm",
     "Refused",
     "match_layer",
@@ -72,8 +75,9 @@ class Layer:
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     groups: int
-    zero_padding: bool
+    zero_padding: bool  # pads nothing (a conv whose padding is 0, or "same"/"valid" that adds none; a Linear)
     module: Optional[nn.Module] = None
+    padding_mode: str = "zeros"  # what the padding holds: zeros, or copies of the input (reflect/replicate/circular)
 
     @property
     def out_channels(self) -> int:
@@ -96,8 +100,11 @@ class Refused:
     reason: str
 
 
-def _zero(padding: Any) -> bool:
+def _zero(padding: Any, weight: Optional[torch.Tensor] = None) -> bool:
+    """Whether a conv's padding adds nothing: 0, "valid", or "same" with a kernel that covers one position."""
     if isinstance(padding, str):
+        if padding == "same" and weight is not None:
+            return all(k == 1 for k in weight.shape[2:])
         return padding == "valid"
     if isinstance(padding, (tuple, list)):
         return all(p == 0 for p in padding)
@@ -126,7 +133,7 @@ def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, Refused, None]:
         if isinstance(m, nn.Linear):
             return Layer(node, "linear", m.weight, m.bias, 1, True, m)
         kind = "conv_transpose" if isinstance(m, _CONVT_MODULES) else "conv"
-        return Layer(node, kind, m.weight, m.bias, m.groups, _zero(m.padding), m)
+        return Layer(node, kind, m.weight, m.bias, m.groups, _zero(m.padding, m.weight), m, m.padding_mode)
     if node.op != "call_function":
         return None
     target = node.target
@@ -151,7 +158,7 @@ def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, Refused, None]:
         return Refused(f"{describe(node)}: bias is computed in the graph, not a constant")
     if not isinstance(groups, int):
         return Refused(f"{describe(node)}: groups is not a constant")
-    return Layer(node, kind, weight, bias, groups, _zero(padding))
+    return Layer(node, kind, weight, bias, groups, _zero(padding, weight))
 
 
 def _set_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
@@ -215,6 +222,37 @@ def apply_layer_weights(
     drop_replaced_attribute(gm, old_w)
     drop_replaced_attribute(gm, old_b)
     return None
+
+
+def feature_axis(layer: Layer, rank: int) -> int:
+    """The axis of a rank-``rank`` input or output of ``layer`` that holds its features: the last for a Linear,
+    the one before the spatial axes for a conv (1 when batched, 0 when not)."""
+    return rank - 1 if layer.kind == "linear" else rank - (layer.weight.dim() - 2) - 1
+
+
+@dataclass
+class ChannelFold:
+    """A per-feature affine map to fold into ``layer``: ``x * scale + shift`` on its output features (``side``
+    "output": the layer produces the BatchNorm's input) or on its input features ("input": it reads the
+    BatchNorm's output). Folded in the dtype of ``scale`` (the fold dtype)."""
+
+    layer: Layer
+    scale: torch.Tensor
+    shift: torch.Tensor
+    side: str
+
+
+def apply_channel_fold(gm: fx.GraphModule, fold: ChannelFold, copy_shared: bool) -> Optional[str]:
+    """Fold ``fold`` into its layer's weights (a fresh copy for a shared module). Returns a skip reason or None."""
+    layer = fold.layer
+    device = layer.weight.device
+    scale, shift = fold.scale.to(device), fold.shift.to(device)
+    if fold.side == "output":
+        w, b = fold_bn_into_output(layer.weight, layer.bias, scale, shift, transposed=layer.kind == "conv_transpose",
+                                   groups=layer.groups)
+    else:
+        w, b = fold_bn_into_input(layer.weight, layer.bias, scale, shift, groups=layer.groups)
+    return apply_layer_weights(gm, layer, w, b, copy_shared)
 
 
 def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:

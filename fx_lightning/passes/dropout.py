@@ -31,6 +31,11 @@ _DROPOUT_FUNCTIONS = {
     torch.feature_dropout: (2, "train", None),
     torch.feature_alpha_dropout: (2, "train", None),
     aten.dropout.default: (2, "train", None),
+    # torch.export records eval-mode Dropout1d/2d/3d (p=0 too) as aten.feature_dropout, AlphaDropout and
+    # FeatureAlphaDropout as their own ATen ops: the same identity in eval mode.
+    aten.feature_dropout.default: (2, "train", None),
+    aten.alpha_dropout.default: (2, "train", None),
+    aten.feature_alpha_dropout.default: (2, "train", None),
 }
 
 
