@@ -45,6 +45,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.metadata
+import inspect
 import json
 import os
 import platform
@@ -141,9 +142,15 @@ def _error_record(exc: BaseException) -> Dict[str, Any]:
         e = e.__cause__ or e.__context__
     fx = any("/fx_lightning/" in f.filename for x in [exc, *(c for c in [exc.__cause__, exc.__context__] if c)]
              for f in traceback.extract_tb(x.__traceback__))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # The callback puts a headline before the cause ("FXFuseCallback: ... would fail", "preflight failed at ..."):
+    # the cause is the first line after them.
+    cause = next((line for line in lines if not line.startswith(("FXFuseCallback", "preflight failed at"))), "")
     return {
         "type": f"{type(exc).__module__}.{type(exc).__name__}",
-        "first_line": text.splitlines()[0] if text else "",
+        "first_line": lines[0] if lines else "",
+        "stage": next((line for line in lines if line.startswith("preflight failed at")), None),
+        "cause": cause,
         "message": text[:4000],
         "chain": chain,
         "fx_frame": _innermost_fx_frame(exc),
@@ -404,7 +411,13 @@ def run_library(lib: Library, workdir: Path) -> Dict[str, Any]:
                                 for n in manifest.get("notes") or []]
     result["formats"] = list(manifest.get("formats") or {})
     result["dynamic_batch"] = manifest.get("dynamic_batch")
-    result["signature_constants"] = (manifest.get("signature") or {}).get("constants")
+    signature = manifest.get("signature") or {}
+    result["signature_constants"] = signature.get("constants")
+    result["signature"] = {side: [f"{e.get('name')} {e.get('dtype')} {e.get('shape')}" + (
+        " stochastic" if e.get("stochastic") else "") for e in signature.get(side) or []]
+        for side in ("inputs", "outputs")}
+    result["selected"] = (manifest.get("selected") or {}).get("format") if isinstance(
+        manifest.get("selected"), dict) else manifest.get("selected")
     module = case.module
     module.cpu()
     _, target = resolve_target(module, path or "")
@@ -427,6 +440,20 @@ def run_library(lib: Library, workdir: Path) -> Dict[str, Any]:
         rows.append(row)
     result["calls"] = rows
     result["outcome"], result["reason"] = judge(rows)
+    result["loaded"] = type(fused).__name__
+    # The same held-out calls through each other format of the export: whether the refusal or error is the
+    # default artifact's (pt2's guards) or every format's.
+    result["per_format"] = {}
+    for name in result["formats"]:
+        try:
+            other = load_fused(export_dir, format=name)
+        except Exception as exc:  # noqa: BLE001
+            result["per_format"][name] = f"load failed: {str(exc).splitlines()[0][:200]}"
+            continue
+        other_rows = [{"probe": c["probe"], **check_call(other, eager, fp64, c["args"], c["kwargs"])}
+                      for c in calls if c["args"] is not None]
+        outcome, reason = judge(other_rows)
+        result["per_format"][name] = f"{outcome}: {reason}"
     if result["outcome"] == "works" and not result["export_under_root"]:
         result["notes"].append(f"export outside default_root_dir: {export_dir}")
     return result
@@ -467,8 +494,11 @@ def _validation_probes(module: Any, loaders: Dict[str, Any], step: str = "valida
             trainer = module._trainer
             module.trainer = None  # self.log outside a loop warns instead of raising
             module.eval()
-            try:
-                return getattr(module, step)(next(iter(loader)), 0)
+            fn = getattr(module, step)
+            batch = next(iter(loader))
+            try:  # some libraries' steps take the batch alone (torch-uncertainty)
+                takes_index = len(inspect.signature(fn).parameters) > 1
+                return fn(batch, 0) if takes_index else fn(batch)
             finally:
                 module.trainer = trainer
         return run
@@ -576,9 +606,10 @@ def segmentation_models_pytorch(root: Path, callbacks: List[Any]) -> Case:
             super().__init__()
             self.model = smp.create_model("Unet", encoder_name="resnet18", encoder_weights=None, in_channels=3,
                                           classes=1)
-            params = smp.encoders.get_preprocessing_params("resnet18")
-            self.register_buffer("std", torch.tensor(params["std"]).view(1, 3, 1, 1))
-            self.register_buffer("mean", torch.tensor(params["mean"]).view(1, 3, 1, 1))
+            # the example reads these from smp.encoders.get_preprocessing_params("resnet18"), which downloads the
+            # encoder's config from the Hub: its ImageNet values, written out
+            self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1))
+            self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1))
             self.loss_fn = smp.losses.DiceLoss(smp.losses.BINARY_MODE, from_logits=True)
 
         def forward(self, image: torch.Tensor) -> torch.Tensor:
@@ -760,6 +791,261 @@ def speechbrain_(root: Path, callbacks: List[Any]) -> Case:
     return Case(trainer, model, probes)
 
 
+@library("torchgeo", "geospatial", ["torchgeo"], "torchgeo",
+         "torchgeo ClassificationTask(model='resnet18', weights=None, in_channels=4, num_classes=3) (a timm model "
+         "as self.model); dict batches {image, label} of random 4-band 32x32 tiles, 1 epoch")
+def torchgeo_(root: Path, callbacks: List[Any]) -> Case:
+    import lightning.pytorch as L
+    import torch
+    from torchgeo.trainers import ClassificationTask
+
+    def tiles(n: int, size: int) -> List[Dict[str, torch.Tensor]]:
+        return [{"image": torch.rand(4, size, size), "label": torch.randint(0, 3, ())} for _ in range(n)]
+
+    torch.manual_seed(0)
+    task = ClassificationTask(model="resnet18", weights=None, in_channels=4, num_classes=3, loss="ce")
+    trainer = L.Trainer(**_quiet_trainer_kwargs(root, callbacks))
+    trainer.fit(task, _loader(tiles(32, 32), 8, shuffle=True), _loader(tiles(16, 32), 8))
+    probes = _validation_probes(task, {"batch 1": _loader(tiles(1, 32), 1),
+                                       "batch 3 at 48x48": _loader(tiles(3, 48), 3)})
+    probes += _validation_probes(task, {"batch 2 at 64x64": _loader(tiles(2, 64), 2)}, "predict_step")
+    return Case(trainer, task, probes)
+
+
+SMILES = ["CCO", "CC(=O)O", "c1ccccc1", "CCN(CC)CC", "CC(C)O", "C1CCCCC1", "CC(=O)Nc1ccc(O)cc1", "CCOC(=O)C",
+          "c1ccncc1", "CC(C)CC(C)(C)O", "O=C(O)c1ccccc1O", "CCCCCCCC", "CC#N", "ClC(Cl)Cl", "CC(C)(C)c1ccccc1",
+          "OCC(O)CO", "CN1CCCC1", "c1ccc2ccccc2c1", "CC=CC=O", "NCCO", "CSC", "CC(=O)C(C)C", "FC(F)(F)c1ccccc1",
+          "COc1ccccc1", "CCCCN", "OC1CCCCC1", "CC1=CC(=O)CC(C)(C)C1", "c1cc[nH]c1", "CCS(=O)(=O)C", "NC(=O)c1ccccc1",
+          "CC(N)C(=O)O", "C=CC#N", "CCOCC", "O=Cc1ccccc1", "CCCBr", "Oc1ccc(Cl)cc1", "CC(C)C#N", "CCC(=O)CC",
+          "c1ccc(-c2ccccc2)cc1", "CN(C)C=O"]
+
+
+@library("chemprop", "molecules", ["chemprop"], "chemprop",
+         "chemprop v2 MPNN(BondMessagePassing, MeanAggregation, RegressionFFN with UnscaleTransform, "
+         "batch_norm=True) as its training tutorial (logger=False); 40 SMILES with random targets, 2 epochs")
+def chemprop_(root: Path, callbacks: List[Any]) -> Case:
+    import lightning.pytorch as L
+    import torch
+    from chemprop import data, featurizers, models, nn
+
+    torch.manual_seed(0)
+    ys = torch.randn(len(SMILES), 1).numpy()
+    points = [data.MoleculeDatapoint.from_smi(s, y) for s, y in zip(SMILES, ys)]
+    featurizer = featurizers.SimpleMoleculeMolGraphFeaturizer()
+    train, val = data.MoleculeDataset(points[:28], featurizer), data.MoleculeDataset(points[28:36], featurizer)
+    held = data.MoleculeDataset(points[36:], featurizer)
+    scaler = train.normalize_targets()
+    val.normalize_targets(scaler)
+    mp = nn.BondMessagePassing(d_h=32)
+    ffn = nn.RegressionFFN(input_dim=mp.output_dim, hidden_dim=32,
+                           output_transform=nn.UnscaleTransform.from_standard_scaler(scaler))
+    mpnn = models.MPNN(mp, nn.MeanAggregation(), ffn, batch_norm=True,
+                       metrics=[nn.metrics.RMSE()])
+    # the tutorial: logger=False, the callback list, max_epochs (default_root_dir: where the run writes)
+    trainer = L.Trainer(**_quiet_trainer_kwargs(root, callbacks, epochs=2, logger=False))
+    trainer.fit(mpnn, data.build_dataloader(train, batch_size=8, num_workers=0, seed=0),
+                data.build_dataloader(val, batch_size=8, num_workers=0, shuffle=False))
+    loaders = {f"{n} molecule(s)": data.build_dataloader(held, batch_size=n, num_workers=0, shuffle=False)
+               for n in (1, 3)}
+    probes = _validation_probes(mpnn, loaders) + _validation_probes(mpnn, loaders, "predict_step")
+    return Case(trainer, mpnn, probes)
+
+
+@library("scvi-tools", "single-cell", ["scvi-tools"], "scvi-tools",
+         "scvi-tools SCVI(n_hidden=16, n_latent=4) on scvi.data.synthetic_iid (200 cells, 50 genes), "
+         "model.train(max_epochs=2, callbacks=[...]) (its TrainingPlan and VAE)")
+def scvi_tools(root: Path, callbacks: List[Any]) -> Case:
+    import scvi
+    import torch
+
+    torch.manual_seed(0)
+    scvi.settings.seed = 0
+    adata = scvi.data.synthetic_iid(batch_size=100, n_genes=50, n_proteins=0, n_regions=0, n_batches=2)
+    scvi.model.SCVI.setup_anndata(adata, batch_key="batch")
+    model = scvi.model.SCVI(adata, n_hidden=16, n_latent=4)
+    model.train(max_epochs=2, batch_size=32, check_val_every_n_epoch=1, train_size=0.8,
+                **{k: v for k, v in _quiet_trainer_kwargs(root, callbacks).items() if k != "max_epochs"})
+    plan = model.trainer.lightning_module if hasattr(model.trainer, "lightning_module") else None
+    plan = getattr(model.trainer, "_model_plan", None) or model.trainer.lightning_module or plan
+
+    def latent(n: int) -> Callable[[], Any]:  # what users call after training
+        return lambda: model.get_latent_representation(adata[:n], batch_size=n)
+
+    held = {f"{n} cell(s)": model._make_data_loader(adata=adata, indices=list(range(150, 150 + n)), batch_size=n)
+            for n in (1, 5)}
+    probes = _validation_probes(plan, held)
+    probes += [("get_latent_representation, 1 cell", latent(1)), ("get_latent_representation, 7 cells", latent(7))]
+    return Case(model.trainer, plan, probes)
+
+
+@library("darts", "time series", ["darts"], "darts",
+         "darts TSMixerModel(norm_type='TimeBatchNorm2d', input 12, output 4, hidden 16) on a noisy sine series "
+         "(val_series), n_epochs=2, pl_trainer_kwargs={callbacks, default_root_dir}")
+def darts_(root: Path, callbacks: List[Any]) -> Case:
+    from darts.models import TSMixerModel
+    from darts.utils.timeseries_generation import gaussian_timeseries, sine_timeseries
+
+    series = (sine_timeseries(length=240, value_frequency=0.05) + gaussian_timeseries(length=240, std=0.1)).astype(
+        "float32")
+    train, val = series[:180], series[180:]
+    model = TSMixerModel(input_chunk_length=12, output_chunk_length=4, hidden_size=16, ff_size=16, num_blocks=2,
+                         norm_type="TimeBatchNorm2d", batch_size=16, n_epochs=2, random_state=0,
+                         work_dir=str(root), pl_trainer_kwargs={
+                             k: v for k, v in _quiet_trainer_kwargs(root, callbacks).items() if k != "max_epochs"})
+    model.fit(train, val_series=val)
+    shifted = [series[i * 20:i * 20 + 60] for i in range(3)]
+    probes = [("predict(n=4), 1 series", lambda: model.predict(n=4, series=val[:30], verbose=False)),
+              ("predict(n=4), 3 series", lambda: model.predict(n=4, series=shifted, verbose=False)),
+              ("predict(n=10) autoregressive, 1 series", lambda: model.predict(n=10, series=val[:30], verbose=False))]
+    return Case(model.trainer, model.model, probes)
+
+
+@library("neuralforecast", "time series", ["neuralforecast"], "neuralforecast",
+         "neuralforecast NHITS(h=6, input_size=12, max_steps=20) on its AirPassengersDF, NeuralForecast(...).fit(df, "
+         "val_size=12), trainer kwargs {callbacks, default_root_dir} through the model")
+def neuralforecast_(root: Path, callbacks: List[Any]) -> Case:
+    import pandas as pd
+    from neuralforecast import NeuralForecast
+    from neuralforecast.models import NHITS
+    from neuralforecast.utils import AirPassengersDF
+
+    kwargs = {k: v for k, v in _quiet_trainer_kwargs(root, callbacks).items() if k != "max_epochs"}
+    model = NHITS(h=6, input_size=12, max_steps=20, batch_size=4, val_check_steps=10, random_seed=0, **kwargs)
+    nf = NeuralForecast(models=[model], freq="MS")
+    nf.fit(df=AirPassengersDF, val_size=12)
+    fitted = nf.models[0]
+    three = pd.concat([AirPassengersDF.assign(unique_id=f"s{i}", y=AirPassengersDF.y * (1 + i / 10)) for i in range(3)])
+    probes = [("nf.predict(), 1 series", lambda: nf.predict()),
+              ("nf.predict(df=3 series)", lambda: nf.predict(df=three)),
+              ("nf.predict(df=1 series of 40 months)", lambda: nf.predict(df=AirPassengersDF.iloc[:40]))]
+    notes = [] if fitted is model else ["NeuralForecast.fit trains deep copies of the models (core.py: "
+                                        "self.models = [deepcopy(model) for model in self.models_init])"]
+    return Case(getattr(fitted, "_trainer", None), fitted, probes, notes)
+
+
+@library("pytorch-forecasting", "time series", ["pytorch-forecasting", "scikit-base<1.1"], "pytorch-forecasting",
+         "pytorch-forecasting TemporalFusionTransformer.from_dataset (hidden 8) on generate_ar_data "
+         "(TimeSeriesDataSet, encoder 10-20 steps, prediction 5), 1 epoch", no_deps=True)
+def pytorch_forecasting(root: Path, callbacks: List[Any]) -> Case:
+    import lightning.pytorch as L
+    import torch
+    from pytorch_forecasting import TemporalFusionTransformer, TimeSeriesDataSet
+    from pytorch_forecasting.data.examples import generate_ar_data
+
+    torch.manual_seed(0)
+    data = generate_ar_data(seasonality=10.0, timesteps=80, n_series=8, seed=42)
+    cutoff = 60
+    training = TimeSeriesDataSet(data[data.time_idx <= cutoff], time_idx="time_idx", target="value",
+                                 group_ids=["series"], min_encoder_length=10, max_encoder_length=20,
+                                 max_prediction_length=5, time_varying_unknown_reals=["value"])
+    validation = TimeSeriesDataSet.from_dataset(training, data, min_prediction_idx=cutoff + 1)
+    tft = TemporalFusionTransformer.from_dataset(training, hidden_size=8, attention_head_size=1,
+                                                 hidden_continuous_size=4, learning_rate=0.03)
+    trainer = L.Trainer(**_quiet_trainer_kwargs(root, callbacks, limit_train_batches=10))
+    trainer.fit(tft, training.to_dataloader(train=True, batch_size=16, num_workers=0),
+                validation.to_dataloader(train=False, batch_size=16, num_workers=0))
+    held = TimeSeriesDataSet.from_dataset(training, data, min_prediction_idx=cutoff + 6, min_encoder_length=12)
+    probes = [(f"predict(mode='raw'), batch {n}", lambda n=n: tft.predict(
+        held.to_dataloader(train=False, batch_size=n, num_workers=0), mode="raw",
+        trainer_kwargs={"logger": False, "enable_progress_bar": False, "default_root_dir": str(root)}))
+        for n in (1, 3)]
+    probes += _validation_probes(tft, {"batch 2": held.to_dataloader(train=False, batch_size=2, num_workers=0)})
+    return Case(trainer, tft, probes)
+
+
+@library("pytorch-tabular", "tabular", ["pytorch-tabular", "pytorch-tabnet", "einops", "ipywidgets"],
+         "pytorch-tabular",
+         "pytorch-tabular TabularModel with CategoryEmbeddingModelConfig(layers='16-8', use_batch_norm=True) on a "
+         "synthetic frame (3 continuous, 2 categorical columns), fit(train, validation, callbacks=[...])",
+         no_deps=True)
+def pytorch_tabular(root: Path, callbacks: List[Any]) -> Case:
+    import numpy as np
+    import pandas as pd
+    from pytorch_tabular import TabularModel
+    from pytorch_tabular.config import DataConfig, OptimizerConfig, TrainerConfig
+    from pytorch_tabular.models import CategoryEmbeddingModelConfig
+
+    rng = np.random.default_rng(0)
+
+    def frame(n: int) -> pd.DataFrame:
+        df = pd.DataFrame({"a": rng.normal(size=n), "b": rng.normal(size=n), "c": rng.normal(size=n),
+                           "color": rng.choice(["red", "green", "blue"], n), "size": rng.choice(["s", "m"], n)})
+        df["target"] = ((df.a + df.b > 0) ^ (df.color == "red")).astype(int)
+        return df
+
+    model = TabularModel(
+        data_config=DataConfig(target=["target"], continuous_cols=["a", "b", "c"], categorical_cols=["color", "size"]),
+        model_config=CategoryEmbeddingModelConfig(task="classification", layers="16-8", use_batch_norm=True),
+        optimizer_config=OptimizerConfig(),
+        trainer_config=TrainerConfig(batch_size=32, max_epochs=1, accelerator="cpu", checkpoints=None,
+                                     early_stopping=None, progress_bar="none", load_best=False,
+                                     trainer_kwargs={"default_root_dir": str(root)}),
+        verbose=False)
+    model.fit(train=frame(128), validation=frame(32), callbacks=callbacks, seed=0)
+    probes = [(f"predict(df of {n})", lambda n=n: model.predict(frame(n))) for n in (1, 7)]
+    return Case(model.trainer, model.model, probes)
+
+
+@library("anomalib", "anomaly detection", ["anomalib"], "anomalib",
+         "anomalib Padim(backbone='resnet18', pre_trained=False, layers=[layer1, layer2], 64x64 pre-processor) with "
+         "Engine(max_epochs=1, callbacks=[...], default_root_dir) on a Folder datamodule of random PNGs")
+def anomalib_(root: Path, callbacks: List[Any]) -> Case:
+    import numpy as np
+    import torch
+    from anomalib.data import Folder
+    from anomalib.engine import Engine
+    from anomalib.models import Padim
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = root.parent / "images"
+    for kind, n in (("good", 24), ("bad", 8)):
+        (images / kind).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            pixels = rng.integers(90, 110, (64, 64, 3)) if kind == "good" else rng.integers(0, 255, (64, 64, 3))
+            Image.fromarray(pixels.astype(np.uint8)).save(images / kind / f"{i}.png")
+    datamodule = Folder(name="synthetic", root=images, normal_dir="good", abnormal_dir="bad", train_batch_size=8,
+                        eval_batch_size=8, num_workers=0, seed=0)
+    model = Padim(backbone="resnet18", pre_trained=False, layers=["layer1", "layer2"],
+                  pre_processor=Padim.configure_pre_processor(image_size=(64, 64)), visualizer=False)
+    torch.manual_seed(0)
+    engine = Engine(**{k: v for k, v in _quiet_trainer_kwargs(root, callbacks).items()
+                       if k not in ("enable_model_summary",)})
+    engine.fit(model=model, datamodule=datamodule)
+
+    def predict(n: int, size: int) -> Callable[[], Any]:  # anomalib's inference: the module on an image batch
+        return lambda: model.eval()(torch.rand(n, 3, size, size))
+
+    probes = [("model(images), batch 1", predict(1, 64)), ("model(images), batch 3 at 80x80", predict(3, 80))]
+    return Case(engine.trainer, model, probes)
+
+
+@library("torch-uncertainty", "uncertainty", ["torch-uncertainty"], "torch-uncertainty",
+         "torch-uncertainty ClassificationRoutine(is_ensemble=True, format_batch_fn=RepeatTarget(2)) around "
+         "packed_lenet(num_estimators=2, norm=BatchNorm2d) (Packed-Ensembles) on random 1x28x28 images, 1 epoch")
+def torch_uncertainty(root: Path, callbacks: List[Any]) -> Case:
+    import lightning.pytorch as L
+    import torch
+    from torch import nn
+    from torch_uncertainty.models.classification.lenet import packed_lenet
+    from torch_uncertainty.routines import ClassificationRoutine
+    from torch_uncertainty.transforms import RepeatTarget
+
+    torch.manual_seed(0)
+    net = packed_lenet(in_channels=1, num_classes=4, num_estimators=2, norm=nn.BatchNorm2d)
+    routine = ClassificationRoutine(model=net, num_classes=4, loss=nn.CrossEntropyLoss(), is_ensemble=True,
+                                    format_batch_fn=RepeatTarget(2),
+                                    optim_recipe=torch.optim.Adam(net.parameters(), lr=1e-3))
+
+    def images(n: int) -> Any:
+        return torch.utils.data.TensorDataset(torch.randn(n, 1, 28, 28), torch.randint(0, 4, (n,)))
+
+    trainer = L.Trainer(**_quiet_trainer_kwargs(root, callbacks))
+    trainer.fit(routine, _loader(images(32), 8, shuffle=True), _loader(images(16), 8))
+    probes = _validation_probes(routine, {"batch 1": _loader(images(1), 1), "batch 5": _loader(images(5), 5)})
+    return Case(trainer, routine, probes)
+
+
 # ---------------------------------------------------------------------------------------------- report & setup
 
 def cpu_info() -> Dict[str, Any]:
@@ -797,7 +1083,9 @@ def to_markdown(results: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     for r in results:
         detail = r.get("reason", "")
         if r.get("error") and r["outcome"] in ("refused", "not run", "load failed"):
-            detail = f"`{r['error']['type'].split('.')[-1]}`: {r['error']['first_line']}" + (
+            e = r["error"]
+            detail = f"`{e['type'].split('.')[-1]}`: {e['first_line']}" + (
+                f" {e.get('stage') or ''} {e['cause']}" if e.get("cause") and e["cause"] != e["first_line"] else "") + (
                 f" (at {r['error']['fx_frame']})" if r["error"].get("fx_frame") else "")
             if r.get("without_callback") is not None:
                 detail += "; without the callback training " + (
