@@ -124,6 +124,25 @@ def _innermost_fx_frame(exc: BaseException) -> Optional[str]:
     return found
 
 
+def _fx_frames(exc: BaseException) -> List[List[str]]:
+    """Per exception of the chain (the one raised first, first): its fx_lightning frames, outermost first, and
+    the frame it was raised in."""
+    chain: List[BaseException] = []
+    e: Optional[BaseException] = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    out = []
+    for e in reversed(chain):
+        frames = traceback.extract_tb(e.__traceback__)
+        fx = [f"fx_lightning/{f.filename.split('/fx_lightning/', 1)[1]}:{f.lineno} ({f.name})" for f in frames
+              if "/fx_lightning/" in f.filename]
+        last = frames[-1] if frames else None
+        site = f"{last.filename.split('site-packages/')[-1]}:{last.lineno} ({last.name})" if last else "?"
+        out.append([f"{type(e).__name__}", *fx, f"raised at {site}"])
+    return out
+
+
 def _raise_site(exc: BaseException) -> Optional[str]:
     """Where the exception the user sees was raised (its last frame)."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -156,7 +175,8 @@ def _error_record(exc: BaseException) -> Dict[str, Any]:
         "fx_frame": _innermost_fx_frame(exc),
         "raise_site": _raise_site(exc),
         "from_fx_lightning": fx or type(exc).__module__.startswith("fx_lightning"),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-8000:],
+        "fx_frames": _fx_frames(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-40000:],
     }
 
 
@@ -1022,17 +1042,19 @@ def anomalib_(root: Path, callbacks: List[Any]) -> Case:
 
 @library("torch-uncertainty", "uncertainty", ["torch-uncertainty"], "torch-uncertainty",
          "torch-uncertainty ClassificationRoutine(is_ensemble=True, format_batch_fn=RepeatTarget(2)) around "
-         "packed_lenet(num_estimators=2, norm=BatchNorm2d) (Packed-Ensembles) on random 1x28x28 images, 1 epoch")
+         "packed_resnet(arch=18, num_estimators=2, alpha=2, width 0.25, cifar style) (Packed-Ensembles) on random "
+         "1x28x28 images, 1 epoch")
 def torch_uncertainty(root: Path, callbacks: List[Any]) -> Case:
     import lightning.pytorch as L
     import torch
     from torch import nn
-    from torch_uncertainty.models.classification.lenet import packed_lenet
+    from torch_uncertainty.models.classification.resnet.packed import packed_resnet
     from torch_uncertainty.routines import ClassificationRoutine
     from torch_uncertainty.transforms import RepeatTarget
 
     torch.manual_seed(0)
-    net = packed_lenet(in_channels=1, num_classes=4, num_estimators=2, norm=nn.BatchNorm2d)
+    net = packed_resnet(in_channels=1, num_classes=4, arch=18, num_estimators=2, alpha=2, gamma=1,
+                        width_multiplier=0.25, style="cifar")
     routine = ClassificationRoutine(model=net, num_classes=4, loss=nn.CrossEntropyLoss(), is_ensemble=True,
                                     format_batch_fn=RepeatTarget(2),
                                     optim_recipe=torch.optim.Adam(net.parameters(), lr=1e-3))
