@@ -1174,6 +1174,11 @@ def to_markdown(results: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
             if r.get("without_callback") is not None:
                 detail += "; without the callback training " + (
                     "succeeds" if r["without_callback"]["trains"] else f"fails too: {r['without_callback']['error']}")
+        if len(detail) > 700:
+            detail = detail[:700] + " ..."
+        formats = r.get("per_format") or {}
+        if formats and len({v.split(":")[0] for v in formats.values()}) > 1:  # the formats disagree: say how
+            detail += "; by format: " + ", ".join(f"{k} {v.split(':')[0]}" for k, v in formats.items())
         lines.append(f"| {r['library']} | {r.get('version') or '-'} | {r['field']} | {r['what']} | "
                      f"{_cell(repr(r.get('target')) if 'target' in r else '-')} | **{r['outcome']}** | "
                      f"{_cell(detail)} |")
