@@ -978,8 +978,7 @@ def pytorch_forecasting(root: Path, callbacks: List[Any]) -> Case:
     return Case(trainer, tft, probes)
 
 
-@library("pytorch-tabular", "tabular", ["pytorch-tabular", "pytorch-tabnet", "einops", "ipywidgets"],
-         "pytorch-tabular",
+@library("pytorch-tabular", "tabular", ["pytorch-tabular"], "pytorch-tabular",
          "pytorch-tabular TabularModel with CategoryEmbeddingModelConfig(layers='16-8', use_batch_norm=True) on a "
          "synthetic frame (3 continuous, 2 categorical columns), fit(train, validation, callbacks=[...])",
          no_deps=True)

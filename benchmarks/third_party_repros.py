@@ -216,6 +216,45 @@ def enum_constant_ignored(root: Path) -> None:
           f"rel err {float((got - want).abs().max() / want.abs().max()):.3f}")
 
 
+class TupleScale(Classifier):
+    """A forward with a tuple argument (a size, a scale: common in image and signal code)."""
+
+    def forward(self, x: torch.Tensor, scale: Tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        return self.net(x) * scale[0] * scale[1]
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0], (1.0, 1.0)), batch[1])
+
+    def validation_step(self, batch: Any, i: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(batch[0], (1.0, 1.0)), batch[1]))
+
+
+class DtypeArgument(Classifier):
+    """A forward with a torch.dtype argument."""
+
+    def forward(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.net(x).to(dtype) * (2 if dtype == torch.float64 else 1)
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0], torch.float32), batch[1])
+
+    def validation_step(self, batch: Any, i: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(batch[0], torch.float32), batch[1]))
+
+
+@repro
+def other_constants_ignored(root: Path) -> None:
+    """WRONG ANSWER, as enum_constant_ignored, for a tuple and a torch.dtype argument: both built in, neither in
+    signature.constants, another value silently computes with the built-in one."""
+    for model, other in ((TupleScale(), (2.0, 2.0)), (DtypeArgument(), torch.float64)):
+        cb = fit(model, loader(images(32, 32), 8), loader(images(16, 32), 8), root / type(model).__name__)
+        x = torch.randn(2, 3, 32, 32)
+        got, want = load_fused(cb.export_dir)(x, other), model.eval()(x, other)
+        manifest = json.loads((cb.export_dir / "manifest.json").read_text())
+        print(f"{type(model).__name__}({other}): signature.constants {manifest['signature']['constants']}; artifact "
+              f"{got.dtype} vs model {want.dtype}, rel err {float((got.double() - want.double()).abs().max() / want.abs().max()):.3f}")
+
+
 @dataclasses.dataclass
 class Graphs:
     """chemprop's BatchMolGraph: a dataclass of tensors and, in a private field, the number of molecules."""
