@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from fx_lightning._json import dtype_name
+from fx_lightning._json import JsonObject, dtype_name
 from fx_lightning.calls import Tree, path_text, tree_of, tree_of_call
 from fx_lightning.sample_axis import Observed, Runner, SampleAxis, find_sample_axis, shapes_text, stochastic_outputs
 
@@ -159,7 +159,7 @@ class Signature:
     notes: List[str] = field(default_factory=list)
     constants: List[ConstSpec] = field(default_factory=list)
     # The outputs' containers (:func:`describe_outputs`): named tuples and dataclasses come back as such on load.
-    output_tree: Optional[Dict[str, Any]] = None
+    output_tree: Optional[JsonObject] = None
 
     @property
     def batched(self) -> bool:
@@ -252,7 +252,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree))
 
 
-def describe_outputs(tree: Tree) -> Dict[str, Any]:
+def describe_outputs(tree: Tree) -> JsonObject:
     """The containers of an output as JSON, so a process without the training code rebuilds them: ``tensor``;
     ``tuple``/``list`` with ``items``; ``namedtuple`` and ``dataclass`` with their ``class`` (``module:qualname``),
     ``fields`` and whether the class can be imported by that name (``importable``: else a named tuple with the same

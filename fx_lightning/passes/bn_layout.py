@@ -14,7 +14,7 @@ Reshapes are run to the shape the graph recorded (ShapeProp or torch.export), so
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -197,7 +197,7 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         raise _Unfollowable(f"{_describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
 
 
-def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, Any]) -> torch.Tensor:
+def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Mapping[str, Any]) -> torch.Tensor:
     """The label every output of the average carries: the maximum over its window, which must equal the minimum."""
     x = args[0]
     if not isinstance(x, torch.Tensor):
