@@ -100,12 +100,13 @@ class ArtifactAPI(ls.LitAPI):
     """The worker: loads the artifact and checks it in ``setup`` (the result goes to the status board, which
     ``/health`` reads), then runs batches of decoded requests."""
 
+    input_dtypes: Sequence[str] = ()  # the manifest's, read in setup: bfloat16 ones are cast for the model
+
     def __init__(self, root: Path, options: ServeOptions, board: StatusBoard, spec: LitSpec) -> None:
         super().__init__(max_batch_size=options.max_batch_size, batch_timeout=options.batch_timeout, spec=spec,
                          loop=GreedyBatchedLoop() if options.max_batch_size > 1 else "auto")
         self.root, self.options, self.board = root, options, board
         self.model: Optional[torch.nn.Module] = None
-        self.input_dtypes: List[str] = []
 
 
     def setup(self, device: Any) -> None:
@@ -152,7 +153,8 @@ class ArtifactAPI(ls.LitAPI):
     def _run(self, args: List[torch.Tensor]) -> List[np.ndarray]:
         assert self.model is not None
         # bfloat16 travels as float32 (numpy has no bfloat16): cast in for the model, and out for numpy.
-        args = [a.to(torch.bfloat16) if dtype == "bfloat16" else a for a, dtype in zip(args, self.input_dtypes)]
+        dtypes = list(self.input_dtypes) + [""] * (len(args) - len(self.input_dtypes))
+        args = [a.to(torch.bfloat16) if dtype == "bfloat16" else a for a, dtype in zip(args, dtypes)]
         with torch.no_grad():
             return [(t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
                     for t in flat_tensors(self.model(*args))]
