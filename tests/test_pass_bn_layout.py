@@ -213,7 +213,8 @@ class ConcatIntoConv(nn.Module):
 
     def __init__(self, kernel: int = 1, padding: int = 0) -> None:
         super().__init__()
-        self.conv_a, self.bn, self.conv = nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.Conv1d(7, 5, kernel, padding=padding)
+        self.conv_a, self.bn = nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4)
+        self.conv = nn.Conv1d(7, 5, kernel, padding=padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn(torch.relu(self.conv_a(x)))

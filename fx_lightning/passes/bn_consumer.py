@@ -91,7 +91,7 @@ def plan_into_consumers(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn:
         return "nothing reads its output"
     ctx.ensure_shapes(gm)
     shape = node_shape(node)
-    if shape is None or len(shape) < 2:
+    if shape is None or len(shape) < 2 or any(size < 0 for size in shape):
         return "the BatchNorm's output shape is unknown: pass example_inputs so shapes are known"
     labels = run_layout(gm, node, axis_labels(shape, 1), found.layout)
     if isinstance(labels, str):

@@ -53,9 +53,9 @@ _MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.moveaxis
                    torch.t, torch.narrow, torch.select, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
                    torch.flip, torch.roll, torch.clone, torch.detach, torch.tile, operator.getitem} | aten_ops(
     "transpose.int", "permute.default", "movedim.int", "t.default", "swapaxes.default", "clone.default",
-    "alias.default", "detach.default", "contiguous.default", "slice.Tensor", "select.int", "narrow.default", "chunk.default",
-    "split.Tensor", "split_with_sizes.default", "tensor_split.sections", "tensor_split.indices", "unbind.int",
-    "flip.default", "roll.default", "repeat.default")
+    "alias.default", "detach.default", "contiguous.default", "slice.Tensor", "select.int", "narrow.default",
+    "chunk.default", "split.Tensor", "split_with_sizes.default", "tensor_split.sections", "tensor_split.indices",
+    "unbind.int", "flip.default", "roll.default", "repeat.default")
 _CONCAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate, torch.stack} | aten_ops("cat.default", "stack.default")
 
 # Padding that copies values of the same tensor (so it commutes with a per-channel affine map) and padding with
@@ -180,7 +180,7 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         if arg in values:
             return values[arg]
         shape = node_shape(arg)
-        if arg in data and shape is not None:  # another input of a concatenation
+        if arg in data and shape is not None and all(size >= 0 for size in shape):  # another part of a concatenation
             return torch.full(shape, FOREIGN, dtype=torch.float64)
         raise _Unfollowable(f"{_describe(node)} takes {_describe(arg)}, computed in the graph, as an argument")
 
@@ -197,7 +197,7 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         raise _Unfollowable(f"{_describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
 
 
-def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, Any]) -> torch.Tensor:
+def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, object]) -> torch.Tensor:
     """The label every output of the average carries: the maximum over its window, which must equal the minimum."""
     x = args[0]
     if not isinstance(x, torch.Tensor):
