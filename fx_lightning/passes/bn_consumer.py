@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.bn_layout import axis_labels, index_map, layout_inputs, run_layout
+from fx_lightning.passes.bn_layout import along_axis, axis_labels, layout_inputs, run_layout
 from fx_lightning.passes.bn_producer import FoldPlan, picked_scale_shift
 from fx_lightning.passes.bn_views import (
     BatchNorm,
@@ -120,10 +120,11 @@ def plan_layer(gm: fx.GraphModule, bn: BatchNorm, consumer: fx.Node, arrived: ob
     axis = feature_axis(layer, arrived.dim())
     if axis < 0 or arrived.shape[axis] != layer.in_channels:
         return f"{describe(consumer)} reads an input whose feature axis does not match its {layer.in_channels} inputs"
-    channel_of = index_map(axis_labels(arrived.shape, axis), arrived, layer.in_channels)
+    channel_of = along_axis(arrived, axis)
     if channel_of is None:
-        return (f"each input feature of {describe(consumer)} mixes several BatchNorm channels (the operations "
-                "between them move the channel to another axis), so no per-feature scale reproduces the BatchNorm")
+        return (f"each input feature of {describe(consumer)} mixes several BatchNorm channels, or a channel with "
+                "other values (the operations between them move the channel to another axis), so no per-feature "
+                "scale reproduces the BatchNorm")
     if not layer.zero_padding and layer.padding_mode not in _COPYING_MODES and bool((channel_of >= 0).any()):
         return (f"{describe(consumer)} pads its input with zeros: the padding would see un-normalised zeros "
                 "where the BatchNorm gives its shift")

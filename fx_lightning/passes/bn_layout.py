@@ -30,6 +30,7 @@ __all__ = [
     "run_layout",
     "axis_labels",
     "index_map",
+    "along_axis",
 ]
 
 # The label of a value that does not come from the followed source (another input of a concatenation).
@@ -241,6 +242,14 @@ def axis_labels(shape: Sequence[int], axis: int) -> torch.Tensor:
     view = [1] * len(shape)
     view[axis] = shape[axis]
     return torch.arange(shape[axis], dtype=torch.float64).reshape(view).expand(*shape)
+
+
+def along_axis(values: torch.Tensor, axis: int) -> Optional[torch.Tensor]:
+    """For each index along ``axis``, the one value every element there holds, as a long tensor; None when two
+    elements at one index hold different values (what :func:`index_map` gives for the axis's own indices)."""
+    rows = values.movedim(axis, 0).reshape(values.shape[axis], -1)
+    low, high = rows.amin(dim=1), rows.amax(dim=1)
+    return low.long() if torch.equal(low, high) else None
 
 
 def index_map(keys: torch.Tensor, values: torch.Tensor, size: int) -> Optional[torch.Tensor]:
