@@ -374,3 +374,13 @@ class MeanOverChannels(nn.Module):
 def test_an_average_over_the_channels_is_left_with_that_reason() -> None:
     result = fused(MeanOverChannels(), torch.randn(3, 5, 7), left=1)
     assert "averages values of several channels together" in reasons(result)[0]
+
+
+def test_without_example_inputs_a_fold_through_a_reshape_is_left_with_what_to_do() -> None:
+    """Symbolic tracing alone gives no shapes: the reshape cannot be followed, and the reason says so."""
+    model = randomize_batchnorms(FlattenedTimeFeatures()).eval()
+    result = fuse(model, {"trace": {"mode": "fx"}})
+    assert count_batchnorms(result.graph_module) == 1
+    (left,) = result.report.remaining_batchnorms
+    assert "pass example_inputs" in left.reason, left.reason
+    assert_exact(model, result.graph_module, (torch.randn(3, 5),))

@@ -49,14 +49,14 @@ _EXPAND_FUNCTIONS = {torch.broadcast_to} | aten_ops("expand.default")
 # Operations that move or select values with constant arguments: run as they are, on the labels.
 _MOVE_METHODS = {"transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "contiguous", "clone",
                  "detach", "narrow", "select", "chunk", "split", "tensor_split", "unbind", "flip", "roll", "repeat",
-                 "tile"}
+                 "tile", "unfold"}
 _MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims,
                    torch.t, torch.narrow, torch.select, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
                    torch.flip, torch.roll, torch.clone, torch.detach, torch.tile, operator.getitem} | aten_ops(
     "transpose.int", "permute.default", "movedim.int", "t.default", "swapaxes.default", "clone.default",
     "alias.default", "detach.default", "contiguous.default", "slice.Tensor", "select.int", "narrow.default",
     "chunk.default", "split.Tensor", "split_with_sizes.default", "tensor_split.sections", "tensor_split.indices",
-    "unbind.int", "flip.default", "roll.default", "repeat.default")
+    "unbind.int", "flip.default", "roll.default", "repeat.default", "unfold.default")
 _CONCAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate, torch.stack} | aten_ops("cat.default", "stack.default")
 
 # Padding that copies values of the same tensor (so it commutes with a per-channel affine map) and padding with
