@@ -314,7 +314,8 @@ class ECAPATDNN(nn.Module):
     tdnn feeds a tanh.
     """
 
-    def __init__(self, n_mels: int = 16, channels: int = 32, scale: int = 4, lin: int = 12, attention: int = 16) -> None:
+    def __init__(self, n_mels: int = 16, channels: int = 32, scale: int = 4, lin: int = 12,
+                 attention: int = 16) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([TDNNBlock(n_mels, channels, 5)] + [
             SERes2NetBlock(channels, scale, 3, d) for d in (2, 3, 4)])

@@ -108,6 +108,8 @@ def plan_into_consumers(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn:
 
 def plan_layer(gm: fx.GraphModule, bn: BatchNorm, consumer: fx.Node, arrived: object, copy_shared: bool,
               dtype: torch.dtype) -> Union[ChannelFold, str]:
+    """The fold of ``bn`` into ``consumer``'s input features, given the labels that ``arrived`` at its input (each
+    element's BatchNorm channel, or FOREIGN), or why that layer cannot take it."""
     layer = match_layer(gm, consumer)
     if isinstance(layer, Refused):
         return f"{describe(consumer)} cannot take it: {layer.reason}"

@@ -161,13 +161,18 @@ def _plan_chain(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNo
     out = node_shape(layer.node)
     if out is None or any(size < 0 for size in out):
         return "shapes unknown around the layout operations: pass example_inputs so they are known"
-    labels = run_layout(gm, layer.node, axis_labels(out, feature_axis(layer, len(out))), chain)
+    axis = feature_axis(layer, len(out))
+    if axis < 0:
+        return f"the output of {describe(layer.node)} has no feature axis (shape {list(out)})"
+    labels = run_layout(gm, layer.node, axis_labels(out, axis), chain)
     if isinstance(labels, str):
         return labels
     arrived = labels[chain[-1]]
     through = op_names(chain)
     if not isinstance(arrived, torch.Tensor) or arrived.dim() < 2 or arrived.shape[1] != bn.num_features:
         return f"after {through}, the BatchNorm's channel axis is not {bn.num_features} long"
+    if arrived.numel() == 0 or arrived.min() < 0 or arrived.max() >= layer.out_channels:
+        return f"{through} bring(s) values that {describe(layer.node)} does not produce to the BatchNorm"
     channel_of = index_map(arrived, axis_labels(arrived.shape, 1), layer.out_channels)
     if channel_of is None:
         return (f"{through} spread each output feature of {describe(layer.node)} over several BatchNorm channels "

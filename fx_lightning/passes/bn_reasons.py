@@ -69,7 +69,7 @@ def _category(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> str:
         return "padding with a constant, which would not be normalised"
     if name in _SUMS or user.target in (operator.add, operator.sub):
         if not _other_operand_is_a_value(user, value):
-            return "the addition of a constant"
+            return "the addition of a constant, which the fold does not follow"
         if name.endswith("sub") or user.target is operator.sub:
             return "the subtraction of another value"
         return "a residual add beside another branch"
