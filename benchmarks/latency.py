@@ -3,9 +3,14 @@
 The limit is our own captured graph with every BatchNorm that fx-lightning folds replaced by its input
 (Identity) and the convolutions left as they were: the fastest a BatchNorm fold can make the model.
 All variants are timed interleaved, in one process, with ``torch.set_num_threads(threads)``; the table
-shows medians and ratios. Also times ``fuse()`` itself against torch.fx's ``fuse``.
+shows medians and ratios, and the CPU they ran on. Also times ``fuse()`` itself against torch.fx's ``fuse``.
+Besides torchvision's classifiers, two sequence models from tests/zoo_sequence_models.py at their usual sizes:
+``patchtst`` (PatchTST/42: 336 steps of 7 series, patches of 16 with stride 8, d_model 128, 3 pre-norm layers,
+its BatchNorms between transposes) and ``ecapa_tdnn`` (ECAPA-TDNN, C=512, on 2 s of 80 mel bands: reflect-padded
+convs, ReLU, BatchNorm, Dropout1d(p=0)); torch.fx's ``fuse`` cannot trace ECAPA ("-").
 
     python benchmarks/latency.py                       # the README table (6 models, batch 1 and 8)
+    python benchmarks/latency.py --models patchtst ecapa_tdnn --out benchmarks/results/sequence
     python benchmarks/latency.py --models resnet18 --batches 1 --repeats 5   # quick look
 """
 
@@ -18,8 +23,9 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.fx as fx
@@ -29,24 +35,70 @@ from rich.table import Table
 from torch.fx.experimental.optimization import fuse as torch_fx_fuse
 
 import fx_lightning
-from fx_lightning.capture import capture
-from fx_lightning.config import TraceConfig
+from fx_lightning.passes.bn_views import bn_input
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from machine import cpu_description  # noqa: E402  (benchmarks/machine.py)
 
 MODELS = ["resnet18", "resnet50", "mobilenet_v3_large", "efficientnet_b0", "regnet_y_400mf", "densenet121"]
 VARIANTS = ["eager", "torch_fx_fuse", "fx_lightning", "bn_identity_limit"]
+FOLDS_OFF = {"passes": {name: {"enabled": False} for name in ("fuse_conv_bn", "fuse_linear_bn", "fuse_bn_into_next")}}
 
 
-def identity_limit(model: torch.nn.Module, folded: set) -> fx.GraphModule:
-    """Our capture of ``model`` with the BatchNorm nodes we fold removed (replaced by their input)."""
-    gm = capture(model, TraceConfig(mode="fx")).graph_module
+@dataclass(frozen=True)
+class Workload:
+    """A model to time and its input at a batch size; ``fuse_inputs``: fuse with an example input (the sequence
+    models need shapes for their folds, ECAPA a torch.export capture); the torchvision rows keep their history."""
+
+    build: Callable[[], torch.nn.Module]
+    example: Callable[[int, int], torch.Tensor]  # (batch, image size) -> input
+    fuse_inputs: bool = False
+
+
+def _sequence_models() -> Dict[str, Workload]:
+    from fusion_helpers import randomize_batchnorms
+    from zoo_sequence_models import ECAPATDNN, PatchTST
+
+    return {
+        "patchtst": Workload(lambda: randomize_batchnorms(PatchTST(
+            pre_norm=True, n_vars=7, seq_len=336, patch_len=16, stride=8, d=128, heads=16, layers=3, pred_len=96)),
+            lambda batch, size: torch.randn(batch, 336, 7), fuse_inputs=True),
+        "ecapa_tdnn": Workload(lambda: randomize_batchnorms(ECAPATDNN(n_mels=80, channels=512, scale=8, lin=192,
+                                                                     attention=128)),
+                               lambda batch, size: torch.randn(batch, 200, 80), fuse_inputs=True),
+    }
+
+
+def workload(name: str) -> Workload:
+    sequence = _sequence_models()
+    if name in sequence:
+        return sequence[name]
+    return Workload(lambda: torchvision.models.get_model(name, weights=None),
+                    lambda batch, size: torch.randn(batch, 3, size, size))
+
+
+def identity_limit(model: torch.nn.Module, folded: set, example: Optional[torch.Tensor]) -> fx.GraphModule:
+    """Our capture of ``model`` (the same capture and passes as fx-lightning's, the folds off) with the BatchNorm
+    nodes we fold removed (replaced by their input)."""
+    gm = fx_lightning.fuse(model, FOLDS_OFF, example_inputs=example).graph_module
     for node in list(gm.graph.nodes):
         if node.name in folded:
-            node.replace_all_uses_with(node.args[0])
+            node.replace_all_uses_with(bn_input(node))
             gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
+
+
+def _torch_fx_fuse(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """torch.fx's ``fuse``, or None where it cannot trace the model."""
+    try:
+        return torch_fx_fuse(model)
+    except Exception:  # noqa: BLE001 - symbolic tracing fails on data-dependent Python (ECAPA's chunk loop)
+        return None
 
 
 def time_once(fn: Callable[[], object]) -> float:
@@ -57,34 +109,40 @@ def time_once(fn: Callable[[], object]) -> float:
 
 def bench_model(name: str, batches: List[int], repeats: int, warmup: int, size: int) -> Dict:
     torch.manual_seed(0)
-    model = torchvision.models.get_model(name, weights=None).eval()
-    fuse_times = {"torch_fx_fuse": [], "fx_lightning": []}
+    work = workload(name)
+    model = work.build().eval()
+    example = work.example(1, size) if work.fuse_inputs else None
+    fuse_times: Dict[str, List[float]] = {"torch_fx_fuse": [], "fx_lightning": []}
     for _ in range(3):  # fuse-time: median of 3 (each a full deep copy + trace + passes)
-        fuse_times["torch_fx_fuse"].append(time_once(lambda: torch_fx_fuse(model)))
-        fuse_times["fx_lightning"].append(time_once(lambda: fx_lightning.fuse(model)))
-    ours = fx_lightning.fuse(model)
+        fuse_times["torch_fx_fuse"].append(time_once(lambda: _torch_fx_fuse(model)))
+        fuse_times["fx_lightning"].append(time_once(lambda: fx_lightning.fuse(model, example_inputs=example)))
+    ours = fx_lightning.fuse(model, example_inputs=example)
     folded = {c.node for p in ours.report.passes if p.name.startswith("fuse_") for c in p.changed}
+    reference = _torch_fx_fuse(model)
     variants = {
         "eager": model,
-        "torch_fx_fuse": torch_fx_fuse(model),
+        "torch_fx_fuse": reference,
         "fx_lightning": ours.graph_module,
-        "bn_identity_limit": identity_limit(model, folded),
+        "bn_identity_limit": identity_limit(model, folded, example),
     }
+    timed = [v for v in VARIANTS if variants[v] is not None]
     out = {
         "model": name,
+        "capture": ours.report.capture_mode,
         "batchnorms": ours.report.before.batchnorms,
         "folded": ours.report.batchnorms_folded,
-        "fuse_seconds": {k: statistics.median(v) for k, v in fuse_times.items()},
+        "fuse_seconds": {k: statistics.median(v) for k, v in fuse_times.items() if reference is not None
+                         or k != "torch_fx_fuse"},
         "latency_ms": {},
     }
     for batch in batches:
-        x = torch.randn(batch, 3, size, size)
-        samples: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+        x = work.example(batch, size)
+        samples: Dict[str, List[float]] = {v: [] for v in timed}
         with torch.inference_mode():
             for _ in range(warmup):
-                for v in VARIANTS:
+                for v in timed:
                     variants[v](x)
-            order = list(VARIANTS)
+            order = list(timed)
             rng = random.Random(0)
             # Batch 1 runs are short and noisier: three times the rounds, at little cost.
             for _ in range(repeats * 3 if batch == 1 else repeats):
@@ -97,19 +155,26 @@ def bench_model(name: str, batches: List[int], repeats: int, warmup: int, size: 
     return out
 
 
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(ours: float, other: Optional[float]) -> str:
+    return "-" if other is None else f"{ours / other:.3f}"
+
+
 def render(results: List[Dict], console: Console) -> str:
     table = Table(title="CPU latency, median ms (ratio = fx-lightning / other; < 1 is faster)")
     for col in ("model", "batch", "eager", "torch.fx fuse", "fx-lightning", "BN->Identity", "vs eager",
                 "vs torch.fx", "vs limit"):
         table.add_column(col, justify="right")
-    md = ["| model | batch | eager ms | torch.fx fuse ms | fx-lightning ms | BN->Identity ms | vs eager | vs torch.fx | vs limit |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    md = ["| model | batch | eager ms | torch.fx fuse ms | fx-lightning ms | BN->Identity ms | vs eager | vs torch.fx "
+          "| vs limit |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for batch, lat in r["latency_ms"].items():
-            ours = lat["fx_lightning"]
-            cells = [r["model"], batch, f"{lat['eager']:.1f}", f"{lat['torch_fx_fuse']:.1f}", f"{ours:.1f}",
-                     f"{lat['bn_identity_limit']:.1f}", f"{ours / lat['eager']:.3f}",
-                     f"{ours / lat['torch_fx_fuse']:.3f}", f"{ours / lat['bn_identity_limit']:.3f}"]
+            ours, other = lat["fx_lightning"], lat.get("torch_fx_fuse")
+            cells = [r["model"], batch, _ms(lat["eager"]), _ms(other), _ms(ours), _ms(lat["bn_identity_limit"]),
+                     _ratio(ours, lat["eager"]), _ratio(ours, other), _ratio(ours, lat["bn_identity_limit"])]
             table.add_row(*cells)
             md.append("| " + " | ".join(cells) + " |")
     console.print(table)
@@ -119,8 +184,9 @@ def render(results: List[Dict], console: Console) -> str:
     md += ["", "| model | BatchNorms | folded by fx-lightning | torch.fx fuse s | fx-lightning fuse s | ratio |",
            "|---|---|---|---|---|---|"]
     for r in results:
-        a, b = r["fuse_seconds"]["torch_fx_fuse"], r["fuse_seconds"]["fx_lightning"]
-        cells = [r["model"], str(r["batchnorms"]), str(r["folded"]), f"{a:.2f}", f"{b:.2f}", f"{b / a:.2f}"]
+        a, b = r["fuse_seconds"].get("torch_fx_fuse"), r["fuse_seconds"]["fx_lightning"]
+        cells = [r["model"], str(r["batchnorms"]), str(r["folded"]), "-" if a is None else f"{a:.2f}", f"{b:.2f}",
+                 "-" if a is None else f"{b / a:.2f}"]
         ft.add_row(*cells)
         md.append("| " + " | ".join(cells) + " |")
     console.print(ft)
@@ -136,6 +202,7 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--tag", default="", help="written as latency_TAG.md/.json (default: latency.md/.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     console = Console(width=150)
@@ -146,13 +213,14 @@ def main(argv: List[str] | None = None) -> int:
     md = render(results, console)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "torchvision": torchvision.__version__, "threads": args.threads,
-            "python": sys.version.split()[0], "machine": platform.machine(), "processor": platform.processor(),
+            "python": sys.version.split()[0], "machine": platform.machine(), "cpu": cpu_description(),
             "repeats": args.repeats, "size": args.size}
-    (args.out / "latency.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    (args.out / "latency.md").write_text(
-        f"torch {meta['torch']}, {args.threads} threads, input {args.size}x{args.size}, "
+    stem = f"latency_{args.tag}" if args.tag else "latency"
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    (args.out / f"{stem}.md").write_text(
+        f"{meta['cpu']}, torch {meta['torch']}, {args.threads} threads, image input {args.size}x{args.size}, "
         f"median of {args.repeats} interleaved runs in shuffled order ({3 * args.repeats} at batch 1)\n\n{md}\n")
-    console.print(f"wrote {args.out / 'latency.md'}")
+    console.print(f"{meta['cpu']}\nwrote {args.out / f'{stem}.md'}")
     return 0
 
 

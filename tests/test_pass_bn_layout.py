@@ -213,7 +213,8 @@ class ConcatIntoConv(nn.Module):
 
     def __init__(self, kernel: int = 1, padding: int = 0) -> None:
         super().__init__()
-        self.conv_a, self.bn, self.conv = nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.Conv1d(7, 5, kernel, padding=padding)
+        self.conv_a, self.bn = nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4)
+        self.conv = nn.Conv1d(7, 5, kernel, padding=padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn(torch.relu(self.conv_a(x)))
@@ -373,3 +374,13 @@ class MeanOverChannels(nn.Module):
 def test_an_average_over_the_channels_is_left_with_that_reason() -> None:
     result = fused(MeanOverChannels(), torch.randn(3, 5, 7), left=1)
     assert "averages values of several channels together" in reasons(result)[0]
+
+
+def test_without_example_inputs_a_fold_through_a_reshape_is_left_with_what_to_do() -> None:
+    """Symbolic tracing alone gives no shapes: the reshape cannot be followed, and the reason says so."""
+    model = randomize_batchnorms(FlattenedTimeFeatures()).eval()
+    result = fuse(model, {"trace": {"mode": "fx"}})
+    assert count_batchnorms(result.graph_module) == 1
+    (left,) = result.report.remaining_batchnorms
+    assert "pass example_inputs" in left.reason, left.reason
+    assert_exact(model, result.graph_module, (torch.randn(3, 5),))

@@ -82,11 +82,11 @@ class PatchTST(nn.Module):
     layers (W_Q, W_K, W_V through the views, or ff's first Linear): all 4 fold.
     """
 
-    def __init__(self, pre_norm: bool, n_vars: int = 3, seq_len: int = 32, patch_len: int = 8, d: int = 16,
-                 heads: int = 2, layers: int = 2, pred_len: int = 6) -> None:
+    def __init__(self, pre_norm: bool, n_vars: int = 3, seq_len: int = 32, patch_len: int = 8, stride: int = 8,
+                 d: int = 16, heads: int = 2, layers: int = 2, pred_len: int = 6) -> None:
         super().__init__()
-        self.patch_len, self.n_vars = patch_len, n_vars
-        self.patches = seq_len // patch_len
+        self.patch_len, self.stride, self.n_vars = patch_len, stride, n_vars
+        self.patches = (seq_len - patch_len) // stride + 1
         self.W_P = nn.Linear(patch_len, d)
         self.W_pos = nn.Parameter(torch.randn(self.patches, d) * 0.02)
         self.dropout = nn.Dropout(0.1)
@@ -94,7 +94,7 @@ class PatchTST(nn.Module):
         self.head = nn.Sequential(nn.Flatten(start_dim=-2), nn.Linear(d * self.patches, pred_len), nn.Dropout(0.1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, seq_len, n_vars)
-        z = x.permute(0, 2, 1).unfold(-1, self.patch_len, self.patch_len)  # (batch, vars, patches, patch_len)
+        z = x.permute(0, 2, 1).unfold(-1, self.patch_len, self.stride)  # (batch, vars, patches, patch_len)
         z = self.W_P(z)
         u = self.dropout(z.reshape(-1, self.patches, z.shape[-1]) + self.W_pos)
         for layer in self.layers:
@@ -314,12 +314,13 @@ class ECAPATDNN(nn.Module):
     tdnn feeds a tanh.
     """
 
-    def __init__(self, n_mels: int = 16, channels: int = 32, scale: int = 4, lin: int = 12) -> None:
+    def __init__(self, n_mels: int = 16, channels: int = 32, scale: int = 4, lin: int = 12,
+                 attention: int = 16) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([TDNNBlock(n_mels, channels, 5)] + [
             SERes2NetBlock(channels, scale, 3, d) for d in (2, 3, 4)])
         self.mfa = TDNNBlock(channels * 3, channels * 3, 1)
-        self.asp = AttentiveStatisticsPooling(channels * 3, 16)
+        self.asp = AttentiveStatisticsPooling(channels * 3, attention)
         self.asp_bn = nn.BatchNorm1d(channels * 6)
         self.fc = SameConv1d(channels * 6, lin, 1)
 

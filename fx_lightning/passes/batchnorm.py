@@ -85,13 +85,13 @@ def _dtype(fold: Any) -> torch.dtype:
 # -------------------------------------------------------------------------------------------- passes
 
 
-def _apply(gm: fx.GraphModule, plan: FoldPlan, copy_shared: bool) -> Optional[str]:
-    """Fold every part of ``plan`` (all or none: the refusals were checked when it was made)."""
+def _apply(gm: fx.GraphModule, plan: FoldPlan, copy_shared: bool) -> None:
+    """Fold every part of ``plan``. Each was checked when the plan was made (``weights_refusal``), so a refusal
+    here is a bug: it raises (the pass fails) rather than leave some layers folded and the BatchNorm in place."""
     for fold in plan.folds:
         reason = apply_channel_fold(gm, fold, copy_shared)
         if reason is not None:  # pragma: no cover - planned folds passed weights_refusal
-            return reason
-    return None
+            raise RuntimeError(f"a planned fold into {describe(fold.layer.node)} was refused: {reason}")
 
 
 def _fold_producer(gm: fx.GraphModule, ctx: PassContext, result: PassResult, kinds: Tuple[str, ...],
@@ -108,10 +108,7 @@ def _fold_producer(gm: fx.GraphModule, ctx: PassContext, result: PassResult, kin
             producer = bn_input(node)
             result.skip(node.name, plan, **({"into": describe(producer)} if isinstance(bn, BatchNorm) else {}))
             continue
-        reason = _apply(gm, plan, options.copy_shared_modules)
-        if reason is not None:
-            result.skip(node.name, reason, into=plan.into)
-            continue
+        _apply(gm, plan, options.copy_shared_modules)
         assert isinstance(bn, BatchNorm)
         remove_batchnorm(gm, bn, bn_input(node))
         result.change(node.name, plan.what, into=plan.into, kind=plan.kind)
@@ -149,11 +146,10 @@ def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: P
             continue
         plan = plan_into_consumers(gm, ctx, node, bn, options.copy_shared_modules, dtype) \
             if isinstance(bn, BatchNorm) else bn.reason
-        if not isinstance(plan, str):
-            plan = _apply(gm, plan, options.copy_shared_modules) or plan
-        if isinstance(plan, str):
+        if isinstance(plan, str):  # the reason names what blocks a fold on both sides, not only this one
             result.skip(node.name, explain_batchnorm(gm, ctx, node, options.copy_shared_modules))
             continue
+        _apply(gm, plan, options.copy_shared_modules)
         assert isinstance(bn, BatchNorm)
         remove_batchnorm(gm, bn, bn.input)
         result.change(node.name, plan.what, into=plan.into, kind=plan.kind)

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.bn_layout import axis_labels, index_map, layout_inputs, run_layout
+from fx_lightning.passes.bn_layout import along_axis, axis_labels, layout_inputs, run_layout
 from fx_lightning.passes.bn_producer import FoldPlan, picked_scale_shift
 from fx_lightning.passes.bn_views import (
     BatchNorm,
@@ -91,7 +91,7 @@ def plan_into_consumers(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn:
         return "nothing reads its output"
     ctx.ensure_shapes(gm)
     shape = node_shape(node)
-    if shape is None or len(shape) < 2:
+    if shape is None or len(shape) < 2 or any(size < 0 for size in shape):
         return "the BatchNorm's output shape is unknown: pass example_inputs so shapes are known"
     labels = run_layout(gm, node, axis_labels(shape, 1), found.layout)
     if isinstance(labels, str):
@@ -108,6 +108,8 @@ def plan_into_consumers(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn:
 
 def plan_layer(gm: fx.GraphModule, bn: BatchNorm, consumer: fx.Node, arrived: object, copy_shared: bool,
               dtype: torch.dtype) -> Union[ChannelFold, str]:
+    """The fold of ``bn`` into ``consumer``'s input features, given the labels that ``arrived`` at its input (each
+    element's BatchNorm channel, or FOREIGN), or why that layer cannot take it."""
     layer = match_layer(gm, consumer)
     if isinstance(layer, Refused):
         return f"{describe(consumer)} cannot take it: {layer.reason}"
@@ -120,10 +122,11 @@ def plan_layer(gm: fx.GraphModule, bn: BatchNorm, consumer: fx.Node, arrived: ob
     axis = feature_axis(layer, arrived.dim())
     if axis < 0 or arrived.shape[axis] != layer.in_channels:
         return f"{describe(consumer)} reads an input whose feature axis does not match its {layer.in_channels} inputs"
-    channel_of = index_map(axis_labels(arrived.shape, axis), arrived, layer.in_channels)
+    channel_of = along_axis(arrived, axis)
     if channel_of is None:
-        return (f"each input feature of {describe(consumer)} mixes several BatchNorm channels (the operations "
-                "between them move the channel to another axis), so no per-feature scale reproduces the BatchNorm")
+        return (f"each input feature of {describe(consumer)} mixes several BatchNorm channels, or a channel with "
+                "other values (the operations between them move the channel to another axis), so no per-feature "
+                "scale reproduces the BatchNorm")
     if not layer.zero_padding and layer.padding_mode not in _COPYING_MODES and bool((channel_of >= 0).any()):
         return (f"{describe(consumer)} pads its input with zeros: the padding would see un-normalised zeros "
                 "where the BatchNorm gives its shift")

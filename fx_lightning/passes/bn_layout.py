@@ -14,7 +14,7 @@ Reshapes are run to the shape the graph recorded (ShapeProp or torch.export), so
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -30,6 +30,7 @@ __all__ = [
     "run_layout",
     "axis_labels",
     "index_map",
+    "along_axis",
 ]
 
 # The label of a value that does not come from the followed source (another input of a concatenation).
@@ -48,14 +49,14 @@ _EXPAND_FUNCTIONS = {torch.broadcast_to} | aten_ops("expand.default")
 # Operations that move or select values with constant arguments: run as they are, on the labels.
 _MOVE_METHODS = {"transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "contiguous", "clone",
                  "detach", "narrow", "select", "chunk", "split", "tensor_split", "unbind", "flip", "roll", "repeat",
-                 "tile"}
+                 "tile", "unfold"}
 _MOVE_FUNCTIONS = {torch.transpose, torch.permute, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims,
                    torch.t, torch.narrow, torch.select, torch.chunk, torch.split, torch.tensor_split, torch.unbind,
                    torch.flip, torch.roll, torch.clone, torch.detach, torch.tile, operator.getitem} | aten_ops(
     "transpose.int", "permute.default", "movedim.int", "t.default", "swapaxes.default", "clone.default",
-    "alias.default", "detach.default", "contiguous.default", "slice.Tensor", "select.int", "narrow.default", "chunk.default",
-    "split.Tensor", "split_with_sizes.default", "tensor_split.sections", "tensor_split.indices", "unbind.int",
-    "flip.default", "roll.default", "repeat.default")
+    "alias.default", "detach.default", "contiguous.default", "slice.Tensor", "select.int", "narrow.default",
+    "chunk.default", "split.Tensor", "split_with_sizes.default", "tensor_split.sections", "tensor_split.indices",
+    "unbind.int", "flip.default", "roll.default", "repeat.default", "unfold.default")
 _CONCAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate, torch.stack} | aten_ops("cat.default", "stack.default")
 
 # Padding that copies values of the same tensor (so it commutes with a per-channel affine map) and padding with
@@ -180,7 +181,7 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         if arg in values:
             return values[arg]
         shape = node_shape(arg)
-        if arg in data and shape is not None:  # another input of a concatenation
+        if arg in data and shape is not None and all(size >= 0 for size in shape):  # another part of a concatenation
             return torch.full(shape, FOREIGN, dtype=torch.float64)
         raise _Unfollowable(f"{_describe(node)} takes {_describe(arg)}, computed in the graph, as an argument")
 
@@ -197,7 +198,7 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         raise _Unfollowable(f"{_describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
 
 
-def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Mapping[str, Any]) -> torch.Tensor:
+def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, object]) -> torch.Tensor:
     """The label every output of the average carries: the maximum over its window, which must equal the minimum."""
     x = args[0]
     if not isinstance(x, torch.Tensor):
@@ -241,6 +242,14 @@ def axis_labels(shape: Sequence[int], axis: int) -> torch.Tensor:
     view = [1] * len(shape)
     view[axis] = shape[axis]
     return torch.arange(shape[axis], dtype=torch.float64).reshape(view).expand(*shape)
+
+
+def along_axis(values: torch.Tensor, axis: int) -> Optional[torch.Tensor]:
+    """For each index along ``axis``, the one value every element there holds, as a long tensor; None when two
+    elements at one index hold different values (what :func:`index_map` gives for the axis's own indices)."""
+    rows = values.movedim(axis, 0).reshape(values.shape[axis], -1)
+    low, high = rows.amin(dim=1), rows.amax(dim=1)
+    return low.long() if torch.equal(low, high) else None
 
 
 def index_map(keys: torch.Tensor, values: torch.Tensor, size: int) -> Optional[torch.Tensor]:

@@ -32,7 +32,8 @@ from fx_lightning.passes.bn_views import (
 from fx_lightning.passes.base import PassContext
 from fx_lightning.passes.graph_utils import node_shape, value_users
 
-__all__ = ["FoldPlan", "only_feeds", "op_names", "walk_back", "plan_into_producer", "picked_scale_shift", "concat_parts"]
+__all__ = ["FoldPlan", "only_feeds", "op_names", "walk_back", "plan_into_producer", "picked_scale_shift",
+           "concat_parts"]
 
 
 @dataclass
@@ -82,6 +83,7 @@ def _is_concat(node: fx.Node) -> bool:
 def picked_scale_shift(bn: BatchNorm, dtype: torch.dtype, channels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The BatchNorm's scale and shift picked per feature by ``channels`` (a channel index; < 0: untouched)."""
     scale, shift = bn.scale_shift(dtype)
+    channels = channels.to(scale.device)
     hit = channels >= 0
     index = channels.clamp_min(0)
     return torch.where(hit, scale[index], torch.ones_like(scale[index])), torch.where(hit, shift[index],
@@ -157,15 +159,20 @@ def _plan_chain(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNo
             return reason
     ctx.ensure_shapes(gm)
     out = node_shape(layer.node)
-    if out is None:
+    if out is None or any(size < 0 for size in out):
         return "shapes unknown around the layout operations: pass example_inputs so they are known"
-    labels = run_layout(gm, layer.node, axis_labels(out, feature_axis(layer, len(out))), chain)
+    axis = feature_axis(layer, len(out))
+    if axis < 0:
+        return f"the output of {describe(layer.node)} has no feature axis (shape {list(out)})"
+    labels = run_layout(gm, layer.node, axis_labels(out, axis), chain)
     if isinstance(labels, str):
         return labels
     arrived = labels[chain[-1]]
     through = op_names(chain)
     if not isinstance(arrived, torch.Tensor) or arrived.dim() < 2 or arrived.shape[1] != bn.num_features:
         return f"after {through}, the BatchNorm's channel axis is not {bn.num_features} long"
+    if arrived.numel() == 0 or arrived.min() < 0 or arrived.max() >= layer.out_channels:
+        return f"{through} bring(s) values that {describe(layer.node)} does not produce to the BatchNorm"
     channel_of = index_map(arrived, axis_labels(arrived.shape, 1), layer.out_channels)
     if channel_of is None:
         return (f"{through} spread each output feature of {describe(layer.node)} over several BatchNorm channels "
@@ -226,7 +233,8 @@ def _concat_refusal(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Bat
     if reason is not None:
         return reason
     if sum(x.out_channels for x in layers) != bn.num_features:
-        return f"the concatenated convs have {sum(x.out_channels for x in layers)} channels, the BatchNorm {bn.num_features}"
+        channels = sum(x.out_channels for x in layers)
+        return f"the concatenated convs have {channels} channels, the BatchNorm {bn.num_features}"
     ctx.ensure_shapes(gm)
     shape = node_shape(cat)
     if shape is None:

@@ -69,7 +69,7 @@ def _category(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> str:
         return "padding with a constant, which would not be normalised"
     if name in _SUMS or user.target in (operator.add, operator.sub):
         if not _other_operand_is_a_value(user, value):
-            return "the addition of a constant"
+            return "the addition of a constant, which the fold does not follow"
         if name.endswith("sub") or user.target is operator.sub:
             return "the subtraction of another value"
         return "a residual add beside another branch"
@@ -152,7 +152,7 @@ def _layer_refusals(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Bat
     """Why each layer the values reach cannot take them (none, when all can)."""
     ctx.ensure_shapes(gm)
     shape = node_shape(node)
-    if shape is None or len(shape) < 2:
+    if shape is None or len(shape) < 2 or any(size < 0 for size in shape):
         return ["the BatchNorm's output shape is unknown: pass example_inputs so shapes are known"]
     labels = run_layout(gm, node, axis_labels(shape, 1), layout)
     if isinstance(labels, str):
