@@ -410,7 +410,7 @@ def run_library(lib: Library, workdir: Path) -> Dict[str, Any]:
     from fx_lightning.pipeline import resolve_target
     result: Dict[str, Any] = {"library": lib.name, "field": lib.field, "what": lib.what, "version": _version(lib.dist)}
     root = workdir / "run"
-    torch.manual_seed(0)
+    _seed_everything()
     start = time.perf_counter()
     callback = FXFuseCallback()
     try:
@@ -502,10 +502,21 @@ def run_library(lib: Library, workdir: Path) -> Dict[str, Any]:
     return result
 
 
+def _seed_everything() -> None:
+    """The same data and weights on every run (torch_geometric's FakeDataset draws from Python's and NumPy's
+    generators too)."""
+    import random
+
+    import numpy as np
+    import torch
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
 def _train_without_callback(lib: Library, workdir: Path) -> Dict[str, Any]:
     """Whether the same training succeeds without the callback (a refusal of training that would succeed)."""
-    import torch
-    torch.manual_seed(0)
+    _seed_everything()
     try:
         lib.train(workdir, [])
         return {"trains": True}
