@@ -137,7 +137,11 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
                 result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
-                              check_inputs=other_sizes(found.steps))
+                              check_inputs=other_sizes(found.steps) + signature.examples)
+                if result.static_shapes is not None and signature.probed:  # sizes shown to vary, not capturable
+                    signature = signature.fixing_probed()  # dynamic: fixed again, the sample axis kept dynamic
+                    result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
+                                  check_inputs=other_sizes(found.steps))
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
