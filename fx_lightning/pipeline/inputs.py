@@ -241,6 +241,11 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc
+    except Exception as exc:  # noqa: BLE001 - the model's own code, in eval mode, on the calls it received
+        raise ModelError(f"the target's own forward raises in eval mode on the calls it received "
+                         f"({type(exc).__name__}: {first_line(exc)}): a model whose eval forward needs what training "
+                         "fills (a memory bank, fitted statistics) cannot run before training; the end of fit runs "
+                         "it on the trained model") from exc
 
 
 def _run_seeded(module: nn.Module, call: Call, seed: int) -> Any:
