@@ -184,9 +184,16 @@ class StageModel(Classifier):
 @repro
 def enum_constant_refused(root: Path) -> None:
     """darts: the stage is VALIDATE in every validation call, so it is built in as a constant, and the call darts
-    makes at predict time (stage=PREDICT) is refused although forward never reads it."""
+    makes at predict time (stage=PREDICT) is refused although forward never reads it; so is a call with VALIDATE
+    itself: the manifest keeps the constant as the str 'val', and interface.py compares types."""
     cb = fit(StageModel(), loader(images(32, 32), 8), loader(images(16, 32), 8), root)
-    load_fused(cb.export_dir)(ModuleInput(torch.randn(2, 3, 32, 32), LoopStage.PREDICT))
+    fused = load_fused(cb.export_dir)
+    try:
+        fused(ModuleInput(torch.randn(2, 3, 32, 32), LoopStage.VALIDATE))
+        print("stage=VALIDATE (the value it was built with): ran")
+    except Exception as exc:  # noqa: BLE001
+        print(f"stage=VALIDATE (the value it was built with): {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    fused(ModuleInput(torch.randn(2, 3, 32, 32), LoopStage.PREDICT))
 
 
 class PlainEnumModel(Classifier):
