@@ -221,8 +221,8 @@ def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
 
 @dataclass
 class SizeProbe:
-    """Input dimensions that were the same in every call observed but are shown to vary: the call with them cut
-    shorter runs and gives outputs of the same structure. ``inputs``: (leaf, dim) pairs, one group per size cut
+    """Input dimensions that were the same in every call observed but are shown to vary: the call with them
+    resized runs and gives outputs of the same structure. ``inputs``: (leaf, dim) pairs, one group per size cut
     together; ``outputs``: the (output, dim) pairs whose size changed with them; ``call``: the shorter call (an
     example of other sizes every artifact is checked on)."""
 
@@ -234,9 +234,10 @@ class SizeProbe:
 def probe_sizes(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                 candidates: Sequence[Tuple[int, int]], run: Runner, tree: Tree) -> SizeProbe:
     """Which of ``candidates`` ((leaf, dim) pairs of sizes that did not vary, the sample axis left out) can vary,
-    by experiment: the dims of one size are cut together to half of it (else one less), and each alone where that
-    fails (an image's height and width, a sequence's length in its ids and its mask). Only a model that runs and
-    keeps its output structure (count, ranks, dtypes) counts: a channel or feature axis makes it raise."""
+    by experiment: the dims of one size are resized together (to twice the size, else half, else one less), and
+    each alone where that fails (an image's height and width, a sequence's length in its ids and its mask). Only a
+    model that runs and keeps its output structure (count, ranks, dtypes) counts: a channel or feature axis makes
+    it raise."""
     by_size: dict = {}
     for leaf, dim in candidates:
         by_size.setdefault(int(leaves[leaf].shape[dim]), []).append((leaf, dim))
@@ -257,14 +258,25 @@ def probe_sizes(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[to
     return SizeProbe(groups, sorted(changed), tree.rebuild(current))
 
 
+def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` with ``size`` elements along ``dim``: its first ones, or itself repeated (the same values: valid indices
+    stay valid)."""
+    if size <= t.shape[dim]:
+        return t.narrow(dim, 0, size)
+    reps = -(-size // t.shape[dim])
+    return torch.cat([t] * reps, dim=dim).narrow(dim, 0, size)
+
+
 def _cut(leaves: Sequence[torch.Tensor], group: Sequence[Tuple[int, int]], size: int,
          outputs: Sequence[torch.Tensor], run: Runner, tree: Tree) -> Optional[Tuple[List[torch.Tensor], set]]:
-    """``leaves`` with the dims of ``group`` cut shorter, and the output dims whose size changed; None when the
+    """``leaves`` with the dims of ``group`` resized, and the output dims whose size changed; None when the
     model refuses that (raises, or gives outputs of another count, rank or dtype)."""
-    for shorter in dict.fromkeys(s for s in (size // 2, size - 1) if 1 <= s < size):
+    # Twice the size first: it keeps every divisibility the model may need (a U-Net's 32) and collapses no
+    # intermediate size to 1 (which torch.export would specialise on); then shorter.
+    for other in dict.fromkeys(s for s in (2 * size, size // 2, size - 1) if s >= 1 and s != size):
         cut = list(leaves)
         for leaf, dim in group:
-            cut[leaf] = cut[leaf].narrow(dim, 0, shorter)
+            cut[leaf] = _resized(cut[leaf], dim, other)
         try:
             got = run(tree.rebuild(cut))
         except Exception:  # noqa: BLE001 - the model refuses that size: the dims stay fixed

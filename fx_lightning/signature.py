@@ -292,7 +292,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
                               unread_constant(tree, leaves[0], out_leaves[0], path, value, same[0].samples, run))  # type: ignore[arg-type]
                  for path, value in tree.constants()]
     if probe.inputs:
-        notes.append("sizes that did not vary shown to vary by a call with them cut shorter: " + ", ".join(
+        notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
             f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
     return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree, constant_outputs),
                      [probe.call] if probe.call is not None else [])
@@ -318,6 +318,9 @@ def describe_outputs(tree: Tree, constants: bool = True) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
+    if tree.kind == "dist" and tree.cls is not None and class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}"):
+        return {"kind": "distribution", "class": f"{tree.cls.__module__}:{tree.cls.__qualname__}", "keys": keys,
+                "items": items}  # torch.distributions: rebuilt from its parameters
     return {"kind": "dict", "keys": keys, "items": items}
 
 
@@ -353,6 +356,15 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> An
                 return cls(*items) if kind == "namedtuple" else cls(**dict(zip(fields, items)))
             stand_in = collections.namedtuple(str(node["class"]).rpartition(".")[2].rpartition(":")[2], fields)
             return stand_in(*items)
+        if kind == "distribution":
+            cls = class_at(str(node["class"]))
+            params = dict(zip(node.get("keys") or [], items))
+            if cls is not None:
+                try:
+                    return cls(**params, validate_args=False)
+                except TypeError:  # a constructor of its own: its parameters, as torch.export gives them
+                    pass
+            return params
         if kind == "list":
             return list(items)
         if kind == "tuple":

@@ -52,7 +52,7 @@ NOT_DYNAMIC = NoteKind("not_dynamic", "torch.export could not keep the sizes tha
 STATIC_SIZES = NoteKind("static_sizes", "the formats made with torch.export take the example's sizes only: the sizes "
                                         "that varied ({sizes}) could not stay dynamic ({reason}); load_fused refuses "
                                         "other sizes for them (not a sample axis it could split or pad along)")
-PROBED_FIXED = NoteKind("probed_fixed", "sizes shown to vary by experiment (a call with them cut shorter ran) could "
+PROBED_FIXED = NoteKind("probed_fixed", "sizes shown to vary by experiment (a call with them resized ran) could "
                                       "not stay dynamic in torch.export ({reason}): the artifacts take the sizes seen "
                                       "there")
 NO_SAMPLE_AXIS = NoteKind("no_sample_axis", "no sample axis: {how}; every artifact takes its inputs whole (never split "
