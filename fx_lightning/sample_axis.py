@@ -19,7 +19,8 @@ import torch
 from fx_lightning.calls import Call, Tree, tree_of
 from fx_lightning.parity.compare import compare_outputs
 
-__all__ = ["SampleAxis", "Observed", "Runner", "find_sample_axis", "stochastic_outputs", "shapes_text"]
+__all__ = ["SampleAxis", "Observed", "Runner", "find_sample_axis", "stochastic_outputs", "shapes_text", "SizeProbe",
+           "probe_sizes"]
 
 
 @dataclass(frozen=True)
@@ -213,3 +214,79 @@ def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
     if not (first.passed and second.passed):
         return False, f"a second row changed the first's outputs: {(first if not first.passed else second).describe()}"
     return True, "a second row, the first's values reordered, ran beside it as each ran alone"
+
+
+# ------------------------------------------------------------------------------------ sizes that can vary
+
+
+@dataclass
+class SizeProbe:
+    """Input dimensions that were the same in every call observed but are shown to vary: the call with them
+    resized runs and gives outputs of the same structure. ``inputs``: (leaf, dim) pairs, one group per size cut
+    together; ``outputs``: the (output, dim) pairs whose size changed with them; ``call``: the shorter call (an
+    example of other sizes every artifact is checked on)."""
+
+    inputs: List[List[Tuple[int, int]]]
+    outputs: List[Tuple[int, int]]
+    call: Optional[Call] = None
+
+
+def probe_sizes(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                candidates: Sequence[Tuple[int, int]], run: Runner, tree: Tree) -> SizeProbe:
+    """Which of ``candidates`` ((leaf, dim) pairs of sizes that did not vary, the sample axis left out) can vary,
+    by experiment: the dims of one size are resized together (to twice the size, else half, else one less), and
+    each alone where that fails (an image's height and width, a sequence's length in its ids and its mask). Only a
+    model that runs and keeps its output structure (count, ranks, dtypes) counts: a channel or feature axis makes
+    it raise."""
+    by_size: dict = {}
+    for leaf, dim in candidates:
+        by_size.setdefault(int(leaves[leaf].shape[dim]), []).append((leaf, dim))
+    groups: List[List[Tuple[int, int]]] = []
+    changed: set = set()
+    current = list(leaves)
+    for size, dims in sorted(by_size.items()):
+        for group in [dims] + ([[d] for d in dims] if len(dims) > 1 else []):
+            if any(d in {x for g in groups for x in g} for d in group):
+                continue
+            cut = _cut(current, group, size, outputs, run, tree)
+            if cut is not None:
+                current, moved = cut
+                groups.append(group)
+                changed |= moved
+    if not groups:
+        return SizeProbe([], [])
+    return SizeProbe(groups, sorted(changed), tree.rebuild(current))
+
+
+def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` with ``size`` elements along ``dim``: its first ones, or itself repeated (the same values: valid indices
+    stay valid)."""
+    if size <= t.shape[dim]:
+        return t.narrow(dim, 0, size)
+    reps = -(-size // t.shape[dim])
+    return torch.cat([t] * reps, dim=dim).narrow(dim, 0, size)
+
+
+def _cut(leaves: Sequence[torch.Tensor], group: Sequence[Tuple[int, int]], size: int,
+         outputs: Sequence[torch.Tensor], run: Runner, tree: Tree) -> Optional[Tuple[List[torch.Tensor], set]]:
+    """``leaves`` with the dims of ``group`` resized, and the output dims whose size changed; None when the
+    model refuses that (raises, or gives outputs of another count, rank or dtype)."""
+    # Twice the size first: it keeps every divisibility the model may need (a U-Net's 32) and collapses no
+    # intermediate size to 1 (which torch.export would specialise on); then shorter.
+    for other in dict.fromkeys(s for s in (2 * size, size // 2, size - 1) if s >= 1 and s != size):
+        cut = list(leaves)
+        for leaf, dim in group:
+            cut[leaf] = _resized(cut[leaf], dim, other)
+        try:
+            got = run(tree.rebuild(cut))
+        except Exception:  # noqa: BLE001 - the model refuses that size: the dims stay fixed
+            continue
+        got_leaves = tree_of(got).leaves(got)
+        if len(got_leaves) != len(outputs) or any(
+                not isinstance(g, torch.Tensor) or g.dim() != o.dim() or g.dtype != o.dtype
+                for g, o in zip(got_leaves, outputs)):
+            continue
+        moved = {(i, d) for i, (g, o) in enumerate(zip(got_leaves, outputs)) for d in range(o.dim())
+                 if g.shape[d] != o.shape[d]}
+        return cut, moved
+    return None

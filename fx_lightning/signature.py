@@ -17,13 +17,14 @@ import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from fx_lightning._json import JsonObject, dtype_name
-from fx_lightning.calls import Tree, path_text, tree_of, tree_of_call
-from fx_lightning.sample_axis import Observed, Runner, SampleAxis, find_sample_axis, shapes_text, stochastic_outputs
+from fx_lightning.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
+from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes, shapes_text,
+                                     stochastic_outputs)
 
 __all__ = [
     "DimKind",
@@ -37,7 +38,6 @@ __all__ = [
     "with_raw_input",
     "describe_outputs",
     "rebuild_outputs",
-    "holds_records",
     "class_at",
 ]
 
@@ -121,15 +121,21 @@ class ConstSpec:
     value: Union[int, float, bool, str, None]
     # A value JSON cannot hold as it is (an enum, a tuple, a torch.dtype): its repr, which a given value must match.
     text: Optional[str] = None
+    # Shown by experiment not to change the outputs (:func:`unread_constant`: the values tried): any value is taken.
+    unread: Optional[str] = None
 
     @classmethod
-    def of(cls, path: str, steps: Tuple[Tuple[str, Any], ...], value: Any) -> "ConstSpec":
+    def of(cls, path: str, steps: Tuple[Tuple[str, Any], ...], value: Any, unread: Optional[str] = None
+           ) -> "ConstSpec":
         if value is None or (type(value) in (int, float, bool, str)):
-            return cls(path, steps, value)
-        return cls(path, steps, None, repr(value))
+            return cls(path, steps, value, None, unread)
+        return cls(path, steps, None, repr(value), unread)
 
     def matches(self, given: Any) -> bool:
-        """Whether ``given`` is the value the artifact was built with (by value: an enum as the same member)."""
+        """Whether ``given`` is the value the artifact was built with (by value: an enum as the same member), or any
+        value where the constant was shown not to change the outputs."""
+        if self.unread is not None:
+            return True
         if self.text is not None:
             return repr(given) == self.text
         return type(given) is type(self.value) and given == self.value
@@ -138,12 +144,15 @@ class ConstSpec:
         out: Dict[str, object] = {"path": self.path, "steps": [list(s) for s in self.steps], "value": self.value}
         if self.text is not None:
             out["repr"] = self.text
+        if self.unread is not None:
+            out["unread"] = self.unread
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ConstSpec":
         return cls(str(data["path"]), tuple((str(k), v) for k, v in data.get("steps") or []), data.get("value"),
-                   None if data.get("repr") is None else str(data["repr"]))
+                   None if data.get("repr") is None else str(data["repr"]),
+                   None if data.get("unread") is None else str(data["unread"]))
 
 
 @dataclass
@@ -160,6 +169,27 @@ class Signature:
     constants: List[ConstSpec] = field(default_factory=list)
     # The outputs' containers (:func:`describe_outputs`): named tuples and dataclasses come back as such on load.
     output_tree: Optional[JsonObject] = None
+    # Calls of other sizes made by the experiments (:func:`~fx_lightning.sample_axis.probe_sizes`): every artifact is
+    # checked on them too. Not written to the manifest.
+    examples: List[Call] = field(default_factory=list)
+
+    def fixing_probed(self) -> "Signature":
+        """This signature with the sizes only shown to vary by experiment (one size observed) fixed again: for a
+        capture that cannot keep them dynamic."""
+        def fixed(leaf: LeafSpec) -> LeafSpec:
+            dims = tuple(DimSpec(DimKind.fixed, d.size, d.low, d.high) if d.kind is DimKind.variable and
+                         d.low == d.high else d for d in leaf.dims)
+            groups = tuple(None if d.kind is DimKind.fixed else g for d, g in
+                           zip(dims, leaf.groups or (None,) * len(dims)))
+            return dataclasses.replace(leaf, dims=dims, groups=groups)
+
+        return dataclasses.replace(self, inputs=[fixed(x) for x in self.inputs], outputs=[fixed(x) for x in self.outputs],
+                                   examples=[])
+
+    @property
+    def probed(self) -> bool:
+        """Whether a size is variable only by experiment (one size observed)."""
+        return any(d.kind is DimKind.variable and d.low == d.high for leaf in self.inputs for d in leaf.dims)
 
     @property
     def batched(self) -> bool:
@@ -226,7 +256,8 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     leaves = [tree.leaves(c.call) for c in same]
     outputs = [run(c.call) for c in same]
     out_tree = tree_of(outputs[0])
-    out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree) else None for o in outputs]
+    out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree, values=False) else None for o in outputs]
+    constant_outputs = all(tree_of(o).same_structure(out_tree) for o in outputs)  # else not recorded (they vary)
     if any(o is None for o in out_leaves):
         raise ValueError("the model's outputs change structure from call to call; the calls: "
                          + "; ".join(shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
@@ -236,33 +267,48 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     stochastic = stochastic_outputs(same[0], out_leaves[0], rerun) if rerun is not None else set()
     sample = find_sample_axis(same, leaves, out_leaves, shapes, counts, run, tree, stochastic)
     in_axes, out_axes = sample[1], sample[2]
+    proven = sample[0].proven
+    # Sizes that did not vary are fixed only when the model cannot be shown to take others (probe_sizes).
+    candidates = [(i, d) for i, t in enumerate(leaves[0]) for d in range(t.dim())
+                  if not (proven and d == in_axes[i]) and len({s[i][d] for s in shapes if len(s[i]) > d}) == 1
+                  and t.shape[d] > 1]
+    probe = probe_sizes(same[0].call, leaves[0], out_leaves[0], candidates, run, tree)  # type: ignore[arg-type]
+    probed_in = {pair for group in probe.inputs for pair in group}
     in_specs = [_leaf(names[i], path_text(paths[i], root_names), paths[i], leaves[0][i],
-                      [s[i] for s in shapes], in_axes[i] if sample[0].proven else None)
+                      [s[i] for s in shapes], in_axes[i] if proven else None,
+                      probed={d for j, d in probed_in if j == i})
                 for i in range(len(paths))]
     out_paths = out_tree.leaf_paths()
     out_names = _output_names(out_tree)
     out_specs = [_leaf(out_names[i], "output" + path_text(out_paths[i]), out_paths[i], out_leaves[0][i], [tuple(o[i].shape) for o in out_leaves],  # type: ignore[index]
-                       out_axes[i] if sample[0].proven else None, i in stochastic)
+                       out_axes[i] if proven else None, i in stochastic,
+                       probed={d for j, d in probe.outputs if j == i})
                  for i in range(len(out_paths))]
     keys = {}  # a variable dimension's sizes in the calls -> its name: equal sizes in every call, one name
     in_specs = _grouped(in_specs, [[s[i] for s in shapes[:len(same)]] for i in range(len(paths))], keys)
     out_specs = _grouped(out_specs, [[tuple(o[i].shape) for o in out_leaves] for i in range(len(out_paths))], keys)  # type: ignore[index]
     # Every constant, whatever its type: one the artifact cannot check would be ignored when another is passed.
-    constants = [ConstSpec.of(path_text(path, root_names), tuple(path), value) for path, value in tree.constants()]
-    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree))
+    constants = [ConstSpec.of(path_text(path, root_names), tuple(path), value,
+                              unread_constant(tree, leaves[0], out_leaves[0], path, value, same[0].samples, run))  # type: ignore[arg-type]
+                 for path, value in tree.constants()]
+    if probe.inputs:
+        notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
+            f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
+    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree, constant_outputs),
+                     [probe.call] if probe.call is not None else [])
 
 
-def describe_outputs(tree: Tree) -> JsonObject:
+def describe_outputs(tree: Tree, constants: bool = True) -> JsonObject:
     """The containers of an output as JSON, so a process without the training code rebuilds them: ``tensor``;
     ``tuple``/``list`` with ``items``; ``namedtuple`` and ``dataclass`` with their ``class`` (``module:qualname``),
     ``fields`` and whether the class can be imported by that name (``importable``: else a named tuple with the same
     fields stands in); ``dict`` with ``keys`` (mappings, other objects, distributions: as torch.export gives them)."""
     if tree.kind == "tensor":
         return {"kind": "tensor"}
-    if tree.kind == "const":
+    if tree.kind == "const":  # a value only where every call had it (``constants``), else None
         value = tree.template
-        return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
-    items = [describe_outputs(child) for _, child in tree.children]
+        return {"kind": "const", "value": value if constants and isinstance(value, (int, float, bool, str)) else None}
+    items = [describe_outputs(child, constants) for _, child in tree.children]
     keys = [key for (_, key), _child in tree.children]
     fields = getattr(tree.cls, "_fields", None) if tree.kind == "seq" else None
     record = tree.cls is not None and (fields is not None or (tree.kind == "obj" and dataclasses.is_dataclass(tree.cls)))
@@ -272,6 +318,9 @@ def describe_outputs(tree: Tree) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
+    if tree.kind == "dist" and tree.cls is not None and class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}"):
+        return {"kind": "distribution", "class": f"{tree.cls.__module__}:{tree.cls.__qualname__}", "keys": keys,
+                "items": items}  # torch.distributions: rebuilt from its parameters
     return {"kind": "dict", "keys": keys, "items": items}
 
 
@@ -307,6 +356,15 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> An
                 return cls(*items) if kind == "namedtuple" else cls(**dict(zip(fields, items)))
             stand_in = collections.namedtuple(str(node["class"]).rpartition(".")[2].rpartition(":")[2], fields)
             return stand_in(*items)
+        if kind == "distribution":
+            cls = class_at(str(node["class"]))
+            params = dict(zip(node.get("keys") or [], items))
+            if cls is not None:
+                try:
+                    return cls(**params, validate_args=False)
+                except TypeError:  # a constructor of its own: its parameters, as torch.export gives them
+                    pass
+            return params
         if kind == "list":
             return list(items)
         if kind == "tuple":
@@ -316,22 +374,62 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> An
     return build(description)
 
 
-def holds_records(description: Optional[Mapping[str, Any]]) -> bool:
-    """Whether an output description has a named tuple or dataclass (then it is rebuilt on load)."""
-    if description is None:
-        return False
-    return description["kind"] in ("namedtuple", "dataclass") or any(
-        holds_records(child) for child in description.get("items") or [])
+def unread_constant(tree: Tree, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], path: Sequence[Any],
+                    value: Any, samples: Optional[int], run: Runner) -> Optional[str]:
+    """Whether a constant of the calls is shown not to change the outputs, by running the call with the other values
+    it can take: every other member of an enum, the other bool; an int that counts the batch's samples (a graph or
+    molecule count) with 1, one more and twice as many. Returns the values tried (None: read, untried, or it
+    raised): the artifact then takes any value there, as the model does."""
+    if isinstance(value, Enum):
+        others: List[Any] = [m for m in type(value) if m is not value]
+    elif isinstance(value, bool):
+        others = [not value]
+    elif type(value) is int and samples is not None and value == samples:
+        others = sorted({1, value + 1, 2 * value} - {value})
+    else:
+        return None
+    if not others or not path or path[-1][0] not in ("arg", "kwarg", "key", "attr"):
+        return None
+    for other in others:
+        call = tree.rebuild(list(leaves))
+        _put(call, path, other)
+        try:
+            got = run(call)
+        except Exception:  # noqa: BLE001 - the model reads it
+            return None
+        got_leaves = tree_of(got).leaves(got)
+        if len(got_leaves) != len(outputs) or any(
+                g.shape != o.shape or g.dtype != o.dtype or not torch.equal(g, o) for g, o in zip(got_leaves, outputs)):
+            return None
+    return "outputs unchanged with " + ", ".join(repr(o) for o in others)
+
+
+def _put(call: Call, path: Sequence[Any], value: Any) -> None:
+    """Set the value at ``path`` in ``call`` (rebuilt fresh from its tree: nothing the caller holds changes)."""
+    (kind, key) = path[-1]
+    parent: Any = value_at(call, path[:-1]) if len(path) > 1 else call
+    if kind == "arg":
+        parent.args = parent.args[:key] + (value,) + parent.args[key + 1:]
+    elif kind == "kwarg":
+        parent.kwargs[key] = value
+    elif kind == "key":
+        parent[key] = value
+    else:
+        try:
+            setattr(parent, key, value)
+        except (AttributeError, TypeError, dataclasses.FrozenInstanceError):
+            object.__setattr__(parent, key, value)
 
 
 def _leaf(name: str, path: str, steps: Sequence[Any], example: torch.Tensor, sizes: Sequence[Tuple[int, ...]],
-          axis: Optional[int], stochastic: bool = False) -> LeafSpec:
+          axis: Optional[int], stochastic: bool = False, probed: Collection[int] = ()) -> LeafSpec:
+    """A leaf's spec; ``probed``: dimensions shown to vary by experiment (variable, though one size was seen)."""
     dims = []
     for d in range(example.dim()):
         seen = [s[d] for s in sizes if len(s) == example.dim()]
         if d == axis:
             kind = DimKind.sample
-        elif len(set(seen)) > 1:
+        elif len(set(seen)) > 1 or d in probed:
             kind = DimKind.variable
         else:
             kind = DimKind.fixed

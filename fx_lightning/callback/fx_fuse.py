@@ -8,6 +8,7 @@ step), :mod:`.ranks` (the end of fit on every rank, through the strategy's colle
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -88,6 +89,7 @@ class FXFuseCallback(Callback):
         self._raised: Optional[BaseException] = None
         self._recorder: Optional[CallRecorder] = None
         self._rehearsed = False
+        self._origin: Optional["FXFuseCallback"] = getattr(self, "_origin", None)
 
     # ------------------------------------------------------------------------------ before training
 
@@ -192,8 +194,27 @@ class FXFuseCallback(Callback):
         if outcome.skipped is not None:
             self.skipped = self.skipped or outcome.skipped
             rank_zero_info(f"FXFuseCallback: skipped ({outcome.skipped}).")
-        if outcome.failure is not None:
-            self._fail(trainer, outcome.failure)
+        try:
+            if outcome.failure is not None:
+                self._fail(trainer, outcome.failure)
+        finally:
+            self._share_results()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FXFuseCallback":
+        """A copy (a library that deep-copies the trainer's callbacks runs the copy) whose results reach this
+        object too, so the callback the user holds is never left empty."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for key, value in self.__dict__.items():
+            setattr(twin, key, value if key == "_origin" else copy.deepcopy(value, memo))
+        twin._origin = self._origin if self._origin is not None else self
+        return twin
+
+    def _share_results(self) -> None:
+        """This copy's results on the object it was copied from (see ``__deepcopy__``)."""
+        if self._origin is not None:
+            for key in _RESULTS:
+                setattr(self._origin, key, getattr(self, key))
 
     def _record(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
         """Keep what the pipeline did, log its figures once and print its summary."""
@@ -245,6 +266,10 @@ class FXFuseCallback(Callback):
             f"FXFuseCallback: fit did not finish ({type(exception).__name__}), so nothing was fused or exported; "
             "the LightningModule and the checkpoints are untouched."
         )
+
+
+# What a run leaves on the callback for the user (copied to the callback a copy was made from).
+_RESULTS = ("result", "parity_report", "export_dir", "mlflow", "outcome", "summary", "error", "skipped", "preflight")
 
 
 def _raise(error: FXLightningError, failure: Failure) -> None:

@@ -36,8 +36,8 @@ from fx_lightning.pipeline import Observations, ObservedStep, calibration_batch_
 __all__ = ["CallRecorder", "TARGET_CALLED_BY_STEPS", "NOT_OBSERVED"]
 
 TARGET_CALLED_BY_STEPS = NoteKind("target_called_by_steps", "the LightningModule's steps never call its forward (they "
-                                                            "call {called} directly): fused {target}, the submodule "
-                                                            "they call")
+                                                            "call {called} directly): fused {target}, the one of them "
+                                                            "that holds the trained parameters")
 NOT_OBSERVED = NoteKind("not_observed", "the target's calls were not observed ({why}): its inputs were taken out of "
                                         "the batches")
 # Shapes of this many calls are kept (evidence of which sizes vary).
@@ -227,14 +227,25 @@ class CallRecorder:
             return found
         called = sorted(name for name, log in self.logs.items() if name != self.path and (log.validation or
                                                                                           log.training))
-        if len(called) > 1:
-            raise ConfigError(
-                f"target: null, and the LightningModule's steps never call its forward: they call the submodules "
-                f"{', '.join(called)} directly. Set target to the one to fuse (e.g. target: {called[0]}).")
         if not called:
             return None
-        name = called[0]
-        return self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(called=name, target=name)])
+        name = self._trained_one(called)
+        return self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(
+            called=", ".join(called), target=name)])
+
+    def _trained_one(self, called: List[str]) -> str:
+        """Of the submodules the steps call, the one that holds the trained parameters (a batch transform or a loss
+        holds none). Raises ConfigError naming each with its count when several do: which one is the model is then
+        not observable."""
+        counts = {name: sum(p.numel() for p in self.watched[name].parameters() if p.requires_grad) for name in called}
+        trained = sorted((n for n in called if counts[n] > 0), key=lambda n: -counts[n])
+        if len(called) == 1 or len(trained) == 1:
+            return trained[0] if trained else called[0]
+        listed = ", ".join(f"{n} ({counts[n]:,} trained parameters)" for n in (trained or called))
+        raise ConfigError(
+            f"target: null, and the LightningModule's steps never call its forward: they call the submodules "
+            f"{listed} directly, and more than one holds trained parameters. Set target to the one to fuse "
+            f"(e.g. target: {(trained or called)[0]}).")
 
 
 def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:

@@ -21,7 +21,7 @@ from torch import nn
 from fx_lightning.calls import Call, Step, leaf_values, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature import ConstSpec, LeafSpec, Signature, holds_records, rebuild_outputs, shape_problem
+from fx_lightning.signature import ConstSpec, LeafSpec, Signature, rebuild_outputs, shape_problem
 
 __all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
 
@@ -39,16 +39,6 @@ class ArtifactInterface(nn.Module):
         self.what = what
         self.names = [leaf.name for leaf in signature.inputs]
         self.eval()
-
-    @staticmethod
-    def needed(signature: Signature, built: Optional[List[List[Optional[int]]]]) -> bool:
-        """Whether an artifact needs the interface: a flat one (its callers pass the original arguments or names), one
-        without a sample axis or built for fixed sizes (sizes checked, named, before a runtime refuses them), or one
-        whose outputs nest (a runtime returns them flat)."""
-        nested = any(len(leaf.steps) > 1 or any(kind != "index" for kind, _ in leaf.steps)
-                     for leaf in signature.outputs)
-        fixed = built is not None and any(d is not None for shape in built for d in shape)
-        return signature.flat or not signature.batched or fixed or nested or holds_records(signature.output_tree)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -110,7 +110,7 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
     try:
         module = fmt.load(root, entry, target)
         module = with_pieces(module, entry.batch_sizes, signature, f"{chosen} artifact")
-        if manifest.signature is not None and ArtifactInterface.needed(signature, entry.built_shapes):
+        if manifest.signature is not None:  # every call checked as the signature says, before a runtime sees it
             module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact")
         return CompiledForServing(module) if compile else module
     except ExportError:

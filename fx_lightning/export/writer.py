@@ -37,7 +37,7 @@ from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.program import ExportFailed, LeafDims, Program, export_program, signature_dims
 from fx_lightning.provenance import Provenance
 from fx_lightning.rows import rows_of, with_rows
-from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, with_raw_input
+from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, shape_problem, with_raw_input
 
 __all__ = ["Extension", "export_fused", "prepare_export", "write_export", "write_formats", "make_context",
            "require_formats", "refuse_existing", "STATIC_EXPORT", "STATIC_SIZES", "NO_SAMPLE_AXIS", "static_note"]
@@ -52,6 +52,9 @@ NOT_DYNAMIC = NoteKind("not_dynamic", "torch.export could not keep the sizes tha
 STATIC_SIZES = NoteKind("static_sizes", "the formats made with torch.export take the example's sizes only: the sizes "
                                         "that varied ({sizes}) could not stay dynamic ({reason}); load_fused refuses "
                                         "other sizes for them (not a sample axis it could split or pad along)")
+PROBED_FIXED = NoteKind("probed_fixed", "sizes shown to vary by experiment (a call with them resized ran) could "
+                                      "not stay dynamic in torch.export ({reason}): the artifacts take the sizes seen "
+                                      "there")
 NO_SAMPLE_AXIS = NoteKind("no_sample_axis", "no sample axis: {how}; every artifact takes its inputs whole (never split "
                                             "or padded)")
 
@@ -327,6 +330,12 @@ def _with_dynamic_program(ctx: WriteContext, dims: List[LeafDims], rows: Optiona
         return ctx
     except ExportFailed as exc:  # the graph fixes a size: export it for the example's
         reason = first_line(exc.first, with_type=True)
+    if signature.probed:  # sizes only shown to vary by experiment: fixed again, and the rest tried once more
+        ctx.signature = signature.fixing_probed()
+        ctx.check_args = [a for a in ctx.check_args if _fits(ctx.signature, a)]
+        ctx.notes.append(PROBED_FIXED(reason=reason))
+        return _with_dynamic_program(ctx, signature_dims(ctx.signature, dynamic_samples=dynamic_samples), rows,
+                                     dynamic_samples)
     if any(d.kind is DimKind.variable for leaf in signature.inputs for d in leaf.dims):
         # Fixed to sizes that vary (a graph's node count), a program would take no other input: the formats made
         # with torch.export are left out with this reason; the fused graph's own formats take every size.
@@ -347,6 +356,11 @@ def _program(ctx: WriteContext, args: Tuple[Any, ...]) -> Optional[Program]:
         return export_program(ctx.export_model, Call(args), None, allow_static=True)
     except ExportFailed:
         return None
+
+
+def _fits(signature: Signature, args: Sequence[Any]) -> bool:
+    """Whether ``args`` have the sizes ``signature`` fixes (an example of other sizes still to check on)."""
+    return shape_problem(signature.inputs, [a for a in args if isinstance(a, torch.Tensor)]) is None
 
 
 def _leaf_shapes(args: Sequence[Any]) -> Tuple[Tuple[int, ...], ...]:

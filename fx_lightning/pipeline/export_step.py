@@ -118,7 +118,8 @@ def _other_inputs(fused: Fused) -> List[tuple]:
     """The graph's inputs on the steps of other sizes than the first (raw with a prologue): the sizes that vary,
     which every dynamic artifact must take."""
     preprocess = fused.contract.preprocess
-    return [raw_input.example_raw(fused.graph_inputs(call), preprocess) for call in other_sizes(fused.steps)]
+    calls = other_sizes(fused.steps) + fused.signature.examples  # observed, and made by the size experiments
+    return [raw_input.example_raw(fused.graph_inputs(call), preprocess) for call in calls]
 
 
 def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,

@@ -38,7 +38,7 @@ from fx_lightning.batches import (
 )
 from fx_lightning.calls import Call, as_call, forward_parameter_names, no_distribution_validation
 from fx_lightning.config import FuseConfig
-from fx_lightning.errors import ConfigError, ModelError, first_line
+from fx_lightning.errors import ConfigError, FXLightningError, ModelError, first_line
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
 from fx_lightning.signature import Observed, Signature, derive_signature
@@ -95,8 +95,13 @@ def _observed(observed: Observations, wanted: int, whole: nn.Module, target: nn.
     steps = [_moved(s, device) for s in observed.steps[:wanted]]
     through = bool(path) and all(s.whole is not None for s in steps)
     if through:  # the target's inputs at these weights (weights: best differ from the ones observed)
-        steps = [ObservedStep(target_calls(whole, target, s.whole)[0], s.whole, s.samples, s.labels)  # type: ignore[arg-type]
-                 for s in steps]
+        try:
+            steps = [ObservedStep(target_calls(whole, target, s.whole)[0], s.whole, s.samples, s.labels)  # type: ignore[arg-type]
+                     for s in steps]
+        except FXLightningError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's own code, in eval mode, on what the steps passed
+            raise _eval_failure(exc) from exc
     note = OBSERVED_CALLS(stage=observed.stage, calls=len(steps), shapes=len(observed.shapes) + len(observed.steps))
     return TargetSteps(steps, through, {"validation": "val", "training": "train"}.get(observed.stage, "val"),
                        [*observed.notes, note])
@@ -241,6 +246,17 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc
+    except Exception as exc:  # noqa: BLE001 - the model's own code, in eval mode, on the calls it received
+        raise _eval_failure(exc) from exc
+
+
+def _eval_failure(exc: Exception) -> ModelError:
+    """The model's own forward raising in eval mode on calls its steps made: a condition of the model (it may need
+    what training fills), not one the preflight can prove before training."""
+    return ModelError(f"the model's own forward raises in eval mode on the calls its steps made "
+                      f"({type(exc).__name__}: {first_line(exc)}): a model whose eval forward needs what training "
+                      "fills (a memory bank, fitted statistics) cannot run before training; the end of fit runs it on "
+                      "the trained model")
 
 
 def _run_seeded(module: nn.Module, call: Call, seed: int) -> Any:

@@ -136,8 +136,18 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             signature = signature_for(reference, found.steps, observed)
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
-                result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
-                              check_inputs=other_sizes(found.steps))
+                try:
+                    result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
+                                  check_inputs=other_sizes(found.steps) + signature.examples)
+                    retry = result.static_shapes is not None and signature.probed  # sizes shown to vary, not kept
+                except TraceError:
+                    if not signature.probed:
+                        raise
+                    retry = True
+                if retry:  # the sizes only shown to vary by experiment fixed again, the sample axis kept dynamic
+                    signature = signature.fixing_probed()
+                    result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
+                                  check_inputs=other_sizes(found.steps))
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
