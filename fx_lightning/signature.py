@@ -256,7 +256,9 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     leaves = [tree.leaves(c.call) for c in same]
     outputs = [run(c.call) for c in same]
     out_tree = tree_of(outputs[0])
-    out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree, values=False) else None for o in outputs]
+    # An int output that differs from call to call (a count of the batch's rows) is part of the structure: an
+    # artifact would return the first call's value, or compute with it (scvi-tools' LossOutput: measured wrong).
+    out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree) else None for o in outputs]
     constant_outputs = all(tree_of(o).same_structure(out_tree) for o in outputs)  # else not recorded (they vary)
     if any(o is None for o in out_leaves):
         raise ValueError("the model's outputs change structure from call to call; the calls: "

@@ -7,7 +7,7 @@ and fails without its fix.
     a constant forward never reads is built in (darts, ...)      test_a_constant_forward_never_reads_takes_any_value
     the steps call submodules: the alphabetically first (smp)    test_the_called_submodule_holding_the_trained_parameters_is_the_target
     an eval forward needing training state stops fit (anomalib)  test_a_model_whose_eval_forward_needs_training_state_is_not_stopped
-    an int output equal to the batch size is structure (scvi)    test_an_int_output_that_follows_the_batch_is_not_its_structure
+    an int output that varies: refused, never stale (scvi)       test_an_int_output_that_varies_is_refused_never_returned_stale
     a library deep-copies the callbacks (neuralforecast)          test_a_deep_copied_callback_leaves_its_results_on_the_users_instance
 """
 
@@ -184,16 +184,18 @@ class CountingLit(H.LitClassifier):
         return self.head(self.backbone(x)["z"])
 
 
-def test_an_int_output_that_follows_the_batch_is_not_its_structure(tmp_path) -> None:
-    """Before: 'the model's outputs change structure from call to call' after training (the last validation batch
-    was smaller)."""
+def test_an_int_output_that_varies_is_refused_never_returned_stale(tmp_path) -> None:
+    """scvi-tools' LossOutput carries the batch's row count as an int. Taken as not part of the structure, the artifact
+    answered with values computed for another count (kl_global_sum at 5 cells: relative error 835). Refused, naming
+    the structure change, until such an output can be proven to follow the batch."""
+    from fx_lightning.errors import ModelError
+
     cb = FXFuseCallback(export={"formats": ["pt2"]})
     model = CountingLit()
     train, val = H.loaders(n_val=40)  # 16, 16 and 8 rows
-    H.make_trainer(tmp_path, [cb], max_epochs=1, limit_val_batches=3).fit(model, train, val)
-    x = torch.randn(3, 3, 8, 8)
-    got = load_fused(cb.export_dir)(x)
-    assert H.rel_err(got["z"], H.fp64_copy(model.backbone)(x.double())["z"]) < 1e-5
+    with pytest.raises(ModelError, match="outputs change structure from call to call"):
+        H.make_trainer(tmp_path, [cb], max_epochs=1, limit_val_batches=3).fit(model, train, val)
+    assert cb.export_dir is None
 
 
 def test_a_deep_copied_callback_leaves_its_results_on_the_users_instance(tmp_path) -> None:
