@@ -75,6 +75,7 @@ class LeafSpec:
     dims: Tuple[DimSpec, ...]
     stochastic: bool = False  # an output that changes from run to run (a sample drawn in forward)
     groups: Tuple[Optional[str], ...] = ()  # a name per variable dimension: equal names were equal in every call
+    unread: bool = False  # an input the captured graph never reads: a caller may leave it out (zeros stand in)
 
     @property
     def sample_axis(self) -> Optional[int]:
@@ -95,6 +96,8 @@ class LeafSpec:
                                   "sizes_seen": [[d.low, d.high] for d in self.dims]}
         if self.stochastic:
             out["stochastic"] = True
+        if self.unread:
+            out["unread"] = True
         return out
 
     @classmethod
@@ -108,7 +111,7 @@ class LeafSpec:
             groups.append(token if kind is DimKind.variable else None)
         return cls(str(data["name"]), str(data.get("path", data["name"])),
                    tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
-                   bool(data.get("stochastic", False)), tuple(groups))
+                   bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)))
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,11 @@ class Signature:
     # Calls of other sizes made by the experiments (:func:`~fx_lightning.sample_axis.probe_sizes`): every artifact is
     # checked on them too. Not written to the manifest.
     examples: List[Call] = field(default_factory=list)
+
+    def with_unread(self, names: Collection[str]) -> "Signature":
+        """This signature with the inputs ``names`` marked as never read by the captured graph."""
+        return dataclasses.replace(self, inputs=[dataclasses.replace(leaf, unread=leaf.name in names)
+                                                 for leaf in self.inputs])
 
     def fixing_probed(self) -> "Signature":
         """This signature with the sizes only shown to vary by experiment (one size observed) fixed again: for a

@@ -9,6 +9,8 @@ and fails without its fix.
     an eval forward needing training state stops fit (anomalib)  test_a_model_whose_eval_forward_needs_training_state_is_not_stopped
     an int output that varies: refused, never stale (scvi)       test_an_int_output_that_varies_is_refused_never_returned_stale
     a library deep-copies the callbacks (neuralforecast)          test_a_deep_copied_callback_leaves_its_results_on_the_users_instance
+    labels in the calls are required inputs (transformers)       test_the_artifact_answers_the_call_a_server_makes_without_labels
+    an input the model never reads is required (darts)           test_an_input_the_graph_never_reads_may_be_left_out
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import enum
 from typing import Any, Dict
 
 import pytest
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -205,3 +208,101 @@ def test_a_deep_copied_callback_leaves_its_results_on_the_users_instance(tmp_pat
     H.make_trainer(tmp_path, [ran], max_epochs=1).fit(H.LitClassifier(), *H.loaders())
     assert ran.export_dir is not None and mine.export_dir == ran.export_dir
     assert mine.outcome is ran.outcome and mine.summary == ran.summary
+
+
+class TextLit(pl.LightningModule):
+    """A text classifier as its users write it: ``forward(self, **inputs)`` computes the loss when ``labels`` are
+    given (Hugging Face's models), the steps pass the whole batch dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.classify = nn.Embedding(50, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def forward(self, **inputs: torch.Tensor) -> Dict[str, torch.Tensor]:  # type: ignore[override]
+        mask = inputs["attention_mask"].unsqueeze(-1).float()
+        logits = self.classify(self.norm((self.embed(inputs["input_ids"]) * mask).sum(1) / mask.sum(1)))
+        out = {"logits": logits}
+        if "labels" in inputs:
+            out["loss"] = F.cross_entropy(logits, inputs["labels"])
+        return out
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(**batch)["loss"]
+
+    def validation_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self(**batch)["loss"])
+
+
+def _token_batches(n: int, batch: int, length: int, seed: int) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    data = [{"input_ids": torch.randint(0, 50, (length,), generator=g), "attention_mask": torch.ones(length).long(),
+             "labels": torch.randint(0, 4, (), generator=g)} for _ in range(n)]
+    return torch.utils.data.DataLoader(data, batch_size=batch)
+
+
+def test_the_artifact_answers_the_call_a_server_makes_without_labels(tmp_path) -> None:
+    """transformers: the calls carried labels (the loss computed in forward), so labels were a required input, the
+    loss hid the sample axis and batch 8, length 16 were fixed: batch 1 and a call without labels were refused."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = TextLit()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, _token_batches(32, 8, 16, 0), _token_batches(16, 8, 16, 1))
+    assert any(n.kind.name == "labels_left_out" for n in cb.outcome.notes)
+    assert [leaf.path for leaf in cb.outcome.manifest.signature.inputs] == ["input_ids", "attention_mask"]
+    reference = copy.deepcopy(model).double().eval()
+    for batch, length in ((1, 7), (3, 23)):
+        ids = torch.randint(0, 50, (batch, length))
+        mask = torch.ones(batch, length, dtype=torch.long)
+        want = reference(input_ids=ids, attention_mask=mask)
+        for fmt in ("pt2", "graph_module"):
+            got = load_fused(cb.export_dir, fmt)(input_ids=ids, attention_mask=mask)
+            assert set(got) == {"logits"} and H.rel_err(got["logits"], want["logits"]) < 1e-5, fmt
+
+
+class Forecaster(nn.Module):
+    """darts' models take past and future targets; most never read the future ones (None at predict time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm, self.out = nn.Linear(12, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)
+
+    def forward(self, past_target: torch.Tensor, future_target: Any = None) -> torch.Tensor:
+        return self.out(self.norm(self.proj(past_target)))
+
+
+class ForecastLit(H.LitClassifier):
+    def __init__(self) -> None:
+        super().__init__(backbone=Forecaster())
+
+    def forward(self, past: torch.Tensor, future: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.backbone(past_target=past, future_target=future)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        past, future = batch
+        return F.mse_loss(self(past, future), future)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        past, future = batch
+        self.log("val_loss", F.mse_loss(self(past, future), future))
+
+
+def test_an_input_the_graph_never_reads_may_be_left_out(tmp_path) -> None:
+    """darts: the future targets the training steps pass (and the model never reads) were a required input, so every
+    predict call (future_target=None) was refused."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 12, generator=g), torch.randn(64, 4, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = ForecastLit()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    unread = [leaf.path for leaf in cb.outcome.manifest.signature.inputs if leaf.unread]
+    assert unread == ["future_target"], cb.outcome.manifest.signature.inputs
+    past = torch.randn(3, 12)
+    want = H.fp64_copy(model.backbone)(past.double())
+    for fmt in ("pt2", "graph_module"):
+        loaded = load_fused(cb.export_dir, fmt)
+        assert H.rel_err(loaded(past_target=past, future_target=None), want) < 1e-5, fmt
+        assert H.rel_err(loaded(past_target=past), want) < 1e-5, fmt
+        assert H.rel_err(loaded(past_target=past, future_target=torch.randn(3, 4)), want) < 1e-5, fmt

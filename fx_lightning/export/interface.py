@@ -21,7 +21,7 @@ from torch import nn
 from fx_lightning.calls import Call, Step, leaf_values, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature import ConstSpec, LeafSpec, Signature, rebuild_outputs, shape_problem
+from fx_lightning.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem
 
 __all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
 
@@ -65,7 +65,8 @@ class ArtifactInterface(nn.Module):
 
     def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
         """The artifact's positional arguments from what the caller gave."""
-        if kwargs and not args and set(kwargs) == set(self.names):
+        if kwargs and not args and set(kwargs) == set(self.names) and all(isinstance(v, torch.Tensor)
+                                                                          for v in kwargs.values()):
             return tuple(kwargs[n] for n in self.names)
         if not self.signature.flat:
             if kwargs:
@@ -89,13 +90,30 @@ class ArtifactInterface(nn.Module):
                 raise ExportError(f"{self.what}: {const.path} is {given!r}; the artifact was built with "
                                   f"{const.path}={built} (the value of every call observed), and computes "
                                   "with that value only")
-        try:
-            return tuple(value_at(call, _steps(leaf)) for leaf in self.signature.inputs)
-        except (KeyError, IndexError, AttributeError, TypeError) as exc:
-            wanted = ", ".join(f"{leaf.name} ({leaf.path})" for leaf in self.signature.inputs)
-            raise ExportError(f"{self.what}: cannot find its inputs in the arguments given ({type(exc).__name__}: "
-                              f"{exc}); it takes {wanted}: by name, in that order, or as the original arguments"
-                              ) from None
+        values: List[Any] = []
+        for leaf in self.signature.inputs:
+            try:
+                values.append(value_at(call, _steps(leaf)))
+            except (KeyError, IndexError, AttributeError, TypeError) as exc:
+                if not leaf.unread:
+                    wanted = ", ".join(f"{x.name} ({x.path})" for x in self.signature.inputs if not x.unread)
+                    raise ExportError(f"{self.what}: cannot find its inputs in the arguments given "
+                                      f"({type(exc).__name__}: {exc}); it takes {wanted}: by name, in that order, or "
+                                      "as the original arguments") from None
+                values.append(None)
+        return tuple(self._stand_in(leaf, values) if leaf.unread and values[i] is None else values[i]
+                     for i, leaf in enumerate(self.signature.inputs))
+
+    def _stand_in(self, leaf: LeafSpec, values: Sequence[Any]) -> torch.Tensor:
+        """Zeros for an input the graph never reads (a forecaster's future targets, None at predict time), sized as
+        the inputs given say: the sample axis and the sizes that varied with them, else the example's."""
+        given = {g: t.shape[d] for spec, t in zip(self.signature.inputs, values) if isinstance(t, torch.Tensor)
+                 for d, g in enumerate(spec.groups or ()) if g is not None}
+        rows = next((t.shape[spec.sample_axis] for spec, t in zip(self.signature.inputs, values)
+                     if isinstance(t, torch.Tensor) and spec.sample_axis is not None), None)
+        shape = [rows if dim.kind is DimKind.sample and rows is not None else given.get(group, dim.size)
+                 for dim, group in zip(leaf.dims, leaf.groups or (None,) * len(leaf.dims))]
+        return torch.zeros(shape, dtype=getattr(torch, leaf.dtype))
 
 
     def _refuse_unknown(self, call: Call) -> None:

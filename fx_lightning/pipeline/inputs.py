@@ -36,7 +36,8 @@ from fx_lightning.batches import (
     record_calls,
     to_model,
 )
-from fx_lightning.calls import Call, as_call, forward_parameter_names, no_distribution_validation
+from fx_lightning.calls import (Call, as_call, forward_parameter_names, no_distribution_validation, plain, tree_of,
+                                value_at)
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, FXLightningError, ModelError, first_line
 from fx_lightning.notes import Note, NoteKind
@@ -44,7 +45,7 @@ from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, S
 from fx_lightning.signature import Observed, Signature, derive_signature
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
-           "CALIBRATED_ON_OBSERVED",
+           "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "without_labels",
            "STEP_INPUTS", "EXAMPLE_INPUTS_USED", "EXAMPLE_INPUTS_DICT"]
 
 OBSERVED_CALLS = NoteKind("observed_calls", "the target's inputs as the LightningModule's own {stage} steps called it: "
@@ -56,6 +57,10 @@ EXAMPLE_INPUTS_DICT = NoteKind("example_inputs_dict", "example_inputs is a dict:
 CALIBRATED_ON_OBSERVED = NoteKind("calibrated_on_observed", "the lossy variants were calibrated on the {calls} "
                                                             "{stage} call(s) of the target observed ({wanted} "
                                                             "wanted): only calls the target was seen to receive")
+LABELS_LEFT_OUT = NoteKind("labels_left_out", "the target's calls carry {labels} (the batch's labels, for a loss it "
+                                              "computes in forward); it runs without them and gives the same other "
+                                              "outputs on every call, so the artifact is built for the call a server "
+                                              "makes, without {labels}")
 EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the example inputs instead")
 
 
@@ -233,6 +238,57 @@ def calibration_steps(config: FuseConfig, source: Source, whole: nn.Module, targ
         except Exception:  # noqa: BLE001 - the training batches differ from the validation ones: use those
             pass
     return [s.target for s in steps.steps[:count]], []
+
+
+# Keyword arguments that name labels, where the batch gives none to compare them with.
+_LABEL_NAMES = ("labels", "label", "targets", "target", "y")
+
+
+def without_labels(found: TargetSteps, reference: nn.Module) -> TargetSteps:
+    """The calls without the labels they carry, where that is proven by experiment on every call: the target runs
+    without them and every output it still gives equals the one it gave with them (a text classifier's logits, its
+    loss left out). The artifact is then built for the call a server makes. Only for a target called directly
+    (not through the whole model, whose forward would pass them again)."""
+    if found.through_whole or not found.steps:
+        return found
+    first = found.steps[0]
+    names = [k for k, v in first.target.kwargs.items() if isinstance(v, torch.Tensor) and _is_labels(k, v, first.labels)]
+    if not names:
+        return found
+    steps = []
+    for step in found.steps:
+        kept = Call(step.target.args, {k: v for k, v in step.target.kwargs.items() if k not in names})
+        try:
+            with_them, without = _run_seeded(reference, step.target, 0), _run_seeded(reference, kept, 0)
+        except Exception:  # noqa: BLE001 - it needs them: the call stays as observed
+            return found
+        if not _outputs_kept(without, with_them):
+            return found
+        steps.append(dataclasses.replace(step, target=kept))
+    labels = ", ".join(names)
+    return dataclasses.replace(found, steps=steps, notes=[*found.notes, LABELS_LEFT_OUT(labels=labels)])
+
+
+def _is_labels(name: str, value: torch.Tensor, labels: Optional[torch.Tensor]) -> bool:
+    if labels is not None and value.shape == labels.shape:
+        return bool(torch.equal(value.detach().cpu(), labels.detach().cpu()))
+    return labels is None and name in _LABEL_NAMES
+
+
+def _outputs_kept(without: Any, with_them: Any) -> bool:
+    """Whether every tensor of ``without`` is, at the same place, the tensor of ``with_them`` (equal values)."""
+    tree = tree_of(without)
+    paths = tree.leaf_paths()
+    if not paths:
+        return False
+    for path, value in zip(paths, tree.leaves(without)):
+        try:
+            other = value_at(plain(with_them), path)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            return False
+        if not isinstance(other, torch.Tensor) or other.shape != value.shape or not torch.equal(other, value):
+            return False
+    return True
 
 
 def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations]) -> Signature:

@@ -42,7 +42,7 @@ from fx_lightning.notes import NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
-from fx_lightning.pipeline.inputs import calibration_steps, signature_for, target_steps
+from fx_lightning.pipeline.inputs import calibration_steps, signature_for, target_steps, without_labels
 from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
 from fx_lightning.provenance import Provenance
@@ -133,6 +133,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             if not found.steps:
                 raise ConfigError("parity.data: no batches and no example inputs: capture, parity and export need "
                                   "the target's inputs")
+            found = without_labels(found, reference)
             signature = signature_for(reference, found.steps, observed)
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
@@ -153,6 +154,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                 raise
         if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf
             signature = dataclasses.replace(signature, flat=True)
+            signature = signature.with_unread(_unread_inputs(result.graph_module, signature))
         with in_step(Step.parity_input):
             calibration, calibration_notes = calibration_steps(config, source, reference_whole, reference, path,
                                                                found, calibration_batch_count(config))
@@ -175,6 +177,15 @@ def _candidate(result: FuseResult, signature: Signature) -> nn.Module:
     if result.static_shapes is not None:
         graph = for_sizes(graph, signature, result.static_shapes, "the fused model (captured for these sizes only)")
     return result.interface.structured(graph) if result.interface is not None else graph
+
+
+def _unread_inputs(graph_module: nn.Module, signature: Signature) -> List[str]:
+    """The inputs the captured graph never reads (a placeholder with no users), by the signature's names."""
+    graph = getattr(graph_module, "graph", None)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
+    if len(placeholders) != len(signature.inputs):
+        return []
+    return [leaf.name for leaf, node in zip(signature.inputs, placeholders) if not node.users]
 
 
 def other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
