@@ -328,9 +328,6 @@ def describe_outputs(tree: Tree, constants: bool = True) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
-    if tree.kind == "dist" and tree.cls is not None and class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}"):
-        return {"kind": "distribution", "class": f"{tree.cls.__module__}:{tree.cls.__qualname__}", "keys": keys,
-                "items": items}  # torch.distributions: rebuilt from its parameters
     return {"kind": "dict", "keys": keys, "items": items}
 
 
@@ -366,15 +363,6 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> An
                 return cls(*items) if kind == "namedtuple" else cls(**dict(zip(fields, items)))
             stand_in = collections.namedtuple(str(node["class"]).rpartition(".")[2].rpartition(":")[2], fields)
             return stand_in(*items)
-        if kind == "distribution":
-            cls = class_at(str(node["class"]))
-            params = dict(zip(node.get("keys") or [], items))
-            if cls is not None:
-                try:
-                    return cls(**params, validate_args=False)
-                except TypeError:  # a constructor of its own: its parameters, as torch.export gives them
-                    pass
-            return params
         if kind == "list":
             return list(items)
         if kind == "tuple":
