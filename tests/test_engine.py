@@ -225,7 +225,7 @@ def test_report_records_are_typed_and_its_json_keeps_them_flat():
     report = result.report
     assert all(isinstance(c, Change) for p in report.passes for c in p.changed)
     (left,) = report.remaining_batchnorms  # after a ReLU, before the output: nothing to fold into
-    assert isinstance(left, RemainingBatchNorm) and "feeds output" in left.reason
+    assert isinstance(left, RemainingBatchNorm) and "the model's output" in left.reason
     data = json.loads(json.dumps(report.to_dict()))
     assert data["remaining_batchnorms"] == [{"node": left.node, "reason": left.reason}]
     for p in data["passes"]:  # every record one flat object, as manifests have always held them
