@@ -240,11 +240,12 @@ class Signature:
 
 def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Sequence[Tuple[List[Tuple[int, ...]],
                      Optional[int]]] = (), root_names: Optional[Sequence[str]] = None, flat: bool = False,
-                     rerun: Optional[Runner] = None) -> Signature:
+                     rerun: Optional[Runner] = None, probe: bool = False) -> Signature:
     """The signature the calls show. ``run`` runs the reference on a call; ``rerun`` runs it again with another
     RNG seed (outputs that change are stochastic). ``extra_shapes``: the input leaves' shapes (and sample counts)
     of more calls whose values were not kept, as evidence of which sizes vary. ``flat``: the artifact takes one
-    tensor per input leaf."""
+    tensor per input leaf. ``probe``: sizes that did not vary are resized once in an experiment (:func:`probe_sizes`),
+    and stay dynamic where the model takes the other size."""
     if not calls:
         raise ValueError("derive_signature() needs at least one call")
     tree = tree_of_call(calls[0].call)
@@ -281,7 +282,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     # Sizes that did not vary are fixed only when the model cannot be shown to take others (probe_sizes).
     candidates = [(i, d) for i, t in enumerate(leaves[0]) for d in range(t.dim())
                   if not (proven and d == in_axes[i]) and len({s[i][d] for s in shapes if len(s[i]) > d}) == 1
-                  and t.shape[d] > 1]
+                  and t.shape[d] > 1] if probe else []
     probe = probe_sizes(same[0].call, leaves[0], out_leaves[0], candidates, run, tree)  # type: ignore[arg-type]
     probed_in = {pair for group in probe.inputs for pair in group}
     in_specs = [_leaf(names[i], path_text(paths[i], root_names), paths[i], leaves[0][i],

@@ -204,7 +204,7 @@ def test_manifest_content(tmp_path):
     assert manifest["parity"]["passed"] is True and manifest["parity"]["metrics"]["rel_err"] == 2.5e-7
     assert manifest["parity"]["metrics"]["inf"] == "inf"
     assert manifest["extra"] == {"epoch": 3}
-    assert manifest["inputs"] == [{"name": "x", "kind": "tensor", "shape": ["batch", 3, "n0", "n0"], "dtype": "float32",
+    assert manifest["inputs"] == [{"name": "x", "kind": "tensor", "shape": ["batch", 3, 8, 8], "dtype": "float32",
                                    "example_shape": [4, 3, 8, 8], "device": "cpu"}]
     assert manifest["outputs"] == [{"name": "output_0", "shape": ["batch", 5], "dtype": "float32"}]
     assert manifest["formats"]["pt2"]["pickled_code"] is False
@@ -247,7 +247,7 @@ def test_static_batch_when_dynamic_batch_off(tmp_path):
     out = quick_export(tmp_path / "exp", formats=["pt2"], dynamic_batch=False)
     manifest = read_manifest(out)
     assert manifest.dynamic_batch is False and manifest.formats["pt2"].batch_sizes == [4]
-    assert manifest.inputs[0].shape == [4, 3, "n0", "n0"]  # the batch fixed; height and width shown to vary
+    assert manifest.inputs[0].shape == [4, 3, 8, 8]
     with pytest.raises(Exception):  # the artifact itself takes its one batch size
         torch.export.load(str(out / "model.pt2")).module()(example(7))
     model = load_fused(out)
@@ -483,8 +483,7 @@ def test_openvino_falls_back_to_torchscript_route_and_keeps_fp32(tmp_path, monke
     entry = read_manifest(out).formats["openvino"]
     options = entry.options
     assert options["converted_from"] == "torchscript" and "cannot handle this graph" in options["export_failure"]
-    # Height and width dynamic too: a call with them resized ran (issue 37's size experiment).
-    assert options["input_shapes"] == [[-1, 3, -1, -1]] and options["compile_config"]["INFERENCE_PRECISION_HINT"] == "f32"
+    assert options["input_shapes"] == [[-1, 3, 8, 8]] and options["compile_config"]["INFERENCE_PRECISION_HINT"] == "f32"
     # fp32 weights: ov.save_model halves them to fp16 unless told not to; fp16 would miss 1e-5 by far.
     weights = sum(p.numel() for p in fused(model).graph_module.parameters())
     assert (out / "openvino" / "model.bin").stat().st_size >= 4 * weights

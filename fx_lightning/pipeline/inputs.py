@@ -291,14 +291,15 @@ def _outputs_kept(without: Any, with_them: Any) -> bool:
     return True
 
 
-def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations]) -> Signature:
+def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations],
+                  probe: bool = False) -> Signature:
     """The signature of the target's calls: ``reference`` run on them (and once more with another seed, for the
     outputs that are drawn at random), the shapes of more observed calls as evidence of what varies."""
     shapes = list(observed.shapes) if observed is not None else []
     try:
         return derive_signature([Observed(s.target, s.samples) for s in steps], lambda c: _run_seeded(reference, c, 0),
                                 rerun=lambda c: _run_seeded(reference, c, 1), extra_shapes=shapes,
-                                root_names=forward_parameter_names(reference))
+                                root_names=forward_parameter_names(reference), probe=probe)
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc

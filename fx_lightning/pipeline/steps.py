@@ -134,7 +134,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                 raise ConfigError("parity.data: no batches and no example inputs: capture, parity and export need "
                                   "the target's inputs")
             found = without_labels(found, reference)
-            signature = signature_for(reference, found.steps, observed)
+            signature = signature_for(reference, found.steps, observed, config.trace.probe_sizes)
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
                 try:
