@@ -10,7 +10,9 @@ its BatchNorms between transposes) and ``ecapa_tdnn`` (ECAPA-TDNN, C=512, on 2 s
 convs, ReLU, BatchNorm, Dropout1d(p=0)); torch.fx's ``fuse`` cannot trace ECAPA ("-").
 
     python benchmarks/latency.py                       # the README table (6 models, batch 1 and 8)
-    python benchmarks/latency.py --models patchtst ecapa_tdnn --out benchmarks/results/sequence
+    python benchmarks/latency.py --models patchtst ecapa_tdnn --tag sequence
+    python benchmarks/latency.py --models patchtst ecapa_tdnn --variants eager bn_identity_limit --repeats 50 \
+        --tag sequence_h2h                             # fewer variants, more rounds: for a noisy machine
     python benchmarks/latency.py --models resnet18 --batches 1 --repeats 5   # quick look
 """
 
@@ -54,6 +56,7 @@ class Workload:
     build: Callable[[], torch.nn.Module]
     example: Callable[[int, int], torch.Tensor]  # (batch, image size) -> input
     fuse_inputs: bool = False
+    inputs: str = ""  # what one sample is, for the results' header ("" for an image of --size)
 
 
 def _sequence_models() -> Dict[str, Workload]:
@@ -63,10 +66,11 @@ def _sequence_models() -> Dict[str, Workload]:
     return {
         "patchtst": Workload(lambda: randomize_batchnorms(PatchTST(
             pre_norm=True, n_vars=7, seq_len=336, patch_len=16, stride=8, d=128, heads=16, layers=3, pred_len=96)),
-            lambda batch, size: torch.randn(batch, 336, 7), fuse_inputs=True),
+            lambda batch, size: torch.randn(batch, 336, 7), fuse_inputs=True, inputs="336 steps x 7 series"),
         "ecapa_tdnn": Workload(lambda: randomize_batchnorms(ECAPATDNN(n_mels=80, channels=512, scale=8, lin=192,
                                                                      attention=128)),
-                               lambda batch, size: torch.randn(batch, 200, 80), fuse_inputs=True),
+                               lambda batch, size: torch.randn(batch, 200, 80), fuse_inputs=True,
+                               inputs="200 frames x 80 mel bands"),
     }
 
 
@@ -107,7 +111,8 @@ def time_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def bench_model(name: str, batches: List[int], repeats: int, warmup: int, size: int) -> Dict:
+def bench_model(name: str, batches: List[int], repeats: int, warmup: int, size: int,
+                only: Optional[List[str]] = None) -> Dict:
     torch.manual_seed(0)
     work = workload(name)
     model = work.build().eval()
@@ -125,7 +130,8 @@ def bench_model(name: str, batches: List[int], repeats: int, warmup: int, size: 
         "fx_lightning": ours.graph_module,
         "bn_identity_limit": identity_limit(model, folded, example),
     }
-    timed = [v for v in VARIANTS if variants[v] is not None]
+    # A head-to-head of fewer variants gives each more rounds in the same time (a shared machine's noise).
+    timed = [v for v in VARIANTS if variants[v] is not None and (only is None or v in only)]
     out = {
         "model": name,
         "capture": ours.report.capture_mode,
@@ -173,8 +179,9 @@ def render(results: List[Dict], console: Console) -> str:
     for r in results:
         for batch, lat in r["latency_ms"].items():
             ours, other = lat["fx_lightning"], lat.get("torch_fx_fuse")
-            cells = [r["model"], batch, _ms(lat["eager"]), _ms(other), _ms(ours), _ms(lat["bn_identity_limit"]),
-                     _ratio(ours, lat["eager"]), _ratio(ours, other), _ratio(ours, lat["bn_identity_limit"])]
+            eager, limit = lat.get("eager"), lat.get("bn_identity_limit")
+            cells = [r["model"], batch, _ms(eager), _ms(other), _ms(ours), _ms(limit), _ratio(ours, eager),
+                     _ratio(ours, other), _ratio(ours, limit)]
             table.add_row(*cells)
             md.append("| " + " | ".join(cells) + " |")
     console.print(table)
@@ -203,22 +210,26 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--tag", default="", help="written as latency_TAG.md/.json (default: latency.md/.json)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                        help="time only these (fx_lightning always): a head-to-head gets more rounds per minute")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     console = Console(width=150)
     results = []
     for name in args.models:
         console.print(f"[bold]{name}[/bold] ...")
-        results.append(bench_model(name, args.batches, args.repeats, args.warmup, args.size))
+        only = None if args.variants is None else sorted(set(args.variants) | {"fx_lightning"})
+        results.append(bench_model(name, args.batches, args.repeats, args.warmup, args.size, only))
     md = render(results, console)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "torchvision": torchvision.__version__, "threads": args.threads,
             "python": sys.version.split()[0], "machine": platform.machine(), "cpu": cpu_description(),
             "repeats": args.repeats, "size": args.size}
     stem = f"latency_{args.tag}" if args.tag else "latency"
+    inputs = ", ".join(f"{name}: {workload(name).inputs or f'{args.size}x{args.size} image'}" for name in args.models)
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / f"{stem}.md").write_text(
-        f"{meta['cpu']}, torch {meta['torch']}, {args.threads} threads, image input {args.size}x{args.size}, "
+        f"{meta['cpu']}, torch {meta['torch']}, {args.threads} threads, inputs ({inputs}), "
         f"median of {args.repeats} interleaved runs in shuffled order ({3 * args.repeats} at batch 1)\n\n{md}\n")
     console.print(f"{meta['cpu']}\nwrote {args.out / f'{stem}.md'}")
     return 0
