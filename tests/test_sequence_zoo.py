@@ -90,3 +90,54 @@ def test_ecapa_names_the_residual_add_the_gate_and_the_pooling() -> None:
     assert "a residual add beside another branch" in text
     assert "a product with another value" in text  # the SE gate
     assert "statistics that are not linear" in text  # the attentive statistics pooling
+
+
+class _Prediction(nn.Module):
+    """A Hugging Face time-series model called as a plain module: past values in, the forecast out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, past_values: torch.Tensor) -> torch.Tensor:
+        return self.model(past_values, return_dict=True).prediction_outputs
+
+
+def _hf_patchtst() -> nn.Module:
+    import transformers
+
+    return transformers.PatchTSTForPrediction(transformers.PatchTSTConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=16, num_attention_heads=2,
+        num_hidden_layers=2, ffn_dim=32, prediction_length=6, norm_type="batchnorm"))
+
+
+def _hf_patchtsmixer() -> nn.Module:
+    import transformers
+
+    return transformers.PatchTSMixerForPrediction(transformers.PatchTSMixerConfig(
+        context_length=32, patch_length=8, patch_stride=8, num_input_channels=3, d_model=16, num_layers=2,
+        prediction_length=6, norm_mlp="BatchNorm", gated_attn=True))
+
+
+# (build, BatchNorms, foldable by hand): PatchTST's default pre-norm layers give each BatchNorm (between transposes)
+# only to W_Q/W_K/W_V or the FFN; PatchTSMixer's feature-mixing norms feed only their MLP's first Linear, while its
+# patch-mixing norms feed a Linear over patches (the channel mixed) and follow a Linear that also feeds the residual.
+LIBRARY_MODELS = {"transformers/PatchTST": (_hf_patchtst, 4, 4), "transformers/PatchTSMixer": (_hf_patchtsmixer, 4, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY_MODELS))
+def test_library_time_series_models_fold_what_folds_exactly(name: str) -> None:
+    pytest.importorskip("transformers")
+    build, total, foldable = LIBRARY_MODELS[name]
+    torch.manual_seed(0)
+    model = _Prediction(randomize_batchnorms(build()).eval()).eval()
+    x = torch.randn(2, 32, 3, generator=torch.Generator().manual_seed(1))
+    result = fuse(model, example_inputs=x)
+    err = _errors(model, result.graph_module, (x,))
+    assert err <= 1e-5, f"relative error {err:.2e}"
+    report = result.report
+    assert (report.before.batchnorms, report.batchnorms_folded) == (total, foldable), str(report)
+    for record in report.remaining_batchnorms:
+        before_side, after_side = _sides(record.reason)
+        assert any(words in before_side for words in BEFORE), record.reason
+        assert any(words in after_side for words in AFTER), record.reason
