@@ -119,17 +119,15 @@ class Tree:
         """The tensors of ``value`` (which has this structure) in leaf order."""
         return [value_at(value, path) for path in self.leaf_paths()]
 
-    def same_structure(self, other: "Tree", values: bool = True) -> bool:
-        """The same nesting, leaves and constants (a call with another flag is another structure); ``values=False``:
-        constants of the same type may differ (an output's count of the batch's rows is not its structure)."""
+    def same_structure(self, other: "Tree") -> bool:
+        """The same nesting, leaves and constants (a call with another flag is another structure)."""
         if self.kind != other.kind or len(self.children) != len(other.children):
             return False
         if self.kind == "const":
-            return _same_constant(self.template, other.template) if values else \
-                type(self.template) is type(other.template)
+            return _same_constant(self.template, other.template)
         if self.kind in ("obj", "dist", "seq", "map") and self.cls is not other.cls:
             return False
-        return all(a == b and ca.same_structure(cb, values) for (a, ca), (b, cb) in zip(self.children, other.children))
+        return all(a == b and ca.same_structure(cb) for (a, ca), (b, cb) in zip(self.children, other.children))
 
     # ---------------------------------------------------------------------------------------- rebuild
 

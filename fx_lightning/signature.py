@@ -268,7 +268,6 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     # An int output that differs from call to call (a count of the batch's rows) is part of the structure: an
     # artifact would return the first call's value, or compute with it (scvi-tools' LossOutput: measured wrong).
     out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree) else None for o in outputs]
-    constant_outputs = all(tree_of(o).same_structure(out_tree) for o in outputs)  # else not recorded (they vary)
     if any(o is None for o in out_leaves):
         raise ValueError("the model's outputs change structure from call to call; the calls: "
                          + "; ".join(shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
@@ -305,21 +304,21 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     if probe.inputs:
         notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
             f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
-    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree, constant_outputs),
+    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree),
                      [probe.call] if probe.call is not None else [])
 
 
-def describe_outputs(tree: Tree, constants: bool = True) -> JsonObject:
+def describe_outputs(tree: Tree) -> JsonObject:
     """The containers of an output as JSON, so a process without the training code rebuilds them: ``tensor``;
     ``tuple``/``list`` with ``items``; ``namedtuple`` and ``dataclass`` with their ``class`` (``module:qualname``),
     ``fields`` and whether the class can be imported by that name (``importable``: else a named tuple with the same
     fields stands in); ``dict`` with ``keys`` (mappings, other objects, distributions: as torch.export gives them)."""
     if tree.kind == "tensor":
         return {"kind": "tensor"}
-    if tree.kind == "const":  # a value only where every call had it (``constants``), else None
+    if tree.kind == "const":
         value = tree.template
-        return {"kind": "const", "value": value if constants and isinstance(value, (int, float, bool, str)) else None}
-    items = [describe_outputs(child, constants) for _, child in tree.children]
+        return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
+    items = [describe_outputs(child) for _, child in tree.children]
     keys = [key for (_, key), _child in tree.children]
     fields = getattr(tree.cls, "_fields", None) if tree.kind == "seq" else None
     record = tree.cls is not None and (fields is not None or (tree.kind == "obj" and dataclasses.is_dataclass(tree.cls)))

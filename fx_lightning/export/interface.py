@@ -115,7 +115,6 @@ class ArtifactInterface(nn.Module):
                  for dim, group in zip(leaf.dims, leaf.groups or (None,) * len(leaf.dims))]
         return torch.zeros(shape, dtype=getattr(torch, leaf.dtype))
 
-
     def _refuse_unknown(self, call: Call) -> None:
         """An argument, key, field or item the artifact was not built from (a ``labels=`` keyword, a fifth tensor of a
         list built for two) would be ignored without a word: refused, naming it. A ``None`` where nothing was passed
