@@ -11,6 +11,7 @@ and fails without its fix.
     a library deep-copies the callbacks (neuralforecast)          test_a_deep_copied_callback_leaves_its_results_on_the_users_instance
     labels in the calls are required inputs (transformers)       test_the_artifact_answers_the_call_a_server_makes_without_labels
     an input the model never reads is required (darts)           test_an_input_the_graph_never_reads_may_be_left_out
+    a 1x1 feature map fixes the sizes again (lightly, torchgeo)  test_a_trunk_whose_feature_map_collapses_to_one_pixel_stays_dynamic
 """
 
 from __future__ import annotations
@@ -48,6 +49,41 @@ def test_sizes_that_never_varied_stay_dynamic_when_the_model_takes_others(tmp_pa
         assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt
     with pytest.raises(ExportError, match=r"input x \(x\) dim 1 is 4; the artifact was built for 3"):
         load_fused(cb.export_dir, "pt2")(torch.randn(3, 4, 12, 10))  # channels never vary: the package refuses
+
+
+
+class CollapsingTrunk(nn.Module):
+    """lightly's and torchgeo's ResNet trunks at 32x32: the last feature map is 1x1 at the training size, so
+    torch.export guards on that size being 1 (traced at 8x8) or above 1 (traced bigger) and no one example covers
+    both."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(3 if i == 0 else width, width, 3, 2, 1, bias=False),
+                                                    nn.BatchNorm2d(width), nn.ReLU()) for i in range(3)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.blocks(x)).flatten(1)
+
+
+def test_a_trunk_whose_feature_map_collapses_to_one_pixel_stays_dynamic(tmp_path) -> None:
+    """lightly, torchgeo: sizes shown to vary by experiment were fixed again because torch.export specialised on a
+    1x1 feature map; the size-oblivious route keeps them dynamic and every artifact takes other sizes."""
+    train, val = H.loaders()
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = H.LitClassifier(backbone=CollapsingTrunk())
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, train, val)
+    manifest = cb.outcome.manifest
+    assert "probed_fixed" not in [n.kind.name for n in manifest.notes], manifest.notes
+    reference = H.fp64_copy(model.backbone)
+    for shape in ((1, 3, 8, 8), (3, 3, 16, 16), (2, 3, 12, 20)):
+        x = torch.randn(*shape)
+        want = reference(x.double())
+        for fmt in ("pt2", "graph_module"):
+            got = load_fused(cb.export_dir, fmt)(x)
+            assert got.shape == want.shape and got.dtype == torch.float32, (fmt, shape)
+            assert H.rel_err(got, want) < 1e-5, (fmt, shape)
 
 
 class Stage(str, enum.Enum):
