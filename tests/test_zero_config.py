@@ -17,8 +17,9 @@ and fails without its fix.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import pytest
 import lightning.pytorch as pl
@@ -343,3 +344,60 @@ def test_an_input_the_graph_never_reads_may_be_left_out(tmp_path) -> None:
         assert H.rel_err(loaded(past_target=past, future_target=None), want) < 1e-5, fmt
         assert H.rel_err(loaded(past_target=past), want) < 1e-5, fmt
         assert H.rel_err(loaded(past_target=past, future_target=torch.randn(3, 4)), want) < 1e-5, fmt
+
+
+@dataclasses.dataclass
+class ModuleInput:
+    """darts' PLModuleInput: the batch as one dataclass, its future targets None at predict time."""
+
+    past_target: torch.Tensor
+    future_target: Optional[torch.Tensor] = None
+    stage: Stage = Stage.PREDICT
+
+
+class TimeNorm(nn.BatchNorm1d):
+    """darts' TimeBatchNorm2d: a BatchNorm whose forward branches on its input's rank, which symbolic tracing
+    cannot follow: the target is captured with torch.export, through a flat interface."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if x.dim() == 2:
+            return super().forward(x)
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class RecordForecaster(Forecaster):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = TimeNorm(8)
+
+    def forward(self, x_in: ModuleInput) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x_in.past_target)
+
+
+class RecordForecastLit(ForecastLit):
+    def __init__(self) -> None:
+        H.LitClassifier.__init__(self, backbone=RecordForecaster())
+
+    def forward(self, past: torch.Tensor, future: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.backbone(ModuleInput(past, future, Stage.TRAIN if self.training else Stage.VALIDATE))
+
+
+def test_a_field_of_a_record_input_the_graph_never_reads_may_be_left_out(tmp_path) -> None:
+    """darts (TSMixer, the real library): the batch is one dataclass whose future targets the model never reads;
+    the capture takes the record whole, so no placeholder told they were unread and every predict call
+    (future_target=None) was refused."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 12, generator=g), torch.randn(64, 4, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = RecordForecastLit()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    unread = [leaf.path for leaf in cb.outcome.manifest.signature.inputs if leaf.unread]
+    assert unread == ["x_in.future_target"], cb.outcome.manifest.signature.inputs
+    past = torch.randn(3, 12)
+    want = H.fp64_copy(model.backbone)(ModuleInput(past.double()))
+    for fmt in ("pt2", "graph_module"):
+        loaded = load_fused(cb.export_dir, fmt)
+        got = loaded(ModuleInput(past))
+        assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt
+        assert H.rel_err(loaded(ModuleInput(past, torch.randn(3, 4), Stage.VALIDATE)), want) < 1e-5, fmt

@@ -19,7 +19,7 @@ import contextlib
 import copy
 import dataclasses
 from enum import Enum
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -185,7 +185,14 @@ def _unread_inputs(graph_module: nn.Module, signature: Signature) -> List[str]:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
     if len(placeholders) != len(signature.inputs):
         return []
-    return [leaf.name for leaf, node in zip(signature.inputs, placeholders) if not node.users]
+    return [leaf.name for leaf, node in zip(signature.inputs, placeholders)
+            if all(_checks_only(user) for user in node.users)]
+
+
+def _checks_only(node: Any) -> bool:
+    """A use that reads no value: torch.export's ``_guards_fn`` (its checks of the input's sizes; the stand-in an
+    unread input gets is sized to pass them)."""
+    return node.op == "call_module" and str(node.target) == "_guards_fn"
 
 
 def other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
