@@ -128,7 +128,7 @@ class TraceConfig:
     # Sizes that never varied in the observed calls are resized once in an experiment; where the model takes the
     # other size they stay dynamic (an image's height and width, a sequence's length). Off by default: the serving
     # contracts (image requests, Triton's dims, perf_analyzer) still assume the sizes seen.
-    probe_sizes: bool = False
+    probe_sizes: bool = True
 
     def check(self) -> None:
         """Every import path imports: leaf modules to ``torch.nn.Module`` classes, functions to callables."""
