@@ -23,7 +23,8 @@ import torch
 
 from fx_lightning._json import JsonObject, dtype_name
 from fx_lightning.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
-from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes, shapes_text,
+from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, axis_following, find_sample_axis, probe_sizes,
+                                     shapes_text,
                                      stochastic_outputs)
 
 __all__ = [
@@ -175,6 +176,16 @@ class Signature:
     # Calls of other sizes made by the experiments (:func:`~fx_lightning.sample_axis.probe_sizes`): every artifact is
     # checked on them too. Not written to the manifest.
     examples: List[Call] = field(default_factory=list)
+    # Output constants that counted the call's samples in every call (paths into the outputs, not written to the
+    # manifest: ``samples`` in ``output_tree`` says it), and the (input leaf, dim) whose size they are.
+    sample_count_outputs: List[Tuple[Any, ...]] = field(default_factory=list)
+    count_dim: Optional[Tuple[int, int]] = None
+
+    def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
+        """The number of samples of a call with these input leaves, for the outputs that count them."""
+        if self.count_dim is None or len(leaves) <= self.count_dim[0]:
+            return None
+        return int(leaves[self.count_dim[0]].shape[self.count_dim[1]])
 
     def with_unread(self, names: Collection[str]) -> "Signature":
         """This signature with the inputs ``names`` marked as never read by the captured graph."""
@@ -221,7 +232,8 @@ class Signature:
         return {"inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
                 "sample_axis": dataclasses.asdict(self.sample), "calls": self.calls, "flat": self.flat,
                 "notes": list(self.notes), "constants": [c.to_dict() for c in self.constants],
-                **({"output_tree": self.output_tree} if self.output_tree is not None else {})}
+                **({"output_tree": self.output_tree} if self.output_tree is not None else {}),
+                **({"count_dim": list(self.count_dim)} if self.count_dim is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -232,7 +244,8 @@ class Signature:
                               bool(sample.get("any_size", False))),
                    int(data.get("calls", 1)), bool(data.get("flat", False)), [str(n) for n in data.get("notes") or []],
                    [ConstSpec.from_dict(c) for c in data.get("constants") or []],
-                   dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None)
+                   dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None,
+                   count_dim=(int(data["count_dim"][0]), int(data["count_dim"][1])) if data.get("count_dim") else None)
 
 
 # ------------------------------------------------------------------------------------------ derivation
@@ -264,10 +277,12 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     names = tree.leaf_names(root_names)
     leaves = [tree.leaves(c.call) for c in same]
     outputs = [run(c.call) for c in same]
-    out_tree = tree_of(outputs[0])
-    # An int output that differs from call to call (a count of the batch's rows) is part of the structure: an
-    # artifact would return the first call's value, or compute with it (scvi-tools' LossOutput: measured wrong).
-    out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree) else None for o in outputs]
+    # An int output that differs from call to call is part of the structure (an artifact would return the first
+    # call's value: scvi-tools' LossOutput, measured wrong), unless it was the call's number of samples every time.
+    counted = _sample_counts([tree_of(o) for o in outputs], [c.samples for c in same])
+    out_tree = tree_of(outputs[0]).counting_samples(counted)
+    out_leaves = [out_tree.leaves(o) if tree_of(o).counting_samples(counted).same_structure(out_tree) else None
+                  for o in outputs]
     if any(o is None for o in out_leaves):
         raise ValueError("the model's outputs change structure from call to call; the calls: "
                          + "; ".join(shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
@@ -278,6 +293,11 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     sample = find_sample_axis(same, leaves, out_leaves, shapes, counts, run, tree, stochastic)
     in_axes, out_axes = sample[1], sample[2]
     proven = sample[0].proven
+    count_dim = _count_dim(shapes, counts) if counted else None
+    if counted and count_dim is None:  # nothing to count at serving time: the first call's value would be returned
+        raise ValueError("the model's outputs change structure from call to call (an int output followed the number "
+                         "of samples, but no input dimension did); the calls: "
+                         + "; ".join(shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
     # Sizes that did not vary are fixed only when the model cannot be shown to take others (probe_sizes).
     candidates = [(i, d) for i, t in enumerate(leaves[0]) for d in range(t.dim())
                   if not (proven and d == in_axes[i]) and len({s[i][d] for s in shapes if len(s[i]) > d}) == 1
@@ -304,8 +324,38 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     if probe.inputs:
         notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
             f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
+    if counted:
+        notes.append(f"{len(counted)} int output(s) equal to the number of samples in each of {len(same)} calls: "
+                     "the artifact gives the count of the call at hand")
     return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree),
-                     [probe.call] if probe.call is not None else [])
+                     [probe.call] if probe.call is not None else [], counted, count_dim)
+
+
+def _count_dim(shapes: Sequence[Sequence[Tuple[int, ...]]], counts: Sequence[Optional[int]]
+               ) -> Optional[Tuple[int, int]]:
+    """The first (input leaf, dim) whose size was the number of samples in every call whose count is known."""
+    known = [(s, n) for s, n in zip(shapes, counts) if n is not None]
+    for i in range(len(known[0][0]) if known else 0):
+        axis = axis_following([(s[i], n) for s, n in known])
+        if axis is not None:
+            return i, axis
+    return None
+
+
+def _sample_counts(trees: Sequence[Tree], samples: Sequence[Optional[int]]) -> List[Tuple[Any, ...]]:
+    """The paths of the int constants of the outputs that differ from call to call and equal each call's number of
+    samples every time (a count that equals the batch's sample count is a sample count)."""
+    if len(trees) < 2 or any(n is None for n in samples):
+        return []
+    consts = [t.constants() for t in trees]
+    if any([p for p, _ in c] != [p for p, _ in consts[0]] for c in consts):
+        return []
+    counted = []
+    for i, (path, _) in enumerate(consts[0]):
+        values = [c[i][1] for c in consts]
+        if len(set(values)) > 1 and all(type(v) is int and v == n for v, n in zip(values, samples)):
+            counted.append(path)
+    return counted
 
 
 def describe_outputs(tree: Tree) -> JsonObject:
@@ -316,6 +366,8 @@ def describe_outputs(tree: Tree) -> JsonObject:
     if tree.kind == "tensor":
         return {"kind": "tensor"}
     if tree.kind == "const":
+        if tree.counts_samples:
+            return {"kind": "const", "value": None, "samples": True}
         value = tree.template
         return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
     items = [describe_outputs(child) for _, child in tree.children]
@@ -345,8 +397,9 @@ def class_at(name: str) -> Optional[type]:
     return value if isinstance(value, type) else None
 
 
-def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> Any:
-    """The outputs with their containers as ``description`` records them, from their tensors in order."""
+def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], samples: Optional[int] = None) -> Any:
+    """The outputs with their containers as ``description`` records them, from their tensors in order (and the
+    call's number of ``samples`` for a constant that counts them)."""
     it = iter(leaves)
 
     def build(node: Mapping[str, Any]) -> Any:
@@ -354,7 +407,7 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> An
         if kind == "tensor":
             return next(it)
         if kind == "const":
-            return node.get("value")
+            return samples if node.get("samples") and samples is not None else node.get("value")
         items = [build(child) for child in node.get("items") or []]
         if kind in ("namedtuple", "dataclass"):
             cls = class_at(str(node["class"])) if node.get("importable") else None

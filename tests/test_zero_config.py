@@ -7,7 +7,7 @@ and fails without its fix.
     a constant forward never reads is built in (darts, ...)      test_a_constant_forward_never_reads_takes_any_value
     the steps call submodules: the alphabetically first (smp)    test_the_called_submodule_holding_the_trained_parameters_is_the_target
     an eval forward needing training state stops fit (anomalib)  test_a_model_whose_eval_forward_needs_training_state_is_not_stopped
-    an int output that varies: refused, never stale (scvi)       test_an_int_output_that_varies_is_refused_never_returned_stale
+    an int output that counts the samples (scvi)                 test_an_int_output_that_counts_the_samples_is_the_count_of_each_call
     a library deep-copies the callbacks (neuralforecast)          test_a_deep_copied_callback_leaves_its_results_on_the_users_instance
     labels in the calls are required inputs (transformers)       test_the_artifact_answers_the_call_a_server_makes_without_labels
     an input the model never reads is required (darts)           test_an_input_the_graph_never_reads_may_be_left_out
@@ -211,10 +211,11 @@ def test_a_model_whose_eval_forward_needs_training_state_is_not_stopped(tmp_path
 
 
 class WithCount(H.TinyBackbone):
-    """scvi-tools' LossOutput: the outputs carry the batch's row count as an int."""
+    """scvi-tools' LossOutput: the outputs carry the batch's row count as an int, and a sum over the batch."""
 
     def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
-        return {"z": super().forward(x), "n_obs": x.shape[0]}
+        z = super().forward(x)
+        return {"z": z, "n_obs": x.shape[0], "kl_sum": z.pow(2).sum()}
 
 
 class CountingLit(H.LitClassifier):
@@ -225,15 +226,44 @@ class CountingLit(H.LitClassifier):
         return self.head(self.backbone(x)["z"])
 
 
-def test_an_int_output_that_varies_is_refused_never_returned_stale(tmp_path) -> None:
-    """scvi-tools' LossOutput carries the batch's row count as an int. Taken as not part of the structure, the artifact
-    answered with values computed for another count (kl_global_sum at 5 cells: relative error 835). Refused, naming
-    the structure change, until such an output can be proven to follow the batch."""
+def test_an_int_output_that_counts_the_samples_is_the_count_of_each_call(tmp_path) -> None:
+    """scvi-tools' LossOutput carries the batch's row count as an int. Taken as not part of the structure, the
+    artifact answered with values computed for another count (kl_global_sum at 5 cells: relative error 835); then it
+    was refused after training. An int equal to the number of samples in every call observed (16, 16 and 8 rows) is
+    that number: the artifact gives each call's own, and every other output is computed on the call's own rows."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = CountingLit()
+    train, val = H.loaders(n_val=40)  # 16, 16 and 8 rows
+    H.make_trainer(tmp_path, [cb], max_epochs=1, limit_val_batches=3).fit(model, train, val)
+    assert cb.outcome.manifest.signature.output_tree["items"][1] == {"kind": "const", "value": None, "samples": True}
+    reference = H.fp64_copy(model.backbone)
+    for rows in (1, 3, 16, 21):
+        x = torch.randn(rows, 3, 8, 8)
+        want = reference(x.double())
+        for fmt in ("pt2", "graph_module"):
+            got = load_fused(cb.export_dir, fmt)(x)
+            assert type(got) is dict and list(got) == ["z", "n_obs", "kl_sum"], (fmt, got)
+            assert got["n_obs"] == rows and type(got["n_obs"]) is int, (fmt, rows)
+            assert got["z"].shape == want["z"].shape and got["kl_sum"].shape == want["kl_sum"].shape
+            assert H.rel_err(got["z"], want["z"]) < 1e-5 and H.rel_err(got["kl_sum"], want["kl_sum"]) < 1e-5, fmt
+
+
+class NotACount(WithCount):
+    """An int that varies but is not the number of samples: still refused, never returned stale."""
+
+    def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
+        out = super().forward(x)
+        out["n_obs"] = x.shape[0] + 1
+        return out
+
+
+def test_an_int_output_that_varies_and_is_not_the_count_is_refused_never_returned_stale(tmp_path) -> None:
     from fx_lightning.errors import ModelError
 
     cb = FXFuseCallback(export={"formats": ["pt2"]})
     model = CountingLit()
-    train, val = H.loaders(n_val=40)  # 16, 16 and 8 rows
+    model.backbone = NotACount(8)
+    train, val = H.loaders(n_val=40)
     with pytest.raises(ModelError, match="outputs change structure from call to call"):
         H.make_trainer(tmp_path, [cb], max_epochs=1, limit_val_batches=3).fit(model, train, val)
     assert cb.export_dir is None

@@ -60,7 +60,7 @@ class ArtifactInterface(nn.Module):
         if tree is not None:
             leaves = leaf_values(out)
             if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
-                return rebuild_outputs(tree, leaves)
+                return rebuild_outputs(tree, leaves, self.signature.samples_in(tensors))
         return nest_outputs(out, self.signature.outputs)
 
     def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
