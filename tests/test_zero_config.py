@@ -431,3 +431,38 @@ def test_a_field_of_a_record_input_the_graph_never_reads_may_be_left_out(tmp_pat
         got = loaded(ModuleInput(past))
         assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt
         assert H.rel_err(loaded(ModuleInput(past, torch.randn(3, 4), Stage.VALIDATE)), want) < 1e-5, fmt
+
+
+class Opaque(nn.Module):
+    """pytorch-forecasting's TemporalFusionTransformer as the capture left it: a leaf the graph calls whole, holding
+    something pickle cannot write (its cached local named-tuple class)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.cached = lambda: None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class OpaqueBackbone(H.TinyBackbone):
+    def __init__(self) -> None:
+        super().__init__(8)
+        self.opaque = Opaque()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.opaque(super().forward(x))
+
+
+def test_when_every_format_fails_no_advice_to_drop_one_is_given(tmp_path) -> None:
+    """pytorch-forecasting: 'no format could be written ... Fix: drop the failing format from export.formats': advice
+    that cannot work when every format failed. The reasons are the advice; the training is stopped before it starts."""
+    cb = FXFuseCallback(export={"formats": ["graph_module"]}, trace={"leaf_modules": ["test_zero_config:Opaque"]})
+    model = H.LitClassifier(backbone=OpaqueBackbone())
+    with pytest.raises(ExportError) as info:
+        H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    text = str(info.value)
+    assert "no format could be written" in text and "format 'graph_module'" in text and "pickle" in text, text
+    assert "Fix:" not in text and "drop the failing format" not in text, text
+    assert "before the first optimizer step" in text, text
