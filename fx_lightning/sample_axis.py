@@ -20,7 +20,7 @@ from fx_lightning.calls import Call, Tree, tree_of
 from fx_lightning.parity.compare import compare_outputs
 
 __all__ = ["SampleAxis", "Observed", "Runner", "find_sample_axis", "stochastic_outputs", "shapes_text", "SizeProbe",
-           "probe_sizes", "axis_following"]
+           "probe_sizes"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def find_sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.
 
     known = [(shapes, n) for shapes, n in zip(all_shapes, all_counts) if n is not None]
     if known:
-        in_axes = [axis_following([(s[i], n) for s, n in known]) for i in range(n_in)]
+        in_axes = [_axis_following([(s[i], n) for s, n in known]) for i in range(n_in)]
         how = f"it follows the number of samples in {len(known)} loader batch(es)"
     else:
         first = next((t for t in leaves[0] if t.dim() > 0), None)
@@ -93,7 +93,7 @@ def find_sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.
         sizes_per_call.append(sizes.pop())
     out_axes: List[Optional[int]] = []
     for i in range(len(outputs[0] or [])):
-        axis = axis_following([(tuple(o[i].shape), n) for o, n in zip(outputs, sizes_per_call)])  # type: ignore[index]
+        axis = _axis_following([(tuple(o[i].shape), n) for o, n in zip(outputs, sizes_per_call)])  # type: ignore[index]
         if axis is None:
             return refused(f"output {i} ({[list(o[i].shape) for o in outputs[:3]]}) does not follow the number of "  # type: ignore[index]
                            f"samples ({sizes_per_call[:3]})")
@@ -121,7 +121,7 @@ def _first_dim0(shapes: Sequence[Tuple[int, ...]]) -> Optional[int]:
     return next((s[0] for s in shapes if len(s) > 0), None)
 
 
-def axis_following(pairs: Sequence[Tuple[Tuple[int, ...], int]]) -> Optional[int]:
+def _axis_following(pairs: Sequence[Tuple[Tuple[int, ...], int]]) -> Optional[int]:
     """The one dimension whose size is the sample count in every pair (None: none, or more than one)."""
     if not pairs:
         return None

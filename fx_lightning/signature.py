@@ -23,7 +23,7 @@ import torch
 
 from fx_lightning._json import JsonObject, dtype_name
 from fx_lightning.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
-from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, axis_following, find_sample_axis, probe_sizes,
+from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
                                      shapes_text,
                                      stochastic_outputs)
 
@@ -279,7 +279,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     outputs = [run(c.call) for c in same]
     # An int output that differs from call to call is part of the structure (an artifact would return the first
     # call's value: scvi-tools' LossOutput, measured wrong), unless it was the call's number of samples every time.
-    counted = _sample_counts([tree_of(o) for o in outputs], [c.samples for c in same])
+    counted, count_dim = _sample_counts([tree_of(o) for o in outputs], [[tuple(t.shape) for t in ls] for ls in leaves])
     out_tree = tree_of(outputs[0]).counting_samples(counted)
     out_leaves = [out_tree.leaves(o) if tree_of(o).counting_samples(counted).same_structure(out_tree) else None
                   for o in outputs]
@@ -293,11 +293,6 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     sample = find_sample_axis(same, leaves, out_leaves, shapes, counts, run, tree, stochastic)
     in_axes, out_axes = sample[1], sample[2]
     proven = sample[0].proven
-    count_dim = _count_dim(shapes, counts) if counted else None
-    if counted and count_dim is None:  # nothing to count at serving time: the first call's value would be returned
-        raise ValueError("the model's outputs change structure from call to call (an int output followed the number "
-                         "of samples, but no input dimension did); the calls: "
-                         + "; ".join(shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
     # Sizes that did not vary are fixed only when the model cannot be shown to take others (probe_sizes).
     candidates = [(i, d) for i, t in enumerate(leaves[0]) for d in range(t.dim())
                   if not (proven and d == in_axes[i]) and len({s[i][d] for s in shapes if len(s[i]) > d}) == 1
@@ -325,37 +320,28 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
         notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
             f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
     if counted:
-        notes.append(f"{len(counted)} int output(s) equal to the number of samples in each of {len(same)} calls: "
-                     "the artifact gives the count of the call at hand")
+        leaf, dim = count_dim  # type: ignore[misc]
+        notes.append(f"{len(counted)} int output(s) equal to {in_specs[leaf].name} dim {dim} in each of {len(same)} "
+                     "calls (a row count): the artifact gives the size of the call at hand")
     return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree),
                      [probe.call] if probe.call is not None else [], counted, count_dim)
 
 
-def _count_dim(shapes: Sequence[Sequence[Tuple[int, ...]]], counts: Sequence[Optional[int]]
-               ) -> Optional[Tuple[int, int]]:
-    """The first (input leaf, dim) whose size was the number of samples in every call whose count is known."""
-    known = [(s, n) for s, n in zip(shapes, counts) if n is not None]
-    for i in range(len(known[0][0]) if known else 0):
-        axis = axis_following([(s[i], n) for s, n in known])
-        if axis is not None:
-            return i, axis
-    return None
-
-
-def _sample_counts(trees: Sequence[Tree], samples: Sequence[Optional[int]]) -> List[Tuple[Any, ...]]:
-    """The paths of the int constants of the outputs that differ from call to call and equal each call's number of
-    samples every time (a count that equals the batch's sample count is a sample count)."""
-    if len(trees) < 2 or any(n is None for n in samples):
-        return []
+def _sample_counts(trees: Sequence[Tree], shapes: Sequence[Sequence[Tuple[int, ...]]]
+                   ) -> Tuple[List[Tuple[Any, ...]], Optional[Tuple[int, int]]]:
+    """The int constants of the outputs that differ from call to call, each call's equal to the size of one input
+    dimension (the number of rows a loss record counts), and that (leaf, dim): an int that follows an input's size
+    in every call is that size. ``[], None`` when there is none, or no one dimension matches them all."""
     consts = [t.constants() for t in trees]
-    if any([p for p, _ in c] != [p for p, _ in consts[0]] for c in consts):
-        return []
-    counted = []
-    for i, (path, _) in enumerate(consts[0]):
-        values = [c[i][1] for c in consts]
-        if len(set(values)) > 1 and all(type(v) is int and v == n for v, n in zip(values, samples)):
-            counted.append(path)
-    return counted
+    if len(trees) < 2 or any([p for p, _ in c] != [p for p, _ in consts[0]] for c in consts):
+        return [], None
+    varying = [i for i in range(len(consts[0])) if len({repr(c[i][1]) for c in consts}) > 1
+               and all(type(c[i][1]) is int for c in consts)]
+    for leaf in range(len(shapes[0]) if varying else 0):
+        for dim in range(len(shapes[0][leaf])):
+            if all(len(s[leaf]) > dim and s[leaf][dim] == c[i][1] for s, c in zip(shapes, consts) for i in varying):
+                return [consts[0][i][0] for i in varying], (leaf, dim)
+    return [], None
 
 
 def describe_outputs(tree: Tree) -> JsonObject:
