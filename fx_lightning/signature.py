@@ -366,6 +366,12 @@ def describe_outputs(tree: Tree) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
+    if tree.kind == "dist" and tree.cls is not None:  # rebuilt from its parameters (torch's own classes import)
+        name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
+        if class_at(name) is tree.cls:
+            extra = {"reinterpreted_batch_ndims": int(tree.template.reinterpreted_batch_ndims)} \
+                if isinstance(tree.template, torch.distributions.Independent) else {}
+            return {"kind": "distribution", "class": name, "keys": keys, "items": items, **extra}
     return {"kind": "dict", "keys": keys, "items": items}
 
 
@@ -402,6 +408,16 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
                 return cls(*items) if kind == "namedtuple" else cls(**dict(zip(fields, items)))
             stand_in = collections.namedtuple(str(node["class"]).rpartition(".")[2].rpartition(":")[2], fields)
             return stand_in(*items)
+        if kind == "distribution":
+            params = dict(zip(node.get("keys") or [], items))
+            cls = class_at(str(node["class"]))
+            try:
+                if "reinterpreted_batch_ndims" in node:
+                    return torch.distributions.Independent(params["base_dist"], int(node["reinterpreted_batch_ndims"]),
+                                                           validate_args=False)
+                return cls(**params, validate_args=False)  # type: ignore[misc]
+            except (TypeError, KeyError, ValueError):  # a constructor of its own: its parameters, as export gives them
+                return params
         if kind == "list":
             return list(items)
         if kind == "tuple":

@@ -466,3 +466,29 @@ def test_when_every_format_fails_no_advice_to_drop_one_is_given(tmp_path) -> Non
     assert "no format could be written" in text and "format 'graph_module'" in text and "pickle" in text, text
     assert "Fix:" not in text and "drop the failing format" not in text, text
     assert "before the first optimizer step" in text, text
+
+
+class Encoder(H.TinyBackbone):
+    """scvi-tools' VAE: the inference outputs hold torch.distributions objects (qz: Normal, an Independent)."""
+
+    def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
+        h = super().forward(x)
+        normal = torch.distributions.Normal(h, F.softplus(h) + 1e-3)
+        return {"z": h, "qz": normal, "qzi": torch.distributions.Independent(normal, 1)}
+
+
+def test_distribution_outputs_come_back_as_distributions_from_every_loaded_artifact(tmp_path) -> None:
+    """scvi-tools: load_fused gave qz back as a dict of its parameters (19 outputs became 25 with other types)."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module", "onnx"]})
+    model = H.LitClassifier(backbone=Encoder(8))
+    model.forward = lambda x: model.head(model.backbone(x)["z"])  # type: ignore[method-assign]
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    x = torch.randn(3, 3, 8, 8)
+    want = H.fp64_copy(model.backbone)(x.double())
+    for fmt in ("pt2", "graph_module", "onnx"):
+        got = load_fused(cb.export_dir, fmt)(x)
+        assert type(got) is dict and list(got) == ["z", "qz", "qzi"], (fmt, got)
+        assert type(got["qz"]) is torch.distributions.Normal, (fmt, type(got["qz"]))
+        assert type(got["qzi"]) is torch.distributions.Independent and got["qzi"].reinterpreted_batch_ndims == 1
+        assert H.rel_err(got["qz"].loc, want["qz"].loc) < 1e-5 and H.rel_err(got["qz"].scale, want["qz"].scale) < 1e-5
+        assert H.rel_err(got["qzi"].base_dist.scale, want["qzi"].base_dist.scale) < 1e-5, fmt
