@@ -355,6 +355,9 @@ def describe_outputs(tree: Tree) -> JsonObject:
         if tree.counts_samples:
             return {"kind": "const", "value": None, "samples": True}
         value = tree.template
+        if isinstance(value, (dict, list, tuple)) and not value:  # an empty container: itself, not None
+            return {"kind": "dict", "keys": [], "items": []} if isinstance(value, dict) else \
+                {"kind": "list" if isinstance(value, list) else "tuple", "items": []}
         return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
     items = [describe_outputs(child) for _, child in tree.children]
     keys = [key for (_, key), _child in tree.children]
@@ -371,8 +374,24 @@ def describe_outputs(tree: Tree) -> JsonObject:
         if class_at(name) is tree.cls:
             extra = {"reinterpreted_batch_ndims": int(tree.template.reinterpreted_batch_ndims)} \
                 if isinstance(tree.template, torch.distributions.Independent) else {}
-            return {"kind": "distribution", "class": name, "keys": keys, "items": items, **extra}
+            return {"kind": "distribution", "class": name, "keys": keys, "items": items,
+                    "event_dims": len(tree.template.event_shape), **extra}
     return {"kind": "dict", "keys": keys, "items": items}
+
+
+def _distribution_from_fields(cls: Optional[type], params: Dict[str, Any], event_dims: int) -> Any:
+    """A distribution of ``cls`` with ``params`` as its fields, past a constructor that takes other names; its
+    shapes from the parameters' (the last ``event_dims`` are the event's). The parameters as a dict without a class."""
+    tensors = [v for v in params.values() if isinstance(v, torch.Tensor)]
+    if cls is None or not tensors:
+        return params
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    split = len(shape) - event_dims
+    obj = cls.__new__(cls)
+    torch.distributions.Distribution.__init__(obj, shape[:split], shape[split:], validate_args=False)
+    for key, value in params.items():
+        object.__setattr__(obj, key, value)
+    return obj
 
 
 def class_at(name: str) -> Optional[type]:
@@ -416,8 +435,8 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
                     return torch.distributions.Independent(params["base_dist"], int(node["reinterpreted_batch_ndims"]),
                                                            validate_args=False)
                 return cls(**params, validate_args=False)  # type: ignore[misc]
-            except (TypeError, KeyError, ValueError):  # a constructor of its own: its parameters, as export gives them
-                return params
+            except (TypeError, KeyError, ValueError):  # a constructor of its own (scvi's Normal takes mu)
+                return _distribution_from_fields(cls, params, int(node.get("event_dims", 0)))
         if kind == "list":
             return list(items)
         if kind == "tuple":

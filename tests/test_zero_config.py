@@ -468,17 +468,27 @@ def test_when_every_format_fails_no_advice_to_drop_one_is_given(tmp_path) -> Non
     assert "before the first optimizer step" in text, text
 
 
+class MuNormal(torch.distributions.Normal):
+    """scvi-tools' own Normal: its constructor takes ``mu`` where torch's takes ``loc``."""
+
+    def __init__(self, mu: torch.Tensor, scale: torch.Tensor, validate_args: Optional[bool] = None) -> None:
+        super().__init__(mu, scale, validate_args=validate_args)
+
+
 class Encoder(H.TinyBackbone):
-    """scvi-tools' VAE: the inference outputs hold torch.distributions objects (qz: Normal, an Independent)."""
+    """scvi-tools' VAE: the inference outputs hold torch.distributions objects (qz: Normal, an Independent, its own
+    Normal subclass) and an empty dict (LossOutput.extra_metrics)."""
 
     def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
         h = super().forward(x)
         normal = torch.distributions.Normal(h, F.softplus(h) + 1e-3)
-        return {"z": h, "qz": normal, "qzi": torch.distributions.Independent(normal, 1)}
+        return {"z": h, "qz": normal, "qzi": torch.distributions.Independent(normal, 1),
+                "pz": MuNormal(torch.zeros_like(h), torch.ones_like(h)), "extra": {}}
 
 
 def test_distribution_outputs_come_back_as_distributions_from_every_loaded_artifact(tmp_path) -> None:
-    """scvi-tools: load_fused gave qz back as a dict of its parameters (19 outputs became 25 with other types)."""
+    """scvi-tools: load_fused gave qz back as a dict of its parameters (19 outputs became 25 with other types), and
+    LossOutput.extra_metrics ({}) as None."""
     cb = FXFuseCallback(export={"formats": ["pt2", "graph_module", "onnx"]})
     model = H.LitClassifier(backbone=Encoder(8))
     model.forward = lambda x: model.head(model.backbone(x)["z"])  # type: ignore[method-assign]
@@ -487,7 +497,9 @@ def test_distribution_outputs_come_back_as_distributions_from_every_loaded_artif
     want = H.fp64_copy(model.backbone)(x.double())
     for fmt in ("pt2", "graph_module", "onnx"):
         got = load_fused(cb.export_dir, fmt)(x)
-        assert type(got) is dict and list(got) == ["z", "qz", "qzi"], (fmt, got)
+        assert type(got) is dict and list(got) == ["z", "qz", "qzi", "pz", "extra"], (fmt, got)
+        assert type(got["pz"]) is MuNormal and got["pz"].batch_shape == want["pz"].batch_shape, fmt
+        assert H.rel_err(got["pz"].scale, want["pz"].scale) < 1e-6 and got["extra"] == {}, fmt
         assert type(got["qz"]) is torch.distributions.Normal, (fmt, type(got["qz"]))
         assert type(got["qzi"]) is torch.distributions.Independent and got["qzi"].reinterpreted_batch_ndims == 1
         assert H.rel_err(got["qz"].loc, want["qz"].loc) < 1e-5 and H.rel_err(got["qz"].scale, want["qz"].scale) < 1e-5
