@@ -180,6 +180,9 @@ class Signature:
     # manifest: ``samples`` in ``output_tree`` says it), and the (input leaf, dim) whose size they are.
     sample_count_outputs: List[Tuple[Any, ...]] = field(default_factory=list)
     count_dim: Optional[Tuple[int, int]] = None
+    # Keyword arguments every call carried that the artifact's call leaves out, proven by experiment (labels for a
+    # loss computed in forward: :func:`~fx_lightning.pipeline.inputs.without_labels`).
+    left_out: List[str] = field(default_factory=list)
 
     def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
         """The number of samples of a call with these input leaves, for the outputs that count them."""
@@ -233,7 +236,8 @@ class Signature:
                 "sample_axis": dataclasses.asdict(self.sample), "calls": self.calls, "flat": self.flat,
                 "notes": list(self.notes), "constants": [c.to_dict() for c in self.constants],
                 **({"output_tree": self.output_tree} if self.output_tree is not None else {}),
-                **({"count_dim": list(self.count_dim)} if self.count_dim is not None else {})}
+                **({"count_dim": list(self.count_dim)} if self.count_dim is not None else {}),
+                **({"left_out": list(self.left_out)} if self.left_out else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -245,7 +249,8 @@ class Signature:
                    int(data.get("calls", 1)), bool(data.get("flat", False)), [str(n) for n in data.get("notes") or []],
                    [ConstSpec.from_dict(c) for c in data.get("constants") or []],
                    dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None,
-                   count_dim=(int(data["count_dim"][0]), int(data["count_dim"][1])) if data.get("count_dim") else None)
+                   count_dim=(int(data["count_dim"][0]), int(data["count_dim"][1])) if data.get("count_dim") else None,
+                   left_out=[str(n) for n in data.get("left_out") or []])
 
 
 # ------------------------------------------------------------------------------------------ derivation

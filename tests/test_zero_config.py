@@ -38,7 +38,7 @@ def test_sizes_that_never_varied_stay_dynamic_when_the_model_takes_others(tmp_pa
     the artifact refused any other (torch's own guard message). With trace.probe_sizes a call with them resized
     runs: they vary."""
     train, val = H.loaders()
-    cb = FXFuseCallback(export={"formats": ["pt2", "onnx", "graph_module"]}, trace={"probe_sizes": True})
+    cb = FXFuseCallback(export={"formats": ["pt2", "onnx", "graph_module"]})  # trace.probe_sizes: on by default
     model = H.LitClassifier()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, train, val)
     shape = next(leaf.shape for leaf in cb.outcome.manifest.signature.inputs)
@@ -314,7 +314,7 @@ def _token_batches(n: int, batch: int, length: int, seed: int) -> Any:
 def test_the_artifact_answers_the_call_a_server_makes_without_labels(tmp_path) -> None:
     """transformers: the calls carried labels (the loss computed in forward), so labels were a required input, the
     loss hid the sample axis and batch 8, length 16 were fixed: batch 1 and a call without labels were refused."""
-    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}, trace={"probe_sizes": True})
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
     model = TextLit()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, _token_batches(32, 8, 16, 0), _token_batches(16, 8, 16, 1))
     assert any(n.kind.name == "labels_left_out" for n in cb.outcome.notes)
@@ -327,6 +327,9 @@ def test_the_artifact_answers_the_call_a_server_makes_without_labels(tmp_path) -
         for fmt in ("pt2", "graph_module"):
             got = load_fused(cb.export_dir, fmt)(input_ids=ids, attention_mask=mask)
             assert set(got) == {"logits"} and H.rel_err(got["logits"], want["logits"]) < 1e-5, fmt
+    # A call with labels (as the validation step makes it) is refused, and the advice is the call above.
+    with pytest.raises(ExportError, match="labels given; the artifact's call leaves it out .* call it without labels"):
+        load_fused(cb.export_dir)(input_ids=ids, attention_mask=mask, labels=torch.zeros(3, dtype=torch.long))
 
 
 class Forecaster(nn.Module):
