@@ -90,6 +90,7 @@ class Tree:
     children: List[Tuple[Step, "Tree"]] = field(default_factory=list)
     template: Any = None
     hidden: bool = False  # a constant whose object holds tensors where they cannot be read (private attributes)
+    counts_samples: bool = False  # a constant equal to the call's number of samples in every call observed
 
     # ------------------------------------------------------------------------------------------ leaves
 
@@ -111,6 +112,23 @@ class Tree:
             return [((), self.template)]
         return [((step, *rest), value) for step, child in self.children for rest, value in child.constants()]
 
+    def sample_count_paths(self) -> List[Tuple[Step, ...]]:
+        """The path of every constant that counts the call's samples (:meth:`counting_samples`)."""
+        if self.kind == "const":
+            return [()] if self.counts_samples else []
+        return [(step, *rest) for step, child in self.children for rest in child.sample_count_paths()]
+
+    def counting_samples(self, paths: Sequence[Tuple[Step, ...]]) -> "Tree":
+        """This structure with the constants at ``paths`` rebuilt as the number of samples of the call at hand (a
+        loss record's row count) instead of the value first seen."""
+        if not paths:
+            return self
+        if self.kind == "const":
+            return dataclasses.replace(self, counts_samples=True) if () in paths else self
+        children = [(step, child.counting_samples([p[1:] for p in paths if p and p[0] == step]))
+                    for step, child in self.children]
+        return dataclasses.replace(self, children=children)
+
     @property
     def num_leaves(self) -> int:
         return len(self.leaf_paths())
@@ -124,30 +142,29 @@ class Tree:
         if self.kind != other.kind or len(self.children) != len(other.children):
             return False
         if self.kind == "const":
-            return _same_constant(self.template, other.template)
+            return (self.counts_samples and other.counts_samples) or _same_constant(self.template, other.template)
         if self.kind in ("obj", "dist", "seq", "map") and self.cls is not other.cls:
             return False
         return all(a == b and ca.same_structure(cb) for (a, ca), (b, cb) in zip(self.children, other.children))
 
     # ---------------------------------------------------------------------------------------- rebuild
 
-    def rebuild(self, leaves: Sequence[Any]) -> Any:
-        """The value in its original types (this process has the classes), with ``leaves`` in place."""
-        it = iter(leaves)
-        value = self._rebuild(it, plain=False)
-        return value
+    def rebuild(self, leaves: Sequence[Any], samples: Optional[int] = None) -> Any:
+        """The value in its original types (this process has the classes), with ``leaves`` in place (and
+        ``samples`` for the constants that count them)."""
+        return self._rebuild(iter(leaves), False, samples)
 
     def plain(self, leaves: Sequence[Any]) -> Any:
         """The value with ``leaves`` in place, in plain containers: sequences as tuples/lists, mappings, objects and
         distributions as dicts of their fields (what torch.export, a saved program and a runtime can carry)."""
-        return self._rebuild(iter(leaves), plain=True)
+        return self._rebuild(iter(leaves), True, None)
 
-    def _rebuild(self, it: Iterator[Any], plain: bool) -> Any:
+    def _rebuild(self, it: Iterator[Any], plain: bool, samples: Optional[int]) -> Any:
         if self.kind == "tensor":
             return next(it)
         if self.kind == "const":
-            return self.template
-        parts = [(step, child._rebuild(it, plain)) for step, child in self.children]
+            return samples if self.counts_samples and samples is not None else self.template
+        parts = [(step, child._rebuild(it, plain, samples)) for step, child in self.children]
         if self.kind == "call":
             args = tuple(v for (kind, _), v in parts if kind == "arg")
             return Call(args, {k: v for (kind, k), v in parts if kind == "kwarg"})
@@ -446,16 +463,19 @@ class StructuredCall(nn.Module):
     arguments (the user's objects) are flattened by the recorded input paths, and the outputs rebuilt in their
     original types (``outputs``: the recorded :class:`Tree` of the original outputs)."""
 
-    def __init__(self, flat: nn.Module, inputs: Tree, outputs: Tree) -> None:
+    def __init__(self, flat: nn.Module, inputs: Tree, outputs: Tree,
+                 count_dim: Optional[Tuple[int, int]] = None) -> None:
         super().__init__()
         self.flat = flat
         self.inputs = inputs
         self.outputs = outputs
+        self.count_dim = count_dim  # (input leaf, dim): what an output counting the samples counts
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves = self.inputs.leaves(Call(args, kwargs))
         out = self.flat(*leaves)
-        return self.outputs.rebuild(tree_of(out).leaves(out))
+        samples = int(leaves[self.count_dim[0]].shape[self.count_dim[1]]) if self.count_dim is not None else None
+        return self.outputs.rebuild(tree_of(out).leaves(out), samples)
 
 
 @dataclass
@@ -469,6 +489,12 @@ class Interface:
     outputs: Tree  # the original outputs' structure
     names: List[str]  # a name per input leaf
     flat: bool
+    count_dim: Optional[Tuple[int, int]] = None  # (input leaf, dim) the counting outputs count, once known
+
+    def counting_samples(self, paths: Sequence[Tuple[Step, ...]], count_dim: Tuple[int, int]) -> "Interface":
+        """The interface with the output constants at ``paths`` giving the size of input leaf ``count_dim[0]``
+        along ``count_dim[1]`` (the number of samples)."""
+        return dataclasses.replace(self, outputs=self.outputs.counting_samples(paths), count_dim=count_dim)
 
     @classmethod
     def of(cls, module: nn.Module, call: Call, outputs: Any) -> "Interface":
@@ -490,7 +516,7 @@ class Interface:
 
     def structured(self, flat_model: nn.Module) -> nn.Module:
         """``flat_model`` (the captured, fused graph) behind the original interface."""
-        return StructuredCall(flat_model, self.inputs, self.outputs) if self.flat else flat_model
+        return StructuredCall(flat_model, self.inputs, self.outputs, self.count_dim) if self.flat else flat_model
 
 
 def map_leaves(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:

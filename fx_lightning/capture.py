@@ -403,7 +403,7 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
         result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
         if target is not working:
             result.notes.append(PLAIN_OUTPUTS())
-        if made.strict or made.batchnorm_kernel:
+        if made.strict or made.batchnorm_kernel or made.size_oblivious:
             result.notes.append(CAPTURED_ROUTE(route=made.route))
         try:
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check if made.dynamic else ())

@@ -30,14 +30,16 @@ class FXLightningError(RuntimeError):
     """Base class of fx-lightning's errors.
 
     ``message`` is the cause; ``headline`` (before it) and ``context`` (lines after it) are added where the
-    error reaches the user; ``step`` is the pipeline step it came from (set by the driver)."""
+    error reaches the user; ``step`` is the pipeline step it came from (set by the driver); ``fix``: the advice for
+    this error in place of its step's (``""``: none works, so none is given)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, fix: Optional[str] = None) -> None:
         super().__init__(message)
         self.message = message
         self.headline: Optional[str] = None
         self.context: List[str] = []
         self.step: Optional[str] = None
+        self.fix = fix
 
     def within(self, place: str) -> "FXLightningError":
         """Say where it happened, in front of the cause (``export to DIR failed: ...``); returns the error itself."""

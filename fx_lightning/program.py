@@ -8,7 +8,11 @@ It tries, in order, stopping at the first program that runs on every call it is 
    code such as ``int(batch.max()) + 1`` (a graph's pooling size) needs it;
 3. both again with the eval-mode BatchNorms run as ``aten._native_batch_norm_legit_no_training`` (the same
    arithmetic), when a BatchNorm meets a data-dependent number of rows (``batch_norm`` asks whether it is empty);
-4. with ``allow_static``: the same program for the example's sizes only, saying why the dynamic one failed.
+4. non-strict again with sizes reasoned about size-obliviously (torch's ``backed_size_oblivious``), when every
+   dynamic attempt specialised: an intermediate size that is 1 at the example (a ResNet trunk's 1x1 at 32x32) or
+   above 1 makes torch.export guard on it, so no one example covers both; the program is then checked on the calls
+   of other sizes like any other;
+5. with ``allow_static``: the same program for the example's sizes only, saying why the dynamic one failed.
 
 The module is ours (a working copy or a fused GraphModule): its BatchNorms' ``forward`` is swapped for the length of
 the call only.
@@ -53,12 +57,12 @@ class ExportAttempt:
     dynamic: bool
     strict: bool
     batchnorm_kernel: bool
+    size_oblivious: bool = False
     error: Optional[BaseException] = None
 
     @property
     def route(self) -> str:
-        return ("strict" if self.strict else "non-strict") + (", BatchNorm as its inference kernel"
-                                                              if self.batchnorm_kernel else "")
+        return _route_text(self.strict, self.batchnorm_kernel, self.size_oblivious)
 
     def __str__(self) -> str:
         what = "dynamic" if self.dynamic else "static"
@@ -76,6 +80,7 @@ class Program:
     strict: bool
     batchnorm_kernel: bool
     attempts: List[ExportAttempt] = field(default_factory=list)
+    size_oblivious: bool = False
 
     @property
     def static_reason(self) -> Optional[str]:
@@ -84,8 +89,12 @@ class Program:
 
     @property
     def route(self) -> str:
-        return ("strict" if self.strict else "non-strict") + (" with BatchNorm as its inference kernel"
-                                                              if self.batchnorm_kernel else "")
+        return _route_text(self.strict, self.batchnorm_kernel, self.size_oblivious)
+
+
+def _route_text(strict: bool, kernel: bool, oblivious: bool) -> str:
+    return ("strict" if strict else "non-strict") + (", BatchNorm as its inference kernel" if kernel else "") + \
+        (", sizes size-oblivious" if oblivious else "")
 
 
 def signature_dims(signature: Signature, *, dynamic_samples: bool = True) -> List[LeafDims]:
@@ -241,14 +250,17 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
     groups = ([True] if dynamic else []) + ([False] if allow_static or not dynamic else [])
     for is_dynamic in groups:
         shapes = nested_dynamic_shapes(module, call, leaf_dims) if is_dynamic else None  # type: ignore[arg-type]
-        for strict, kernel in _ROUTES:
+        for strict, kernel, oblivious in _ROUTES:
             earlier = [a for a in attempts if a.dynamic == is_dynamic]
             if kernel and not (batchnorms and any(_in_batch_norm(a.error) for a in earlier)):
                 continue  # the kernel route answers a BatchNorm's question about a data-dependent row count only
-            attempt = ExportAttempt(is_dynamic, strict, kernel)
+            if oblivious and not is_dynamic:
+                continue  # a static program has no size to reason about
+            attempt = ExportAttempt(is_dynamic, strict, kernel, oblivious)
             attempts.append(attempt)
             try:
-                with eval_batchnorm_kernels(module) if kernel else contextlib.nullcontext(0), _quiet():
+                with eval_batchnorm_kernels(module) if kernel else contextlib.nullcontext(0), _quiet(), \
+                        _size_oblivious(oblivious):
                     with torch.no_grad(), no_distribution_validation():
                         made_on = _fresh(call if is_dynamic or static_call is None else static_call)
                         program = torch.export.export(module, made_on.args, made_on.kwargs or None, strict=strict,
@@ -260,7 +272,7 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
                 if not _data_dependent(exc):
                     break  # the other routes would fail the same way: only data-dependent failures have one
                 continue
-            return Program(program, is_dynamic, strict, kernel, attempts)
+            return Program(program, is_dynamic, strict, kernel, attempts, oblivious)
     raise ExportFailed(attempts)
 
 
@@ -271,8 +283,18 @@ def _fresh(call: Call) -> Call:
     return tree.rebuild([t.detach() for t in tree.leaves(call)])
 
 
-# (strict, BatchNorm as its inference kernel), in the order tried.
-_ROUTES = ((False, False), (True, False), (True, True), (False, True))
+# (strict, BatchNorm as its inference kernel, sizes size-oblivious), in the order tried.
+_ROUTES = ((False, False, False), (True, False, False), (True, True, False), (False, True, False),
+           (False, False, True), (False, True, True))
+
+
+def _size_oblivious(on: bool) -> Any:
+    """torch's shape reasoning without the guards that a size is or is not 1 (``backed_size_oblivious``)."""
+    if not on:
+        return contextlib.nullcontext()
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True)
 
 
 def _in_batch_norm(exc: Optional[BaseException]) -> bool:

@@ -23,7 +23,8 @@ import torch
 
 from fx_lightning._json import JsonObject, dtype_name
 from fx_lightning.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
-from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes, shapes_text,
+from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
+                                     shapes_text,
                                      stochastic_outputs)
 
 __all__ = [
@@ -175,6 +176,19 @@ class Signature:
     # Calls of other sizes made by the experiments (:func:`~fx_lightning.sample_axis.probe_sizes`): every artifact is
     # checked on them too. Not written to the manifest.
     examples: List[Call] = field(default_factory=list)
+    # Output constants that counted the call's samples in every call (paths into the outputs, not written to the
+    # manifest: ``samples`` in ``output_tree`` says it), and the (input leaf, dim) whose size they are.
+    sample_count_outputs: List[Tuple[Any, ...]] = field(default_factory=list)
+    count_dim: Optional[Tuple[int, int]] = None
+    # Keyword arguments every call carried that the artifact's call leaves out, proven by experiment (labels for a
+    # loss computed in forward: :func:`~fx_lightning.pipeline.inputs.without_labels`).
+    left_out: List[str] = field(default_factory=list)
+
+    def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
+        """The number of samples of a call with these input leaves, for the outputs that count them."""
+        if self.count_dim is None or len(leaves) <= self.count_dim[0]:
+            return None
+        return int(leaves[self.count_dim[0]].shape[self.count_dim[1]])
 
     def with_unread(self, names: Collection[str]) -> "Signature":
         """This signature with the inputs ``names`` marked as never read by the captured graph."""
@@ -221,7 +235,9 @@ class Signature:
         return {"inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
                 "sample_axis": dataclasses.asdict(self.sample), "calls": self.calls, "flat": self.flat,
                 "notes": list(self.notes), "constants": [c.to_dict() for c in self.constants],
-                **({"output_tree": self.output_tree} if self.output_tree is not None else {})}
+                **({"output_tree": self.output_tree} if self.output_tree is not None else {}),
+                **({"count_dim": list(self.count_dim)} if self.count_dim is not None else {}),
+                **({"left_out": list(self.left_out)} if self.left_out else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -232,7 +248,9 @@ class Signature:
                               bool(sample.get("any_size", False))),
                    int(data.get("calls", 1)), bool(data.get("flat", False)), [str(n) for n in data.get("notes") or []],
                    [ConstSpec.from_dict(c) for c in data.get("constants") or []],
-                   dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None)
+                   dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None,
+                   count_dim=(int(data["count_dim"][0]), int(data["count_dim"][1])) if data.get("count_dim") else None,
+                   left_out=[str(n) for n in data.get("left_out") or []])
 
 
 # ------------------------------------------------------------------------------------------ derivation
@@ -264,10 +282,12 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     names = tree.leaf_names(root_names)
     leaves = [tree.leaves(c.call) for c in same]
     outputs = [run(c.call) for c in same]
-    out_tree = tree_of(outputs[0])
-    # An int output that differs from call to call (a count of the batch's rows) is part of the structure: an
-    # artifact would return the first call's value, or compute with it (scvi-tools' LossOutput: measured wrong).
-    out_leaves = [out_tree.leaves(o) if tree_of(o).same_structure(out_tree) else None for o in outputs]
+    # An int output that differs from call to call is part of the structure (an artifact would return the first
+    # call's value: scvi-tools' LossOutput, measured wrong), unless it was the call's number of samples every time.
+    counted, count_dim = _sample_counts([tree_of(o) for o in outputs], [[tuple(t.shape) for t in ls] for ls in leaves])
+    out_tree = tree_of(outputs[0]).counting_samples(counted)
+    out_leaves = [out_tree.leaves(o) if tree_of(o).counting_samples(counted).same_structure(out_tree) else None
+                  for o in outputs]
     if any(o is None for o in out_leaves):
         raise ValueError("the model's outputs change structure from call to call; the calls: "
                          + "; ".join(shapes_text(tree_of(o).leaves(o)) for o in outputs[:4]))
@@ -304,8 +324,29 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     if probe.inputs:
         notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
             f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
+    if counted:
+        leaf, dim = count_dim  # type: ignore[misc]
+        notes.append(f"{len(counted)} int output(s) equal to {in_specs[leaf].name} dim {dim} in each of {len(same)} "
+                     "calls (a row count): the artifact gives the size of the call at hand")
     return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree),
-                     [probe.call] if probe.call is not None else [])
+                     [probe.call] if probe.call is not None else [], counted, count_dim)
+
+
+def _sample_counts(trees: Sequence[Tree], shapes: Sequence[Sequence[Tuple[int, ...]]]
+                   ) -> Tuple[List[Tuple[Any, ...]], Optional[Tuple[int, int]]]:
+    """The int constants of the outputs that differ from call to call, each call's equal to the size of one input
+    dimension (the number of rows a loss record counts), and that (leaf, dim): an int that follows an input's size
+    in every call is that size. ``[], None`` when there is none, or no one dimension matches them all."""
+    consts = [t.constants() for t in trees]
+    if len(trees) < 2 or any([p for p, _ in c] != [p for p, _ in consts[0]] for c in consts):
+        return [], None
+    varying = [i for i in range(len(consts[0])) if len({repr(c[i][1]) for c in consts}) > 1
+               and all(type(c[i][1]) is int for c in consts)]
+    for leaf in range(len(shapes[0]) if varying else 0):
+        for dim in range(len(shapes[0][leaf])):
+            if all(len(s[leaf]) > dim and s[leaf][dim] == c[i][1] for s, c in zip(shapes, consts) for i in varying):
+                return [consts[0][i][0] for i in varying], (leaf, dim)
+    return [], None
 
 
 def describe_outputs(tree: Tree) -> JsonObject:
@@ -316,7 +357,12 @@ def describe_outputs(tree: Tree) -> JsonObject:
     if tree.kind == "tensor":
         return {"kind": "tensor"}
     if tree.kind == "const":
+        if tree.counts_samples:
+            return {"kind": "const", "value": None, "samples": True}
         value = tree.template
+        if isinstance(value, (dict, list, tuple)) and not value:  # an empty container: itself, not None
+            return {"kind": "dict", "keys": [], "items": []} if isinstance(value, dict) else \
+                {"kind": "list" if isinstance(value, list) else "tuple", "items": []}
         return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
     items = [describe_outputs(child) for _, child in tree.children]
     keys = [key for (_, key), _child in tree.children]
@@ -328,7 +374,29 @@ def describe_outputs(tree: Tree) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
+    if tree.kind == "dist" and tree.cls is not None:  # rebuilt from its parameters (torch's own classes import)
+        name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
+        if class_at(name) is tree.cls:
+            extra = {"reinterpreted_batch_ndims": int(tree.template.reinterpreted_batch_ndims)} \
+                if isinstance(tree.template, torch.distributions.Independent) else {}
+            return {"kind": "distribution", "class": name, "keys": keys, "items": items,
+                    "event_dims": len(tree.template.event_shape), **extra}
     return {"kind": "dict", "keys": keys, "items": items}
+
+
+def _distribution_from_fields(cls: Optional[type], params: Dict[str, Any], event_dims: int) -> Any:
+    """A distribution of ``cls`` with ``params`` as its fields, past a constructor that takes other names; its
+    shapes from the parameters' (the last ``event_dims`` are the event's). The parameters as a dict without a class."""
+    tensors = [v for v in params.values() if isinstance(v, torch.Tensor)]
+    if cls is None or not tensors:
+        return params
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    split = len(shape) - event_dims
+    obj = cls.__new__(cls)
+    torch.distributions.Distribution.__init__(obj, shape[:split], shape[split:], validate_args=False)
+    for key, value in params.items():
+        object.__setattr__(obj, key, value)
+    return obj
 
 
 def class_at(name: str) -> Optional[type]:
@@ -345,8 +413,9 @@ def class_at(name: str) -> Optional[type]:
     return value if isinstance(value, type) else None
 
 
-def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> Any:
-    """The outputs with their containers as ``description`` records them, from their tensors in order."""
+def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], samples: Optional[int] = None) -> Any:
+    """The outputs with their containers as ``description`` records them, from their tensors in order (and the
+    call's number of ``samples`` for a constant that counts them)."""
     it = iter(leaves)
 
     def build(node: Mapping[str, Any]) -> Any:
@@ -354,7 +423,7 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> An
         if kind == "tensor":
             return next(it)
         if kind == "const":
-            return node.get("value")
+            return samples if node.get("samples") and samples is not None else node.get("value")
         items = [build(child) for child in node.get("items") or []]
         if kind in ("namedtuple", "dataclass"):
             cls = class_at(str(node["class"])) if node.get("importable") else None
@@ -363,6 +432,16 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any]) -> An
                 return cls(*items) if kind == "namedtuple" else cls(**dict(zip(fields, items)))
             stand_in = collections.namedtuple(str(node["class"]).rpartition(".")[2].rpartition(":")[2], fields)
             return stand_in(*items)
+        if kind == "distribution":
+            params = dict(zip(node.get("keys") or [], items))
+            cls = class_at(str(node["class"]))
+            try:
+                if "reinterpreted_batch_ndims" in node:
+                    return torch.distributions.Independent(params["base_dist"], int(node["reinterpreted_batch_ndims"]),
+                                                           validate_args=False)
+                return cls(**params, validate_args=False)  # type: ignore[misc]
+            except (TypeError, KeyError, ValueError):  # a constructor of its own (scvi's Normal takes mu)
+                return _distribution_from_fields(cls, params, int(node.get("event_dims", 0)))
         if kind == "list":
             return list(items)
         if kind == "tuple":

@@ -76,9 +76,9 @@ def reference(model: nn.Module, raw: torch.Tensor, **how: Any) -> torch.Tensor:
         return copy.deepcopy(model).double().eval()(normalised_fp64(raw, MEAN, STD, **how))
 
 
-def _raw(n: int, layout: str = "NCHW", seed: int = 1) -> torch.Tensor:
+def _raw(n: int, layout: str = "NCHW", seed: int = 1, size: int = SIZE) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    shape = (n, 3, SIZE, SIZE) if layout == "NCHW" else (n, SIZE, SIZE, 3)
+    shape = (n, 3, size, size) if layout == "NCHW" else (n, size, size, 3)
     return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
 
 
@@ -112,8 +112,9 @@ def test_every_format_takes_raw_uint8_pixels_and_matches_the_original_model(tmp_
 
     assert set(manifest.formats) == set(formats)
     (spec,) = manifest.inputs
-    assert spec.dtype == "uint8" and spec.shape == (["batch", 3, SIZE, SIZE] if layout == "NCHW"
-                                                    else ["batch", SIZE, SIZE, 3])
+    # Height and width were shown to vary (trace.probe_sizes): the raw image takes any size too.
+    assert spec.dtype == "uint8" and spec.shape == (["batch", 3, "n0", "n0"] if layout == "NCHW"
+                                                    else ["batch", "n0", "n0", 3])
     pre = manifest.preprocess
     assert pre is not None and (pre.mean, pre.std) == (MEAN, STD) and pre.scale == pytest.approx(1 / 255)
     assert (pre.input_dtype, pre.layout, pre.channel_order, pre.source) == ("uint8", layout, order, "config")
@@ -123,8 +124,8 @@ def test_every_format_takes_raw_uint8_pixels_and_matches_the_original_model(tmp_
     assert any(n.kind == RAW_PATH_PASSED for n in outcome.parity.notes)
     assert any(n.kind == PREPROCESS_COMPILED and n["source"] == "config" for n in outcome.notes)
 
-    for batch in (1, 5):
-        raw = _raw(batch, layout, seed=batch)
+    for batch, size in ((1, SIZE), (5, SIZE), (2, SIZE + 4)):
+        raw = _raw(batch, layout, seed=batch, size=size)
         want = reference(model, raw, layout=layout, order=order)
         for name in formats:
             got = load_fused(outcome.export_dir, name)(raw)
@@ -289,7 +290,7 @@ def test_v2_transforms_in_a_subset_are_found_and_a_disabled_prologue_is_proposed
     model, cb = _fit(tmp_path / "on", PixelData(transform, subset=True), preprocess={"enabled": True,
                                                                                      "layout": "NHWC"})
     manifest = read_manifest(cb.export_dir)
-    assert manifest.preprocess.source == source and manifest.inputs[0].shape == ["batch", SIZE, SIZE, 3]
+    assert manifest.preprocess.source == source and manifest.inputs[0].shape == ["batch", "n0", "n0", 3]
     raw = torch.from_numpy(PixelImages(5, 9, transform).images)
     got = load_fused(cb.export_dir, "pt2")(raw)
     assert rel_err(got, reference(model, raw, layout="NHWC")) < 1e-5

@@ -196,8 +196,14 @@ def test_a_model_whose_answers_depend_on_the_batch_size_is_never_padded_to_it(mo
         loaded = load_fused(tmp_path / "e", fmt)
         with torch.no_grad():
             assert rel_err(loaded(x4), want4) < 1e-5
-            with pytest.raises(ExportError, match="dim 0 is 6; the artifact was built for 4"):
-                loaded(torch.randn(6, 3))
+            x6 = torch.randn(6, 3)
+            try:  # refused by name, or (the size shown to vary by trace.probe_sizes) the model's own answer at 6
+                got6 = loaded(x6)
+            except ExportError as exc:
+                assert "dim 0 is 6; the artifact was built for 4" in str(exc), str(exc)
+                continue
+            want6 = copy.deepcopy(model).double()(x6.double())
+            assert got6.shape == want6.shape and rel_err(got6, want6) < 1e-5, fmt  # never the answer at 4
 
 
 def test_a_graph_fixed_to_the_batch_size_by_torch_export_is_exported_for_that_size_only(tmp_path: Path) -> None:

@@ -254,7 +254,7 @@ def test_two_inputs_two_outputs_and_a_uint8_input(two_io):
     cfg = parse_config(two_io["out"] / "exp_onnx")
     assert cfg.max_batch_size == 8
     assert [(t.name, type_name(t.data_type), list(t.dims)) for t in cfg.input] == [
-        ("img", "TYPE_UINT8", [3, 8, 8]), ("vec", "TYPE_FP32", [5])]
+        ("img", "TYPE_UINT8", [3, -1, -1]), ("vec", "TYPE_FP32", [5])]  # height and width shown to vary
     assert [(t.name, type_name(t.data_type), list(t.dims)) for t in cfg.output] == [
         ("output_0", "TYPE_FP32", [4]), ("output_1", "TYPE_FP32", [3])]
     ov_cfg = parse_config(two_io["out"] / "exp_openvino")
@@ -269,7 +269,7 @@ def test_a_fixed_batch_export_gets_max_batch_size_0_and_full_dims(static, tmp_pa
     for _, model in _models([static]):
         cfg = parse_config(model.directory)
         assert cfg.max_batch_size == 0
-        assert [list(t.dims) for t in cfg.input] == [[4, 3, 8, 8]]
+        assert [list(t.dims) for t in cfg.input] == [[4, 3, -1, -1]]  # height and width shown to vary
         assert [list(t.dims) for t in cfg.output] == [[4, 3]]
         assert not cfg.HasField("dynamic_batching")
         assert "ENABLE_BATCH_PADDING" not in cfg.parameters
@@ -278,7 +278,7 @@ def test_a_fixed_batch_export_gets_max_batch_size_0_and_full_dims(static, tmp_pa
     # (as fx-lightning serve does): it batches.
     (_, selection), = _models([static], python=True)
     cfg = parse_config(selection.directory)
-    assert cfg.max_batch_size == 8 and [list(t.dims) for t in cfg.input] == [[3, 8, 8]]
+    assert cfg.max_batch_size == 8 and [list(t.dims) for t in cfg.input] == [[3, -1, -1]]
     with pytest.raises(ConfigError, match=r"max_batch_size: 8.*allowed: 0"):
         write_triton_repository(static["dir"], tmp_path / "repo", max_batch_size=8)
     assert not (tmp_path / "repo").exists()
@@ -416,7 +416,7 @@ def test_the_cli_subcommand_writes_the_repository(two_io, tmp_path, capsys):
     assert "already exist" in capsys.readouterr().err
     assert main([*args, "--overwrite", "--max-batch-size", "0"]) == 0
     cfg = parse_config(out / "cli_onnx")
-    assert cfg.max_batch_size == 0 and [list(t.dims) for t in cfg.input] == [[-1, 3, 8, 8], [-1, 5]]
+    assert cfg.max_batch_size == 0 and [list(t.dims) for t in cfg.input] == [[-1, 3, -1, -1], [-1, 5]]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging left behind
     assert main(["triton", str(two_io["dir"]), str(tmp_path / "other"), "--instances", "0"]) == 1
     assert "instances: 0" in capsys.readouterr().err
@@ -437,7 +437,9 @@ def test_the_copied_onnx_model_runs_batches_of_3_as_its_config_states(request, f
     assert cfg.max_batch_size >= 3
     feed = {}
     for stated, array in zip(cfg.input, inputs):
-        assert list(array.shape) == [3, *_stated_shape(stated, False)]  # every dim of these inputs is fixed
+        stated_shape = [3, *_stated_shape(stated, False)]  # None: any size (height and width shown to vary)
+        assert [a if s is None else s for a, s in zip(array.shape, stated_shape)] == list(array.shape)
+        assert len(stated_shape) == array.ndim
         feed[stated.name] = array.astype(NUMPY_TYPES[type_name(stated.data_type)], copy=False)
         assert feed[stated.name].dtype == array.dtype  # the config's type is the data's own
     session = ort.InferenceSession(str(model.directory / "1" / "model.onnx"), providers=["CPUExecutionProvider"])

@@ -7,17 +7,19 @@ and fails without its fix.
     a constant forward never reads is built in (darts, ...)      test_a_constant_forward_never_reads_takes_any_value
     the steps call submodules: the alphabetically first (smp)    test_the_called_submodule_holding_the_trained_parameters_is_the_target
     an eval forward needing training state stops fit (anomalib)  test_a_model_whose_eval_forward_needs_training_state_is_not_stopped
-    an int output that varies: refused, never stale (scvi)       test_an_int_output_that_varies_is_refused_never_returned_stale
+    an int output that counts the samples (scvi)                 test_an_int_output_that_counts_the_samples_is_the_count_of_each_call
     a library deep-copies the callbacks (neuralforecast)          test_a_deep_copied_callback_leaves_its_results_on_the_users_instance
     labels in the calls are required inputs (transformers)       test_the_artifact_answers_the_call_a_server_makes_without_labels
     an input the model never reads is required (darts)           test_an_input_the_graph_never_reads_may_be_left_out
+    a 1x1 feature map fixes the sizes again (lightly, torchgeo)  test_a_trunk_whose_feature_map_collapses_to_one_pixel_stays_dynamic
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import pytest
 import lightning.pytorch as pl
@@ -36,7 +38,7 @@ def test_sizes_that_never_varied_stay_dynamic_when_the_model_takes_others(tmp_pa
     the artifact refused any other (torch's own guard message). With trace.probe_sizes a call with them resized
     runs: they vary."""
     train, val = H.loaders()
-    cb = FXFuseCallback(export={"formats": ["pt2", "onnx", "graph_module"]}, trace={"probe_sizes": True})
+    cb = FXFuseCallback(export={"formats": ["pt2", "onnx", "graph_module"]})  # trace.probe_sizes: on by default
     model = H.LitClassifier()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, train, val)
     shape = next(leaf.shape for leaf in cb.outcome.manifest.signature.inputs)
@@ -48,6 +50,41 @@ def test_sizes_that_never_varied_stay_dynamic_when_the_model_takes_others(tmp_pa
         assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt
     with pytest.raises(ExportError, match=r"input x \(x\) dim 1 is 4; the artifact was built for 3"):
         load_fused(cb.export_dir, "pt2")(torch.randn(3, 4, 12, 10))  # channels never vary: the package refuses
+
+
+
+class CollapsingTrunk(nn.Module):
+    """lightly's and torchgeo's ResNet trunks at 32x32: the last feature map is 1x1 at the training size, so
+    torch.export guards on that size being 1 (traced at 8x8) or above 1 (traced bigger) and no one example covers
+    both."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(3 if i == 0 else width, width, 3, 2, 1, bias=False),
+                                                    nn.BatchNorm2d(width), nn.ReLU()) for i in range(3)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.blocks(x)).flatten(1)
+
+
+def test_a_trunk_whose_feature_map_collapses_to_one_pixel_stays_dynamic(tmp_path) -> None:
+    """lightly, torchgeo: sizes shown to vary by experiment were fixed again because torch.export specialised on a
+    1x1 feature map; the size-oblivious route keeps them dynamic and every artifact takes other sizes."""
+    train, val = H.loaders()
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = H.LitClassifier(backbone=CollapsingTrunk())
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, train, val)
+    manifest = cb.outcome.manifest
+    assert "probed_fixed" not in [n.kind.name for n in manifest.notes], manifest.notes
+    reference = H.fp64_copy(model.backbone)
+    for shape in ((1, 3, 8, 8), (3, 3, 16, 16), (2, 3, 12, 20)):
+        x = torch.randn(*shape)
+        want = reference(x.double())
+        for fmt in ("pt2", "graph_module"):
+            got = load_fused(cb.export_dir, fmt)(x)
+            assert got.shape == want.shape and got.dtype == torch.float32, (fmt, shape)
+            assert H.rel_err(got, want) < 1e-5, (fmt, shape)
 
 
 class Stage(str, enum.Enum):
@@ -174,10 +211,11 @@ def test_a_model_whose_eval_forward_needs_training_state_is_not_stopped(tmp_path
 
 
 class WithCount(H.TinyBackbone):
-    """scvi-tools' LossOutput: the outputs carry the batch's row count as an int."""
+    """scvi-tools' LossOutput: the outputs carry the batch's row count as an int, and a sum over the batch."""
 
     def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
-        return {"z": super().forward(x), "n_obs": x.shape[0]}
+        z = super().forward(x)
+        return {"z": z, "n_obs": x.shape[0], "kl_sum": z.pow(2).sum()}
 
 
 class CountingLit(H.LitClassifier):
@@ -188,15 +226,44 @@ class CountingLit(H.LitClassifier):
         return self.head(self.backbone(x)["z"])
 
 
-def test_an_int_output_that_varies_is_refused_never_returned_stale(tmp_path) -> None:
-    """scvi-tools' LossOutput carries the batch's row count as an int. Taken as not part of the structure, the artifact
-    answered with values computed for another count (kl_global_sum at 5 cells: relative error 835). Refused, naming
-    the structure change, until such an output can be proven to follow the batch."""
+def test_an_int_output_that_counts_the_samples_is_the_count_of_each_call(tmp_path) -> None:
+    """scvi-tools' LossOutput carries the batch's row count as an int. Taken as not part of the structure, the
+    artifact answered with values computed for another count (kl_global_sum at 5 cells: relative error 835); then it
+    was refused after training. An int equal to the number of samples in every call observed (16, 16 and 8 rows) is
+    that number: the artifact gives each call's own, and every other output is computed on the call's own rows."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = CountingLit()
+    train, val = H.loaders(n_val=40)  # 16, 16 and 8 rows
+    H.make_trainer(tmp_path, [cb], max_epochs=1, limit_val_batches=3).fit(model, train, val)
+    assert cb.outcome.manifest.signature.output_tree["items"][1] == {"kind": "const", "value": None, "samples": True}
+    reference = H.fp64_copy(model.backbone)
+    for rows in (1, 3, 16, 21):
+        x = torch.randn(rows, 3, 8, 8)
+        want = reference(x.double())
+        for fmt in ("pt2", "graph_module"):
+            got = load_fused(cb.export_dir, fmt)(x)
+            assert type(got) is dict and list(got) == ["z", "n_obs", "kl_sum"], (fmt, got)
+            assert got["n_obs"] == rows and type(got["n_obs"]) is int, (fmt, rows)
+            assert got["z"].shape == want["z"].shape and got["kl_sum"].shape == want["kl_sum"].shape
+            assert H.rel_err(got["z"], want["z"]) < 1e-5 and H.rel_err(got["kl_sum"], want["kl_sum"]) < 1e-5, fmt
+
+
+class NotACount(WithCount):
+    """An int that varies but is not the number of samples: still refused, never returned stale."""
+
+    def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
+        out = super().forward(x)
+        out["n_obs"] = x.shape[0] + 1
+        return out
+
+
+def test_an_int_output_that_varies_and_is_not_the_count_is_refused_never_returned_stale(tmp_path) -> None:
     from fx_lightning.errors import ModelError
 
     cb = FXFuseCallback(export={"formats": ["pt2"]})
     model = CountingLit()
-    train, val = H.loaders(n_val=40)  # 16, 16 and 8 rows
+    model.backbone = NotACount(8)
+    train, val = H.loaders(n_val=40)
     with pytest.raises(ModelError, match="outputs change structure from call to call"):
         H.make_trainer(tmp_path, [cb], max_epochs=1, limit_val_batches=3).fit(model, train, val)
     assert cb.export_dir is None
@@ -247,7 +314,7 @@ def _token_batches(n: int, batch: int, length: int, seed: int) -> Any:
 def test_the_artifact_answers_the_call_a_server_makes_without_labels(tmp_path) -> None:
     """transformers: the calls carried labels (the loss computed in forward), so labels were a required input, the
     loss hid the sample axis and batch 8, length 16 were fixed: batch 1 and a call without labels were refused."""
-    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}, trace={"probe_sizes": True})
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
     model = TextLit()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, _token_batches(32, 8, 16, 0), _token_batches(16, 8, 16, 1))
     assert any(n.kind.name == "labels_left_out" for n in cb.outcome.notes)
@@ -260,6 +327,9 @@ def test_the_artifact_answers_the_call_a_server_makes_without_labels(tmp_path) -
         for fmt in ("pt2", "graph_module"):
             got = load_fused(cb.export_dir, fmt)(input_ids=ids, attention_mask=mask)
             assert set(got) == {"logits"} and H.rel_err(got["logits"], want["logits"]) < 1e-5, fmt
+    # A call with labels (as the validation step makes it) is refused, and the advice is the call above.
+    with pytest.raises(ExportError, match="labels given; the artifact's call leaves it out .* call it without labels"):
+        load_fused(cb.export_dir)(input_ids=ids, attention_mask=mask, labels=torch.zeros(3, dtype=torch.long))
 
 
 class Forecaster(nn.Module):
@@ -307,3 +377,133 @@ def test_an_input_the_graph_never_reads_may_be_left_out(tmp_path) -> None:
         assert H.rel_err(loaded(past_target=past, future_target=None), want) < 1e-5, fmt
         assert H.rel_err(loaded(past_target=past), want) < 1e-5, fmt
         assert H.rel_err(loaded(past_target=past, future_target=torch.randn(3, 4)), want) < 1e-5, fmt
+
+
+@dataclasses.dataclass
+class ModuleInput:
+    """darts' PLModuleInput: the batch as one dataclass, its future targets None at predict time."""
+
+    past_target: torch.Tensor
+    future_target: Optional[torch.Tensor] = None
+    stage: Stage = Stage.PREDICT
+
+
+class TimeNorm(nn.BatchNorm1d):
+    """darts' TimeBatchNorm2d: a BatchNorm whose forward branches on its input's rank, which symbolic tracing
+    cannot follow: the target is captured with torch.export, through a flat interface."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if x.dim() == 2:
+            return super().forward(x)
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class RecordForecaster(Forecaster):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = TimeNorm(8)
+
+    def forward(self, x_in: ModuleInput) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x_in.past_target)
+
+
+class RecordForecastLit(ForecastLit):
+    def __init__(self) -> None:
+        H.LitClassifier.__init__(self, backbone=RecordForecaster())
+
+    def forward(self, past: torch.Tensor, future: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.backbone(ModuleInput(past, future, Stage.TRAIN if self.training else Stage.VALIDATE))
+
+
+def test_a_field_of_a_record_input_the_graph_never_reads_may_be_left_out(tmp_path) -> None:
+    """darts (TSMixer, the real library): the batch is one dataclass whose future targets the model never reads;
+    the capture takes the record whole, so no placeholder told they were unread and every predict call
+    (future_target=None) was refused."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 12, generator=g), torch.randn(64, 4, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = RecordForecastLit()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    unread = [leaf.path for leaf in cb.outcome.manifest.signature.inputs if leaf.unread]
+    assert unread == ["x_in.future_target"], cb.outcome.manifest.signature.inputs
+    past = torch.randn(3, 12)
+    want = H.fp64_copy(model.backbone)(ModuleInput(past.double()))
+    for fmt in ("pt2", "graph_module"):
+        loaded = load_fused(cb.export_dir, fmt)
+        got = loaded(ModuleInput(past))
+        assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt
+        assert H.rel_err(loaded(ModuleInput(past, torch.randn(3, 4), Stage.VALIDATE)), want) < 1e-5, fmt
+
+
+class Opaque(nn.Module):
+    """pytorch-forecasting's TemporalFusionTransformer as the capture left it: a leaf the graph calls whole, holding
+    something pickle cannot write (its cached local named-tuple class)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.cached = lambda: None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class OpaqueBackbone(H.TinyBackbone):
+    def __init__(self) -> None:
+        super().__init__(8)
+        self.opaque = Opaque()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.opaque(super().forward(x))
+
+
+def test_when_every_format_fails_no_advice_to_drop_one_is_given(tmp_path) -> None:
+    """pytorch-forecasting: 'no format could be written ... Fix: drop the failing format from export.formats': advice
+    that cannot work when every format failed. The reasons are the advice; the training is stopped before it starts."""
+    cb = FXFuseCallback(export={"formats": ["graph_module"]}, trace={"leaf_modules": ["test_zero_config:Opaque"]})
+    model = H.LitClassifier(backbone=OpaqueBackbone())
+    with pytest.raises(ExportError) as info:
+        H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    text = str(info.value)
+    assert "no format could be written" in text and "format 'graph_module'" in text and "pickle" in text, text
+    assert "Fix:" not in text and "drop the failing format" not in text, text
+    assert "before the first optimizer step" in text, text
+
+
+class MuNormal(torch.distributions.Normal):
+    """scvi-tools' own Normal: its constructor takes ``mu`` where torch's takes ``loc``."""
+
+    def __init__(self, mu: torch.Tensor, scale: torch.Tensor, validate_args: Optional[bool] = None) -> None:
+        super().__init__(mu, scale, validate_args=validate_args)
+
+
+class Encoder(H.TinyBackbone):
+    """scvi-tools' VAE: the inference outputs hold torch.distributions objects (qz: Normal, an Independent, its own
+    Normal subclass) and an empty dict (LossOutput.extra_metrics)."""
+
+    def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
+        h = super().forward(x)
+        normal = torch.distributions.Normal(h, F.softplus(h) + 1e-3)
+        return {"z": h, "qz": normal, "qzi": torch.distributions.Independent(normal, 1),
+                "pz": MuNormal(torch.zeros_like(h), torch.ones_like(h)), "extra": {}}
+
+
+def test_distribution_outputs_come_back_as_distributions_from_every_loaded_artifact(tmp_path) -> None:
+    """scvi-tools: load_fused gave qz back as a dict of its parameters (19 outputs became 25 with other types), and
+    LossOutput.extra_metrics ({}) as None."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module", "onnx"]})
+    model = H.LitClassifier(backbone=Encoder(8))
+    model.forward = lambda x: model.head(model.backbone(x)["z"])  # type: ignore[method-assign]
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    x = torch.randn(3, 3, 8, 8)
+    want = H.fp64_copy(model.backbone)(x.double())
+    for fmt in ("pt2", "graph_module", "onnx"):
+        got = load_fused(cb.export_dir, fmt)(x)
+        assert type(got) is dict and list(got) == ["z", "qz", "qzi", "pz", "extra"], (fmt, got)
+        assert type(got["pz"]) is MuNormal and got["pz"].batch_shape == want["pz"].batch_shape, fmt
+        assert H.rel_err(got["pz"].scale, want["pz"].scale) < 1e-6 and got["extra"] == {}, fmt
+        assert type(got["qz"]) is torch.distributions.Normal, (fmt, type(got["qz"]))
+        assert type(got["qzi"]) is torch.distributions.Independent and got["qzi"].reinterpreted_batch_ndims == 1
+        assert H.rel_err(got["qz"].loc, want["qz"].loc) < 1e-5 and H.rel_err(got["qz"].scale, want["qz"].scale) < 1e-5
+        assert H.rel_err(got["qzi"].base_dist.scale, want["qzi"].base_dist.scale) < 1e-5, fmt

@@ -160,7 +160,7 @@ class FXFuseCallback(Callback):
             headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped {when} "
                      f"({failure.type_name or type(failure.error).__name__}).\npreflight failed at stage '{stage}' "
                      f"({when}; nothing was trained):",
-            after=[f"  Fix: {FIXES.get(stage, 'see the error above')}."])
+            after=[f"  Fix: {fix}."] if (fix := _fix_for(failure, stage)) else [])
         self._refuse_before_fit(failure, f"preflight failed: {failure.error}")
 
     def _refuse_before_fit(self, failure: Failure, skipped: str) -> None:
@@ -277,3 +277,10 @@ def _raise(error: FXLightningError, failure: Failure) -> None:
     if failure.remote:
         raise error from None
     raise error
+
+
+def _fix_for(failure: Failure, stage: str) -> str:
+    """The advice under a preflight failure: the error's own when it carries one (empty: none would work), else
+    its stage's."""
+    own = failure.error.fix
+    return own if own is not None else FIXES.get(stage, "see the error above")

@@ -126,9 +126,9 @@ class TraceConfig:
     # For mode=export: mark dim 0 of every tensor input dynamic.
     dynamic_batch: bool = True
     # Sizes that never varied in the observed calls are resized once in an experiment; where the model takes the
-    # other size they stay dynamic (an image's height and width, a sequence's length). Off by default: the serving
-    # contracts (image requests, Triton's dims, perf_analyzer) still assume the sizes seen.
-    probe_sizes: bool = False
+    # other size they stay dynamic (an image's height and width, a sequence's length), else they are fixed. Off:
+    # every size seen once is fixed (a model the experiment would mislead, or a server that wants fixed dims).
+    probe_sizes: bool = True
 
     def check(self) -> None:
         """Every import path imports: leaf modules to ``torch.nn.Module`` classes, functions to callables."""

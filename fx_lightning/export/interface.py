@@ -60,7 +60,7 @@ class ArtifactInterface(nn.Module):
         if tree is not None:
             leaves = leaf_values(out)
             if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
-                return rebuild_outputs(tree, leaves)
+                return rebuild_outputs(tree, leaves, self.signature.samples_in(tensors))
         return nest_outputs(out, self.signature.outputs)
 
     def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
@@ -125,6 +125,12 @@ class ArtifactInterface(nn.Module):
         given = [tuple(path) for path in tree.leaf_paths()]
         given += [tuple(path) for path, value in tree.constants() if value is not None]
         unknown = [path for path in given if _normal(path) not in known]
+        left = [path_text(p) for p in unknown if len(p) == 1 and p[0][0] == "kwarg" and p[0][1] in
+                self.signature.left_out]
+        if left:  # the advice to export from calls that pass it cannot work: every call did, and it was left out
+            raise ExportError(f"{self.what}: {', '.join(left)} given; the artifact's call leaves it out (the model "
+                              "gave the same outputs without it on every call observed, the loss it computes from "
+                              f"it aside: see the manifest's note labels_left_out): call it without {', '.join(left)}")
         if unknown:
             wanted = ", ".join(leaf.path for leaf in self.signature.inputs)
             raise ExportError(f"{self.what}: {', '.join(path_text(p) for p in unknown)} given, which the artifact was "

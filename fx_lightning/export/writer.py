@@ -221,7 +221,9 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
             warnings.warn(f"export: format {fmt.name!r}: {exc.message} The other formats are exported "
                           "(export.on_format_failure: skip).", UserWarning, stacklevel=4)
     if not entries:
-        raise ExportError("no format could be written: " + "; ".join(f"format {n!r}: {r}" for n, r in failed.items()))
+        # Dropping a format cannot help when every one failed: each reason above is the advice there is.
+        raise ExportError("no format could be written: " + "; ".join(f"format {n!r}: {r}" for n, r in failed.items()),
+                          fix="")
     write_check_file(staging, reference)
     (staging / "README.md").write_text(readme_text(entries), encoding="utf-8")
     manifest = new_manifest(ctx, entries, config=to_container(config),

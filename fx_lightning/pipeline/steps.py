@@ -19,7 +19,7 @@ import contextlib
 import copy
 import dataclasses
 from enum import Enum
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ from fx_lightning.notes import NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
-from fx_lightning.pipeline.inputs import calibration_steps, signature_for, target_steps, without_labels
+from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, calibration_steps, signature_for, target_steps,
+                                         without_labels)
 from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
 from fx_lightning.provenance import Provenance
@@ -135,6 +136,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                                   "the target's inputs")
             found = without_labels(found, reference)
             signature = signature_for(reference, found.steps, observed, config.trace.probe_sizes)
+            signature.left_out = [name.strip() for n in found.notes if n.kind is LABELS_LEFT_OUT
+                                  for name in str(n["labels"]).split(",")]
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
                 try:
@@ -152,6 +155,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
+        if result.interface is not None and signature.count_dim is not None:  # counted per call, not the first's
+            result.interface = result.interface.counting_samples(signature.sample_count_outputs, signature.count_dim)
         if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf
             signature = dataclasses.replace(signature, flat=True)
             signature = signature.with_unread(_unread_inputs(result.graph_module, signature))
@@ -185,7 +190,14 @@ def _unread_inputs(graph_module: nn.Module, signature: Signature) -> List[str]:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
     if len(placeholders) != len(signature.inputs):
         return []
-    return [leaf.name for leaf, node in zip(signature.inputs, placeholders) if not node.users]
+    return [leaf.name for leaf, node in zip(signature.inputs, placeholders)
+            if all(_checks_only(user) for user in node.users)]
+
+
+def _checks_only(node: Any) -> bool:
+    """A use that reads no value: torch.export's ``_guards_fn`` (its checks of the input's sizes; the stand-in an
+    unread input gets is sized to pass them)."""
+    return node.op == "call_module" and str(node.target) == "_guards_fn"
 
 
 def other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:

@@ -320,7 +320,9 @@ def decode_work(body: bytes, content_type: str, contract: Contract) -> int:
     """The bytes decoding ``body`` handles: an image's pixels when the contract takes images (its compressed
     body says little of them), else the body itself."""
     media = content_type.split(";")[0].strip().lower()
-    pixels = math.prod(contract.image_size) if media in IMAGE_TYPES and contract.image_size is not None else 0
+    size = contract.image_size if media in IMAGE_TYPES else None
+    # An image of any size: its compressed body is all there is to go by, so it is decoded off the loop.
+    pixels = (LOOP_WORK_BYTES + 1 if None in size else math.prod(size)) if size is not None else 0  # type: ignore[arg-type]
     return max(len(body), pixels)
 
 

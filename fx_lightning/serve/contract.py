@@ -159,15 +159,16 @@ class Contract:
         return [JSON_TYPE, NPY_TYPE, NPZ_TYPE] + (list(IMAGE_TYPES) if self.image_size is not None else [])
 
     @property
-    def image_size(self) -> Optional[Tuple[int, int, int]]:
-        """(height, width, channels) of the image an image request must be, when the export takes raw pixels."""
+    def image_size(self) -> Optional[Tuple[Optional[int], Optional[int], int]]:
+        """(height, width, channels) of the image an image request must be, when the export takes raw pixels
+        (a height or width of None: any, the model was shown to take other sizes)."""
         if self.preprocess is None or len(self.inputs) != 1 or self.inputs[0].dtype != "uint8":
             return None
         dims = self.inputs[0].sample_shape
         if len(dims) != 3:
             return None
         c, h, w = dims if self.preprocess.layout == "NCHW" else (dims[2], dims[0], dims[1])
-        if c not in (1, 3) or h is None or w is None:
+        if c not in (1, 3):
             return None
         return h, w, c
 
@@ -273,9 +274,14 @@ class Contract:
             raise BadRequest(422, f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype}")
         count = int(np.prod(shape, dtype=np.float64)) if shape else 1
         sample = int(np.prod([d or 1 for d in spec.sample_shape], dtype=np.float64)) or 1
-        if self.batched and count > sample * self.max_request_batch and all(d is not None for d in spec.sample_shape):
+        samples = shape[0] if len(shape) == len(spec.sample_shape) + 1 else None
+        if self.batched and ((samples is not None and samples > self.max_request_batch) or (
+                count > sample * self.max_request_batch and all(d is not None for d in spec.sample_shape))):
             raise BadRequest(413, f"input {spec.name!r}: an array of shape {list(shape)} exceeds the limit of "
                                   f"{self.max_request_batch} samples per request (--max-request-batch)")
+        if count * dtype.itemsize > self.max_body_bytes:  # sizes that vary: the header alone may declare any size
+            raise BadRequest(413, f"input {spec.name!r}: an array of shape {list(shape)} ({count * dtype.itemsize} "
+                                  f"bytes) exceeds the limit of {self.max_body_bytes} bytes (--max-body-mb)")
         data = stream.read(count * dtype.itemsize)
         if len(data) != count * dtype.itemsize:
             raise BadRequest(400, f"input {spec.name!r}: truncated array ({len(data)} of "
@@ -296,9 +302,13 @@ class Contract:
             raise BadRequest(415, f"{media}: this server cannot decode images (pip install pillow)") from None
         try:
             with Image.open(io.BytesIO(body)) as image:
-                if (image.width, image.height) != (width, height):
+                if (width is not None and image.width != width) or (height is not None and image.height != height):
                     raise BadRequest(422, f"image is {image.width}x{image.height} (width x height); the model "
-                                          f"takes {width}x{height}")
+                                          f"takes {width or 'any'}x{height or 'any'}")
+                if image.width * image.height * channels > self.max_body_bytes:  # what a small file may unpack to
+                    raise BadRequest(413, f"image of {image.width}x{image.height} pixels exceeds the limit of "
+                                          f"{self.max_body_bytes} bytes of pixels (--max-body-mb)")
+                height, width = image.height, image.width
                 pixels = np.asarray(image.convert("RGB" if channels == 3 else "L"), dtype=np.uint8)
         except BadRequest:
             raise
