@@ -388,7 +388,7 @@ def judge(rows: List[Dict[str, Any]]) -> Tuple[str, str]:
     fused_errors = [r for r in checked if "fused_error" in r and r not in stated]
     wrong = [r for r in checked if r.get("rel_err") is not None
              and r["rel_err"] > max(ABS_RTOL, 10 * (r.get("fp32_model_rel_err") or 0.0))]
-    changed = [r for r in checked if "structure_got" in r]
+    changed = [r for r in checked if "structure_got" in r and r not in stated]  # stated: its loss is what is left out
     if wrong:
         r = max(wrong, key=lambda r: r["rel_err"])
         return "wrong", f"{r['probe']}: rel err {r['rel_err']:.3g} at {r['worst_output']} (fp32 model: " \
