@@ -14,7 +14,10 @@ __all__ = ["run", "roundtrip_text"]
 
 def run(args: argparse.Namespace, console: Any) -> int:
     """``fx-lightning inspect``: an export's manifest as tables."""
+    import torch
+
     from fx_lightning.export import MANIFEST_NAME, read_manifest, verify_files
+    from fx_lightning.export.check import read_check_file
 
     root = Path(args.directory)
     manifest = read_manifest(root)
@@ -29,8 +32,11 @@ def run(args: argparse.Namespace, console: Any) -> int:
     console.print("round-trip checks (each format loaded back from the export and compared before it was kept):",
                   markup=False)
     inputs = [spec for spec in manifest.inputs if spec.kind == "tensor"]
+    reference = read_check_file(root)  # the example the checks ran on: its sizes where the manifest names a dim
+    example = next((list(t.shape) for t in reference.batches[0] if isinstance(t, torch.Tensor)), None) \
+        if reference is not None else None
     for name, entry in manifest.formats.items():
-        console.print(f"  {roundtrip_text(name, entry.check, inputs)}", markup=False, soft_wrap=True)
+        console.print(f"  {roundtrip_text(name, entry.check, inputs, example)}", markup=False, soft_wrap=True)
     for name, reason in manifest.failed_formats.items():
         console.print(f"  {name}: NOT EXPORTED: {reason}", markup=False, soft_wrap=True)
     console.print(_files_table(manifest))
@@ -120,7 +126,7 @@ def _formats_table(manifest: Any) -> Any:
     return table
 
 
-def roundtrip_text(name: str, check: Optional[Any], inputs: List[Any]) -> str:
+def roundtrip_text(name: str, check: Optional[Any], inputs: List[Any], example: Optional[List[int]] = None) -> str:
     """The check of one format at export (an ArtifactCheck), in words: what was compared with what, on which
     batches. A lossy variant has none there: its gate judged it, and the selection's run on check.pt."""
     if check is None:
@@ -129,7 +135,9 @@ def roundtrip_text(name: str, check: Optional[Any], inputs: List[Any]) -> str:
         return f"{name}: failed its check: {check.reason or 'no reason recorded'}"
     shapes = []
     for size in check.batch_sizes:
-        dims = [size if d == "batch" else d for d in (inputs[0].shape or [])] if inputs else []
+        named = inputs[0].shape or [] if inputs else []
+        sizes = example if example is not None and len(example) == len(named) else named
+        dims = [size if d == "batch" else s for d, s in zip(named, sizes)]
         shapes.append("x".join(str(d) for d in dims) if dims else f"batch {size}")
     return (f"{name}: loaded back and run on input {' and '.join(shapes)}: relative error {fmt(check.relative_error)} "
             f"against {check.against} (max|loaded - reference| / max|reference|); the fused model itself: "

@@ -221,7 +221,8 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
             warnings.warn(f"export: format {fmt.name!r}: {exc.message} The other formats are exported "
                           "(export.on_format_failure: skip).", UserWarning, stacklevel=4)
     if not entries:
-        # Dropping a format cannot help when every one failed: each reason above is the advice there is.
+        # No advice: dropping a format cannot help when every one failed, and no other is known to work (a graph
+        # torch.export cannot capture may not load back as a GraphModule either); each reason is the advice.
         raise ExportError("no format could be written: " + "; ".join(f"format {n!r}: {r}" for n, r in failed.items()),
                           fix="")
     write_check_file(staging, reference)
