@@ -35,6 +35,7 @@ from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
 from fx_lightning.pipeline.export_step import export
+from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries
 from fx_lightning.pipeline.records import Batches, Exported, Fused, Source
 from fx_lightning.pipeline.steps import (
     Step,
@@ -157,6 +158,7 @@ class Outcome:
     skipped: Optional[str] = None
     failure: Optional[Failure] = None
     steps: List[str] = field(default_factory=list)
+    times: List[StepTime] = field(default_factory=list)  # how long each step took here, as the progress saw it
 
 
 @dataclass
@@ -200,12 +202,27 @@ def run_pipeline(
     collectives: Collectives = LOCAL,
     mode: Mode = Mode.final,
     skip: Optional[str] = None,
+    progress: Optional[Progress] = None,
 ) -> Outcome:
     """Load the source (``load()``, in this process), fuse its target, verify parity and export, with the
     collective protocol above. Raises nothing: the outcome's ``failure`` says what failed, and every rank gets
-    the same. ``skip``: a reason not to run on this rank (every rank then skips)."""
+    the same. ``skip``: a reason not to run on this rank (every rank then skips). ``progress``: where each step
+    says it started and ended (default: plain lines through the ``fx_lightning.progress`` logger); the outcome
+    keeps their times. The libraries' own INFO lines are kept out meanwhile (:func:`quiet_libraries`)."""
+    progress = progress if progress is not None else log_lines()
+    try:
+        with quiet_libraries():
+            outcome = _run(config, load, destination, collectives, mode, skip, progress)
+    finally:
+        progress.close()
+    outcome.times = list(progress.times)
+    return outcome
+
+
+def _run(config: FuseConfig, load: Callable[[], Source], destination: Destination, collectives: Collectives,
+         mode: Mode, skip: Optional[str], progress: Progress) -> Outcome:
     rank = collectives.rank
-    local = run_locally(config, load) if skip is None else LocalShare()
+    local = run_locally(config, load, progress) if skip is None else LocalShare()
     mine = _RankReport(rank, skip, ErrorInfo.of(rank, local.error) if local.error is not None else None, local.state,
                        local.source.buffers_differ if local.source is not None else False,
                        len(local.fused.steps) if local.fused is not None else 0)
@@ -234,7 +251,8 @@ def run_pipeline(
     if destination.directory is None:
         outcome.notes.append(NO_EXPORT_DIRECTORY())
         return outcome
-    written, export_error = _write(config, fused, source, outcome.parity, destination, mode) if rank == 0 else (None, None)
+    written, export_error = (_write(config, fused, source, outcome.parity, destination, mode, progress) if rank == 0
+                             else (None, None))
     written = collectives.broadcast(written, src=0)  # 3.
     if isinstance(written, ErrorInfo):
         outcome.failure = _failure_of(collectives, [written], export_error)
@@ -245,14 +263,22 @@ def run_pipeline(
     return outcome
 
 
-def run_locally(config: FuseConfig, load: Callable[[], Source]) -> LocalShare:
+def run_locally(config: FuseConfig, load: Callable[[], Source], progress: Optional[Progress] = None) -> LocalShare:
     """This rank's share: load the source, fuse a copy, measure parity on this rank's batches. Public as the seam
     a caller wraps to run ranks its own way (the tests run them as threads, one at a time through torch.fx)."""
     local = LocalShare()
+    progress = progress if progress is not None else Progress()
     try:
-        local.source = load()
-        local.fused = fuse_target(local.source, config)
-        local.state = measure(local.fused, config)
+        with progress.step("load the model and its calls"):
+            local.source = load()
+        with progress.step("capture and passes") as end:
+            local.fused = fuse_target(local.source, config)
+            report = local.fused.result.report
+            end.result = (f"{report.batchnorms_folded} BatchNorm(s) folded, {report.after.batchnorms} left; "
+                          f"capture: {report.capture_mode}")
+        with progress.step("parity") as end:
+            local.state = measure(local.fused, config)
+            end.result = "measured" if local.state is not None else "disabled (parity.enabled: false)"
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange, raised by the caller
         local.error = exc
     return local
@@ -281,13 +307,18 @@ def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: 
 
 
 def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[ParityReport],
-           destination: Destination, mode: Mode) -> Tuple[Union[Exported, ErrorInfo], Optional[Exception]]:
+           destination: Destination, mode: Mode, progress: Progress
+           ) -> Tuple[Union[Exported, ErrorInfo], Optional[Exception]]:
     """Rank zero: the export step (atomically: complete or not at all)."""
     assert destination.directory is not None
     try:
         refuse_protected(destination.directory, destination.protected)
-        return export(fused, config, parity, destination.directory,
-                      provenance_for(fused, source, destination.provenance), rehearsal=mode is Mode.rehearsal), None
+        with progress.step("export", str(destination.directory)) as end:
+            exported = export(fused, config, parity, destination.directory,
+                              provenance_for(fused, source, destination.provenance),
+                              rehearsal=mode is Mode.rehearsal, progress=progress)
+            end.result = f"{len(exported.manifest.formats) if exported.manifest else 0} artifact(s)"
+        return exported, None
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the export broadcast
         if isinstance(exc, FXLightningError):
             exc.step = exc.step or Step.export.value
