@@ -7,6 +7,7 @@ draws nothing and records each step's time (the summary ends with them); :class:
 event (plain logging lines by default: what a log file that is not a terminal wants), and says a step is still
 running when it has been quiet for :attr:`LineProgress.heartbeat_s`, so a slow step never reads as a hung one.
 The callback builds the one that matches the Trainer's own progress bar (``callback/progress_bar.py``).
+It lives under ``export/`` because the export's own parts (formats, variants, timing) report through it too.
 """
 
 from __future__ import annotations
@@ -112,8 +113,12 @@ class LineProgress(Progress):
         self._beat: Optional[threading.Thread] = None
 
     def emit(self, text: str) -> None:
-        self._last_output = time.monotonic()
+        self.touch()
         self.write_line(self.prefix + text)
+
+    def touch(self) -> None:
+        """Something was drawn now (a bar moved): no "still running" line is due."""
+        self._last_output = time.monotonic()
 
     def started(self, name: str, depth: int, detail: str) -> None:
         self.emit("  " * depth + f"{name} ..." + (f" ({detail})" if detail else ""))

@@ -35,7 +35,8 @@ from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
 from fx_lightning.pipeline.export_step import export
-from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries
+from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
+from fx_lightning.export.report_html import REPORT_NAME
 from fx_lightning.pipeline.records import Batches, Exported, Fused, Source
 from fx_lightning.pipeline.steps import (
     Step,
@@ -426,17 +427,40 @@ def fuse_and_export(
                               export_dir=directory)
 
 
-def summary_text(outcome: Outcome) -> str:
-    """What happened, for people: the target, the fuse report, the parity verdict, notes and the export."""
-    lines = [f"target: {outcome.target or '<the whole LightningModule>'}"]
+def summary_text(outcome: Outcome, also: Sequence[str] = ()) -> str:
+    """What happened, for people. First what they decide on: BatchNorms folded and left, the parity verdict, what
+    is served and how fast, where the export and its report are; then the details (the target, the fuse report,
+    the parity figures, notes), ``also`` (the preflight's report), and last the time each step took."""
+    lines = _decisions(outcome)
+    lines.append(f"target: {outcome.target or '<the whole LightningModule>'}")
     if outcome.result is not None:
-        report = outcome.result.report
-        lines += [str(report), f"BatchNorms folded: {report.batchnorms_folded}, left: {report.after.batchnorms}"]
+        lines.append(str(outcome.result.report))
     if outcome.parity is not None:
         lines.append(str(outcome.parity))
     lines += [f"note: {note}" for note in outcome.notes]
-    lines.append(f"fused model exported to {outcome.export_dir}" if outcome.export_dir is not None
-                 else "fused model not exported")
+    lines += list(also)
+    return "\n".join(lines + times_text(outcome.times))
+
+
+def _decisions(outcome: Outcome) -> List[str]:
+    """The summary's first lines."""
+    lines = []
     if outcome.failure is not None:
-        lines.append(f"failed{outcome.failure.where}: {first_line(outcome.failure.error)}")
-    return "\n".join(lines)
+        lines.append(f"FAILED{outcome.failure.where}: {first_line(outcome.failure.error)}")
+    if outcome.result is not None:
+        report = outcome.result.report
+        lines.append(f"BatchNorms: {report.batchnorms_folded} folded, {report.after.batchnorms} left"
+                     + (" (each with its reason below)" if report.after.batchnorms else ""))
+    if outcome.parity is not None:
+        worst = outcome.parity.metrics.get("relative_max_error")
+        lines.append(f"parity: {'PASSED' if outcome.parity.passed else 'FAILED'}"
+                     + (f" (worst relative error {worst:.3g})" if worst is not None else ""))
+    selected = outcome.manifest.selected if outcome.manifest is not None else None
+    if selected is not None:
+        lines.append(f"served: {selected.format} at batch {selected.batch_size} ({selected.traffic}): "
+                     f"{selected.median_ms:.3g} ms median")
+    if outcome.export_dir is not None:
+        lines.append(f"fused model exported to {outcome.export_dir} (open {outcome.export_dir / REPORT_NAME})")
+    else:
+        lines.append("fused model not exported")
+    return lines
