@@ -37,6 +37,7 @@ class StepTime:
     seconds: float
     depth: int
     ok: bool = True
+    order: int = 0  # when it started, among the steps (recorded as each ends: parts before their step)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Progress:
     def __init__(self) -> None:
         self.times: List[StepTime] = []
         self._open: List[Tuple[str, float]] = []
+        self._started = 0
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -60,7 +62,8 @@ class Progress:
         """A step: started now, ended (with its time, and ``failed`` when the block raises) when the block leaves."""
         end = StepEnd()
         with self._lock:
-            depth = len(self._open)
+            depth, order = len(self._open), self._started
+            self._started += 1
             self._open.append((name, time.perf_counter()))
         self.started(name, depth, detail)
         ok = False
@@ -71,7 +74,7 @@ class Progress:
             with self._lock:
                 _, start = self._open.pop()
             seconds = time.perf_counter() - start
-            self.times.append(StepTime(name, seconds, depth, ok))
+            self.times.append(StepTime(name, seconds, depth, ok, order))
             self.ended(name, depth, seconds, end.result if ok else "failed")
 
     def started(self, name: str, depth: int, detail: str) -> None:
@@ -204,22 +207,9 @@ def times_text(times: List[StepTime], depth: int = 1) -> List[str]:
     """The summary's last lines: each step's time (parts of a step indented), up to ``depth``."""
     if not times:
         return []
-    # Recorded as each ends (parts before their step): shown in the order they started.
-    ordered = _started_order(times)
     lines = ["time per step:"]
-    for t in ordered:
+    for t in sorted(times, key=lambda t: t.order):
         if t.depth <= depth:
             lines.append("  " + "  " * t.depth + f"{t.name}: {_seconds(t.seconds)}" + ("" if t.ok else " (failed)"))
     return lines
 
-
-def _started_order(times: List[StepTime]) -> List[StepTime]:
-    """Steps in the order they started: a step ends after its parts, so each is moved before the parts that ended
-    just before it at a greater depth."""
-    out: List[StepTime] = []
-    for t in times:
-        parts: List[StepTime] = []
-        while out and out[-1].depth > t.depth:
-            parts.insert(0, out.pop())
-        out += [t, *parts]
-    return out

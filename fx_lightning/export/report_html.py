@@ -267,6 +267,10 @@ def _error_strip(errors: Sequence[Tuple[str, float, Optional[float]]], fused: Op
 def _artifacts(manifest: Manifest) -> str:
     bench = manifest.bench
     rows = []
+    baselines = dict.fromkeys(t.artifact for t in (bench.timings if bench else []) if t.artifact not in manifest.formats)
+    for name in baselines:  # the unfused model, timed beside the artifacts: what the speed-ups are against
+        rows.append([f"{_e(name)} <span class='muted'>(the unfused model)</span>", "-", "-", "-",
+                     _timings(manifest, name)])
     for name, entry in manifest.formats.items():
         size = sum(manifest.files[f].size for f in entry.files if f in manifest.files)
         check = entry.check if entry.check is not None else (bench.checks.get(name) if bench else None)
@@ -276,12 +280,7 @@ def _artifacts(manifest: Manifest) -> str:
         gate_text = (f"{_verdict(gate.passed)} " + ", ".join(f"{k} {_num(v)}" for k, v in gate.metrics.items()
                                                             if k in ("top1_agreement", "cosine_similarity_min",
                                                                      "accuracy_drop"))) if gate else "-"
-        timings = [t for t in (bench.timings if bench else []) if t.artifact == name]
-        timing_text = "<br>".join(
-            f"batch {t.batch_size}, {_e(t.traffic)}{f' ({_e(t.runtime)})' if t.runtime else ''}: "
-            f"{_figure(f'timing.{name}.{t.batch_size}.{t.traffic}.{t.runtime}', t.median_ms)} ms"
-            for t in sorted(timings, key=lambda t: (t.batch_size, t.traffic, t.runtime))) or "-"
-        rows.append([_e(name), f"{size / 1e6:.2f} MB", check_text, gate_text, timing_text])
+        rows.append([_e(name), f"{size / 1e6:.2f} MB", check_text, gate_text, _timings(manifest, name)])
     out = ["<h2>Artifacts: each with its check, its gate and its timings</h2>",
            _table(["artifact", "size", "check (round trip)", "gate (lossy variants)", "median latency"], rows,
                   "artifacts")]
@@ -292,6 +291,14 @@ def _artifacts(manifest: Manifest) -> str:
     if dropped:
         out.append("<h3>Not in the export</h3>" + _table(["artifact", "why"], dropped, "dropped"))
     return "".join(out)
+
+
+def _timings(manifest: Manifest, name: str) -> str:
+    timings = [t for t in (manifest.bench.timings if manifest.bench else []) if t.artifact == name]
+    return "<br>".join(
+        f"batch {t.batch_size}, {_e(t.traffic)}{f' ({_e(t.runtime)})' if t.runtime else ''}: "
+        f"{_figure(f'timing.{name}.{t.batch_size}.{t.traffic}.{t.runtime}', t.median_ms)} ms"
+        for t in sorted(timings, key=lambda t: (t.batch_size, t.traffic, t.runtime))) or "-"
 
 
 def _sweeps(manifest: Manifest) -> str:
