@@ -5,11 +5,14 @@ error, values read from its DOM, and a screenshot.
     with Browser.start() as browser:
         page = browser.open(Path("report.html"))
         page.requests, page.errors, page.evaluate("document.title"), page.screenshot(Path("shot.png"))
+
+The README's picture of a report: ``python tests/browser.py EXPORT/report.html docs/report.png``.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -53,9 +56,12 @@ class Page:
 
     def screenshot(self, path: Path, width: int = 1200) -> Path:
         """The whole page as a PNG, ``width`` pixels wide."""
-        height = int(self.evaluate("document.documentElement.scrollHeight"))
-        self.browser.call("Emulation.setDeviceMetricsOverride",
-                          {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, self.session)
+        height = 200  # a short viewport first: the page's own height at this width is then its scroll height
+        for _ in range(2):
+            self.browser.call("Emulation.setDeviceMetricsOverride",
+                              {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+                              self.session)
+            height = int(self.evaluate("document.documentElement.scrollHeight"))
         data = self.browser.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True},
                                  self.session)["data"]
         path.write_bytes(base64.b64decode(data))
@@ -65,8 +71,10 @@ class Page:
 class Browser:
     """A headless Chromium with its DevTools endpoint, spoken to over one websocket (flat sessions)."""
 
-    def __init__(self, proc: subprocess.Popen, socket: ClientConnection, profile: str) -> None:
-        self.proc, self.socket, self.profile = proc, socket, profile
+    def __init__(self, proc: subprocess.Popen, url: str, profile: str, timeout: float) -> None:
+        self.proc, self.profile = proc, profile
+        self._stack = contextlib.ExitStack()
+        self.socket: ClientConnection = self._stack.enter_context(connect(url, max_size=None, open_timeout=timeout))
         self._next = 0
         self.events: List[Dict[str, Any]] = []
 
@@ -95,7 +103,7 @@ class Browser:
         if url is None:
             proc.kill()
             raise RuntimeError("Chromium did not open its DevTools endpoint: " + "".join(seen[-20:]))
-        return cls(proc, connect(url, max_size=None, open_timeout=timeout), profile)
+        return cls(proc, url, profile, timeout)
 
     def call(self, method: str, params: Optional[Dict[str, Any]] = None, session: Optional[str] = None,
              timeout: float = 60.0) -> Dict[str, Any]:
@@ -149,7 +157,7 @@ class Browser:
 
     def close(self) -> None:
         try:
-            self.socket.close()
+            self._stack.close()
         finally:
             self.proc.kill()
             self.proc.wait()
@@ -167,3 +175,15 @@ def pages(*paths: Path) -> Iterator[Page]:
     with Browser.start() as browser:
         for path in paths:
             yield browser.open(path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python tests/browser.py PAGE.html SHOT.png")
+    with Browser.start() as started:
+        opened = started.open(Path(sys.argv[1]))
+        if opened.errors or opened.requests != [Path(sys.argv[1]).resolve().as_uri()]:
+            sys.exit(f"the page failed: errors {opened.errors}, requests {opened.requests}")
+        print(opened.screenshot(Path(sys.argv[2])))

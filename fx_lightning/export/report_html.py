@@ -43,6 +43,7 @@ class Series:
     name: str
     points: Tuple[Tuple[float, float], ...]
     dashed: bool = False
+    colour: int = 0  # an artifact keeps its colour across plots (its p50 and p99 too)
 
 
 def _e(value: object) -> str:
@@ -52,8 +53,10 @@ def _e(value: object) -> str:
 def _num(value: Optional[float], digits: int = 3) -> str:
     if value is None:
         return "-"
-    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e7):
         return f"{value:.{digits - 1}e}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
     return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:,.{max(digits - 2, 1)}f}"
 
 
@@ -91,13 +94,13 @@ def _ticks(low: float, high: float, log: bool) -> List[float]:
 
 
 def sweep_svg(title: str, x_label: str, y_label: str, series: Sequence[Series], key: str,
-              width: int = 520, height: int = 300) -> str:
+              width: int = 540, height: int = 300) -> str:
     """A line plot (x on a log2 axis: batch sizes) of ``series``, with axes, ticks and a legend, as inline SVG.
     Each point is a circle carrying ``data-series``, ``data-x`` and ``data-y``."""
     points = [p for s in series for p in s.points]
     if not points:
         return f'<p class="muted" data-plot="{_e(key)}">{_e(title)}: nothing to draw</p>'
-    left, right, top, bottom = 64, 150, 28, 44
+    left, right, top, bottom = 76, 170, 28, 44  # the legend on the right
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]
     x_lo, x_hi = min(xs), max(max(xs), min(xs) * 2)
@@ -128,7 +131,7 @@ def sweep_svg(title: str, x_label: str, y_label: str, series: Sequence[Series], 
                f'{_e(x_label)}</text><text x="14" y="{top + plot_h / 2}" font-size="12" text-anchor="middle" '
                f'transform="rotate(-90 14 {top + plot_h / 2})">{_e(y_label)}</text>')
     for i, s in enumerate(series):
-        colour = _COLOURS[i % len(_COLOURS)] if not s.dashed else _COLOURS[(i - 1) % len(_COLOURS)]
+        colour = _COLOURS[s.colour % len(_COLOURS)]
         path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in s.points)
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2"{dash} points="{path}"/>')
@@ -150,11 +153,16 @@ def _sweep_name(sweep: Sweep) -> str:
 def sweep_series(sweeps: Sequence[Sweep], traffic: str) -> Dict[str, List[Series]]:
     """The plots of one traffic: ``latency`` (p50 and, dashed, p99 per artifact) and ``throughput``."""
     chosen = [w for w in sweeps if w.traffic == traffic and w.points]
+    colours = {name: i for i, name in enumerate(dict.fromkeys(_sweep_name(w) for w in sweeps))}
     latency: List[Series] = []
     for w in chosen:
-        latency.append(Series(f"{_sweep_name(w)} p50", tuple((p.batch_size, p.p50_ms) for p in w.points)))
-        latency.append(Series(f"{_sweep_name(w)} p99", tuple((p.batch_size, p.p99_ms) for p in w.points), True))
-    throughput = [Series(_sweep_name(w), tuple((p.batch_size, p.throughput) for p in w.points)) for w in chosen]
+        colour = colours[_sweep_name(w)]
+        latency.append(Series(f"{_sweep_name(w)} p50", tuple((p.batch_size, p.p50_ms) for p in w.points), False,
+                              colour))
+        latency.append(Series(f"{_sweep_name(w)} p99", tuple((p.batch_size, p.p99_ms) for p in w.points), True,
+                              colour))
+    throughput = [Series(_sweep_name(w), tuple((p.batch_size, p.throughput) for p in w.points), False,
+                         colours[_sweep_name(w)]) for w in chosen]
     return {"latency": latency, "throughput": throughput}
 
 
