@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import lightning.pytorch as pl
 
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.export.progress import LOGGER, LineProgress, Progress
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
+    from tqdm import tqdm as Tqdm
 
 __all__ = ["progress_for", "TqdmProgress", "RichProgress", "plain_lines"]
 
@@ -28,7 +32,7 @@ class TqdmProgress(LineProgress):
 
         self._tqdm = tqdm
         super().__init__(lambda line: tqdm.write(line, file=sys.stderr), title)
-        self._bars: Dict[str, Any] = {}
+        self._bars: Dict[str, "Tqdm"] = {}
 
     def advance(self, what: str, done: int, total: Optional[int]) -> None:
         bar = self._bars.get(what)
@@ -55,7 +59,7 @@ class RichProgress(LineProgress):
         super().__init__(lambda line: console.print(line, markup=False, highlight=False), title)
         self._console = console
         self._bars: Optional[Any] = None
-        self._tasks: Dict[str, Any] = {}
+        self._tasks: Dict[str, "TaskID"] = {}
 
     def advance(self, what: str, done: int, total: Optional[int]) -> None:
         from rich.progress import BarColumn, Progress as Bars, TextColumn, TimeRemainingColumn
@@ -74,7 +78,8 @@ class RichProgress(LineProgress):
     def close(self) -> None:
         if self._bars is not None:
             self._bars.stop()
-            self._bars, self._tasks = None, {}
+            self._bars = None
+            self._tasks.clear()
         super().close()
 
 
