@@ -8,20 +8,18 @@ Prints every line with the seconds since the start, then the longest gaps and th
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import List, Tuple
 
 
 def cpu_line() -> str:
-    """The CPU model and the cores this process may use."""
-    text = Path("/proc/cpuinfo").read_text(encoding="utf-8") if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    return f"CPU: {model}, {len(__import__('os').sched_getaffinity(0))} cores"
+    """The CPU (model, family and the flags that matter here, as the export records it) and the cores usable."""
+    from fx_lightning.machine import cpu_info
+
+    return f"CPU: {cpu_info().short()}, {len(os.sched_getaffinity(0))} cores"
 
 
 def main() -> int:

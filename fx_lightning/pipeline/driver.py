@@ -372,6 +372,7 @@ def fuse_verify_export(
     write: bool = True,
     protected_paths: Sequence[Union[str, Path]] = (),
     extra: Union[Provenance, dict, None] = None,
+    progress: Optional[Progress] = None,
 ) -> Outcome:
     """The pipeline in this process: fuse ``config.target`` of ``model``, check parity on ``batches``, export
     when parity passed, and raise what failed.
@@ -380,7 +381,8 @@ def fuse_verify_export(
     ``write`` is false). ``protected_paths``: files (checkpoints) the export must never replace. ``extra``:
     where the model came from (a Provenance or its dict), for the manifest. A failed parity check raises
     :class:`ParityError` (with ``.report`` and ``.outcome``) when ``parity.on_failure`` is ``raise``; otherwise
-    it warns. Either way nothing is exported.
+    it warns. Either way nothing is exported. ``progress``: where each step is shown (default: plain lines
+    through the ``fx_lightning.progress`` logger).
     """
     directory = export_dir if export_dir is not None else config.export.dir
     provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
@@ -390,7 +392,7 @@ def fuse_verify_export(
     def load() -> Source:
         return Source(model, batches, example_inputs, device=resolve_device(config.device, None))
 
-    outcome = run_pipeline(config, load, destination)
+    outcome = run_pipeline(config, load, destination, progress=progress)
     if outcome.failure is not None:
         raise outcome.failure.error
     return outcome
