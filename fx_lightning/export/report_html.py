@@ -97,6 +97,8 @@ def sweep_svg(title: str, x_label: str, y_label: str, series: Sequence[Series], 
               width: int = 540, height: int = 300) -> str:
     """A line plot (x on a log2 axis: batch sizes) of ``series``, with axes, ticks and a legend, as inline SVG.
     Each point is a circle carrying ``data-series``, ``data-x`` and ``data-y``."""
+    series = [Series(s.name, tuple(p for p in s.points if _finite(p[1]) and p[0] > 0), s.dashed, s.colour)
+              for s in series]  # a point with no figure (a failed run's nan) is left out, not drawn at infinity
     points = [p for s in series for p in s.points]
     if not points:
         return f'<p class="muted" data-plot="{_e(key)}">{_e(title)}: nothing to draw</p>'
@@ -235,16 +237,21 @@ def _parity(manifest: Manifest) -> str:
                       rows, "parity"))
     out += [f"<p class='fail'>{_e(f)}</p>" for f in parity.failures]
     errors = [(name, e.check.relative_error, e.check.tolerance) for name, e in manifest.formats.items()
-              if e.check is not None and e.check.relative_error is not None]
+              if e.check is not None and _finite(e.check.relative_error)]
     if errors:
         out.append("<h3>Relative error of each artifact against the fp64 reference (check.pt), and what it may be"
                    "</h3>" + _error_strip(errors, parity.metrics.get("relative_max_error")))
     return "".join(out)
 
 
+def _finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _error_strip(errors: Sequence[Tuple[str, float, Optional[float]]], fused: Optional[float]) -> str:
     """The relative errors on a log axis: each artifact's (dot) and its tolerance (tick), the fused model's (line)."""
-    values = [v for _, e, t in errors for v in (e, t) if v] + ([fused] if fused else [])
+    fused = fused if _finite(fused) else None
+    values = [v for _, e, t in errors for v in (e, t) if _finite(v) and v > 0] + ([fused] if fused else [])
     lo = math.floor(math.log10(max(min(values, default=1e-9), 1e-16)))
     hi = max(math.ceil(math.log10(max(values, default=1.0))), lo + 1)
     width, left, row = 640, 150, 22
@@ -264,7 +271,7 @@ def _error_strip(errors: Sequence[Tuple[str, float, Optional[float]]], fused: Op
     for i, (name, error, tolerance) in enumerate(errors):
         y = 20 + row * i
         out.append(f'<text x="{left - 8}" y="{y + 4}" font-size="11" text-anchor="end">{_e(name)}</text>')
-        if tolerance:
+        if _finite(tolerance) and tolerance:
             out.append(f'<line x1="{px(tolerance):.1f}" y1="{y - 7}" x2="{px(tolerance):.1f}" y2="{y + 7}" '
                        f'stroke="#c62828" stroke-width="2"><title>allowed {_num(tolerance)}</title></line>')
         out.append(f'<circle cx="{px(error):.1f}" cy="{y}" r="4" fill="#1f77b4" data-series="{_e(name)}" '
