@@ -184,6 +184,11 @@ def log_lines(title: str = "", logger: logging.Logger = LOGGER) -> LineProgress:
     return LineProgress(logger.info, title)
 
 
+_QUIET_LOCK = threading.Lock()
+_QUIET: Dict[str, int] = {"depth": 0}  # pipelines running at once (ranks as threads): the first quiets, the last restores
+_SAVED: List[Tuple[logging.Logger, int]] = []
+
+
 @contextlib.contextmanager
 def quiet_libraries(names: Tuple[str, ...] = NOISY_LOGGERS) -> Iterator[None]:
     """The libraries' loggers at WARNING for the block (their INFO lines are about their own internals), unless
@@ -191,16 +196,22 @@ def quiet_libraries(names: Tuple[str, ...] = NOISY_LOGGERS) -> Iterator[None]:
     if logging.getLogger("fx_lightning").isEnabledFor(logging.DEBUG):
         yield
         return
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        if lg.getEffectiveLevel() < logging.WARNING:
-            lg.setLevel(logging.WARNING)
+    with _QUIET_LOCK:
+        _QUIET["depth"] += 1
+        if _QUIET["depth"] == 1:
+            _SAVED[:] = [(lg, lg.level) for lg in map(logging.getLogger, names)]
+            for lg, _ in _SAVED:
+                if lg.getEffectiveLevel() < logging.WARNING:
+                    lg.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        with _QUIET_LOCK:
+            _QUIET["depth"] -= 1
+            if _QUIET["depth"] == 0:
+                for lg, level in _SAVED:
+                    lg.setLevel(level)
+                _SAVED.clear()
 
 
 def times_text(times: List[StepTime], depth: int = 1) -> List[str]:

@@ -30,13 +30,13 @@ from fx_lightning.config import ConfigLike, FuseConfig, OnError, load_config
 from fx_lightning.engine import FuseResult
 from fx_lightning.errors import ConfigError, FXLightningError, ParityError, error_class, first_line
 from fx_lightning.export.manifest import Manifest
+from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
+from fx_lightning.export.report_html import REPORT_NAME
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
 from fx_lightning.pipeline.export_step import export
-from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
-from fx_lightning.export.report_html import REPORT_NAME
 from fx_lightning.pipeline.records import Batches, Exported, Fused, Source
 from fx_lightning.pipeline.steps import (
     Step,
