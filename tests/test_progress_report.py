@@ -110,6 +110,12 @@ def test_the_libraries_info_is_kept_out_unless_our_logger_is_at_debug(caplog: py
         finally:
             ours.setLevel(level)
         assert [r.getMessage() for r in caplog.records] == ["Skipping constant folding for node"]
+    level = noisy.level
+    with quiet_libraries():  # two pipelines at once (ranks as threads): the last to end restores the level
+        with quiet_libraries():
+            pass
+        assert noisy.getEffectiveLevel() == logging.WARNING
+    assert noisy.level == level
 
 
 def test_the_sweep_runs_an_artifact_as_pieces_without_telling_the_user_to_change_a_setting(

@@ -184,9 +184,16 @@ def log_lines(title: str = "", logger: logging.Logger = LOGGER) -> LineProgress:
     return LineProgress(logger.info, title)
 
 
-_QUIET_LOCK = threading.Lock()
-_QUIET: Dict[str, int] = {"depth": 0}  # pipelines running at once (ranks as threads): the first quiets, the last restores
-_SAVED: List[Tuple[logging.Logger, int]] = []
+class _Quieted:
+    """The pipelines running at once (ranks run as threads): the first quiets the loggers, the last restores them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved: List[Tuple[logging.Logger, int]] = []
+
+
+_QUIETED = _Quieted()
 
 
 @contextlib.contextmanager
@@ -196,22 +203,23 @@ def quiet_libraries(names: Tuple[str, ...] = NOISY_LOGGERS) -> Iterator[None]:
     if logging.getLogger("fx_lightning").isEnabledFor(logging.DEBUG):
         yield
         return
-    with _QUIET_LOCK:
-        _QUIET["depth"] += 1
-        if _QUIET["depth"] == 1:
-            _SAVED[:] = [(lg, lg.level) for lg in map(logging.getLogger, names)]
-            for lg, _ in _SAVED:
+    state = _QUIETED
+    with state.lock:
+        state.depth += 1
+        if state.depth == 1:
+            state.saved = [(lg, lg.level) for lg in map(logging.getLogger, names)]
+            for lg, _ in state.saved:
                 if lg.getEffectiveLevel() < logging.WARNING:
                     lg.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        with _QUIET_LOCK:
-            _QUIET["depth"] -= 1
-            if _QUIET["depth"] == 0:
-                for lg, level in _SAVED:
+        with state.lock:
+            state.depth -= 1
+            if state.depth == 0:
+                for lg, level in state.saved:
                     lg.setLevel(level)
-                _SAVED.clear()
+                state.saved = []
 
 
 def times_text(times: List[StepTime], depth: int = 1) -> List[str]:
