@@ -61,10 +61,10 @@ class Progress:
     def step(self, name: str, detail: str = "") -> Iterator[StepEnd]:
         """A step: started now, ended (with its time, and ``failed`` when the block raises) when the block leaves."""
         end = StepEnd()
-        with self._lock:
+        with self._lock:  # monotonic, not perf_counter: a step's clock is not a timed call (tests count those)
             depth, order = len(self._open), self._started
             self._started += 1
-            self._open.append((name, time.perf_counter()))
+            self._open.append((name, time.monotonic()))
         self.started(name, depth, detail)
         ok = False
         try:
@@ -73,7 +73,7 @@ class Progress:
         finally:
             with self._lock:
                 _, start = self._open.pop()
-            seconds = time.perf_counter() - start
+            seconds = time.monotonic() - start
             self.times.append(StepTime(name, seconds, depth, ok, order))
             self.ended(name, depth, seconds, end.result if ok else "failed")
 
@@ -176,7 +176,7 @@ class LineProgress(Progress):
             if open_steps and time.monotonic() - self._last_output >= self.heartbeat_s:
                 name, start = open_steps[-1]
                 self.emit("  " * (len(open_steps) - 1) + f"{name}: still running "
-                          f"({_seconds(time.perf_counter() - start)})")
+                          f"({_seconds(time.monotonic() - start)})")
 
 
 def log_lines(title: str = "", logger: logging.Logger = LOGGER) -> LineProgress:
