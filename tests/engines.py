@@ -8,6 +8,8 @@ at the repository root, or ``$FXL_ENGINES``):
   venv must not get (with numpy 2 the Python backend's numpy path returns wrong data; tensors go by DLPack).
 - ``DIR/perf_analyzer``: Triton's load generator, the binary the ``tritonclient`` 2.41 wheel ships (later wheels
   have none), with links to the two libraries of the pytriton wheel it needs (libb64, libcudart).
+- Chromium, from the distribution's packages (``apt-get install -y chromium``) when none is on PATH: the headless
+  browser ``tests/test_progress_report.py`` opens an export's ``report.html`` in (``tests/browser.py``).
 
 :class:`Engines` finds them for the tests: ``tritonserver`` started on loopback ports with a backend directory of
 its own (the Python backend, the stub for the running Python, and the test-only stand-ins of the ONNX Runtime and
@@ -42,8 +44,21 @@ def engines_dir() -> Path:
     return Path(os.environ.get("FXL_ENGINES") or ROOT / ".engines")
 
 
+def install_chromium() -> None:
+    """Chromium from the distribution's packages when none is on PATH (a second run finds it and does nothing)."""
+    if any(shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")):
+        return
+    apt = shutil.which("apt-get")
+    if apt is None:
+        sys.exit("Chromium is not installed and there is no apt-get here: install Chromium (or set $FXL_CHROMIUM)")
+    if subprocess.run([apt, "install", "-y", "-q", "chromium"]).returncode != 0:  # a fresh image has no lists yet
+        subprocess.run([apt, "update", "-q"], check=True)
+        subprocess.run([apt, "install", "-y", "-q", "chromium"], check=True)
+
+
 def install(directory: Path) -> None:
-    """Both engines into ``directory`` (a second run finds them there and does nothing)."""
+    """Both engines into ``directory`` (a second run finds them there and does nothing), and Chromium."""
+    install_chromium()
     pip = [sys.executable, "-m", "pip", "-q"]
     if not (directory / "pytriton" / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file():
         subprocess.run([*pip, "install", "--no-deps", "--target", str(directory / "pytriton"), PYTRITON], check=True)

@@ -94,7 +94,9 @@ def test_end_to_end_default_callback(tmp_path: Path, caplog: pytest.LogCaptureFi
     summaries = [r.getMessage() for r in caplog.records if "FXFuseCallback ===" in r.getMessage()]
     assert len(summaries) == 1
     assert "parity PASSED" in summaries[0] and str(fuse_cb.export_dir) in summaries[0]
-    assert "BatchNorms folded: 2, left: 0" in summaries[0]
+    # It leads with what the user decides on: folded/left, the parity verdict, where the export and its report are.
+    assert summaries[0].splitlines()[1:3] == ["BatchNorms: 2 folded, 0 left", "parity: PASSED (worst relative error "
+                                              f"{report.metrics['relative_max_error']:.3g})"]
 
 
 def test_weights_best_fuses_the_best_checkpoint(tmp_path: Path) -> None:

@@ -282,7 +282,7 @@ def test_overwrite_false_refuses_and_keeps_existing(tmp_path):
 def test_overwrite_replaces_whole_export(tmp_path):
     out = quick_export(tmp_path / "exp", formats=["graph_module", "code"])
     out = quick_export(tmp_path / "exp", seed=1, formats=["pt2"])
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "check.pt", "manifest.json", "model.pt2"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "check.pt", "manifest.json", "model.pt2", "report.html"]
     x = example(2)
     assert rel_err(load_fused(out)(x), reference_fp64(make_model(1), x)) <= TOL
     assert leftovers(tmp_path, "exp") == []

@@ -445,7 +445,7 @@ def test_a_finalist_that_fails_alone_keeps_its_shared_timing_and_says_why(tmp_pa
     outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["graph_module", "pt2"]})
     monkeypatch.setattr(selection, "FINALIST_WITHIN", float("inf"))
     monkeypatch.setattr(selection, "time_in_own_processes",
-                        lambda root, manifest, candidates, *a: {c: (None, "exit code 1: boom") for c in candidates})
+                        lambda root, manifest, candidates, *a, **kw: {c: (None, "exit code 1: boom") for c in candidates})
     table = bench_export(outcome.export_dir, batch_sizes=[1], rounds=2, warmup=0, own_process_finalists=2)
     assert {t.process for t in table.timings} == {"shared"} and {t.rounds for t in table.timings} == {2}
     assert sorted(f.artifact for f in table.failures) == ["graph_module", "pt2"]

@@ -20,9 +20,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fx_lightning.callback.mlflow_logging import log_to_mlflow
 from fx_lightning.callback.observe import CallRecorder, step_loader
+from fx_lightning.callback.logger_figures import log_outcome
 from fx_lightning.callback.preflight import FIXES, check_settings, rehearsal_due, rehearse
+from fx_lightning.callback.progress_bar import progress_for
 from fx_lightning.callback.ranks import fuse_after_fit, unsupported_strategy
-from fx_lightning.callback.trainer_data import checkpoint_message, fuse_metrics, log_metrics
+from fx_lightning.callback.trainer_data import checkpoint_message
 from fx_lightning.config import ExportConfig, FuseConfig, OnError, ParityConfig, PassesConfig, TraceConfig, load_config
 from fx_lightning.engine import FuseResult
 from fx_lightning.errors import ConfigError, FXLightningError
@@ -147,7 +149,8 @@ class FXFuseCallback(Callback):
     def _rehearse(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         assert self._recorder is not None
         self._rehearsed = True
-        self.preflight, failure = rehearse(trainer, pl_module, self.config, self._recorder)
+        self.preflight, failure = rehearse(trainer, pl_module, self.config, self._recorder,
+                                           progress_for(trainer, "preflight"))
         if self.preflight is not None and (self.preflight.unproven or self.preflight.predicted):
             rank_zero_warn(f"FXFuseCallback: {self.preflight}. Training goes on; the end of fit runs them on the "
                            "trained model.")
@@ -186,7 +189,8 @@ class FXFuseCallback(Callback):
             except FXLightningError as exc:  # a target it cannot pick (the preflight said so before training)
                 self._fail(trainer, Failure.of(exc))
                 return
-        outcome = fuse_after_fit(trainer, pl_module, self.config, skip, self.preflight, observed)
+        outcome = fuse_after_fit(trainer, pl_module, self.config, skip, self.preflight, observed,
+                                 progress_for(trainer, "end of fit"))
         if outcome.export_dir is not None and outcome.failure is None:
             self.mlflow, outcome.failure = log_to_mlflow(trainer, self.config, outcome)
         if outcome.result is not None:
@@ -221,10 +225,10 @@ class FXFuseCallback(Callback):
         self.outcome, self.result, self.parity_report, self.export_dir = (
             outcome, outcome.result, outcome.parity, outcome.export_dir)
         banner = "=" * 30 + " FXFuseCallback " + "=" * 30
-        preflight = f"\n{self.preflight}" if self.preflight is not None else ""
-        self.summary = f"{banner}\n{summary_text(outcome)}{preflight}\n{'=' * len(banner)}"
+        preflight = [str(self.preflight)] if self.preflight is not None else []
+        self.summary = f"{banner}\n{summary_text(outcome, preflight)}\n{'=' * len(banner)}"
         if trainer.is_global_zero:  # the ranks share one outcome: log it once
-            log_metrics(trainer, fuse_metrics(outcome))
+            log_outcome(trainer, outcome)
         rank_zero_info(self.summary)
 
     def _fail(self, trainer: "pl.Trainer", failure: Failure) -> None:

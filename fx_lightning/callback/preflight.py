@@ -38,6 +38,7 @@ from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line
 from fx_lightning.formats import FORMATS
+from fx_lightning.export.progress import Progress
 from fx_lightning.export.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
 from fx_lightning.pipeline import (
@@ -105,7 +106,7 @@ def check_settings(trainer: "pl.Trainer", pl_module: "pl.LightningModule", confi
 
 def check_before_fit(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-    observed: Optional[Observations] = None,
+    observed: Optional[Observations] = None, progress: Optional[Progress] = None,
 ) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
     """Run the preflight on this rank, with the other ranks, on the ``observed`` calls (None: the batches are read):
     the report, or the failure every rank gets (the lowest failing rank's, naming it). The caller's random number
@@ -122,7 +123,7 @@ def check_before_fit(
                 rehearsal_config(config),
                 lambda: preflight_source(trainer, pl_module, config, log_dir, staging_error, observed),
                 Destination(staging / "fx_fused" if staging is not None else None),
-                collectives=StrategyCollectives(trainer), mode=Mode.rehearsal)
+                collectives=StrategyCollectives(trainer), mode=Mode.rehearsal, progress=progress)
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -149,7 +150,8 @@ def rehearsal_due(trainer: "pl.Trainer", recorder: CallRecorder, before_training
 
 
 def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-             recorder: CallRecorder) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
+             recorder: CallRecorder, progress: Optional[Progress] = None
+             ) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
     """The preflight's rehearsal on what ``recorder`` observed (with its hooks off: the module is copied)."""
     with recorder.paused():
         observed, error = None, None
@@ -162,7 +164,7 @@ def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: Fus
         failure = exchange_failure(StrategyCollectives(trainer), error)
         if failure is not None:
             return None, failure
-        return check_before_fit(trainer, pl_module, config, observed)
+        return check_before_fit(trainer, pl_module, config, observed, progress)
 
 
 def _checks(config: FuseConfig) -> List[str]:

@@ -24,6 +24,7 @@ from fx_lightning.callback.trainer_data import (
 )
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.config import FuseConfig, WeightsSource
+from fx_lightning.export.progress import Progress
 from fx_lightning.notes import NoteKind
 from fx_lightning.pipeline import (
     Batches,
@@ -77,9 +78,11 @@ class StrategyCollectives:
 def fuse_after_fit(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, skip: Optional[str],
     preflight: Optional[PreflightReport] = None, observed: Optional[Observations] = None,
+    progress: Optional[Progress] = None,
 ) -> Outcome:
     """Run the pipeline on this rank at the end of fit and return what happened; raises nothing. ``preflight``
-    (what was proven before training) goes into the manifest; ``observed``: the target's calls during fit."""
+    (what was proven before training) goes into the manifest; ``observed``: the target's calls during fit;
+    ``progress``: where its steps are shown (the callback's, drawn like the Trainer's progress bar)."""
     log_dir = trainer.log_dir  # a collective under DDP: every rank asks, even those that then skip
     buffers = _rank_zero_buffers(trainer, pl_module, config)
     provenance = Provenance(
@@ -90,7 +93,7 @@ def fuse_after_fit(
     )
     destination = Destination(export_directory(trainer, config, log_dir), checkpoint_files(trainer), provenance)
     return run_pipeline(config, lambda: end_of_fit_source(trainer, pl_module, config, buffers, observed), destination,
-                        collectives=StrategyCollectives(trainer), skip=skip)
+                        collectives=StrategyCollectives(trainer), skip=skip, progress=progress)
 
 
 def end_of_fit_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,

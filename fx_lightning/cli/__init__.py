@@ -2,7 +2,7 @@
 
     fx-lightning fuse CKPT --model pkg.module:Class [--config file.yaml] [--datamodule pkg.mod:Class]
                      [--input-shape 1,3,32,32] [--output DIR] [dotted.key=value ...]
-    fx-lightning inspect DIR [--json]
+    fx-lightning inspect DIR [--json] [--html [FILE]]
     fx-lightning bench DIR [--format pt2 ...] [--batch-size 8] [--iters 50] [--select [--strategy max_throughput]]
     fx-lightning triton DIR OUT [--name N] [--format onnx ...] [--max-batch-size 8] [--instances 1]
     fx-lightning mlflow DIR --tracking-uri URI [--run-id ID] [--register NAME [--alias A]]
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_.add_argument("directory")
     inspect_.add_argument("--json", action="store_true", help="print the manifest JSON instead")
     inspect_.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    inspect_.add_argument("--html", nargs="?", const="", default=None, metavar="FILE",
+                          help="write the export's report.html (default: DIR/report.html; the same file the export "
+                               "wrote, for an export written before it had one) and print its path")
 
     from fx_lightning.cli import bench_cmd, serve_cmd
 

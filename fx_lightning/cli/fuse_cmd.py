@@ -49,6 +49,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     import torch
 
+    from fx_lightning.export.progress import LineProgress
     from fx_lightning.pipeline import Batches, fuse_verify_export, summary_text
     from fx_lightning.provenance import Provenance, WeightsInfo
 
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         outcome = fuse_verify_export(
             model, cfg, batches, example_inputs=example, export_dir=Path(export_dir), write=not args.dry_run,
             protected_paths=[args.checkpoint], extra=extra,
+            progress=LineProgress(lambda line: console.print(line, markup=False, highlight=False)),
         )
     console.print(summary_text(outcome), markup=False)
     if outcome.parity is not None and not outcome.parity.passed:

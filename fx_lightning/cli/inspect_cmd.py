@@ -23,6 +23,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
     manifest = read_manifest(root)
     if args.verify:
         verify_files(root, manifest)
+    if getattr(args, "html", None) is not None:
+        print(_write_html(root, manifest, Path(args.html) if args.html else None))
+        return 0
     if args.json:  # the file as written, checked readable above
         print(json.dumps(json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8")), indent=2))
         return 0
@@ -43,6 +46,19 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if args.verify:
         console.print("all files match their sha256", markup=False)
     return 0
+
+
+def _write_html(root: Path, manifest: Any, out: Optional[Path]) -> Path:
+    """The export's report.html, rendered from its manifest as the export renders it (so for an export that has one
+    the same bytes), into ``out`` or the export directory."""
+    from fx_lightning.export.report_html import REPORT_NAME, render_report
+
+    target = out if out is not None else root / REPORT_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(render_report(manifest, f"fx-lightning export: {root.resolve().name}"), encoding="utf-8")
+    tmp.replace(target)
+    return target
 
 
 def _table(title: str, *columns: str, **kwargs: Any) -> Any:

@@ -192,6 +192,7 @@ class BenchTable:
     failures: List[TimingFailure] = field(default_factory=list)
     sweeps: List[Sweep] = field(default_factory=list)  # the throughput sweep of the artifacts that could win it
     not_swept: Dict[str, str] = field(default_factory=dict)  # "artifact, traffic" -> why it was not swept
+    cpu: str = ""  # the CPU that timed them (model and flags); "" in exports written before it was recorded
 
     def median(self, artifact: str, batch_size: int, traffic: str = "idle", runtime: str = "") -> Optional[float]:
         return next((t.median_ms for t in self.timings if (t.artifact, t.batch_size, t.traffic, t.runtime)
@@ -202,7 +203,7 @@ class BenchTable:
                 "timings": [dataclasses.asdict(t) for t in self.timings],
                 "checks": {k: c.to_dict() for k, c in self.checks.items()},
                 "failures": [dataclasses.asdict(f) for f in self.failures],
-                "sweeps": [w.to_dict() for w in self.sweeps], "not_swept": dict(self.not_swept)}
+                "sweeps": [w.to_dict() for w in self.sweeps], "not_swept": dict(self.not_swept), "cpu": self.cpu}
 
     @classmethod
     def from_dict(cls, data: Json) -> "BenchTable":
@@ -211,7 +212,7 @@ class BenchTable:
                    {k: ArtifactCheck.from_dict(c) for k, c in (data.get("checks") or {}).items()},
                    [TimingFailure(**fields_from(TimingFailure, f)) for f in data.get("failures") or []],
                    [Sweep.from_dict(w) for w in data.get("sweeps") or []],
-                   {str(k): str(v) for k, v in (data.get("not_swept") or {}).items()})
+                   {str(k): str(v) for k, v in (data.get("not_swept") or {}).items()}, str(data.get("cpu", "")))
 
 
 @dataclass

@@ -40,9 +40,10 @@ from fx_lightning.export.manifest import (
     replace_manifest,
 )
 from fx_lightning.export.sweep import SweepSettings, sweep_module
-from fx_lightning.export.timing import (IDLE_GAP_S, Progress, sweep_in_own_processes, time_interleaved,
-                                        time_in_own_processes)
+from fx_lightning.export.progress import Progress
+from fx_lightning.export.timing import IDLE_GAP_S, Tick, sweep_in_own_processes, time_interleaved, time_in_own_processes
 from fx_lightning.export.check import Reference, check_artifact, read_check_file
+from fx_lightning.machine import cpu_info
 from fx_lightning.parity.report import ArtifactCheck
 
 __all__ = ["Timing", "BenchTable", "bench_export", "check_entry", "select_fastest", "select_max_throughput",
@@ -77,9 +78,10 @@ def bench_export(
     warmup: int = 3,
     own_process_finalists: int = 0,
     threads: Optional[int] = None,
-    progress: Optional[Progress] = None,
+    progress: Optional[Tick] = None,
     runtime_choices: bool = True,
     sweep: Optional[SweepSettings] = None,
+    steps: Optional[Progress] = None,
 ) -> BenchTable:
     """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices unless
     ``runtime_choices`` is false) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
@@ -89,14 +91,47 @@ def bench_export(
     timings replace theirs (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet
     (an export being written), else it is read from ``root``. ``sweep``: then the throughput sweep (export/sweep.py)
     of the passing artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics,
-    each in a process of its own when ``own_process_finalists`` is set."""
+    each in a process of its own when ``own_process_finalists`` is set. ``steps``: where the loading, the timing,
+    the finalists and the sweep say they started and ended (their loops' progress too, unless ``progress``)."""
+    steps = steps if steps is not None else Progress()
+    progress = progress if progress is not None else steps.advance
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
+    with steps.step("load and check every artifact") as end:
+        table, models, saved = _load_and_check(root, manifest, formats, threads, baselines, runtime_choices)
+        end.result = f"{sum(c.passed for c in table.checks.values())} of {len(table.checks)} passed their check"
+    inputs = saved.inputs if saved is not None else _random_inputs(manifest)
+    signature = manifest.call_signature()
+    if not signature.batched:  # no sample axis: the example is timed as it is, one "batch size"
+        batch_sizes = [1]
+    with steps.step("timing", f"{len(models)} candidate(s) at batch size(s) {', '.join(map(str, batch_sizes))}, "
+                              f"{rounds} round(s)"):
+        samples, failures = time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress,
+                                             axes=signature.input_axes() if signature.batched else None)
+    table.timings = [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * _p90(ts), len(ts), traffic, runtime)
+                     for ((name, runtime), b), by_traffic in samples.items() for traffic, ts in by_traffic.items() if ts]
+    table.failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact
+    if own_process_finalists:
+        with steps.step("the finalists timed each in a process of its own"):
+            _time_finalists_alone(root, manifest, table, own_process_finalists, warmup, progress)
+    if sweep is not None and signature.batched:
+        with steps.step("throughput sweep (latency and samples/s against batch size)"):
+            _sweep(root, manifest, table, models, inputs, signature.input_axes(), sweep,
+                   own_process=bool(own_process_finalists), progress=progress)
+    elif sweep is not None:
+        table.not_swept["*"] = "no sample axis: the artifacts run at one batch size"
+    return table
+
+
+def _load_and_check(root: Path, manifest: Manifest, formats: Optional[Sequence[str]],
+                    threads: Optional[int], baselines: Optional[Dict[str, nn.Module]], runtime_choices: bool
+                    ) -> Tuple[BenchTable, Dict[Tuple[str, str], nn.Module], Optional[Reference]]:
+    """Every artifact loaded (with each runtime choice) and checked on ``check.pt``, beside the baselines."""
     if threads:
         torch.set_num_threads(threads)
     saved = read_check_file(root)
     table = BenchTable(torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), platform.machine(),
-                       torch.__version__)
+                       torch.__version__, cpu=cpu_info().short())
     models: Dict[Tuple[str, str], nn.Module] = {(name, ""): m for name, m in (baselines or {}).items()}
     for name in formats or list(manifest.formats):
         entry = manifest.formats[name]
@@ -108,23 +143,7 @@ def bench_export(
             table.checks[name] = ArtifactCheck(False, reason=first_line(exc))
             continue
         table.checks[name] = check_entry(models[(name, "")], manifest, name, saved)
-    inputs = saved.inputs if saved is not None else _random_inputs(manifest)
-    signature = manifest.call_signature()
-    if not signature.batched:  # no sample axis: the example is timed as it is, one "batch size"
-        batch_sizes = [1]
-    samples, failures = time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress,
-                                         axes=signature.input_axes() if signature.batched else None)
-    table.timings = [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * _p90(ts), len(ts), traffic, runtime)
-                     for ((name, runtime), b), by_traffic in samples.items() for traffic, ts in by_traffic.items() if ts]
-    table.failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact
-    if own_process_finalists:
-        _time_finalists_alone(root, manifest, table, own_process_finalists, warmup)
-    if sweep is not None and signature.batched:
-        _sweep(root, manifest, table, models, inputs, signature.input_axes(), sweep,
-               own_process=bool(own_process_finalists))
-    elif sweep is not None:
-        table.not_swept["*"] = "no sample axis: the artifacts run at one batch size"
-    return table
+    return table, models, saved
 
 
 def sweep_candidates(table: BenchTable, traffic: str, limit: int = SWEPT_PER_TRAFFIC) -> List[Tuple[str, str]]:
@@ -142,7 +161,8 @@ def sweep_candidates(table: BenchTable, traffic: str, limit: int = SWEPT_PER_TRA
 
 
 def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple[str, str], nn.Module],
-           inputs: Sequence[Any], axes: Sequence[Optional[int]], settings: SweepSettings, own_process: bool) -> None:
+           inputs: Sequence[Any], axes: Sequence[Optional[int]], settings: SweepSettings, own_process: bool,
+           progress: Optional[Tick] = None) -> None:
     """Record the throughput sweep of each traffic's candidates in ``table`` (own process when asked, falling
     back to this one when that fails)."""
     largest = max((t.batch_size for t in table.timings), default=1)
@@ -158,7 +178,7 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
                                                                "fastest")
     swept: Dict[Tuple[str, str], Tuple[Optional[List[Sweep]], str]] = {}
     if own_process:
-        swept = sweep_in_own_processes(root, manifest.to_dict(), wanted, settings, table.threads)
+        swept = sweep_in_own_processes(root, manifest.to_dict(), wanted, settings, table.threads, progress)
     for (artifact, runtime), traffics in wanted.items():
         sweeps, why = swept.get((artifact, runtime), (None, ""))
         if sweeps is not None:
@@ -171,7 +191,8 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
                                          settings) for traffic in traffics)
 
 
-def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, warmup: int) -> None:
+def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, warmup: int,
+                          progress: Optional[Tick] = None) -> None:
     """Replace the finalists' timings in ``table`` with timings taken each in a process of its own, the processes
     taking turns (timing.py)."""
     chosen: Dict[Tuple[str, str], set] = {}
@@ -188,7 +209,7 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
     if len(chosen) < 2:
         return
     timed = time_in_own_processes(root, manifest.to_dict(), {c: sorted(sizes) for c, sizes in chosen.items()},
-                                  FINALIST_ROUNDS, warmup, table.threads)
+                                  FINALIST_ROUNDS, warmup, table.threads, progress=progress)
     for (artifact, runtime), (samples, why) in timed.items():
         if samples is None:
             table.failures.append(TimingFailure(artifact, min(chosen[(artifact, runtime)]),

@@ -29,6 +29,7 @@ from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.loader import selection_for
 from fx_lightning.export.manifest import Manifest, Sweep, SweepPoint
+from fx_lightning.formats.batching import quiet_pieces
 from fx_lightning.rows import with_rows
 
 __all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "sweep_steps", "measure_batch_size", "module_runner",
@@ -127,6 +128,7 @@ def module_runner(module: nn.Module, inputs: Sequence[Any], axes: Sequence[Optio
     traffic each call after the idle gap."""
     cache: Dict[int, Tuple[Any, ...]] = {}
     idle = Traffic(traffic) is Traffic.idle
+    quiet_pieces(module)  # the sweep's sizes are its own choice: no warning telling the user to change a setting
 
     def run(batch_size: int) -> float:
         if batch_size not in cache:

@@ -40,7 +40,7 @@ from fx_lightning.export.manifest import Sweep, SweepPoint, TimingFailure
 from fx_lightning.export.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps
 from fx_lightning.rows import with_rows
 
-__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Progress", "TURNS", "WorkerRequest", "Turn", "Answer",
+__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Tick", "TURNS", "WorkerRequest", "Turn", "Answer",
            "time_interleaved", "time_in_own_processes", "sweep_in_own_processes"]
 
 OWN_PROCESS_TIMEOUT_S = 600.0
@@ -51,11 +51,11 @@ WORKER_COMMAND = [sys.executable, "-m", "fx_lightning.export.timing"]
 
 Candidate = Tuple[str, str]  # (artifact or baseline, runtime choice)
 Samples = Dict[Tuple[Candidate, int], Dict[str, List[float]]]  # (candidate, batch size) -> traffic -> seconds
-Progress = Callable[[str, int, int], None]  # (what, done, total)
+Tick = Callable[[str, int, int], None]  # (what, done, total): a long loop's progress
 
 
 def time_interleaved(models: Dict[Candidate, nn.Module], inputs: Sequence[Any], batch_sizes: Sequence[int],
-                     rounds: int, warmup: int, progress: Optional[Progress] = None,
+                     rounds: int, warmup: int, progress: Optional[Tick] = None,
                      axes: Optional[Sequence[Optional[int]]] = None) -> Tuple[Samples, List[TimingFailure]]:
     """Every candidate at every batch size, interleaved in shuffled rounds; in each round a candidate runs once
     after the idle gap (``idle``) and once right after that (``back_to_back``). ``axes``: the inputs' sample axes
@@ -136,7 +136,7 @@ class Answer:
 
 
 def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[int]],
-                          rounds: int, warmup: int, threads: int, turns: int = TURNS
+                          rounds: int, warmup: int, threads: int, turns: int = TURNS, progress: Optional[Tick] = None
                           ) -> Dict[Candidate, Tuple[Optional[OwnSamples], str]]:
     """Each candidate timed by :func:`time_interleaved` at its batch sizes in a fresh process of its own, the
     processes taking turns: all load and warm up, then ``turns`` times, in a shuffled order, each runs its share
@@ -145,25 +145,34 @@ def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidat
     shares = [rounds // turns + (1 if i < rounds % turns else 0) for i in range(max(1, min(turns, rounds)))]
     requests = {c: WorkerRequest(str(root), manifest_json, c, threads, batch_sizes=list(sizes), warmup=warmup)
                 for c, sizes in candidates.items()}
-    raw = _take_turns(requests, lambda turn: Turn(rounds=shares[turn]) if turn < len(shares) else Turn(finish=True))
+    raw = _take_turns(requests, lambda turn: Turn(rounds=shares[turn]) if turn < len(shares) else Turn(finish=True),
+                      _ticks(progress, "timing the finalists alone", len(candidates) * (len(shares) + 1)))
     return {c: (({(int(b), str(t)): list(ts) for b, t, ts in result}, "") if result is not None else (None, why))
             for c, (result, why) in raw.items()}
 
 
 def sweep_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[str]],
-                           settings: SweepSettings, threads: int) -> Dict[Candidate, Tuple[Optional[List[Sweep]], str]]:
+                           settings: SweepSettings, threads: int, progress: Optional[Tick] = None
+                           ) -> Dict[Candidate, Tuple[Optional[List[Sweep]], str]]:
     """Each candidate's throughput sweep (export/sweep.py) in each of its traffics, in a fresh process of its own, as
     a server runs it, the processes taking turns a batch size at a time (so the host's drift lands on all of
     them). Returns per candidate its sweeps, or None and why its process failed."""
     requests = {c: WorkerRequest(str(root), manifest_json, c, threads, sweep_traffics=list(traffics),
                                  sweep_settings=dataclasses.asdict(settings)) for c, traffics in candidates.items()}
-    raw = _take_turns(requests, lambda turn: Turn(rounds=1))
+    # A turn is one batch size of 1, 2, 4, ... up to max_batch_size: the total is at most that many (it stops earlier).
+    most = len(candidates) * (int(settings.max_batch_size).bit_length() + 1)
+    raw = _take_turns(requests, lambda turn: Turn(rounds=1), _ticks(progress, "sweep (batch sizes, at most)", most))
     return {c: (([Sweep.from_dict(w) for w in result], "") if result is not None else (None, why))
             for c, (result, why) in raw.items()}
 
 
-def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[int], Turn]
-                ) -> Dict[Candidate, Tuple[Any, str]]:
+def _ticks(progress: Optional[Tick], what: str, total: int) -> Callable[[int], None]:
+    """A turn counter for ``progress`` (the number of turns answered so far, of at most ``total``)."""
+    return (lambda done: progress(what, min(done, total), total)) if progress is not None else (lambda done: None)
+
+
+def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[int], Turn],
+                answered: Callable[[int], None] = lambda done: None) -> Dict[Candidate, Tuple[Any, str]]:
     """One process per candidate on its request; once all have loaded and warmed up, each in turn (a shuffled
     order every turn) gets ``turn_for(turn)`` while the others wait, until each answers with its result. Returns
     per candidate its result, or None and why its process failed (the others go on)."""
@@ -178,7 +187,7 @@ def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[in
                 if why:
                     results[candidate] = (None, why)
             rng = random.Random(0)
-            turn = 0
+            turn = done = 0
             while len(results) < len(workers):
                 order = [c for c in workers if c not in results]
                 rng.shuffle(order)
@@ -186,6 +195,8 @@ def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[in
                     answer, why = workers[candidate].ask(turn_for(turn))
                     if answer is None or answer.status == "result":
                         results[candidate] = (answer.result if answer is not None else None, why)
+                    done += 1
+                    answered(done)
                 turn += 1
         finally:
             for worker in workers.values():

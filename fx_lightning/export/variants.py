@@ -25,10 +25,11 @@ from fx_lightning.config import FuseConfig
 from fx_lightning.errors import first_line
 from fx_lightning.export.atomic import list_files
 from fx_lightning.formats.base import Format, FormatEntry, VariantRequest
-from fx_lightning.formats.batching import with_pieces
+from fx_lightning.formats.batching import quiet_pieces, with_pieces
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.files import file_infos
 from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome
+from fx_lightning.export.progress import Progress
 from fx_lightning.export.writer import make_context, require_formats
 from fx_lightning.notes import Note
 from fx_lightning.parity.report import ParityReport
@@ -56,7 +57,7 @@ def add_variant(root: Path, manifest: Manifest, name: str, module: nn.Module, ex
                 config: FuseConfig, gate: Gate, imports: Sequence[str] = (), notes: Sequence[Note] = (),
                 preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
                 signature: Optional[Signature] = None, other_inputs: Sequence[tuple] = (),
-                fixed: Optional[str] = None) -> Tuple[Manifest, List[VariantOutcome]]:
+                fixed: Optional[str] = None, progress: Optional[Progress] = None) -> Tuple[Manifest, List[VariantOutcome]]:
     """Write ``module`` as variant ``name`` in :func:`torch_variant_formats`, gate each artifact loaded back,
     keep those that pass. Returns the manifest with the kept entries, their files and every outcome recorded,
     and the outcomes (an artifact that cannot be written, loaded or run has an ``error`` and no gate).
@@ -80,11 +81,12 @@ def add_variant(root: Path, manifest: Manifest, name: str, module: nn.Module, ex
         entry.batch_sizes = entry.batch_sizes or sizes
         return entry
 
-    return _judged(root, manifest, name, [(fmt, lambda fmt=fmt: write(fmt)) for fmt in formats], gate, notes)
+    return _judged(root, manifest, name, [(fmt, lambda fmt=fmt: write(fmt)) for fmt in formats], gate, notes,
+                   progress)
 
 
 def add_format_variants(root: Path, manifest: Manifest, precision: str, calibration: List[tuple],
-                        gate: Gate) -> Tuple[Manifest, List[VariantOutcome]]:
+                        gate: Gate, progress: Optional[Progress] = None) -> Tuple[Manifest, List[VariantOutcome]]:
     """Each exported fp32 format that makes a ``precision`` variant from its own artifact makes it, from the
     calibration inputs; each is gated loaded back and kept only when it passes."""
     request = VariantRequest(precision, precision, calibration)
@@ -94,12 +96,13 @@ def add_format_variants(root: Path, manifest: Manifest, precision: str, calibrat
         make = fmt.variants.get(precision)
         if entry.variant is None and make is not None:
             makers.append((fmt, lambda make=make, entry=entry: make(root, entry, request)))
-    return _judged(root, manifest, precision, makers, gate)
+    return _judged(root, manifest, precision, makers, gate, progress=progress)
 
 
 def _judged(root: Path, manifest: Manifest, name: str,
             makers: Sequence[Tuple[Format, Callable[[], Optional[FormatEntry]]]], gate: Gate,
-            notes: Sequence[Note] = ()) -> Tuple[Manifest, List[VariantOutcome]]:
+            notes: Sequence[Note] = (), progress: Optional[Progress] = None) -> Tuple[Manifest, List[VariantOutcome]]:
+    progress = progress if progress is not None else Progress()
     folder = root / name
     folder.mkdir(exist_ok=True)
     outcomes: List[VariantOutcome] = []
@@ -107,20 +110,27 @@ def _judged(root: Path, manifest: Manifest, name: str,
     for fmt, make in makers:
         entry_name = f"{fmt.name}-{name}"
         before = set(list_files(root))
-        try:
-            entry = make()
-            if entry is None:
+        with progress.step(f"{entry_name}: made and gated") as end:
+            try:
+                entry = make()
+                if entry is None:
+                    end.result = "not made for this artifact"
+                    continue
+                made = sorted(set(list_files(root)) - before)
+                entry.format, entry.variant = fmt.name, name
+                entry.files = made or list(entry.files)  # none new: it runs the fp32 files another way (bf16 hint)
+                loaded = fmt.load(root, entry, torch.device(entry.device or "cpu"))
+                # The gate runs the validation batches' size, which the artifact need not be built for: our own
+                # run, so its pieces are not the user's business (a debug line, not a warning).
+                report = gate(quiet_pieces(with_pieces(loaded, entry.batch_sizes, manifest.call_signature(),
+                                                       f"{entry_name} artifact")))
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot be made is reported; the caller decides
+                outcomes.append(VariantOutcome(entry_name, False, error=f"{type(exc).__name__}: {first_line(exc)}",
+                                               notes=list(notes)))
+                _remove(root, set(list_files(root)) - before, folder)
+                end.result = f"could not be made: {type(exc).__name__}"
                 continue
-            made = sorted(set(list_files(root)) - before)
-            entry.format, entry.variant = fmt.name, name
-            entry.files = made or list(entry.files)  # none new: it runs the fp32 files another way (bf16 hint)
-            loaded = fmt.load(root, entry, torch.device(entry.device or "cpu"))
-            report = gate(with_pieces(loaded, entry.batch_sizes, manifest.call_signature(), f"{entry_name} artifact"))
-        except Exception as exc:  # noqa: BLE001 - a variant that cannot be made is reported; the caller decides
-            outcomes.append(VariantOutcome(entry_name, False, error=f"{type(exc).__name__}: {first_line(exc)}",
-                                           notes=list(notes)))
-            _remove(root, set(list_files(root)) - before, folder)
-            continue
+            end.result = "kept: passed its gate" if report.passed else "dropped: missed its gate"
         outcomes.append(VariantOutcome(entry_name, report.passed, report, notes=list(notes)))
         if report.passed:
             entry.gate = report

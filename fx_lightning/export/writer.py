@@ -29,6 +29,8 @@ from fx_lightning.formats import FORMATS
 from fx_lightning.export.prologue import with_prologue
 from fx_lightning.export.files import file_infos
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Preprocess, new_manifest, write_manifest
+from fx_lightning.export.progress import Progress
+from fx_lightning.export.report_html import REPORT_NAME, write_report
 from fx_lightning.export.readme import readme_text
 from fx_lightning.notes import NoteKind
 from fx_lightning.notes import Note
@@ -105,19 +107,25 @@ Extension = Callable[[Path, Manifest], Manifest]
 
 def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: Any = None,
                  parity: Optional[ParityReport] = None, provenance: Optional[Provenance] = None,
-                 extend: Optional[Extension] = None) -> Manifest:
-    """The export sequence: the formats, then ``extend``'s additions, then the manifest, all in one staging
-    directory renamed to ``final`` at the end, so the export appears complete or not at all. Raises
-    :class:`ExportError` (or the additions' own error) naming ``final``."""
+                 extend: Optional[Extension] = None, progress: Optional[Progress] = None) -> Manifest:
+    """The export sequence: the formats, then ``extend``'s additions, then ``report.html`` (what the manifest
+    holds, drawn) and the manifest, all in one staging directory renamed to ``final`` at the end, so the export
+    appears complete or not at all. Raises :class:`ExportError` (or the additions' own error) naming ``final``.
+    ``progress``: where each format says it was written and checked."""
+    progress = progress if progress is not None else Progress()
     try:
         with staging_directory(final) as staging:
-            manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance)
+            manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance,
+                                     progress=progress)
             if extend is not None:
                 manifest = extend(staging, manifest)
                 # The README lists the formats the additions kept too (variants).
                 (staging / "README.md").write_text(readme_text(manifest.formats), encoding="utf-8")
                 manifest.files.update(file_infos(staging, ["README.md"]))
-            write_manifest(staging, manifest)
+            with progress.step(f"{REPORT_NAME} and manifest.json"):
+                write_report(staging, manifest, title=f"fx-lightning export: {final.name}")
+                manifest.files.update(file_infos(staging, [REPORT_NAME]))
+                write_manifest(staging, manifest)
     except FXLightningError as exc:
         raise exc.within(f"export to {final} failed")
     except Exception as exc:  # noqa: BLE001 - a writer's or the filesystem's own failure, with the directory named
@@ -199,19 +207,23 @@ def refuse_existing(final: Path, overwrite: bool) -> None:
 
 
 def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, report: Any = None,
-                  parity: Optional[ParityReport] = None, provenance: Optional[Provenance] = None) -> Manifest:
+                  parity: Optional[ParityReport] = None, provenance: Optional[Provenance] = None,
+                  progress: Optional[Progress] = None) -> Manifest:
     """Write and check each configured format in ``staging``, then ``check.pt`` and the README; returns the
     manifest (not written). A format that fails is dropped with its reason, or fails the export when
     ``export.on_format_failure`` is ``raise``."""
     strict = config.export.on_format_failure is FormatFailure["raise"]
+    progress = progress if progress is not None else Progress()
     reference = reference_for(ctx)
     entries: Dict[str, FormatEntry] = {}
     failed: Dict[str, str] = {}
     for fmt in (FORMATS[f.value] for f in config.export.formats):
         before = set(list_files(staging))
         try:
-            entries[fmt.name] = _write_checked(staging, ctx, fmt, reference, before,
-                                               config.parity.min_discrete_agreement)
+            with progress.step(f"format {fmt.name}: written and checked") as end:
+                entries[fmt.name] = _write_checked(staging, ctx, fmt, reference, before,
+                                                   config.parity.min_discrete_agreement)
+                end.result = _written(staging, entries[fmt.name])
         except ExportError as exc:
             if strict:
                 raise exc.within(f"format {fmt.name!r}")
@@ -234,6 +246,14 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
     manifest.failed_formats = failed
     manifest.check_file = CHECK_FILE
     return manifest
+
+
+def _written(staging: Path, entry: FormatEntry) -> str:
+    """What a format step says when it ends: its size and its check."""
+    size = sum((staging / name).stat().st_size for name in entry.files if (staging / name).is_file())
+    check = entry.check
+    verdict = ("check passed" if check.passed else "check FAILED") if check is not None else "not checked"
+    return f"{size / 1e6:.1f} MB, {verdict}"
 
 
 def _write_checked(staging: Path, ctx: WriteContext, fmt: Format, reference: Reference, before: set,

@@ -8,6 +8,7 @@ models are), but cost more than a runner built for that size, so each use says s
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -18,7 +19,9 @@ from fx_lightning.errors import ExportError
 from fx_lightning.calls import tree_of
 from fx_lightning.rows import concat_rows, rows_of, take_rows, with_rows
 
-__all__ = ["ANY_BATCH", "BatchPieces", "with_pieces"]
+__all__ = ["ANY_BATCH", "BatchPieces", "with_pieces", "quiet_pieces"]
+
+LOGGER = logging.getLogger(__name__)
 
 # The key of a runner that takes any batch size.
 ANY_BATCH = "dynamic"
@@ -68,9 +71,12 @@ class BatchPieces(nn.Module):
 
     def _pieces(self, args: Tuple[Any, ...], size: int) -> Iterator[Any]:
         built = sorted((int(k) for k in self.runners), reverse=True)
+        message = (f"no {self.what} for batch size {size} (built for: {', '.join(map(str, built[::-1]))}): "
+                   f"running it as pieces of those")
         if self.warn:
-            warnings.warn(f"no {self.what} for batch size {size} (built for: {', '.join(map(str, built[::-1]))}): "
-                          f"running it as pieces of those; {self.hint}", stacklevel=3)
+            warnings.warn(f"{message}; {self.hint}", stacklevel=3)
+        else:
+            LOGGER.debug(message)
         start = 0
         while start < size:
             left = size - start
@@ -95,3 +101,12 @@ def with_pieces(module: nn.Module, batch_sizes: Optional[Sequence[int]], signatu
     return BatchPieces({str(size): module for size in batch_sizes}, signature.input_axes(), signature.output_axes(),
                        what=what, hint="it was exported for those batch sizes only (see the manifest's notes)")
 
+
+
+def quiet_pieces(module: nn.Module) -> nn.Module:
+    """``module`` with every :class:`BatchPieces` in it saying so at DEBUG only: for our own internal runs (the
+    sweep tries batch sizes nobody asked an artifact for; that it runs them as pieces is not the user's business)."""
+    for sub in module.modules() if isinstance(module, nn.Module) else ():
+        if isinstance(sub, BatchPieces):
+            sub.warn = False
+    return module

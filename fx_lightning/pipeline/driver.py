@@ -30,6 +30,8 @@ from fx_lightning.config import ConfigLike, FuseConfig, OnError, load_config
 from fx_lightning.engine import FuseResult
 from fx_lightning.errors import ConfigError, FXLightningError, ParityError, error_class, first_line
 from fx_lightning.export.manifest import Manifest
+from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
+from fx_lightning.export.report_html import REPORT_NAME
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
@@ -157,6 +159,7 @@ class Outcome:
     skipped: Optional[str] = None
     failure: Optional[Failure] = None
     steps: List[str] = field(default_factory=list)
+    times: List[StepTime] = field(default_factory=list)  # how long each step took here, as the progress saw it
 
 
 @dataclass
@@ -200,12 +203,27 @@ def run_pipeline(
     collectives: Collectives = LOCAL,
     mode: Mode = Mode.final,
     skip: Optional[str] = None,
+    progress: Optional[Progress] = None,
 ) -> Outcome:
     """Load the source (``load()``, in this process), fuse its target, verify parity and export, with the
     collective protocol above. Raises nothing: the outcome's ``failure`` says what failed, and every rank gets
-    the same. ``skip``: a reason not to run on this rank (every rank then skips)."""
+    the same. ``skip``: a reason not to run on this rank (every rank then skips). ``progress``: where each step
+    says it started and ended (default: plain lines through the ``fx_lightning.progress`` logger); the outcome
+    keeps their times. The libraries' own INFO lines are kept out meanwhile (:func:`quiet_libraries`)."""
+    progress = progress if progress is not None else log_lines()
+    try:
+        with quiet_libraries():
+            outcome = _run(config, load, destination, collectives, mode, skip, progress)
+    finally:
+        progress.close()
+    outcome.times = list(progress.times)
+    return outcome
+
+
+def _run(config: FuseConfig, load: Callable[[], Source], destination: Destination, collectives: Collectives,
+         mode: Mode, skip: Optional[str], progress: Progress) -> Outcome:
     rank = collectives.rank
-    local = run_locally(config, load) if skip is None else LocalShare()
+    local = run_locally(config, load, progress) if skip is None else LocalShare()
     mine = _RankReport(rank, skip, ErrorInfo.of(rank, local.error) if local.error is not None else None, local.state,
                        local.source.buffers_differ if local.source is not None else False,
                        len(local.fused.steps) if local.fused is not None else 0)
@@ -234,7 +252,8 @@ def run_pipeline(
     if destination.directory is None:
         outcome.notes.append(NO_EXPORT_DIRECTORY())
         return outcome
-    written, export_error = _write(config, fused, source, outcome.parity, destination, mode) if rank == 0 else (None, None)
+    written, export_error = (_write(config, fused, source, outcome.parity, destination, mode, progress) if rank == 0
+                             else (None, None))
     written = collectives.broadcast(written, src=0)  # 3.
     if isinstance(written, ErrorInfo):
         outcome.failure = _failure_of(collectives, [written], export_error)
@@ -245,14 +264,22 @@ def run_pipeline(
     return outcome
 
 
-def run_locally(config: FuseConfig, load: Callable[[], Source]) -> LocalShare:
+def run_locally(config: FuseConfig, load: Callable[[], Source], progress: Optional[Progress] = None) -> LocalShare:
     """This rank's share: load the source, fuse a copy, measure parity on this rank's batches. Public as the seam
     a caller wraps to run ranks its own way (the tests run them as threads, one at a time through torch.fx)."""
     local = LocalShare()
+    progress = progress if progress is not None else Progress()
     try:
-        local.source = load()
-        local.fused = fuse_target(local.source, config)
-        local.state = measure(local.fused, config)
+        with progress.step("load the model and its calls"):
+            local.source = load()
+        with progress.step("capture and passes") as end:
+            local.fused = fuse_target(local.source, config)
+            report = local.fused.result.report
+            end.result = (f"{report.batchnorms_folded} BatchNorm(s) folded, {report.after.batchnorms} left; "
+                          f"capture: {report.capture_mode}")
+        with progress.step("parity") as end:
+            local.state = measure(local.fused, config)
+            end.result = "measured" if local.state is not None else "disabled (parity.enabled: false)"
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange, raised by the caller
         local.error = exc
     return local
@@ -281,13 +308,18 @@ def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: 
 
 
 def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[ParityReport],
-           destination: Destination, mode: Mode) -> Tuple[Union[Exported, ErrorInfo], Optional[Exception]]:
+           destination: Destination, mode: Mode, progress: Progress
+           ) -> Tuple[Union[Exported, ErrorInfo], Optional[Exception]]:
     """Rank zero: the export step (atomically: complete or not at all)."""
     assert destination.directory is not None
     try:
         refuse_protected(destination.directory, destination.protected)
-        return export(fused, config, parity, destination.directory,
-                      provenance_for(fused, source, destination.provenance), rehearsal=mode is Mode.rehearsal), None
+        with progress.step("export", str(destination.directory)) as end:
+            exported = export(fused, config, parity, destination.directory,
+                              provenance_for(fused, source, destination.provenance),
+                              rehearsal=mode is Mode.rehearsal, progress=progress)
+            end.result = f"{len(exported.manifest.formats) if exported.manifest else 0} artifact(s)"
+        return exported, None
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the export broadcast
         if isinstance(exc, FXLightningError):
             exc.step = exc.step or Step.export.value
@@ -340,6 +372,7 @@ def fuse_verify_export(
     write: bool = True,
     protected_paths: Sequence[Union[str, Path]] = (),
     extra: Union[Provenance, dict, None] = None,
+    progress: Optional[Progress] = None,
 ) -> Outcome:
     """The pipeline in this process: fuse ``config.target`` of ``model``, check parity on ``batches``, export
     when parity passed, and raise what failed.
@@ -348,7 +381,8 @@ def fuse_verify_export(
     ``write`` is false). ``protected_paths``: files (checkpoints) the export must never replace. ``extra``:
     where the model came from (a Provenance or its dict), for the manifest. A failed parity check raises
     :class:`ParityError` (with ``.report`` and ``.outcome``) when ``parity.on_failure`` is ``raise``; otherwise
-    it warns. Either way nothing is exported.
+    it warns. Either way nothing is exported. ``progress``: where each step is shown (default: plain lines
+    through the ``fx_lightning.progress`` logger).
     """
     directory = export_dir if export_dir is not None else config.export.dir
     provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
@@ -358,7 +392,7 @@ def fuse_verify_export(
     def load() -> Source:
         return Source(model, batches, example_inputs, device=resolve_device(config.device, None))
 
-    outcome = run_pipeline(config, load, destination)
+    outcome = run_pipeline(config, load, destination, progress=progress)
     if outcome.failure is not None:
         raise outcome.failure.error
     return outcome
@@ -395,17 +429,40 @@ def fuse_and_export(
                               export_dir=directory)
 
 
-def summary_text(outcome: Outcome) -> str:
-    """What happened, for people: the target, the fuse report, the parity verdict, notes and the export."""
-    lines = [f"target: {outcome.target or '<the whole LightningModule>'}"]
+def summary_text(outcome: Outcome, also: Sequence[str] = ()) -> str:
+    """What happened, for people. First what they decide on: BatchNorms folded and left, the parity verdict, what
+    is served and how fast, where the export and its report are; then the details (the target, the fuse report,
+    the parity figures, notes), ``also`` (the preflight's report), and last the time each step took."""
+    lines = _decisions(outcome)
+    lines.append(f"target: {outcome.target or '<the whole LightningModule>'}")
     if outcome.result is not None:
-        report = outcome.result.report
-        lines += [str(report), f"BatchNorms folded: {report.batchnorms_folded}, left: {report.after.batchnorms}"]
+        lines.append(str(outcome.result.report))
     if outcome.parity is not None:
         lines.append(str(outcome.parity))
     lines += [f"note: {note}" for note in outcome.notes]
-    lines.append(f"fused model exported to {outcome.export_dir}" if outcome.export_dir is not None
-                 else "fused model not exported")
+    lines += list(also)
+    return "\n".join(lines + times_text(outcome.times))
+
+
+def _decisions(outcome: Outcome) -> List[str]:
+    """The summary's first lines."""
+    lines = []
     if outcome.failure is not None:
-        lines.append(f"failed{outcome.failure.where}: {first_line(outcome.failure.error)}")
-    return "\n".join(lines)
+        lines.append(f"FAILED{outcome.failure.where}: {first_line(outcome.failure.error)}")
+    if outcome.result is not None:
+        report = outcome.result.report
+        lines.append(f"BatchNorms: {report.batchnorms_folded} folded, {report.after.batchnorms} left"
+                     + (" (each with its reason below)" if report.after.batchnorms else ""))
+    if outcome.parity is not None:
+        worst = outcome.parity.metrics.get("relative_max_error")
+        lines.append(f"parity: {'PASSED' if outcome.parity.passed else 'FAILED'}"
+                     + (f" (worst relative error {worst:.3g})" if worst is not None else ""))
+    selected = outcome.manifest.selected if outcome.manifest is not None else None
+    if selected is not None:
+        lines.append(f"served: {selected.format} at batch {selected.batch_size} ({selected.traffic}): "
+                     f"{selected.median_ms:.3g} ms median")
+    if outcome.export_dir is not None:
+        lines.append(f"fused model exported to {outcome.export_dir} (open {outcome.export_dir / REPORT_NAME})")
+    else:
+        lines.append("fused model not exported")
+    return lines

@@ -29,6 +29,7 @@ from fx_lightning.machine import cpu_info
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
+from fx_lightning.export.progress import Progress
 from fx_lightning.pipeline.records import Exported, Fused
 from fx_lightning.pipeline.steps import Step, gate_variant, in_step, other_sizes
 from fx_lightning.provenance import Provenance
@@ -68,17 +69,19 @@ NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no arti
 
 
 def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], directory: Path,
-           provenance: Provenance, *, rehearsal: bool = False) -> Exported:
+           provenance: Provenance, *, rehearsal: bool = False, progress: Optional[Progress] = None) -> Exported:
     """Write the fused model: every format (each loaded back and checked), the variants and the selection, all in
     one staging directory renamed to ``directory`` (made absolute) at the end, so the export appears complete or
     not at all. ``rehearsal`` (the preflight): as the end of fit will (a format that cannot be written is skipped
     with a note under ``export.on_format_failure: skip``), except that a variant or the selection that cannot run
-    is an error, a variant's gate is measured but not required, and the selection times each artifact once."""
+    is an error, a variant's gate is measured but not required, and the selection times each artifact once.
+    ``progress``: where each part (a format, a variant, the timing, the sweep) says it started and ended."""
+    progress = progress if progress is not None else Progress()
     if fused.example_inputs is None:
         raise ConfigError(f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
                           "exporter needs them to write the fused model")
     directory = Path(os.path.abspath(directory))
-    with in_step(Step.export):
+    with in_step(Step.export), progress.step("prepare the export (torch.export program)"):
         example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
         ctx = prepare_export(fused.result.graph_module, example, config, directory, preprocess=fused.contract.preprocess,
                              normalised_dtype=raw_input.normalised_dtype(fused), reference=reference,
@@ -87,14 +90,14 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
 
     def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
         manifest = raw_input.with_contract(manifest, fused.contract)
-        manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal)
+        manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal, progress=progress)
         if config.export.select is Selection.fastest:
-            manifest = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal)
+            manifest = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal, progress=progress)
         return manifest
 
     with in_step(Step.export):
         manifest = write_export(directory, ctx, config, report=fused.result.report, parity=parity,
-                                provenance=provenance, extend=variants_and_selection)
+                                provenance=provenance, extend=variants_and_selection, progress=progress)
     steps = [Step.export.value] + ([Step.variants.value] if manifest.variants else []) + (
         [Step.selection.value] if config.export.select is Selection.fastest else [])
     return Exported(directory, manifest, export_notes(manifest, rehearsal), steps)
@@ -123,13 +126,14 @@ def _other_inputs(fused: Fused) -> List[tuple]:
 
 
 def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                 rehearsal: bool = False) -> Manifest:
+                 rehearsal: bool = False, progress: Optional[Progress] = None) -> Manifest:
     """Make each enabled lossy variant (int8, bf16) of the verified fused model: its own model in the torch
     formats, and each exported format's own variant (OpenVINO through NNCF, ONNX Runtime); keep the artifacts that
     pass the variant's gate, loaded back. Every outcome is recorded in the manifest, and a variant this CPU cannot
     run fast is skipped with the reason. A variant that cannot be made is an error in the rehearsal (which runs the
     accuracy-aware search on one layer, to prove it runs), and a recorded outcome after training (the fp32
     artifacts stand)."""
+    progress = progress if progress is not None else Progress()
     for variant, options in enabled_variants(config.passes):
         key = f"passes.{variant.key}"
         lacking = variant.lacks(cpu_info()) if options.require_cpu_features else None
@@ -149,7 +153,10 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
 
         outcomes: List[VariantOutcome] = []
         if torch_variant_formats(config, variant.name):
-            made = _make_variant(variant, options, fused, gate, rehearsal)
+            with progress.step(f"variant {variant.name}: make it from the fused model",
+                               "calibration" if variant.name == "int8" else "") as end:
+                made = _make_variant(variant, options, fused, gate, rehearsal)
+                end.result = "not made" if isinstance(made, VariantOutcome) else "made"
             if isinstance(made, VariantOutcome):
                 manifest = dataclasses.replace(manifest, variants={**manifest.variants, variant.name: [made]})
                 outcomes.append(made)
@@ -160,12 +167,12 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                         raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
                         imports=variant.imports, notes=made.notes, preprocess=preprocess,
                         normalised_dtype=raw_input.normalised_dtype(fused), signature=fused.signature,
-                        other_inputs=_other_inputs(fused), fixed=_fixed(fused))
+                        other_inputs=_other_inputs(fused), fixed=_fixed(fused), progress=progress)
                 outcomes += made_outcomes
         with in_step(Step.variants):
             manifest, format_outcomes = add_format_variants(
                 staging, manifest, variant.name, raw_input.raw_calibration(fused.calibration, preprocess),
-                artifact_gate)
+                artifact_gate, progress=progress)
         outcomes += format_outcomes
     return manifest
 
@@ -227,7 +234,7 @@ def _rounded(value: Optional[float]) -> Optional[float]:
 
 
 def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                    rehearsal: bool = False) -> Manifest:
+                    rehearsal: bool = False, progress: Optional[Progress] = None) -> Manifest:
     """Time the export's artifacts against the unfused target (eager), sweep the likely winners' throughput, and
     record the table and the pick of ``export.select_strategy`` among those that passed their check.
     ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes timed, and an error
@@ -242,7 +249,8 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
                              baselines={"eager": raw_input.eager_baseline(eager, fused.contract.preprocess)},
                              rounds=rounds, warmup=warmup,
                              own_process_finalists=finalists,
-                             sweep=REHEARSAL_SWEEP if rehearsal else SweepSettings())
+                             sweep=REHEARSAL_SWEEP if rehearsal else SweepSettings(),
+                             steps=progress if progress is not None else Progress())
         # The rehearsal's one round proves the sweep runs; its figures cannot judge a latency budget.
         selected = select_by_strategy(table, config.export.select_strategy, size, config.export.select_traffic,
                                       None if rehearsal else config.export.latency_budget_ms)
