@@ -384,7 +384,7 @@ def describe_outputs(tree: Tree) -> JsonObject:
     return {"kind": "dict", "keys": keys, "items": items}
 
 
-def _distribution_from_fields(cls: Optional[type], params: Dict[str, Any], event_dims: int) -> Any:
+def _distribution_from_fields(cls: Optional[type], params: Mapping[str, torch.Tensor], event_dims: int) -> Any:
     """A distribution of ``cls`` with ``params`` as its fields, past a constructor that takes other names; its
     shapes from the parameters' (the last ``event_dims`` are the event's). The parameters as a dict without a class."""
     tensors = [v for v in params.values() if isinstance(v, torch.Tensor)]
