@@ -185,6 +185,11 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
             for t in rows[:finalists]:
                 if t.median_ms <= rows[0].median_ms * FINALIST_WITHIN:
                     chosen.setdefault((t.artifact, t.runtime), set()).add(b)
+    # A finalist is timed alone with each of its runtime settings (the runtime's own defaults among them): the
+    # pick is then never slower than the runtime's defaults on the same file, whatever the shared bench said.
+    for (artifact, _), sizes in list(chosen.items()):
+        for runtime in {t.runtime for t in table.timings if t.artifact == artifact}:
+            chosen.setdefault((artifact, runtime), set()).update(sizes)
     if len(chosen) < 2:
         return
     timed = time_in_own_processes(root, manifest.to_dict(), {c: sorted(sizes) for c, sizes in chosen.items()},
