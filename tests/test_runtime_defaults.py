@@ -140,7 +140,8 @@ def test_openvino_is_served_with_the_settings_that_won(export_dir, tmp_path, mon
                                 ("openvino", winner): 1.0, ("openvino", other): 2.0})
     _select(root)
     manifest = read_manifest(root)
-    assert manifest.selected is not None and (manifest.selected.format, manifest.selected.runtime) == ("openvino", winner)
+    selected = manifest.selected
+    assert selected is not None and (selected.format, selected.runtime) == ("openvino", winner)
     for module in (load_fused(root), load_fused(root, "openvino")):
         config = module.config
         assert config["INFERENCE_PRECISION_HINT"] == "f32"  # the precision it was checked at, either way

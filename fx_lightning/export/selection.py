@@ -4,12 +4,14 @@ check batch, and the fastest that passed recorded in the manifest for each batch
 ``load_fused(dir, batch_size=, traffic=)`` picks another).
 
 Each artifact is timed with the runtime settings it was written with and with each of its format's
-``runtime_choices`` (ONNX Runtime's threads spinning between runs, say), and in two kinds of traffic: a call after
-an idle gap (:data:`IDLE_GAP_S`: the runtime's threads have gone to sleep, as under sparse traffic) and a call right
-after another (back to back), interleaved (timing.py); the finalists are then timed again each in a process of
-its own, as a server runs them. The table keeps medians and the 90th percentile. The check
-compares each artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the export's
-own rule (a few times the fused model's own error), so an artifact that disagrees is never selected; a lossy
+``runtime_choices`` (ONNX Runtime's threads spinning between runs, say; ONNX Runtime's and OpenVINO's own defaults,
+:data:`~fx_lightning.formats.base.RUNTIME_DEFAULTS`), and in two kinds of traffic: a call after an idle gap
+(:data:`IDLE_GAP_S`: the runtime's threads have gone to sleep, as under sparse traffic) and a call right after
+another (back to back), interleaved (timing.py); the finalists are then timed again each in a process of its own,
+as a server runs them, each with every one of its runtime settings: the pick is never slower than the runtime's
+own defaults on the same file, beyond the noise of those timings. The table keeps medians and the 90th percentile.
+The check compares each artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the
+export's own rule (a few times the fused model's own error), so an artifact that disagrees is never selected; a lossy
 variant must have passed its accuracy gate at export and, on this machine, run on ``check.pt`` within that gate's
 agreement (:func:`~fx_lightning.export.check.check_artifact`).
 """

@@ -152,8 +152,8 @@ class OpenVinoModule(nn.Module):
         self.path = str(xml_path)
         self.core = ov.Core()
         self.model = self.core.read_model(self.path)
-        self.config: Dict[str, Union[str, int]] = {k: v for k, v in (COMPILE_CONFIG if config is None else config).items()
-                                                   if k != THREADS}
+        given = COMPILE_CONFIG if config is None else config
+        self.config: Dict[str, Union[str, int]] = {k: v for k, v in given.items() if k != THREADS}
         if threads != 0:
             self.config[THREADS] = int(threads or torch.get_num_threads())
         self.static_shapes = static_shapes
