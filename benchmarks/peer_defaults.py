@@ -68,6 +68,8 @@ HERE = Path(__file__).parent
 CALIBRATION = 64  # training images the int8 peers are calibrated on
 PEER_INT8 = CACHE / "peer_int8"
 TARGET = 1.05  # the issue's done-when: fx-lightning's selected artifact within 1.05x of the fastest peer int8
+# Issue 39's peers: the selected artifact within TARGET of the fastest of these, in both traffics.
+FASTEST_OF = ["onnxruntime", "openvino", "openvino-int8"]
 PACKAGES = ["torch", "onnx", "onnxruntime", "openvino", "nncf"]
 
 
@@ -387,9 +389,32 @@ def to_markdown(results: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
                 lines.append(f"| {model} | {traffic.replace('_', ' ')} | {cells[0]} | {cells[1]} | "
                              f"{ours[traffic + '_artifact']} | {_ms(ours, traffic)} | "
                              f"{ort_ms / ours[traffic]:.2f}x | {ov_ms / ours[traffic]:.2f}x |")
+    if any("fx-lightning" in k and set(FASTEST_OF) & set(k) for k in by_model.values()):
+        lines += _fastest_peer_table(models, by_model)
     if any("fx-lightning" in k and set(INT8) & set(k) for k in by_model.values()):
         lines += _int8_tables(models, by_model, meta)
     return "\n".join(lines) + "\n"
+
+
+def _fastest_peer_table(models: List[str], by_model: Dict[str, Dict[str, Dict[str, Any]]]) -> List[str]:
+    """Issue 39's bound: the selected artifact against the fastest of ONNX Runtime's defaults, OpenVINO's defaults
+    and NNCF's int8 (those of them that were timed), in each traffic."""
+    lines = ["", f"**fx-lightning / fastest peer**: fx-lightning's ms over the fastest of {', '.join(FASTEST_OF)} "
+             f"(those timed; the target: <= {TARGET:.2f}x).", "",
+             "| model | traffic | fx-lightning selected | ms | fastest peer | ms | **fx-lightning / fastest peer** | "
+             f"within {TARGET:.2f}x |", "|---|---|---|---|---|---|---|---|"]
+    for model in models:
+        by_kind = by_model[model]
+        ours, peers = by_kind.get("fx-lightning"), [by_kind[k] for k in FASTEST_OF if k in by_kind]
+        if ours is None or not peers:
+            continue
+        for traffic in ("back_to_back", "idle"):
+            fastest = min(peers, key=lambda r: r[traffic])
+            ratio = ours[traffic] / fastest[traffic]
+            lines.append(f"| {model} | {traffic.replace('_', ' ')} | {ours[traffic + '_artifact']} | {_ms(ours, traffic)} "
+                         f"| {fastest['kind']} | {_ms(fastest, traffic)} | **{ratio:.3f}x** "
+                         f"({_ratio_range(ours, fastest, traffic)}) | {'yes' if ratio <= TARGET else '**no**'} |")
+    return lines
 
 
 def _int8_tables(models: List[str], by_model: Dict[str, Dict[str, Dict[str, Any]]], meta: Dict[str, Any]) -> List[str]:

@@ -46,13 +46,17 @@ TRAFFICS = ["idle", "back_to_back"]
 EXPORTS = CACHE / "exports"  # kept between runs: peer_defaults.py times the selected artifacts
 
 
-def serving_config(held_out_batches: int) -> Any:
+def serving_config(held_out_batches: int, formats: Optional[List[str]] = None) -> Any:
+    """The serving preset, judged on the whole held-out split; ``formats`` instead of the preset's (the preset's
+    when None)."""
     preset = OmegaConf.to_container(OmegaConf.load(PRESET))
     preset["parity"] = {"max_batches": held_out_batches}  # the whole held-out split
+    if formats is not None:
+        preset["export"]["formats"] = list(formats)
     return load_config(preset)
 
 
-def export_model(name: str, size: int, console: Console) -> Tuple[Any, float]:
+def export_model(name: str, size: int, console: Console, formats: Optional[List[str]] = None) -> Tuple[Any, float]:
     """The trained model exported with the serving preset into ``EXPORTS/<name>`` (kept for peer_defaults.py);
     returns the pipeline's outcome and the seconds it took."""
     train, held_out = digits_splits()
@@ -60,15 +64,16 @@ def export_model(name: str, size: int, console: Console) -> Tuple[Any, float]:
     held = list(held_out.batches(32, size))
     calibration = [x for x, _ in train.batches(32, size, shuffle=True, seed=1)][:8]
     start = time.perf_counter()
-    outcome = fuse_verify_export(model, serving_config(len(held)),
+    outcome = fuse_verify_export(model, serving_config(len(held), formats),
                                  Batches(held, "held-out digits", calibration=calibration), export_dir=EXPORTS / name)
     return outcome, time.perf_counter() - start
 
 
-def bench_model(name: str, batches: List[int], rounds: int, size: int, console: Console) -> Dict[str, Any]:
+def bench_model(name: str, batches: List[int], rounds: int, size: int, console: Console,
+                formats: Optional[List[str]] = None) -> Dict[str, Any]:
     _, held_out = digits_splits()
     model = trained_model(name, size)
-    outcome, export_s = export_model(name, size, console)
+    outcome, export_s = export_model(name, size, console, formats)
     root = outcome.export_dir
     manifest = read_manifest(root)
     x = next(held_out.batches(max(batches), size))[0]
@@ -177,7 +182,9 @@ def _header(meta: Dict) -> str:
     return (f"torch {meta['torch']}, {meta['threads']} threads, {meta['cpu']}, input {meta['size']}x{meta['size']}, "
             f"models trained on scikit-learn's digits (upsampled), gates on the {meta['held_out']} held-out images; "
             f"median of {meta['rounds']} interleaved rounds, idle: each call after a 20 ms idle gap, back to back: "
-            "right after the previous call. Speed-up over eager in the same traffic.")
+            "right after the previous call. Speed-up over eager in the same traffic."
+            + (f" export.formats: {', '.join(meta['formats'])} (instead of the preset's)."
+               if isinstance(meta.get("formats"), list) else ""))
 
 
 def _x(value: Optional[float]) -> str:
@@ -201,6 +208,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "serving"))
     parser.add_argument("--render", action="store_true", help="only write the tables again from OUT.json")
+    parser.add_argument("--formats", nargs="+", help="export.formats instead of the preset's (aoti's packages take "
+                        "minutes each to compile on a small machine)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.render:
@@ -209,10 +218,10 @@ def main(argv: List[str]) -> int:
         return 0
     torch.set_num_threads(args.threads)
     console = Console()
-    results = [bench_model(m, args.batches, args.rounds, args.size, console) for m in args.models]
+    results = [bench_model(m, args.batches, args.rounds, args.size, console, args.formats) for m in args.models]
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "isa": results[0]["isa"],
             "cpu": cpu_description(), "machine": platform.machine(), "size": args.size, "rounds": args.rounds,
-            "held_out": len(digits_splits()[1].labels)}
+            "held_out": len(digits_splits()[1].labels), "formats": args.formats or "the preset's"}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     write_tables(out, results, meta)
     console.print(to_summary(results, meta), markup=False)

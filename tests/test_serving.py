@@ -319,13 +319,14 @@ def test_each_candidate_is_timed_after_an_idle_gap_and_then_back_to_back(tmp_pat
     monkeypatch.setattr(timing.time, "perf_counter", lambda: events.append(("clock", None)) or real_perf_counter())
     table = bench_export(outcome.export_dir, batch_sizes=[1, 2], rounds=3, warmup=1)
     starts = [i for i, (kind, _) in enumerate(events) if kind == "clock"][::2]  # start, stop per call
-    candidates = 3  # pt2, onnx, onnx with its threads spinning
+    candidates = 4  # pt2, onnx, onnx with its threads spinning, onnx with ONNX Runtime's own defaults
     assert len(starts) == (1 + 3) * 2 * candidates * 2
     idle, back_to_back = starts[0::2], starts[1::2]
     assert all(events[i - 1] == ("sleep", selection.IDLE_GAP_S) for i in idle) and selection.IDLE_GAP_S >= 0.01
     assert all(events[i - 1] == ("clock", None) for i in back_to_back)  # right after the previous call's stop
     cells = {(t.artifact, t.runtime, t.batch_size, t.traffic) for t in table.timings}
-    assert cells == {(a, r, b, t) for a, r in [("pt2", ""), ("onnx", ""), ("onnx", "spinning")] for b in (1, 2)
+    assert cells == {(a, r, b, t) for a, r in [("pt2", ""), ("onnx", ""), ("onnx", "spinning"), ("onnx", "defaults")]
+                     for b in (1, 2)
                      for t in ("idle", "back_to_back")}
     assert all(t.rounds == 3 for t in table.timings)
 

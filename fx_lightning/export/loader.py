@@ -18,7 +18,7 @@ from fx_lightning.export.interface import ArtifactInterface
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
 
-__all__ = ["load_fused", "load_artifact", "selection_for", "CompiledForServing"]
+__all__ = ["load_fused", "load_artifact", "selection_for", "runtime_for", "CompiledForServing"]
 
 
 def load_fused(
@@ -37,11 +37,13 @@ def load_fused(
     ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``, ``aoti``...) or a variant's entry
     (``openvino-int8``); ``None`` picks the artifact the export selected as the fastest that passed its check
     (``export.select: fastest`` or ``fx-lightning bench --select``), with the runtime settings that made it fastest,
-    else the first available in order of preference (pt2 first). ``batch_size`` and ``traffic`` (``idle``: requests
-    after an idle gap; ``back_to_back``) pick the fastest the export recorded for the batch size (the nearest one
-    timed) and traffic a server will run, instead of the default selection; ``strategy="max_throughput"`` the
-    artifact with the most samples per second over the export's throughput sweep (its batch size is the pick's
-    ``batch_size`` in ``manifest.json``'s ``selections``; ``fx-lightning serve`` batches to it).
+    else the first available in order of preference (pt2 first); a format named is loaded with the runtime
+    settings the selection recorded for it (:func:`runtime_for`: ONNX Runtime's own defaults, say, when they
+    won). ``batch_size`` and ``traffic`` (``idle``: requests after an idle gap; ``back_to_back``) pick the
+    fastest the export recorded for the batch size (the nearest one timed) and traffic a server will run, instead
+    of the default selection; ``strategy="max_throughput"`` the artifact with the most samples per second over
+    the export's throughput sweep (its batch size is the pick's ``batch_size`` in ``manifest.json``'s
+    ``selections``; ``fx-lightning serve`` batches to it).
     ``device``: where to load it (a torch device or its name); ``None``: the device the artifact was built for
     (the manifest records it) when this process has it, else the CPU. A format that cannot run on the device
     asked for raises an :class:`ExportError` saying so.
@@ -54,10 +56,11 @@ def load_fused(
     """
     root = Path(directory)
     manifest = read_manifest(root)
-    runtime = ""
     if format is None:
         pick = selection_for(manifest, batch_size, traffic, strategy)
         format, runtime = (pick.format, pick.runtime) if pick is not None else (None, "")
+    else:
+        runtime = runtime_for(manifest, str(getattr(format, "value", format)), batch_size, traffic, strategy)
     return load_artifact(root, manifest, format, verify=verify, device=device, compile=compile, runtime=runtime)
 
 
@@ -81,6 +84,16 @@ def selection_for(manifest: Manifest, batch_size: Optional[int] = None, traffic:
         return next((s for s in matching if s.latency_budget_ms == budget), matching[0])
     wanted_batch = batch_size or (default.batch_size if default is not None else 1)
     return min(matching, key=lambda s: (abs(s.batch_size - wanted_batch), s.batch_size))
+
+
+def runtime_for(manifest: Manifest, entry: str, batch_size: Optional[int] = None, traffic: Optional[str] = None,
+                strategy: Optional[str] = None) -> str:
+    """The runtime settings the export recorded for artifact ``entry``: those of the selection for ``batch_size``,
+    ``traffic`` and ``strategy`` (:func:`selection_for`) when it picked ``entry``, else of the default selection,
+    else of any selection of ``entry``; "" (as written) when none picked it (an export from before the
+    selection recorded settings reads the same)."""
+    picks = [selection_for(manifest, batch_size, traffic, strategy), manifest.selected, *manifest.selections]
+    return next((p.runtime for p in picks if p is not None and p.format == entry), "")
 
 
 def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, *, verify: bool = True,

@@ -27,7 +27,7 @@ from fx_lightning.program import ExportFailed, Program, export_program, nested_d
 from fx_lightning.rows import rows_of
 from fx_lightning.signature import DimKind, Signature
 
-__all__ = ["FUSED_CLASS_NAME", "Format", "FormatEntry", "ExactReference", "WriteContext", "Writer",
+__all__ = ["FUSED_CLASS_NAME", "RUNTIME_DEFAULTS", "Format", "FormatEntry", "ExactReference", "WriteContext", "Writer",
            "Loader",
            "VariantMaker", "VariantRequest",
            "fields_from", "pickled_classes", "returns_named_tuple"]
@@ -109,6 +109,11 @@ class FormatEntry:
 
 
 
+
+# The name, among a Format's runtime_choices, of the runtime's own default settings (what a user gets from the
+# runtime given no options, with the precision the artifact was checked at): raced beside the settings it was
+# written with, so the pick is never slower than the runtime's defaults on the same file.
+RUNTIME_DEFAULTS = "defaults"
 
 # The class name of the plain fused GraphModule and of the generated code's module.
 FUSED_CLASS_NAME = "FusedModule"
@@ -284,7 +289,8 @@ class Format:
     # theirs from the variant's own model instead (fx_lightning.variants).
     variants: Mapping[str, VariantMaker] = field(default_factory=dict)
     # Runtime settings worth timing besides the ones it was written with (name -> options merged over the
-    # entry's): the selection records which made it fastest for each traffic.
+    # entry's; a None value removes the key: the runtime's own default): the selection records which made it
+    # fastest for each traffic. A runtime's own defaults are one of them, named RUNTIME_DEFAULTS.
     runtime_choices: Mapping[str, JsonObject] = field(default_factory=dict)
     # Written from the context's torch.export program (False: from the fused graph itself, which takes every size
     # its capture took, whether or not torch.export could make a dynamic program of it).
@@ -306,9 +312,15 @@ class Format:
 
 
 def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> JsonObject:
+    """``over`` merged into ``base``, nested mappings key by key; a None in ``over`` removes the key (what a runtime
+    does when the setting is not given is its default)."""
     out = dict(base)
     for key, value in over.items():
-        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = (_merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+                        else value)
     return out
 
 

@@ -15,10 +15,10 @@ from torch import nn
 from fx_lightning._json import JsonObject
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.formats.base import Format, FormatEntry, VariantRequest, WriteContext
+from fx_lightning.formats.base import RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext
 from fx_lightning.signature import DimKind, LeafSpec
 
-__all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL"]
+__all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL", "ORT_OWN_THREADS"]
 
 
 def _write(root: Path, ctx: WriteContext) -> FormatEntry:
@@ -103,15 +103,21 @@ SESSION_LEVEL = "ORT_ENABLE_ALL"
 # process, and the session itself is no faster for it (figures: docs/performance.md). A server that also runs
 # torch (pre-processing, other models) wants them off; so does a side-by-side benchmark.
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
+# ``intra_op_num_threads`` recorded as this: ONNX Runtime sizes its own thread pool (its convention for "default");
+# any other recorded count is the writer's, and a loaded session takes its own process's torch count instead.
+ORT_OWN_THREADS = 0
 
 
 def session_options(threads: Optional[int] = None, level: str = SESSION_LEVEL,
                     config_entries: Optional[Dict[str, str]] = None) -> Any:
+    """ONNX Runtime's session options: ``threads`` intra-op threads (None: torch's count in this process;
+    :data:`ORT_OWN_THREADS`: ONNX Runtime's own default), graph optimisation ``level`` and the session
+    ``config_entries`` (None: :data:`SESSION_CONFIG`)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    options.intra_op_num_threads = threads or torch.get_num_threads()
+    options.intra_op_num_threads = torch.get_num_threads() if threads is None else threads
     for key, value in (SESSION_CONFIG if config_entries is None else config_entries).items():
         options.add_session_config_entry(key, str(value))
     return options
@@ -157,7 +163,8 @@ def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
             + (" (install onnxruntime-gpu for CUDA)" if device.type == "cuda" else "") + "; load it with device='cpu'."
         )
     recorded = entry.options.get("session_options") or {}
-    return OnnxRuntimeModule(root / entry.path, [provider], device,
+    own = recorded.get("intra_op_num_threads") == ORT_OWN_THREADS  # the runtime's defaults (a runtime choice)
+    return OnnxRuntimeModule(root / entry.path, [provider], device, threads=ORT_OWN_THREADS if own else None,
                              level=recorded.get("graph_optimization_level", SESSION_LEVEL),
                              config_entries=recorded.get("config_entries", SESSION_CONFIG))
 
@@ -214,7 +221,11 @@ FORMAT = Format(
     install_hint="pip install 'fx-lightning[onnx]' (onnx, onnxscript, onnxruntime)",
     variants={"int8": _make_variant},
     # Intra-op threads spinning between runs: slower for torch beside it in the process, but no wake-up cost for
-    # a request after an idle gap; the selection times both on the machine at hand (docs/performance.md).
-    runtime_choices={"spinning": {"session_options": {"config_entries": {"session.intra_op.allow_spinning": "1"}}}},
+    # a request after an idle gap; and ONNX Runtime's own defaults (``InferenceSession(path)``: its thread pool,
+    # spinning on), what a user comparing with it gets. The selection times all on the machine at hand
+    # (docs/performance.md).
+    runtime_choices={"spinning": {"session_options": {"config_entries": {"session.intra_op.allow_spinning": "1"}}},
+                     RUNTIME_DEFAULTS: {"session_options": {"intra_op_num_threads": ORT_OWN_THREADS, "config_entries": {
+                         "session.intra_op.allow_spinning": None}}}},
     readme="- `{path}` (onnx): `onnxruntime.InferenceSession('{path}')`; dynamic batch axis.",
 )

@@ -19,20 +19,22 @@ import io
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, List, Mapping, NoReturn, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from fx_lightning._json import JsonObject
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.formats.base import Format, FormatEntry, VariantRequest, WriteContext
+from fx_lightning.formats.base import RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext
 
-__all__ = ["FORMAT", "OpenVinoModule", "COMPILE_CONFIG"]
+__all__ = ["FORMAT", "OpenVinoModule", "COMPILE_CONFIG", "THREADS"]
 
 # What the artifact is checked and served with. f32 keeps the fused model's numbers (bf16-capable CPUs would
 # otherwise run bf16); threads are set at load time to torch's count in that process.
 COMPILE_CONFIG = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"}
+# The compile config key of the threads; recorded by the writer, a loaded model takes its own process's torch count.
+THREADS = "INFERENCE_NUM_THREADS"
 # Static-shape compiled copies kept per loaded module (least recently used dropped first): a server runs up to
 # 7 shapes (batch 1, 2, 4... 64; fx_lightning.serve.artifact.serving_batch_sizes).
 MAX_SHAPES = 8
@@ -86,7 +88,7 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
     options: JsonObject = {
         "converted_from": route,
         "input_shapes": shapes,  # -1: any size
-        "compile_config": {**COMPILE_CONFIG, "INFERENCE_NUM_THREADS": torch.get_num_threads()},
+        "compile_config": {**COMPILE_CONFIG, THREADS: torch.get_num_threads()},
         "built_with": {"openvino": ov.__version__},
     }
     if fallback_reason:
@@ -137,6 +139,8 @@ def _samples(batch: tuple) -> int:
 class OpenVinoModule(nn.Module):
     """An OpenVINO model behind the nn.Module interface: tensors in, CPU tensors out.
 
+    ``config``: the compile config as given (None: :data:`COMPILE_CONFIG`); ``threads``: its
+    ``INFERENCE_NUM_THREADS`` (None: torch's count in this process; 0: not set, OpenVINO's own default).
     ``static_shapes`` (default): each new combination of input shapes gets its own compiled copy with those
     shapes fixed (the ``MAX_SHAPES`` most recent are kept); else one compiled model takes every shape."""
 
@@ -148,8 +152,10 @@ class OpenVinoModule(nn.Module):
         self.path = str(xml_path)
         self.core = ov.Core()
         self.model = self.core.read_model(self.path)
-        self.config = {**COMPILE_CONFIG, **(config or {})}
-        self.config["INFERENCE_NUM_THREADS"] = int(threads or torch.get_num_threads())
+        given = COMPILE_CONFIG if config is None else config
+        self.config: Dict[str, Union[str, int]] = {k: v for k, v in given.items() if k != THREADS}
+        if threads != 0:
+            self.config[THREADS] = int(threads or torch.get_num_threads())
         self.static_shapes = static_shapes
         self.compiled: "OrderedDict[Any, Any]" = OrderedDict()
         self.dynamic: Any = None  # compiled on first need: a second copy of the weights otherwise
@@ -199,9 +205,11 @@ def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
     import openvino as ov
 
     recorded = entry.options.get("compile_config") or COMPILE_CONFIG
-    config = {k: v for k, v in recorded.items() if k != "INFERENCE_NUM_THREADS"}
+    # Recorded threads (the writer's count) become this process's; none recorded: OpenVINO's own default. Every
+    # entry written records them; the runtime choice RUNTIME_DEFAULTS removes them.
+    threads = None if THREADS in recorded or recorded is COMPILE_CONFIG else 0
     try:
-        return OpenVinoModule(root / entry.path / "model.xml", config)
+        return OpenVinoModule(root / entry.path / "model.xml", recorded, threads)
     except RuntimeError as exc:
         built = (entry.options.get("built_with") or {}).get("openvino", "unknown")
         raise ExportError(f"format 'openvino': OpenVINO {ov.__version__} cannot read or compile the IR written by "
@@ -218,6 +226,10 @@ FORMAT = Format(
     runtime_requires=("openvino",),
     install_hint="pip install 'fx-lightning[openvino]' (openvino)",
     variants={"int8": _make_variant, "bf16": _make_variant},
+    # OpenVINO's own defaults (``compile_model(path, "CPU")``: its performance hint and threads) beside ours; the
+    # precision stays the one the artifact was checked at (a bf16-capable CPU would otherwise run fp32 IR in bf16:
+    # that is the openvino-bf16 variant, raced with its own defaults too).
+    runtime_choices={RUNTIME_DEFAULTS: {"compile_config": {"PERFORMANCE_HINT": None, THREADS: None}}},
     readme=(
         "- `{path}/` (openvino): OpenVINO IR, `openvino.Core().compile_model('{path}/model.xml', 'CPU', "
         "{{'INFERENCE_PRECISION_HINT': 'f32'}})`; `ov::Core().compile_model(...)` in C++. "

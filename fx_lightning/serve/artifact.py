@@ -19,7 +19,7 @@ from torch import nn
 from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.export.loader import load_artifact, selection_for
+from fx_lightning.export.loader import load_artifact, runtime_for, selection_for
 from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.selection import check_entry
 from fx_lightning.parity.report import ArtifactCheck
@@ -202,11 +202,11 @@ def artifact_for(manifest: Manifest, options: ServeOptions) -> Tuple[str, str]:
     """The format (or variant) and runtime settings to serve: ``options.format``, else the export's selection:
     its max-throughput pick when the batching came from its sweep, else its fastest for the batch size the server
     forms and the traffic batching makes; else the first format available."""
-    if options.format is not None:
-        return options.format, ""
     options = options.with_batching(manifest)
     max_batch = options.max_batch_size or 1
     traffic = "back_to_back" if max_batch > 1 and manifest.call_signature().batched else None
+    if options.format is not None:  # with the runtime settings the selection recorded for it
+        return options.format, runtime_for(manifest, options.format, max_batch, traffic)
     pick = (selection_for(manifest, traffic=Traffic.back_to_back.value, strategy=Strategy.max_throughput.value)
             if options.batching.startswith(SWEPT) else selection_for(manifest, max_batch, traffic))
     if pick is not None:

@@ -38,7 +38,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 from fx_lightning.config import Strategy
 from fx_lightning.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
+from fx_lightning.formats import FORMATS
 from fx_lightning.formats.base import FormatEntry
+from fx_lightning.formats.onnx import ORT_OWN_THREADS
+from fx_lightning.export.loader import runtime_for
 from fx_lightning.export.atomic import replace_directories
 from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, read_manifest, verify_files
@@ -280,9 +283,13 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
         model.notes.append(note)
     if why_not:
         model.notes.append(f"max_batch_size 0 (dims are full shapes, Triton does not batch requests): {why_not}")
-    if backend.name == "openvino":
-        model.parameters, notes = _openvino_parameters(entry, batching)
-        model.notes.extend(notes)
+    # The runtime settings the selection recorded for the artifact (its runtime's own defaults when they won).
+    runtime = runtime_for(manifest, entry_name, max_batch or 1, "back_to_back" if batching else None)
+    entry = FORMATS[entry.format_name or entry_name].with_runtime(entry, runtime)
+    model.parameters, notes = (_openvino_parameters(entry, batching) if backend.name == "openvino"
+                               else _onnxruntime_parameters(entry))
+    model.notes.extend(notes + ([f"runtime settings '{runtime}' (the selection's, recorded in the manifest)"]
+                                if runtime else []))
     _attach_labels(model, manifest.labels)
     return model
 
@@ -421,6 +428,19 @@ def _openvino_parameters(entry: FormatEntry, batching: bool) -> Tuple[Dict[str, 
                      "refuses other sizes without it); a smaller --max-batch-size, or 0, wastes less on single "
                      "requests")
     return params, notes
+
+
+def _onnxruntime_parameters(entry: FormatEntry) -> Tuple[Dict[str, str], List[str]]:
+    """The ONNX Runtime backend's parameters for the artifact's recorded session options: its intra-op threads
+    (0: ONNX Runtime's own count). The backend has no parameter for thread spinning: it spins, as ONNX Runtime does
+    by default."""
+    recorded = entry.options.get("session_options") or {}
+    threads = recorded.get("intra_op_num_threads", ORT_OWN_THREADS) if isinstance(recorded, Mapping) else 0
+    entries = recorded.get("config_entries") or {} if isinstance(recorded, Mapping) else {}
+    spinning_off = str(entries.get("session.intra_op.allow_spinning", "1")) == "0"
+    return {"intra_op_thread_count": str(threads)}, (
+        ["ONNX Runtime's Triton backend cannot turn thread spinning off: its intra-op threads spin between "
+         "requests (fx-lightning timed this artifact with spinning off)"] if spinning_off else [])
 
 
 def _attach_labels(model: TritonModel, labels: Sequence[str]) -> None:
