@@ -58,7 +58,7 @@ def _fake_timings(monkeypatch: pytest.MonkeyPatch, ms: Dict[Candidate, float]) -
                 for c in models for b in batch_sizes if c in ms}, []
 
     def own(root: Path, manifest: Any, candidates: Dict[Candidate, Sequence[int]], rounds: int, warmup: int,
-            threads: int) -> Dict[Candidate, Tuple[Dict[Tuple[int, str], List[float]], str]]:
+            threads: int, progress: Any = None) -> Dict[Candidate, Tuple[Dict[Tuple[int, str], List[float]], str]]:
         alone.extend(candidates)
         return {c: ({(b, t): [ms[c] / 1e3] * rounds for b in sizes for t in ("idle", "back_to_back")}, "")
                 for c, sizes in candidates.items()}
@@ -170,7 +170,7 @@ def test_every_artifact_is_timed_alone_with_the_runtimes_defaults(export_dir, tm
     alone_ms = {**shared, ("openvino", RUNTIME_DEFAULTS): 0.5}
 
     def own(root: Path, manifest: Any, candidates: Dict[Candidate, Sequence[int]], rounds: int, warmup: int,
-            threads: int) -> Any:
+            threads: int, progress: Any = None) -> Any:
         real_own(root, manifest, candidates, rounds, warmup, threads)  # records the candidates
         return {c: ({(b, t): [alone_ms[c] / 1e3] * rounds for b in sizes for t in ("idle", "back_to_back")}, "")
                 for c, sizes in candidates.items()}
@@ -205,7 +205,7 @@ def test_the_finalists_are_artifacts_not_settings(export_dir, tmp_path, monkeypa
     alone_ms = {**shared, ("openvino", RUNTIME_DEFAULTS): 0.5}
 
     def own(root: Path, manifest: Any, candidates: Dict[Candidate, Sequence[int]], rounds: int, warmup: int,
-            threads: int) -> Any:
+            threads: int, progress: Any = None) -> Any:
         real_own(root, manifest, candidates, rounds, warmup, threads)
         return {c: ({(b, t): [alone_ms[c] / 1e3] * rounds for b in sizes for t in ("idle", "back_to_back")}, "")
                 for c, sizes in candidates.items()}
