@@ -487,6 +487,8 @@ def per_output_errors(state: ParityState) -> List[OutputError]:
         if not isinstance(metric, SampleErrors) or not metric.update_called:
             continue
         errors = metric.compute()
+        if errors.numel() == 0:
+            continue  # only empty tensors: no sample to tell about
         quantiles = error_quantiles(errors)
         edges, counts, zeros = log_histogram(errors)
         out.append(OutputError(metric.name, quantiles.get("max", 0.0), int(errors.numel()), quantiles,
