@@ -254,8 +254,9 @@ def _per_output(outputs: Sequence[OutputError]) -> str:
     rows = [[_e(o.name), _e("x".join(map(str, o.shape)) or "-"), str(o.samples),
              _figure(f"parity.output.{o.name}.relative_max_error", o.relative_max_error)]
             + [_figure(f"parity.output.{o.name}.{q}", o.quantiles.get(q)) for q in names] for o in outputs]
-    return ("<h3>Each output: its relative error, and its samples' (each sample's max|fused - reference| over the "
-            "output's max|reference|)</h3>"
+    return ("<h3>Each output: its relative error and its samples' errors</h3><p class='muted'>a sample's error: its "
+            "max|fused - reference| over the output's max|reference| on every batch (so the largest is the output's)"
+            "</p>"
             + _table(["output", "shape (first batch)", "samples", "relative error"] + names, rows, "parity.outputs")
             + "<div class='plots'>" + "".join(error_histogram_svg(o) for o in outputs) + "</div>")
 
