@@ -229,6 +229,11 @@ def test_merged_parity_of_two_shards_equals_one_pass_over_all_the_data() -> None
     assert merged.metrics.keys() == whole.metrics.keys()
     for key, value in whole.metrics.items():
         assert merged.metrics[key] == pytest.approx(value, rel=1e-12), key
+    # Each output's samples' errors too: the ranks' samples gathered, the same distribution as one pass.
+    assert [(o.name, o.samples, o.counts, o.zeros) for o in merged.outputs] == \
+        [(o.name, o.samples, o.counts, o.zeros) for o in whole.outputs] and whole.outputs
+    for m, w in zip(merged.outputs, whole.outputs):
+        assert m.quantiles == pytest.approx(w.quantiles, rel=1e-12) and m.relative_max_error > 0
 
 
 def test_a_rank_with_no_batches_merges_without_changing_the_verdict() -> None:

@@ -285,9 +285,9 @@ def test_the_callback_calibrates_on_training_data_and_judges_on_validation_data(
     seen: List[torch.Tensor] = []
     real_convert = quantize.calibrate_int8
 
-    def spying_convert(program, batches, float_nodes):
+    def spying_convert(program, batches, float_nodes, **kwargs):
         seen.extend(b[0] for b in batches)
-        return real_convert(program, batches, float_nodes)
+        return real_convert(program, batches, float_nodes, **kwargs)
 
     monkeypatch.setattr(quantize, "calibrate_int8", spying_convert)
     train, val = H.loaders()

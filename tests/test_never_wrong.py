@@ -93,9 +93,9 @@ def test_variants_calibrate_only_on_calls_the_target_received(tmp_path, monkeypa
     sizes = []
     real = quantize.calibrate_int8
 
-    def spy(program, batches, float_nodes):
+    def spy(program, batches, float_nodes, **kwargs):
         sizes.extend(tuple(b[0].shape[-2:]) for b in batches)
-        return real(program, batches, float_nodes)
+        return real(program, batches, float_nodes, **kwargs)
 
     monkeypatch.setattr(quantize, "calibrate_int8", spy)
     train, val = H.loaders()

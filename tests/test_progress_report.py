@@ -298,3 +298,27 @@ def test_the_csv_logger_holds_the_metrics(fitted: Dict[str, Any]) -> None:
     folded = [r["fx_fuse/batchnorms_folded"] for r in rows if r.get("fx_fuse/batchnorms_folded")]
     assert folded and float(folded[-1]) == fitted["callback"].result.report.batchnorms_folded
     assert any(r.get("fx_fuse/selected_median_ms") for r in rows)
+
+
+def test_the_int8_calibration_says_how_far_it_is() -> None:
+    """Calibration runs a batch at a time through the model, a long and otherwise quiet step on a large model: the
+    export's reporter is handed down to it and told after each batch."""
+    pytest.importorskip("torchao")
+    from fx_lightning.variants.base import VariantContext
+    from fx_lightning.variants.int8 import QuantizeInt8Options, quantize_int8
+
+    class Told(Progress):
+        def __init__(self) -> None:
+            super().__init__()
+            self.told: List[tuple] = []
+
+        def advance(self, what: str, done: int, total: Any) -> None:
+            self.told.append((what, done, total))
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 2)).eval()
+    batches = [(torch.randn(2, 3, 8, 8),) for _ in range(3)]
+    progress = Told()
+    options = QuantizeInt8Options(enabled=True, calibration_batches=3, max_float_layers=0)
+    quantize_int8(torch.fx.symbolic_trace(model), options, VariantContext(batches[0], batches, None, None, progress))
+    assert progress.told == [("calibration", 1, 3), ("calibration", 2, 3), ("calibration", 3, 3)]

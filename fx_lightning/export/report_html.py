@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from fx_lightning.export.manifest import Manifest, Sweep
+from fx_lightning.parity.report import OutputError
 
-__all__ = ["REPORT_NAME", "render_report", "write_report", "sweep_svg", "sweep_series", "Series", "figures"]
+__all__ = ["REPORT_NAME", "render_report", "write_report", "sweep_svg", "sweep_series", "Series", "figures",
+           "error_histogram_svg"]
 
 REPORT_NAME = "report.html"
 
@@ -236,11 +238,63 @@ def _parity(manifest: Manifest) -> str:
     out.append(_table(["figure (fused model against the original, on validation batches)", "value", "threshold"],
                       rows, "parity"))
     out += [f"<p class='fail'>{_e(f)}</p>" for f in parity.failures]
+    if parity.outputs:
+        out.append(_per_output(parity.outputs))
     errors = [(name, e.check.relative_error, e.check.tolerance) for name, e in manifest.formats.items()
               if e.check is not None and _finite(e.check.relative_error)]
     if errors:
         out.append("<h3>Relative error of each artifact against the fp64 reference (check.pt), and what it may be"
                    "</h3>" + _error_strip(errors, parity.metrics.get("relative_max_error")))
+    return "".join(out)
+
+
+def _per_output(outputs: Sequence[OutputError]) -> str:
+    """Each output's relative error and its samples' quantiles (a table), and their distribution (a plot each)."""
+    names = list(dict.fromkeys(q for o in outputs for q in o.quantiles))
+    rows = [[_e(o.name), _e("x".join(map(str, o.shape)) or "-"), str(o.samples),
+             _figure(f"parity.output.{o.name}.relative_max_error", o.relative_max_error)]
+            + [_figure(f"parity.output.{o.name}.{q}", o.quantiles.get(q)) for q in names] for o in outputs]
+    return ("<h3>Each output: its relative error and its samples' errors</h3><p class='muted'>a sample's error: its "
+            "max|fused - reference| over the output's max|reference| on every batch (so the largest is the output's)"
+            "</p>"
+            + _table(["output", "shape (first batch)", "samples", "relative error"] + names, rows, "parity.outputs")
+            + "<div class='plots'>" + "".join(error_histogram_svg(o) for o in outputs) + "</div>")
+
+
+def error_histogram_svg(output: OutputError, width: int = 340, height: int = 150) -> str:
+    """How ``output``'s samples' relative errors spread: a bar per log-spaced bin (a log axis: errors span decades),
+    and one for the samples exactly equal to the reference. Each bar carries ``data-count``."""
+    key = f"parity.output.{output.name}"
+    bars = ([("0", output.zeros)] if output.zeros else []) + [
+        (f"{_num(lo)} to {_num(hi)}", c) for lo, hi, c in zip(output.edges, output.edges[1:], output.counts)]
+    if not bars:
+        return f'<p class="muted" data-plot="{_e(key)}">{_e(output.name)}: no sample to draw</p>'
+    left, right, top, bottom = 40, 10, 24, 34
+    plot_w, plot_h = width - left - right, height - top - bottom
+    step, peak = plot_w / len(bars), max(c for _, c in bars) or 1
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+           f'data-plot="{_e(key)}" viewBox="0 0 {width} {height}"><title>{_e(output.name)}</title>',
+           f'<text x="{left}" y="16" font-size="13" font-weight="600">{_e(output.name)}: samples by relative '
+           f'error</text>',
+           f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#444"/>',
+           f'<text x="{left - 6}" y="{top + 10}" font-size="11" text-anchor="end">{peak}</text>']
+    for i, (label, count) in enumerate(bars):
+        h = plot_h * count / peak
+        colour = "#2ca02c" if label == "0" else "#1f77b4"
+        out.append(f'<rect x="{left + i * step + 1:.1f}" y="{top + plot_h - h:.1f}" width="{max(step - 2, 1):.1f}" '
+                   f'height="{h:.1f}" fill="{colour}" data-count="{count}"><title>{_e(label)}: {count} sample(s)'
+                   f'</title></rect>')
+    ends = (output.edges[0], output.edges[-1]) if output.edges else None
+    if ends is not None:  # the log axis' ends, under the first and the last bin
+        first = left + (step if output.zeros else 0)
+        out.append(f'<text x="{first:.1f}" y="{top + plot_h + 14}" font-size="11">{_num(ends[0])}</text>'
+                   f'<text x="{left + plot_w:.1f}" y="{top + plot_h + 14}" font-size="11" text-anchor="end">'
+                   f'{_num(ends[1])}</text>')
+    if output.zeros:
+        out.append(f'<text x="{left + step / 2:.1f}" y="{top + plot_h + 14}" font-size="11" '
+                   f'text-anchor="middle">0</text>')
+    out.append(f'<text x="{left + plot_w / 2}" y="{height - 6}" font-size="11" text-anchor="middle">relative error '
+               f'(log bins)</text></svg>')
     return "".join(out)
 
 
@@ -376,6 +430,9 @@ def figures(manifest: Manifest) -> Mapping[str, float]:
         out["batchnorms_left"] = float((report.get("after") or {}).get("batchnorms", 0))
     if manifest.parity is not None:
         out.update({f"parity.{k}": float(v) for k, v in manifest.parity.metrics.items()})
+        for o in manifest.parity.outputs:
+            out[f"parity.output.{o.name}.relative_max_error"] = o.relative_max_error
+            out.update({f"parity.output.{o.name}.{q}": v for q, v in o.quantiles.items()})
     if manifest.selected is not None:
         out["selected.median_ms"] = manifest.selected.median_ms
     for t in manifest.bench.timings if manifest.bench else []:

@@ -34,15 +34,19 @@ from fx_lightning.errors import ConfigError
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.compare import is_discrete, structure_mismatch
 from fx_lightning.tolerance import LOW_PRECISION_FACTOR
-from fx_lightning.parity.report import ParityReport
+from fx_lightning.parity.report import OutputError, ParityReport
 from fx_lightning.parity.metrics import (
     CLASSIFICATION_KEYS,
     DISCRETE_KEY,
     LOCAL_ONLY,
     OUTPUT_KEYS,
+    PER_OUTPUT_PREFIX,
     Agreement,
     RelativeMaxError,
+    SampleErrors,
     classification_metrics,
+    error_quantiles,
+    log_histogram,
     output_metrics,
 )
 
@@ -152,8 +156,11 @@ class _Measurement:
     """The metrics and counts of one measure_parity call, updated batch by batch."""
 
     def __init__(self, cfg: ParityConfig, device: Optional[torch.device], notes: Sequence[Note], nested: bool,
-                 stochastic: Sequence[int] = ()) -> None:
+                 stochastic: Sequence[int] = (), names: Sequence[str] = (),
+                 sample_axes: Sequence[Optional[int]] = ()) -> None:
         self.cfg = cfg
+        self.names, self.sample_axes = list(names), list(sample_axes)
+        self.per_output: Dict[int, Metric] = {}  # by position among the target's tensors: each output's errors
         self.nested = nested
         self.stochastic = set(stochastic)
         self.device = device
@@ -196,6 +203,7 @@ class _Measurement:
                 r64, c64 = r.detach().double().contiguous(), c.detach().double().contiguous()
                 for metric in self.outputs.values():
                     metric.update(c64, r64)
+                self._per_output(i).update(c64, r64)
             if precise is not None and valued:
                 drawn.restore()
                 exact = flat_tensors(precise(*to_model(args, None, torch.float64),
@@ -203,6 +211,14 @@ class _Measurement:
                 for i in valued:
                     self.own_error.update(refs[i].double(), exact[i].double())
         return not self.state.failures
+
+    def _per_output(self, i: int) -> Metric:
+        """Output ``i``'s :class:`SampleErrors`, named as the signature names it (else ``output_<i>``)."""
+        if i not in self.per_output:
+            name = self.names[i] if i < len(self.names) else f"output_{i}"
+            axis = self.sample_axes[i] if i < len(self.sample_axes) else 0
+            self.per_output[i] = self._here(SampleErrors(name, axis, **LOCAL_ONLY))
+        return self.per_output[i]
 
     def compare_whole(self, reference_out: Any, candidate_out: Any) -> None:
         for r, c in zip(flat_tensors(reference_out), flat_tensors(candidate_out)):
@@ -270,6 +286,7 @@ class _Measurement:
         if self.discrete.update_called:
             metrics[DISCRETE_KEY] = self.discrete
         metrics.update(self.classes or {})
+        metrics.update({f"{PER_OUTPUT_PREFIX}{i}": m for i, m in sorted(self.per_output.items())})
         self.state.source = source
         self.state.metrics = {k: m.to("cpu") for k, m in metrics.items()}
         return self.state
@@ -290,18 +307,22 @@ def measure_parity(
     precise_reference: Optional[nn.Module] = None,
     nested: bool = True,
     stochastic: Sequence[int] = (),
+    output_names: Sequence[str] = (),
+    sample_axes: Sequence[Optional[int]] = (),
 ) -> ParityState:
     """Run the comparison of :func:`check_parity` on this process's batches and return the metric states
     (nothing is computed or gated here, and there is no collective call). ``input_rule`` takes forward's
     inputs out of a batch (None: automatic). Both sides draw the same random numbers (the generators' state is
     replayed for the candidate), so a model that draws in eval mode is compared on equal terms. ``stochastic``: the
     target's outputs (by position among its tensors) drawn at random in forward: compared by structure only (no
-    runtime draws the same numbers), and a target whose every output is drawn at random fails."""
+    runtime draws the same numbers), and a target whose every output is drawn at random fails. ``output_names`` and
+    ``sample_axes`` (by position, as the signature has them; default ``output_<i>``, axis 0): what the per-output
+    errors are called and along which axis an output's samples lie."""
     cfg = parity_config(cfg)
     if whole_reference is not None and whole_candidate is None:
         raise ValueError("whole_candidate is required with whole_reference")
     device, dtype = model_device_dtype(reference if whole_reference is None else whole_reference)
-    run = _Measurement(cfg, device, notes, nested, stochastic)
+    run = _Measurement(cfg, device, notes, nested, stochastic, output_names, sample_axes)
     with torch.no_grad(), no_distribution_validation():
         for batch in itertools.islice(iter(batches), cfg.max_batches):
             call = as_call(to_model(extract_input(batch, input_rule), device, dtype))
@@ -435,6 +456,7 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
         return  # every output is discrete: no value to measure a relative error or a cosine on
     for key in OUTPUT_KEYS:
         report.metrics[key] = float(state.metrics[key].compute())
+    report.outputs = per_output_errors(state)
     whole = state.metrics.get("whole_relative_max_error")
     if whole is not None and whole.update_called:
         report.metrics["whole_relative_max_error"] = float(whole.compute())
@@ -453,6 +475,25 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
         _gate(report, "relative_max_error", report.metrics["relative_max_error"], "<=", rtol, f"{config_key}.rtol")
     _gate(report, "cosine_similarity_min", report.metrics["cosine_similarity_min"], ">=", cfg.min_cosine,
           f"{config_key}.min_cosine")
+
+
+def per_output_errors(state: ParityState) -> List[OutputError]:
+    """Each output's relative error and the distribution of its samples' errors, in the target's order."""
+    keys = sorted((k for k in state.metrics if k.startswith(PER_OUTPUT_PREFIX)),
+                  key=lambda k: int(k[len(PER_OUTPUT_PREFIX):]))
+    out = []
+    for key in keys:
+        metric = state.metrics[key]
+        if not isinstance(metric, SampleErrors) or not metric.update_called:
+            continue
+        errors = metric.compute()
+        if errors.numel() == 0:
+            continue  # only empty tensors: no sample to tell about
+        quantiles = error_quantiles(errors)
+        edges, counts, zeros = log_histogram(errors)
+        out.append(OutputError(metric.name, quantiles.get("max", 0.0), int(errors.numel()), quantiles,
+                               list(metric.shape), edges, counts, zeros))
+    return out
 
 
 def labels_fill_the_scores(state: ParityState) -> bool:

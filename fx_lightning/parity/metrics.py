@@ -8,7 +8,7 @@ elementwise: a correct fusion of a large network shows large absolute but tiny r
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torchmetrics import Metric, MetricCollection
@@ -29,6 +29,12 @@ __all__ = [
     "Agreement",
     "agreement_parts",
     "CLASSIFICATION_KEYS",
+    "sample_error_parts",
+    "SampleErrors",
+    "PER_OUTPUT_PREFIX",
+    "QUANTILES",
+    "error_quantiles",
+    "log_histogram",
 ]
 
 # compute() would be a collective under torch.distributed, called in an order that depends on each rank's data
@@ -40,6 +46,8 @@ LOCAL_ONLY: Dict[str, bool] = {"sync_on_compute": False, "dist_sync_on_step": Fa
 OUTPUT_KEYS: Tuple[str, ...] = ("relative_max_error", "mean_absolute_error", "cosine_similarity", "cosine_similarity_min")
 DISCRETE_KEY = "discrete_agreement"
 CLASSIFICATION_KEYS: Tuple[str, ...] = ("top1_agreement", "top1_agreement_strict", "accuracy_reference", "accuracy_fused")
+QUANTILES: Tuple[Tuple[str, float], ...] = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
+PER_OUTPUT_PREFIX = "output_error."  # ParityState.metrics keys of the per-output errors: "output_error.<position>"
 
 
 # ---------------------------------------------------------------------------------- functional core
@@ -56,6 +64,46 @@ def relative_max_error(max_abs_diff: torch.Tensor, max_abs_ref: torch.Tensor) ->
     if max_abs_ref == 0:
         return torch.where(max_abs_diff == 0, max_abs_diff, torch.full_like(max_abs_diff, math.inf))
     return max_abs_diff / max_abs_ref
+
+
+def sample_error_parts(preds: torch.Tensor, target: torch.Tensor, axis: Optional[int] = 0
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per sample (along ``axis``; None or a 0-d output: one sample), ``(max|preds - target|, max|target|)`` in
+    float64: what the distribution of per-sample relative errors is made of."""
+    diff, ref = (preds.double() - target.double()).abs(), target.double().abs()
+    if axis is None or diff.dim() == 0 or axis >= diff.dim():
+        return diff.max().reshape(1), ref.max().reshape(1)
+    diff, ref = diff.movedim(axis, 0).reshape(diff.shape[axis], -1), ref.movedim(axis, 0).reshape(ref.shape[axis], -1)
+    if diff.shape[1] == 0:
+        return diff.new_zeros(diff.shape[0]), ref.new_zeros(ref.shape[0])
+    return diff.amax(dim=1), ref.amax(dim=1)
+
+
+def error_quantiles(errors: torch.Tensor) -> Dict[str, float]:
+    """``QUANTILES`` of per-sample errors (NaN propagates: a NaN sample makes every quantile NaN, as the gate fails)."""
+    if errors.numel() == 0:
+        return {}
+    if bool(torch.isnan(errors).any()):
+        return {name: math.nan for name, _ in QUANTILES}
+    # "higher": each figure is a sample's own error (no interpolation towards an inf neighbour), max the largest.
+    values = torch.quantile(errors.double(), torch.tensor([q for _, q in QUANTILES], dtype=torch.float64),
+                            interpolation="higher")
+    return {name: float(v) for (name, _), v in zip(QUANTILES, values)}
+
+
+def log_histogram(errors: torch.Tensor, bins: int = 12) -> Tuple[List[float], List[int], int]:
+    """``(edges, counts, zeros)``: the finite non-zero errors in ``bins`` log-spaced bins between the smallest and
+    the largest (log-spaced: errors spread over decades), and how many were exactly zero."""
+    finite = errors[torch.isfinite(errors)].double()
+    zeros, positive = int((finite == 0).sum()), finite[finite > 0]
+    if positive.numel() == 0:
+        return [], [], zeros
+    low, high = math.log10(float(positive.min())), math.log10(float(positive.max()))
+    high = max(high, low + 1e-6)  # one value: one narrow bin holds it all
+    edges = torch.logspace(low, high, bins + 1, dtype=torch.float64)
+    index = ((positive.log10() - low) / (high - low) * bins).floor().clamp(0, bins - 1).long()
+    counts = torch.bincount(index, minlength=bins)
+    return [float(e) for e in edges], [int(c) for c in counts], zeros
 
 
 def sample_cosine(preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -132,6 +180,42 @@ class SampleCosineSimilarity(Metric):
         if self.reduction == "min":
             return self.minimum
         return self.total / self.count.clamp_min(1)
+
+
+class SampleErrors(Metric):
+    """The relative error of each sample of one output: its ``max|preds - target|`` over the output's
+    ``max|target|`` over everything seen (the scale :class:`RelativeMaxError` uses, so the largest is that output's
+    relative error). The per-sample maxima are kept (``cat`` across ranks): parity sees a few batches, so that is
+    a few numbers per sample. ``name`` and ``shape`` (of the first output seen) say which output it is."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = False
+
+    diffs: List[torch.Tensor]
+    scales: List[torch.Tensor]
+
+    def __init__(self, name: str = "output_0", axis: Optional[int] = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.name, self.axis = name, axis
+        self.shape: List[int] = []
+        self.add_state("diffs", [], dist_reduce_fx="cat")
+        self.add_state("scales", [], dist_reduce_fx="cat")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        if target.numel() == 0:
+            return
+        self.shape = self.shape or list(target.shape)
+        diff, ref = sample_error_parts(preds, target, self.axis)
+        self.diffs.append(diff)
+        self.scales.append(ref)
+
+    def compute(self) -> torch.Tensor:
+        if not self.diffs:
+            return torch.zeros(0, dtype=torch.float64)
+        diffs = torch.cat([torch.atleast_1d(d) for d in self.diffs]) if isinstance(self.diffs, list) else self.diffs
+        scales = torch.cat([torch.atleast_1d(s) for s in self.scales]) if isinstance(self.scales, list) else self.scales
+        return relative_max_error(diffs, scales.max())  # elementwise: one scale, the output's
 
 
 def agreement_parts(preds: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

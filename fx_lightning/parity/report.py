@@ -9,11 +9,41 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 from fx_lightning.notes import Note
 
-__all__ = ["ParityReport", "ArtifactCheck"]
+__all__ = ["ParityReport", "ArtifactCheck", "OutputError"]
 
 
 def _finite_or_text(value: float) -> Union[float, str]:
     return float(value) if math.isfinite(value) else str(value)  # JSON has no NaN
+
+
+@dataclass
+class OutputError:
+    """One output of the target: its relative error (``max|fused - reference| / max|reference|`` over every batch)
+    and the distribution of its samples' errors (each sample's ``max|fused - reference|`` over the same scale):
+    ``quantiles`` (p50, p90, p99, max), a histogram with log-spaced ``edges`` (one more than ``counts``) and how
+    many samples were exactly equal (``zeros``). ``shape``: the output's in the first batch compared."""
+
+    name: str
+    relative_max_error: float
+    samples: int = 0
+    quantiles: Dict[str, float] = field(default_factory=dict)
+    shape: List[int] = field(default_factory=list)
+    edges: List[float] = field(default_factory=list)
+    counts: List[int] = field(default_factory=list)
+    zeros: int = 0
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"name": self.name, "relative_max_error": _finite_or_text(self.relative_max_error),
+                "samples": self.samples, "quantiles": {k: _finite_or_text(v) for k, v in self.quantiles.items()},
+                "shape": list(self.shape), "edges": [_finite_or_text(e) for e in self.edges],
+                "counts": list(self.counts), "zeros": self.zeros}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OutputError":
+        return cls(str(data["name"]), float(data["relative_max_error"]), int(data.get("samples") or 0),
+                   {str(k): float(v) for k, v in dict(data.get("quantiles") or {}).items()},
+                   [int(s) for s in data.get("shape") or []], [float(e) for e in data.get("edges") or []],
+                   [int(c) for c in data.get("counts") or []], int(data.get("zeros") or 0))
 
 
 @dataclass
@@ -25,13 +55,15 @@ class ParityReport:
     source: str = "val"  # val | train | example | given
     notes: List[Note] = field(default_factory=list)
     thresholds: Dict[str, float] = field(default_factory=dict)
+    outputs: List[OutputError] = field(default_factory=list)  # per output compared by value, in the target's order
 
     def to_dict(self) -> Dict[str, object]:
         """JSON-safe view (non-finite floats become strings, since JSON has no NaN)."""
         return {"passed": self.passed, "metrics": {k: _finite_or_text(v) for k, v in self.metrics.items()},
                 "failures": [f.to_dict() for f in self.failures], "batches": self.batches, "source": self.source,
                 "notes": [n.to_dict() for n in self.notes],
-                "thresholds": {k: _finite_or_text(v) for k, v in self.thresholds.items()}}
+                "thresholds": {k: _finite_or_text(v) for k, v in self.thresholds.items()},
+                "outputs": [o.to_dict() for o in self.outputs]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> "ParityReport":
@@ -41,7 +73,8 @@ class ParityReport:
 
         return cls(bool(data.get("passed")), floats("metrics"), [Note.from_dict(f) for f in data.get("failures") or []],
                    int(data.get("batches") or 0), str(data.get("source", "val")),  # type: ignore[call-overload]
-                   [Note.from_dict(n) for n in data.get("notes") or []], floats("thresholds"))
+                   [Note.from_dict(n) for n in data.get("notes") or []], floats("thresholds"),
+                   [OutputError.from_dict(o) for o in data.get("outputs") or []])  # type: ignore[attr-defined]
 
     def __str__(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"

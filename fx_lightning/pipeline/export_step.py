@@ -155,7 +155,7 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
         if torch_variant_formats(config, variant.name):
             with progress.step(f"variant {variant.name}: make it from the fused model",
                                "calibration" if variant.name == "int8" else "") as end:
-                made = _make_variant(variant, options, fused, gate, rehearsal)
+                made = _make_variant(variant, options, fused, gate, rehearsal, progress)
                 end.result = "not made" if isinstance(made, VariantOutcome) else "made"
             if isinstance(made, VariantOutcome):
                 manifest = dataclasses.replace(manifest, variants={**manifest.variants, variant.name: [made]})
@@ -183,10 +183,11 @@ def _one_example(fused: Fused) -> Tuple[Any, ...]:
     return tuple(with_rows(inputs, fused.signature.input_axes(), 1)) if fused.signature.batched else inputs
 
 
-def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate: Any,
-                  rehearsal: bool) -> Union[MadeVariant, VariantOutcome]:
-    """The variant's model, or the outcome recording why it could not be made."""
-    ctx = VariantContext(fused.example_inputs, list(fused.calibration), fused.signature, gate)
+def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate: Any, rehearsal: bool,
+                  progress: Optional[Progress] = None) -> Union[MadeVariant, VariantOutcome]:
+    """The variant's model, or the outcome recording why it could not be made (``progress``: told how far a
+    calibration is)."""
+    ctx = VariantContext(fused.example_inputs, list(fused.calibration), fused.signature, gate, progress)
     try:
         with in_step(Step.variants):
             return variant.build(fused.result.graph_module, options.for_rehearsal() if rehearsal else options, ctx)

@@ -248,12 +248,22 @@ def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, who
         reference, candidate, fused.steps, cfg,
         whole_reference=fused.reference_whole if whole else None, whole_candidate=whole_candidate if whole else None,
         input_rule=_whole_call if whole else _target_call, label_rule=_labels, source=fused.source,
-        precise_reference=precise, nested=nested, stochastic=_stochastic(fused))
+        precise_reference=precise, nested=nested, stochastic=_stochastic(fused),
+        output_names=_output_names(fused), sample_axes=_sample_axes(fused))
 
 
 def _stochastic(fused: Fused) -> List[int]:
     """The target's outputs drawn at random in forward (by position among its tensors)."""
     return [i for i, leaf in enumerate(fused.signature.outputs) if leaf.stochastic]
+
+
+def _output_names(fused: Fused) -> List[str]:
+    """The target's outputs as the signature names them: what the per-output parity errors are called."""
+    return [leaf.name for leaf in fused.signature.outputs]
+
+
+def _sample_axes(fused: Fused) -> List[Optional[int]]:
+    return [leaf.sample_axis for leaf in fused.signature.outputs]
 
 
 def _whole_call(step: ObservedStep) -> Call:
@@ -291,7 +301,8 @@ def gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_k
                            whole_candidate=whole_candidate if fused.through_whole else None,
                            input_rule=_whole_call if fused.through_whole else _target_call, label_rule=_labels,
                            source=fused.source, nested=False,
-                           stochastic=_stochastic(fused))
+                           stochastic=_stochastic(fused), output_names=_output_names(fused),
+                           sample_axes=_sample_axes(fused))
     return judge_parity(state, config, lossy=True, config_key=config_key)
 
 

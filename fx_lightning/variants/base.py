@@ -21,7 +21,8 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Generic, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Generic, List, Optional, Sequence, Tuple, Type,
+                    TypeVar)
 
 import torch
 import torch.fx as fx
@@ -34,6 +35,9 @@ from fx_lightning.notes import Note, NoteKind
 from fx_lightning.program import Program, export_program, signature_dims
 from fx_lightning.rows import rows_of, with_rows
 from fx_lightning.signature import Signature
+
+if TYPE_CHECKING:  # the reporter is handed down by the export; variants never import the export at run time
+    from fx_lightning.export.progress import Progress
 
 __all__ = ["Variant", "VariantOptions", "VariantContext", "MadeVariant", "VARIANTS", "declare_variant",
            "enabled_variants", "export_variant", "static_notes", "VARIANT_STATIC"]
@@ -84,12 +88,14 @@ class VariantContext:
     """What making a variant may use: the fused graph's example inputs and its inputs on data batches
     (``calibration``, as many as the options' ``calibration_needed()``), how the graph is called (which dimensions
     carry samples and vary), and the gate (a candidate module -> its ParityReport) an accuracy-aware variant tries
-    candidates against (None: no data to judge on)."""
+    candidates against (None: no data to judge on). ``progress``: where a long loop (the calibration) says how far
+    it is (None: nowhere)."""
 
     example_inputs: Optional[tuple] = None
     calibration: List[tuple] = field(default_factory=list)
     signature: Optional[Signature] = None
     gate: Optional[Callable[[Any], Any]] = None
+    progress: Optional["Progress"] = None
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -32,6 +32,9 @@ from fx_lightning.notes import Note
 from fx_lightning.passes.graph_utils import plain_graph_module, unique_module_stacks
 from fx_lightning.variants.base import (MadeVariant, Variant, VariantContext, VariantOptions, declare_variant,
                                         export_variant, static_notes)
+
+if TYPE_CHECKING:
+    from fx_lightning.export.progress import Progress
 
 __all__ = ["INT8", "QuantizeInt8Options", "quantize_int8", "calibrate_int8", "FLOAT_LAYERS", "LayerEffect",
            "rank_layers"]
@@ -107,14 +110,18 @@ def _quantizer(float_nodes: Sequence[str] = ()) -> Any:
     return quantizer
 
 
-def calibrate_int8(program: fx.GraphModule, batches: Sequence[tuple], float_nodes: Sequence[str]) -> fx.GraphModule:
+def calibrate_int8(program: fx.GraphModule, batches: Sequence[tuple], float_nodes: Sequence[str], *,
+                   progress: Optional[Progress] = None) -> fx.GraphModule:
     """``program`` quantised to int8 (pt2e, X86InductorQuantizer), its scales set by running ``batches``, the layers
-    at ``float_nodes`` kept in float. Every int8 model the pass makes comes from here."""
+    at ``float_nodes`` kept in float. Every int8 model the pass makes comes from here. ``progress``: told after each
+    batch (a calibration on a large model is a long, otherwise quiet step)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     prepared = prepare_pt2e(copy.deepcopy(program), _quantizer(float_nodes))  # type: ignore[arg-type]
-    for batch in batches:
+    for done, batch in enumerate(batches, 1):
         prepared(*batch)
+        if progress is not None:
+            progress.advance("calibration", done, len(batches))
     return convert_pt2e(prepared)
 
 
@@ -130,9 +137,9 @@ def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: Variant
     with torch.no_grad():
         program = made.program.module()
         unique_module_stacks(program)  # pt2e needs one module per call site
-        variant = calibrate_int8(program, batches, ())
+        variant = calibrate_int8(program, batches, (), progress=ctx.progress)
         if ctx.gate is not None and options.max_float_layers > 0 and not ctx.gate(variant).passed:
-            variant = _keep_sensitive_layers_float(program, batches, options, ctx.gate, notes)
+            variant = _keep_sensitive_layers_float(program, batches, options, ctx.gate, notes, ctx.progress)
     return MadeVariant(variant, notes)
 
 
@@ -149,7 +156,8 @@ INT8 = declare_variant(Variant(
 
 
 def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tuple], options: QuantizeInt8Options,
-                                 gate: Callable[[Any], Any], notes: List[Note]) -> fx.GraphModule:
+                                 gate: Callable[[Any], Any], notes: List[Note],
+                                 progress: Optional[Progress] = None) -> fx.GraphModule:
     """The int8 model with the fewest most-sensitive layers in float that passes ``gate`` (counts 1, 2, 4, ...
     up to ``max_float_layers``, then bisected down), or, when none passes, the one with the most in float."""
     ranking = rank_layers(program, batches[: options.ranking_batches])
@@ -158,7 +166,7 @@ def _keep_sensitive_layers_float(program: fx.GraphModule, batches: Sequence[tupl
 
     def attempt(count: int) -> bool:
         if count not in tried:
-            candidate = calibrate_int8(program, batches, [layer.node for layer in ranking[:count]])
+            candidate = calibrate_int8(program, batches, [layer.node for layer in ranking[:count]], progress=progress)
             tried[count] = (bool(gate(candidate).passed), candidate)
         return tried[count][0]
 
