@@ -16,9 +16,11 @@ and fails without its fix.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import enum
+import sys
 from typing import Any, Dict, Optional
 
 import pytest
@@ -436,14 +438,23 @@ def test_a_field_of_a_record_input_the_graph_never_reads_may_be_left_out(tmp_pat
         assert H.rel_err(loaded(ModuleInput(past, torch.randn(3, 4), Stage.VALIDATE)), want) < 1e-5, fmt
 
 
+class Handle:
+    """Something a model may hold that copies but no pickler writes (an open handle)."""
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Handle":
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("cannot pickle an open Handle")
+
+
 class Opaque(nn.Module):
-    """pytorch-forecasting's TemporalFusionTransformer as the capture left it: a leaf the graph calls whole, holding
-    something pickle cannot write (its cached local named-tuple class)."""
+    """A leaf the graph calls whole, holding something no pickler can write."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.cached = lambda: None
+        self.handle = Handle()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x)
@@ -459,8 +470,8 @@ class OpaqueBackbone(H.TinyBackbone):
 
 
 def test_when_every_format_fails_no_advice_to_drop_one_is_given(tmp_path) -> None:
-    """pytorch-forecasting: 'no format could be written ... Fix: drop the failing format from export.formats': advice
-    that cannot work when every format failed. The reasons are the advice; the training is stopped before it starts."""
+    """pytorch-forecasting (before graph_module pickled local classes by value): 'no format could be written ... Fix:
+    drop the failing format from export.formats': advice that cannot work when every format failed. The reasons are the advice; the training is stopped before it starts."""
     cb = FXFuseCallback(export={"formats": ["graph_module"]}, trace={"leaf_modules": ["test_zero_config:Opaque"]})
     model = H.LitClassifier(backbone=OpaqueBackbone())
     with pytest.raises(ExportError) as info:
@@ -469,6 +480,63 @@ def test_when_every_format_fails_no_advice_to_drop_one_is_given(tmp_path) -> Non
     assert "no format could be written" in text and "format 'graph_module'" in text and "pickle" in text, text
     assert "Fix:" not in text and "drop the failing format" not in text, text
     assert "before the first optimizer step" in text, text
+
+
+class CachedOutputClass(nn.Module):
+    """pytorch-forecasting's TemporalFusionTransformer, which the capture leaves whole: on its first call it builds its
+    output named tuple's class inside a method and caches it on itself (TupleOutputMixIn.to_network_output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if not hasattr(self, "_output_class"):
+            class Output(collections.namedtuple("output", ["prediction", "scale"])):
+                pass
+
+            self._output_class = Output
+        y = self.lin(x)
+        return self._output_class(y, y.abs().mean(dim=-1))
+
+
+class CachedOutputBackbone(H.TinyBackbone):
+    def __init__(self) -> None:
+        super().__init__(8)
+        self.tft = CachedOutputClass()
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        return self.tft(super().forward(x))
+
+
+def _fit_cached_output_class(tmp_path) -> Any:
+    cb = FXFuseCallback(export={"formats": ["graph_module"]},
+                        trace={"leaf_modules": ["test_zero_config:CachedOutputClass"]})
+    model = H.LitClassifier(backbone=CachedOutputBackbone())
+    model.forward = lambda x: model.head(model.backbone(x).prediction)  # type: ignore[method-assign]
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    return cb, model
+
+
+def test_a_leaf_caching_a_class_defined_in_a_function_is_pickled_by_value(tmp_path) -> None:
+    """pytorch-forecasting: graph_module failed with "Can't pickle local object
+    'TupleOutputMixIn.to_network_output.<locals>.Output'"; cloudpickle writes such a class by value."""
+    cb, model = _fit_cached_output_class(tmp_path)
+    entry = cb.outcome.manifest.formats["graph_module"]
+    assert entry.options["requires_packages"] == ["cloudpickle"], entry.options
+    x = torch.randn(3, 3, 8, 8)
+    want = H.fp64_copy(model.backbone)(x.double())
+    got = load_fused(cb.export_dir, "graph_module")(x)
+    assert type(got).__name__ == "Output" and got._fields == ("prediction", "scale"), type(got)
+    assert got.prediction.dtype == torch.float32 and got.prediction.shape == want.prediction.shape
+    assert H.rel_err(got.prediction, want.prediction) < 1e-5 and H.rel_err(got.scale, want.scale) < 1e-5
+
+
+def test_without_cloudpickle_a_local_class_is_refused_with_the_install_line(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "cloudpickle", None)  # import cloudpickle raises ImportError
+    with pytest.raises(ExportError) as info:
+        _fit_cached_output_class(tmp_path)
+    assert "CachedOutputClass.forward.<locals>.Output" in str(info.value) and "pip install cloudpickle" in str(info.value), str(info.value)
 
 
 class MuNormal(torch.distributions.Normal):
@@ -507,3 +575,75 @@ def test_distribution_outputs_come_back_as_distributions_from_every_loaded_artif
         assert type(got["qzi"]) is torch.distributions.Independent and got["qzi"].reinterpreted_batch_ndims == 1
         assert H.rel_err(got["qz"].loc, want["qz"].loc) < 1e-5 and H.rel_err(got["qz"].scale, want["qz"].scale) < 1e-5
         assert H.rel_err(got["qzi"].base_dist.scale, want["qzi"].base_dist.scale) < 1e-5, fmt
+
+
+class LengthPooled(nn.Module):
+    """speechbrain's ECAPA_TDNN: ``forward(x, lengths=None)``, relative lengths masking the statistics pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x)))
+        if lengths is None:
+            return h.mean(dim=-1)
+        mask = (torch.arange(h.shape[-1]) < (lengths * h.shape[-1]).unsqueeze(1)).to(h.dtype).unsqueeze(1)
+        return (h * mask).sum(dim=-1) / mask.sum(dim=-1)
+
+
+class SpeakerLit(pl.LightningModule):
+    """A speaker-id recipe: the steps call the encoder with or without the relative lengths."""
+
+    def __init__(self, pass_lengths: bool) -> None:
+        super().__init__()
+        self.encoder = LengthPooled()
+        self.head = nn.Linear(8, 3)
+        self.pass_lengths = pass_lengths
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, lengths, y = batch
+        emb = self.encoder(x, lengths) if self.pass_lengths else self.encoder(x)
+        return F.cross_entropy(self.head(emb), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _speech_loader(seed: int) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(4, 20, generator=g), torch.rand((), generator=g) * 0.5 + 0.5, torch.randint(3, (), generator=g))
+            for _ in range(32)]
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def test_an_argument_no_observed_call_passed_is_refused_by_position_and_the_advice_works(tmp_path) -> None:
+    """speechbrain: encode_batch passes wav_lens, which its training recipe never passes; the artifact answered
+    "takes 1 input(s) (x); got 2" without saying why or what to do."""
+    with pytest.raises(fx_lightning.errors.ConfigError) as info:  # encoder and head: which one is served?
+        H.make_trainer(tmp_path, [FXFuseCallback()], max_epochs=1).fit(SpeakerLit(False), _speech_loader(0),
+                                                                      _speech_loader(1))
+    assert "encoder (120 trained parameters), head (27 trained parameters)" in str(info.value), str(info.value)
+    assert "Fix: set target to the one to fuse (e.g. target: encoder)" in str(info.value), str(info.value)
+    x, lengths = torch.randn(2, 4, 30), torch.tensor([1.0, 0.63])  # 18.9 of 30 frames: far from a mask edge
+    for pass_lengths in (False, True):  # the advice taken: target: encoder
+        cb = FXFuseCallback(target="encoder", export={"formats": ["pt2"]})
+        model = SpeakerLit(pass_lengths)
+        H.make_trainer(tmp_path / str(pass_lengths), [cb], max_epochs=1).fit(model, _speech_loader(0), _speech_loader(1))
+        loaded = load_fused(cb.export_dir, "pt2")
+        encoder = H.fp64_copy(model.encoder)
+        if not pass_lengths:
+            with pytest.raises(ExportError) as info:
+                loaded(x, lengths)
+            assert "no training or validation call observed passed an argument from position 2" in str(info.value)
+            assert H.rel_err(loaded(x), encoder(x.double())) < 1e-5
+        else:  # the advice: the steps pass it, and the artifact takes it
+            got = loaded(x, lengths)
+            assert got.shape == (2, 8) and H.rel_err(got, encoder(x.double(), lengths.double())) < 1e-5

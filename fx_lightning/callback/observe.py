@@ -244,8 +244,8 @@ class CallRecorder:
         listed = ", ".join(f"{n} ({counts[n]:,} trained parameters)" for n in (trained or called))
         raise ConfigError(
             f"target: null, and the LightningModule's steps never call its forward: they call the submodules "
-            f"{listed} directly, and more than one holds trained parameters. Set target to the one to fuse "
-            f"(e.g. target: {(trained or called)[0]}).")
+            f"{listed} directly, and more than one holds trained parameters.",
+            fix=f"set target to the one to fuse (e.g. target: {(trained or called)[0]})")
 
 
 def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:

@@ -74,7 +74,8 @@ class ArtifactInterface(nn.Module):
                                   f"arguments {', '.join(kwargs)}")
             if len(args) != len(self.names):  # a runtime may answer for the first ones: refuse, naming them
                 raise ExportError(f"{self.what}: takes {len(self.names)} input(s) ({', '.join(self.names)}); got "
-                                  f"{len(args)}")
+                                  f"{len(args)}" + (_NEVER_OBSERVED.format(first=len(self.names) + 1)
+                                                    if len(args) > len(self.names) else ""))
             return args
         if not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor) for a in args):
             return args
@@ -135,6 +136,13 @@ class ArtifactInterface(nn.Module):
             wanted = ", ".join(leaf.path for leaf in self.signature.inputs)
             raise ExportError(f"{self.what}: {', '.join(path_text(p) for p in unknown)} given, which the artifact was "
                               f"not built for (it takes {wanted}); leave it out, or export from calls that pass it")
+
+
+# Class 4 of the zero-configuration refusals: the served call passes what no observed call did (speechbrain's
+# encode_batch passes wav_lens; its training recipe never does), so nothing shows what the model does with it.
+_NEVER_OBSERVED = (": no training or validation call observed passed an argument from position {first} on, so the "
+                   "artifact was not built with one (it computes as the model does without it). Leave it out, or "
+                   "pass it in the calls the training and validation steps make, and the export takes it")
 
 
 def _normal(path: Tuple[Step, ...]) -> Tuple[Step, ...]:

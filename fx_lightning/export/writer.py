@@ -230,7 +230,7 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
             for name in set(list_files(staging)) - before:  # what the failed format left
                 (staging / name).unlink()
             failed[fmt.name] = exc.message
-            warnings.warn(f"export: format {fmt.name!r}: {exc.message} The other formats are exported "
+            warnings.warn(f"export: format {fmt.name!r}: {exc.message} This format is left out "
                           "(export.on_format_failure: skip).", UserWarning, stacklevel=4)
     if not entries:
         # No advice: dropping a format cannot help when every one failed, and no other is known to work (a graph

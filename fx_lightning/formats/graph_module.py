@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
+from typing import Any, Dict, List
+
 import torch
 from torch import nn
 
@@ -12,19 +15,55 @@ from fx_lightning.formats.base import Format, FormatEntry, WriteContext, pickled
 __all__ = ["FORMAT"]
 
 
+def _local_object(error: BaseException) -> bool:
+    # pickle's messages for a class or function defined inside a function, which cannot be found by its name
+    # (3.11: AttributeError or PicklingError; later versions: PicklingError).
+    return any(words in str(error) for words in ("local object", "<locals>", "attribute lookup"))
+
+
+def _save(model: nn.Module, path: Path) -> List[str]:
+    """Pickle ``model``; returns the packages loading it needs beyond torch and the model's own.
+
+    A class defined inside a function (a library caching ``namedtuple`` output classes it builds on first call)
+    cannot be pickled by reference: cloudpickle pickles such classes by value and everything else as pickle does."""
+    try:
+        torch.save(model, path)
+        return []
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        if not _local_object(error):
+            raise
+        try:
+            import cloudpickle
+        except ImportError:
+            raise ExportError(
+                f"{error}: a class defined inside a function is pickled by value only with cloudpickle, which is "
+                "not installed: pip install cloudpickle (or fx-lightning[cloudpickle]).") from error
+    torch.save(model, path, pickle_module=cloudpickle)
+    return ["cloudpickle"]
+
+
 def _write(root: Path, ctx: WriteContext) -> FormatEntry:
-    torch.save(ctx.model, root / FORMAT.path)
-    return FormatEntry(
-        FORMAT.path, "torch.load(path, weights_only=False)", weights_only=False, pickled_code=True,
-        options={"warning": "pickled Python objects: torch.load(..., weights_only=False) runs code; load only "
-                            "trusted files",
-                 "requires_classes": pickled_classes(ctx.model)},
-    )
+    needs = _save(ctx.model, root / FORMAT.path)
+    options: Dict[str, Any] = {
+        "warning": "pickled Python objects: torch.load(..., weights_only=False) runs code; load only trusted files",
+        "requires_classes": pickled_classes(ctx.model),
+    }
+    if needs:
+        options["requires_packages"] = needs
+    return FormatEntry(FORMAT.path, "torch.load(path, weights_only=False)", weights_only=False, pickled_code=True,
+                       options=options)
 
 
 def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
     # weights_only=False is required: a GraphModule pickle carries its generated code (see the manifest).
-    module = torch.load(str(root / entry.path), map_location=device, weights_only=False)
+    try:
+        module = torch.load(str(root / entry.path), map_location=device, weights_only=False)
+    except ModuleNotFoundError as error:
+        needs = entry.options.get("requires_packages") or []
+        if error.name not in needs:
+            raise
+        raise ExportError(f"{root / entry.path}: pickled with {error.name}, which is not installed: "
+                          f"pip install {error.name}.") from error
     if not isinstance(module, nn.Module):
         raise ExportError(f"{root / entry.path}: holds a {type(module).__name__}, not a module.")
     return module.eval()
