@@ -21,6 +21,7 @@ from torch import nn
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, first_line
 from fx_lightning.export.manifest import Manifest, VariantOutcome
+from fx_lightning.export.prologue import eager_baseline
 from fx_lightning.export.selection import bench_export, select_by_strategy, with_selection
 from fx_lightning.export.sweep import REHEARSAL_SWEEP, SweepSettings
 from fx_lightning.export.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
@@ -247,7 +248,7 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     eager = interface.flattened(fused.reference) if interface is not None else fused.reference
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
-                             baselines={"eager": raw_input.eager_baseline(eager, fused.contract.preprocess)},
+                             baselines={"eager": eager_baseline(eager, fused.contract.preprocess)},
                              rounds=rounds, warmup=warmup,
                              own_process_finalists=finalists,
                              sweep=REHEARSAL_SWEEP if rehearsal else SweepSettings(),
