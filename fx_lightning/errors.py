@@ -21,6 +21,8 @@ __all__ = [
     "ParityError",
     "ExportError",
     "ModelError",
+    "NoInputsError",
+    "require_inputs",
     "error_class",
     "first_line",
 ]
@@ -89,8 +91,25 @@ class ModelError(FXLightningError):
     pipeline (a memory bank that training fills, say). Before training the preflight proves what it can and goes on."""
 
 
+class NoInputsError(ConfigError, PassError):
+    """Nothing to run the model on: no data batches and no example inputs. A ConfigError (the inputs are for the
+    user to give), and a PassError too, as a variant that lacks them has always raised one."""
+
+
+# What gives the pipeline its inputs, named where the caller does not know better.
+_GIVE_INPUTS = ("data batches (the trainer's, or fuse_and_export's batches) or example inputs (the LightningModule's "
+          "example_input_array, or fuse_and_export's example_inputs)")
+
+
+def require_inputs(given: bool, needed_for: str, give: str = _GIVE_INPUTS, key: Optional[str] = None) -> None:
+    """Raise the one error for nothing to run the model on, unless ``given``: ``needed_for`` is what needs the
+    inputs, ``give`` what to set, ``key`` (the setting or step) leads the message."""
+    if not given:
+        raise NoInputsError(f"{key + ': ' if key else ''}no inputs for {needed_for}: give {give}")
+
+
 _CLASSES = {cls.__name__: cls for cls in (FXLightningError, ConfigError, TraceError, PassError, ParityError, ExportError,
-                                          ModelError)}
+                                          ModelError, NoInputsError)}
 
 
 def error_class(name: str) -> type:

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.calls import Call
-from fx_lightning.errors import PassError
+from fx_lightning.errors import PassError, require_inputs
 from fx_lightning.machine import CpuInfo
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.program import Program, export_program, signature_dims
@@ -156,9 +156,8 @@ class Variant(Generic[OptionsT]):
 
     def build(self, fused: fx.GraphModule, options: OptionsT, ctx: VariantContext) -> MadeVariant:
         """The variant made from ``fused``; any failure is a PassError naming the options' key."""
-        if not ctx.calibration and ctx.example_inputs is None:
-            raise PassError(f"passes.{self.key}: no inputs to make the {self.name} model from (the model's inputs "
-                            "on data batches are needed)")
+        require_inputs(bool(ctx.calibration) or ctx.example_inputs is not None, f"the {self.name} model",
+                       key=f"passes.{self.key}")
         try:
             made = self.make(fused, options, ctx)
         except PassError:
