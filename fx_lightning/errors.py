@@ -8,7 +8,8 @@ again; a foreign exception is wrapped once with ``raise ... from``. Nothing rebu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence
 
 if TYPE_CHECKING:  # records of higher layers, carried as fields
     from fx_lightning.parity.report import ParityReport
@@ -18,6 +19,7 @@ __all__ = [
     "ConfigError",
     "TraceError",
     "PassError",
+    "raised_in_pass",
     "ParityError",
     "ExportError",
     "ModelError",
@@ -70,6 +72,18 @@ class TraceError(FXLightningError):
 
 class PassError(FXLightningError):
     """A graph pass raised or left a graph that does not lint; names the pass."""
+
+
+@contextlib.contextmanager
+def raised_in_pass(who: str) -> Iterator[None]:
+    """Run a pass's (or a variant's) own code: whatever it raises, but a PassError, becomes a PassError naming
+    ``who``, so the user learns which pass to fix or disable."""
+    try:
+        yield
+    except PassError:
+        raise
+    except Exception as exc:
+        raise PassError(f"{who} raised {type(exc).__name__}: {exc}") from exc
 
 
 class ParityError(FXLightningError):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch.fx as fx
 
 from fx_lightning._imports import import_object
-from fx_lightning.errors import PassError
+from fx_lightning.errors import PassError, raised_in_pass
 
 __all__ = [
     "Stage",
@@ -443,12 +443,8 @@ def run_pass(spec: PassSpec, gm: Any, options: Any, ctx: PassContext) -> PassRes
         built = spec.build_options(options)
     except TypeError as exc:
         raise PassError(f"pass {spec.name!r}: bad options {options!r}: {exc}") from exc
-    try:
+    with raised_in_pass(f"pass {spec.name!r}"):
         result = spec.fn(gm, built, ctx)
-    except PassError:
-        raise
-    except Exception as exc:
-        raise PassError(f"pass {spec.name!r} raised {type(exc).__name__}: {exc}") from exc
     if result is None:
         result = PassResult()
     if not isinstance(result, PassResult):
