@@ -228,6 +228,16 @@ class PassResult:
         """Record a candidate left alone: ``result.skip("bn2", "in training mode")``."""
         self.skipped.append(Skip.of(node, reason, **detail))
 
+    def remove_identity(self, gm: fx.GraphModule, node: fx.Node, no_input: str, **detail: object) -> None:
+        """Erase ``node`` (the identity in eval mode), its users taking its first argument instead, and record it;
+        skipped for the reason ``no_input`` when that argument is not a graph value."""
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            self.skip(node.name, no_input)
+            return
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        self.change(node.name, "removed", **detail)
+
 
 PassFn = Callable[..., Optional[PassResult]]
 
