@@ -272,8 +272,8 @@ def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", co
     if batches.items:
         return batches
     example = getattr(pl_module, "example_input_array", None)
-    require_inputs((example is not None and not isinstance(example, dict))
-                   or not (config.parity.enabled or config.export.enabled), "parity and export",
+    usable = example is not None and not isinstance(example, dict)
+    require_inputs(usable or not (config.parity.enabled or config.export.enabled), "parity and export",
                    "validation or training batches that can be read before training, or an example_input_array on "
                    "the LightningModule", key="parity.data")
     return batches
