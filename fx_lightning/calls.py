@@ -49,6 +49,7 @@ __all__ = [
     "value_at",
     "forward_parameter_names",
     "no_distribution_validation",
+    "run_seeded",
     "Interface",
     "map_leaves",
 ]
@@ -270,6 +271,18 @@ def no_distribution_validation() -> Iterator[None]:
         yield
     finally:
         torch.distributions.Distribution.set_default_validate_args(before)
+
+
+def run_seeded(fn: Callable[..., Any], call: Call, seed: int = 0) -> Any:
+    """``fn`` on ``call`` without gradients, the RNG seeded with ``seed`` and distributions' checks off, the caller's
+    streams (CPU, and the CUDA devices of the call's tensors and of ``fn``'s parameters) restored after: a model
+    that draws random numbers in eval mode then gives the same numbers on every run, and training's draws are
+    untouched."""
+    tensors = tree_of_call(call).leaves(call) + (list(fn.parameters()) if isinstance(fn, nn.Module) else [])
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), no_distribution_validation():
+        torch.manual_seed(seed)
+        return call.run(fn)
 
 
 # ------------------------------------------------------------------------------------------- structure

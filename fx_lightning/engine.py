@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.batches import as_example_inputs, detached, model_device_dtype
-from fx_lightning.calls import Call, Interface, no_distribution_validation
+from fx_lightning.calls import Call, Interface, run_seeded
 from fx_lightning.capture import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
 from fx_lightning.notes import NoteKind
@@ -143,9 +143,7 @@ def _as_call(example_inputs: Any) -> Optional[Call]:
 
 def run_once(module: nn.Module, call: Call) -> Any:
     """``module`` on ``call`` in eval mode, without gradients, with a fixed RNG (the caller's streams untouched)."""
-    with torch.no_grad(), torch.random.fork_rng(), no_distribution_validation():
-        torch.manual_seed(0)
-        return call.run(module)
+    return run_seeded(module, call)
 
 
 def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],
@@ -156,13 +154,8 @@ def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: Lis
     outside its module, or one no input reached. Runs only when a module-stage pass changed something."""
     if inputs is None or not any(result.changed for _, result, _ in runs):
         return None
-    reference = eval_copy(original)
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(0)
-        want = detached(reference(*inputs))
-        del reference
-        torch.manual_seed(0)
-        got = working(*inputs)
+    want = detached(run_seeded(eval_copy(original), Call(inputs)))  # the copy is freed before the next run
+    got = run_seeded(working, Call(inputs))
     _, dtype = model_device_dtype(working)
     comparison = compare_outputs(got, want, rtol=max(cfg.parity.rtol, rounding_tolerance(dtype or torch.float32)))
     return None if comparison.passed else comparison.describe()

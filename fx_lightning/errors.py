@@ -8,7 +8,8 @@ again; a foreign exception is wrapped once with ``raise ... from``. Nothing rebu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence
 
 if TYPE_CHECKING:  # records of higher layers, carried as fields
     from fx_lightning.parity.report import ParityReport
@@ -18,9 +19,12 @@ __all__ = [
     "ConfigError",
     "TraceError",
     "PassError",
+    "raised_in_pass",
     "ParityError",
     "ExportError",
     "ModelError",
+    "NoInputsError",
+    "require_inputs",
     "error_class",
     "first_line",
 ]
@@ -70,6 +74,18 @@ class PassError(FXLightningError):
     """A graph pass raised or left a graph that does not lint; names the pass."""
 
 
+@contextlib.contextmanager
+def raised_in_pass(who: str) -> Iterator[None]:
+    """Run a pass's (or a variant's) own code: whatever it raises, but a PassError, becomes a PassError naming
+    ``who``, so the user learns which pass to fix or disable."""
+    try:
+        yield
+    except PassError:
+        raise
+    except Exception as exc:
+        raise PassError(f"{who} raised {type(exc).__name__}: {exc}") from exc
+
+
 class ParityError(FXLightningError):
     """The fused model does not give the same answers as the original. ``report``: the gate's
     :class:`~fx_lightning.parity.ParityReport`; ``outcome``: what the pipeline did up to the verdict."""
@@ -89,8 +105,25 @@ class ModelError(FXLightningError):
     pipeline (a memory bank that training fills, say). Before training the preflight proves what it can and goes on."""
 
 
+class NoInputsError(ConfigError, PassError):
+    """Nothing to run the model on: no data batches and no example inputs. A ConfigError (the inputs are for the
+    user to give), and a PassError too, as a variant that lacks them has always raised one."""
+
+
+# What gives the pipeline its inputs, named where the caller does not know better.
+_GIVE_INPUTS = ("data batches (the trainer's, or fuse_and_export's batches) or example inputs (the LightningModule's "
+          "example_input_array, or fuse_and_export's example_inputs)")
+
+
+def require_inputs(given: bool, needed_for: str, give: str = _GIVE_INPUTS, key: Optional[str] = None) -> None:
+    """Raise the one error for nothing to run the model on, unless ``given``: ``needed_for`` is what needs the
+    inputs, ``give`` what to set, ``key`` (the setting or step) leads the message."""
+    if not given:
+        raise NoInputsError(f"{key + ': ' if key else ''}no inputs for {needed_for}: give {give}")
+
+
 _CLASSES = {cls.__name__: cls for cls in (FXLightningError, ConfigError, TraceError, PassError, ParityError, ExportError,
-                                          ModelError)}
+                                          ModelError, NoInputsError)}
 
 
 def error_class(name: str) -> type:

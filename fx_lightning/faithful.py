@@ -11,20 +11,9 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.batches import describe_call, flat_tensors
-from fx_lightning.calls import Call, no_distribution_validation, tree_of_call
+from fx_lightning.calls import Call, run_seeded
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.parity.compare import compare_outputs
-
-
-def _run(fn: Any, call: Call) -> Any:
-    # Same inputs, eval mode, no grad, a fixed RNG: a faithful graph gives the same numbers as eager.
-    with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(call)), no_distribution_validation():
-        torch.manual_seed(0)
-        return call.run(fn)
-
-
-def _cuda_indices(call: Call) -> List[int]:
-    return sorted({t.device.index or 0 for t in tree_of_call(call).leaves(call) if t.is_cuda})
 
 
 def raise_if_unfaithful(graph_module: fx.GraphModule, mode: str, working: nn.Module, call: Optional[Call],
@@ -35,9 +24,9 @@ def raise_if_unfaithful(graph_module: fx.GraphModule, mode: str, working: nn.Mod
     if call is None:
         return
     for index, inputs in enumerate([call, *check]):
-        expected = _run(working, inputs)
+        expected = run_seeded(working, inputs)
         try:
-            got = _run(graph_module, inputs)
+            got = run_seeded(graph_module, inputs)
         except Exception as exc:  # noqa: BLE001 - a graph that raises is the clearest sign of a wrong trace
             problem = f"the captured graph raises {first_line(exc, with_type=True)}"
         else:
@@ -87,7 +76,7 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> O
         if name in targets:
             handles.append(sub.register_forward_hook(record(name)))
     try:
-        _run(working, inputs)
+        run_seeded(working, inputs)
     finally:
         for h in handles:
             h.remove()
@@ -107,7 +96,7 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> O
             return out
 
     try:
-        _run(lambda *args, **kwargs: Watch(gm).run(*args, **kwargs), inputs)
+        run_seeded(lambda *args, **kwargs: Watch(gm).run(*args, **kwargs), inputs)
     except Exception:  # noqa: BLE001 - recorded in `found`
         pass
     return found[0] if found else None

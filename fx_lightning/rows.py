@@ -3,11 +3,14 @@ package splits or pads a tensor, and only along an axis the signature proved (:m
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import itertools
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["rows_of", "take_rows", "with_rows", "concat_rows"]
+from fx_lightning.errors import ExportError
+
+__all__ = ["rows_of", "take_rows", "with_rows", "concat_rows", "same_shape_groups", "split_rows"]
 
 
 
@@ -37,3 +40,23 @@ def with_rows(leaves: Sequence[Any], axes: Sequence[Optional[int]], n: int) -> L
 def concat_rows(parts: Sequence[Sequence[torch.Tensor]], axes: Sequence[Optional[int]]) -> List[torch.Tensor]:
     """Output leaves of consecutive pieces joined along their sample axes."""
     return [torch.cat([p[i] for p in parts], dim=a) if a is not None else parts[0][i] for i, a in enumerate(axes)]
+
+
+def same_shape_groups(calls: Sequence[Sequence[Any]]) -> List[List[int]]:
+    """The places of a server's requests (each its inputs, tensors or arrays, samples on dim 0) grouped by the
+    shapes beyond dim 0: those one batch can join (sizes that vary elsewhere, a sequence length, cannot)."""
+    groups: Dict[Tuple[Tuple[int, ...], ...], List[int]] = {}
+    for i, call in enumerate(calls):
+        groups.setdefault(tuple(tuple(a.shape[1:]) for a in call), []).append(i)
+    return list(groups.values())
+
+
+def split_rows(outputs: Sequence[Any], sizes: Sequence[int]) -> List[List[Any]]:
+    """Each request's rows of every output (tensors or arrays) of the batch that joined requests of ``sizes``
+    samples: a batching server's outputs all carry the sample axis on dim 0 (it batches only then)."""
+    total = sum(sizes)
+    if any(o.ndim == 0 or o.shape[0] != total for o in outputs):
+        raise ExportError(f"an output does not hold the batch's {total} samples on dim 0: "
+                          f"{[list(o.shape) for o in outputs]}")
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return [[o[bounds[i]:bounds[i + 1]] for o in outputs] for i in range(len(sizes))]

@@ -36,7 +36,7 @@ from fx_lightning.callback.trainer_data import export_directory, parity_batches
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.capture import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
-from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line
+from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line, require_inputs
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.progress import Progress
 from fx_lightning.export.writer import refuse_existing, require_formats
@@ -272,11 +272,10 @@ def preflight_batches(trainer: "pl.Trainer", pl_module: "pl.LightningModule", co
     if batches.items:
         return batches
     example = getattr(pl_module, "example_input_array", None)
-    if (example is None or isinstance(example, dict)) and (config.parity.enabled or config.export.enabled):
-        raise ConfigError(
-            "parity.data: no validation or training batch could be read before training and the LightningModule "
-            "has no example_input_array: parity and export need inputs"
-        )
+    usable = example is not None and not isinstance(example, dict)
+    require_inputs(usable or not (config.parity.enabled or config.export.enabled), "parity and export",
+                   "validation or training batches that can be read before training, or an example_input_array on "
+                   "the LightningModule", key="parity.data")
     return batches
 
 

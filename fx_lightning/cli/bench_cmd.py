@@ -169,6 +169,8 @@ def _sweep_table(table: Any, traffic: str) -> Any:
 
 def _unfused_model(args: argparse.Namespace, manifest: Any) -> Tuple[Any, Optional[str]]:
     """The original (unfused) target, from --model/--checkpoint or what the manifest recorded."""
+    from fx_lightning.export.interface import FromLeaves
+    from fx_lightning.export.prologue import eager_baseline
     from fx_lightning.pipeline import resolve_target
 
     origin = manifest.provenance
@@ -191,15 +193,6 @@ def _unfused_model(args: argparse.Namespace, manifest: Any) -> Tuple[Any, Option
         _, sub = resolve_target(model, (manifest.config or {}).get("target"))
     else:
         sub = model.get_submodule(target) if target else model
-    return _as_the_artifacts_take(sub.eval(), manifest), None
-
-
-def _as_the_artifacts_take(model: nn.Module, manifest: Any) -> nn.Module:
-    """The unfused model taking what the artifacts take: one tensor per input leaf when they take a flat interface,
-    raw pixels when they have the input normalisation compiled in (``export.preprocess``)."""
-    from fx_lightning.export.interface import FromLeaves
-    from fx_lightning.export.prologue import behind_prologue
-
-    if manifest.signature is not None and manifest.signature.flat:
-        model = FromLeaves(model, manifest.signature)
-    return behind_prologue(model, manifest.preprocess) if manifest.preprocess is not None else model
+    if manifest.signature is not None and manifest.signature.flat:  # one tensor per input leaf, as the artifacts
+        sub = FromLeaves(sub, manifest.signature)
+    return eager_baseline(sub.eval(), manifest.preprocess), None

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     import torch
 
+    from fx_lightning.errors import require_inputs
     from fx_lightning.export.progress import LineProgress
     from fx_lightning.pipeline import Batches, fuse_verify_export, summary_text
     from fx_lightning.provenance import Provenance, WeightsInfo
@@ -64,11 +65,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     example = getattr(model, "example_input_array", None)
     if args.input_shape:
         example = _random_input(args.input_shape, args.input_dtype)
-    if not batches.items and example is None:
-        raise UsageError(
-            "no inputs for parity and export: give --datamodule pkg.mod:Class or --input-shape N,C,H,W "
-            f"({args.model} has no example_input_array)"
-        )
+    require_inputs(bool(batches.items) or example is not None, "parity and export",
+                   f"--datamodule pkg.mod:Class or --input-shape N,C,H,W ({args.model} has no example_input_array)")
 
     export_dir = args.output or cfg.export.dir or "fx_fused"
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, dir=str(export_dir)))

@@ -32,26 +32,11 @@ def staging_directory(final: Path) -> Iterator[Path]:
         raise ExportError(f"{parent}: cannot write the export there: {exc.strerror or exc}.") from exc
     try:
         yield staging
-        _replace(staging, final)
+        replace_directories([(staging, final)])
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         _remove_empty(created)
         raise
-
-
-def _replace(staging: Path, final: Path) -> None:
-    """Rename ``staging`` to ``final``; an existing ``final`` is moved aside first and restored on failure."""
-    if not final.exists():
-        os.rename(staging, final)
-        return
-    old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:10]}"
-    os.rename(final, old)
-    try:
-        os.rename(staging, final)
-    except BaseException:
-        os.rename(old, final)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def replace_directories(pairs: Sequence[Tuple[Path, Path]]) -> None:

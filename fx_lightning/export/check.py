@@ -17,7 +17,7 @@ from torch import nn
 
 from fx_lightning._imports import missing_modules
 from fx_lightning.batches import flat_tensors
-from fx_lightning.calls import map_leaves, no_distribution_validation
+from fx_lightning.calls import Call, map_leaves, run_seeded
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats.base import Format, FormatEntry, WriteContext
 from fx_lightning.parity.compare import Comparison, compare_outputs, is_discrete, relative_error, structure_mismatch
@@ -35,10 +35,7 @@ CHECK_FILE = "check.pt"
 
 def _outputs(model: nn.Module, args: Tuple[Any, ...]) -> List[torch.Tensor]:
     # A fixed RNG: a model that draws random numbers in eval mode must match itself, not fail the check.
-    devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), no_distribution_validation():
-        torch.manual_seed(0)
-        return flat_tensors(model(*args))
+    return flat_tensors(run_seeded(model, Call(args)))
 
 
 # What artifacts are judged against by default (WriteContext.reference: something else).

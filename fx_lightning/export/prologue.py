@@ -13,7 +13,7 @@ The record is :class:`~fx_lightning.export.manifest.Preprocess` (what the manife
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -23,8 +23,8 @@ from fx_lightning.batches import describe, model_device_dtype
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Preprocess
 
-__all__ = ["Prologue", "with_prologue", "behind_prologue", "to_raw", "raw_args", "check_prologue_input",
-           "ThroughRaw"]
+__all__ = ["Prologue", "with_prologue", "behind_prologue", "eager_baseline", "to_raw", "raw_args",
+           "check_prologue_input", "ThroughRaw"]
 
 # The prologue's buffers in the spliced graph (prefixed so they cannot shadow a model attribute).
 _MEAN, _STD = "preprocess_mean", "preprocess_std"
@@ -126,6 +126,12 @@ def behind_prologue(module: nn.Module, preprocess: Preprocess) -> nn.Module:
     """``module`` (eager, taking the normalised input) with the prologue in front: it takes the raw input."""
     device, dtype = model_device_dtype(module)
     return nn.Sequential(Prologue(preprocess, dtype or torch.float32).to(device or "cpu"), module).eval()
+
+
+def eager_baseline(module: nn.Module, preprocess: Optional[Preprocess]) -> nn.Module:
+    """The unfused model (taking the artifacts' interface) as the selection and ``fx-lightning bench`` time it
+    beside the artifacts: on the inputs they take, raw ones behind the prologue when there is one."""
+    return module if preprocess is None else behind_prologue(module, preprocess)
 
 
 class ThroughRaw(nn.Module):

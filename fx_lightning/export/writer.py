@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fx_lightning._imports import missing_modules
-from fx_lightning.calls import Call, no_distribution_validation
+from fx_lightning.calls import Call, run_seeded
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
 from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
 from fx_lightning.export.atomic import list_files, staging_directory
@@ -392,14 +392,9 @@ def _leaf_shapes(args: Sequence[Any]) -> Tuple[Tuple[int, ...], ...]:
 
 def _signature_of(model: nn.Module, args: Tuple[Any, ...], names: List[str]) -> Signature:
     """The signature one example shows (no loader says how many samples it holds: dim 0 is tested)."""
-    def run(call: Call, seed: int = 0) -> Any:
-        with torch.no_grad(), torch.random.fork_rng(), no_distribution_validation():
-            torch.manual_seed(seed)
-            return call.run(model)
-
     try:
-        return derive_signature([Observed(Call(args))], run, rerun=lambda c: run(c, 1),
-                                root_names=names)
+        return derive_signature([Observed(Call(args))], lambda c: run_seeded(model, c),
+                                rerun=lambda c: run_seeded(model, c, 1), root_names=names)
     except ValueError as exc:
         raise ExportError(f"example_inputs: {exc}") from exc
 

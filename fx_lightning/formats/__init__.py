@@ -10,7 +10,7 @@ from typing import Dict
 
 from fx_lightning.formats.base import Format
 
-__all__ = ["FORMATS", "get_format"]
+__all__ = ["FORMATS"]
 
 
 def _discover() -> Dict[str, Format]:
@@ -24,9 +24,3 @@ def _discover() -> Dict[str, Format]:
 
 FORMATS: Dict[str, Format] = _discover()
 
-
-def get_format(name: str) -> Format:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise KeyError(f"unknown format {name!r}; allowed: {', '.join(FORMATS)}.") from None

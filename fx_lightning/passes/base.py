@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch.fx as fx
 
 from fx_lightning._imports import import_object
-from fx_lightning.errors import PassError
+from fx_lightning.errors import PassError, raised_in_pass
 
 __all__ = [
     "Stage",
@@ -227,6 +227,16 @@ class PassResult:
     def skip(self, node: str, reason: str, **detail: object) -> None:
         """Record a candidate left alone: ``result.skip("bn2", "in training mode")``."""
         self.skipped.append(Skip.of(node, reason, **detail))
+
+    def remove_identity(self, gm: fx.GraphModule, node: fx.Node, no_input: str, **detail: object) -> None:
+        """Erase ``node`` (the identity in eval mode), its users taking its first argument instead, and record it;
+        skipped for the reason ``no_input`` when that argument is not a graph value."""
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            self.skip(node.name, no_input)
+            return
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        self.change(node.name, "removed", **detail)
 
 
 PassFn = Callable[..., Optional[PassResult]]
@@ -443,12 +453,8 @@ def run_pass(spec: PassSpec, gm: Any, options: Any, ctx: PassContext) -> PassRes
         built = spec.build_options(options)
     except TypeError as exc:
         raise PassError(f"pass {spec.name!r}: bad options {options!r}: {exc}") from exc
-    try:
+    with raised_in_pass(f"pass {spec.name!r}"):
         result = spec.fn(gm, built, ctx)
-    except PassError:
-        raise
-    except Exception as exc:
-        raise PassError(f"pass {spec.name!r} raised {type(exc).__name__}: {exc}") from exc
     if result is None:
         result = PassResult()
     if not isinstance(result, PassResult):

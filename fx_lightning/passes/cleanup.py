@@ -31,12 +31,7 @@ def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: Pas
         m = module_of(gm, node)
         if type(m) is not nn.Identity:
             continue
-        if not node.args or not isinstance(node.args[0], fx.Node):
-            result.skip(node.name, "Identity called without a graph value")
-            continue
-        node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
-        result.change(node.name, "removed", module=str(node.target))
+        result.remove_identity(gm, node, "Identity called without a graph value", module=str(node.target))
     if result.changed:
         gm.delete_all_unused_submodules()
     return result

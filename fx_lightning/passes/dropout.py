@@ -82,12 +82,7 @@ def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassC
             continue
         else:
             continue
-        if not node.args or not isinstance(node.args[0], fx.Node):
-            result.skip(node.name, "input is not a graph value")
-            continue
-        node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
-        result.change(node.name, "removed", op=what)
+        result.remove_identity(gm, node, "input is not a graph value", op=what)
     if result.changed:
         gm.delete_all_unused_submodules()
     return result

@@ -28,7 +28,7 @@ from torch import nn
 from fx_lightning.batches import loader_sample_counts
 from fx_lightning.config import ConfigLike, FuseConfig, OnError, load_config
 from fx_lightning.engine import FuseResult
-from fx_lightning.errors import ConfigError, FXLightningError, ParityError, error_class, first_line
+from fx_lightning.errors import FXLightningError, ParityError, error_class, first_line, require_inputs
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
 from fx_lightning.export.report_html import REPORT_NAME
@@ -420,9 +420,8 @@ def fuse_and_export(
         served = fx_lightning.load_fused("fused")
     """
     cfg = config if isinstance(config, FuseConfig) else load_config(config)
-    if batches is None and example_inputs is None:
-        raise ConfigError("fuse_and_export(): give batches (data to verify on) or example_inputs (forward's "
-                          "arguments): the fused model is checked and exported with them.")
+    require_inputs(batches is not None or example_inputs is not None, "checking and exporting the fused model",
+                   "batches (data to verify on) or example_inputs (forward's arguments)", key="fuse_and_export()")
     items = list(itertools.islice(iter(batches), cfg.parity.max_batches)) if batches is not None else []
     counts = loader_sample_counts(batches, len(items)) if batches is not None else []
     return fuse_verify_export(model, cfg, Batches(items, "given", samples=counts), example_inputs=example_inputs,

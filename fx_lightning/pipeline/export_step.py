@@ -19,8 +19,9 @@ from typing import Any, List, Optional, Tuple, Union
 from torch import nn
 
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
-from fx_lightning.errors import ConfigError, ExportError, FXLightningError, first_line
+from fx_lightning.errors import ExportError, FXLightningError, first_line, require_inputs
 from fx_lightning.export.manifest import Manifest, VariantOutcome
+from fx_lightning.export.prologue import eager_baseline
 from fx_lightning.export.selection import bench_export, select_by_strategy, with_selection
 from fx_lightning.export.sweep import REHEARSAL_SWEEP, SweepSettings
 from fx_lightning.export.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
@@ -77,9 +78,8 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
     is an error, a variant's gate is measured but not required, and the selection times each artifact once.
     ``progress``: where each part (a format, a variant, the timing, the sweep) says it started and ended."""
     progress = progress if progress is not None else Progress()
-    if fused.example_inputs is None:
-        raise ConfigError(f"export to {directory}: no example inputs (no data batches and no example_inputs); the "
-                          "exporter needs them to write the fused model")
+    require_inputs(fused.example_inputs is not None, "the exporter to write the fused model with",
+                   key=f"export to {directory}")
     directory = Path(os.path.abspath(directory))
     with in_step(Step.export), progress.step("prepare the export (torch.export program)"):
         example, reference = raw_input.export_inputs(fused)  # raw inputs with a prologue (export.preprocess)
@@ -247,7 +247,7 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     eager = interface.flattened(fused.reference) if interface is not None else fused.reference
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
-                             baselines={"eager": raw_input.eager_baseline(eager, fused.contract.preprocess)},
+                             baselines={"eager": eager_baseline(eager, fused.contract.preprocess)},
                              rounds=rounds, warmup=warmup,
                              own_process_finalists=finalists,
                              sweep=REHEARSAL_SWEEP if rehearsal else SweepSettings(),

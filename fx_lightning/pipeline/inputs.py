@@ -36,7 +36,7 @@ from fx_lightning.batches import (
     record_calls,
     to_model,
 )
-from fx_lightning.calls import (Call, as_call, forward_parameter_names, no_distribution_validation, plain, tree_of,
+from fx_lightning.calls import (Call, as_call, forward_parameter_names, plain, run_seeded, tree_of,
                                 value_at)
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, FXLightningError, ModelError, first_line
@@ -259,7 +259,7 @@ def without_labels(found: TargetSteps, reference: nn.Module) -> TargetSteps:
     for step in found.steps:
         kept = Call(step.target.args, {k: v for k, v in step.target.kwargs.items() if k not in names})
         try:
-            with_them, without = _run_seeded(reference, step.target, 0), _run_seeded(reference, kept, 0)
+            with_them, without = run_seeded(reference, step.target, 0), run_seeded(reference, kept, 0)
         except Exception:  # noqa: BLE001 - it needs them: the call stays as observed
             return found
         if not _outputs_kept(without, with_them):
@@ -297,8 +297,8 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
     outputs that are drawn at random), the shapes of more observed calls as evidence of what varies."""
     shapes = list(observed.shapes) if observed is not None else []
     try:
-        return derive_signature([Observed(s.target, s.samples) for s in steps], lambda c: _run_seeded(reference, c, 0),
-                                rerun=lambda c: _run_seeded(reference, c, 1), extra_shapes=shapes,
+        return derive_signature([Observed(s.target, s.samples) for s in steps], lambda c: run_seeded(reference, c, 0),
+                                rerun=lambda c: run_seeded(reference, c, 1), extra_shapes=shapes,
                                 root_names=forward_parameter_names(reference), probe=probe)
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
@@ -314,9 +314,3 @@ def _eval_failure(exc: Exception) -> ModelError:
                       f"({type(exc).__name__}: {first_line(exc)}): a model whose eval forward needs what training "
                       "fills (a memory bank, fitted statistics) cannot run before training; the end of fit runs it on "
                       "the trained model")
-
-
-def _run_seeded(module: nn.Module, call: Call, seed: int) -> Any:
-    with torch.no_grad(), torch.random.fork_rng(), no_distribution_validation():
-        torch.manual_seed(seed)
-        return call.run(module)

@@ -30,7 +30,7 @@ from fx_lightning.pipeline.records import Fused
 
 __all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "contract_for", "export_inputs",
            "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models", "raw_calibration",
-           "eager_baseline", "example_raw", "normalised_dtype"]
+           "example_raw", "normalised_dtype"]
 
 _PATH = ("{batches} parity batch(es) sent as raw {input_dtype} {layout} {channel_order} pixels through the exported "
          "graph (prologue + fused) against fp64 normalisation + the original model: relative error "
@@ -131,11 +131,6 @@ def variant_gate_models(reference: nn.Module, loaded: nn.Module,
 def raw_calibration(calibration: List[tuple], preprocess: Optional[Preprocess]) -> List[tuple]:
     """Calibration inputs for the formats' own variants, made from their artifacts (raw with a prologue)."""
     return calibration if preprocess is None else [raw_args(c, preprocess) for c in calibration]
-
-
-def eager_baseline(reference: nn.Module, preprocess: Optional[Preprocess]) -> nn.Module:
-    """The unfused model as the selection times it beside the artifacts, on their (raw) inputs."""
-    return reference if preprocess is None else behind_prologue(reference, preprocess)
 
 
 def example_raw(example: Any, preprocess: Optional[Preprocess]) -> Any:

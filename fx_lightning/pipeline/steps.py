@@ -30,11 +30,11 @@ from fx_lightning.capture import eval_copy
 from fx_lightning.config import FuseConfig, ParityConfig
 from fx_lightning.engine import FuseResult, fuse
 from fx_lightning.errors import (
-    ConfigError,
     ExportError,
     FXLightningError,
     PassError,
     TraceError,
+    require_inputs,
 )
 from fx_lightning.export.interface import for_sizes
 from fx_lightning.export.manifest import Preprocess
@@ -131,9 +131,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         reference = reference_whole.get_submodule(path) if path else reference_whole
         with in_step(Step.parity_input):
             found = target_steps(config, source, reference_whole, reference, path)
-            if not found.steps:
-                raise ConfigError("parity.data: no batches and no example inputs: capture, parity and export need "
-                                  "the target's inputs")
+            require_inputs(bool(found.steps), "capture, parity and export", key="parity.data")
             found = without_labels(found, reference)
             signature = signature_for(reference, found.steps, observed, config.trace.probe_sizes)
             signature.left_out = [name.strip() for n in found.notes if n.kind is LABELS_LEFT_OUT

@@ -30,6 +30,7 @@ from litserve.utils import LitAPIStatus, ResponseBufferItem
 
 from fx_lightning.batches import flat_tensors
 from fx_lightning.errors import first_line
+from fx_lightning.rows import same_shape_groups, split_rows
 from fx_lightning.serve import oip
 from fx_lightning.export.manifest import read_manifest
 from fx_lightning.serve.artifact import WorkerStatus, ServeOptions, StatusBoard, load_checked
@@ -123,11 +124,8 @@ class ArtifactAPI(ls.LitAPI):
         return request  # decoded and checked by the HTTP side
 
     def batch(self, inputs: List[Decoded]) -> Batched:
-        by_shape: Dict[Tuple[Tuple[int, ...], ...], List[int]] = {}
-        for i, d in enumerate(inputs):
-            by_shape.setdefault(tuple(a.shape[1:] for a in d.arrays), []).append(i)
         groups = []
-        for places in by_shape.values():
+        for places in same_shape_groups([d.arrays for d in inputs]):
             parts = list(zip(*(inputs[i].arrays for i in places)))
             joined = [torch.from_numpy(np.concatenate(p) if len(p) > 1 else p[0]) for p in parts]
             groups.append((joined, [inputs[i].batch_size for i in places], places))
@@ -402,14 +400,3 @@ def encode_outputs(outputs: List[np.ndarray], decoded: Decoded, contract: Contra
         rows = top_k_labels(scores.reshape(-1, len(contract.labels)), contract.labels, k)
         body["top_k"] = rows[0] if decoded.single else rows
     return Response(json.dumps(body), media_type="application/json")
-
-
-def split_rows(outputs: Sequence[np.ndarray], sizes: Sequence[int]) -> List[List[np.ndarray]]:
-    """Each request's rows of every output: a batching server's outputs all carry the sample axis on dim 0
-    (:class:`~fx_lightning.serve.contract.Contract` batches only then)."""
-    total = sum(sizes)
-    if any(o.ndim == 0 or o.shape[0] != total for o in outputs):
-        raise RuntimeError(f"an output does not hold the batch's {total} samples on dim 0: "
-                           f"{[list(o.shape) for o in outputs]}")
-    bounds = np.cumsum([0, *sizes])
-    return [[o[bounds[i]:bounds[i + 1]] for o in outputs] for i in range(len(sizes))]

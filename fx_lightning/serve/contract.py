@@ -340,10 +340,7 @@ class Contract:
             if any(want is not None and want != got for want, got in zip(spec.sample_shape, batched.shape[1:])):
                 raise BadRequest(422, f"input {spec.name!r}: expected shape {spec.shape_text}, got "
                                       f"{list(array.shape)}")
-            if spec.finite_only and batched.size and not np.isfinite(batched).all():
-                count = int((~np.isfinite(batched)).sum())
-                raise BadRequest(422, f"input {spec.name!r}: {count} NaN or infinite value(s); the model takes "
-                                      f"finite {spec.dtype}")
+            _refuse_non_finite(spec, batched)
             arrays[i] = batched
         sizes = {int(a.shape[0]) for a in arrays}
         if len(sizes) != 1:
@@ -363,10 +360,7 @@ class Contract:
                     want is not None and want != got for want, got in zip(spec.sample_shape, array.shape)):
                 raise BadRequest(422, f"input {spec.name!r}: expected shape {spec.shape_text} (the whole input: this "
                                       f"model has no sample axis), got {list(array.shape)}")
-            if spec.finite_only and array.size and not np.isfinite(array).all():
-                count = int((~np.isfinite(array)).sum())
-                raise BadRequest(422, f"input {spec.name!r}: {count} NaN or infinite value(s); the model takes "
-                                      f"finite {spec.dtype}")
+            _refuse_non_finite(spec, array)
         return Decoded(arrays, False, top_k)
 
     # ------------------------------------------------------------------------------------------- describing
@@ -389,6 +383,13 @@ class Contract:
         if self.labels:
             out["labels"] = len(self.labels)
         return out
+
+
+def _refuse_non_finite(spec: InputSpec, array: np.ndarray) -> None:
+    if spec.finite_only and array.size and not np.isfinite(array).all():
+        count = int((~np.isfinite(array)).sum())
+        raise BadRequest(422, f"input {spec.name!r}: {count} NaN or infinite value(s); the model takes finite "
+                              f"{spec.dtype}")
 
 
 def parse_json(body: bytes, what: str) -> Any:

@@ -14,14 +14,14 @@ with the extras of the artifact's format); Triton's Python backend runs the stub
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest
-from fx_lightning.rows import concat_rows, take_rows
+from fx_lightning.rows import concat_rows, same_shape_groups, split_rows
 from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
 from fx_lightning.serve.contract import Contract
 from fx_lightning.serve.triton_config import TritonModel, contract_model
@@ -92,20 +92,11 @@ class ExportRunner:
         with torch.no_grad():
             if not self.batched:
                 return [self._outputs(call) for call in calls]
-            groups: Dict[Tuple[Tuple[int, ...], ...], List[int]] = {}
-            for i, call in enumerate(calls):
-                groups.setdefault(tuple(tuple(t.shape[1:]) for t in call), []).append(i)
             answers: List[List[torch.Tensor]] = [[] for _ in calls]
-            for places in groups.values():
+            for places in same_shape_groups(calls):
                 outputs = self._outputs(concat_rows([calls[i] for i in places], [0] * len(self.input_names)))
-                sizes = [int(calls[i][0].shape[0]) for i in places]
-                if any(o.dim() == 0 or o.shape[0] != sum(sizes) for o in outputs):
-                    raise ExportError(f"an output does not hold the batch's {sum(sizes)} samples on dim 0: "
-                                      f"{[list(o.shape) for o in outputs]}")
-                start = 0
-                for i, rows in zip(places, sizes):
-                    answers[i] = take_rows(outputs, [0] * len(outputs), start, rows)
-                    start += rows
+                for i, rows in zip(places, split_rows(outputs, [int(calls[i][0].shape[0]) for i in places])):
+                    answers[i] = rows
             return answers
 
     def _outputs(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.calls import Call
-from fx_lightning.errors import PassError
+from fx_lightning.errors import PassError, raised_in_pass, require_inputs
 from fx_lightning.machine import CpuInfo
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.program import Program, export_program, signature_dims
@@ -156,15 +156,10 @@ class Variant(Generic[OptionsT]):
 
     def build(self, fused: fx.GraphModule, options: OptionsT, ctx: VariantContext) -> MadeVariant:
         """The variant made from ``fused``; any failure is a PassError naming the options' key."""
-        if not ctx.calibration and ctx.example_inputs is None:
-            raise PassError(f"passes.{self.key}: no inputs to make the {self.name} model from (the model's inputs "
-                            "on data batches are needed)")
-        try:
+        require_inputs(bool(ctx.calibration) or ctx.example_inputs is not None, f"the {self.name} model",
+                       key=f"passes.{self.key}")
+        with raised_in_pass(f"passes.{self.key}"):
             made = self.make(fused, options, ctx)
-        except PassError:
-            raise
-        except Exception as exc:
-            raise PassError(f"passes.{self.key} raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(made, MadeVariant) or not isinstance(made.model, nn.Module):
             raise PassError(f"passes.{self.key} made {type(made).__name__}, not a MadeVariant with a model")
         return made
