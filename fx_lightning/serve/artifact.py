@@ -26,7 +26,7 @@ from fx_lightning.parity.report import ArtifactCheck
 from fx_lightning.export.sweep import recorded_batching
 from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
-from fx_lightning.serve.triton_config import MODEL_NAME
+from fx_lightning.serve.triton_config import MODEL_NAME, int_at_least
 from fx_lightning.rows import with_rows
 
 # Without a recorded sweep: requests batched into one run, and seconds a batch waits to fill (0: none; a batch is
@@ -59,17 +59,10 @@ class ServeOptions:
     batching: str = ""  # where max_batch_size and batch_timeout came from (with_batching)
 
     def check(self) -> None:
-        for key, minimum in (("max_batch_size", 1), ("workers", 1), ("max_request_batch", 1), ("top_k", 0)):
-            value = getattr(self, key)
-            if value is None and key == "max_batch_size":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"serve {key}: {value!r}; allowed: an integer >= {minimum}"
-                                  + (", or None for the export's throughput sweep" if key == "max_batch_size" else "")
-                                  + ".")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ConfigError(f"serve threads: {self.threads!r}; allowed: an integer >= 1, or None for the cores "
-                              "per worker.")
+        int_at_least("serve max_batch_size", self.max_batch_size, 1, ", or None for the export's throughput sweep")
+        for key, minimum in (("workers", 1), ("max_request_batch", 1), ("top_k", 0)):
+            int_at_least(f"serve {key}", getattr(self, key), minimum)
+        int_at_least("serve threads", self.threads, 1, ", or None for the cores per worker")
         for key in ("batch_timeout", "max_body_mb", "timeout"):
             value = getattr(self, key)
             if value is None and key == "batch_timeout":
