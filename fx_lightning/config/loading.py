@@ -2,10 +2,10 @@
 
 Every entry point (``fuse()``, ``FXFuseCallback``, the CLI, Hydra) goes through :func:`load_config`, so a
 typo or a bad value fails the same way everywhere: a :class:`ConfigError` that names the full key, the
-value given and what is allowed, raised before any work (or training step) starts. OmegaConf's merge into the
-schema names the key of most failures (:func:`fx_lightning.errors.config_error` words them); what it reports
-without the key, or not at all, is walked here first; each dataclass's ``check()``
-(:mod:`fx_lightning.config.schema`) gets its full key prefixed.
+value given and what is allowed, raised before any work (or training step) starts. Keys are walked here where
+OmegaConf's own errors lack the key or the allowed values, OmegaConf's other errors are worded by
+:func:`fx_lightning.errors.config_error`, and each dataclass's ``check()`` (:mod:`fx_lightning.config.schema`)
+gets its full key prefixed.
 """
 
 from __future__ import annotations
@@ -153,10 +153,12 @@ def _normalise(plain: Any) -> Any:
 
 # ------------------------------------------------------------------------- what OmegaConf says without the key
 
-# OmegaConf's merge names the full key of an unknown key, a bad enum name, a scalar of the wrong type. Walked here,
-# before it, is what it reports without the key or lets through: a record or mapping given another value, any key
-# inside a list of records (passes.extra), '???' (the default kept), an enum's value that is not a name (its message
-# lists no names), an integer too large for a float (a raw OverflowError), a list inside a list of scalars.
+# OmegaConf's merge names the full key of a scalar of the wrong type (config_error words it). Walked here, before
+# it and in key order (the first error is the one reported), is what OmegaConf 2.3 reports without the key, without
+# the allowed values, or not at all: an unknown key inside a list of records (passes.extra; every unknown key is
+# walked, to keep the order), an enum's value (its message lists no names for a value that is not a string), a record
+# or mapping given another value, '???' (the default kept), an integer too large for a float (a raw OverflowError),
+# a list inside a list of scalars.
 
 
 def _check_keys(value: Any, schema: type, path: str) -> None:
