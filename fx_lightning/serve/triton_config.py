@@ -20,7 +20,7 @@ from fx_lightning.serve.contract import Contract
 
 __all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
            "contract_model", "MODEL_NAME", "default_model_name", "config_text", "config_json", "readme_text",
-           "describe", "int_at_least"]
+           "describe", "int_at_least", "model_name_at"]
 
 # Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
 # batches beyond a few samples add latency and little throughput, and OpenVINO's backend runs every batch padded
@@ -329,9 +329,7 @@ class TritonOptions:
 
     def check(self) -> None:
         """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
-        if self.name is not None and not MODEL_NAME.match(self.name):
-            raise ConfigError(f"triton name: {self.name!r}; allowed: letters, digits, '_', '-' and '.', not starting "
-                              "with '.' or '-' (it names the model directories).")
+        model_name_at("triton name", self.name, "it names the model directories")
         int_at_least("triton max_batch_size", self.max_batch_size, 0, " or None")
         int_at_least("triton instances", self.instances, 1)
         int_at_least("triton max_queue_delay_us", self.max_queue_delay_us, 0, " or None")
@@ -369,6 +367,13 @@ class TritonOptions:
     @property
     def queue_delay_us(self) -> int:
         return DEFAULT_MAX_QUEUE_DELAY_US if self.max_queue_delay_us is None else self.max_queue_delay_us
+
+
+def model_name_at(key: str, value: Optional[str], why: str) -> None:
+    """``value`` a model name Triton takes, or None; else a ConfigError naming ``key`` (``why``: what the name is)."""
+    if value is not None and not MODEL_NAME.match(value):
+        raise ConfigError(f"{key}: {value!r}; allowed: letters, digits, '_', '-' and '.', not starting with '.' or '-' "
+                          f"({why}).")
 
 
 def int_at_least(key: str, value: object, minimum: int, or_none: str = "") -> None:
