@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 from typing import Any, Iterable, List
 
-__all__ = ["import_object", "missing_modules", "exception_text"]
+__all__ = ["import_object", "import_checked", "missing_modules", "exception_text"]
 
 
 def import_object(path: str) -> Any:
@@ -41,3 +41,16 @@ def exception_text(exc: BaseException) -> str:
     """An import failure as text: the message alone for the expected kinds, with the type otherwise."""
     expected = isinstance(exc, (ImportError, AttributeError, ValueError))
     return str(exc) if expected else f"{type(exc).__name__}: {exc}"
+
+
+def import_checked(path: str, key: str, callable_required: bool = False) -> Any:
+    """The object at import path ``path``; a failure is a ``ValueError`` naming ``key`` (a config key, relative)."""
+    try:
+        obj = import_object(path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{key}: cannot import {path!r}: {exc}.") from None
+    except Exception as exc:  # noqa: BLE001 - importing user code may raise anything; name the key
+        raise ValueError(f"{key}: cannot import {path!r}: {exception_text(exc)}.") from exc
+    if callable_required and not callable(obj):
+        raise ValueError(f"{key}: {path!r} is not callable.")
+    return obj

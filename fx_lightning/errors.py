@@ -9,7 +9,11 @@ again; a foreign exception is wrapped once with ``raise ... from``. Nothing rebu
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence
+import dataclasses
+import difflib
+import re
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Sequence
 
 if TYPE_CHECKING:  # records of higher layers, carried as fields
     from fx_lightning.parity.report import ParityReport
@@ -27,7 +31,17 @@ __all__ = [
     "require_inputs",
     "error_class",
     "first_line",
+    "OnError",
+    "unknown_key",
+    "config_error",
+    "run_check",
 ]
+
+# What to do when a step fails (on_error, parity.on_failure): raise, or warn and carry on. A str Enum named as its
+# values, as the config's enums are (the functional API: ``raise`` is a keyword; ``module``: picklable by name).
+OnError: Any = Enum("OnError", [("raise", "raise"), ("warn", "warn")], type=str,  # type: ignore[misc]
+                    module=__name__, qualname="OnError")
+OnError.__doc__ = "What to do when a step fails: raise, or warn and carry on."
 
 
 class FXLightningError(RuntimeError):
@@ -142,3 +156,52 @@ def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     if with_type and text and not isinstance(exc, FXLightningError):
         return f"{type(exc).__name__}: {line}"
     return line
+
+
+# ------------------------------------------------------------------------------ configuration errors
+
+
+def unknown_key(path: str, key: str, allowed: Iterable[str]) -> ConfigError:
+    """Key ``key`` under ``path`` (dotted, "" at the root) is not one of ``allowed``: the closest one suggested."""
+    allowed = sorted(allowed)
+    full = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f" Did you mean '{f'{path}.{close[0]}' if path else close[0]}'?" if close else ""
+    return ConfigError(f"{full}: unknown key.{hint} Allowed keys under '{path or '<root>'}': {', '.join(allowed)}.")
+
+
+def config_error(exc: Exception, prefix: str = "", what: str = "") -> ConfigError:
+    """OmegaConf's error (or a raw one it let through, such as OverflowError) as a ConfigError naming the full key:
+    ``prefix`` is the key of the node merged into, ``what`` what was being done."""
+    if isinstance(exc, ConfigError):
+        return exc
+    key = getattr(exc, "full_key", None) or ""
+    if prefix:
+        key = f"{prefix}{key}" if key.startswith("[") else f"{prefix}.{key}" if key else prefix
+    schema = getattr(exc, "object_type", None)
+    if type(exc).__name__ == "ConfigKeyError" and dataclasses.is_dataclass(schema) and key:
+        path, _, name = key.rpartition(".")
+        return unknown_key(path, name, (f.name for f in dataclasses.fields(schema)))
+    msg = (getattr(exc, "msg", None) or str(exc)).split("\n")[0]
+    enum = re.match(r"Invalid value .*, expected one of \[(.*)\]$", msg)
+    if enum:  # an enum's value: the value as given, the members as the walker of the config names them
+        return ConfigError(f"{key}: invalid value {getattr(exc, 'value', None)!r}. Allowed: {enum.group(1)}.")
+    if what:
+        msg = f"{what}: {msg}"
+    value = getattr(exc, "value", None)
+    got = f" Got {value!r}." if value is not None and repr(value) not in msg else ""
+    return ConfigError(f"{key or '<config>'}: {msg}.{got}".replace("..", "."))
+
+
+def run_check(node: Any, prefix: str) -> None:
+    """``node.check()``, its ``ValueError`` (which names the key relative to ``node``) as a ConfigError naming the
+    full key (``prefix``: the node's, with its dot)."""
+    error = None
+    try:
+        node.check()
+    except ValueError as exc:
+        error = exc
+    if error is not None:  # raised here, not in the handler: the ValueError is not the ConfigError's context
+        if error.__cause__ is not None:  # user code that failed to import: its traceback stays
+            raise ConfigError(f"{prefix}{error}") from error.__cause__
+        raise ConfigError(f"{prefix}{error}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
@@ -12,6 +11,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 from torch import nn
 
 from fx_lightning.cli.common import UsageError, import_path, load_lightning_module
+from fx_lightning.config import ExportConfig, Selection, Strategy
 
 __all__ = ["add_parser", "run"]
 
@@ -70,12 +70,13 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if any(b < 1 for b in sizes) or args.iters < 1 or args.warmup < 0:
         raise UsageError("--batch-size and --iters must be >= 1, --warmup >= 0")
     budget = args.latency_budget_ms
-    if budget is not None and not (math.isfinite(budget) and budget > 0):
-        raise UsageError(f"--latency-budget-ms: {budget!r}; allowed: a number of milliseconds > 0")
-    if budget is not None and args.strategy != "max_throughput":
-        raise UsageError("--latency-budget-ms bounds the max_throughput pick: add --strategy max_throughput")
-    if (args.strategy != "min_latency" or budget is not None) and not args.select:
-        raise UsageError("--strategy and --latency-budget-ms choose what --select records: add --select")
+    try:  # the flags set these keys of the export config: its one check, in its words
+        ExportConfig(select=Selection.fastest if args.select else Selection.preference,
+                     select_strategy=Strategy[args.strategy], latency_budget_ms=budget,
+                     select_batch_size=args.select_batch_size or 1).check()
+    except ValueError as exc:
+        raise UsageError(f"export.{exc} (--select sets export.select: fastest, --strategy export.select_strategy, "
+                         "--latency-budget-ms export.latency_budget_ms)") from None
     if args.strategy == "max_throughput" and not args.sweep:
         raise UsageError("--strategy max_throughput picks from the throughput sweep: drop --no-sweep")
     root = Path(args.directory)

@@ -9,62 +9,11 @@
 
 from __future__ import annotations
 
+from fx_lightning.config import schema
 from fx_lightning.config.hydra import register_hydra_configs
 from fx_lightning.config.loading import ConfigLike, load_config, to_container, to_yaml, validate
-from fx_lightning.config.schema import (
-    ChannelOrder,
-    ExportConfig,
-    ExportFormat,
-    ExtraPassConfig,
-    FormatFailure,
-    FuseConfig,
-    InputDtype,
-    Layout,
-    OnError,
-    OnFailure,
-    ParityConfig,
-    ParityData,
-    PassesConfig,
-    Preflight,
-    PreprocessConfig,
-    MlflowConfig,
-    Selection,
-    Strategy,
-    Traffic,
-    TraceConfig,
-    TraceMode,
-    WeightsSource,
-)
+from fx_lightning.config.schema import *  # noqa: F401,F403 - the schema's names, listed once in its __all__
 from fx_lightning.errors import ConfigError
 
-__all__ = [
-    "TraceMode",
-    "WeightsSource",
-    "OnError",
-    "OnFailure",
-    "Preflight",
-    "FormatFailure",
-    "Selection",
-    "Strategy",
-    "Traffic",
-    "ExportFormat",
-    "ParityData",
-    "InputDtype",
-    "Layout",
-    "ChannelOrder",
-    "TraceConfig",
-    "ExtraPassConfig",
-    "PassesConfig",
-    "ParityConfig",
-    "PreprocessConfig",
-    "MlflowConfig",
-    "ExportConfig",
-    "FuseConfig",
-    "ConfigError",
-    "ConfigLike",
-    "load_config",
-    "validate",
-    "to_yaml",
-    "to_container",
-    "register_hydra_configs",
-]
+__all__ = [*schema.__all__, "ConfigError", "ConfigLike", "load_config", "validate", "to_yaml", "to_container",
+           "register_hydra_configs"]

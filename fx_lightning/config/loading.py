@@ -2,15 +2,15 @@
 
 Every entry point (``fuse()``, ``FXFuseCallback``, the CLI, Hydra) goes through :func:`load_config`, so a
 typo or a bad value fails the same way everywhere: a :class:`ConfigError` that names the full key, the
-value given and what is allowed, raised before any work (or training step) starts. Keys are walked here
-(OmegaConf loses the path inside lists), OmegaConf's own errors are translated, and each dataclass's
-``check()`` (:mod:`fx_lightning.config.schema`) gets its full key prefixed.
+value given and what is allowed, raised before any work (or training step) starts. Keys are walked here where
+OmegaConf's own errors lack the key or the allowed values, OmegaConf's other errors are worded by
+:func:`fx_lightning.errors.config_error`, and each dataclass's ``check()`` (:mod:`fx_lightning.config.schema`)
+gets its full key prefixed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from enum import Enum
 from typing import Any, Dict, Iterator, List, Tuple, Union
@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fx_lightning._imports import exception_text
 from fx_lightning.config.schema import ExtraPassConfig, FuseConfig
-from fx_lightning.errors import ConfigError
+from fx_lightning.errors import ConfigError, config_error, run_check, unknown_key
 from fx_lightning.passes import Stage, resolve_pass
 
 __all__ = ["ConfigLike", "load_config", "validate", "to_yaml", "to_container"]
@@ -47,7 +47,7 @@ def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
         try:
             schema = OmegaConf.merge(schema, plain)
         except _MERGE_ERRORS as exc:
-            raise _from_omegaconf(exc) from None
+            raise config_error(exc) from None
     try:
         # OmegaConf.to_object would silently give a '???' (missing) field its dataclass default.
         missing = sorted(OmegaConf.missing_keys(schema))
@@ -58,7 +58,7 @@ def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
             )
         cfg = OmegaConf.to_object(schema)
     except _MERGE_ERRORS as exc:
-        raise _from_omegaconf(exc) from None
+        raise config_error(exc) from None
     assert isinstance(cfg, FuseConfig)
     validate(cfg)
     # The user passes: resolved, and their options as their options dataclasses read them.
@@ -71,15 +71,7 @@ def validate(cfg: FuseConfig) -> None:
     options of each built-in pass), its ``ValueError`` as a :class:`ConfigError` naming the full key.
     Changes nothing."""
     for prefix, node in sorted(_checked_nodes(cfg, ""), key=_check_rank):
-        error = None
-        try:
-            node.check()
-        except ValueError as exc:
-            error = exc
-        if error is not None:  # raised here, not in the handler: the ValueError is not the ConfigError's context
-            if error.__cause__ is not None:  # user code that failed to import: its traceback stays
-                raise ConfigError(f"{prefix}{error}") from error.__cause__
-            raise ConfigError(f"{prefix}{error}")
+        run_check(node, prefix)
 
 
 # The sections in the order their checks run (others after them, in field order): the root's own values
@@ -128,7 +120,7 @@ def _to_plain(source: Any, label: str, path: str = "") -> Any:
             return OmegaConf.to_container(source, resolve=True, enum_to_str=False)
         except OmegaConfBaseException as exc:
             # full_key is relative to this node: prefix the key it sits at, so the message names it.
-            raise _from_omegaconf(exc, prefix=path, what="cannot resolve") from None
+            raise config_error(exc, prefix=path, what="cannot resolve") from None
     if dataclasses.is_dataclass(source) and not isinstance(source, type):
         return OmegaConf.to_container(OmegaConf.structured(source), enum_to_str=False)
     if isinstance(source, dict):
@@ -159,79 +151,52 @@ def _normalise(plain: Any) -> Any:
     return plain
 
 
-# --------------------------------------------------------------------------------------- the key walker
+# ------------------------------------------------------------------------- what OmegaConf says without the key
 
-
-def _field_types(schema: type) -> Dict[str, Any]:
-    hints = typing.get_type_hints(schema)
-    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+# OmegaConf's merge names the full key of a scalar of the wrong type (config_error words it). Walked here, before
+# it and in key order (the first error is the one reported), is what OmegaConf 2.3 reports without the key, without
+# the allowed values, or not at all: an unknown key inside a list of records (passes.extra; every unknown key is
+# walked, to keep the order), an enum's value (its message lists no names for a value that is not a string), a record
+# or mapping given another value, '???' (the default kept), an integer too large for a float (a raw OverflowError),
+# a list inside a list of scalars.
 
 
 def _check_keys(value: Any, schema: type, path: str) -> None:
-    """Reject unknown keys at every level, with the full path and the closest valid key.
-
-    OmegaConf checks keys too, but loses the path inside lists; this walk keeps it.
-    """
+    """The keys of ``value`` (a mapping at ``path``) known to ``schema`` and their values of its shapes."""
     if not isinstance(value, dict):
         return
-    fields = _field_types(schema)
+    hints = typing.get_type_hints(schema)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(schema)}
     for key, sub in value.items():
-        full = f"{path}.{key}" if path else str(key)
-        # OmegaConf's merge keeps the default where the value is '???' (missing): say so instead.
-        if isinstance(sub, str) and sub == "???" and key in fields:
-            raise ConfigError(f"{full}: missing value ('???'); give a value.")
+        full = _join(path, str(key))
         if key not in fields:
-            # passes.<bool> shorthand and enabled flags are handled later; only unknown names fail here.
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" Did you mean '{_join(path, close[0])}'?" if close else ""
-            raise ConfigError(
-                f"{full}: unknown key.{hint} Allowed keys under '{path or '<root>'}': "
-                f"{', '.join(sorted(fields))}."
-            )
+            raise unknown_key(path, str(key), fields)
+        if isinstance(sub, str) and sub == "???":
+            raise ConfigError(f"{full}: missing value ('???'); give a value.")
         _check_value(sub, _unwrap_optional(fields[key]), full, path)
 
 
 def _check_value(sub: Any, inner: Any, full: str, path: str) -> None:
     """``sub``, the value at key ``full`` (under ``path``), against its declared type ``inner``: by case."""
+    origin = typing.get_origin(inner)
     if dataclasses.is_dataclass(inner):
-        _check_section(sub, inner, full, path)
-    elif typing.get_origin(inner) in (list, List):
-        _check_list(sub, inner, full)
-    elif typing.get_origin(inner) in (dict, Dict):
-        # OmegaConf reports a list or scalar here as "Cannot merge DictConfig with ListConfig" at <config>.
-        if sub is not None and not isinstance(sub, dict):
-            raise ConfigError(f"{full}: expected a mapping, got {type(sub).__name__} {sub!r:.80}.")
+        if isinstance(sub, dict):
+            _check_keys(sub, inner, full)
+        elif not (isinstance(sub, bool) and path == "passes") and sub is not None:  # passes.X: on/off shorthand
+            raise ConfigError(f"{full}: expected a mapping of {inner.__name__} options, got {sub!r:.80}.")
+    elif origin in (list, List):
+        if isinstance(sub, (list, tuple)):
+            (item_type,) = typing.get_args(inner) or (Any,)
+            for i, item in enumerate(sub):
+                _check_item(item, item_type, f"{full}[{i}]")
+        elif sub is not None and not (isinstance(sub, str) and full == "export.formats"):  # one name: a list of it
+            raise ConfigError(f"{full}: expected a list, got {type(sub).__name__} {sub!r:.80}.")
+    elif origin in (dict, Dict) and sub is not None and not isinstance(sub, dict):
+        raise ConfigError(f"{full}: expected a mapping, got {type(sub).__name__} {sub!r:.80}.")
     elif isinstance(inner, type) and issubclass(inner, Enum):
         _check_enum(sub, inner, full)
     elif inner is float:
         _check_float(sub, full)
-
-
-def _check_float(sub: Any, key: str) -> None:
-    """An integer given for a float must fit one: OmegaConf raises OverflowError raw, without the key."""
-    if isinstance(sub, int) and not isinstance(sub, bool):
-        try:
-            float(sub)
-        except OverflowError:
-            raise ConfigError(f"{key}: a {sub.bit_length()}-bit integer is too large for a float.") from None
-
-
-def _check_section(sub: Any, schema: type, full: str, path: str) -> None:
-    """A nested dataclass: a mapping of its keys (or null; or, under ``passes``, the on/off shorthand)."""
-    if isinstance(sub, dict):
-        _check_keys(sub, schema, full)
-    elif not (isinstance(sub, bool) and path == "passes") and sub is not None:
-        raise ConfigError(f"{full}: expected a mapping of {schema.__name__} options, got {sub!r:.80}.")
-
-
-def _check_list(sub: Any, list_type: Any, full: str) -> None:
-    """A list (or null; ``export.formats`` may be one name): each item with its index in the key."""
-    (item_type,) = typing.get_args(list_type) or (Any,)
-    if isinstance(sub, (list, tuple)):
-        for i, item in enumerate(sub):
-            _check_item(item, item_type, f"{full}[{i}]")
-    elif sub is not None and not (isinstance(sub, str) and full == "export.formats"):
-        raise ConfigError(f"{full}: expected a list, got {type(sub).__name__} {sub!r:.80}.")
 
 
 def _check_item(item: Any, item_type: Any, key: str) -> None:
@@ -240,7 +205,10 @@ def _check_item(item: Any, item_type: Any, key: str) -> None:
     if dataclasses.is_dataclass(item_type):
         if isinstance(item, dict):
             _check_keys(item, item_type, key)
-            _check_types(item, item_type, key)
+            try:  # its types too: OmegaConf's error names only the leaf ("name"), not the item's key
+                OmegaConf.merge(OmegaConf.structured(item_type), item)
+            except _MERGE_ERRORS as exc:
+                raise config_error(exc, prefix=key) from None
         elif not isinstance(item, str):
             raise ConfigError(
                 f"{key}: expected a name or a mapping with keys "
@@ -254,22 +222,20 @@ def _check_item(item: Any, item_type: Any, key: str) -> None:
         _check_float(item, key)
 
 
-def _check_types(value: Dict[str, Any], schema: type, path: str) -> None:
-    """Type-check a list item against its dataclass: OmegaConf's own error there names only the leaf
-    ("name: ..."), not the item ("passes.extra[0].name")."""
-    try:
-        OmegaConf.merge(OmegaConf.structured(schema), value)
-    except _MERGE_ERRORS as exc:
-        raise _from_omegaconf(exc, prefix=path) from None
+def _check_float(sub: Any, key: str) -> None:
+    """An integer given for a float must fit one: OmegaConf raises OverflowError raw, without the key."""
+    if isinstance(sub, int) and not isinstance(sub, bool):
+        try:
+            float(sub)
+        except OverflowError:
+            raise ConfigError(f"{key}: a {sub.bit_length()}-bit integer is too large for a float.") from None
 
 
-def _check_enum(value: Any, enum_type: type, path: str) -> None:
-    if isinstance(value, enum_type):
-        return
-    allowed = [m.name for m in enum_type]  # type: ignore[attr-defined]
-    if isinstance(value, str) and value in allowed:
-        return
-    raise ConfigError(f"{path}: invalid value {value!r}. Allowed: {', '.join(allowed)}.")
+def _check_enum(value: Any, enum_type: Any, path: str) -> None:
+    """OmegaConf's own message for a value that is not a name (a number, None, a list) does not list the names."""
+    allowed = [m.name for m in enum_type]
+    if not isinstance(value, enum_type) and not (isinstance(value, str) and value in allowed):
+        raise ConfigError(f"{path}: invalid value {value!r}. Allowed: {', '.join(allowed)}.")
 
 
 def _unwrap_optional(tp: Any) -> Any:
@@ -284,28 +250,9 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-# ------------------------------------------------------------------------------- OmegaConf's errors
-
-
 # OmegaConf wraps most failures in its own exceptions, but lets some through (OverflowError for a huge int
 # in a float field): none of them may escape load_config as anything but a ConfigError.
 _MERGE_ERRORS = (OmegaConfBaseException, ValueError, TypeError, OverflowError)
-
-
-def _from_omegaconf(exc: Exception, prefix: str = "", what: str = "") -> ConfigError:
-    if isinstance(exc, ConfigError):
-        return exc
-    key = getattr(exc, "full_key", None) or ""
-    if prefix:
-        key = f"{prefix}{key}" if key.startswith("[") else _join(prefix, key) if key else prefix
-    key = key or "<config>"
-    msg = getattr(exc, "msg", None) or str(exc)
-    msg = msg.split("\n")[0]
-    if what:
-        msg = f"{what}: {msg}"
-    value = getattr(exc, "value", None)
-    got = f" Got {value!r}." if value is not None and repr(value) not in msg else ""
-    return ConfigError(f"{key}: {msg}.{got}".replace("..", "."))
 
 
 # --------------------------------------------------------------------------------------- the user passes
@@ -332,16 +279,14 @@ def _typed_pass_options(extra: ExtraPassConfig, i: int) -> Dict[str, Any]:
     option_fields = {f.name for f in dataclasses.fields(spec.options_type)}
     for key in extra.options:
         if key not in option_fields:
-            raise ConfigError(
-                f"passes.extra[{i}].options.{key}: unknown option of pass {extra.name!r}; "
-                f"allowed: {', '.join(sorted(option_fields))}."
-            )
+            raise ConfigError(f"passes.extra[{i}].options.{key}: unknown option of pass {extra.name!r}; "
+                              f"allowed: {', '.join(sorted(option_fields))}.")
     prefix = f"passes.extra[{i}].options"
-    _check_keys(extra.options, spec.options_type, prefix)  # enums and huge ints, with the key
+    _check_keys(extra.options, spec.options_type, prefix)  # huge ints and shapes, with the key
     try:
         typed = OmegaConf.merge(OmegaConf.structured(spec.options_type), extra.options)
     except _MERGE_ERRORS as exc:
-        raise _from_omegaconf(exc, prefix=prefix) from None
+        raise config_error(exc, prefix=prefix) from None
     converted = OmegaConf.to_container(typed, enum_to_str=True)
     assert isinstance(converted, dict)
     return {key: converted[key] for key in extra.options}

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional
 
-from fx_lightning._imports import exception_text, import_object
+from fx_lightning._imports import exception_text, import_checked
+from fx_lightning.errors import OnError
 from fx_lightning.formats import FORMATS
 from fx_lightning.passes import DEFAULT_ORDER, USER_PASSES, builtin_passes
+from fx_lightning.parity.options import OnFailure, ParityConfig, ParityData
 from fx_lightning.variants import VARIANTS
-from fx_lightning.tolerance import DISCRETE_AGREEMENT, GATE_RTOL
 
 __all__ = [
     "TraceMode",
@@ -71,10 +72,6 @@ TraceMode = _str_enum("TraceMode", ["auto", "fx", "export"], "How the target is 
 WeightsSource = _str_enum("WeightsSource", ["last", "best"], "Which weights are fused: the last ones, or the "
                           "ModelCheckpoint's best checkpoint (loaded into a copy).")
 
-OnError = _str_enum("OnError", ["raise", "warn"], "What to do when a step fails: raise, or warn and carry on.")
-
-OnFailure = OnError  # parity.on_failure takes the same values
-
 # One member per export format record (fx_lightning/formats/), in load_fused's order of preference.
 ExportFormat = _str_enum("ExportFormat", FORMATS, "The export formats: " + ", ".join(FORMATS) + ".")
 
@@ -100,9 +97,6 @@ Strategy = _str_enum("Strategy", ["min_latency", "max_throughput"], (
 Traffic = _str_enum("Traffic", ["idle", "back_to_back"], (
     "How requests arrive, which decides the fastest artifact and its runtime settings: ``idle``: each after an idle "
     "gap (the runtime's threads have gone to sleep; sparse traffic), ``back_to_back``: one right after another."))
-
-ParityData = _str_enum("ParityData", ["auto", "val", "train", "example"], (
-    "Where parity batches come from. ``auto``: validation, else training data, else example_input_array."))
 
 # export.preprocess: what a client of the export sends (the raw input the prologue takes).
 InputDtype = _str_enum("InputDtype", ["uint8", "float32"], "The raw input's dtype: uint8 pixels or float32 values.")
@@ -135,11 +129,11 @@ class TraceConfig:
         import torch
 
         for i, path in enumerate(self.leaf_modules):
-            obj = _import_checked(path, f"leaf_modules[{i}]")
+            obj = import_checked(path, f"leaf_modules[{i}]")
             if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
                 raise ValueError(f"leaf_modules[{i}]: {path!r} is not a torch.nn.Module subclass.")
         for i, path in enumerate(self.autowrap_functions):
-            _import_checked(path, f"autowrap_functions[{i}]", callable_required=True)
+            import_checked(path, f"autowrap_functions[{i}]", callable_required=True)
         for i, path in enumerate(self.autowrap_modules):
             try:
                 if not path or path.startswith("."):
@@ -180,42 +174,6 @@ def _passes_schema() -> type:
 
 
 PassesConfig: Any = _passes_schema()
-
-
-@dataclass
-class ParityConfig:
-    enabled: bool = True
-    max_batches: int = 8
-    data: ParityData = ParityData.auto
-    # How to take the model input out of a batch: null = automatic (tensor; first item of a tuple/list;
-    # dict key x/input/inputs/image/images), a dict key, an integer index, or "pkg.module:function".
-    input: Optional[str] = None
-    # Gate: max|fused - ref| / max|ref| over all batches.
-    rtol: float = GATE_RTOL
-    min_cosine: float = 0.9999
-    min_top1_agreement: float = 0.999
-    # Allowed accuracy drop (fraction, 0.001 = 0.1 points) when labels are in the batch.
-    max_accuracy_drop: float = 0.001
-    # Discrete outputs (labels, masks, thresholded scores: integer, boolean, or only 0 and 1) are judged by the
-    # fraction of elements equal to the reference's: one value on the threshold must not count as a relative error of 1.
-    min_discrete_agreement: float = DISCRETE_AGREEMENT
-    on_failure: OnFailure = OnFailure["raise"]
-
-    def check(self) -> None:
-        """The gate's thresholds in range; an ``input`` import path imports to a callable."""
-        if self.max_batches < 1:
-            raise ValueError(f"max_batches: must be >= 1, got {self.max_batches}.")
-        for name in ("rtol", "max_accuracy_drop"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name}: must be a finite number >= 0, got {value}.")
-        for name in ("min_top1_agreement", "min_discrete_agreement"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}.")
-        if not -1.0 <= self.min_cosine <= 1.0:
-            raise ValueError(f"min_cosine: must be in [-1, 1], got {self.min_cosine}.")
-        if self.input is not None and ":" in self.input:
-            _import_checked(self.input, "input", callable_required=True)
 
 
 @dataclass
@@ -416,15 +374,3 @@ class FuseConfig:
                 "device training ran on), cpu, or a torch device such as cuda or cuda:1."
             ) from None
 
-
-def _import_checked(path: str, key: str, callable_required: bool = False) -> Any:
-    """The object at import path ``path``; a failure is a ``ValueError`` naming ``key`` (relative)."""
-    try:
-        obj = import_object(path)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{key}: cannot import {path!r}: {exc}.") from None
-    except Exception as exc:  # noqa: BLE001 - importing user code may raise anything; name the key
-        raise ValueError(f"{key}: cannot import {path!r}: {exception_text(exc)}.") from exc
-    if callable_required and not callable(obj):
-        raise ValueError(f"{key}: {path!r} is not callable.")
-    return obj

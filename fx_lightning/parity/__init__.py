@@ -11,11 +11,11 @@ Two levels are measured. On the *target* (the module that was fused): relative m
 model* (when ``whole_reference``/``whole_candidate`` are given, or the target itself when not): top-1
 agreement and, when the batch carries integer labels, the accuracy of each and the drop. Everything is
 compared in float64. ``metrics`` holds the metrics (functional core + Metric), ``compare`` the one comparison
-of an output with its reference (structure, then relative error), ``report`` the verdict's record, ``gate``
-measure / merge / judge.
+of an output with its reference (structure, then relative error), ``report`` the verdict's record, ``options`` the
+gate's thresholds and the ``parity`` config section, ``gate`` measure / merge / judge.
 
 This package's own namespace holds the low parts only (the comparison, the metrics, the report): the passes and
-capture use the comparison, and the config schema that ``gate`` reads is built from the passes.
+capture import the comparison through it, so it stays light; ``options`` and ``gate`` are imported by module name.
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ from fx_lightning.batches import (
     to_model,
 )
 from fx_lightning.calls import as_call, no_distribution_validation
-from fx_lightning.config import ParityConfig, load_config
 from fx_lightning.errors import ConfigError
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.compare import is_discrete, structure_mismatch
+from fx_lightning.parity.options import ParityConfig, load_parity
 from fx_lightning.tolerance import LOW_PRECISION_FACTOR
 from fx_lightning.parity.report import OutputError, ParityReport
 from fx_lightning.parity.metrics import (
@@ -61,7 +61,6 @@ __all__ = [
     "measure_parity",
     "merge_parity_states",
     "judge_parity",
-    "parity_config",
 ]
 
 # Why the gate failed: each names the metric, the value and the key that sets the threshold.
@@ -133,20 +132,13 @@ def check_parity(
 
     Nothing here changes a model's weights or training flags (the caller passes eval-mode models).
     """
-    pcfg = parity_config(cfg)
+    pcfg = load_parity(cfg)
     state = measure_parity(
         reference, candidate, batches, pcfg, whole_reference=whole_reference, whole_candidate=whole_candidate,
         input_rule=pcfg.input if input_rule is None else input_rule, label_rule=label_rule, source=source,
         notes=notes, precise_reference=precise_reference,
     )
     return judge_parity(state, pcfg)
-
-
-def parity_config(cfg: Union[ParityConfig, Mapping[str, Any], None]) -> ParityConfig:
-    """``cfg`` as a validated ParityConfig (a dict or None is loaded: these functions are entry points too)."""
-    if isinstance(cfg, ParityConfig):
-        return cfg
-    return load_config(parity=dict(cfg) if cfg is not None else None).parity
 
 
 # -------------------------------------------------------------------------------------------- measure
@@ -318,7 +310,7 @@ def measure_parity(
     runtime draws the same numbers), and a target whose every output is drawn at random fails. ``output_names`` and
     ``sample_axes`` (by position, as the signature has them; default ``output_<i>``, axis 0): what the per-output
     errors are called and along which axis an output's samples lie."""
-    cfg = parity_config(cfg)
+    cfg = load_parity(cfg)
     if whole_reference is not None and whole_candidate is None:
         raise ValueError("whole_candidate is required with whole_reference")
     device, dtype = model_device_dtype(reference if whole_reference is None else whole_reference)
@@ -432,7 +424,7 @@ def judge_parity(state: ParityState, cfg: Union[ParityConfig, Mapping[str, Any],
     ``lossy``: a model meant to differ (int8) is judged on cosine similarity, top-1 agreement and accuracy
     drop; its relative error is reported, not gated. ``config_key``: where the user sets the thresholds,
     named in the failures (``passes.quantize_int8`` for the int8 gate)."""
-    cfg = parity_config(cfg)
+    cfg = load_parity(cfg)
     report = ParityReport(passed=False, failures=list(state.failures), batches=state.batches, source=state.source,
                           notes=list(state.notes))
     if state.batches == 0 and not report.failures:

@@ -26,7 +26,7 @@ from fx_lightning.parity.report import ArtifactCheck
 from fx_lightning.export.sweep import recorded_batching
 from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
-from fx_lightning.serve.triton_config import MODEL_NAME
+from fx_lightning.serve.triton_config import int_at_least, model_name_at
 from fx_lightning.rows import with_rows
 
 # Without a recorded sweep: requests batched into one run, and seconds a batch waits to fill (0: none; a batch is
@@ -59,30 +59,20 @@ class ServeOptions:
     batching: str = ""  # where max_batch_size and batch_timeout came from (with_batching)
 
     def check(self) -> None:
-        for key, minimum in (("max_batch_size", 1), ("workers", 1), ("max_request_batch", 1), ("top_k", 0)):
+        int_at_least("serve max_batch_size", self.max_batch_size, 1, ", or None for the export's throughput sweep")
+        for key, minimum in (("workers", 1), ("max_request_batch", 1), ("top_k", 0)):
+            int_at_least(f"serve {key}", getattr(self, key), minimum)
+        int_at_least("serve threads", self.threads, 1, ", or None for the cores per worker")
+        wait = self.batch_timeout
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                                 or not 0 <= wait < math.inf):
+            raise ConfigError(f"serve batch_timeout: {wait!r}; allowed: a number of seconds >= 0 (0: a batch is what "
+                              "waits when the worker is free), or None for the export's sweep.")
+        for key in ("max_body_mb", "timeout"):
             value = getattr(self, key)
-            if value is None and key == "max_batch_size":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"serve {key}: {value!r}; allowed: an integer >= {minimum}"
-                                  + (", or None for the export's throughput sweep" if key == "max_batch_size" else "")
-                                  + ".")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ConfigError(f"serve threads: {self.threads!r}; allowed: an integer >= 1, or None for the cores "
-                              "per worker.")
-        for key in ("batch_timeout", "max_body_mb", "timeout"):
-            value = getattr(self, key)
-            if value is None and key == "batch_timeout":
-                continue
-            if key == "batch_timeout":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                    raise ConfigError(f"serve batch_timeout: {value!r}; allowed: a number of seconds >= 0 (0: a batch "
-                                      "is what waits when the worker is free), or None for the export's sweep.")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"serve {key}: {value!r}; allowed: a number > 0.")
-        if self.model_name is not None and not MODEL_NAME.match(self.model_name):
-            raise ConfigError(f"serve model_name: {self.model_name!r}; allowed: letters, digits, '_', '-' and '.', not "
-                              "starting with '.' or '-' (the name a Triton repository would give it).")
+        model_name_at("serve model_name", self.model_name, "the name a Triton repository would give it")
         if self.batch_timeout is not None and self.batch_timeout >= self.timeout:
             raise ConfigError(f"serve batch_timeout: {self.batch_timeout!r}; allowed: less than timeout "
                               f"({self.timeout!r} s, how long a request may wait).")

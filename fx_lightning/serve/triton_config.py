@@ -20,7 +20,7 @@ from fx_lightning.serve.contract import Contract
 
 __all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
            "contract_model", "MODEL_NAME", "default_model_name", "config_text", "config_json", "readme_text",
-           "describe"]
+           "describe", "int_at_least", "model_name_at"]
 
 # Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
 # batches beyond a few samples add latency and little throughput, and OpenVINO's backend runs every batch padded
@@ -329,14 +329,12 @@ class TritonOptions:
 
     def check(self) -> None:
         """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
-        if self.name is not None and not MODEL_NAME.match(self.name):
-            raise ConfigError(f"triton name: {self.name!r}; allowed: letters, digits, '_', '-' and '.', not starting "
-                              "with '.' or '-' (it names the model directories).")
-        _check_int("max_batch_size", self.max_batch_size, 0, optional=True)
-        _check_int("instances", self.instances, 1)
-        _check_int("max_queue_delay_us", self.max_queue_delay_us, 0, optional=True)
+        model_name_at("triton name", self.name, "it names the model directories")
+        int_at_least("triton max_batch_size", self.max_batch_size, 0, " or None")
+        int_at_least("triton instances", self.instances, 1)
+        int_at_least("triton max_queue_delay_us", self.max_queue_delay_us, 0, " or None")
         for size in self.preferred_batch_sizes or []:
-            _check_int("preferred_batch_sizes", size, 1)
+            int_at_least("triton preferred_batch_sizes", size, 1)
         if self.preferred_batch_sizes and self.max_batch_size is not None and \
                 max(self.preferred_batch_sizes) > self.max_batch_size:
             raise ConfigError(f"triton preferred_batch_sizes: {list(self.preferred_batch_sizes)}; allowed: "
@@ -371,9 +369,17 @@ class TritonOptions:
         return DEFAULT_MAX_QUEUE_DELAY_US if self.max_queue_delay_us is None else self.max_queue_delay_us
 
 
-def _check_int(key: str, value: object, minimum: int, optional: bool = False) -> None:
-    if value is None and optional:
+def model_name_at(key: str, value: Optional[str], why: str) -> None:
+    """``value`` a model name Triton takes, or None; else a ConfigError naming ``key`` (``why``: what the name is)."""
+    if value is not None and not MODEL_NAME.match(value):
+        raise ConfigError(f"{key}: {value!r}; allowed: letters, digits, '_', '-' and '.', not starting with '.' or '-' "
+                          f"({why}).")
+
+
+def int_at_least(key: str, value: object, minimum: int, or_none: str = "") -> None:
+    """``value`` an integer >= ``minimum`` (a bool is not one), or None where ``or_none`` (what None means, worded
+    for the message) is given; else a ConfigError naming ``key``, the value and what is allowed."""
+    if value is None and or_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"triton {key}: {value!r}; allowed: an integer >= {minimum}"
-                          + (" or None" if optional else "") + ".")
+        raise ConfigError(f"{key}: {value!r}; allowed: an integer >= {minimum}{or_none}.")

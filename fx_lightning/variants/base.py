@@ -18,7 +18,6 @@ point of accuracy.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Generic, List, Optional, Sequence, Tuple, Type,
@@ -32,6 +31,7 @@ from fx_lightning.calls import Call
 from fx_lightning.errors import PassError, raised_in_pass, require_inputs
 from fx_lightning.machine import CpuInfo
 from fx_lightning.notes import Note, NoteKind
+from fx_lightning.parity.options import GateThresholds, ParityConfig
 from fx_lightning.program import Program, export_program, signature_dims
 from fx_lightning.rows import rows_of, with_rows
 from fx_lightning.signature import Signature
@@ -46,14 +46,15 @@ VARIANT_STATIC = NoteKind("variant_static", "the {variant} model exports for the
 
 
 @dataclass
-class VariantOptions:
-    """Options every variant has: off by default, and the gate it must pass. A variant's own options subclass this."""
+class VariantOptions(GateThresholds):
+    """Options every variant has: off by default, and the gate it must pass (the thresholds parity has, with a lossy
+    model's defaults). A variant's own options subclass this."""
 
-    enabled: bool = False
+    min_cosine: float = 0.99
     min_top1_agreement: float = 0.99
     # A fraction: 0.005 = half a point of accuracy.
     max_accuracy_drop: float = 0.005
-    min_cosine: float = 0.99
+    enabled: bool = False
     # Made only where the CPU runs it natively (Variant.native_flags: int8 needs SIMD integer dot products, bf16
     # bf16 ones); elsewhere skipped with the reason. Where it is made, the selection times it against the fp32
     # artifacts and serves it only when it is faster. false: made and judged anyway (for another CPU).
@@ -68,19 +69,11 @@ class VariantOptions:
         to prove that making it runs. By default the same."""
         return self
 
-    def gate_of(self, parity: Any) -> Any:
-        """``parity`` (the exact model's gate, a ``ParityConfig``) with this variant's thresholds: the one gate a
-        lossy artifact is judged by."""
-        return dataclasses.replace(parity, min_cosine=self.min_cosine, min_top1_agreement=self.min_top1_agreement,
-                                   max_accuracy_drop=self.max_accuracy_drop)
-
-    def check(self) -> None:
-        if not 0.0 <= self.min_top1_agreement <= 1.0:
-            raise ValueError(f"min_top1_agreement: must be in [0, 1], got {self.min_top1_agreement}.")
-        if not -1.0 <= self.min_cosine <= 1.0:
-            raise ValueError(f"min_cosine: must be in [-1, 1], got {self.min_cosine}.")
-        if not math.isfinite(self.max_accuracy_drop) or self.max_accuracy_drop < 0:
-            raise ValueError(f"max_accuracy_drop: must be a finite number >= 0, got {self.max_accuracy_drop}.")
+    def gate_of(self, parity: ParityConfig) -> ParityConfig:
+        """``parity`` (the exact model's gate) with this variant's thresholds: the one gate a lossy artifact is
+        judged by."""
+        fields = dataclasses.fields(GateThresholds)
+        return dataclasses.replace(parity, **{f.name: getattr(self, f.name) for f in fields})
 
 
 @dataclass
