@@ -2,18 +2,19 @@
 (the examples, ``check.pt`` and the comparison: :mod:`.check`).
 
 :func:`prepare_export` checks what needs no work (formats available, the directory may be replaced, inputs
-usable); :func:`write_export` is the one export sequence: every format written into a staging directory and
-checked (:func:`write_formats`), then what the caller adds there (the pipeline adds the variants and the
-selection), then the :class:`~fx_lightning.export.manifest.Manifest`, and one rename into place (:mod:`.atomic`).
-:func:`export_fused` is that sequence for a fused model made by hand.
+usable); inside one staging directory (:mod:`.atomic`), :func:`write_formats` writes and checks every format and
+:func:`finish_export` writes the README, ``report.html`` and the
+:class:`~fx_lightning.export.manifest.Manifest`; the pipeline's export step adds its variants and selection
+between the two. :func:`write_export` is that sequence for a fused model made by hand (:func:`export_fused`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ from fx_lightning.provenance import Provenance
 from fx_lightning.rows import rows_of, with_rows
 from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, shape_problem, with_raw_input
 
-__all__ = ["Extension", "export_fused", "prepare_export", "write_export", "write_formats", "make_context",
+__all__ = ["export_fused", "prepare_export", "write_export", "export_errors", "finish_export", "write_formats", "make_context",
            "require_formats", "refuse_existing", "STATIC_EXPORT", "STATIC_SIZES", "NO_SAMPLE_AXIS", "static_note"]
 
 
@@ -100,37 +101,41 @@ def export_fused(
     return final
 
 
-# What a caller adds to an export being written (variants, the selection): the staging directory and the manifest
-# so far -> the manifest with its additions.
-Extension = Callable[[Path, Manifest], Manifest]
-
-
 def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: Any = None,
                  parity: Optional[ParityReport] = None, provenance: Optional[Provenance] = None,
-                 extend: Optional[Extension] = None, progress: Optional[Progress] = None) -> Manifest:
-    """The export sequence: the formats, then ``extend``'s additions, then ``report.html`` (what the manifest
-    holds, drawn) and the manifest, all in one staging directory renamed to ``final`` at the end, so the export
-    appears complete or not at all. Raises :class:`ExportError` (or the additions' own error) naming ``final``.
-    ``progress``: where each format says it was written and checked."""
-    progress = progress if progress is not None else Progress()
+                 progress: Optional[Progress] = None) -> Manifest:
+    """The export of a fused model made by hand: the formats, then ``report.html`` and the manifest, in one staging
+    directory renamed to ``final`` at the end (the pipeline's export adds its variants and selection between the
+    two: :func:`fx_lightning.pipeline.export_step.export`). Raises :class:`ExportError` naming ``final``."""
+    with export_errors(final), staging_directory(final) as staging:
+        manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance,
+                                 progress=progress)
+        finish_export(staging, manifest, final, progress)
+    return manifest
+
+
+@contextlib.contextmanager
+def export_errors(final: Path) -> Iterator[None]:
+    """Any failure inside the block as the export's: an fx-lightning error with ``final`` named in front, another
+    (a writer's or the filesystem's own) as an :class:`ExportError` naming it."""
     try:
-        with staging_directory(final) as staging:
-            manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance,
-                                     progress=progress)
-            if extend is not None:
-                manifest = extend(staging, manifest)
-                # The README lists the formats the additions kept too (variants).
-                (staging / "README.md").write_text(readme_text(manifest.formats), encoding="utf-8")
-                manifest.files.update(file_infos(staging, ["README.md"]))
-            with progress.step(f"{REPORT_NAME} and manifest.json"):
-                write_report(staging, manifest, title=f"fx-lightning export: {final.name}")
-                manifest.files.update(file_infos(staging, [REPORT_NAME]))
-                write_manifest(staging, manifest)
+        yield
     except FXLightningError as exc:
         raise exc.within(f"export to {final} failed")
     except Exception as exc:  # noqa: BLE001 - a writer's or the filesystem's own failure, with the directory named
         raise ExportError(f"export to {final} failed: {type(exc).__name__}: {exc}") from exc
-    return manifest
+
+
+def finish_export(staging: Path, manifest: Manifest, final: Path, progress: Optional[Progress] = None) -> None:
+    """The last files of an export in ``staging``: the README (every format kept, variants included), ``report.html``
+    (what the manifest holds, drawn) and the manifest itself."""
+    progress = progress if progress is not None else Progress()
+    (staging / "README.md").write_text(readme_text(manifest.formats), encoding="utf-8")
+    manifest.files.update(file_infos(staging, ["README.md"]))
+    with progress.step(f"{REPORT_NAME} and manifest.json"):
+        write_report(staging, manifest, title=f"fx-lightning export: {final.name}")
+        manifest.files.update(file_infos(staging, [REPORT_NAME]))
+        write_manifest(staging, manifest)
 
 
 def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path, *,
@@ -209,8 +214,8 @@ def refuse_existing(final: Path, overwrite: bool) -> None:
 def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, report: Any = None,
                   parity: Optional[ParityReport] = None, provenance: Optional[Provenance] = None,
                   progress: Optional[Progress] = None) -> Manifest:
-    """Write and check each configured format in ``staging``, then ``check.pt`` and the README; returns the
-    manifest (not written). A format that fails is dropped with its reason, or fails the export when
+    """Write and check each configured format in ``staging``, then ``check.pt``; returns the manifest (not
+    written: :func:`finish_export`). A format that fails is dropped with its reason, or fails the export when
     ``export.on_format_failure`` is ``raise``."""
     strict = config.export.on_format_failure is FormatFailure["raise"]
     progress = progress if progress is not None else Progress()
@@ -238,7 +243,6 @@ def write_formats(staging: Path, ctx: WriteContext, config: FuseConfig, *, repor
         raise ExportError("no format could be written: " + "; ".join(f"format {n!r}: {r}" for n, r in failed.items()),
                           fix="")
     write_check_file(staging, reference)
-    (staging / "README.md").write_text(readme_text(entries), encoding="utf-8")
     manifest = new_manifest(ctx, entries, config=to_container(config),
                             report=report.to_dict() if hasattr(report, "to_dict") else report, parity=parity,
                             provenance=provenance or Provenance())

@@ -1,8 +1,8 @@
 """The export step: every format (each loaded back and checked), the variants and the selection, written in one
 staging directory renamed into place once, and the notes the export's manifest gives the user.
 
-    export            the whole step                                                      -> Exported
-      write_formats (export.writer), add_variants, select_artifact: its parts
+    export            the whole step, one sequence in one staging directory             -> Exported
+      write_formats (export.writer), add_variants, select_artifact, finish_export (export.writer): its parts
 
 The variants are the verified fused model made lossy (int8, bf16: :mod:`fx_lightning.variants`): the variant's own
 model in the torch formats, each exported format's own variant beside it, each gated loaded back
@@ -25,7 +25,8 @@ from fx_lightning.export.prologue import eager_baseline
 from fx_lightning.export.selection import bench_export, select_by_strategy, with_selection
 from fx_lightning.export.sweep import REHEARSAL_SWEEP, SweepSettings
 from fx_lightning.export.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
-from fx_lightning.export.writer import prepare_export, write_export
+from fx_lightning.export.atomic import staging_directory
+from fx_lightning.export.writer import export_errors, finish_export, prepare_export, write_formats
 from fx_lightning.machine import cpu_info
 from fx_lightning.notes import Note, NoteKind
 from fx_lightning.parity.report import ParityReport
@@ -88,16 +89,16 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
                              signature=fused.signature, other_inputs=_other_inputs(fused), fixed=_fixed(fused),
                              no_program=_no_program(fused))
 
-    def variants_and_selection(staging: Path, manifest: Manifest) -> Manifest:
+    # The one export sequence, in one staging directory renamed into place at the end: the formats, the contract of
+    # raw inputs, the variants, the selection, then the README, report.html and the manifest.
+    with in_step(Step.export), export_errors(directory), staging_directory(directory) as staging:
+        manifest = write_formats(staging, ctx, config, report=fused.result.report, parity=parity,
+                                 provenance=provenance, progress=progress)
         manifest = raw_input.with_contract(manifest, fused.contract)
         manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal, progress=progress)
         if config.export.select is Selection.fastest:
             manifest = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal, progress=progress)
-        return manifest
-
-    with in_step(Step.export):
-        manifest = write_export(directory, ctx, config, report=fused.result.report, parity=parity,
-                                provenance=provenance, extend=variants_and_selection, progress=progress)
+        finish_export(staging, manifest, directory, progress)
     steps = [Step.export.value] + ([Step.variants.value] if manifest.variants else []) + (
         [Step.selection.value] if config.export.select is Selection.fastest else [])
     return Exported(directory, manifest, export_notes(manifest, rehearsal), steps)
