@@ -125,7 +125,7 @@ def ensure_sweep(directory: Path, console: Any, again: bool = False) -> Dict[str
     (or any, ``again``: the sweep taken on the machine as it is now) gets one first, in place (``fx-lightning bench
     --select --strategy max_throughput ...`` rewrites manifest.json; 5 to 10 minutes on 2 cores)."""
     from fx_lightning.export import read_manifest
-    from fx_lightning.export.sweep import recorded_batching
+    from fx_lightning.export.select.sweep import recorded_batching
 
     added = None
     if again or recorded_batching(read_manifest(directory)) is None:

@@ -17,7 +17,7 @@ from typing import List, Tuple
 
 def cpu_line() -> str:
     """The CPU (model, family and the flags that matter here, as the export records it) and the cores usable."""
-    from fx_lightning.machine import cpu_info
+    from fx_lightning.common.machine import cpu_info
 
     return f"CPU: {cpu_info().short()}, {len(os.sched_getaffinity(0))} cores"
 

@@ -1,5 +1,5 @@
 """The machine a benchmark ran on, in one line: CPU model, family and model number, the instruction-set flags
-that decide kernel speed (read by the library, :mod:`fx_lightning.machine`, which decides with them whether a
+that decide kernel speed (read by the library, :mod:`fx_lightning.common.machine`, which decides with them whether a
 lossy variant can be fast), and what torch dispatches to. Written beside every figure, because the project's
 machines do not all have the same CPU."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fx_lightning.machine import cpu_info
+from fx_lightning.common.machine import cpu_info
 
 
 def cpu_description() -> str:

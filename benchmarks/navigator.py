@@ -211,14 +211,14 @@ def _pick_runner(tool: str, model_name: str, pick: str, traffic: str, size: int,
         if pick == "min_latency":
             from fx_lightning import load_fused
             from fx_lightning.export import read_manifest
-            from fx_lightning.export.loader import selection_for
+            from fx_lightning.export.load.loader import selection_for
 
             module = load_fused(root, batch_size=1, traffic=traffic)
             chosen = selection_for(read_manifest(root), 1, traffic)
             label = _fx_label(dataclasses.asdict(chosen)) if chosen is not None else "default format"
         else:
             from fx_lightning.export import read_manifest
-            from fx_lightning.export.loader import load_artifact
+            from fx_lightning.export.load.loader import load_artifact
 
             assert fx_entry is not None
             module = load_artifact(root, read_manifest(root), fx_entry["format"], runtime=fx_entry.get("runtime", ""))

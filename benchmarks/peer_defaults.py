@@ -203,7 +203,7 @@ def int8_gate(kind: str, model_name: str, size: int) -> Dict[str, Any]:
     """The int8 peer against the fp32 model on the held-out split, one image at a time (the ONNX export has a
     fixed batch of 1), judged as fx-lightning's int8 gate judges its own variants."""
     from fx_lightning.parity.metrics import sample_cosine
-    from fx_lightning.tolerance import GATE_RTOL
+    from fx_lightning.common.tolerance import GATE_RTOL
     from fx_lightning.variants.base import VariantOptions
 
     run = _runner(kind, model_name, size, "back_to_back")
@@ -263,7 +263,7 @@ def worker(kind: str, model_name: str, size: int, calls: int, threads: int) -> D
             out[traffic] = 1e3 * statistics.median(times)
             if kind == "fx-lightning":
                 from fx_lightning.export import read_manifest
-                from fx_lightning.export.loader import selection_for
+                from fx_lightning.export.load.loader import selection_for
                 from serving import EXPORTS
 
                 manifest = read_manifest(EXPORTS / model_name)

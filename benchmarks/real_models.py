@@ -30,9 +30,9 @@ from fusion_helpers import randomize_batchnorms  # noqa: E402
 from zoo_models import ZOO  # noqa: E402
 
 import fx_lightning  # noqa: E402
-from fx_lightning.batches import flat_tensors  # noqa: E402
+from fx_lightning.common.batches import flat_tensors  # noqa: E402
 from fx_lightning.passes.bn_views import is_batchnorm_node  # noqa: E402
-from fx_lightning.report import reason_kind  # noqa: E402
+from fx_lightning.capture.fuse_report import reason_kind  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

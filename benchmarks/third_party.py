@@ -338,7 +338,7 @@ def check_call(fused: Any, eager: Any, fp64: Any, args: Any, kwargs: Any,
             if not names:
                 return row
             try:
-                from fx_lightning.calls import Call, value_at
+                from fx_lightning.common.calls import Call, value_at
                 call = Call(tuple(args), dict(kwargs))
                 named = {n: value_at(call, [(str(k), v) for k, v in steps]) for n, steps in names}
                 got = _seeded(lambda: fused(**named), 0)

@@ -11,10 +11,10 @@ from typing import Any
 
 from fx_lightning._version import __version__
 from fx_lightning.config import FuseConfig
-from fx_lightning.engine import FuseResult, fuse
+from fx_lightning.pipeline.engine import FuseResult, fuse
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ParityError, PassError, TraceError
 from fx_lightning.passes import register_pass
-from fx_lightning.report import FuseReport
+from fx_lightning.capture.fuse_report import FuseReport
 
 __all__ = [
     "FXFuseCallback",
@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
 
         return FXFuseCallback
     if name == "load_fused":
-        from fx_lightning.export.loader import load_fused
+        from fx_lightning.export.load.loader import load_fused
 
         return load_fused
     if name == "fuse_and_export":

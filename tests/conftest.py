@@ -45,7 +45,7 @@ os.environ["FX_LIGHTNING_CPUINFO"] = str(_FAKE_CPUINFO_FILE)
 
 @pytest.fixture(autouse=True)
 def _fake_cpu(monkeypatch):
-    from fx_lightning.machine import CPUINFO_ENV
+    from fx_lightning.common.machine import CPUINFO_ENV
 
     monkeypatch.setenv(CPUINFO_ENV, str(_FAKE_CPUINFO_FILE))
     yield

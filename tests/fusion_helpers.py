@@ -103,13 +103,13 @@ def count_bn_modules(module: nn.Module) -> int:
 
 
 def dropout_nodes(gm: fx.GraphModule) -> int:
-    from fx_lightning.report import graph_stats
+    from fx_lightning.capture.fuse_report import graph_stats
 
     return graph_stats(gm).dropouts
 
 
 def stats(gm: fx.GraphModule) -> Dict[str, int]:
-    from fx_lightning.report import graph_stats
+    from fx_lightning.capture.fuse_report import graph_stats
 
     s = graph_stats(gm)
     return {"nodes": s.nodes, "batchnorms": s.batchnorms, "dropouts": s.dropouts, "parameters": s.parameters}
@@ -118,7 +118,7 @@ def stats(gm: fx.GraphModule) -> Dict[str, int]:
 def foldable_after_conv(model: nn.Module) -> set:
     """Names of BN nodes that directly follow a conv whose output has exactly one user (independent of
     the passes: computed on a fresh capture of the model)."""
-    from fx_lightning.capture import capture
+    from fx_lightning.capture.graph import capture
     from fx_lightning.config import TraceConfig
     from fx_lightning.passes.bn_views import Layer, match_layer
 

@@ -21,11 +21,11 @@ from lightning.pytorch.loggers import CSVLogger
 from export_helpers import REPO, clean_env
 from fusion_helpers import rel_err
 from fx_lightning import ExportError, FXFuseCallback, fuse, load_fused
-from fx_lightning.calls import Call, plain, tree_of, tree_of_call
+from fx_lightning.common.calls import Call, plain, tree_of, tree_of_call
 from fx_lightning.export.manifest import read_manifest
-from fx_lightning.export.writer import export_fused
+from fx_lightning.export.write.writer import export_fused
 from fx_lightning.config import load_config
-from fx_lightning.signature import DimKind
+from fx_lightning.signature.signature import DimKind
 import model_patterns as mp
 
 # ----------------------------------------------------------------------------------------- unseen inputs
@@ -105,7 +105,7 @@ FRESH = textwrap.dedent('''
         assert full != repo and not full.startswith(os.path.join(repo, "tests")), full
     import torch
     from fx_lightning import load_fused
-    from fx_lightning.calls import plain  # containers and distributions as plain ones: they load without classes
+    from fx_lightning.common.calls import plain  # containers and distributions as plain ones: they load without classes
     job = torch.load(job_path, weights_only=True)
     model = load_fused(job["dir"], job["format"] or None)
     outs = []

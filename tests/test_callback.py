@@ -18,7 +18,7 @@ from fx_lightning import ConfigError, ExportError, FXFuseCallback, ParityError, 
 from fx_lightning.callback.ranks import WEIGHTS
 from fx_lightning.pipeline.inputs import OBSERVED_CALLS
 from fx_lightning.callback.trainer_data import BATCHES_READ, NO_VALIDATION_DATA
-from fx_lightning.provenance import TrainerCounters
+from fx_lightning.common.provenance import TrainerCounters
 
 
 class Snapshot(pl.Callback):

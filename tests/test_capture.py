@@ -8,7 +8,7 @@ from torch import nn
 
 from fusion_helpers import assert_exact, count_batchnorms, fingerprint, randomize_batchnorms
 from fx_lightning import TraceError, fuse
-from fx_lightning.capture import CAPTURE_FELL_BACK
+from fx_lightning.capture.graph import CAPTURE_FELL_BACK
 
 
 class DataDependent(nn.Module):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fx_lightning.parity.compare import compare_outputs
-from fx_lightning.tolerance import ROUNDING_RTOL, RUNTIME_FACTOR, rounding_tolerance
+from fx_lightning.common.tolerance import ROUNDING_RTOL, RUNTIME_FACTOR, rounding_tolerance
 
 
 def test_equal_outputs_pass_with_their_dtypes_rounding() -> None:

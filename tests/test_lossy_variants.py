@@ -19,10 +19,10 @@ from fusion_helpers import randomize_batchnorms, real_cpu_has, reference_fp64, r
 from fx_lightning import load_fused
 from fx_lightning.config import load_config
 from fx_lightning.export import read_manifest
-from fx_lightning.export.loader import selection_for
+from fx_lightning.export.load.loader import selection_for
 from fx_lightning.export.manifest import ArtifactCheck, BenchTable, Manifest, Timing
-from fx_lightning.export.selection import select_all, select_fastest, with_selection
-from fx_lightning.machine import CPUINFO_ENV, cpu_info
+from fx_lightning.export.select.selection import select_all, select_fastest, with_selection
+from fx_lightning.common.machine import CPUINFO_ENV, cpu_info
 from fx_lightning.parity.gate import GATE_MISSED
 from fx_lightning.variants import BF16, INT8
 from fx_lightning.variants.int8 import FLOAT_LAYERS

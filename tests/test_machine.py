@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fx_lightning.machine import CpuInfo, cpu_info, parse_cpuinfo
+from fx_lightning.common.machine import CpuInfo, cpu_info, parse_cpuinfo
 from fx_lightning.variants import BF16, INT8
 
 ZEN1 = "flags\t\t: fpu sse2 avx avx2 fma"

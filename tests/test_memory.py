@@ -25,7 +25,7 @@ import torchvision
 from torch import nn
 
 import fx_lightning
-import fx_lightning.capture as capture_mod
+import fx_lightning.capture.graph as capture_mod
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_X = 2.5
@@ -101,7 +101,7 @@ def test_working_copy_is_freed_before_fuse_returns(mode: str, monkeypatch: pytes
         refs.extend(weakref.ref(t) for t in _tensors(working))
         return working
 
-    import fx_lightning.engine as engine_mod
+    import fx_lightning.pipeline.engine as engine_mod
 
     monkeypatch.setattr(capture_mod, "eval_copy", recording_eval_copy)
     monkeypatch.setattr(engine_mod, "eval_copy", recording_eval_copy)  # fuse() makes the working copy
@@ -130,7 +130,7 @@ def test_working_copy_is_freed_before_fuse_returns(mode: str, monkeypatch: pytes
 def test_replaced_constant_weights_are_freed_as_they_are_replaced() -> None:
     """Functional/ATen layers (export capture) get new get_attr weights; the old ones go at once, not at
     the end of the pass, and a weight another node still reads stays."""
-    from fx_lightning.capture import capture
+    from fx_lightning.capture.graph import capture
     from fx_lightning.config import TraceConfig
     from fx_lightning.passes.bn_views import Layer, apply_layer_weights, match_layer
 

@@ -158,7 +158,7 @@ class _Labels(nn.Module):
 def test_min_discrete_agreement_reaches_the_artifacts_checks(tmp_path):
     """Item 3: the export's round trip, the selection and the server used a constant 0.999 for discrete outputs,
     whatever parity.min_discrete_agreement said."""
-    from fx_lightning.export.selection import check_entry
+    from fx_lightning.export.select.selection import check_entry
 
     labels = (torch.arange(200) % 3 == 0).long()
     reference = Reference([(torch.zeros(200, 2),)], [[labels]], 0.0)
@@ -204,7 +204,7 @@ def test_a_lossy_artifact_that_fails_on_check_pt_is_never_selected(tmp_path, mon
     verdict at export, so `bench --select` on another machine could pick, and load_fused load, an artifact that
     does not run there."""
     from fx_lightning.config import load_config
-    from fx_lightning.export import selection
+    from fx_lightning.export.select import selection
     from fx_lightning.pipeline import Batches, fuse_verify_export
 
     torch.manual_seed(0)
@@ -240,7 +240,7 @@ def test_serve_takes_every_dtype_the_export_states() -> None:
 
     import numpy as np
 
-    from fx_lightning.dtypes import DTYPES
+    from fx_lightning.common.dtypes import DTYPES
     from fx_lightning.export.manifest import TensorSpec
     from fx_lightning.serve.contract import Contract
 
@@ -260,7 +260,7 @@ def test_a_triton_repository_is_replaced_all_or_nothing(tmp_path, monkeypatch):
     repository half new, and a failed second rename lost the old model."""
     from fx_lightning import fuse_and_export
     from fx_lightning.config import ExportFormat, FuseConfig
-    from fx_lightning.export import atomic
+    from fx_lightning.export.write import atomic
     from fx_lightning.serve import triton
 
     torch.manual_seed(0)
@@ -313,7 +313,7 @@ def test_other_ranks_get_the_export_path_only_after_rank_zero_wrote_it(tmp_path,
     import torch.distributed as dist
 
     from fx_lightning.config import FuseConfig
-    from fx_lightning.export.writer import export_fused
+    from fx_lightning.export.write.writer import export_fused
 
     waited = []
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fx_lightning.notes import TEXT, Note, NoteKind, unique_notes
+from fx_lightning.common.notes import TEXT, Note, NoteKind, unique_notes
 from fx_lightning.pipeline.export_step import FORMAT_NOT_EXPORTED
 from fx_lightning.pipeline.steps import PARITY_DISABLED
 

@@ -216,7 +216,7 @@ def test_an_export_of_format_version_1_still_loads() -> None:
 def test_variants_and_selection_are_written_before_the_rename(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torchao")
-    from fx_lightning.export import atomic
+    from fx_lightning.export.write import atomic
 
     seen: List[Dict[str, Any]] = []
     real_rename = os.rename
@@ -321,7 +321,7 @@ def test_mappings_of_any_kind_carry_their_tensors_to_the_model() -> None:
     """Hugging Face's BatchEncoding is a UserDict: its tensors must still be moved and cast."""
     from collections import UserDict
 
-    from fx_lightning.batches import to_model
+    from fx_lightning.common.batches import to_model
 
     moved = to_model(UserDict({"pixel_values": torch.ones(2, 3)}), None, torch.float64)
     assert moved["pixel_values"].dtype == torch.float64
@@ -329,7 +329,7 @@ def test_mappings_of_any_kind_carry_their_tensors_to_the_model() -> None:
 
 def test_a_richer_version_1_export_still_loads_with_its_notes_and_variants() -> None:
     """tests/data/export_v1_rich (make_export_v1_rich.py): notes, parity notes, a failed int8 gate, provenance."""
-    from fx_lightning.notes import TEXT
+    from fx_lightning.common.notes import TEXT
 
     root = DATA / "export_v1_rich"
     manifest = read_manifest(root)
@@ -357,7 +357,7 @@ def test_a_richer_version_1_export_still_loads_with_its_notes_and_variants() -> 
 
 def test_the_selection_is_written_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """As the variants test above, with the selection alone (no torchao needed)."""
-    from fx_lightning.export import atomic
+    from fx_lightning.export.write import atomic
 
     at_rename: List[Dict[str, Any]] = []
     real_rename = os.rename

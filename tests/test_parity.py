@@ -12,10 +12,10 @@ from torch import nn
 
 import lightning_helpers as H
 from fx_lightning import ConfigError, fuse
-from fx_lightning.batches import extract_input, extract_labels
+from fx_lightning.common.batches import extract_input, extract_labels
 from fx_lightning.parity import ParityReport, RelativeMaxError
 from fx_lightning.parity.gate import check_parity
-from fx_lightning.notes import TEXT
+from fx_lightning.common.notes import TEXT
 from fx_lightning.parity.gate import GATE_MISSED, NO_BATCHES, OUTPUT_STRUCTURE
 
 

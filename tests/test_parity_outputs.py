@@ -16,7 +16,7 @@ from lightning_helpers import fp64_copy
 from fx_lightning import FuseConfig, fuse_and_export, load_fused
 from fx_lightning.config.schema import ExportFormat
 from fx_lightning.export import read_manifest
-from fx_lightning.export.report_html import figures, render_report
+from fx_lightning.export.write.report_html import figures, render_report
 from fx_lightning.parity.report import OutputError, ParityReport
 
 

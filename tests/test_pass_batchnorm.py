@@ -19,7 +19,7 @@ from fusion_helpers import (
     reference_fp64,
 )
 from fx_lightning import fuse
-from fx_lightning.capture import CAPTURE_PREFERRED_EXPORT
+from fx_lightning.capture.graph import CAPTURE_PREFERRED_EXPORT
 from fx_lightning.passes.fold_math import bn_scale_shift, fold_bn_into_input, fold_bn_into_output
 
 MODES = ["fx", "export"]
@@ -449,7 +449,7 @@ def test_fused_modules_are_plain_and_frozen():
 
 
 def test_matchers_return_the_view_a_typed_refusal_or_none():
-    from fx_lightning.capture import capture
+    from fx_lightning.capture.graph import capture
     from fx_lightning.config import TraceConfig
     from fx_lightning.passes.bn_views import BatchNorm, Layer, Refused, match_bn, match_layer
 

@@ -25,7 +25,7 @@ from fusion_helpers import real_cpu_has, randomize_batchnorms, rel_err
 from fx_lightning import ConfigError, FXFuseCallback, fuse_and_export, load_fused
 from fx_lightning.config import load_config
 from fx_lightning.export import read_manifest
-from fx_lightning.export.input_contract import LABELS_IGNORED, PREPROCESS_COMPILED, PREPROCESS_PROPOSED
+from fx_lightning.export.write.input_contract import LABELS_IGNORED, PREPROCESS_COMPILED, PREPROCESS_PROPOSED
 from fx_lightning.export.check import read_check_file
 from fx_lightning.pipeline.raw_input import RAW_PATH_PASSED
 

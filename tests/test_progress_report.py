@@ -29,8 +29,8 @@ from fx_lightning.callback.progress_bar import RichProgress, TqdmProgress, progr
 from fx_lightning.cli import main as cli_main
 from fx_lightning.export import read_manifest
 from fx_lightning.export.progress import LineProgress, Progress, quiet_libraries, times_text
-from fx_lightning.export.report_html import REPORT_NAME, figures, render_report
-from fx_lightning.export.sweep import SweepSettings, module_runner
+from fx_lightning.export.write.report_html import REPORT_NAME, figures, render_report
+from fx_lightning.export.select.sweep import SweepSettings, module_runner
 from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.pipeline import export_step
 

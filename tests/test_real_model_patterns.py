@@ -14,8 +14,8 @@ from torch import nn
 
 from fusion_helpers import assert_exact, count_batchnorms, fingerprint, randomize_batchnorms
 from fx_lightning import ConfigError, TraceError, fuse
-from fx_lightning.capture import CAPTURE_FELL_BACK
-from fx_lightning.engine import NO_EXAMPLE_INPUTS
+from fx_lightning.capture.graph import CAPTURE_FELL_BACK
+from fx_lightning.pipeline.engine import NO_EXAMPLE_INPUTS
 
 
 def fused(model: nn.Module, x: torch.Tensor, config: Any = None, tol: float = 1e-5) -> Any:

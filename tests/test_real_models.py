@@ -22,8 +22,8 @@ from torch import nn
 from fusion_helpers import fingerprint, randomize_batchnorms, rel_err
 from zoo_models import ZOO
 from fx_lightning import fuse
-from fx_lightning.capture import CAPTURE_FELL_BACK
-from fx_lightning.batches import flat_tensors
+from fx_lightning.capture.graph import CAPTURE_FELL_BACK
+from fx_lightning.common.batches import flat_tensors
 from fx_lightning.parity.compare import structure_mismatch
 from fx_lightning.passes.bn_views import is_batchnorm_node
 

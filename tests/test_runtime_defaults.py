@@ -17,9 +17,9 @@ import torch
 
 from fx_lightning import load_fused
 from fx_lightning.export import bench_export, read_manifest
-from fx_lightning.export.loader import runtime_for
+from fx_lightning.export.load.loader import runtime_for
 from fx_lightning.export.manifest import Selected
-from fx_lightning.export.selection import record_selection, select_fastest
+from fx_lightning.export.select.selection import record_selection, select_fastest
 from fx_lightning.formats import FORMATS
 from fx_lightning.formats.base import RUNTIME_DEFAULTS
 from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
@@ -48,7 +48,7 @@ def _copy(export_dir: Path, tmp_path: Path) -> Path:
 def _fake_timings(monkeypatch: pytest.MonkeyPatch, ms: Dict[Candidate, float]) -> List[Candidate]:
     """The selection's shared bench and its own-process finalists report ``ms`` per candidate (artifact, runtime
     settings), in both traffics, instead of timing anything; returns the list the own-process candidates go to."""
-    from fx_lightning.export import selection
+    from fx_lightning.export.select import selection
 
     alone: List[Candidate] = []
 
@@ -162,7 +162,7 @@ def test_every_artifact_is_timed_alone_with_the_runtimes_defaults(export_dir, tm
     bf16 ran 7.4 ms there and 1.4-1.8 ms alone, mobilenet_v3_large on a Zen 5), too far to be a finalist; every
     artifact a runtime runs with its own defaults is timed alone anyway, with all its settings, and OpenVINO's
     defaults, the fastest alone, are picked."""
-    from fx_lightning.export import selection
+    from fx_lightning.export.select import selection
 
     root = _copy(export_dir, tmp_path)
     shared = {("onnx", ""): 1.0, ("onnx", "spinning"): 1.1, ("onnx", RUNTIME_DEFAULTS): 10.0,
@@ -197,7 +197,7 @@ def test_the_finalists_are_artifacts_not_settings(export_dir, tmp_path, monkeypa
     """Three settings of one artifact took every finalist's place (mobilenet_v3_large, Zen 5: ONNX Runtime's three
     settings, and OpenVINO bf16, whose defaults ran 1.4 ms back to back alone against 2.8 for the pick, was never
     timed alone): the finalists are the fastest artifacts, each timed alone with every one of its settings."""
-    from fx_lightning.export import selection
+    from fx_lightning.export.select import selection
 
     root = _copy(export_dir, tmp_path)
     shared = {("onnx", ""): 1.0, ("onnx", "spinning"): 1.05, ("onnx", RUNTIME_DEFAULTS): 1.1,

@@ -15,7 +15,7 @@ from torch import nn
 from fusion_helpers import count_bn_modules, fingerprint, randomize_batchnorms, rel_err
 from zoo_sequence_models import SEQUENCE_ZOO
 from fx_lightning import fuse
-from fx_lightning.batches import flat_tensors
+from fx_lightning.common.batches import flat_tensors
 from fx_lightning.parity.compare import structure_mismatch
 
 # What stands in the way of a fold, in the words of the reasons: each side of every BatchNorm left names one.

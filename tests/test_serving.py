@@ -23,7 +23,7 @@ from fx_lightning import ExportError, load_fused
 from fx_lightning.config import load_config
 from fx_lightning.export import read_manifest
 from fx_lightning.export.manifest import ArtifactCheck
-from fx_lightning.export.selection import BenchTable, Timing, bench_export, select_fastest
+from fx_lightning.export.select.selection import BenchTable, Timing, bench_export, select_fastest
 from fx_lightning.parity.gate import GATE_MISSED
 from fx_lightning.pipeline import Batches, fuse_verify_export
 from fx_lightning.pipeline.export_step import SELECTED, VARIANT_MISSED, VARIANT_PASSED
@@ -310,7 +310,7 @@ def test_each_candidate_is_timed_after_an_idle_gap_and_then_back_to_back(tmp_pat
     whose threads went to sleep pays a wake-up on the next call: every candidate (each artifact with each of its
     format's runtime settings) is called once after the idle gap and once right after, and both traffics are
     recorded."""
-    from fx_lightning.export import selection, timing
+    from fx_lightning.export.select import selection, timing
 
     outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["pt2", "onnx"]})
     events = []
@@ -335,7 +335,7 @@ def test_the_finalists_are_timed_each_in_a_process_of_its_own(tmp_path, monkeypa
     """Runtimes in one process steal each other's cores (ONNX Runtime ran 1.4-1.6x slower in the shared bench than
     alone) and a near tie in the shared bench went to the slower artifact: the fastest passing artifacts are timed
     again each in a fresh process, and those timings decide."""
-    from fx_lightning.export import selection
+    from fx_lightning.export.select import selection
 
     outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["graph_module", "pt2"]})
     monkeypatch.setattr(selection, "FINALIST_WITHIN", float("inf"))  # both are finalists, whatever their speed
@@ -395,7 +395,7 @@ def test_the_finalists_processes_take_turns_so_the_hosts_drift_lands_on_all(tmp_
     ties (ONNX Runtime with spinning threads: 4.2 ms interleaved against 4.5-5.2 ms without, yet 7.4 against 6.9 ms
     timed a minute apart). Their processes now take turns, one running at a time: on a host that slows steadily,
     three equally fast candidates come out several times closer than in one turn each (the old way)."""
-    from fx_lightning.export import timing
+    from fx_lightning.export.select import timing
 
     worker = tmp_path / "worker.py"
     worker.write_text(DRIFTING_WORKER)
@@ -424,7 +424,7 @@ def test_the_finalists_processes_take_turns_so_the_hosts_drift_lands_on_all(tmp_
 
 
 def test_a_finalist_process_that_dies_between_turns_says_why_and_the_others_are_timed(tmp_path, monkeypatch):
-    from fx_lightning.export import timing
+    from fx_lightning.export.select import timing
 
     worker = tmp_path / "worker.py"
     worker.write_text(DRIFTING_WORKER)
@@ -441,7 +441,7 @@ def test_a_finalist_process_that_dies_between_turns_says_why_and_the_others_are_
 
 
 def test_a_finalist_that_fails_alone_keeps_its_shared_timing_and_says_why(tmp_path, monkeypatch):
-    from fx_lightning.export import selection
+    from fx_lightning.export.select import selection
 
     outcome = _export(SmallNet(), tmp_path / "exp", export={"formats": ["graph_module", "pt2"]})
     monkeypatch.setattr(selection, "FINALIST_WITHIN", float("inf"))

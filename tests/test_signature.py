@@ -14,11 +14,11 @@ from torch import nn
 import fx_lightning
 from fusion_helpers import randomize_batchnorms, rel_err
 from fx_lightning import ExportError, fuse, load_fused
-from fx_lightning.calls import Call, tree_of
+from fx_lightning.common.calls import Call, tree_of
 from fx_lightning.config import load_config
 from fx_lightning.export.manifest import read_manifest
-from fx_lightning.export.writer import export_fused
-from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, shape_problem
+from fx_lightning.export.write.writer import export_fused
+from fx_lightning.signature.signature import DimKind, Observed, Signature, derive_signature, shape_problem
 
 
 def _run(model: nn.Module) -> Any:

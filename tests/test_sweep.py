@@ -1,4 +1,4 @@
-"""The throughput sweep (export/sweep.py), the selection strategies (export/selection.py) and the batching that
+"""The throughput sweep (export/select/sweep.py), the selection strategies (export/select/selection.py) and the batching that
 ``fx-lightning serve`` and the Triton repository take from the sweep.
 
 The algorithm is tested with fake runners (a throughput that saturates, windows that disagree, a batch size that
@@ -22,12 +22,12 @@ from fx_lightning.cli import main as cli_main
 from fx_lightning.config import load_config
 from fx_lightning.errors import ConfigError
 from fx_lightning.export import read_manifest
-from fx_lightning.export.loader import selection_for
+from fx_lightning.export.load.loader import selection_for
 from fx_lightning.export.manifest import (ArtifactCheck, BenchTable, Manifest, Sweep, SweepPoint, Timing,
                                          replace_manifest)
-from fx_lightning.export.selection import (select_all, select_by_strategy, select_max_throughput, sweep_candidates,
-                                           with_selection)
-from fx_lightning.export.sweep import SweepSettings, measure_batch_size, recorded_batching, sweep
+from fx_lightning.export.select.selection import (select_all, select_by_strategy, select_max_throughput,
+                                                  sweep_candidates, with_selection)
+from fx_lightning.export.select.sweep import SweepSettings, measure_batch_size, recorded_batching, sweep
 from fx_lightning.pipeline import Batches, fuse_verify_export
 from fx_lightning.serve.triton_python import STRATEGY_PARAMETER, selection_options
 from fx_lightning.serve.artifact import DEFAULT_BATCH_TIMEOUT, DEFAULT_MAX_BATCH_SIZE, ServeOptions, artifact_for
@@ -99,7 +99,7 @@ def test_the_sweep_stops_where_the_artifact_raises_and_keeps_what_it_measured() 
 def test_the_time_limit_counts_the_sweeps_own_steps_not_the_turns_between(monkeypatch) -> None:
     """Sweeps in processes of their own take turns a batch size at a time (timing.py), so a sweep waits while the
     others measure: that wait is not its time. Its own measuring still stops it at the limit."""
-    from fx_lightning.export import sweep as sweep_mod
+    from fx_lightning.export.select import sweep as sweep_mod
 
     now = [0.0]
     monkeypatch.setattr(sweep_mod.time, "perf_counter", lambda: now[0])

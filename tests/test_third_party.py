@@ -273,7 +273,7 @@ def test_a_model_that_runs_at_its_batch_size_only_is_exported_for_it_without_con
 
     from fx_lightning import FXFuseCallback, load_fused
     from fx_lightning.export import read_manifest
-    from fx_lightning.export.writer import STATIC_EXPORT
+    from fx_lightning.export.write.writer import STATIC_EXPORT
 
     model = H.LitClassifier(backbone=EnsembleBackbone())
     cb = FXFuseCallback()  # zero configuration

@@ -26,7 +26,7 @@ from fusion_helpers import (  # noqa: E402
     count_batchnorms, fingerprint, foldable_after_conv, randomize_batchnorms, rel_err, reference_fp64,
 )
 from fx_lightning import fuse  # noqa: E402
-from fx_lightning.calls import map_leaves  # noqa: E402
+from fx_lightning.common.calls import map_leaves  # noqa: E402
 from fx_lightning.parity.compare import structure_mismatch  # noqa: E402
 
 FAMILIES = [

@@ -26,11 +26,11 @@ from fx_lightning.callback.progress_bar import progress_for
 from fx_lightning.callback.ranks import fuse_after_fit, unsupported_strategy
 from fx_lightning.callback.trainer_data import checkpoint_message
 from fx_lightning.config import ExportConfig, FuseConfig, OnError, ParityConfig, PassesConfig, TraceConfig, load_config
-from fx_lightning.engine import FuseResult
+from fx_lightning.pipeline.engine import FuseResult
 from fx_lightning.errors import ConfigError, FXLightningError
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import Failure, Outcome, summary_text
-from fx_lightning.provenance import PreflightReport
+from fx_lightning.common.provenance import PreflightReport
 from fx_lightning.tracking import LoggedExport
 
 __all__ = ["FXFuseCallback"]
@@ -53,7 +53,7 @@ class FXFuseCallback(Callback):
         FXFuseCallback(weights="best", parity={"max_batches": 16, "rtol": 1e-5},
                        export={"formats": ["graph_module"]}, on_error="warn")
 
-    After fit: ``result`` (:class:`~fx_lightning.engine.FuseResult`), ``parity_report``
+    After fit: ``result`` (:class:`~fx_lightning.pipeline.engine.FuseResult`), ``parity_report``
     (:class:`~fx_lightning.parity.ParityReport`), ``export_dir`` (Path or None), ``mlflow``
     (:class:`~fx_lightning.tracking.LoggedExport` when it was logged into the Trainer's MLFlowLogger run),
     ``outcome`` (everything the pipeline did), ``summary`` (str); before it, ``preflight`` (what was proven).

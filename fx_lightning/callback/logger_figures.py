@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.trainer_data import METRIC_PREFIX, fuse_metrics, log_metrics
 from fx_lightning.export.manifest import Manifest
-from fx_lightning.export.report_html import REPORT_NAME, sweep_series, sweep_svg
+from fx_lightning.export.write.report_html import REPORT_NAME, sweep_series, sweep_svg
 from fx_lightning.pipeline import Outcome, summary_text
 
 __all__ = ["log_outcome", "outcome_metrics", "plots", "ARTIFACT_PATH"]

@@ -15,7 +15,7 @@ from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError
-from fx_lightning.notes import NoteKind
+from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import Failure, Outcome, Step, exchange_failure
 from fx_lightning.tracking import LoggedExport, MlflowRun, check_destination, log_export
 

@@ -24,13 +24,13 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from fx_lightning.batches import detached, extract_labels, loader_sample_counts
-from fx_lightning.calls import Call, tree_of_call
+from fx_lightning.common.batches import detached, extract_labels, loader_sample_counts
+from fx_lightning.common.calls import Call, tree_of_call
 from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, first_loader
-from fx_lightning.capture import is_compiled_module
+from fx_lightning.capture.graph import is_compiled_module
 from fx_lightning.config import FuseConfig, ParityData
 from fx_lightning.errors import ConfigError
-from fx_lightning.notes import NoteKind
+from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import Observations, ObservedStep, calibration_batch_count, resolve_target
 
 __all__ = ["CallRecorder", "TARGET_CALLED_BY_STEPS", "NOT_OBSERVED"]

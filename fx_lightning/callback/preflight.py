@@ -27,19 +27,19 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import lightning.pytorch as pl
 import torch
 
-from fx_lightning.batches import extract_input, flat_tensors
+from fx_lightning.common.batches import extract_input, flat_tensors
 from fx_lightning.callback.mlflow_logging import check_mlflow, mlflow_wanted
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.observe import CallRecorder
 from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.callback.trainer_data import export_directory, parity_batches
 from fx_lightning.callback.transforms import input_contract
-from fx_lightning.capture import plain_state_dict, strip_compiled
+from fx_lightning.capture.graph import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line, require_inputs
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.progress import Progress
-from fx_lightning.export.writer import refuse_existing, require_formats
+from fx_lightning.export.write.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
 from fx_lightning.pipeline import (
     Batches,
@@ -59,7 +59,7 @@ from fx_lightning.pipeline import (
     run_pipeline,
 )
 from fx_lightning.pipeline.targets import refuse_protected
-from fx_lightning.provenance import PreflightReport
+from fx_lightning.common.provenance import PreflightReport
 from fx_lightning.variants import VARIANTS
 
 __all__ = ["PreflightReport", "FIXES", "check_settings", "check_before_fit", "rehearsal_due", "rehearse", "rehearsal_config", "settings_source",

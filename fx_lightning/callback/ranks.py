@@ -25,7 +25,7 @@ from fx_lightning.callback.trainer_data import (
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.config import FuseConfig, WeightsSource
 from fx_lightning.export.progress import Progress
-from fx_lightning.notes import NoteKind
+from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import (
     Batches,
     Destination,
@@ -36,7 +36,7 @@ from fx_lightning.pipeline import (
     resolve_device,
     run_pipeline,
 )
-from fx_lightning.provenance import PreflightReport, Provenance, TrainerCounters
+from fx_lightning.common.provenance import PreflightReport, Provenance, TrainerCounters
 
 __all__ = ["StrategyCollectives", "WEIGHTS", "fuse_after_fit", "end_of_fit_source", "unsupported_strategy"]
 

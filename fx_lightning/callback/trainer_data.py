@@ -14,14 +14,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 
-from fx_lightning.batches import loader_sample_counts, model_device_dtype
+from fx_lightning.common.batches import loader_sample_counts, model_device_dtype
 from fx_lightning.callback.namespaces import lightning_classes
-from fx_lightning.capture import plain_state_dict, strip_compiled
+from fx_lightning.capture.graph import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
 from fx_lightning.errors import ConfigError
-from fx_lightning.notes import NoteKind
+from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import Batches, Outcome, calibration_batch_count
-from fx_lightning.provenance import WeightsInfo
+from fx_lightning.common.provenance import WeightsInfo
 
 __all__ = [
     "METRIC_PREFIX",

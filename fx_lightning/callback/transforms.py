@@ -15,7 +15,7 @@ import torch
 
 from fx_lightning.callback.trainer_data import first_loader, trainer_loaders
 from fx_lightning.config import FuseConfig
-from fx_lightning.export.input_contract import Found, FoundLabels, InputContract, resolve_input_contract
+from fx_lightning.export.write.input_contract import Found, FoundLabels, InputContract, resolve_input_contract
 from fx_lightning.export.manifest import Preprocess
 
 __all__ = ["find_in_training_code", "input_contract", "normalisation_of"]

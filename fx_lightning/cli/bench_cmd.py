@@ -63,8 +63,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace, console: Any) -> int:
     """``fx-lightning bench``: every artifact timed side by side and checked; optionally, select the fastest."""
     from fx_lightning.export import bench_export, read_manifest, record_selection
-    from fx_lightning.export.selection import select_by_strategy
-    from fx_lightning.export.sweep import SweepSettings
+    from fx_lightning.export.select.selection import select_by_strategy
+    from fx_lightning.export.select.sweep import SweepSettings
 
     sizes = args.batch_sizes or [1, 8]
     if any(b < 1 for b in sizes) or args.iters < 1 or args.warmup < 0:
@@ -170,8 +170,8 @@ def _sweep_table(table: Any, traffic: str) -> Any:
 
 def _unfused_model(args: argparse.Namespace, manifest: Any) -> Tuple[Any, Optional[str]]:
     """The original (unfused) target, from --model/--checkpoint or what the manifest recorded."""
-    from fx_lightning.export.interface import FromLeaves
-    from fx_lightning.export.prologue import eager_baseline
+    from fx_lightning.export.load.interface import FromLeaves
+    from fx_lightning.export.write.prologue import eager_baseline
     from fx_lightning.pipeline import resolve_target
 
     origin = manifest.provenance

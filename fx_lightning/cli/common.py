@@ -30,7 +30,7 @@ def print_error(console: Any, message: str) -> None:
 
 
 def import_path(path: str, flag: str) -> Any:
-    from fx_lightning._imports import import_object
+    from fx_lightning.common.imports import import_object
 
     # The current directory first, as `python -m` would: users name their own modules here.
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -90,7 +90,7 @@ def _without_compile_prefixes(checkpoint: str, unsafe: bool) -> Any:
 
     import torch
 
-    from fx_lightning.capture import plain_state_dict
+    from fx_lightning.capture.graph import plain_state_dict
 
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=not unsafe)
     ckpt["state_dict"] = plain_state_dict(ckpt["state_dict"])

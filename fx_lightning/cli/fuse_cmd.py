@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     from fx_lightning.errors import require_inputs
     from fx_lightning.export.progress import LineProgress
     from fx_lightning.pipeline import Batches, fuse_verify_export, summary_text
-    from fx_lightning.provenance import Provenance, WeightsInfo
+    from fx_lightning.common.provenance import Provenance, WeightsInfo
 
     cfg = load_cli_config(args.config, args.overrides)
     if not os.path.isfile(args.checkpoint):
@@ -151,7 +151,7 @@ def _random_input(shape_text: str, dtype_text: str) -> Any:
         raise UsageError(f"--input-shape: expected integers like 8,3,32,32, got {shape_text!r}") from None
     if not shape or any(s < 1 for s in shape):
         raise UsageError(f"--input-shape: expected positive integers like 8,3,32,32, got {shape_text!r}")
-    from fx_lightning.dtypes import DTYPES, by_name
+    from fx_lightning.common.dtypes import DTYPES, by_name
 
     found = by_name(dtype_text)
     if found is None:

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
 def _write_html(root: Path, manifest: Any, out: Optional[Path]) -> Path:
     """The export's report.html, rendered from its manifest as the export renders it (so for an export that has one
     the same bytes), into ``out`` or the export directory."""
-    from fx_lightning.export.report_html import REPORT_NAME, render_report
+    from fx_lightning.export.write.report_html import REPORT_NAME, render_report
 
     target = out if out is not None else root / REPORT_NAME
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Tuple, Union
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fx_lightning._imports import exception_text
+from fx_lightning.common.imports import exception_text
 from fx_lightning.config.schema import ExtraPassConfig, FuseConfig
 from fx_lightning.errors import ConfigError, config_error, run_check, unknown_key
 from fx_lightning.passes import Stage, resolve_pass

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, Iterable, List, Optional
 
-from fx_lightning._imports import exception_text, import_checked
+from fx_lightning.common.imports import exception_text, import_checked
 from fx_lightning.errors import OnError
 from fx_lightning.formats import FORMATS
 from fx_lightning.passes import DEFAULT_ORDER, USER_PASSES, builtin_passes

@@ -19,11 +19,11 @@ signature says) and ``loader`` (:func:`load_fused`).
 
 from __future__ import annotations
 
-from fx_lightning.export.loader import load_artifact, load_fused
+from fx_lightning.export.load.loader import load_artifact, load_fused
 from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, read_manifest, verify_files
-from fx_lightning.export.selection import bench_export, record_selection, select_fastest
-from fx_lightning.export.writer import export_fused
+from fx_lightning.export.select.selection import bench_export, record_selection, select_fastest
+from fx_lightning.export.write.writer import export_fused
 from fx_lightning.formats import FORMATS
 from fx_lightning.formats.base import Format
 

@@ -15,16 +15,16 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning._imports import missing_modules
-from fx_lightning.batches import flat_tensors
-from fx_lightning.calls import Call, map_leaves, run_seeded
+from fx_lightning.common.imports import missing_modules
+from fx_lightning.common.batches import flat_tensors
+from fx_lightning.common.calls import Call, map_leaves, run_seeded
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats.base import Format, FormatEntry, WriteContext
 from fx_lightning.parity.compare import Comparison, compare_outputs, is_discrete, relative_error, structure_mismatch
 from fx_lightning.parity.metrics import sample_cosine
 from fx_lightning.parity.report import ArtifactCheck, ParityReport
-from fx_lightning.rows import rows_of, take_rows, with_rows
-from fx_lightning.tolerance import DISCRETE_AGREEMENT, LOSSY_MAX_ERROR
+from fx_lightning.common.rows import rows_of, take_rows, with_rows
+from fx_lightning.common.tolerance import DISCRETE_AGREEMENT, LOSSY_MAX_ERROR
 
 __all__ = ["CHECK_FILE", "FUSED_FP64", "Reference", "reference_for", "write_check_file", "read_check_file",
            "check_artifact", "check_roundtrip"]
@@ -48,7 +48,7 @@ class Reference:
     (on the example, on one sample when the sample axis is dynamic, on each number of samples an AOTInductor
     package is built for, and on the examples of other sizes), and the fused model's own error against it.
     Another runtime's kernels (ONNX Runtime, Inductor) round differently, so an artifact passes when its error is of
-    the order of the fused model's own (:func:`~fx_lightning.tolerance.rounding_tolerance`). ``stochastic``:
+    the order of the fused model's own (:func:`~fx_lightning.common.tolerance.rounding_tolerance`). ``stochastic``:
     the outputs drawn at random in forward (no other runtime draws the same numbers), left out of the values
     compared."""
 

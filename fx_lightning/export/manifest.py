@@ -19,17 +19,17 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from fx_lightning._json import JsonObject, dtype_name, json_safe
+from fx_lightning.common.json_views import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
 from fx_lightning.export.files import FileInfo, sha256_file
 from fx_lightning.formats.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.formats import FORMATS
-from fx_lightning.notes import Note
+from fx_lightning.common.notes import Note
 from fx_lightning.parity.report import ArtifactCheck, ParityReport
-from fx_lightning.provenance import Provenance
-from fx_lightning.tolerance import DISCRETE_AGREEMENT
-from fx_lightning.signature import DimKind, DimSpec, LeafSpec, SampleAxis, Signature
+from fx_lightning.common.provenance import Provenance
+from fx_lightning.common.tolerance import DISCRETE_AGREEMENT
+from fx_lightning.signature.signature import DimKind, DimSpec, LeafSpec, SampleAxis, Signature
 
 __all__ = [
     "FORMAT_VERSION",

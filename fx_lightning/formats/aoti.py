@@ -27,7 +27,7 @@ from torch import nn
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.base import Format, FormatEntry, WriteContext, fields_from
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.rows import with_rows
+from fx_lightning.common.rows import with_rows
 
 __all__ = ["FORMAT", "AotiModule", "BuiltFor", "cpu_capability"]
 

@@ -17,15 +17,15 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning._json import JsonObject, json_safe
-from fx_lightning.batches import PlainOutputs, is_record_type
-from fx_lightning.calls import Call
-from fx_lightning.notes import Note
+from fx_lightning.common.json_views import JsonObject, json_safe
+from fx_lightning.common.batches import PlainOutputs, is_record_type
+from fx_lightning.common.calls import Call
+from fx_lightning.common.notes import Note
 from fx_lightning.parity.report import ArtifactCheck, ParityReport
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.program import ExportFailed, Program, export_program, nested_dynamic_shapes, signature_dims
-from fx_lightning.rows import rows_of
-from fx_lightning.signature import DimKind, Signature
+from fx_lightning.signature.program import ExportFailed, Program, export_program, nested_dynamic_shapes, signature_dims
+from fx_lightning.common.rows import rows_of
+from fx_lightning.signature.signature import DimKind, Signature
 
 __all__ = ["FUSED_CLASS_NAME", "RUNTIME_DEFAULTS", "Format", "FormatEntry", "ExactReference", "WriteContext", "Writer",
            "Loader",
@@ -131,7 +131,7 @@ class ExactReference:
 @dataclass
 class WriteContext:
     """What every writer gets: the fused model made plain, its example inputs, how it is called (the
-    :class:`~fx_lightning.signature.Signature`) and the export options."""
+    :class:`~fx_lightning.signature.signature.Signature`) and the export options."""
 
     model: fx.GraphModule  # plain GraphModule: default codegen, no export hooks, picklable
     # The example inputs as the artifacts take them (positional: one tensor per input leaf for a flat interface);
@@ -143,7 +143,7 @@ class WriteContext:
     # AOTInductor: one package per batch size listed (compiled for it), or one with a dynamic batch when empty.
     aoti_batch_sizes: List[int] = field(default_factory=list)
     notes: List[Note] = field(default_factory=list)
-    # The torch.export program of ``export_model`` on ``args``, made once for every writer (fx_lightning.program).
+    # The torch.export program of ``export_model`` on ``args``, made once for every writer (fx_lightning.signature.program).
     program: Optional[Program] = None
     reference: Optional[ExactReference] = None  # None: artifacts are judged against an fp64 copy of ``model``
     dynamic_samples: bool = True  # export.dynamic_batch: the sample axis dynamic

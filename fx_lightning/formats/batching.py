@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from fx_lightning.errors import ExportError
-from fx_lightning.calls import tree_of
-from fx_lightning.rows import concat_rows, rows_of, take_rows, with_rows
+from fx_lightning.common.calls import tree_of
+from fx_lightning.common.rows import concat_rows, rows_of, take_rows, with_rows
 
 __all__ = ["ANY_BATCH", "BatchPieces", "with_pieces", "quiet_pieces"]
 
@@ -94,7 +94,7 @@ class BatchPieces(nn.Module):
 
 def with_pieces(module: nn.Module, batch_sizes: Optional[Sequence[int]], signature: Any, what: str) -> nn.Module:
     """A loaded artifact built for ``batch_sizes`` only (None or empty: any) as it is called: other numbers of
-    samples as pieces along the proven sample axis of ``signature`` (a :class:`~fx_lightning.signature.Signature`);
+    samples as pieces along the proven sample axis of ``signature`` (a :class:`~fx_lightning.signature.signature.Signature`);
     without one, as it is (it refuses other sizes itself). Used by ``load_fused`` and by the variant gate alike."""
     if not batch_sizes or isinstance(module, BatchPieces) or not signature.batched:
         return module

@@ -12,11 +12,11 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence
 import torch
 from torch import nn
 
-from fx_lightning._json import JsonObject
-from fx_lightning.batches import flat_tensors
+from fx_lightning.common.json_views import JsonObject
+from fx_lightning.common.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats.base import RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext
-from fx_lightning.signature import DimKind, LeafSpec
+from fx_lightning.signature.signature import DimKind, LeafSpec
 
 __all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL", "ORT_OWN_THREADS"]
 

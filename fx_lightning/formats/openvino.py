@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from fx_lightning._json import JsonObject
+from fx_lightning.common.json_views import JsonObject
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats.base import RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext
 

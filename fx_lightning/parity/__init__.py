@@ -21,7 +21,7 @@ capture import the comparison through it, so it stays light; ``options`` and ``g
 from __future__ import annotations
 
 from fx_lightning.parity.compare import Comparison, compare_outputs
-from fx_lightning.tolerance import LOW_PRECISION_FACTOR
+from fx_lightning.common.tolerance import LOW_PRECISION_FACTOR
 from fx_lightning.parity.metrics import RelativeMaxError, SampleCosineSimilarity
 from fx_lightning.parity.report import ParityReport
 

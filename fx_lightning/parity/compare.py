@@ -3,7 +3,7 @@ checks, the export's round trip, the selection's check and the parity gate's str
 
 Structure first (how many tensors, how they nest, their shapes and dtypes), then values: the error of each
 floating output is relative to the reference's scale, ``max|got - want| / max|want|`` (the functional core of
-:mod:`.metrics`), and NaNs must sit where the reference has them. The tolerances are :mod:`fx_lightning.tolerance`'s:
+:mod:`.metrics`), and NaNs must sit where the reference has them. The tolerances are :mod:`fx_lightning.common.tolerance`'s:
 rerunning the same arithmetic stays within float rounding, so anything beyond it means the graph or artifact is
 not the model.
 """
@@ -15,9 +15,9 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from fx_lightning.calls import plain
+from fx_lightning.common.calls import plain
 from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
-from fx_lightning.tolerance import rounding_tolerance
+from fx_lightning.common.tolerance import rounding_tolerance
 
 __all__ = [
     "Comparison",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from fx_lightning.batches import (
+from fx_lightning.common.batches import (
     InputRule,
     detached,
     extract_input,
@@ -28,12 +28,12 @@ from fx_lightning.batches import (
     record_calls,
     to_model,
 )
-from fx_lightning.calls import as_call, no_distribution_validation
+from fx_lightning.common.calls import as_call, no_distribution_validation
 from fx_lightning.errors import ConfigError
-from fx_lightning.notes import Note, NoteKind
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.parity.compare import is_discrete, structure_mismatch
 from fx_lightning.parity.options import ParityConfig, load_parity
-from fx_lightning.tolerance import LOW_PRECISION_FACTOR
+from fx_lightning.common.tolerance import LOW_PRECISION_FACTOR
 from fx_lightning.parity.report import OutputError, ParityReport
 from fx_lightning.parity.metrics import (
     CLASSIFICATION_KEYS,

@@ -12,9 +12,9 @@ from typing import Any, Mapping, Optional, Union
 
 from omegaconf import OmegaConf
 
-from fx_lightning._imports import import_checked
+from fx_lightning.common.imports import import_checked
 from fx_lightning.errors import ConfigError, OnError, config_error, run_check
-from fx_lightning.tolerance import DISCRETE_AGREEMENT, GATE_RTOL
+from fx_lightning.common.tolerance import DISCRETE_AGREEMENT, GATE_RTOL
 
 __all__ = ["GateThresholds", "ParityConfig", "ParityData", "OnFailure", "load_parity"]
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Union
 
-from fx_lightning.notes import Note
+from fx_lightning.common.notes import Note
 
 __all__ = ["ParityReport", "ArtifactCheck", "OutputError"]
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
-from fx_lightning._imports import import_object
+from fx_lightning.common.imports import import_object
 from fx_lightning.errors import PassError, raised_in_pass
 
 __all__ = [

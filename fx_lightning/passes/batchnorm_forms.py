@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fx_lightning._imports import import_object
+from fx_lightning.common.imports import import_object
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
 from fx_lightning.passes.module_check import output_change, record_module_inputs
-from fx_lightning.tolerance import MODULE_CHECK_RTOL
+from fx_lightning.common.tolerance import MODULE_CHECK_RTOL
 
 __all__ = [
     "BatchNormForm",

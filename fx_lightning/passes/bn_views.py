@@ -274,7 +274,7 @@ def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:
 
 _F_BN = {F.batch_norm}
 _TORCH_BN = {torch.batch_norm} | aten_ops("batch_norm.default")
-# Eval-mode batch_norm's own kernel (what torch.export records when BatchNorms run as it: fx_lightning.program);
+# Eval-mode batch_norm's own kernel (what torch.export records when BatchNorms run as it: fx_lightning.signature.program);
 # it returns (output, mean, invstd): the BatchNorm's value is its item 0.
 _LEGIT_BN = aten_ops("_native_batch_norm_legit_no_training.default")
 

@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import detached
+from fx_lightning.common.batches import detached
 from fx_lightning.parity.compare import Comparison, compare_outputs
 
 __all__ = ["record_module_inputs", "output_change"]

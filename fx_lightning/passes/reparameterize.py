@@ -26,7 +26,7 @@ from torch import nn
 
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
 from fx_lightning.passes.module_check import output_change, record_module_inputs
-from fx_lightning.tolerance import MODULE_CHECK_RTOL
+from fx_lightning.common.tolerance import MODULE_CHECK_RTOL
 
 __all__ = ["ReparameterizeOptions", "reparameterize", "DEPLOY_METHODS"]
 

@@ -25,14 +25,14 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
-from fx_lightning.batches import loader_sample_counts
+from fx_lightning.common.batches import loader_sample_counts
 from fx_lightning.config import ConfigLike, FuseConfig, OnError, load_config
-from fx_lightning.engine import FuseResult
+from fx_lightning.pipeline.engine import FuseResult
 from fx_lightning.errors import FXLightningError, ParityError, error_class, first_line, require_inputs
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
-from fx_lightning.export.report_html import REPORT_NAME
-from fx_lightning.notes import Note, NoteKind
+from fx_lightning.export.write.report_html import REPORT_NAME
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
@@ -47,7 +47,7 @@ from fx_lightning.pipeline.steps import (
     sequence_steps,
 )
 from fx_lightning.pipeline.targets import refuse_protected, resolve_device
-from fx_lightning.provenance import Provenance
+from fx_lightning.common.provenance import Provenance
 
 __all__ = [
     "Mode",

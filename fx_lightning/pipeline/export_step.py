@@ -21,21 +21,21 @@ from torch import nn
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
 from fx_lightning.errors import ExportError, FXLightningError, first_line, require_inputs
 from fx_lightning.export.manifest import Manifest, VariantOutcome
-from fx_lightning.export.prologue import eager_baseline
-from fx_lightning.export.selection import bench_export, select_by_strategy, with_selection
-from fx_lightning.export.sweep import REHEARSAL_SWEEP, SweepSettings
-from fx_lightning.export.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
-from fx_lightning.export.atomic import staging_directory
-from fx_lightning.export.writer import export_errors, finish_export, prepare_export, write_formats
-from fx_lightning.machine import cpu_info
-from fx_lightning.notes import Note, NoteKind
+from fx_lightning.export.write.prologue import eager_baseline
+from fx_lightning.export.select.selection import bench_export, select_by_strategy, with_selection
+from fx_lightning.export.select.sweep import REHEARSAL_SWEEP, SweepSettings
+from fx_lightning.export.write.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
+from fx_lightning.export.write.atomic import staging_directory
+from fx_lightning.export.write.writer import export_errors, finish_export, prepare_export, write_formats
+from fx_lightning.common.machine import cpu_info
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
 from fx_lightning.export.progress import Progress
 from fx_lightning.pipeline.records import Exported, Fused
 from fx_lightning.pipeline.steps import Step, gate_variant, in_step, other_sizes
-from fx_lightning.provenance import Provenance
-from fx_lightning.rows import with_rows
+from fx_lightning.common.provenance import Provenance
+from fx_lightning.common.rows import with_rows
 from fx_lightning.variants import MadeVariant, Variant, VariantContext, VariantOptions, enabled_variants
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import (
+from fx_lightning.common.batches import (
     PARITY_INPUT_SPELLINGS,
     InputRule,
     as_example_inputs,
@@ -36,13 +36,13 @@ from fx_lightning.batches import (
     record_calls,
     to_model,
 )
-from fx_lightning.calls import (Call, as_call, forward_parameter_names, plain, run_seeded, tree_of,
-                                value_at)
+from fx_lightning.common.calls import (Call, as_call, forward_parameter_names, plain, run_seeded, tree_of,
+                                       value_at)
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, FXLightningError, ModelError, first_line
-from fx_lightning.notes import Note, NoteKind
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
-from fx_lightning.signature import Observed, Signature, derive_signature
+from fx_lightning.signature.signature import Observed, Signature, derive_signature
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
            "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "without_labels",

@@ -2,7 +2,7 @@
 
 With a prologue every artifact takes the raw input a client sends: the export's example inputs are the example
 batch turned back into raw pixels, judged against the fp64 normalisation of those pixels and an fp64 copy of the
-original model (:class:`~fx_lightning.export.raw_reference.NormalisedReference`); parity also sends its batches as raw
+original model (:class:`~fx_lightning.export.write.raw_reference.NormalisedReference`); parity also sends its batches as raw
 pixels through the exported graph (:func:`measure_raw_path`, gated in :func:`judge_raw_path`); the lossy
 variants are made and gated on raw pixels; the eager baseline timed beside the artifacts runs the prologue too.
 """
@@ -15,14 +15,14 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import detached
+from fx_lightning.common.batches import detached
 from fx_lightning.config import FuseConfig
 from fx_lightning.formats.base import FUSED_CLASS_NAME, ExactReference
-from fx_lightning.export.input_contract import InputContract, labels_for_output, preprocess_note, resolve_input_contract
+from fx_lightning.export.write.input_contract import InputContract, labels_for_output, preprocess_note, resolve_input_contract
 from fx_lightning.export.manifest import Manifest, Preprocess
-from fx_lightning.export.prologue import ThroughRaw, behind_prologue, check_prologue_input, raw_args, with_prologue
-from fx_lightning.notes import Note, NoteKind
-from fx_lightning.export.raw_reference import NormalisedReference, compare_raw_path
+from fx_lightning.export.write.prologue import ThroughRaw, behind_prologue, check_prologue_input, raw_args, with_prologue
+from fx_lightning.common.notes import Note, NoteKind
+from fx_lightning.export.write.raw_reference import NormalisedReference, compare_raw_path
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.pipeline.records import Fused

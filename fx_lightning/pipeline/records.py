@@ -11,13 +11,13 @@ from typing import Any, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.calls import Call
-from fx_lightning.engine import FuseResult
-from fx_lightning.export.input_contract import InputContract
+from fx_lightning.common.calls import Call
+from fx_lightning.pipeline.engine import FuseResult
+from fx_lightning.export.write.input_contract import InputContract
 from fx_lightning.export.manifest import Manifest
-from fx_lightning.notes import Note
-from fx_lightning.provenance import WeightsInfo
-from fx_lightning.signature import Signature
+from fx_lightning.common.notes import Note
+from fx_lightning.common.provenance import WeightsInfo
+from fx_lightning.signature.signature import Signature
 
 __all__ = ["Batches", "ObservedStep", "Observations", "Source", "Fused", "Exported"]
 

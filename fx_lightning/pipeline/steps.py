@@ -24,11 +24,11 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.batches import model_device_dtype
-from fx_lightning.calls import Call, tree_of_call
-from fx_lightning.capture import eval_copy
+from fx_lightning.common.batches import model_device_dtype
+from fx_lightning.common.calls import Call, tree_of_call
+from fx_lightning.capture.graph import eval_copy
 from fx_lightning.config import FuseConfig, ParityConfig
-from fx_lightning.engine import FuseResult, fuse
+from fx_lightning.pipeline.engine import FuseResult, fuse
 from fx_lightning.errors import (
     ExportError,
     FXLightningError,
@@ -36,9 +36,9 @@ from fx_lightning.errors import (
     TraceError,
     require_inputs,
 )
-from fx_lightning.export.interface import for_sizes
+from fx_lightning.export.load.interface import for_sizes
 from fx_lightning.export.manifest import Preprocess
-from fx_lightning.notes import NoteKind
+from fx_lightning.common.notes import NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
@@ -46,8 +46,8 @@ from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, calibration_steps, si
                                          without_labels)
 from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
-from fx_lightning.provenance import Provenance
-from fx_lightning.signature import Signature
+from fx_lightning.common.provenance import Provenance
+from fx_lightning.signature.signature import Signature
 from fx_lightning.variants import enabled_variants
 
 __all__ = [

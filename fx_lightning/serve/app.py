@@ -28,9 +28,9 @@ from litserve.loops import BatchedLoop
 from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
-from fx_lightning.batches import flat_tensors
+from fx_lightning.common.batches import flat_tensors
 from fx_lightning.errors import first_line
-from fx_lightning.rows import same_shape_groups, split_rows
+from fx_lightning.common.rows import same_shape_groups, split_rows
 from fx_lightning.serve import oip
 from fx_lightning.export.manifest import read_manifest
 from fx_lightning.serve.artifact import WorkerStatus, ServeOptions, StatusBoard, load_checked

@@ -19,18 +19,18 @@ from torch import nn
 from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.export.loader import load_artifact, runtime_for, selection_for
+from fx_lightning.export.load.loader import load_artifact, runtime_for, selection_for
 from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
-from fx_lightning.export.selection import check_entry
+from fx_lightning.export.select.selection import check_entry
 from fx_lightning.parity.report import ArtifactCheck
-from fx_lightning.export.sweep import recorded_batching
+from fx_lightning.export.select.sweep import recorded_batching
 from fx_lightning.export.check import read_check_file
 from fx_lightning.serve.contract import DEFAULT_MAX_BODY_MB, DEFAULT_MAX_REQUEST_BATCH
 from fx_lightning.serve.triton_config import int_at_least, model_name_at
-from fx_lightning.rows import with_rows
+from fx_lightning.common.rows import with_rows
 
 # Without a recorded sweep: requests batched into one run, and seconds a batch waits to fill (0: none; a batch is
-# what waited while the worker ran the one before, as with the sweep's batching: export/sweep.py).
+# what waited while the worker ran the one before, as with the sweep's batching: export/select/sweep.py).
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_BATCH_TIMEOUT = 0.0
 SWEPT = "the export's throughput sweep"  # ServeOptions.batching when both settings came from it
@@ -45,7 +45,7 @@ class ServeOptions:
 
     format: Optional[str] = None  # None: the artifact the export selected for the batching
     # Requests batched into one run (1: no batching) and seconds a batch waits to fill. None: from the export's
-    # throughput sweep (export/sweep.py: recorded_batching), which also picks its max-throughput artifact; else
+    # throughput sweep (export/select/sweep.py: recorded_batching), which also picks its max-throughput artifact; else
     # DEFAULT_MAX_BATCH_SIZE and DEFAULT_BATCH_TIMEOUT. with_batching() fills them and says where from.
     max_batch_size: Optional[int] = None
     batch_timeout: Optional[float] = None
@@ -136,7 +136,7 @@ class WorkerStatus:
 
 def load_checked(directory: Any, options: ServeOptions) -> Tuple[nn.Module, WorkerStatus]:
     """The artifact to serve, loaded (sha256 checked) and judged on ``check.pt`` with the export's thresholds
-    (:func:`~fx_lightning.export.selection.check_entry`); raises ExportError when it cannot be served, with the
+    (:func:`~fx_lightning.export.select.selection.check_entry`); raises ExportError when it cannot be served, with the
     reason."""
     root = Path(directory)
     manifest = read_manifest(root)

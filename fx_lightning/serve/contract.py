@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from fx_lightning.dtypes import DTYPES
+from fx_lightning.common.dtypes import DTYPES
 
 from fx_lightning.export.manifest import Manifest, Preprocess, TensorSpec
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from fx_lightning._version import __version__
-from fx_lightning.dtypes import TRITON_TO_NUMPY, TRITON_TO_V2, by_torch
+from fx_lightning.common.dtypes import TRITON_TO_NUMPY, TRITON_TO_V2, by_torch
 from fx_lightning.serve.contract import BadRequest, Contract, Decoded, InputSpec, parse_json
 from fx_lightning.serve.triton_config import TritonModel, TritonTensor
 

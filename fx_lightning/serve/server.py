@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
-from fx_lightning._imports import missing_modules
+from fx_lightning.common.imports import missing_modules
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import Manifest, read_manifest
 from fx_lightning.serve.artifact import ServeOptions, StatusBoard, artifact_for

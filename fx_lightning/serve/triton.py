@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from fx_lightning.config import Strategy
-from fx_lightning.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
+from fx_lightning.common.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats import FORMATS
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.formats.onnx import ORT_OWN_THREADS
-from fx_lightning.export.loader import runtime_for
-from fx_lightning.export.atomic import replace_directories
+from fx_lightning.export.load.loader import runtime_for
+from fx_lightning.export.write.atomic import replace_directories
 from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, read_manifest, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fx_lightning.dtypes import TORCH_TO_TRITON, TRITON_TO_NUMPY, TRITON_TO_V2
+from fx_lightning.common.dtypes import TORCH_TO_TRITON, TRITON_TO_NUMPY, TRITON_TO_V2
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Manifest
-from fx_lightning.export.sweep import recorded_batching
+from fx_lightning.export.select.sweep import recorded_batching
 from fx_lightning.serve.contract import Contract
 
 __all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
@@ -316,7 +316,7 @@ class TritonOptions:
 
     name: Optional[str] = None  # None: the export directory's name
     formats: Optional[List[str]] = None  # manifest entries; None: every one Triton can serve
-    # None (these three): from the export's throughput sweep of the artifact (export/sweep.py: recorded_batching),
+    # None (these three): from the export's throughput sweep of the artifact (export/select/sweep.py: recorded_batching),
     # else DEFAULT_MAX_BATCH_SIZE for a dynamic batch (0 for a fixed one), Triton's default preferred sizes (the
     # largest batch it can form) and DEFAULT_MAX_QUEUE_DELAY_US.
     max_batch_size: Optional[int] = None

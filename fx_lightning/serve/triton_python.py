@@ -21,7 +21,7 @@ import torch
 from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest
-from fx_lightning.rows import concat_rows, same_shape_groups, split_rows
+from fx_lightning.common.rows import concat_rows, same_shape_groups, split_rows
 from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
 from fx_lightning.serve.contract import Contract
 from fx_lightning.serve.triton_config import TritonModel, contract_model

@@ -22,12 +22,12 @@ import numpy as np
 
 from fx_lightning._version import __version__
 from fx_lightning.config import MlflowConfig
-from fx_lightning.dtypes import by_torch
+from fx_lightning.common.dtypes import by_torch
 from fx_lightning.errors import ConfigError, ExportError, first_line
 from fx_lightning.export.check import read_check_file
 from fx_lightning.export.manifest import Manifest, VariantOutcome, read_manifest, verify_files
 from fx_lightning.formats import FORMATS
-from fx_lightning.rows import rows_of, take_rows
+from fx_lightning.common.rows import rows_of, take_rows
 from fx_lightning.serve.artifact import ServeOptions, artifact_for
 from fx_lightning.serve.contract import Contract
 

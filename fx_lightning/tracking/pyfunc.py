@@ -11,7 +11,7 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from fx_lightning.batches import flat_tensors
+from fx_lightning.common.batches import flat_tensors
 from fx_lightning.export.manifest import read_manifest
 from fx_lightning.serve.artifact import load_checked
 from fx_lightning.serve.contract import BadRequest, Contract

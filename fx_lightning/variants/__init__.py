@@ -1,5 +1,5 @@
 """Lossy serving variants of the verified fused model (int8, bf16), each declared once (:mod:`.base`); the export
-side writes them, gates each artifact loaded back and keeps those that pass (:mod:`fx_lightning.export.variants`).
+side writes them, gates each artifact loaded back and keeps those that pass (:mod:`fx_lightning.export.write.variants`).
 
 Importing this package declares the built-in variants, in the order they are made: int8, then bf16.
 """

@@ -5,7 +5,7 @@ A :class:`Variant` says everything about one precision (``int8``, ``bf16``): the
 the function that makes it from the verified fused graph, the modules a process imports to load it, and the CPU
 features that run it natively. It is not a graph pass: a pass edits the graph it is given (graph -> graph); a
 variant makes a *new*, lossy model beside the exact one, which the export side writes, gates loaded back and keeps
-only when it passes (:mod:`fx_lightning.export.variants`). Its options keep the config key they have always had,
+only when it passes (:mod:`fx_lightning.export.write.variants`). Its options keep the config key they have always had,
 ``passes.<key>`` (``passes.quantize_int8``): the config schema reads the declarations.
 
 The gate, declared once here: top-1 agreement with the fp32 model and the accuracy drop against labels on the
@@ -27,14 +27,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.calls import Call
+from fx_lightning.common.calls import Call
 from fx_lightning.errors import PassError, raised_in_pass, require_inputs
-from fx_lightning.machine import CpuInfo
-from fx_lightning.notes import Note, NoteKind
+from fx_lightning.common.machine import CpuInfo
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.parity.options import GateThresholds, ParityConfig
-from fx_lightning.program import Program, export_program, signature_dims
-from fx_lightning.rows import rows_of, with_rows
-from fx_lightning.signature import Signature
+from fx_lightning.signature.program import Program, export_program, signature_dims
+from fx_lightning.common.rows import rows_of, with_rows
+from fx_lightning.signature.signature import Signature
 
 if TYPE_CHECKING:  # the reporter is handed down by the export; variants never import the export at run time
     from fx_lightning.export.progress import Progress

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.batches import describe, model_device_dtype
+from fx_lightning.common.batches import describe, model_device_dtype
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Preprocess
 

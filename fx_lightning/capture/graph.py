@@ -19,18 +19,18 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning._imports import import_object
-from fx_lightning.batches import PlainOutputs
-from fx_lightning.calls import Call, as_call, no_distribution_validation, tree_of_call
+from fx_lightning.common.imports import import_object
+from fx_lightning.common.batches import PlainOutputs
+from fx_lightning.common.calls import Call, as_call, no_distribution_validation, tree_of_call
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
-from fx_lightning.notes import Note, NoteKind
-from fx_lightning.faithful import raise_if_unfaithful
+from fx_lightning.common.notes import Note, NoteKind
+from fx_lightning.capture.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
-from fx_lightning.program import ExportFailed, capture_dims, export_program, specialised
-from fx_lightning.rows import rows_of, with_rows
-from fx_lightning.signature import DimKind, Signature
+from fx_lightning.signature.program import ExportFailed, capture_dims, export_program, specialised
+from fx_lightning.common.rows import rows_of, with_rows
+from fx_lightning.signature.signature import DimKind, Signature
 
 __all__ = [
     "Capture",
@@ -217,7 +217,7 @@ def capture(
 ) -> Capture:
     """Capture ``module`` as a GraphModule. ``module`` itself is never changed.
 
-    ``example_inputs``: forward's arguments (a tuple, or a :class:`~fx_lightning.calls.Call`); ``signature``: what
+    ``example_inputs``: forward's arguments (a tuple, or a :class:`~fx_lightning.common.calls.Call`); ``signature``: what
     the observed calls showed (which dimensions vary); ``check``: other calls the captured graph must run as the
     model does (the sizes the signature says vary). ``already_copied``: the caller passes a working copy it owns
     (saves one deep copy).
@@ -372,7 +372,7 @@ def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
 
 def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call], signature: Optional[Signature],
                     check: Sequence[Call]) -> Capture:
-    """torch.export (:func:`fx_lightning.program.export_program`: non-strict, then the routes data-dependent code
+    """torch.export (:func:`fx_lightning.signature.program.export_program`: non-strict, then the routes data-dependent code
     needs) with the sample axis and the sizes that vary dynamic, checked against the eager module on the example
     and the ``check`` calls. A model that fixes a size is captured for the example's sizes, with a note naming the
     dimension (parity then compares it at those sizes).

@@ -23,17 +23,17 @@ from torch import nn
 
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import first_line
-from fx_lightning.export.atomic import list_files
+from fx_lightning.export.write.atomic import list_files
 from fx_lightning.formats.base import Format, FormatEntry, VariantRequest
 from fx_lightning.formats.batching import quiet_pieces, with_pieces
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.files import file_infos
 from fx_lightning.export.manifest import Manifest, Preprocess, VariantOutcome
 from fx_lightning.export.progress import Progress
-from fx_lightning.export.writer import make_context, require_formats
-from fx_lightning.notes import Note
+from fx_lightning.export.write.writer import make_context, require_formats
+from fx_lightning.common.notes import Note
 from fx_lightning.parity.report import ParityReport
-from fx_lightning.signature import Signature
+from fx_lightning.signature.signature import Signature
 
 __all__ = ["VARIANT_FORMATS", "Gate", "add_variant", "add_format_variants", "skip_variant", "torch_variant_formats"]
 

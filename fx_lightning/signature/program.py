@@ -1,5 +1,5 @@
 """The one ``torch.export`` call: capture, every export format and every variant export a module through
-:func:`export_program`, with the dimensions the :class:`~fx_lightning.signature.Signature` says vary.
+:func:`export_program`, with the dimensions the :class:`~fx_lightning.signature.signature.Signature` says vary.
 
 It tries, in order, stopping at the first program that runs on every call it is given to check:
 
@@ -29,9 +29,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import nn
 
-from fx_lightning.calls import Call, Tree, no_distribution_validation, tree_of_call
+from fx_lightning.common.calls import Call, Tree, no_distribution_validation, tree_of_call
 from fx_lightning.errors import first_line
-from fx_lightning.signature import DimKind, Signature
+from fx_lightning.signature.signature import DimKind, Signature
 
 __all__ = ["Program", "ExportAttempt", "export_program", "signature_dims", "capture_dims", "ExportFailed",
            "eval_batchnorm_kernels", "nested_dynamic_shapes"]
@@ -187,7 +187,7 @@ def _spec_of(tree: Tree, it: Iterator[LeafDims]) -> Any:
     if tree.kind == "seq":
         return tuple(parts) if issubclass(tree.cls or tuple, tuple) else list(parts)
     raise ValueError(f"torch.export cannot take a {tree.cls.__name__ if tree.cls else tree.kind} argument: "
-                     "flatten the call first (fx_lightning.calls.FlatCall)")
+                     "flatten the call first (fx_lightning.common.calls.FlatCall)")
 
 
 def _batchnorm_forward(self: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats import FORMATS
 from fx_lightning.formats.base import RUNTIME_DEFAULTS
-from fx_lightning.export.loader import load_artifact
+from fx_lightning.export.load.loader import load_artifact
 from fx_lightning.export.manifest import (
     BenchTable,
     Manifest,
@@ -42,11 +42,11 @@ from fx_lightning.export.manifest import (
     read_manifest,
     replace_manifest,
 )
-from fx_lightning.export.sweep import SweepSettings, sweep_module
+from fx_lightning.export.select.sweep import SweepSettings, sweep_module
 from fx_lightning.export.progress import Progress
-from fx_lightning.export.timing import IDLE_GAP_S, Tick, sweep_in_own_processes, time_interleaved, time_in_own_processes
+from fx_lightning.export.select.timing import IDLE_GAP_S, Tick, sweep_in_own_processes, time_interleaved, time_in_own_processes
 from fx_lightning.export.check import Reference, check_artifact, read_check_file
-from fx_lightning.machine import cpu_info
+from fx_lightning.common.machine import cpu_info
 from fx_lightning.parity.report import ArtifactCheck
 
 __all__ = ["Timing", "BenchTable", "bench_export", "check_entry", "select_fastest", "select_max_throughput",
@@ -92,7 +92,7 @@ def bench_export(
     most that many of the fastest passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN`
     of the fastest) are then timed again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those
     timings replace theirs (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet
-    (an export being written), else it is read from ``root``. ``sweep``: then the throughput sweep (export/sweep.py)
+    (an export being written), else it is read from ``root``. ``sweep``: then the throughput sweep (export/select/sweep.py)
     of the passing artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics,
     each in a process of its own when ``own_process_finalists`` is set. ``steps``: where the loading, the timing,
     the finalists and the sweep say they started and ended (their loops' progress too, unless ``progress``)."""

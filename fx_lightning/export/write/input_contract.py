@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 from fx_lightning.config import ExportConfig
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Preprocess
-from fx_lightning.notes import Note, NoteKind
+from fx_lightning.common.notes import Note, NoteKind
 
 __all__ = ["FoundLabels", "Found", "InputContract", "resolve_input_contract", "labels_for_output",
            "preprocess_note",

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple, Unio
 import torch
 from torch import nn
 
-from fx_lightning._imports import import_object
-from fx_lightning.calls import Call, leaf_values, map_leaves, plain
+from fx_lightning.common.imports import import_object
+from fx_lightning.common.calls import Call, leaf_values, map_leaves, plain
 from fx_lightning.errors import ConfigError
 
 __all__ = [
@@ -50,7 +50,7 @@ InputRule = Union[None, str, int, Callable[[Any], Any]]
 PARITY_INPUT_SPELLINGS = (
     "parity.input can be a key of a dict batch ('image'), an index into a tuple batch (0), '*' (the whole batch is "
     "forward's one argument), or 'pkg.module:function' taking the batch and returning forward's argument, a tuple "
-    "of its positional arguments, or fx_lightning.calls.Call(args, kwargs)")
+    "of its positional arguments, or fx_lightning.common.calls.Call(args, kwargs)")
 
 
 def identity_rule(batch: Any) -> Any:
@@ -69,7 +69,7 @@ def extract_input(batch: Any, rule: InputRule = None) -> Any:
     ``INPUT_KEYS`` in a mapping), a mapping key, an integer index (or its string form), ``"*"`` (the whole batch is
     forward's one argument), an import path ``"pkg.module:function"`` or a callable taking the batch. A returned
     *tuple* is read as several positional arguments of forward (see :func:`as_args`), a
-    :class:`~fx_lightning.calls.Call` as positional and keyword arguments.
+    :class:`~fx_lightning.common.calls.Call` as positional and keyword arguments.
     """
     if callable(rule):
         return rule(batch)
@@ -187,7 +187,7 @@ def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
 
 
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
-    """Move tensors (nested in tuples, lists, named tuples, mappings, a :class:`~fx_lightning.calls.Call`, a
+    """Move tensors (nested in tuples, lists, named tuples, mappings, a :class:`~fx_lightning.common.calls.Call`, a
     library's batch object) to ``device`` and floating ones to ``dtype``."""
     def move(t: torch.Tensor) -> torch.Tensor:
         t = t.to(device) if device is not None else t
@@ -259,7 +259,7 @@ def is_record_type(cls: Any) -> bool:
 
 class PlainOutputs(nn.Module):
     """``model`` with its outputs made plain: named tuples as tuples, dataclasses, objects and distributions as
-    dicts of their fields (:func:`fx_lightning.calls.plain`)."""
+    dicts of their fields (:func:`fx_lightning.common.calls.plain`)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional
 
-from fx_lightning._json import json_safe
+from fx_lightning.common.json_views import json_safe
 
 __all__ = ["WeightsInfo", "PreflightReport", "TrainerCounters", "Provenance"]
 

@@ -16,7 +16,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Tuple, Union
 
-from fx_lightning._json import json_safe
+from fx_lightning.common.json_views import json_safe
 
 __all__ = ["Fact", "NoteKind", "Note", "unique_notes"]
 

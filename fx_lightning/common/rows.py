@@ -1,5 +1,5 @@
 """Rows along a sample axis: count them, cut them, pad them (by repeating rows), join pieces. The only way the
-package splits or pads a tensor, and only along an axis the signature proved (:mod:`fx_lightning.signature`)."""
+package splits or pads a tensor, and only along an axis the signature proved (:mod:`fx_lightning.signature.signature`)."""
 
 from __future__ import annotations
 

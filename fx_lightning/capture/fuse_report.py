@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Tuple, Union
 
 import torch.fx as fx
 
-from fx_lightning._json import json_safe
-from fx_lightning.notes import Note
+from fx_lightning.common.json_views import json_safe
+from fx_lightning.common.notes import Note
 from fx_lightning.passes.base import Change, RemainingBatchNorm, Skip
 from fx_lightning.passes.batchnorm import is_batchnorm_node
 from fx_lightning.passes.dropout import is_dropout_node

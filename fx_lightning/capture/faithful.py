@@ -1,6 +1,6 @@
 """Is a capture faithful? The captured graph is run against the eager module on the same inputs (eval mode, no
 grad, a fixed RNG); where it raises or gives other numbers, the error says where it first goes wrong and what to
-change. Used by :mod:`fx_lightning.capture` on every graph it returns."""
+change. Used by :mod:`fx_lightning.capture.graph` on every graph it returns."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.batches import describe_call, flat_tensors
-from fx_lightning.calls import Call, run_seeded
+from fx_lightning.common.batches import describe_call, flat_tensors
+from fx_lightning.common.calls import Call, run_seeded
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.parity.compare import compare_outputs
 

@@ -1,5 +1,5 @@
 """The sample axis: which dimension of a call's inputs and outputs counts independent samples, proven by
-experiment on the observed calls or refused (:func:`find_sample_axis`), for :func:`fx_lightning.signature.derive_signature`.
+experiment on the observed calls or refused (:func:`find_sample_axis`), for :func:`fx_lightning.signature.signature.derive_signature`.
 
 1. it is consistent: the leaves on it have one size per call, and every output has a dimension of that size;
 2. it follows the number of samples in the loader's batches, where the loader says how many (a graph batch's
@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from fx_lightning.calls import Call, Tree, tree_of
+from fx_lightning.common.calls import Call, Tree, tree_of
 from fx_lightning.parity.compare import compare_outputs
 
 __all__ = ["SampleAxis", "Observed", "Runner", "find_sample_axis", "stochastic_outputs", "shapes_text", "SizeProbe",

@@ -2,11 +2,11 @@
 
 Every input and output leaf (a tensor, named by where it sits in the call) with its dtype and, per dimension,
 what the calls showed: a **fixed** size, the **sample** axis, or a **variable** size. The sample axis is recorded
-only where it is proven, by the experiment in :mod:`fx_lightning.sample_axis` (it follows the loader's sample
+only where it is proven, by the experiment in :mod:`fx_lightning.signature.sample_axis` (it follows the loader's sample
 counts, and rows replaced or run alone leave the others' outputs unchanged), else refused with the reason.
 
 Everything that needs to know how an artifact is called reads the signature: capture and ``dynamic_shapes``
-(:mod:`fx_lightning.program`), the manifest's contract, ``load_fused``'s pieces and padding (only on a proven
+(:mod:`fx_lightning.signature.program`), the manifest's contract, ``load_fused``'s pieces and padding (only on a proven
 sample axis), the server's batching, the Triton dims and ``bench``.
 """
 
@@ -21,11 +21,11 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tup
 
 import torch
 
-from fx_lightning._json import JsonObject, dtype_name
-from fx_lightning.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
-from fx_lightning.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
-                                     shapes_text,
-                                     stochastic_outputs)
+from fx_lightning.common.json_views import JsonObject, dtype_name
+from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
+from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
+                                               shapes_text,
+                                               stochastic_outputs)
 
 __all__ = [
     "DimKind",
@@ -173,7 +173,7 @@ class Signature:
     constants: List[ConstSpec] = field(default_factory=list)
     # The outputs' containers (:func:`describe_outputs`): named tuples and dataclasses come back as such on load.
     output_tree: Optional[JsonObject] = None
-    # Calls of other sizes made by the experiments (:func:`~fx_lightning.sample_axis.probe_sizes`): every artifact is
+    # Calls of other sizes made by the experiments (:func:`~fx_lightning.signature.sample_axis.probe_sizes`): every artifact is
     # checked on them too. Not written to the manifest.
     examples: List[Call] = field(default_factory=list)
     # Output constants that counted the call's samples in every call (paths into the outputs, not written to the

@@ -19,28 +19,28 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from fx_lightning._imports import missing_modules
-from fx_lightning.calls import Call, run_seeded
+from fx_lightning.common.imports import missing_modules
+from fx_lightning.common.calls import Call, run_seeded
 from fx_lightning.config import FormatFailure, FuseConfig, to_container
 from fx_lightning.errors import ExportError, FXLightningError, TraceError, first_line
-from fx_lightning.export.atomic import list_files, staging_directory
+from fx_lightning.export.write.atomic import list_files, staging_directory
 from fx_lightning.export.check import CHECK_FILE, Reference, check_roundtrip, reference_for, write_check_file
 from fx_lightning.formats.base import FUSED_CLASS_NAME, ExactReference, Format, FormatEntry, WriteContext
 from fx_lightning.formats import FORMATS
-from fx_lightning.export.prologue import with_prologue
+from fx_lightning.export.write.prologue import with_prologue
 from fx_lightning.export.files import file_infos
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Preprocess, new_manifest, write_manifest
 from fx_lightning.export.progress import Progress
-from fx_lightning.export.report_html import REPORT_NAME, write_report
-from fx_lightning.export.readme import readme_text
-from fx_lightning.notes import NoteKind
-from fx_lightning.notes import Note
+from fx_lightning.export.write.report_html import REPORT_NAME, write_report
+from fx_lightning.export.write.readme import readme_text
+from fx_lightning.common.notes import NoteKind
+from fx_lightning.common.notes import Note
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
-from fx_lightning.program import ExportFailed, LeafDims, Program, export_program, signature_dims
-from fx_lightning.provenance import Provenance
-from fx_lightning.rows import rows_of, with_rows
-from fx_lightning.signature import DimKind, Observed, Signature, derive_signature, shape_problem, with_raw_input
+from fx_lightning.signature.program import ExportFailed, LeafDims, Program, export_program, signature_dims
+from fx_lightning.common.provenance import Provenance
+from fx_lightning.common.rows import rows_of, with_rows
+from fx_lightning.signature.signature import DimKind, Observed, Signature, derive_signature, shape_problem, with_raw_input
 
 __all__ = ["export_fused", "prepare_export", "write_export", "export_errors", "finish_export", "write_formats", "make_context",
            "require_formats", "refuse_existing", "STATIC_EXPORT", "STATIC_SIZES", "NO_SAMPLE_AXIS", "static_note"]
@@ -77,7 +77,7 @@ def export_fused(
     ``graph_module`` is the fused model (``FuseResult.graph_module``: a symbolic-trace GraphModule or an
     unlifted ``torch.export`` module); ``example_inputs`` are forward's arguments (the batch dimension is
     dim 0 of every tensor). ``report`` (a FuseReport), ``parity`` (a ParityReport or its dict) and ``extra``
-    (where the model came from: a :class:`~fx_lightning.provenance.Provenance` or its dict) go into the manifest. Honours
+    (where the model came from: a :class:`~fx_lightning.common.provenance.Provenance` or its dict) go into the manifest. Honours
     ``export.overwrite`` and ``export.dynamic_batch``. Returns the directory's path.
 
     Atomic: the export appears complete or not at all, and an existing export is replaced only by a
@@ -293,7 +293,7 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     ``signature``: what the observed calls showed (the sample axis, the sizes that vary); without one it is derived
     here from the example (dim 0 is the sample axis only when an experiment shows that rows are independent).
     The program is dynamic on the sample axis (``export.dynamic_batch``) and on every size that varied, when
-    torch.export can keep it so (:func:`fx_lightning.program.export_program`), and checked on ``other_inputs``
+    torch.export can keep it so (:func:`fx_lightning.signature.program.export_program`), and checked on ``other_inputs``
     (examples of other sizes); otherwise it is built for the example's sizes, and a note says why: ``load_fused``
     runs another number of samples as pieces only along a proven sample axis, and refuses other sizes elsewhere.
     ``preprocess``: the raw-input prologue spliced in front of the model, one graph for every writer

@@ -7,7 +7,7 @@ gone to sleep, as under sparse traffic) and once right after (back to back); the
 spinning threads from slowing the next.
 
 Alone: runtimes in one process steal each other's cores (figures: docs/performance.md). A server runs one model
-per process, so the finalists are timed each in a fresh Python process (``python -m fx_lightning.export.timing``)
+per process, so the finalists are timed each in a fresh Python process (``python -m fx_lightning.export.select.timing``)
 with the same loop, inputs (``check.pt``), threads and idle gap. The processes take turns: all load, then each in
 turn runs a share of its work while the others wait on their pipes (the finalists: a share of their rounds,
 :data:`TURNS` times; the sweeps: a batch size each turn), so a slow minute lands on all of them here too. Timed one after the other, the
@@ -37,8 +37,8 @@ from torch import nn
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import Sweep, SweepPoint, TimingFailure
-from fx_lightning.export.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps
-from fx_lightning.rows import with_rows
+from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps
+from fx_lightning.common.rows import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Tick", "TURNS", "WorkerRequest", "Turn", "Answer",
            "time_interleaved", "time_in_own_processes", "sweep_in_own_processes"]
@@ -47,7 +47,7 @@ OWN_PROCESS_TIMEOUT_S = 600.0
 # The turns the finalists' processes take: each runs its rounds in this many shares, the others waiting meanwhile.
 TURNS = 5
 # The command that starts one timing process (a request file's path follows).
-WORKER_COMMAND = [sys.executable, "-m", "fx_lightning.export.timing"]
+WORKER_COMMAND = [sys.executable, "-m", "fx_lightning.export.select.timing"]
 
 Candidate = Tuple[str, str]  # (artifact or baseline, runtime choice)
 Samples = Dict[Tuple[Candidate, int], Dict[str, List[float]]]  # (candidate, batch size) -> traffic -> seconds
@@ -154,7 +154,7 @@ def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidat
 def sweep_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[str]],
                            settings: SweepSettings, threads: int, progress: Optional[Tick] = None
                            ) -> Dict[Candidate, Tuple[Optional[List[Sweep]], str]]:
-    """Each candidate's throughput sweep (export/sweep.py) in each of its traffics, in a fresh process of its own, as
+    """Each candidate's throughput sweep (export/select/sweep.py) in each of its traffics, in a fresh process of its own, as
     a server runs it, the processes taking turns a batch size at a time (so the host's drift lands on all of
     them). Returns per candidate its sweeps, or None and why its process failed."""
     requests = {c: WorkerRequest(str(root), manifest_json, c, threads, sweep_traffics=list(traffics),
@@ -272,7 +272,7 @@ def _time_request(path: Path) -> None:
     """The worker of :func:`time_in_own_processes` and :func:`sweep_in_own_processes`: load the one artifact, warm
     it up, say so, then do what its parent asks each turn, answering on stdout's own descriptor (whatever else
     prints goes to stderr) until it answers with its result."""
-    from fx_lightning.export.loader import load_artifact
+    from fx_lightning.export.load.loader import load_artifact
     from fx_lightning.export.manifest import Manifest
     from fx_lightning.export.check import read_check_file
 

@@ -27,10 +27,10 @@ from torch import nn
 
 from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import first_line
-from fx_lightning.export.loader import selection_for
+from fx_lightning.export.load.loader import selection_for
 from fx_lightning.export.manifest import Manifest, Sweep, SweepPoint
 from fx_lightning.formats.batching import quiet_pieces
-from fx_lightning.rows import with_rows
+from fx_lightning.common.rows import with_rows
 
 __all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "sweep_steps", "measure_batch_size", "module_runner",
            "sweep_module", "Batching", "recorded_batching", "IDLE_GAP_S"]

@@ -1,4 +1,4 @@
-"""``load_fused``: read back what :func:`~fx_lightning.export.writer.export_fused` wrote."""
+"""``load_fused``: read back what :func:`~fx_lightning.export.write.writer.export_fused` wrote."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from fx_lightning._imports import missing_modules
+from fx_lightning.common.imports import missing_modules
 from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.formats.batching import with_pieces
-from fx_lightning.export.interface import ArtifactInterface
+from fx_lightning.export.load.interface import ArtifactInterface
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
 

@@ -1,5 +1,5 @@
 """What a raw input means to the original model: the training-time normalisation, in fp64, written here in plain
-torch independently of the export's prologue (:mod:`fx_lightning.export.prologue`), so that comparing the two
+torch independently of the export's prologue (:mod:`fx_lightning.export.write.prologue`), so that comparing the two
 checks the prologue rather than repeating it.
 
 :class:`NormalisedReference` is the fp64 reference of an export with ``export.preprocess`` (``check.pt``'s expected
@@ -14,10 +14,10 @@ from typing import Any, List, Sequence
 import torch
 from torch import nn
 
-from fx_lightning.batches import flat_tensors, model_device_dtype
+from fx_lightning.common.batches import flat_tensors, model_device_dtype
 from fx_lightning.export.manifest import Preprocess
 from fx_lightning.parity.compare import Comparison, compare_outputs, relative_error
-from fx_lightning.tolerance import DISCRETE_AGREEMENT
+from fx_lightning.common.tolerance import DISCRETE_AGREEMENT
 
 __all__ = ["normalise_fp64", "NormalisedReference", "compare_raw_path"]
 

@@ -1,4 +1,4 @@
-"""An artifact behind the interface its :class:`~fx_lightning.signature.Signature` describes, for ``load_fused``.
+"""An artifact behind the interface its :class:`~fx_lightning.signature.signature.Signature` describes, for ``load_fused``.
 
 - **Inputs.** A flat artifact (one tensor per input leaf) is called with its leaves in order, by name
   (``model(bmg_V=..., bmg_E=...)``), or with the original arguments (any object with the recorded fields, a dict
@@ -18,10 +18,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from fx_lightning.calls import Call, Step, leaf_values, path_text, tree_of_call, value_at
+from fx_lightning.common.calls import Call, Step, leaf_values, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem
+from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem
 
 __all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
 

@@ -12,13 +12,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.batches import as_example_inputs, detached, model_device_dtype
-from fx_lightning.calls import Call, Interface, run_seeded
-from fx_lightning.capture import capture, eval_copy, set_eval
+from fx_lightning.common.batches import as_example_inputs, detached, model_device_dtype
+from fx_lightning.common.calls import Call, Interface, run_seeded
+from fx_lightning.capture.graph import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
-from fx_lightning.notes import NoteKind
+from fx_lightning.common.notes import NoteKind
 from fx_lightning.parity.compare import compare_outputs
-from fx_lightning.tolerance import rounding_tolerance
+from fx_lightning.common.tolerance import rounding_tolerance
 from fx_lightning.passes import (
     PassContext,
     PassResult,
@@ -31,8 +31,8 @@ from fx_lightning.passes import (
 )
 from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
 from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
-from fx_lightning.report import FuseReport, GraphStats, PassReport, batchnorms_in_leaves, graph_stats
-from fx_lightning.signature import Signature
+from fx_lightning.capture.fuse_report import FuseReport, GraphStats, PassReport, batchnorms_in_leaves, graph_stats
+from fx_lightning.signature.signature import Signature
 
 __all__ = ["FuseResult", "fuse", "run_once", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
 
@@ -74,7 +74,7 @@ def fuse(
     """Trace an eval-mode copy of ``module``, fold its BatchNorms and run the configured passes.
 
     ``module`` is never changed. ``example_inputs`` (a tensor, a tuple of forward's arguments, or a
-    :class:`~fx_lightning.calls.Call` with keyword arguments) lets the passes see shapes (needed to fold Linear +
+    :class:`~fx_lightning.common.calls.Call` with keyword arguments) lets the passes see shapes (needed to fold Linear +
     BatchNorm1d) and enables the ``torch.export`` capture fallback. ``signature`` (what observed calls showed:
     which dimensions vary) and ``check_inputs`` (more calls, of other sizes) make the capture take every size the
     calls took. The result's ``graph_module`` is in eval mode, on the input's device and dtype.
