@@ -163,4 +163,8 @@ FORMAT = Format(
         "`torch._inductor.aoti_load_package('{path}/<package>.pt2')` in Python, "
         "`torch::inductor::AOTIModelPackageLoader` in C++. Needs the same torch version and instruction set."
     ),
+    writes_variants=True,
+    triton_backend="python",
+    triton_refusal="python=False: AOTInductor packages are served by the Python-backend model only (Triton's "
+                   "PyTorch backend loads them as platform \"torch_aoti\", a beta that serves batch size 1 only)",
 )

@@ -295,6 +295,14 @@ class Format:
     # Written from the context's torch.export program (False: from the fused graph itself, which takes every size
     # its capture took, whether or not torch.export could make a dynamic program of it).
     from_program: bool = True
+    # A lossy variant's own model (fx_lightning.variants) is written in it: it runs the model through Inductor (a
+    # quantised graph run eagerly is slow).
+    writes_variants: bool = False
+    # The Triton backend that serves it ("onnxruntime", "openvino"; "python": the Python-backend model
+    # fx-lightning writes, for formats no native backend serves whose loader runs no pickled code), else None and
+    # why not in ``triton_refusal``.
+    triton_backend: Optional[str] = None
+    triton_refusal: str = ""
 
     def with_runtime(self, entry: FormatEntry, runtime: str) -> FormatEntry:
         """``entry`` as it loads with the runtime settings ``runtime`` ("": as written)."""

@@ -67,4 +67,5 @@ FORMAT = Format(
         "- `{path}/` (code): readable Python; `sys.path.insert(0, '.')`, then\n"
         "  `from {path} import load; model = load()`. Weights load with weights_only=True{pickled_note}."
     ),
+    triton_refusal="Python source needs Triton's Python backend and a model.py written for it",
 )

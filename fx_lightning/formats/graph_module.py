@@ -81,4 +81,6 @@ FORMAT = Format(
         "- `{path}` (graph_module): `torch.load('{path}', weights_only=False).eval()`.\n"
         "  **This is pickled code** (weights_only=False runs it): load only files you trust."
     ),
+    triton_refusal="a pickled GraphModule is not TorchScript, which is what Triton's PyTorch backend loads, and it "
+                   "holds pickled code",
 )

@@ -228,4 +228,5 @@ FORMAT = Format(
                      RUNTIME_DEFAULTS: {"session_options": {"intra_op_num_threads": ORT_OWN_THREADS, "config_entries": {
                          "session.intra_op.allow_spinning": None}}}},
     readme="- `{path}` (onnx): `onnxruntime.InferenceSession('{path}')`; dynamic batch axis.",
+    triton_backend="onnxruntime",
 )

@@ -235,4 +235,5 @@ FORMAT = Format(
         "{{'INFERENCE_PRECISION_HINT': 'f32'}})`; `ov::Core().compile_model(...)` in C++. "
         "Dynamic batch axis; XML graph and raw weights, no code."
     ),
+    triton_backend="openvino",
 )

@@ -69,4 +69,8 @@ FORMAT = Format(
         "- `{path}` (pt2, recommended): `torch.export.load('{path}').module()`. No pickled code.\n"
         "  Already an inference graph: `.eval()` on it raises in plain torch; just call it."
     ),
+    writes_variants=True,
+    triton_backend="python",
+    triton_refusal="python=False: a torch.export program (.pt2) is served by the Python-backend model only "
+                   "(Triton's PyTorch backend does not load it)",
 )

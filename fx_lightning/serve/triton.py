@@ -48,7 +48,7 @@ from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, re
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
                                               TritonModel, TritonOptions, TritonRepository, TritonTensor,
                                               config_text, default_model_name, describe, readme_text)
-from fx_lightning.serve.triton_python import ENTRY_PARAMETER, MODEL_PY, PYTHON_FORMATS, python_copies, python_model
+from fx_lightning.serve.triton_python import ENTRY_PARAMETER, MODEL_PY, python_copies, python_model
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
@@ -73,18 +73,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VERSION = "1"  # the model version directory every model's files go in
-
-# Why the formats Triton cannot serve from an fx-lightning export are not written.
-_NOT_SERVED: Dict[str, str] = {
-    "aoti": "python=False: AOTInductor packages are served by the Python-backend model only (Triton's PyTorch "
-            "backend loads them as platform \"torch_aoti\", a beta that serves batch size 1 only)",
-    "pt2": "python=False: a torch.export program (.pt2) is served by the Python-backend model only (Triton's "
-           "PyTorch backend does not load it)",
-    "graph_module": "a pickled GraphModule is not TorchScript, which is what Triton's PyTorch backend loads, and "
-                    "it holds pickled code",
-    "code": "Python source needs Triton's Python backend and a model.py written for it",
-}
-
 
 @dataclass(frozen=True)
 class ArtifactTensor:
@@ -186,7 +174,7 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
         try:
             directory = out / f"{base}_{entry_name}"
             models.append(_plan_model(root, manifest, entry_name, entry, directory, options)
-                          if (entry.format_name or entry_name) in _BACKENDS
+                          if _backend(entry_name, entry) is not None
                           else _python_model(f"{base}_{entry_name}", manifest, entry_name, directory, options))
         except NotServable as exc:
             if options.formats is not None:  # asked for by name: refused, not skipped
@@ -245,18 +233,19 @@ def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]],
 
 
 def _servable(manifest: Manifest, python: bool) -> List[str]:
-    formats = set(_BACKENDS) | (set(PYTHON_FORMATS) if python else set())
-    return [n for n, e in manifest.formats.items() if (e.format_name or n) in formats]
+    backends = set(_BACKENDS) | ({"python"} if python else set())
+    return [n for n, e in manifest.formats.items() if FORMATS[e.format_name or n].triton_backend in backends]
 
 
 def _skip_reason(manifest: Manifest, entry_name: str) -> str:
-    fmt = manifest.formats[entry_name].format_name or entry_name
-    return _NOT_SERVED.get(fmt, f"no Triton backend is written for format {fmt!r}")
+    fmt = FORMATS[manifest.formats[entry_name].format_name or entry_name]
+    return fmt.triton_refusal or f"no Triton backend is written for format {fmt.name!r}"
 
 
 def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEntry, directory: Path,
                 options: TritonOptions) -> TritonModel:
-    backend = _BACKENDS[entry.format_name or entry_name]
+    backend = _backend(entry_name, entry)
+    assert backend is not None  # _choose_entries kept only what a backend serves
     folder = _artifact_folder(root, entry, backend)
     inputs, outputs = backend.read(folder / backend.model_file)
     where = f"{entry_name} ({folder / backend.model_file})"
@@ -508,10 +497,16 @@ def openvino_tensors(xml: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTens
     return [one(p) for p in model.inputs], [one(p) for p in model.outputs]
 
 
+# How each Triton backend a Format names (``Format.triton_backend``) reads that format's artifact.
 _BACKENDS: Dict[str, Backend] = {
-    "onnx": Backend("onnxruntime", onnx_tensors, "model.onnx", folder_is_path=False),
+    "onnxruntime": Backend("onnxruntime", onnx_tensors, "model.onnx", folder_is_path=False),
     "openvino": Backend("openvino", openvino_tensors, "model.xml", folder_is_path=True),
 }
+
+
+def _backend(entry_name: str, entry: FormatEntry) -> Optional[Backend]:
+    """The Triton backend that serves the entry's format itself (None: the Python-backend model, or nothing)."""
+    return _BACKENDS.get(FORMATS[entry.format_name or entry_name].triton_backend or "")
 
 
 # --- writing -----------------------------------------------------------------------------------------------------

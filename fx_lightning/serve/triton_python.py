@@ -26,7 +26,7 @@ from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
 from fx_lightning.serve.contract import Contract
 from fx_lightning.serve.triton_config import TritonModel, contract_model
 
-__all__ = ["MODEL_PY", "ENTRY_PARAMETER", "STRATEGY_PARAMETER", "PYTHON_FORMATS", "ExportRunner", "python_model",
+__all__ = ["MODEL_PY", "ENTRY_PARAMETER", "STRATEGY_PARAMETER", "ExportRunner", "python_model",
            "python_copies", "selection_options"]
 
 ENTRY_PARAMETER = "fx_lightning_entry"  # the config parameter naming the artifact; absent: the export's selection
@@ -34,9 +34,6 @@ ENTRY_PARAMETER = "fx_lightning_entry"  # the config parameter naming the artifa
 # its max-throughput pick, whose batching it is (as ``fx-lightning serve`` serves it); absent: the fastest for
 # the model's max_batch_size.
 STRATEGY_PARAMETER = "fx_lightning_strategy"
-# The formats a Python-backend model is written for (besides the selection): those no native backend serves whose
-# loader runs no pickled code (graph_module is a pickle, code is Python source: load them yourself if you trust them).
-PYTHON_FORMATS = ("pt2", "aoti")
 
 MODEL_PY = '''"""Triton Python-backend model written by fx-lightning: serves ./export with its checked loader."""
 

@@ -35,19 +35,16 @@ from fx_lightning.common.notes import Note
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.signature.signature import Signature
 
-__all__ = ["VARIANT_FORMATS", "Gate", "add_variant", "add_format_variants", "skip_variant", "torch_variant_formats"]
+__all__ = ["Gate", "add_variant", "add_format_variants", "skip_variant", "torch_variant_formats"]
 
-# The formats a variant's own model is written in: those that run it through Inductor (a quantised graph run
-# eagerly is slow). pt2 also serves load_fused(dir, compile=True).
-VARIANT_FORMATS = ("pt2", "aoti")
 
 Gate = Callable[[nn.Module], ParityReport]  # the loaded artifact -> its gate report
 
 
 def torch_variant_formats(config: FuseConfig, precision: str) -> List[str]:
-    """The torch formats a variant's own model is written in: the configured pt2/aoti; pt2 when none is
-    configured and no configured format makes the variant itself."""
-    wanted = [f.value for f in config.export.formats if f.value in VARIANT_FORMATS]
+    """The configured formats a variant's own model is written in (``Format.writes_variants``: pt2, aoti); pt2
+    when none is configured and no configured format makes the variant itself."""
+    wanted = [f.value for f in config.export.formats if FORMATS[f.value].writes_variants]
     if wanted or any(precision in FORMATS[f.value].variants for f in config.export.formats):
         return wanted
     return ["pt2"]
