@@ -159,3 +159,21 @@ def test_bad_leaf_module_path_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"trace.leaf_modules\[0\]"):
         fuse(Net(), {"trace": {"leaf_modules": ["no.such.Module"]}})
+
+
+def _users_line_reading_a_missing_argument() -> None:
+    from fx_lightning.common.calls import Call, value_at
+
+    value_at(Call((), {}), [("kwarg", "x")])  # raises in the package's common/calls.py
+
+
+def test_the_users_line_in_a_capture_error_is_never_inside_the_package():
+    """After the package was laid out in folders, the filter of its own frames took fx_lightning/capture/ for the
+    package, so an error raised in fx_lightning/common/ was named as the user's line."""
+    from fx_lightning.capture.graph import _user_frame, _user_frames
+
+    with pytest.raises(KeyError) as info:
+        _users_line_reading_a_missing_argument()
+    where = _user_frame(info.value)
+    assert where is not None and where.startswith(__file__) and "_users_line_reading" in where, where
+    assert [f.f_code.co_name for f in _user_frames(info.value)][-1] == "_users_line_reading_a_missing_argument"

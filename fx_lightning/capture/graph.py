@@ -69,7 +69,7 @@ PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tupl
 
 # With the separator: a bare prefix would also match site-packages/torchvision, torchmetrics...
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PKG_DIR = os.path.dirname(__file__) + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fx_lightning/, not capture/
 
 
 def set_eval(module: nn.Module) -> None:
