@@ -87,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command != "fuse" or any(r.startswith("-") for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = [*args.overrides, *rest]
-    from fx_lightning.errors import FXLightningError, NoInputsError
+    from fx_lightning.errors import FXLightningError
 
     console = make_console()
     from fx_lightning.cli import bench_cmd, fuse_cmd, inspect_cmd
@@ -111,9 +111,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return mlflow_cmd.run(args, console)
         return bench_cmd.run(args, console)
     except FXLightningError as exc:
-        if isinstance(exc, NoInputsError):  # nothing to run the model on: the flags that give inputs are missing
-            print_error(console, str(exc))
-            return 2
         print_error(console, f"{type(exc).__name__}: {exc}")
         return 1
     except UsageError as exc:

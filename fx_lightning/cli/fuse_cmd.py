@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     import torch
 
-    from fx_lightning.errors import require_inputs
+    from fx_lightning.errors import NoInputsError, require_inputs
     from fx_lightning.export.progress import LineProgress
     from fx_lightning.pipeline import Batches, fuse_verify_export, summary_text
     from fx_lightning.common.provenance import Provenance, WeightsInfo
@@ -65,8 +65,12 @@ def run(args: argparse.Namespace, console: Any) -> int:
     example = getattr(model, "example_input_array", None)
     if args.input_shape:
         example = _random_input(args.input_shape, args.input_dtype)
-    require_inputs(bool(batches.items) or example is not None, "parity and export",
-                   f"--datamodule pkg.mod:Class or --input-shape N,C,H,W ({args.model} has no example_input_array)")
+    try:  # here a usage error (exit 2): the flags that give inputs are missing
+        require_inputs(bool(batches.items) or example is not None, "parity and export",
+                       f"--datamodule pkg.mod:Class or --input-shape N,C,H,W ({args.model} has no "
+                       "example_input_array)")
+    except NoInputsError as exc:
+        raise UsageError(str(exc)) from None
 
     export_dir = args.output or cfg.export.dir or "fx_fused"
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, dir=str(export_dir)))

@@ -50,7 +50,7 @@ InputRule = Union[None, str, int, Callable[[Any], Any]]
 PARITY_INPUT_SPELLINGS = (
     "parity.input can be a key of a dict batch ('image'), an index into a tuple batch (0), '*' (the whole batch is "
     "forward's one argument), or 'pkg.module:function' taking the batch and returning forward's argument, a tuple "
-    "of its positional arguments, or fx_lightning.common.calls.Call(args, kwargs)")
+    "of its positional arguments, or fx_lightning.calls.Call(args, kwargs)")
 
 
 def identity_rule(batch: Any) -> Any:

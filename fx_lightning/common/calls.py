@@ -281,7 +281,11 @@ def run_seeded(fn: Callable[..., Any], call: Call, seed: int = 0) -> Any:
     tensors = tree_of_call(call).leaves(call) + (list(fn.parameters()) if isinstance(fn, nn.Module) else [])
     devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
     with torch.no_grad(), torch.random.fork_rng(devices=devices), no_distribution_validation():
-        torch.manual_seed(seed)
+        # Only the streams forked above are seeded: torch.manual_seed would seed every CUDA device (or queue it
+        # until CUDA starts) and change the draws of a training on a device this call does not use.
+        torch.random.default_generator.manual_seed(seed)
+        for device in devices:
+            torch.cuda.default_generators[device].manual_seed(seed)
         return call.run(fn)
 
 

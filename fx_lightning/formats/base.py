@@ -83,7 +83,9 @@ class FormatEntry:
         if self.check is not None:
             out["check"] = self.check.to_dict()
         if self.variant is not None:
-            out.update(format=self.format, variant=self.variant, imports=list(self.imports))
+            out.update(format=self.format, variant=self.variant)
+        if self.variant is not None or self.imports:
+            out["imports"] = list(self.imports)
         if self.gate is not None:
             out["gate"] = self.gate.to_dict()
         if self.built_shapes is not None:

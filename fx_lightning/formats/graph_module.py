@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import List
 
 import torch
 from torch import nn
@@ -22,10 +22,11 @@ def _local_object(error: BaseException) -> bool:
 
 
 def _save(model: nn.Module, path: Path) -> List[str]:
-    """Pickle ``model``; returns the packages loading it needs beyond torch and the model's own.
+    """Pickle ``model``; returns the modules loading it needs beyond torch and the model's own.
 
-    A class defined inside a function (a library caching ``namedtuple`` output classes it builds on first call)
-    cannot be pickled by reference: cloudpickle pickles such classes by value and everything else as pickle does."""
+    A class or function defined inside a function (a library caching the ``namedtuple`` output class it builds on
+    its first call, a lambda) cannot be pickled by reference: cloudpickle pickles those by value and everything else
+    as pickle does."""
     try:
         torch.save(model, path)
         return []
@@ -43,27 +44,17 @@ def _save(model: nn.Module, path: Path) -> List[str]:
 
 
 def _write(root: Path, ctx: WriteContext) -> FormatEntry:
-    needs = _save(ctx.model, root / FORMAT.path)
-    options: Dict[str, Any] = {
-        "warning": "pickled Python objects: torch.load(..., weights_only=False) runs code; load only trusted files",
-        "requires_classes": pickled_classes(ctx.model),
-    }
-    if needs:
-        options["requires_packages"] = needs
+    needs = _save(ctx.model, root / FORMAT.path)  # imported before loading, with the install line when missing
     return FormatEntry(FORMAT.path, "torch.load(path, weights_only=False)", weights_only=False, pickled_code=True,
-                       options=options)
+                       imports=needs,
+                       options={"warning": "pickled Python objects: torch.load(..., weights_only=False) runs code; "
+                                           "load only trusted files",
+                                "requires_classes": pickled_classes(ctx.model)})
 
 
 def _load(root: Path, entry: FormatEntry, device: torch.device) -> nn.Module:
     # weights_only=False is required: a GraphModule pickle carries its generated code (see the manifest).
-    try:
-        module = torch.load(str(root / entry.path), map_location=device, weights_only=False)
-    except ModuleNotFoundError as error:
-        needs = entry.options.get("requires_packages") or []
-        if error.name not in needs:
-            raise
-        raise ExportError(f"{root / entry.path}: pickled with {error.name}, which is not installed: "
-                          f"pip install {error.name}.") from error
+    module = torch.load(str(root / entry.path), map_location=device, weights_only=False)
     if not isinstance(module, nn.Module):
         raise ExportError(f"{root / entry.path}: holds a {type(module).__name__}, not a module.")
     return module.eval()

@@ -30,7 +30,7 @@ class ParityData(str, Enum):
     example = "example"
 
 
-@dataclass
+@dataclass(kw_only=True)  # after the sections' own fields in their constructors: ParityConfig(False) is still off
 class GateThresholds:
     """The floors a candidate's outputs must meet against the reference's, on the parity batches."""
 
@@ -82,11 +82,12 @@ def load_parity(cfg: Union[ParityConfig, Mapping[str, Any], None]) -> ParityConf
     :class:`ConfigError` naming the key under ``parity`` (the gate's functions are entry points too)."""
     if isinstance(cfg, ParityConfig):
         return cfg
+    given = dict(cfg or {})
+    missing = sorted(k for k, v in given.items() if isinstance(v, str) and v == "???")  # merge would keep defaults
+    if missing:
+        raise ConfigError(f"parity.{missing[0]}: missing value ('???'); give a value.")
     try:
-        node = OmegaConf.merge(OmegaConf.structured(ParityConfig), dict(cfg or {}))
-        missing = sorted(OmegaConf.missing_keys(node))  # to_object would give them their defaults
-        if missing:
-            raise ConfigError(f"parity.{missing[0]}: missing value ('???'); give a value.")
+        node = OmegaConf.merge(OmegaConf.structured(ParityConfig), given)
         loaded = OmegaConf.to_object(node)
     except Exception as exc:  # noqa: BLE001 - OmegaConf's errors and the raw ones it lets through (OverflowError)
         raise config_error(exc, prefix="parity") from None

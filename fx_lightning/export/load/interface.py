@@ -140,9 +140,10 @@ class ArtifactInterface(nn.Module):
 
 # Class 4 of the zero-configuration refusals: the served call passes what no observed call did (speechbrain's
 # encode_batch passes wav_lens; its training recipe never does), so nothing shows what the model does with it.
-_NEVER_OBSERVED = (": no training or validation call observed passed an argument from position {first} on, so the "
-                   "artifact was not built with one (it computes as the model does without it). Leave it out, or "
-                   "pass it in the calls the training and validation steps make, and the export takes it")
+_NEVER_OBSERVED = (": no call the export was built from (the training and validation calls observed, or the example "
+                   "inputs) passed an argument from position {first} on, so the artifact was not built with one (it "
+                   "computes as the model does without it). Leave it out, or pass it in the calls the training and "
+                   "validation steps make, and the export takes it")
 
 
 def _normal(path: Tuple[Step, ...]) -> Tuple[Step, ...]:
