@@ -663,3 +663,25 @@ def test_an_argument_no_observed_call_passed_is_refused_by_position_and_the_advi
         else:  # the advice: the steps pass it, and the artifact takes it
             got = loaded(x, lengths)
             assert got.shape == (2, 8) and H.rel_err(got, encoder(x.double(), lengths.double())) < 1e-5
+
+
+class FeatureMaps(H.TinyBackbone):
+    """torchvision's IntermediateLayerGetter / FPN: the features as an OrderedDict."""
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        h = super().forward(x)
+        return collections.OrderedDict([("0", h), ("pool", h.abs().mean(dim=-1, keepdim=True))])
+
+
+def test_an_ordered_dict_output_comes_back_as_an_ordered_dict_from_every_format(tmp_path) -> None:
+    """torchvision's backbones: every format gave a plain dict for the OrderedDict the model returns."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module", "onnx"]})
+    model = H.LitClassifier(backbone=FeatureMaps(8))
+    model.forward = lambda x: model.head(model.backbone(x)["0"])  # type: ignore[method-assign]
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    x = torch.randn(3, 3, 8, 8)
+    want = H.fp64_copy(model.backbone)(x.double())
+    for fmt in ("pt2", "graph_module", "onnx"):
+        got = load_fused(cb.export_dir, fmt)(x)
+        assert type(got) is collections.OrderedDict and list(got) == ["0", "pool"], (fmt, type(got))
+        assert all(got[k].shape == want[k].shape and H.rel_err(got[k], want[k]) < 1e-5 for k in want), fmt

@@ -20,6 +20,7 @@ as JSON steps so that a process without the training code can flatten a duck-typ
 from __future__ import annotations
 
 import contextlib
+import collections
 import copy
 import dataclasses
 import inspect
@@ -174,6 +175,8 @@ class Tree:
             if plain or self.cls in (tuple, list):
                 return tuple(items) if issubclass(self.cls or tuple, tuple) else list(items)
             return self.cls._make(items) if hasattr(self.cls, "_make") else self.cls(items)  # type: ignore[union-attr]
+        if self.kind == "map" and not plain and self.cls is collections.OrderedDict:
+            return collections.OrderedDict((key, v) for (_, key), v in parts)
         if self.kind == "map" or plain:
             return {key: v for (_, key), v in parts}
         if self.kind == "dist":
@@ -372,8 +375,9 @@ def tree_of(value: Any, depth: int = 0) -> Tree:
         return Tree("const", template=value)
     if isinstance(value, (tuple, list)):
         return Tree("seq", type(value), [(("index", i), tree_of(v, depth + 1)) for i, v in enumerate(value)])
-    if isinstance(value, Mapping):
-        return Tree("map", dict, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()])
+    if isinstance(value, Mapping):  # an OrderedDict (torchvision's feature extractors) stays one; others: a dict
+        cls = collections.OrderedDict if type(value) is collections.OrderedDict else dict
+        return Tree("map", cls, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()])
     if _is_distribution(value):
         return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in _distribution_params(value)],
                     template=value)

@@ -381,7 +381,8 @@ def describe_outputs(tree: Tree) -> JsonObject:
                 if isinstance(tree.template, torch.distributions.Independent) else {}
             return {"kind": "distribution", "class": name, "keys": keys, "items": items,
                     "event_dims": len(tree.template.event_shape), **extra}
-    return {"kind": "dict", "keys": keys, "items": items}
+    ordered = {"ordered": True} if tree.kind == "map" and tree.cls is collections.OrderedDict else {}
+    return {"kind": "dict", "keys": keys, "items": items, **ordered}
 
 
 def _distribution_from_fields(cls: Optional[type], params: Mapping[str, torch.Tensor], event_dims: int) -> Any:
@@ -446,7 +447,7 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
             return list(items)
         if kind == "tuple":
             return tuple(items)
-        return dict(zip(node.get("keys") or [], items))
+        return (collections.OrderedDict if node.get("ordered") else dict)(zip(node.get("keys") or [], items))
 
     return build(description)
 
