@@ -685,3 +685,22 @@ def test_an_ordered_dict_output_comes_back_as_an_ordered_dict_from_every_format(
         got = load_fused(cb.export_dir, fmt)(x)
         assert type(got) is collections.OrderedDict and list(got) == ["0", "pool"], (fmt, type(got))
         assert all(got[k].shape == want[k].shape and H.rel_err(got[k], want[k]) < 1e-5 for k in want), fmt
+
+
+class KeepsItsOutput(H.LitClassifier):
+    """Lightning's GAN tutorial: ``self.generated_imgs = self(z)``, a tensor with autograd history kept on the module,
+    which copy.deepcopy refuses."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.last_logits = self(batch[0])
+        return F.cross_entropy(self.last_logits, batch[1])
+
+
+def test_a_module_keeping_a_tensor_with_autograd_history_is_fused_and_left_as_it_was(tmp_path) -> None:
+    cb = FXFuseCallback(export={"formats": ["pt2"]})
+    model = KeepsItsOutput()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    assert model.last_logits.grad_fn is not None  # the user's module untouched
+    x = torch.randn(3, 3, 8, 8)
+    got, want = load_fused(cb.export_dir, "pt2")(x), H.fp64_copy(model.backbone)(x.double())
+    assert got.shape == want.shape and got.dtype == torch.float32 and H.rel_err(got, want) < 1e-5
