@@ -704,3 +704,47 @@ def test_a_module_keeping_a_tensor_with_autograd_history_is_fused_and_left_as_it
     x = torch.randn(3, 3, 8, 8)
     got, want = load_fused(cb.export_dir, "pt2")(x), H.fp64_copy(model.backbone)(x.double())
     assert got.shape == want.shape and got.dtype == torch.float32 and H.rel_err(got, want) < 1e-5
+
+
+class M5(pl.LightningModule):
+    """torchaudio's speech-command tutorial (M5): ``F.avg_pool1d(x, x.shape[-1])``, a kernel torch.export cannot keep
+    dynamic, on clips of one length: the length is shown to vary only by experiment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 8, 16, stride=4)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool1d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(F.avg_pool1d(h, h.shape[-1]).squeeze(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_length_torch_export_cannot_keep_dynamic_is_fixed_only_in_the_formats_made_with_it(tmp_path) -> None:
+    """torchaudio's M5: the probed length was fixed for every format, graph_module included, whose graph is right at
+    every length: it refused a clip of another length."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 1, 400), torch.randint(0, 3, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = M5()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert "probed_fixed" in {n.kind.name for n in cb.outcome.manifest.notes}
+    reference = H.fp64_copy(model)
+    for length in (400, 600, 272):
+        x = torch.randn(2, 1, length)
+        got = load_fused(cb.export_dir, "graph_module")(x)
+        assert got.shape == (2, 3) and H.rel_err(got, reference(x.double())) < 1e-5, length
+    x = torch.randn(2, 1, 400)
+    assert H.rel_err(load_fused(cb.export_dir, "pt2")(x), reference(x.double())) < 1e-5
+    with pytest.raises(ExportError, match="built for 400"):  # the program's artifact: refused by name, never wrong
+        load_fused(cb.export_dir, "pt2")(torch.randn(2, 1, 600))

@@ -151,6 +151,9 @@ class WriteContext:
     dynamic_samples: bool = True  # export.dynamic_batch: the sample axis dynamic
     graph_fixed: bool = False  # the fused graph itself takes the example's sizes only (its capture was fixed)
     program_refused: Optional[str] = None  # why no torch.export program is made (the formats that need one fail)
+    # The signature the torch.export program is made for, where it fixes sizes the export's signature lets vary
+    # (sizes only shown to vary by experiment that torch.export could not keep dynamic); None: the same.
+    program_signature: Optional[Signature] = None
     # Example inputs of other sizes along the dimensions that vary: every dynamic program must take them.
     check_args: List[Tuple[Any, ...]] = field(default_factory=list)
 
@@ -160,6 +163,11 @@ class WriteContext:
         plain tuples (same fields, same order) and dataclass outputs as dicts: a saved program cannot name a class
         it does not know, and the serving process has no training code."""
         return PlainOutputs(self.model) if returns_named_tuple(self.model) else self.model
+
+    @property
+    def exported_signature(self) -> Signature:
+        """The signature the torch.export program (and every format made from it) is built for."""
+        return self.program_signature or self.signature
 
     @property
     def dynamic(self) -> bool:
@@ -183,7 +191,7 @@ class WriteContext:
         """torch.export's dimensions per input leaf (None: static)."""
         if self.program is not None and not self.program.dynamic:
             return None
-        dims = signature_dims(self.signature, dynamic_samples=self.dynamic_samples)
+        dims = signature_dims(self.exported_signature, dynamic_samples=self.dynamic_samples)
         return dims if any(dims) else None
 
     @property
@@ -207,7 +215,8 @@ class WriteContext:
 
     def built_for(self, fmt: "Format") -> Tuple[Optional[List[int]], Optional[List[List[Optional[int]]]]]:
         """The batch sizes and input shapes ``fmt``'s artifact is built for (None: any)."""
-        if self.takes_other_sizes(fmt):
+        fixed_by_program = fmt.from_program and self.program_signature is not None
+        if self.takes_other_sizes(fmt) and not fixed_by_program:
             return None, None
         batch = self.static_batch if fmt.from_program else (
             rows_of(self.args, self.signature.input_axes()) if self.signature.batched else None)
@@ -223,9 +232,10 @@ class WriteContext:
         sample axis left free: it is run as pieces), else None."""
         if (self.dynamic and not force) or not any(isinstance(a, torch.Tensor) and a.dim() for a in self.args):
             return None
-        axes = self.signature.input_axes() if self.signature.batched else [None] * len(self.signature.inputs)
+        signature = self.exported_signature
+        axes = signature.input_axes() if signature.batched else [None] * len(signature.inputs)
         tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
-        varies = [[self.dynamic and d.kind is DimKind.variable for d in leaf.dims] for leaf in self.signature.inputs]
+        varies = [[self.dynamic and d.kind is DimKind.variable for d in leaf.dims] for leaf in signature.inputs]
         return [[None if d == axis or (d < len(free) and free[d]) else int(size) for d, size in enumerate(t.shape)]
                 for t, axis, free in zip(tensors, axes, varies)]
 

@@ -76,8 +76,9 @@ def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], outp
     """torch.onnx's TorchScript exporter, for graphs the dynamo exporter cannot handle."""
     dynamic_axes = None
     if ctx.dynamic:
-        dynamic_axes = {n: _dynamic_axes(leaf, ctx) for n, leaf in zip(input_names, ctx.signature.inputs)}
-        dynamic_axes.update({n: _dynamic_axes(leaf, ctx) for n, leaf in zip(output_names, ctx.signature.outputs)})
+        signature = ctx.exported_signature
+        dynamic_axes = {n: _dynamic_axes(leaf, ctx) for n, leaf in zip(input_names, signature.inputs)}
+        dynamic_axes.update({n: _dynamic_axes(leaf, ctx) for n, leaf in zip(output_names, signature.outputs)})
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(ctx.model, ctx.args, str(path), dynamo=False, input_names=input_names,

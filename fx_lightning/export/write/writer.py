@@ -56,8 +56,8 @@ STATIC_SIZES = NoteKind("static_sizes", "the formats made with torch.export take
                                         "that varied ({sizes}) could not stay dynamic ({reason}); load_fused refuses "
                                         "other sizes for them (not a sample axis it could split or pad along)")
 PROBED_FIXED = NoteKind("probed_fixed", "sizes shown to vary by experiment (a call with them resized ran) could "
-                                      "not stay dynamic in torch.export ({reason}): the artifacts take the sizes seen "
-                                      "there")
+                                      "not stay dynamic in torch.export ({reason}): the artifacts made with it take "
+                                      "the sizes seen there; the fused graph's own formats take every size")
 NO_SAMPLE_AXIS = NoteKind("no_sample_axis", "no sample axis: {how}; every artifact takes its inputs whole (never split "
                                             "or padded)")
 
@@ -348,7 +348,7 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
 def _with_dynamic_program(ctx: WriteContext, dims: List[LeafDims], rows: Optional[int], dynamic_samples: bool) -> WriteContext:
     """``ctx`` with a program dynamic on ``dims``; where the graph fixes a size, one for the example's sizes (or
     none, where the sizes that vary could not stay dynamic), with a note saying why."""
-    signature, args = ctx.signature, ctx.args
+    signature, args = ctx.exported_signature, ctx.args
     dynamic_args = tuple(with_rows(args, signature.input_axes(), 2)) if rows == 1 and dynamic_samples else args
     try:
         ctx.program = export_program(ctx.export_model, Call(dynamic_args), dims, allow_static=False,
@@ -357,11 +357,12 @@ def _with_dynamic_program(ctx: WriteContext, dims: List[LeafDims], rows: Optiona
         return ctx
     except ExportFailed as exc:  # the graph fixes a size: export it for the example's
         reason = first_line(exc.first, with_type=True)
-    if signature.probed:  # sizes only shown to vary by experiment: fixed again, and the rest tried once more
-        ctx.signature = signature.fixing_probed()
-        ctx.check_args = [a for a in ctx.check_args if _fits(ctx.signature, a)]
+    if signature.probed:  # sizes only shown to vary by experiment: fixed again for the program, the rest tried once
+        # more; the fused graph's own formats (graph_module, code) still take them, as the export's signature says.
+        ctx.program_signature = signature.fixing_probed()
+        ctx.check_args = [a for a in ctx.check_args if _fits(ctx.program_signature, a)]
         ctx.notes.append(PROBED_FIXED(reason=reason))
-        return _with_dynamic_program(ctx, signature_dims(ctx.signature, dynamic_samples=dynamic_samples), rows,
+        return _with_dynamic_program(ctx, signature_dims(ctx.program_signature, dynamic_samples=dynamic_samples), rows,
                                      dynamic_samples)
     if any(d.kind is DimKind.variable for leaf in signature.inputs for d in leaf.dims):
         # Fixed to sizes that vary (a graph's node count), a program would take no other input: the formats made
