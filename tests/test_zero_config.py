@@ -748,3 +748,43 @@ def test_a_length_torch_export_cannot_keep_dynamic_is_fixed_only_in_the_formats_
     assert H.rel_err(load_fused(cb.export_dir, "pt2")(x), reference(x.double())) < 1e-5
     with pytest.raises(ExportError, match="built for 400"):  # the program's artifact: refused by name, never wrong
         load_fused(cb.export_dir, "pt2")(torch.randn(2, 1, 600))
+
+
+class ScoreFiltered(pl.LightningModule):
+    """Detection's score threshold (NMS, box filtering): how many rows come out depends on values, and at x = 0.1 the
+    fp64 copy keeps a row fp32 drops (0.1 * 10 - 1 is 1.5e-8 in fp64, 0 in fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))[x[:, 0] * 10 - 1 > 0]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_an_output_whose_length_fp64_changes_is_checked_against_the_model_at_its_precision(tmp_path) -> None:
+    """torchvision's detection models: the export's check subtracted fp64 outputs from fp32 ones of another length
+    and crashed, stopping the training before it started."""
+    x = torch.randn(32, 4)
+    x[::2, 0] = 0.1
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = ScoreFiltered()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    clear = torch.randn(6, 4).abs() + 0.2  # no row on the threshold: fp64 is the reference
+    for fmt in ("pt2", "graph_module"):
+        got, want = load_fused(cb.export_dir, fmt)(clear), H.fp64_copy(model)(clear.double())
+        assert got.shape == want.shape == (6, 4) and H.rel_err(got, want) < 1e-5, fmt
+        on_edge = x[:8]
+        got, want = load_fused(cb.export_dir, fmt)(on_edge), copy.deepcopy(model).eval()(on_edge)
+        assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt  # the model's own rows at fp32
