@@ -392,8 +392,10 @@ def test_an_input_the_artifact_was_not_built_for_is_refused(tmp_path):
                                            example_inputs=(views,), config={"export": {"formats": ["pt2"]}})
     loaded = fx_lightning.load_fused(outcome.export_dir)
     assert loaded(views).shape == (4, 2)
-    with pytest.raises(ExportError, match=r"given, which the artifact was not built for"):
+    with pytest.raises(ExportError, match=r"given, which the artifact was not built for") as info:
         loaded(views + [torch.randn(4, 3, 8, 8) for _ in range(3)])
+    # FrEIA's inn(z, rev=True): leaving the flag out computes another thing; the advice says so, never just "drop it"
+    assert "leave it out only if that is the call you want" in str(info.value), str(info.value)
 
 
 def _local_record_head():

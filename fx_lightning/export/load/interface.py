@@ -135,7 +135,9 @@ class ArtifactInterface(nn.Module):
         if unknown:
             wanted = ", ".join(leaf.path for leaf in self.signature.inputs)
             raise ExportError(f"{self.what}: {', '.join(path_text(p) for p in unknown)} given, which the artifact was "
-                              f"not built for (it takes {wanted}); leave it out, or export from calls that pass it")
+                              f"not built for (it takes {wanted}): the artifact computes what the model does without "
+                              "it, which may not be what this call asks for (a flag such as rev=True); leave it out "
+                              "only if that is the call you want, else export from calls that pass it")
 
 
 # Class 4 of the zero-configuration refusals: the served call passes what no observed call did (speechbrain's
