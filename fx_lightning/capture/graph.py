@@ -126,7 +126,9 @@ def plain_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Ten
 def eval_copy(module: nn.Module, device: Optional[torch.device] = None) -> nn.Module:
     """A deep copy in eval mode with gradients off and ``torch.compile`` wrappers removed, moved to ``device``
     when given; the input keeps its weights, buffers and flags."""
-    working = strip_compiled(copy.deepcopy(module, _detached_memo(module)))
+    memo = _detached_memo(module)
+    working = strip_compiled(copy.deepcopy(module, memo))
+    memo.clear()  # it holds every object of the copy: the copy must be freed by reference counting alone
     if device is not None:
         working.to(device)
     working.eval()
@@ -138,23 +140,23 @@ def _detached_memo(module: nn.Module) -> Dict[int, Any]:
     """A deepcopy memo mapping each tensor with autograd history that a module keeps as an attribute (Lightning's GAN
     tutorial keeps ``self.generated_imgs = self(z)``) to a detached copy: deepcopy refuses such tensors."""
     memo: Dict[int, Any] = {}
-
-    def visit(value: Any, depth: int) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.grad_fn is not None and id(value) not in memo:
-                memo[id(value)] = value.detach().clone()
-        elif depth < 4 and isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item, depth + 1)
-        elif depth < 4 and isinstance(value, dict):
-            for item in value.values():
-                visit(item, depth + 1)
-
     for m in module.modules():
         for name, value in vars(m).items():
             if name not in ("_parameters", "_buffers", "_modules"):
-                visit(value, 0)
+                _detach_into(memo, value, 0)
     return memo
+
+
+def _detach_into(memo: Dict[int, Any], value: Any, depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None and id(value) not in memo:
+            memo[id(value)] = value.detach().clone()
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            _detach_into(memo, item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            _detach_into(memo, item, depth + 1)
 
 
 @dataclass
