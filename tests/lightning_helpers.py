@@ -232,3 +232,21 @@ def parameters_fingerprint(model: Any) -> str:
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode() + p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class TwoHeads(nn.Module):
+    """conv-BN-ReLU, pooling, two outputs: class scores (times ``score_scale``) and an embedding."""
+
+    def __init__(self, score_scale: float = 1.0) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+        self.score_scale = score_scale
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        features = F.adaptive_avg_pool2d(F.relu(self.bn(self.conv(x))), 1).flatten(1)
+        scores = self.fc(features)
+        return (scores * self.score_scale if self.score_scale != 1.0 else scores), features

@@ -28,6 +28,7 @@ from torch import nn
 
 from export_helpers import clean_env, free_port
 from fusion_helpers import reference_fp64, rel_err
+from lightning_helpers import TwoHeads
 from fx_lightning import FuseConfig, fuse_and_export, load_fused
 from fx_lightning.config.schema import ExportFormat
 from fx_lightning.export.check import read_check_file
@@ -35,22 +36,6 @@ from fx_lightning.export.check import read_check_file
 pytest.importorskip("litserve")
 
 STARTUP_S = 120.0
-
-
-class TwoHeads(nn.Module):
-    """conv-BN-ReLU, pooling, two outputs (class scores and an embedding): the response keeps both, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8, 5)
-        with torch.no_grad():
-            self.bn.running_mean.uniform_(-0.5, 0.5)
-            self.bn.running_var.uniform_(0.5, 2.0)
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        features = F.adaptive_avg_pool2d(F.relu(self.bn(self.conv(x))), 1).flatten(1)
-        return self.fc(features), features
 
 
 def _export(model: nn.Module, directory: Path, formats: List[ExportFormat]) -> Path:

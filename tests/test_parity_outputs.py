@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_helpers import fp64_copy
+from lightning_helpers import TwoHeads, fp64_copy
 from fx_lightning import FuseConfig, fuse_and_export, load_fused
 from fx_lightning.config.schema import ExportFormat
 from fx_lightning.export import read_manifest
@@ -20,26 +20,10 @@ from fx_lightning.export.write.report_html import figures, render_report
 from fx_lightning.parity.report import OutputError, ParityReport
 
 
-class TwoHeads(nn.Module):
-    """conv-BN-ReLU, pooling, two outputs of different scales: class scores and an embedding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8, 5)
-        with torch.no_grad():
-            self.bn.running_mean.uniform_(-0.5, 0.5)
-            self.bn.running_var.uniform_(0.5, 2.0)
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        features = F.adaptive_avg_pool2d(F.relu(self.bn(self.conv(x))), 1).flatten(1)
-        return self.fc(features) * 100.0, features
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, object]:
     torch.manual_seed(0)
-    model = TwoHeads().eval()
+    model = TwoHeads(score_scale=100.0).eval()  # outputs of different scales
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(6, 3, 12, 12, generator=g) for _ in range(3)]
     cfg = FuseConfig()
