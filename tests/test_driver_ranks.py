@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from fx_lightning.config import load_config
-from fx_lightning.pipeline import Batches, Destination, Outcome, Source, driver, run_pipeline
+from fx_lightning.export.progress import Progress
+from fx_lightning.pipeline import Batches, Destination, Outcome, Source, driver, load_source, run_pipeline
 
 WORLD = 2
 
@@ -73,7 +74,8 @@ def _run(tmp_path: Path, config: Dict[str, Any], monkeypatch: pytest.MonkeyPatch
             return Source(_model(), Batches(batches, "val"))
 
         try:
-            results[r] = run_pipeline(load_config(config), load, Destination(tmp_path / "fused"),
+            results[r] = run_pipeline(load_config(config), load_source(load, Progress()) if r != skip_on else None,
+                                      Destination(tmp_path / "fused"),
                                       collectives=collectives[r], skip="skipped here" if r == skip_on else None)
         except BaseException as exc:  # noqa: BLE001 - the test says what was raised
             results[r] = exc

@@ -38,7 +38,7 @@ from fx_lightning.capture.graph import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line, require_inputs
 from fx_lightning.formats import FORMATS
-from fx_lightning.export.progress import Progress
+from fx_lightning.export.progress import Progress, log_lines
 from fx_lightning.export.write.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
 from fx_lightning.pipeline import (
@@ -56,6 +56,7 @@ from fx_lightning.pipeline import (
     own_rng,
     resolve_device,
     resolve_target,
+    load_source,
     run_pipeline,
 )
 from fx_lightning.pipeline.targets import refuse_protected
@@ -119,10 +120,11 @@ def check_before_fit(
     staging, staging_error = _temporary_directory()
     try:
         with own_rng(pl_module, trainer.strategy.root_device), _no_autocast():
+            progress = progress if progress is not None else log_lines()
+            source = load_source(lambda: preflight_source(trainer, pl_module, config, log_dir, staging_error,
+                                                          observed), progress)
             outcome = run_pipeline(
-                rehearsal_config(config),
-                lambda: preflight_source(trainer, pl_module, config, log_dir, staging_error, observed),
-                Destination(staging / "fx_fused" if staging is not None else None),
+                rehearsal_config(config), source, Destination(staging / "fx_fused" if staging is not None else None),
                 collectives=StrategyCollectives(trainer), mode=Mode.rehearsal, progress=progress)
     finally:
         if staging is not None:

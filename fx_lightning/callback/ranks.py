@@ -24,7 +24,7 @@ from fx_lightning.callback.trainer_data import (
 )
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.config import FuseConfig, WeightsSource
-from fx_lightning.export.progress import Progress
+from fx_lightning.export.progress import Progress, log_lines
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import (
     Batches,
@@ -34,6 +34,7 @@ from fx_lightning.pipeline import (
     Source,
     calibration_batch_count,
     resolve_device,
+    load_source,
     run_pipeline,
 )
 from fx_lightning.common.provenance import PreflightReport, Provenance, TrainerCounters
@@ -92,8 +93,11 @@ def fuse_after_fit(
         world_size=trainer.world_size, preflight=preflight,
     )
     destination = Destination(export_directory(trainer, config, log_dir), checkpoint_files(trainer), provenance)
-    return run_pipeline(config, lambda: end_of_fit_source(trainer, pl_module, config, buffers, observed), destination,
-                        collectives=StrategyCollectives(trainer), skip=skip, progress=progress)
+    progress = progress if progress is not None else log_lines()
+    source = (load_source(lambda: end_of_fit_source(trainer, pl_module, config, buffers, observed), progress)
+              if skip is None else None)
+    return run_pipeline(config, source, destination, collectives=StrategyCollectives(trainer), skip=skip,
+                        progress=progress)
 
 
 def end_of_fit_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,

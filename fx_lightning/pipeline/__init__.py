@@ -15,6 +15,7 @@ from fx_lightning.pipeline.driver import (
     exchange_failure,
     fuse_and_export,
     fuse_verify_export,
+    load_source,
     run_pipeline,
     summary_text,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "own_rng",
     "resolve_device",
     "resolve_target",
+    "load_source",
     "run_pipeline",
     "summary_text",
     "whole_model_with",

@@ -4,7 +4,8 @@ fit, the preflight before training (the same steps on a copy of the untrained mo
 
 In several processes every rank makes the same collective calls in the same order, whatever happens to it:
 
-  -- local: load the source (weights, batches), fuse, measure parity on this rank's share (errors are caught)
+  -- local: the caller's source (weights, batches, loaded by the caller: :func:`load_source`), fuse, measure
+     parity on this rank's share (errors are caught)
   1. exchange   (all_gather: every rank's skip reason, error or parity measurements)
   -- any error: every rank returns the lowest failing rank's, named; any skip: every rank skips
   2. verdict    (broadcast from rank zero, which merges the measurements and judges them once)
@@ -55,6 +56,7 @@ __all__ = [
     "Failure",
     "Outcome",
     "ErrorInfo",
+    "load_source",
     "run_pipeline",
     "run_locally",
     "LocalShare",
@@ -195,9 +197,19 @@ class LocalShare:
     error: Optional[Exception] = None
 
 
+def load_source(load: Callable[[], Source], progress: Progress) -> Union[Source, Exception]:
+    """``load()`` (the caller's own code: it reads weights and batches) as a step, or what it raised, for
+    :func:`run_pipeline` to exchange with the other ranks."""
+    try:
+        with progress.step("load the model and its calls"):
+            return load()
+    except Exception as exc:  # noqa: BLE001 - carried to every rank by the exchange, raised by the caller
+        return exc
+
+
 def run_pipeline(
     config: FuseConfig,
-    load: Callable[[], Source],
+    source: Union[Source, Exception, None],
     destination: Destination,
     *,
     collectives: Collectives = LOCAL,
@@ -205,25 +217,26 @@ def run_pipeline(
     skip: Optional[str] = None,
     progress: Optional[Progress] = None,
 ) -> Outcome:
-    """Load the source (``load()``, in this process), fuse its target, verify parity and export, with the
-    collective protocol above. Raises nothing: the outcome's ``failure`` says what failed, and every rank gets
-    the same. ``skip``: a reason not to run on this rank (every rank then skips). ``progress``: where each step
+    """Fuse the target of ``source`` (the caller loaded it: :func:`load_source`; an exception: what loading raised
+    on this rank; None: skipped), verify parity and export, with the collective protocol above. Raises nothing: the
+    outcome's ``failure`` says what failed, and every rank gets the same. ``skip``: a reason not to run on this
+    rank (every rank then skips). ``progress``: where each step
     says it started and ended (default: plain lines through the ``fx_lightning.progress`` logger); the outcome
     keeps their times. The libraries' own INFO lines are kept out meanwhile (:func:`quiet_libraries`)."""
     progress = progress if progress is not None else log_lines()
     try:
         with quiet_libraries():
-            outcome = _run(config, load, destination, collectives, mode, skip, progress)
+            outcome = _run(config, source, destination, collectives, mode, skip, progress)
     finally:
         progress.close()
     outcome.times = list(progress.times)
     return outcome
 
 
-def _run(config: FuseConfig, load: Callable[[], Source], destination: Destination, collectives: Collectives,
+def _run(config: FuseConfig, source: Union[Source, Exception, None], destination: Destination, collectives: Collectives,
          mode: Mode, skip: Optional[str], progress: Progress) -> Outcome:
     rank = collectives.rank
-    local = run_locally(config, load, progress) if skip is None else LocalShare()
+    local = run_locally(config, source, progress) if skip is None else LocalShare()
     mine = _RankReport(rank, skip, ErrorInfo.of(rank, local.error) if local.error is not None else None, local.state,
                        local.source.buffers_differ if local.source is not None else False,
                        len(local.fused.steps) if local.fused is not None else 0)
@@ -264,14 +277,16 @@ def _run(config: FuseConfig, load: Callable[[], Source], destination: Destinatio
     return outcome
 
 
-def run_locally(config: FuseConfig, load: Callable[[], Source], progress: Optional[Progress] = None) -> LocalShare:
-    """This rank's share: load the source, fuse a copy, measure parity on this rank's batches. Public as the seam
-    a caller wraps to run ranks its own way (the tests run them as threads, one at a time through torch.fx)."""
-    local = LocalShare()
+def run_locally(config: FuseConfig, source: Union[Source, Exception, None],
+                progress: Optional[Progress] = None) -> LocalShare:
+    """This rank's share: fuse a copy of the source, measure parity on this rank's batches (``source`` an
+    exception: what loading raised). Public as the seam a caller wraps to run ranks its own way (the tests run them
+    as threads, one at a time through torch.fx)."""
+    if source is None or isinstance(source, Exception):
+        return LocalShare(error=source if source is not None else FXLightningError("no source was loaded"))
+    local = LocalShare(source)
     progress = progress if progress is not None else Progress()
     try:
-        with progress.step("load the model and its calls"):
-            local.source = load()
         with progress.step("capture and passes") as end:
             local.fused = fuse_target(local.source, config)
             report = local.fused.result.report
@@ -389,10 +404,10 @@ def fuse_verify_export(
     destination = Destination(Path(directory) if directory is not None else None, protected_paths, provenance,
                               dry_run=not write)
 
-    def load() -> Source:
-        return Source(model, batches, example_inputs, device=resolve_device(config.device, None))
-
-    outcome = run_pipeline(config, load, destination, progress=progress)
+    progress = progress if progress is not None else log_lines()
+    source = load_source(lambda: Source(model, batches, example_inputs, device=resolve_device(config.device, None)),
+                         progress)
+    outcome = run_pipeline(config, source, destination, progress=progress)
     if outcome.failure is not None:
         raise outcome.failure.error
     return outcome

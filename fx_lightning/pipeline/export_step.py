@@ -12,11 +12,11 @@ model in the torch formats, each exported format's own variant beside it, each g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from torch import nn
 
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
 from fx_lightning.errors import ExportError, FXLightningError, first_line, require_inputs
@@ -24,7 +24,8 @@ from fx_lightning.export.manifest import Manifest, VariantOutcome
 from fx_lightning.export.write.prologue import eager_baseline
 from fx_lightning.export.select.selection import bench_export, select_by_strategy, with_selection
 from fx_lightning.export.select.sweep import REHEARSAL_SWEEP, SweepSettings
-from fx_lightning.export.write.variants import add_format_variants, add_variant, skip_variant, torch_variant_formats
+from fx_lightning.export.write.variants import (Maker, finish_variant, format_variant_makers, make_artifact,
+                                               record_artifact, skip_variant, torch_variant_formats, variant_makers)
 from fx_lightning.export.write.atomic import staging_directory
 from fx_lightning.export.write.writer import export_errors, finish_export, prepare_export, write_formats
 from fx_lightning.common.machine import cpu_info
@@ -145,36 +146,52 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                                                             "it anyway")
             continue
         gate_config, preprocess = options.gate_of(config.parity), fused.contract.preprocess
-
-        def gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
-            return gate_variant(fused, loaded, gate_config, key)
-
-        def artifact_gate(loaded: nn.Module, gate_config: ParityConfig = gate_config, key: str = key) -> ParityReport:
-            return gate_variant(fused, loaded, gate_config, key, preprocess)  # it takes raw pixels (the prologue)
-
-        outcomes: List[VariantOutcome] = []
         if torch_variant_formats(config, variant.name):
             with progress.step(f"variant {variant.name}: make it from the fused model",
                                "calibration" if variant.name == "int8" else "") as end:
-                made = _make_variant(variant, options, fused, gate, rehearsal, progress)
+                made = _make_variant(variant, options, fused, gate_config, key, rehearsal, progress)
                 end.result = "not made" if isinstance(made, VariantOutcome) else "made"
             if isinstance(made, VariantOutcome):
                 manifest = dataclasses.replace(manifest, variants={**manifest.variants, variant.name: [made]})
-                outcomes.append(made)
             else:
                 with in_step(Step.variants):
-                    manifest, made_outcomes = add_variant(
-                        staging, manifest, variant.name, made.model,
-                        raw_input.example_raw(tuple(fused.example_inputs or ()), preprocess), config, artifact_gate,
-                        imports=variant.imports, notes=made.notes, preprocess=preprocess,
+                    makers = variant_makers(
+                        staging, variant.name, made.model, raw_input.example_raw(tuple(fused.example_inputs or ()),
+                                                                                 preprocess),
+                        config, imports=variant.imports, preprocess=preprocess,
                         normalised_dtype=raw_input.normalised_dtype(fused), signature=fused.signature,
-                        other_inputs=_other_inputs(fused), fixed=_fixed(fused), progress=progress)
-                outcomes += made_outcomes
+                        other_inputs=_other_inputs(fused), fixed=_fixed(fused))
+                manifest = _gated(staging, manifest, fused, variant.name, makers, gate_config, key, made.notes,
+                                  progress)
         with in_step(Step.variants):
-            manifest, format_outcomes = add_format_variants(
-                staging, manifest, variant.name, raw_input.raw_calibration(fused.calibration, preprocess),
-                artifact_gate, progress=progress)
-        outcomes += format_outcomes
+            makers = format_variant_makers(staging, manifest, variant.name,
+                                           raw_input.raw_calibration(fused.calibration, preprocess))
+        manifest = _gated(staging, manifest, fused, variant.name, makers, gate_config, key, (), progress)
+    return manifest
+
+
+def _gated(staging: Path, manifest: Manifest, fused: Fused, name: str, makers: Sequence[Maker],
+           gate_config: ParityConfig, key: str, notes: Sequence[Note], progress: Progress) -> Manifest:
+    """Each artifact of variant ``name`` made, loaded back, gated against the fused model on the parity steps (it
+    takes raw pixels when the export has the prologue) and recorded: kept when it passed."""
+    with in_step(Step.variants):
+        for maker in makers:
+            with progress.step(f"{maker[0].name}-{name}: made and gated") as end:
+                artifact = make_artifact(staging, manifest, name, maker)
+                if artifact is None:
+                    end.result = "not made for this artifact"
+                    continue
+                report, error = None, artifact.error
+                if artifact.loaded is not None:
+                    try:
+                        report = gate_variant(fused, artifact.loaded, gate_config, key, fused.contract.preprocess)
+                    except Exception as exc:  # noqa: BLE001 - an artifact that cannot run is recorded, not raised
+                        error = f"{type(exc).__name__}: {first_line(exc)}"
+                manifest = record_artifact(staging, manifest, name, artifact, report, error, notes)
+                end.result = (f"could not be made: {error.split(':')[0]}" if error is not None else
+                              "kept: passed its gate" if report is not None and report.passed else
+                              "dropped: missed its gate")
+        finish_variant(staging, name)
     return manifest
 
 
@@ -184,11 +201,12 @@ def _one_example(fused: Fused) -> Tuple[Any, ...]:
     return tuple(with_rows(inputs, fused.signature.input_axes(), 1)) if fused.signature.batched else inputs
 
 
-def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate: Any, rehearsal: bool,
-                  progress: Optional[Progress] = None) -> Union[MadeVariant, VariantOutcome]:
+def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate_config: ParityConfig, key: str,
+                  rehearsal: bool, progress: Optional[Progress] = None) -> Union[MadeVariant, VariantOutcome]:
     """The variant's model, or the outcome recording why it could not be made (``progress``: told how far a
-    calibration is)."""
-    ctx = VariantContext(fused.example_inputs, list(fused.calibration), fused.signature, gate, progress)
+    calibration is). Its accuracy-aware search gates candidate models against the fused one, as the artifacts are."""
+    ctx = VariantContext(fused.example_inputs, list(fused.calibration), fused.signature,
+                         functools.partial(gate_variant, fused, config=gate_config, config_key=key), progress)
     try:
         with in_step(Step.variants):
             return variant.build(fused.result.graph_module, options.for_rehearsal() if rehearsal else options, ctx)
