@@ -50,3 +50,18 @@ def _fake_cpu(monkeypatch):
     monkeypatch.setenv(CPUINFO_ENV, str(_FAKE_CPUINFO_FILE))
     yield
 
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Under ``-n 2`` (``--dist loadgroup``, pyproject's addopts) a module whose tests share a module-scoped fixture
+    (an export built once, a server started once) runs on one worker, so the fixture is built once rather than once
+    per worker; those modules go first, so that no long module starts last while the other worker idles."""
+    def shares_a_fixture(item: pytest.Item) -> bool:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values()
+        return any(d and d[-1].scope == "module" for d in defs)
+
+    shared = {id(item) for item in items if shares_a_fixture(item)}
+    for item in items:
+        if id(item) in shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: id(item) not in shared)  # stable: the order within each part is kept
