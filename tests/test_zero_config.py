@@ -788,3 +788,51 @@ def test_an_output_whose_length_fp64_changes_is_checked_against_the_model_at_its
         on_edge = x[:8]
         got, want = load_fused(cb.export_dir, fmt)(on_edge), copy.deepcopy(model).eval()(on_edge)
         assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt  # the model's own rows at fp32
+
+
+class WithWeightsTransforms(pl.LightningModule):
+    """torchvision's deployment pattern: the weights' own preprocessing (``weights.transforms()``: resize, centre
+    crop, normalise) inside forward. Symbolic tracing fails in it (``F_pil.get_dimensions`` on a Proxy, a call fx
+    does not patch when told to keep the function whole) and torch.export on ``(std == 0).any()``: the module is
+    kept whole, so the rest is captured and its BatchNorm folded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.models import ResNet18_Weights
+
+        self.preprocess = ResNet18_Weights.DEFAULT.transforms()  # only the transform's settings: no download
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, stride=4, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(self.preprocess(images))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_module_symbolic_tracing_cannot_follow_is_kept_whole_and_the_rest_fused(tmp_path) -> None:
+    data = torch.utils.data.TensorDataset(torch.rand(16, 3, 64, 96), torch.randint(0, 5, (16,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb = FXFuseCallback()
+    model = WithWeightsTransforms()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    report = cb.outcome.result.report
+    assert report.batchnorms_folded == 1 and report.after.batchnorms == 0
+    assert "ImageClassification" in cb.summary  # it says what was kept whole
+    model.eval()
+    net = H.fp64_copy(model.net)  # the transform itself casts to float32: the fp64 copy starts after it
+    fused = load_fused(cb.export_dir)
+    for shape in ((1, 3, 64, 96), (3, 3, 80, 80), (2, 3, 120, 90)):  # sizes and batches never seen
+        x = torch.rand(*shape)
+        with torch.no_grad():
+            want = net(model.preprocess(x).double())
+        got = fused(x)
+        assert got.shape == want.shape == (shape[0], 5) and got.dtype == torch.float32, shape
+        assert H.rel_err(got, want) < 1e-5, shape

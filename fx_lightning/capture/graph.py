@@ -311,6 +311,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
         error = _explain_fx_failure(working, tracer, exc)
         error.keep_whole = _what_to_keep_whole(working, tracer, exc)  # type: ignore[attr-defined]
+        error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
     name = working.__class__.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
@@ -342,6 +343,9 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
     kept: List[Any] = []
     while len(kept) < MAX_KEPT_WHOLE:
         more = getattr(error, "keep_whole", None)
+        if more is not None and more in kept:  # kept whole, it still fails there (a call fx does not patch, as
+            kept.remove(more)                  # ``module.function(...)``): its module is kept whole instead
+            more = getattr(error, "keep_module", None)
         if more is None or more in kept:
             return None
         kept.append(more)
@@ -365,6 +369,12 @@ def _what_to_keep_whole(root: nn.Module, tracer: FXLeafTracer, exc: BaseExceptio
         if isinstance(fn, types.FunctionType) and fn.__code__ is fs.f_code:
             return fn
         break
+    return _failing_module_class(root, tracer)
+
+
+def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[type]:
+    """The class of the innermost module symbolic tracing failed in (not the root's: kept whole, nothing would be
+    fused)."""
     stack = [(p, c) for p, c in (tracer.failed_in or []) if p]
     if not stack:
         return None
