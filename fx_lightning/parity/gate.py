@@ -107,21 +107,11 @@ class ParityState:
     metrics: Dict[str, Metric] = field(default_factory=dict)
 
 
-def check_parity(
-    reference: nn.Module,
-    candidate: Callable[..., Any],
-    batches: Iterable[Any],
-    cfg: Union[ParityConfig, Mapping[str, Any], None] = None,
-    *,
-    whole_reference: Optional[nn.Module] = None,
-    whole_candidate: Optional[Callable[..., Any]] = None,
-    input_rule: InputRule = None,
-    label_rule: InputRule = None,
-    source: str = "given",
-    notes: Sequence[Note] = (),
-    precise_reference: Optional[nn.Module] = None,
-) -> ParityReport:
-    """Compare ``candidate`` with ``reference`` (both in eval mode) on up to ``cfg.max_batches`` batches.
+def check_parity(reference: nn.Module, candidate: Callable[..., Any], batches: Iterable[Any],
+                 cfg: Union[ParityConfig, Mapping[str, Any], None] = None, *, input_rule: InputRule = None,
+                 **options: Any) -> ParityReport:
+    """Compare ``candidate`` with ``reference`` (both in eval mode) on up to ``cfg.max_batches`` batches: what
+    :func:`measure_parity` measures (``options``: its keywords), gated by :func:`judge_parity`.
 
     Without ``whole_*``, both are called on the inputs taken out of each batch (``input_rule``, default
     ``cfg.input``). With ``whole_reference``/``whole_candidate`` (the complete models, the fused target in
@@ -133,11 +123,8 @@ def check_parity(
     Nothing here changes a model's weights or training flags (the caller passes eval-mode models).
     """
     pcfg = load_parity(cfg)
-    state = measure_parity(
-        reference, candidate, batches, pcfg, whole_reference=whole_reference, whole_candidate=whole_candidate,
-        input_rule=pcfg.input if input_rule is None else input_rule, label_rule=label_rule, source=source,
-        notes=notes, precise_reference=precise_reference,
-    )
+    state = measure_parity(reference, candidate, batches, pcfg,
+                           input_rule=pcfg.input if input_rule is None else input_rule, **options)
     return judge_parity(state, pcfg)
 
 
