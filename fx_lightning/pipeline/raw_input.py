@@ -70,8 +70,8 @@ def measure_raw_path(fused: "Fused", min_agreement: float) -> Optional[Note]:
     exported = with_prologue(plain_graph_module(fused.result.graph_module, FUSED_CLASS_NAME), preprocess,
                              normalised_dtype(fused))
     comparison = compare_raw_path(exported, fused.reference, raw, preprocess, min_agreement)
-    facts = dict(batches=len(raw), relative_error=comparison.relative_error, tolerance=comparison.tolerance,
-                 **preprocess.client_input())
+    facts = dict(batches=len(raw), **preprocess.client_input(), relative_error=comparison.relative_error,
+                 tolerance=comparison.tolerance)
     if comparison.passed:
         return RAW_PATH_PASSED(**facts)
     return RAW_PATH_MISSED(failure=comparison.describe(), **facts)

@@ -112,8 +112,8 @@ def labels_for_output(contract: InputContract, width: Optional[int]) -> Tuple[Li
 
 def preprocess_note(preprocess: Preprocess) -> Note:
     """Where the compiled prologue came from and what clients send (the summary shows it)."""
-    return PREPROCESS_COMPILED(source=preprocess.source, scale=preprocess.scale, mean=tuple(preprocess.mean),
-                               std=tuple(preprocess.std), **preprocess.client_input())
+    return PREPROCESS_COMPILED(source=preprocess.source, **preprocess.client_input(), scale=preprocess.scale,
+                               mean=tuple(preprocess.mean), std=tuple(preprocess.std))
 
 
 def _shown(names: Sequence[str], most: int = 5) -> str:
