@@ -76,7 +76,7 @@ def normalisation_of(transform: Any, source: str) -> Optional[Preprocess]:
         elif name == "Normalize":
             mean, std = _floats(getattr(step, "mean", None)), _floats(getattr(step, "std", None))
             if mean and std and len(mean) == len(std) and all(s > 0 for s in std):
-                return Preprocess(mean, std, scale, source=source)
+                return Preprocess(mean=mean, std=std, scale=scale, source=source)
             return None
     return None
 

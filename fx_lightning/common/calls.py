@@ -131,10 +131,6 @@ class Tree:
                     for step, child in self.children]
         return dataclasses.replace(self, children=children)
 
-    @property
-    def num_leaves(self) -> int:
-        return len(self.leaf_paths())
-
     def leaves(self, value: Any) -> List[torch.Tensor]:
         """The tensors of ``value`` (which has this structure) in leaf order."""
         return [value_at(value, path) for path in self.leaf_paths()]

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from fx_lightning.config.schema import ChannelOrder, InputDtype, Layout, PreprocessConfig
 from fx_lightning.common.json_views import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
@@ -237,19 +238,30 @@ class Selected:
 
 
 @dataclass
-class Preprocess:
-    """The input normalisation compiled into the exported graph as a prologue (``export.preprocess``): a client
-    sends raw pixels of ``input_dtype`` in ``layout`` and ``channel_order``; the graph computes
-    ``(float(raw) * scale - mean) / std`` per channel, in NCHW and RGB order, before the model. ``source`` says
-    where it came from ("config", or the datamodule transform it was found in)."""
+class Preprocess(PreprocessConfig):
+    """``export.preprocess`` as an export resolved it, compiled into the graph as a prologue: ``mean`` and ``std``
+    known, and ``source``: where they came from ("config", or the datamodule transform they were found in). The
+    manifest writes it without ``enabled`` (a recorded prologue is on)."""
 
-    mean: List[float]
-    std: List[float]
-    scale: float = 1.0 / 255.0
-    input_dtype: str = "uint8"
-    layout: str = "NCHW"  # of what the client sends: NCHW or NHWC
-    channel_order: str = "RGB"  # of what the client sends: RGB or BGR
+    enabled: bool = True
     source: str = "config"
+
+    def __post_init__(self) -> None:
+        # The names a manifest (or a client's code) gives become the config's members, so both compare alike.
+        self.input_dtype = InputDtype(self.input_dtype)
+        self.layout, self.channel_order = Layout(self.layout), ChannelOrder(self.channel_order)
+
+    def client_input(self) -> Dict[str, str]:
+        """What a client sends, by name (for notes and messages: a member formats as ``Layout.NCHW``)."""
+        return {name: getattr(self, name).value for name in ("input_dtype", "layout", "channel_order")}
+
+    def to_dict(self) -> JsonObject:
+        return json_safe({k: v for k, v in dataclasses.asdict(self).items() if k != "enabled"})
+
+    @classmethod
+    def resolved(cls, config: PreprocessConfig, source: str, **found: object) -> "Preprocess":
+        """``config`` with what was ``found`` in ``source`` (mean, std and scale) over its own values."""
+        return cls(**{**dataclasses.asdict(config), **found, "enabled": True, "source": source})
 
     @classmethod
     def from_dict(cls, data: Json) -> "Preprocess":
@@ -326,7 +338,7 @@ class Manifest:
             out["selected"] = dataclasses.asdict(self.selected) if self.selected is not None else None
             out["selections"] = [dataclasses.asdict(s) for s in self.selections]
         if self.preprocess is not None:
-            out["preprocess"] = dataclasses.asdict(self.preprocess)
+            out["preprocess"] = self.preprocess.to_dict()
         if self.labels:
             out["labels"] = list(self.labels)
         if self.signature is not None:

@@ -107,21 +107,11 @@ class ParityState:
     metrics: Dict[str, Metric] = field(default_factory=dict)
 
 
-def check_parity(
-    reference: nn.Module,
-    candidate: Callable[..., Any],
-    batches: Iterable[Any],
-    cfg: Union[ParityConfig, Mapping[str, Any], None] = None,
-    *,
-    whole_reference: Optional[nn.Module] = None,
-    whole_candidate: Optional[Callable[..., Any]] = None,
-    input_rule: InputRule = None,
-    label_rule: InputRule = None,
-    source: str = "given",
-    notes: Sequence[Note] = (),
-    precise_reference: Optional[nn.Module] = None,
-) -> ParityReport:
-    """Compare ``candidate`` with ``reference`` (both in eval mode) on up to ``cfg.max_batches`` batches.
+def check_parity(reference: nn.Module, candidate: Callable[..., Any], batches: Iterable[Any],
+                 cfg: Union[ParityConfig, Mapping[str, Any], None] = None, *, input_rule: InputRule = None,
+                 **options: Any) -> ParityReport:
+    """Compare ``candidate`` with ``reference`` (both in eval mode) on up to ``cfg.max_batches`` batches: what
+    :func:`measure_parity` measures (``options``: its keywords), gated by :func:`judge_parity`.
 
     Without ``whole_*``, both are called on the inputs taken out of each batch (``input_rule``, default
     ``cfg.input``). With ``whole_reference``/``whole_candidate`` (the complete models, the fused target in
@@ -133,11 +123,8 @@ def check_parity(
     Nothing here changes a model's weights or training flags (the caller passes eval-mode models).
     """
     pcfg = load_parity(cfg)
-    state = measure_parity(
-        reference, candidate, batches, pcfg, whole_reference=whole_reference, whole_candidate=whole_candidate,
-        input_rule=pcfg.input if input_rule is None else input_rule, label_rule=label_rule, source=source,
-        notes=notes, precise_reference=precise_reference,
-    )
+    state = measure_parity(reference, candidate, batches, pcfg,
+                           input_rule=pcfg.input if input_rule is None else input_rule, **options)
     return judge_parity(state, pcfg)
 
 
@@ -441,9 +428,7 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
     discrete = state.metrics.get(DISCRETE_KEY)
     if discrete is not None and discrete.update_called:
         report.metrics[DISCRETE_KEY] = float(discrete.compute())
-        report.thresholds[DISCRETE_KEY] = cfg.min_discrete_agreement
-        _gate(report, DISCRETE_KEY, report.metrics[DISCRETE_KEY], ">=", cfg.min_discrete_agreement,
-              f"{config_key}.min_discrete_agreement")
+        _gate(report, DISCRETE_KEY, ">=", cfg.min_discrete_agreement, f"{config_key}.min_discrete_agreement")
     if not state.metrics[OUTPUT_KEYS[0]].update_called:
         return  # every output is discrete: no value to measure a relative error or a cosine on
     for key in OUTPUT_KEYS:
@@ -459,14 +444,12 @@ def _judge_outputs(state: ParityState, cfg: ParityConfig, report: ParityReport, 
         report.metrics["reference_error_vs_fp64"] = own_error
         rtol = max(rtol, LOW_PRECISION_FACTOR * own_error)
         report.notes.append(LOW_PRECISION_GATE(factor=LOW_PRECISION_FACTOR, rtol=rtol))
-    report.thresholds["cosine_similarity_min"] = cfg.min_cosine
+    report.thresholds["cosine_similarity_min"] = cfg.min_cosine  # listed before the relative error's (gated first)
     if lossy:
         _note_once(report.notes, LOSSY_NOT_GATED())
     else:
-        report.thresholds["relative_max_error"] = rtol
-        _gate(report, "relative_max_error", report.metrics["relative_max_error"], "<=", rtol, f"{config_key}.rtol")
-    _gate(report, "cosine_similarity_min", report.metrics["cosine_similarity_min"], ">=", cfg.min_cosine,
-          f"{config_key}.min_cosine")
+        _gate(report, "relative_max_error", "<=", rtol, f"{config_key}.rtol")
+    _gate(report, "cosine_similarity_min", ">=", cfg.min_cosine, f"{config_key}.min_cosine")
 
 
 def per_output_errors(state: ParityState) -> List[OutputError]:
@@ -507,20 +490,20 @@ def _judge_classes(state: ParityState, cfg: ParityConfig, report: ParityReport, 
         return
     for key in ("top1_agreement", "top1_agreement_strict"):
         report.metrics[key] = float(state.metrics[key].compute())
-    report.thresholds["top1_agreement"] = cfg.min_top1_agreement
-    _gate(report, "top1_agreement", report.metrics["top1_agreement"], ">=", cfg.min_top1_agreement,
-          f"{config_key}.min_top1_agreement")
+    _gate(report, "top1_agreement", ">=", cfg.min_top1_agreement, f"{config_key}.min_top1_agreement")
     if not state.labels_seen:
         _note_once(report.notes, NO_LABELS())
         return
     acc_ref = float(state.metrics["accuracy_reference"].compute())
     acc_fused = float(state.metrics["accuracy_fused"].compute())
     report.metrics.update(accuracy_reference=acc_ref, accuracy_fused=acc_fused, accuracy_drop=acc_ref - acc_fused)
-    report.thresholds["accuracy_drop"] = cfg.max_accuracy_drop
-    _gate(report, "accuracy_drop", acc_ref - acc_fused, "<=", cfg.max_accuracy_drop, f"{config_key}.max_accuracy_drop")
+    _gate(report, "accuracy_drop", "<=", cfg.max_accuracy_drop, f"{config_key}.max_accuracy_drop")
 
 
-def _gate(report: ParityReport, name: str, value: float, op: str, threshold: float, key: str) -> None:
+def _gate(report: ParityReport, name: str, op: str, threshold: float, key: str) -> None:
+    """Metric ``name`` of the report against ``threshold`` (recorded with it), a failure naming ``key`` if it misses."""
+    report.thresholds[name] = threshold
+    value = report.metrics[name]
     # Written so that NaN fails: NaN compares False both ways.
     ok = value <= threshold if op == "<=" else value >= threshold
     if not ok:

@@ -70,8 +70,7 @@ def measure_raw_path(fused: "Fused", min_agreement: float) -> Optional[Note]:
     exported = with_prologue(plain_graph_module(fused.result.graph_module, FUSED_CLASS_NAME), preprocess,
                              normalised_dtype(fused))
     comparison = compare_raw_path(exported, fused.reference, raw, preprocess, min_agreement)
-    facts = dict(batches=len(raw), input_dtype=preprocess.input_dtype, layout=preprocess.layout,
-                 channel_order=preprocess.channel_order, relative_error=comparison.relative_error,
+    facts = dict(batches=len(raw), **preprocess.client_input(), relative_error=comparison.relative_error,
                  tolerance=comparison.tolerance)
     if comparison.passed:
         return RAW_PATH_PASSED(**facts)

@@ -377,7 +377,7 @@ class Contract:
             "max_body_bytes": self.max_body_bytes,
         }
         if self.preprocess is not None:
-            out["preprocess"] = {k: v for k, v in vars(self.preprocess).items()}
+            out["preprocess"] = self.preprocess.to_dict()
         if self.image_size is not None:
             out["image"] = dict(zip(("height", "width", "channels"), self.image_size))
         if self.labels:

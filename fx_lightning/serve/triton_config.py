@@ -242,8 +242,8 @@ def _model_readme(model: TritonModel, manifest: Manifest) -> List[str]:
     lines.append("")
     if manifest.preprocess is not None:
         p = manifest.preprocess
-        lines += [f"The model normalises its input itself: send raw {p.input_dtype} pixels in {p.layout} layout, "
-                  f"{p.channel_order} channel order.", ""]
+        lines += ["The model normalises its input itself: send raw {input_dtype} pixels in {layout} layout, "
+                  "{channel_order} channel order.".format(**p.client_input()), ""]
     lines += [f"- {note}." for note in model.notes] + ([""] if model.notes else [])
     lines += ["With `tritonclient` (`pip install 'tritonclient[http]'`):", "", "```python",
               "import numpy as np", "import tritonclient.http as httpclient", "",

@@ -110,8 +110,7 @@ def log_export(directory: Union[str, Path], run: MlflowRun, options: Optional[Ml
     served = _served_artifact(manifest, options)
     signature, example = model_signature(manifest), _input_example(root, manifest)
     tags = export_tags(manifest, served)
-    with _tracking_uri(run.tracking_uri, run.registry_uri):
-        client = mlflow.MlflowClient(run.tracking_uri, registry_uri=run.registry_uri)
+    with _client(run) as client:
         run_id, experiment_id, own_run = _resolve_run(client, run)
         status = "FAILED"
         try:
@@ -149,8 +148,7 @@ def check_destination(run: MlflowRun, options: MlflowConfig) -> None:
     except ImportError as exc:
         raise ConfigError(f"export.mlflow: logging the export into MLflow needs mlflow ({exc}): pip install "
                           "'fx-lightning[mlflow]', or set export.mlflow.enabled: false.") from None
-    with _tracking_uri(run.tracking_uri, run.registry_uri):
-        client = mlflow.MlflowClient(run.tracking_uri, registry_uri=run.registry_uri)
+    with _client(run) as client:
         try:
             if run.run_id is not None:
                 client.get_run(run.run_id)
@@ -327,18 +325,19 @@ def _step(what: str, call: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _tracking_uri(tracking_uri: str, registry_uri: Optional[str]) -> Iterator[None]:
-    """MLflow's process-wide tracking (and registry) URI set for the block, then put back as it was: its model-logging
-    functions read them, and the caller's own MLflow use must not be redirected. MLflow keeps each in a module global
-    and mirrors it in an environment variable (for subprocesses): both are restored."""
+def _client(run: MlflowRun) -> Iterator[Any]:
+    """A client of ``run``'s tracking server (and registry), with MLflow's process-wide tracking (and registry) URI
+    set to them for the block, then put back as it was: its model-logging functions read them, and the caller's own
+    MLflow use must not be redirected. MLflow keeps each in a module global and mirrors it in an environment
+    variable (for subprocesses): both are restored."""
     import mlflow
 
     saved = {name: os.environ.get(name) for name in _URI_VARIABLES}
-    mlflow.set_tracking_uri(tracking_uri)
-    if registry_uri is not None:
-        mlflow.set_registry_uri(registry_uri)
+    mlflow.set_tracking_uri(run.tracking_uri)
+    if run.registry_uri is not None:
+        mlflow.set_registry_uri(run.registry_uri)
     try:
-        yield
+        yield mlflow.MlflowClient(run.tracking_uri, registry_uri=run.registry_uri)
     finally:
         # Unset, then the variables as they were: a URI the caller had set is still resolved from its variable.
         mlflow.set_tracking_uri(None)  # type: ignore[arg-type]

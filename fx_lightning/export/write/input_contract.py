@@ -81,9 +81,8 @@ def resolve_input_contract(export: ExportConfig, found: Optional[Found] = None,
 
 def _enabled_preprocess(export: ExportConfig, found: Found, searched: Optional[str]) -> Preprocess:
     cfg = export.preprocess
-    fixed = dict(input_dtype=cfg.input_dtype.value, layout=cfg.layout.value, channel_order=cfg.channel_order.value)
     if cfg.mean is not None and cfg.std is not None:
-        return Preprocess(list(cfg.mean), list(cfg.std), float(cfg.scale), source="config", **fixed)
+        return Preprocess.resolved(cfg, "config")
     if found.preprocess is None:
         where = (f"no Normalize(mean, std) was found in {searched}" if searched else
                  "there is no datamodule here to find them in")
@@ -92,8 +91,8 @@ def _enabled_preprocess(export: ExportConfig, found: Found, searched: Optional[s
             "export.preprocess.mean and export.preprocess.std (one value per channel), or "
             "export.preprocess.enabled: false.")
     # The transform's own scale (ToTensor: 1/255; Normalize after a plain float conversion: 1) comes with it.
-    return Preprocess(list(found.preprocess.mean), list(found.preprocess.std), float(found.preprocess.scale),
-                      source=found.preprocess.source, **fixed)
+    return Preprocess.resolved(cfg, found.preprocess.source, mean=list(found.preprocess.mean),
+                               std=list(found.preprocess.std), scale=float(found.preprocess.scale))
 
 
 def labels_for_output(contract: InputContract, width: Optional[int]) -> Tuple[List[str], List[Note]]:
@@ -113,9 +112,8 @@ def labels_for_output(contract: InputContract, width: Optional[int]) -> Tuple[Li
 
 def preprocess_note(preprocess: Preprocess) -> Note:
     """Where the compiled prologue came from and what clients send (the summary shows it)."""
-    return PREPROCESS_COMPILED(source=preprocess.source, input_dtype=preprocess.input_dtype,
-                               layout=preprocess.layout, channel_order=preprocess.channel_order,
-                               scale=preprocess.scale, mean=tuple(preprocess.mean), std=tuple(preprocess.std))
+    return PREPROCESS_COMPILED(source=preprocess.source, **preprocess.client_input(), scale=preprocess.scale,
+                               mean=tuple(preprocess.mean), std=tuple(preprocess.std))
 
 
 def _shown(names: Sequence[str], most: int = 5) -> str:

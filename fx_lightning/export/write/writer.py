@@ -138,15 +138,11 @@ def finish_export(staging: Path, manifest: Manifest, final: Path, progress: Opti
         write_manifest(staging, manifest)
 
 
-def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path, *,
-                   preprocess: Optional[Preprocess] = None, normalised_dtype: torch.dtype = torch.float32,
-                   reference: Optional[ExactReference] = None, signature: Optional[Signature] = None,
-                   other_inputs: Sequence[Tuple[Any, ...]] = (), fixed: Optional[str] = None,
-                   no_program: Optional[str] = None) -> WriteContext:
+def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseConfig, final: Path,
+                   **context: Any) -> WriteContext:
     """Everything that can be checked before writing: the model and inputs, the formats' dependencies, and
-    whether ``final`` may be replaced. Returns the context every writer gets (``preprocess``, ``normalised_dtype``,
-    ``reference``, ``signature``, ``other_inputs``, ``fixed`` and ``no_program``: see :func:`make_context`).
-    Raises :class:`ExportError`."""
+    whether ``final`` may be replaced. Returns the context every writer gets (``context``: the keywords of
+    :func:`make_context`). Raises :class:`ExportError`."""
     if not isinstance(graph_module, nn.Module):
         raise ExportError(f"export_fused() takes the fused nn.Module, got {type(graph_module).__name__}.")
     if example_inputs is None:
@@ -158,9 +154,7 @@ def prepare_export(graph_module: nn.Module, example_inputs: Any, config: FuseCon
     require_formats(formats)
     refuse_existing(final, config.export.overwrite)
     try:
-        return make_context(graph_module, args, config, preprocess=preprocess, normalised_dtype=normalised_dtype,
-                            reference=reference, signature=signature, other_inputs=other_inputs, fixed=fixed,
-                            no_program=no_program)
+        return make_context(graph_module, args, config, **context)
     except TraceError as exc:  # not a GraphModule, or inputs the formats cannot take: the export's condition
         raise ExportError(exc.message) from exc
 
