@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import re
+import typing
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Sequence
 
@@ -170,27 +170,40 @@ def unknown_key(path: str, key: str, allowed: Iterable[str]) -> ConfigError:
     return ConfigError(f"{full}: unknown key.{hint} Allowed keys under '{path or '<root>'}': {', '.join(allowed)}.")
 
 
-def config_error(exc: Exception, prefix: str = "", what: str = "") -> ConfigError:
-    """OmegaConf's error (or a raw one it let through, such as OverflowError) as a ConfigError naming the full key:
-    ``prefix`` is the key of the node merged into, ``what`` what was being done."""
+def config_error(exc: Exception, prefix: str = "", what: str = "", *, key: str = "") -> ConfigError:
+    """OmegaConf's error (or a raw one it let through, such as OverflowError) as a ConfigError naming the full key
+    (``key``; else OmegaConf's, under ``prefix``: the key of the node it was raised in), with what OmegaConf's text
+    lacks: the keys allowed (and the closest) for an unknown key, the members for an enum's value; ``what``: what
+    was being done."""
     if isinstance(exc, ConfigError):
         return exc
-    key = getattr(exc, "full_key", None) or ""
-    if prefix:
-        key = f"{prefix}{key}" if key.startswith("[") else f"{prefix}.{key}" if key else prefix
+    if not key:
+        key = getattr(exc, "full_key", None) or ""
+        if prefix:
+            key = f"{prefix}{key}" if key.startswith("[") else f"{prefix}.{key}" if key else prefix
     schema = getattr(exc, "object_type", None)
     if type(exc).__name__ == "ConfigKeyError" and dataclasses.is_dataclass(schema) and key:
         path, _, name = key.rpartition(".")
         return unknown_key(path, name, (f.name for f in dataclasses.fields(schema)))
+    value = getattr(exc, "value", None)
+    members = _enum_members(exc)
+    if members:
+        return ConfigError(f"{key}: invalid value {value!r}. Allowed: {', '.join(members)}.")
     msg = (getattr(exc, "msg", None) or str(exc)).split("\n")[0]
-    enum = re.match(r"Invalid value .*, expected one of \[(.*)\]$", msg)
-    if enum:  # an enum's value: the value as given, the members as the walker of the config names them
-        return ConfigError(f"{key}: invalid value {getattr(exc, 'value', None)!r}. Allowed: {enum.group(1)}.")
     if what:
         msg = f"{what}: {msg}"
-    value = getattr(exc, "value", None)
-    got = f" Got {value!r}." if value is not None and repr(value) not in msg else ""
+    got = f" Got {value!r:.80}." if value is not None and repr(value) not in msg else ""
     return ConfigError(f"{key or '<config>'}: {msg}.{got}".replace("..", "."))
+
+
+def _enum_members(exc: Exception) -> List[str]:
+    """The member names of the enum a rejected value was for (a field's or a list item's), else []."""
+    if type(exc).__name__ != "ValidationError":
+        return []
+    node = getattr(exc, "child_node", None)
+    hints = [getattr(getattr(node, "_metadata", None), "ref_type", None), *typing.get_args(getattr(exc, "ref_type", None))]
+    enums = [t for t in hints if isinstance(t, type) and issubclass(t, Enum)]
+    return [m.name for m in enums[0]] if enums else []
 
 
 def run_check(node: Any, prefix: str) -> None:
