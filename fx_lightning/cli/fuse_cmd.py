@@ -9,7 +9,34 @@ from typing import Any, Dict, Optional, Sequence
 
 from fx_lightning.cli.common import UsageError, import_path, json_arg, load_lightning_module, print_error
 
-__all__ = ["run", "load_cli_config"]
+__all__ = ["add_parser", "run", "load_cli_config"]
+
+
+def add_parser(sub: Any) -> None:
+    fuse = sub.add_parser(
+        "fuse", help="fuse a Lightning checkpoint, check parity and export it",
+        description="Fuse a Lightning checkpoint after training: the callback's pipeline, from the command line.",
+    )
+    fuse.add_argument("checkpoint", help="a .ckpt written by Lightning")
+    fuse.add_argument("--model", required=True, metavar="PKG.MODULE:CLASS",
+                      help="the LightningModule class (its load_from_checkpoint rebuilds the model)")
+    fuse.add_argument("--config", metavar="FILE.yaml", help="a FuseConfig YAML (the callback's options)")
+    fuse.add_argument("--datamodule", metavar="PKG.MODULE:CLASS",
+                      help="a LightningDataModule whose val (else train) batches are used for parity")
+    fuse.add_argument("--datamodule-args", metavar="JSON", default=None,
+                      help="keyword arguments for the datamodule, as JSON (default: its saved hyperparameters)")
+    fuse.add_argument("--model-args", metavar="JSON", default=None,
+                      help="extra keyword arguments for load_from_checkpoint, as JSON")
+    fuse.add_argument("--input-shape", metavar="N,C,H,W",
+                      help="random example input of this shape (when there is no datamodule/example_input_array)")
+    fuse.add_argument("--input-dtype", default="float32", help="dtype of --input-shape's tensor (default float32)")
+    fuse.add_argument("--output", "-o", metavar="DIR",
+                      help="export directory (default: export.dir, else ./fx_fused)")
+    fuse.add_argument("--dry-run", action="store_true", help="fuse and check parity, write nothing")
+    fuse.add_argument("--unsafe-load", action="store_true",
+                      help="load the checkpoint with weights_only=False (only for checkpoints you trust)")
+    fuse.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                      help="config overrides in dotted form, e.g. parity.rtol=1e-3 export.formats=[pt2]")
 
 
 def load_cli_config(path: Optional[str], overrides: Sequence[str]) -> Any:
