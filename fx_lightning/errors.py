@@ -13,7 +13,10 @@ import dataclasses
 import difflib
 import typing
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Mapping, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 if TYPE_CHECKING:  # records of higher layers, carried as fields
     from fx_lightning.parity.report import ParityReport
@@ -34,6 +37,8 @@ __all__ = [
     "OnError",
     "unknown_key",
     "config_error",
+    "load_record",
+    "merge_into",
     "run_check",
 ]
 
@@ -204,6 +209,64 @@ def _enum_members(exc: Exception) -> List[str]:
     hints = [getattr(getattr(node, "_metadata", None), "ref_type", None), *typing.get_args(getattr(exc, "ref_type", None))]
     enums = [t for t in hints if isinstance(t, type) and issubclass(t, Enum)]
     return [m.name for m in enums[0]] if enums else []
+
+
+def load_record(schema: type, sources: Sequence[Mapping[Any, Any]], path: str = "") -> Any:
+    """The dataclass ``schema`` with ``sources`` merged into it in order (:func:`merge_into`), as its object; every
+    failure a ConfigError naming the full key (``path``: the record's own key, "" for the root)."""
+    node = OmegaConf.structured(schema)
+    for source in sources:
+        merge_into(node, source, path)
+    try:
+        # OmegaConf.to_object would silently give a '???' (missing) field its dataclass default.
+        missing = sorted(OmegaConf.missing_keys(node))
+        if missing:
+            raise ConfigError(f"{path + '.' if path else ''}{missing[0]}: missing value ('???'); give a value.")
+        return OmegaConf.to_object(node)
+    except _MERGE_ERRORS as exc:
+        raise config_error(exc, prefix=path) from None
+
+
+def merge_into(node: DictConfig, source: Mapping[Any, Any], path: str) -> None:
+    """Merge ``source`` into ``node`` (a structured node at key ``path``) one key at a time, so that OmegaConf's own
+    error names the full key: its merge of a whole mapping loses the key of a record given a scalar and of a key
+    inside a list of records, and lets an integer too large for a float through raw, without it."""
+    for key, value in source.items():
+        full = f"{path}.{key}" if path else str(key)
+        child = node._get_node(key, validate_access=False)  # None: a key the node does not have
+        try:
+            if isinstance(child, DictConfig) and isinstance(value, dict) and not child._is_none():
+                merge_into(child, value, full)
+            elif isinstance(child, (DictConfig, ListConfig)) and value is not None and \
+                    not isinstance(value, dict if isinstance(child, DictConfig) else (list, tuple)):
+                raise ConfigError(f"{full}: expected a {'mapping' if isinstance(child, DictConfig) else 'list'}, "
+                                  f"got {type(value).__name__} {value!r:.80}.")
+            elif isinstance(child, ListConfig) and value is not None:
+                node[key] = []
+                _extend(node._get_node(key), value, full)
+            else:
+                node[key] = value
+        except _MERGE_ERRORS as exc:
+            raise config_error(exc, key=full) from None
+
+
+def _extend(items: ListConfig, values: Sequence[Any], path: str) -> None:
+    """Append ``values`` to ``items`` (the list at key ``path``): a record item as the record merged key by key."""
+    element = items._metadata.element_type
+    for i, value in enumerate(values):
+        try:
+            if dataclasses.is_dataclass(element) and isinstance(value, dict):
+                items.append(OmegaConf.structured(element))
+                merge_into(items._get_node(i), value, f"{path}[{i}]")
+            else:
+                items.append(value)
+        except _MERGE_ERRORS as exc:
+            raise config_error(exc, key=f"{path}[{i}]") from None
+
+
+# OmegaConf wraps most failures in its own exceptions, but lets some through (OverflowError for a huge int in a float
+# field): none of them may escape as anything but a ConfigError.
+_MERGE_ERRORS = (OmegaConfBaseException, ValueError, TypeError, OverflowError)
 
 
 def run_check(node: Any, prefix: str) -> None:

@@ -3,7 +3,7 @@
 Every entry point (``fuse()``, ``FXFuseCallback``, the CLI, Hydra) goes through :func:`load_config`, so a
 typo or a bad value fails the same way everywhere: a :class:`ConfigError` that names the full key, the
 value given and what is allowed, raised before any work (or training step) starts. The types are OmegaConf's to
-check (:func:`merge_into` sets one key at a time, so its errors name the full key), its errors are worded by
+check (:func:`fx_lightning.errors.load_record` sets one key at a time, so its errors name the full key), worded by
 :func:`fx_lightning.errors.config_error`, and each dataclass's ``check()`` (:mod:`fx_lightning.config.schema`)
 gets its full key prefixed.
 """
@@ -11,17 +11,17 @@ gets its full key prefixed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fx_lightning.common.imports import exception_text
 from fx_lightning.config.schema import ExtraPassConfig, FuseConfig
-from fx_lightning.errors import ConfigError, config_error, run_check
+from fx_lightning.errors import ConfigError, config_error, load_record, merge_into, run_check
 from fx_lightning.passes import Stage, resolve_pass
 
-__all__ = ["ConfigLike", "load_config", "merge_into", "validate", "to_yaml", "to_container"]
+__all__ = ["ConfigLike", "load_config", "validate", "to_yaml", "to_container"]
 
 ConfigLike = Union[FuseConfig, DictConfig, Dict[str, Any], None]
 
@@ -31,61 +31,13 @@ def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
 
     Returns a validated :class:`FuseConfig` object. Raises :class:`ConfigError` naming the full key.
     """
-    schema = OmegaConf.structured(FuseConfig)
     sources = ([config] if config is not None else []) + [{k: v} for k, v in overrides.items() if v is not None]
-    for source in sources:
-        merge_into(schema, _normalise(_to_plain(source)), "")
-    try:
-        # OmegaConf.to_object would silently give a '???' (missing) field its dataclass default.
-        missing = sorted(OmegaConf.missing_keys(schema))
-        if missing:
-            raise ConfigError(f"{missing[0]}: missing value ('???'); give a value" + (
-                " (a registered pass name or 'pkg.module:function')." if missing[0].endswith("].name") else "."))
-        cfg = OmegaConf.to_object(schema)
-    except _MERGE_ERRORS as exc:
-        raise config_error(exc) from None
+    cfg = load_record(FuseConfig, [_normalise(_to_plain(source)) for source in sources])
     assert isinstance(cfg, FuseConfig)
     validate(cfg)
     # The user passes: resolved, and their options as their options dataclasses read them.
     extras = [dataclasses.replace(e, options=_typed_pass_options(e, i)) for i, e in enumerate(cfg.passes.extra)]
     return dataclasses.replace(cfg, passes=dataclasses.replace(cfg.passes, extra=extras))
-
-
-def merge_into(node: DictConfig, source: Mapping[Any, Any], path: str) -> None:
-    """Merge ``source`` into ``node`` (the schema's node at key ``path``) one key at a time, so that OmegaConf's own
-    error names the full key: its merge of a whole mapping loses the key of a record given a scalar and of a key
-    inside a list of records, and lets an integer too large for a float through raw, without it."""
-    for key, value in source.items():
-        full = f"{path}.{key}" if path else str(key)
-        child = node._get_node(key, validate_access=False)  # None: a key the node does not have
-        try:
-            if isinstance(child, DictConfig) and isinstance(value, dict) and not child._is_none():
-                merge_into(child, value, full)
-            elif isinstance(child, (DictConfig, ListConfig)) and value is not None and \
-                    not isinstance(value, dict if isinstance(child, DictConfig) else (list, tuple)):
-                raise ConfigError(f"{full}: expected a {'mapping' if isinstance(child, DictConfig) else 'list'}, "
-                                  f"got {type(value).__name__} {value!r:.80}.")
-            elif isinstance(child, ListConfig) and value is not None:
-                node[key] = []
-                _extend(node._get_node(key), value, full)
-            else:
-                node[key] = value
-        except _MERGE_ERRORS as exc:
-            raise config_error(exc, key=full) from None
-
-
-def _extend(items: ListConfig, values: Sequence[Any], path: str) -> None:
-    """Append ``values`` to ``items`` (the list at key ``path``): a record item as the record merged key by key."""
-    element = items._metadata.element_type
-    for i, value in enumerate(values):
-        try:
-            if dataclasses.is_dataclass(element) and isinstance(value, dict):
-                items.append(OmegaConf.structured(element))
-                merge_into(items._get_node(i), value, f"{path}[{i}]")
-            else:
-                items.append(value)
-        except _MERGE_ERRORS as exc:
-            raise config_error(exc, key=f"{path}[{i}]") from None
 
 
 def validate(cfg: FuseConfig) -> None:
@@ -171,11 +123,6 @@ def _normalise(plain: Any) -> Any:
     if isinstance(export, dict) and isinstance(export.get("formats"), str):
         plain = {**plain, "export": {**export, "formats": [export["formats"]]}}
     return plain
-
-
-# OmegaConf wraps most failures in its own exceptions, but lets some through (OverflowError for a huge int
-# in a float field): none of them may escape load_config as anything but a ConfigError.
-_MERGE_ERRORS = (OmegaConfBaseException, ValueError, TypeError, OverflowError)
 
 
 # --------------------------------------------------------------------------------------- the user passes
