@@ -175,11 +175,10 @@ def unknown_key(path: str, key: str, allowed: Iterable[str]) -> ConfigError:
     return ConfigError(f"{full}: unknown key.{hint} Allowed keys under '{path or '<root>'}': {', '.join(allowed)}.")
 
 
-def config_error(exc: Exception, prefix: str = "", what: str = "", *, key: str = "") -> ConfigError:
+def config_error(exc: Exception, prefix: str = "", *, key: str = "") -> ConfigError:
     """OmegaConf's error (or a raw one it let through, such as OverflowError) as a ConfigError naming the full key
     (``key``; else OmegaConf's, under ``prefix``: the key of the node it was raised in), with what OmegaConf's text
-    lacks: the keys allowed (and the closest) for an unknown key, the members for an enum's value; ``what``: what
-    was being done."""
+    lacks: the keys allowed (and the closest) for an unknown key, the members for an enum's value."""
     if isinstance(exc, ConfigError):
         return exc
     if not key:
@@ -195,8 +194,6 @@ def config_error(exc: Exception, prefix: str = "", what: str = "", *, key: str =
     if members:
         return ConfigError(f"{key}: invalid value {value!r}. Allowed: {', '.join(members)}.")
     msg = (getattr(exc, "msg", None) or str(exc)).split("\n")[0]
-    if what:
-        msg = f"{what}: {msg}"
     got = f" Got {value!r:.80}." if value is not None and repr(value) not in msg else ""
     return ConfigError(f"{key or '<config>'}: {msg}.{got}".replace("..", "."))
 
@@ -205,8 +202,8 @@ def _enum_members(exc: Exception) -> List[str]:
     """The member names of the enum a rejected value was for (a field's or a list item's), else []."""
     if type(exc).__name__ != "ValidationError":
         return []
-    node = getattr(exc, "child_node", None)
-    hints = [getattr(getattr(node, "_metadata", None), "ref_type", None), *typing.get_args(getattr(exc, "ref_type", None))]
+    field = getattr(getattr(exc, "child_node", None), "_metadata", None)  # a field's node; a list item has none
+    hints = [getattr(field, "ref_type", None), *typing.get_args(getattr(exc, "ref_type", None))]
     enums = [t for t in hints if isinstance(t, type) and issubclass(t, Enum)]
     return [m.name for m in enums[0]] if enums else []
 

@@ -94,7 +94,7 @@ def _to_plain(source: Any, path: str = "") -> Any:
             return OmegaConf.to_container(source, resolve=True, enum_to_str=False)
         except OmegaConfBaseException as exc:
             # full_key is relative to this node: prefix the key it sits at, so the message names it.
-            raise config_error(exc, prefix=path, what="cannot resolve") from None
+            raise config_error(exc, prefix=path) from None
     if dataclasses.is_dataclass(source) and not isinstance(source, type):
         return OmegaConf.to_container(OmegaConf.structured(source), enum_to_str=False)
     if isinstance(source, dict):
