@@ -4,6 +4,8 @@
 Context is added once, where the error crosses into the user's code (the callback names the pipeline step and
 where the checkpoints are), with :meth:`FXLightningError.add_context` on the same object, which is then raised
 again; a foreign exception is wrapped once with ``raise ... from``. Nothing rebuilds an exception from its type.
+A configuration record is loaded from mappings here too (:func:`load_record`), so that every section's loader
+reports a bad key the same way.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     return line
 
 
-# ------------------------------------------------------------------------------ configuration errors
+# ---------------------------------- configuration errors: records merged key by key, so each error names its key
 
 
 def unknown_key(path: str, key: str, allowed: Iterable[str]) -> ConfigError:
