@@ -4,6 +4,8 @@
 Context is added once, where the error crosses into the user's code (the callback names the pipeline step and
 where the checkpoints are), with :meth:`FXLightningError.add_context` on the same object, which is then raised
 again; a foreign exception is wrapped once with ``raise ... from``. Nothing rebuilds an exception from its type.
+A configuration record is loaded from mappings here too (:func:`load_record`), so that every section's loader
+reports a bad key the same way.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import re
+import typing
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Mapping, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 if TYPE_CHECKING:  # records of higher layers, carried as fields
     from fx_lightning.parity.report import ParityReport
@@ -34,6 +39,8 @@ __all__ = [
     "OnError",
     "unknown_key",
     "config_error",
+    "load_record",
+    "merge_into",
     "run_check",
 ]
 
@@ -158,7 +165,7 @@ def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     return line
 
 
-# ------------------------------------------------------------------------------ configuration errors
+# ---------------------------------- configuration errors: records merged key by key, so each error names its key
 
 
 def unknown_key(path: str, key: str, allowed: Iterable[str]) -> ConfigError:
@@ -170,27 +177,95 @@ def unknown_key(path: str, key: str, allowed: Iterable[str]) -> ConfigError:
     return ConfigError(f"{full}: unknown key.{hint} Allowed keys under '{path or '<root>'}': {', '.join(allowed)}.")
 
 
-def config_error(exc: Exception, prefix: str = "", what: str = "") -> ConfigError:
-    """OmegaConf's error (or a raw one it let through, such as OverflowError) as a ConfigError naming the full key:
-    ``prefix`` is the key of the node merged into, ``what`` what was being done."""
+def config_error(exc: Exception, prefix: str = "", *, key: str = "") -> ConfigError:
+    """OmegaConf's error (or a raw one it let through, such as OverflowError) as a ConfigError naming the full key
+    (``key``; else OmegaConf's, under ``prefix``: the key of the node it was raised in), with what OmegaConf's text
+    lacks: the keys allowed (and the closest) for an unknown key, the members for an enum's value."""
     if isinstance(exc, ConfigError):
         return exc
-    key = getattr(exc, "full_key", None) or ""
-    if prefix:
-        key = f"{prefix}{key}" if key.startswith("[") else f"{prefix}.{key}" if key else prefix
+    if not key:
+        key = getattr(exc, "full_key", None) or ""
+        if prefix:
+            key = f"{prefix}{key}" if key.startswith("[") else f"{prefix}.{key}" if key else prefix
     schema = getattr(exc, "object_type", None)
     if type(exc).__name__ == "ConfigKeyError" and dataclasses.is_dataclass(schema) and key:
         path, _, name = key.rpartition(".")
         return unknown_key(path, name, (f.name for f in dataclasses.fields(schema)))
-    msg = (getattr(exc, "msg", None) or str(exc)).split("\n")[0]
-    enum = re.match(r"Invalid value .*, expected one of \[(.*)\]$", msg)
-    if enum:  # an enum's value: the value as given, the members as the walker of the config names them
-        return ConfigError(f"{key}: invalid value {getattr(exc, 'value', None)!r}. Allowed: {enum.group(1)}.")
-    if what:
-        msg = f"{what}: {msg}"
     value = getattr(exc, "value", None)
-    got = f" Got {value!r}." if value is not None and repr(value) not in msg else ""
+    members = _enum_members(exc)
+    if members:
+        return ConfigError(f"{key}: invalid value {value!r}. Allowed: {', '.join(members)}.")
+    msg = (getattr(exc, "msg", None) or str(exc)).split("\n")[0]
+    got = f" Got {value!r:.80}." if value is not None and repr(value) not in msg else ""
     return ConfigError(f"{key or '<config>'}: {msg}.{got}".replace("..", "."))
+
+
+def _enum_members(exc: Exception) -> List[str]:
+    """The member names of the enum a rejected value was for (a field's or a list item's), else []."""
+    if type(exc).__name__ != "ValidationError":
+        return []
+    field = getattr(getattr(exc, "child_node", None), "_metadata", None)  # a field's node; a list item has none
+    hints = [getattr(field, "ref_type", None), *typing.get_args(getattr(exc, "ref_type", None))]
+    enums = [t for t in hints if isinstance(t, type) and issubclass(t, Enum)]
+    return [m.name for m in enums[0]] if enums else []
+
+
+def load_record(schema: type, sources: Sequence[Mapping[Any, Any]], path: str = "") -> Any:
+    """The dataclass ``schema`` with ``sources`` merged into it in order (:func:`merge_into`), as its object; every
+    failure a ConfigError naming the full key (``path``: the record's own key, "" for the root)."""
+    node = OmegaConf.structured(schema)
+    for source in sources:
+        merge_into(node, source, path)
+    try:
+        # OmegaConf.to_object would silently give a '???' (missing) field its dataclass default.
+        missing = sorted(OmegaConf.missing_keys(node))
+        if missing:
+            raise ConfigError(f"{path + '.' if path else ''}{missing[0]}: missing value ('???'); give a value.")
+        return OmegaConf.to_object(node)
+    except _MERGE_ERRORS as exc:
+        raise config_error(exc, prefix=path) from None
+
+
+def merge_into(node: DictConfig, source: Mapping[Any, Any], path: str) -> None:
+    """Merge ``source`` into ``node`` (a structured node at key ``path``) one key at a time, so that OmegaConf's own
+    error names the full key: its merge of a whole mapping loses the key of a record given a scalar and of a key
+    inside a list of records, and lets an integer too large for a float through raw, without it."""
+    for key, value in source.items():
+        full = f"{path}.{key}" if path else str(key)
+        child = node._get_node(key, validate_access=False)  # None: a key the node does not have
+        try:
+            if isinstance(child, DictConfig) and isinstance(value, dict) and not child._is_none():
+                merge_into(child, value, full)
+            elif isinstance(child, (DictConfig, ListConfig)) and value is not None and \
+                    not isinstance(value, dict if isinstance(child, DictConfig) else (list, tuple)):
+                raise ConfigError(f"{full}: expected a {'mapping' if isinstance(child, DictConfig) else 'list'}, "
+                                  f"got {type(value).__name__} {value!r:.80}.")
+            elif isinstance(child, ListConfig) and value is not None:
+                node[key] = []
+                _extend(node._get_node(key), value, full)
+            else:
+                node[key] = value
+        except _MERGE_ERRORS as exc:
+            raise config_error(exc, key=full) from None
+
+
+def _extend(items: ListConfig, values: Sequence[Any], path: str) -> None:
+    """Append ``values`` to ``items`` (the list at key ``path``): a record item as the record merged key by key."""
+    element = items._metadata.element_type
+    for i, value in enumerate(values):
+        try:
+            if dataclasses.is_dataclass(element) and isinstance(value, dict):
+                items.append(OmegaConf.structured(element))
+                merge_into(items._get_node(i), value, f"{path}[{i}]")
+            else:
+                items.append(value)
+        except _MERGE_ERRORS as exc:
+            raise config_error(exc, key=f"{path}[{i}]") from None
+
+
+# OmegaConf wraps most failures in its own exceptions, but lets some through (OverflowError for a huge int in a float
+# field): none of them may escape as anything but a ConfigError.
+_MERGE_ERRORS = (OmegaConfBaseException, ValueError, TypeError, OverflowError)
 
 
 def run_check(node: Any, prefix: str) -> None:

@@ -16,11 +16,14 @@ usage errors.
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+import importlib
+from typing import Any, Optional, Sequence
 
 from fx_lightning.cli.common import UsageError, make_console, print_error
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+COMMANDS = ("fuse", "inspect", "bench", "serve", "triton", "mlflow")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,53 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fx-lightning",
         description="Fuse (fold BatchNorms), verify and export PyTorch Lightning models with torch.fx.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fuse,inspect,bench,serve,triton,mlflow}")
-
-    fuse = sub.add_parser(
-        "fuse", help="fuse a Lightning checkpoint, check parity and export it",
-        description="Fuse a Lightning checkpoint after training: the callback's pipeline, from the command line.",
-    )
-    fuse.add_argument("checkpoint", help="a .ckpt written by Lightning")
-    fuse.add_argument("--model", required=True, metavar="PKG.MODULE:CLASS",
-                      help="the LightningModule class (its load_from_checkpoint rebuilds the model)")
-    fuse.add_argument("--config", metavar="FILE.yaml", help="a FuseConfig YAML (the callback's options)")
-    fuse.add_argument("--datamodule", metavar="PKG.MODULE:CLASS",
-                      help="a LightningDataModule whose val (else train) batches are used for parity")
-    fuse.add_argument("--datamodule-args", metavar="JSON", default=None,
-                      help="keyword arguments for the datamodule, as JSON (default: its saved hyperparameters)")
-    fuse.add_argument("--model-args", metavar="JSON", default=None,
-                      help="extra keyword arguments for load_from_checkpoint, as JSON")
-    fuse.add_argument("--input-shape", metavar="N,C,H,W",
-                      help="random example input of this shape (when there is no datamodule/example_input_array)")
-    fuse.add_argument("--input-dtype", default="float32", help="dtype of --input-shape's tensor (default float32)")
-    fuse.add_argument("--output", "-o", metavar="DIR",
-                      help="export directory (default: export.dir, else ./fx_fused)")
-    fuse.add_argument("--dry-run", action="store_true", help="fuse and check parity, write nothing")
-    fuse.add_argument("--unsafe-load", action="store_true",
-                      help="load the checkpoint with weights_only=False (only for checkpoints you trust)")
-    fuse.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                      help="config overrides in dotted form, e.g. parity.rtol=1e-3 export.formats=[pt2]")
-
-    inspect_ = sub.add_parser("inspect", help="print an export's manifest as tables")
-    inspect_.add_argument("directory")
-    inspect_.add_argument("--json", action="store_true", help="print the manifest JSON instead")
-    inspect_.add_argument("--verify", action="store_true", help="also check every file's sha256")
-    inspect_.add_argument("--html", nargs="?", const="", default=None, metavar="FILE",
-                          help="write the export's report.html (default: DIR/report.html; the same file the export "
-                               "wrote, for an export written before it had one) and print its path")
-
-    from fx_lightning.cli import bench_cmd, serve_cmd
-
-    bench_cmd.add_parser(sub)
-
-    serve_cmd.add_parser(sub)
-    from fx_lightning.cli import triton_cmd
-
-    triton_cmd.add_parser(sub)
-    from fx_lightning.cli import mlflow_cmd
-
-    mlflow_cmd.add_parser(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for command in COMMANDS:
+        _command(command).add_parser(sub)
     return parser
+
+
+def _command(name: str) -> Any:
+    """The module of the ``name`` command (``fx_lightning.cli.<name>_cmd``): its ``add_parser`` and ``run``."""
+    return importlib.import_module(f"fx_lightning.cli.{name}_cmd")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -90,26 +55,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from fx_lightning.errors import FXLightningError
 
     console = make_console()
-    from fx_lightning.cli import bench_cmd, fuse_cmd, inspect_cmd
-
     try:
-        if args.command == "fuse":
-            return fuse_cmd.run(args, console)
-        if args.command == "inspect":
-            return inspect_cmd.run(args, console)
-        if args.command == "serve":
-            from fx_lightning.cli import serve_cmd
-
-            return serve_cmd.run(args, console)
-        if args.command == "triton":
-            from fx_lightning.cli import triton_cmd
-
-            return triton_cmd.run(args, console)
-        if args.command == "mlflow":
-            from fx_lightning.cli import mlflow_cmd
-
-            return mlflow_cmd.run(args, console)
-        return bench_cmd.run(args, console)
+        return _command(args.command).run(args, console)
     except FXLightningError as exc:
         print_error(console, f"{type(exc).__name__}: {exc}")
         return 1

@@ -70,10 +70,11 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if any(b < 1 for b in sizes) or args.iters < 1 or args.warmup < 0:
         raise UsageError("--batch-size and --iters must be >= 1, --warmup >= 0")
     budget = args.latency_budget_ms
+    select_at = args.select_batch_size if args.select_batch_size is not None else sizes[0]
     try:  # the flags set these keys of the export config: its one check, in its words
         ExportConfig(select=Selection.fastest if args.select else Selection.preference,
                      select_strategy=Strategy[args.strategy], latency_budget_ms=budget,
-                     select_batch_size=args.select_batch_size if args.select_batch_size is not None else 1).check()
+                     select_batch_size=select_at).check()
     except ValueError as exc:
         raise UsageError(f"export.{exc} (--select sets export.select: fastest, --strategy export.select_strategy, "
                          "--latency-budget-ms export.latency_budget_ms)") from None
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         if not check.passed:
             console.print(f"{name}: check FAILED ({check.reason}): never selected", markup=False)
     if args.select:
-        selected = select_by_strategy(table, args.strategy, args.select_batch_size if args.select_batch_size is not None else sizes[0], args.select_traffic,
+        selected = select_by_strategy(table, args.strategy, select_at, args.select_traffic,
                                       budget)  # a budget nobody meets raises: the manifest is left as it was
         record_selection(root, table, selected)
         console.print(f"selected: {selected.format} ({selected.why})" if selected else

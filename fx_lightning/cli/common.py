@@ -8,7 +8,7 @@ import sys
 from typing import Any, Dict, Optional
 
 __all__ = ["UsageError", "make_console", "print_error", "import_path", "json_arg", "load_lightning_module", "fmt",
-           "shape_text"]
+           "shape_text", "flags_of"]
 
 
 class UsageError(Exception):
@@ -39,6 +39,13 @@ def import_path(path: str, flag: str) -> Any:
         return import_object(path)
     except (ImportError, AttributeError, ValueError) as exc:
         raise UsageError(f"{flag}: cannot import {path!r}: {exc}") from None
+
+
+def flags_of(args: Any, record: type) -> Dict[str, Any]:
+    """The flags that set fields of the options dataclass ``record`` (named as its fields), as its keyword arguments."""
+    import dataclasses
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(record) if hasattr(args, f.name)}
 
 
 def json_arg(text: Optional[str], flag: str) -> Dict[str, object]:

@@ -9,7 +9,34 @@ from typing import Any, Dict, Optional, Sequence
 
 from fx_lightning.cli.common import UsageError, import_path, json_arg, load_lightning_module, print_error
 
-__all__ = ["run", "load_cli_config"]
+__all__ = ["add_parser", "run", "load_cli_config"]
+
+
+def add_parser(sub: Any) -> None:
+    fuse = sub.add_parser(
+        "fuse", help="fuse a Lightning checkpoint, check parity and export it",
+        description="Fuse a Lightning checkpoint after training: the callback's pipeline, from the command line.",
+    )
+    fuse.add_argument("checkpoint", help="a .ckpt written by Lightning")
+    fuse.add_argument("--model", required=True, metavar="PKG.MODULE:CLASS",
+                      help="the LightningModule class (its load_from_checkpoint rebuilds the model)")
+    fuse.add_argument("--config", metavar="FILE.yaml", help="a FuseConfig YAML (the callback's options)")
+    fuse.add_argument("--datamodule", metavar="PKG.MODULE:CLASS",
+                      help="a LightningDataModule whose val (else train) batches are used for parity")
+    fuse.add_argument("--datamodule-args", metavar="JSON", default=None,
+                      help="keyword arguments for the datamodule, as JSON (default: its saved hyperparameters)")
+    fuse.add_argument("--model-args", metavar="JSON", default=None,
+                      help="extra keyword arguments for load_from_checkpoint, as JSON")
+    fuse.add_argument("--input-shape", metavar="N,C,H,W",
+                      help="random example input of this shape (when there is no datamodule/example_input_array)")
+    fuse.add_argument("--input-dtype", default="float32", help="dtype of --input-shape's tensor (default float32)")
+    fuse.add_argument("--output", "-o", metavar="DIR",
+                      help="export directory (default: export.dir, else ./fx_fused)")
+    fuse.add_argument("--dry-run", action="store_true", help="fuse and check parity, write nothing")
+    fuse.add_argument("--unsafe-load", action="store_true",
+                      help="load the checkpoint with weights_only=False (only for checkpoints you trust)")
+    fuse.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                      help="config overrides in dotted form, e.g. parity.rtol=1e-3 export.formats=[pt2]")
 
 
 def load_cli_config(path: Optional[str], overrides: Sequence[str]) -> Any:
@@ -74,11 +101,11 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
     export_dir = args.output or cfg.export.dir or "fx_fused"
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, dir=str(export_dir)))
-    meta = _checkpoint_meta(args.checkpoint)
+    entries = _checkpoint_entries(args.checkpoint)
+    epoch, step = (entries.get(k) if isinstance(entries.get(k), int) else None for k in ("epoch", "global_step"))
     checkpoint = os.path.abspath(args.checkpoint)
     extra = Provenance(
-        weights=WeightsInfo("checkpoint", f"checkpoint {checkpoint}", meta.get("epoch"), meta.get("global_step"),
-                            checkpoint),
+        weights=WeightsInfo("checkpoint", f"checkpoint {checkpoint}", epoch, step, checkpoint),
         lightning_module=f"{model_cls.__module__}.{model_cls.__qualname__}",
         checkpoint=checkpoint,
         model=args.model,
@@ -100,15 +127,16 @@ def run(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def _checkpoint_meta(checkpoint: str) -> Dict[str, int]:
-    """Epoch and step from the checkpoint, read with the safe loader (fields we cannot read stay absent)."""
+def _checkpoint_entries(checkpoint: str) -> Dict[str, Any]:
+    """The checkpoint's top-level entries, read with the safe loader ({} when it cannot: they are metadata only, the
+    model loaded already)."""
     import torch
 
     try:
-        ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - metadata only; the model loaded already
+        entries = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001
         return {}
-    return {k: ckpt.get(k) for k in ("epoch", "global_step") if isinstance(ckpt.get(k), int)}
+    return entries if isinstance(entries, dict) else {}
 
 
 def _datamodule_batches(args: argparse.Namespace, cfg: Any) -> Any:
@@ -117,7 +145,8 @@ def _datamodule_batches(args: argparse.Namespace, cfg: Any) -> Any:
 
     dm_cls = import_path(args.datamodule, "--datamodule")
     kwargs = json_arg(args.datamodule_args, "--datamodule-args")
-    if not kwargs and hasattr(dm_cls, "load_from_checkpoint") and _has_datamodule_hparams(args.checkpoint):
+    if not kwargs and hasattr(dm_cls, "load_from_checkpoint") and \
+            _checkpoint_entries(args.checkpoint).get("datamodule_hyper_parameters"):
         datamodule = dm_cls.load_from_checkpoint(args.checkpoint, map_location="cpu")
     else:
         datamodule = dm_cls(**kwargs)
@@ -134,16 +163,6 @@ def _datamodule_batches(args: argparse.Namespace, cfg: Any) -> Any:
             return None
 
     return choose_batches({"val": lambda: loader("val"), "train": lambda: loader("train")}, cfg.parity)
-
-
-def _has_datamodule_hparams(checkpoint: str) -> bool:
-    import torch
-
-    try:
-        ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001
-        return False
-    return bool(ckpt.get("datamodule_hyper_parameters"))
 
 
 def _random_input(shape_text: str, dtype_text: str) -> Any:

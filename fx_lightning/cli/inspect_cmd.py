@@ -9,7 +9,17 @@ from typing import Any, List, Optional, Tuple
 
 from fx_lightning.cli.common import fmt, shape_text
 
-__all__ = ["run", "roundtrip_text"]
+__all__ = ["add_parser", "run", "roundtrip_text"]
+
+
+def add_parser(sub: Any) -> None:
+    inspect_ = sub.add_parser("inspect", help="print an export's manifest as tables")
+    inspect_.add_argument("directory")
+    inspect_.add_argument("--json", action="store_true", help="print the manifest JSON instead")
+    inspect_.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    inspect_.add_argument("--html", nargs="?", const="", default=None, metavar="FILE",
+                          help="write the export's report.html (default: DIR/report.html; the same file the export "
+                               "wrote, for an export written before it had one) and print its path")
 
 
 def run(args: argparse.Namespace, console: Any) -> int:

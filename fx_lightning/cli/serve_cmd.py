@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fx_lightning.cli.common import flags_of
 from fx_lightning.serve.artifact import DEFAULT_BATCH_TIMEOUT, DEFAULT_MAX_BATCH_SIZE
 from fx_lightning.serve.server import ServeOptions
 
@@ -53,9 +54,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     from fx_lightning.export import read_manifest
     from fx_lightning.serve.server import serve
 
-    options = ServeOptions(format=args.format, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
-                           workers=args.workers, threads=args.threads, max_request_batch=args.max_request_batch,
-                           max_body_mb=args.max_body_mb, top_k=args.top_k, model_name=args.model_name)
+    options = ServeOptions(**flags_of(args, ServeOptions))
+    options.check()  # before anything is read: the flag's own error
     console.print(f"serving {args.directory} on http://{args.host}:{args.port} (POST /predict, GET /health, "
                   "GET /info; Open Inference Protocol under /v2)", markup=False)
     batching = options.with_batching(read_manifest(args.directory))

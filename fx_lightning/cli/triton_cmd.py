@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fx_lightning.cli.common import flags_of
 from fx_lightning.serve.triton import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US
 
 __all__ = ["add_parser", "run"]
@@ -46,14 +47,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from fx_lightning.serve.triton import describe, write_triton_repository
+    from fx_lightning.serve.triton import TritonOptions, describe, write_triton_repository
 
-    repository = write_triton_repository(
-        args.directory, args.out, name=args.name, formats=args.formats, max_batch_size=args.max_batch_size,
-        instances=args.instances, dynamic_batching=args.dynamic_batching,
-        preferred_batch_sizes=args.preferred_batch_sizes, max_queue_delay_us=args.max_queue_delay_us,
-        overwrite=args.overwrite, python=args.python,
-    )
+    repository = write_triton_repository(args.directory, args.out, **flags_of(args, TritonOptions))
     for line in describe(repository):
         console.print(line, markup=False, soft_wrap=True)
     return 0

@@ -2,8 +2,8 @@
 
 Every entry point (``fuse()``, ``FXFuseCallback``, the CLI, Hydra) goes through :func:`load_config`, so a
 typo or a bad value fails the same way everywhere: a :class:`ConfigError` that names the full key, the
-value given and what is allowed, raised before any work (or training step) starts. Keys are walked here where
-OmegaConf's own errors lack the key or the allowed values, OmegaConf's other errors are worded by
+value given and what is allowed, raised before any work (or training step) starts. The types are OmegaConf's to
+check (:func:`fx_lightning.errors.load_record` sets one key at a time, so its errors name the full key), worded by
 :func:`fx_lightning.errors.config_error`, and each dataclass's ``check()`` (:mod:`fx_lightning.config.schema`)
 gets its full key prefixed.
 """
@@ -11,16 +11,14 @@ gets its full key prefixed.
 from __future__ import annotations
 
 import dataclasses
-import typing
-from enum import Enum
-from typing import Any, Dict, Iterator, List, Tuple, Union
+from typing import Any, Dict, Iterator, Tuple, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fx_lightning.common.imports import exception_text
 from fx_lightning.config.schema import ExtraPassConfig, FuseConfig
-from fx_lightning.errors import ConfigError, config_error, run_check, unknown_key
+from fx_lightning.errors import ConfigError, config_error, load_record, merge_into, run_check
 from fx_lightning.passes import Stage, resolve_pass
 
 __all__ = ["ConfigLike", "load_config", "validate", "to_yaml", "to_container"]
@@ -33,32 +31,8 @@ def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
 
     Returns a validated :class:`FuseConfig` object. Raises :class:`ConfigError` naming the full key.
     """
-    schema = OmegaConf.structured(FuseConfig)
-    sources: List[tuple[str, Any]] = []
-    if config is not None:
-        sources.append(("config", config))
-    for key, value in overrides.items():
-        if value is not None:
-            sources.append((key, {key: value}))
-    for label, source in sources:
-        plain = _to_plain(source, label)
-        _check_keys(plain, FuseConfig, "")
-        plain = _normalise(plain)
-        try:
-            schema = OmegaConf.merge(schema, plain)
-        except _MERGE_ERRORS as exc:
-            raise config_error(exc) from None
-    try:
-        # OmegaConf.to_object would silently give a '???' (missing) field its dataclass default.
-        missing = sorted(OmegaConf.missing_keys(schema))
-        if missing:
-            raise ConfigError(
-                f"{missing[0]}: missing value ('???'); give a value"
-                + (" (a registered pass name or 'pkg.module:function')." if missing[0].endswith("].name") else ".")
-            )
-        cfg = OmegaConf.to_object(schema)
-    except _MERGE_ERRORS as exc:
-        raise config_error(exc) from None
+    sources = ([config] if config is not None else []) + [{k: v} for k, v in overrides.items() if v is not None]
+    cfg = load_record(FuseConfig, [_normalise(_to_plain(source)) for source in sources])
     assert isinstance(cfg, FuseConfig)
     validate(cfg)
     # The user passes: resolved, and their options as their options dataclasses read them.
@@ -113,18 +87,18 @@ def to_container(cfg: FuseConfig) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------ the sources
 
 
-def _to_plain(source: Any, label: str, path: str = "") -> Any:
+def _to_plain(source: Any, path: str = "") -> Any:
     """``source`` as plain containers; ``path``: the dotted key ``source`` sits at (for error messages)."""
     if isinstance(source, (DictConfig, ListConfig)):
         try:
             return OmegaConf.to_container(source, resolve=True, enum_to_str=False)
         except OmegaConfBaseException as exc:
             # full_key is relative to this node: prefix the key it sits at, so the message names it.
-            raise config_error(exc, prefix=path, what="cannot resolve") from None
+            raise config_error(exc, prefix=path) from None
     if dataclasses.is_dataclass(source) and not isinstance(source, type):
         return OmegaConf.to_container(OmegaConf.structured(source), enum_to_str=False)
     if isinstance(source, dict):
-        return {k: _to_plain(v, label, _join(path, str(k))) if isinstance(v, (DictConfig, ListConfig)) or (
+        return {k: _to_plain(v, f"{path}.{k}" if path else str(k)) if isinstance(v, (DictConfig, ListConfig)) or (
             dataclasses.is_dataclass(v) and not isinstance(v, type)) else v for k, v in source.items()}
     raise ConfigError(
         f"config: expected a FuseConfig, dict or DictConfig, got {type(source).__name__} ({source!r:.80})"
@@ -151,110 +125,6 @@ def _normalise(plain: Any) -> Any:
     return plain
 
 
-# ------------------------------------------------------------------------- what OmegaConf says without the key
-
-# OmegaConf's merge names the full key of a scalar of the wrong type (config_error words it). Walked here, before
-# it and in key order (the first error is the one reported), is what OmegaConf 2.3 reports without the key, without
-# the allowed values, or not at all: an unknown key inside a list of records (passes.extra; every unknown key is
-# walked, to keep the order), an enum's value (its message lists no names for a value that is not a string), a record
-# or mapping given another value, '???' (the default kept), an integer too large for a float (a raw OverflowError),
-# a list inside a list of scalars.
-
-
-def _check_keys(value: Any, schema: type, path: str) -> None:
-    """The keys of ``value`` (a mapping at ``path``) known to ``schema`` and their values of its shapes."""
-    if not isinstance(value, dict):
-        return
-    hints = typing.get_type_hints(schema)
-    fields = {f.name: hints[f.name] for f in dataclasses.fields(schema)}
-    for key, sub in value.items():
-        full = _join(path, str(key))
-        if key not in fields:
-            raise unknown_key(path, str(key), fields)
-        if isinstance(sub, str) and sub == "???":
-            raise ConfigError(f"{full}: missing value ('???'); give a value.")
-        _check_value(sub, _unwrap_optional(fields[key]), full, path)
-
-
-def _check_value(sub: Any, inner: Any, full: str, path: str) -> None:
-    """``sub``, the value at key ``full`` (under ``path``), against its declared type ``inner``: by case."""
-    origin = typing.get_origin(inner)
-    if dataclasses.is_dataclass(inner):
-        if isinstance(sub, dict):
-            _check_keys(sub, inner, full)
-        elif not (isinstance(sub, bool) and path == "passes") and sub is not None:  # passes.X: on/off shorthand
-            raise ConfigError(f"{full}: expected a mapping of {inner.__name__} options, got {sub!r:.80}.")
-    elif origin in (list, List):
-        if isinstance(sub, (list, tuple)):
-            (item_type,) = typing.get_args(inner) or (Any,)
-            for i, item in enumerate(sub):
-                _check_item(item, item_type, f"{full}[{i}]")
-        elif sub is not None and not (isinstance(sub, str) and full == "export.formats"):  # one name: a list of it
-            raise ConfigError(f"{full}: expected a list, got {type(sub).__name__} {sub!r:.80}.")
-    elif origin in (dict, Dict) and sub is not None and not isinstance(sub, dict):
-        raise ConfigError(f"{full}: expected a mapping, got {type(sub).__name__} {sub!r:.80}.")
-    elif isinstance(inner, type) and issubclass(inner, Enum):
-        _check_enum(sub, inner, full)
-    elif inner is float:
-        _check_float(sub, full)
-
-
-def _check_item(item: Any, item_type: Any, key: str) -> None:
-    if isinstance(item, str) and item == "???":
-        raise ConfigError(f"{key}: missing value ('???'); give a value.")
-    if dataclasses.is_dataclass(item_type):
-        if isinstance(item, dict):
-            _check_keys(item, item_type, key)
-            try:  # its types too: OmegaConf's error names only the leaf ("name"), not the item's key
-                OmegaConf.merge(OmegaConf.structured(item_type), item)
-            except _MERGE_ERRORS as exc:
-                raise config_error(exc, prefix=key) from None
-        elif not isinstance(item, str):
-            raise ConfigError(
-                f"{key}: expected a name or a mapping with keys "
-                f"{', '.join(f.name for f in dataclasses.fields(item_type))}, got {item!r:.80}."
-            )
-    elif isinstance(item_type, type) and issubclass(item_type, Enum):
-        _check_enum(item, item_type, key)
-    elif item_type in (str, int, float, bool) and isinstance(item, (list, tuple, dict)):
-        raise ConfigError(f"{key}: expected a {item_type.__name__}, got {type(item).__name__} {item!r:.80}.")
-    elif item_type is float:
-        _check_float(item, key)
-
-
-def _check_float(sub: Any, key: str) -> None:
-    """An integer given for a float must fit one: OmegaConf raises OverflowError raw, without the key."""
-    if isinstance(sub, int) and not isinstance(sub, bool):
-        try:
-            float(sub)
-        except OverflowError:
-            raise ConfigError(f"{key}: a {sub.bit_length()}-bit integer is too large for a float.") from None
-
-
-def _check_enum(value: Any, enum_type: Any, path: str) -> None:
-    """OmegaConf's own message for a value that is not a name (a number, None, a list) does not list the names."""
-    allowed = [m.name for m in enum_type]
-    if not isinstance(value, enum_type) and not (isinstance(value, str) and value in allowed):
-        raise ConfigError(f"{path}: invalid value {value!r}. Allowed: {', '.join(allowed)}.")
-
-
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) is Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-# OmegaConf wraps most failures in its own exceptions, but lets some through (OverflowError for a huge int
-# in a float field): none of them may escape load_config as anything but a ConfigError.
-_MERGE_ERRORS = (OmegaConfBaseException, ValueError, TypeError, OverflowError)
-
-
 # --------------------------------------------------------------------------------------- the user passes
 
 
@@ -276,17 +146,8 @@ def _typed_pass_options(extra: ExtraPassConfig, i: int) -> Dict[str, Any]:
         )
     if spec.options_type is None or not extra.options:
         return dict(extra.options)
-    option_fields = {f.name for f in dataclasses.fields(spec.options_type)}
-    for key in extra.options:
-        if key not in option_fields:
-            raise ConfigError(f"passes.extra[{i}].options.{key}: unknown option of pass {extra.name!r}; "
-                              f"allowed: {', '.join(sorted(option_fields))}.")
-    prefix = f"passes.extra[{i}].options"
-    _check_keys(extra.options, spec.options_type, prefix)  # huge ints and shapes, with the key
-    try:
-        typed = OmegaConf.merge(OmegaConf.structured(spec.options_type), extra.options)
-    except _MERGE_ERRORS as exc:
-        raise config_error(exc, prefix=prefix) from None
+    typed = OmegaConf.structured(spec.options_type)
+    merge_into(typed, extra.options, f"passes.extra[{i}].options")
     converted = OmegaConf.to_container(typed, enum_to_str=True)
     assert isinstance(converted, dict)
     return {key: converted[key] for key in extra.options}

@@ -10,10 +10,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping, Optional, Union
 
-from omegaconf import OmegaConf
-
 from fx_lightning.common.imports import import_checked
-from fx_lightning.errors import ConfigError, OnError, config_error, run_check
+from fx_lightning.errors import OnError, load_record, run_check
 from fx_lightning.common.tolerance import DISCRETE_AGREEMENT, GATE_RTOL
 
 __all__ = ["GateThresholds", "ParityConfig", "ParityData", "OnFailure", "load_parity"]
@@ -82,15 +80,6 @@ def load_parity(cfg: Union[ParityConfig, Mapping[str, Any], None]) -> ParityConf
     :class:`ConfigError` naming the key under ``parity`` (the gate's functions are entry points too)."""
     if isinstance(cfg, ParityConfig):
         return cfg
-    given = dict(cfg or {})
-    missing = sorted(k for k, v in given.items() if isinstance(v, str) and v == "???")  # merge would keep defaults
-    if missing:
-        raise ConfigError(f"parity.{missing[0]}: missing value ('???'); give a value.")
-    try:
-        node = OmegaConf.merge(OmegaConf.structured(ParityConfig), given)
-        loaded = OmegaConf.to_object(node)
-    except Exception as exc:  # noqa: BLE001 - OmegaConf's errors and the raw ones it lets through (OverflowError)
-        raise config_error(exc, prefix="parity") from None
-    assert isinstance(loaded, ParityConfig)
+    loaded = load_record(ParityConfig, [dict(cfg or {})], "parity")
     run_check(loaded, "parity.")
     return loaded

@@ -27,6 +27,7 @@ The config is written as protobuf text by hand: writing needs neither tritonclie
 from __future__ import annotations
 
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -386,11 +387,9 @@ def _config_tensor(tensor: ArtifactTensor, spec: TensorSpec, batching: bool) -> 
 
 
 def _preferred(options: TritonOptions, max_batch: int) -> List[int]:
-    sizes = sorted(set(options.preferred_batch_sizes or []))
-    if sizes and sizes[-1] > max_batch:
-        raise ConfigError(f"triton preferred_batch_sizes: {sizes}; allowed: sizes from 1 to max_batch_size "
-                          f"({max_batch}).")
-    return sizes
+    """The preferred batch sizes, checked against the model's ``max_batch`` (the sweep's, where it came from)."""
+    dataclasses.replace(options, max_batch_size=max_batch).check()
+    return sorted(set(options.preferred_batch_sizes or []))
 
 
 def _openvino_parameters(entry: FormatEntry, batching: bool) -> Tuple[Dict[str, str], List[str]]:
