@@ -177,10 +177,11 @@ def unknown_key(path: str, key: str, allowed: Iterable[str]) -> ConfigError:
     return ConfigError(f"{full}: unknown key.{hint} Allowed keys under '{path or '<root>'}': {', '.join(allowed)}.")
 
 
-def config_error(exc: Exception, prefix: str = "", *, key: str = "") -> ConfigError:
+def config_error(exc: Exception, prefix: str = "", *, key: str = "", node: Any = None) -> ConfigError:
     """OmegaConf's error (or a raw one it let through, such as OverflowError) as a ConfigError naming the full key
     (``key``; else OmegaConf's, under ``prefix``: the key of the node it was raised in), with what OmegaConf's text
-    lacks: the keys allowed (and the closest) for an unknown key, the members for an enum's value."""
+    lacks: the keys allowed (and the closest) for an unknown key, the members for an enum's value, the type a value
+    of ``node`` (the field's node, when the caller has it) must have."""
     if isinstance(exc, ConfigError):
         return exc
     if not key:
@@ -196,8 +197,17 @@ def config_error(exc: Exception, prefix: str = "", *, key: str = "") -> ConfigEr
     if members:
         return ConfigError(f"{key}: invalid value {value!r}. Allowed: {', '.join(members)}.")
     msg = (getattr(exc, "msg", None) or str(exc)).split("\n")[0]
+    if type(exc).__name__ == "InterpolationKeyError":
+        msg = f"cannot resolve: {msg}"
     got = f" Got {value!r:.80}." if value is not None and repr(value) not in msg else ""
-    return ConfigError(f"{key or '<config>'}: {msg}.{got}".replace("..", "."))
+    allowed = _TYPE_TEXT.get(getattr(getattr(node, "_metadata", None), "ref_type", None))
+    return ConfigError(f"{key or '<config>'}: {msg}.{got}".replace("..", ".")
+                       + (f" Allowed: {allowed}." if allowed else ""))
+
+
+# What a value of a field of this type must be, in the words of an error.
+_TYPE_TEXT = {float: "a number", int: "an integer", bool: "true or false", str: "a string",
+              Optional[float]: "a number or null", Optional[int]: "an integer or null", Optional[str]: "a string or null"}
 
 
 def _enum_members(exc: Exception) -> List[str]:
@@ -220,7 +230,9 @@ def load_record(schema: type, sources: Sequence[Mapping[Any, Any]], path: str = 
         # OmegaConf.to_object would silently give a '???' (missing) field its dataclass default.
         missing = sorted(OmegaConf.missing_keys(node))
         if missing:
-            raise ConfigError(f"{path + '.' if path else ''}{missing[0]}: missing value ('???'); give a value.")
+            raise ConfigError(f"{path + '.' if path else ''}{missing[0]}: missing value ('???'); give a value"
+                              + (" (a registered pass name or 'pkg.module:function')." if missing[0].endswith("].name")
+                                 else "."))
         return OmegaConf.to_object(node)
     except _MERGE_ERRORS as exc:
         raise config_error(exc, prefix=path) from None
@@ -246,7 +258,7 @@ def merge_into(node: DictConfig, source: Mapping[Any, Any], path: str) -> None:
             else:
                 node[key] = value
         except _MERGE_ERRORS as exc:
-            raise config_error(exc, key=full) from None
+            raise config_error(exc, key=full, node=child) from None
 
 
 def _extend(items: ListConfig, values: Sequence[Any], path: str) -> None:

@@ -56,6 +56,9 @@ BAD: List[Any] = [
     ({"passes": {"extra": [{"name": "fuse_conv_bn", "options": "x"}]}}, "passes.extra[0].options", "mapping"),
     ({"parity": {"rtol": -1e-4}}, "parity.rtol", ">= 0"),
     ({"parity": {"rtol": "small"}}, "parity.rtol", "'small'"),
+    ({"parity": {"rtol": "small"}}, "parity.rtol", "Allowed: a number"),
+    ({"parity": {"rtol": 10 ** 400}}, "parity.rtol", "Allowed: a number"),
+    ({"parity": {"enabled": "maybe"}}, "parity.enabled", "Allowed: true or false"),
     ({"parity": {"rtl": 1e-3}}, "parity.rtl", "Did you mean 'parity.rtol'"),
     ({"parity": {"max_batches": 0}}, "parity.max_batches", ">= 1"),
     ({"parity": {"max_batches": 2.5}}, "parity.max_batches", "2.5"),
@@ -88,6 +91,13 @@ def test_bad_config_rejected_at_construction(kwargs: Dict[str, Any], key: str, f
     message = str(info.value)
     assert message.startswith(f"{key}:"), message
     _check(message, key, fragment)
+
+
+def test_a_missing_pass_name_says_what_a_name_is() -> None:
+    """(Hydra's instantiate refuses the '???' itself, before the callback sees it.)"""
+    with pytest.raises(ConfigError, match=r"^passes\.extra\[0\]\.name: missing value .*a registered pass name or "
+                                          r"'pkg\.module:function'"):
+        FXFuseCallback(passes={"extra": [{"name": "???"}]})
 
 
 @pytest.mark.parametrize("kwargs, key, fragment", BAD, ids=IDS)
