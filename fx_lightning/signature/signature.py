@@ -33,6 +33,7 @@ __all__ = [
     "LeafSpec",
     "SampleAxis",
     "Signature",
+    "stated_leaf",
     "Observed",
     "derive_signature",
     "shape_problem",
@@ -91,6 +92,17 @@ class LeafSpec:
     def example_shape(self) -> List[int]:
         return [d.size for d in self.dims]
 
+    def sizes(self, any_samples: bool = True) -> List[Optional[int]]:
+        """Each dimension's size where a caller must send that size, None where it may send any: the sample axis
+        takes any size unless the artifacts were built for the example's number of samples (``any_samples``)."""
+        return [None if d.kind is DimKind.variable or (d.kind is DimKind.sample and any_samples) else d.size
+                for d in self.dims]
+
+    def written_shape(self, any_samples: bool = True) -> List[Any]:
+        """The shape as a manifest's ``inputs`` and ``outputs`` (and the server's ``/info``) write it: ``"batch"`` on
+        a sample axis of any size (else its size), a name where a size varies."""
+        return [token if size is None else size for token, size in zip(self.shape, self.sizes(any_samples))]
+
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {"name": self.name, "path": self.path, "steps": [list(s) for s in self.steps],
                                   "dtype": self.dtype, "shape": self.shape, "example_shape": self.example_shape,
@@ -103,7 +115,10 @@ class LeafSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LeafSpec":
-        shape, example = list(data["shape"]), [int(s) for s in data["example_shape"]]
+        """The leaf ``to_dict`` wrote, or a manifest's older record of a tensor (no ``example_shape``: its fixed
+        sizes, 1 elsewhere; no ``dtype``: float32)."""
+        shape = list(data.get("shape") or [])
+        example = [int(s) for s in data.get("example_shape") or [d if isinstance(d, int) else 1 for d in shape]]
         seen = data.get("sizes_seen") or [[s, s] for s in example]
         dims, groups = [], []
         for token, size, (low, high) in zip(shape, example, seen):
@@ -111,8 +126,15 @@ class LeafSpec:
             dims.append(DimSpec(kind, size, int(low), int(high)))
             groups.append(token if kind is DimKind.variable else None)
         return cls(str(data["name"]), str(data.get("path", data["name"])),
-                   tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
-                   bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)))
+                   tuple((str(k), v) for k, v in data.get("steps") or []), str(data.get("dtype") or "float32"),
+                   tuple(dims), bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)))
+
+
+def stated_leaf(name: str, dtype: str, sizes: Sequence[Optional[int]], path: Optional[str] = None) -> LeafSpec:
+    """A tensor as a runtime states it (an artifact's declared tensor, a Triton config's): a fixed size where
+    ``sizes`` gives one, any size (variable) where it gives None."""
+    dims = tuple(DimSpec(DimKind.variable, 0, 0, 0) if s is None else DimSpec(DimKind.fixed, s, s, s) for s in sizes)
+    return LeafSpec(name, path or name, (), dtype, dims)
 
 
 @dataclass(frozen=True)
