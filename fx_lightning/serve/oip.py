@@ -64,8 +64,7 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
     if not isinstance(data, dict) or not isinstance(data.get("inputs"), list):
         raise BadRequest(400, "an infer request is a JSON object with 'inputs': a list of "
                               "{name, shape, datatype, data}")
-    by_name = {s.name: s for s in contract.inputs}
-    stated = {t.name: t for t in model.inputs}
+    by_name = {t.name: t for t in model.inputs}  # the contract's inputs as the model states them
     given: Dict[str, np.ndarray] = {}
     offset = 0
     for i, item in enumerate(data["inputs"]):
@@ -76,7 +75,7 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
             raise BadRequest(400, f"inputs[{i}]: unknown input {name!r}; the model's inputs are {list(by_name)}")
         if name in given:
             raise BadRequest(400, f"inputs[{i}]: input {name!r} given twice")
-        given[name], offset = _input_array(by_name[name], model, stated[name], item, binary, offset)
+        given[name], offset = _input_array(model, by_name[name], item, binary, offset)
     if offset != len(binary):
         raise BadRequest(400, f"the binary section holds {len(binary)} bytes, the inputs' binary_data_size add up "
                               f"to {offset}")
@@ -105,11 +104,11 @@ def _split(body: bytes, header_length: Optional[str]) -> Tuple[bytes, bytes]:
     return body[:size], body[size:]
 
 
-def _input_array(spec: LeafSpec, model: TritonModel, tensor: LeafSpec, item: Mapping[str, Any], binary: bytes,
+def _input_array(model: TritonModel, tensor: LeafSpec, item: Mapping[str, Any], binary: bytes,
                  offset: int) -> Tuple[np.ndarray, int]:
     """One input as the contract's array (the config's reshape applied), and the binary section's offset after it."""
-    where = f"input {spec.name!r}"
-    row = by_torch(spec.dtype)
+    where = f"input {tensor.name!r}"
+    row = by_torch(tensor.dtype)
     assert row is not None  # the contract serves only dtypes of the table
     want_type, want_shape, dtype = row.v2, stated_shape(model, tensor), np.dtype(row.numpy)
     if item.get("datatype") != want_type:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -128,8 +129,8 @@ def contract_model(name: str, contract: Contract, entry: str, backend: str, dire
             raise ValueError(f"{leaf.name!r} has dtype {leaf.dtype}, which Triton has no data type for")
         return stated_leaf(leaf.name, leaf.dtype, sizes)
 
-    inputs = [tensor(s, ([None] if contract.batched else []) + list(contract.request_sizes(s)))
-              for s in contract.inputs]
+    # An input of a batched contract takes any number of samples: the server pieces and pads what the artifact takes.
+    inputs = [tensor(s, s.sizes(contract.any_samples or contract.batched)) for s in contract.inputs]
     outputs = [tensor(o, o.sizes(contract.any_samples)) for o in contract.outputs]
     return TritonModel(name=name, entry=entry, backend=backend, directory=directory, files=[],
                        max_batch_size=max_batch_size if batching else 0, inputs=inputs, outputs=outputs,
@@ -279,13 +280,12 @@ def _json_body_program(model: TritonModel) -> str:
         shape = _example_shape(model, t)
         zero = "False" if t.dtype == "bool" else "0"
         items.append(f'{{"name": {json.dumps(t.name)}, "shape": {list(shape)}, "datatype": '
-                     f'{json.dumps(TRITON_TO_V2[data_type(t)])}, "data": [{zero}] * {_count(shape)}}}')
+                     f'{json.dumps(TRITON_TO_V2[data_type(t)])}, "data": [{zero}] * {math.prod(shape)}}}')
     return f'import json; print(json.dumps({{"inputs": [{", ".join(items)}]}}))'
 
 
 def _request_shape(model: TritonModel, tensor: LeafSpec) -> str:
-    reshape = model.reshape(tensor)
-    dims = ["any" if d == -1 else str(d) for d in (reshape if reshape is not None else model.dims(tensor))]
+    dims = ["any" if d is None else str(d) for d in tensor.sizes()[int(model.batching):]]
     return "[" + ", ".join((["batch"] if model.max_batch_size else []) + dims) + "]"
 
 
@@ -293,13 +293,6 @@ def _example_shape(model: TritonModel, tensor: LeafSpec) -> Tuple[int, ...]:
     """A shape a request may have: batch 1 when batching, 1 on every other dynamic axis."""
     dims = tuple(1 if d == -1 else d for d in model.dims(tensor))
     return ((1,) + dims) if model.max_batch_size else dims
-
-
-def _count(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def describe(repository: TritonRepository) -> List[str]:
