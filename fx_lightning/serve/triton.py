@@ -199,14 +199,20 @@ def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory
                              max_queue_delay_us=options.queue_delay_us, strategy=strategy)
     except ExportError as exc:  # what the contract cannot state: skipped like any other artifact Triton cannot take
         raise NotServable(str(exc)) from None
-    scalar = [t.name for t in model.inputs + model.outputs if model.reshape(t) == ()]
-    if model.max_batch_size == 0 and scalar:
-        raise NotServable(f"{scalar[0]!r} is a scalar (no axes), which a Triton model that does not batch cannot "
-                          "state; return it with a batch axis")
+    _refuse_scalars(model.inputs + model.outputs)
     if note and model.max_batch_size:
         model.notes.append(note)
     _attach_labels(model, manifest.labels)
     return model
+
+
+def _refuse_scalars(tensors: Sequence[LeafSpec]) -> None:
+    """Triton wants dims, and refuses an empty reshape where a model does not batch: a scalar (no axes, not even a
+    batch one, so its model cannot batch) cannot be stated."""
+    scalar = next((t.name for t in tensors if not t.dims), None)
+    if scalar is not None:
+        raise NotServable(f"{scalar!r} is a scalar (no axes), which a Triton model that does not batch cannot "
+                          "state; return it with a batch axis")
 
 
 def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]],
@@ -253,10 +259,7 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
                                          swept.max_batch_size or DEFAULT_MAX_BATCH_SIZE)
     options = swept if why_not is None else options
     batching = max_batch > 0
-    scalar = next((t.name for t in inputs + outputs if not t.dims), None)
-    if scalar is not None:  # Triton wants dims, and refuses an empty reshape where it does not batch
-        raise NotServable(f"{scalar!r} is a scalar (no axes), which a Triton model that does not batch cannot "
-                          "state; return it with a batch axis")
+    _refuse_scalars(inputs + outputs)
     model = TritonModel(
         name=directory.name, entry=entry_name, backend=backend.name, directory=directory,
         files=[_relative(f, entry, backend) for f in entry.files], max_batch_size=max_batch,
@@ -317,18 +320,13 @@ def _agree(where: str, kind: str, found: List[LeafSpec], specs: List[LeafSpec], 
         if tensor.dtype != spec.dtype:
             raise ExportError(f"{where}: {kind} {tensor.name!r} is {TORCH_TO_TRITON[tensor.dtype]} in the artifact, "
                               f"the manifest says {spec.dtype} ({expected}); re-export it.")
-        _agree_shape(where, kind, tensor, spec, static, any_samples)
-
-
-def _agree_shape(where: str, kind: str, tensor: LeafSpec, spec: LeafSpec, static: bool, any_samples: bool) -> None:
-    wants, gots = spec.sizes(any_samples), tensor.sizes()
-    mismatch = len(wants) != len(gots) or any(
-        (want is None and not static and got is not None) or (want is not None and got is not None and got != want)
-        for want, got in zip(wants, gots))
-    if mismatch:
-        shown = ["any" if d is None else d for d in gots]
-        raise ExportError(f"{where}: {kind} {tensor.name!r} has shape {shown} in the artifact, the manifest says "
-                          f"{spec.written_shape(any_samples)}; re-export it.")
+        wants, gots = spec.sizes(any_samples), tensor.sizes()
+        if len(wants) != len(gots) or any((want is None and not static and got is not None)
+                                          or (want is not None and got is not None and got != want)
+                                          for want, got in zip(wants, gots)):
+            shown = ["any" if d is None else d for d in gots]
+            raise ExportError(f"{where}: {kind} {tensor.name!r} has shape {shown} in the artifact, the manifest "
+                              f"says {spec.written_shape(any_samples)}; re-export it.")
 
 
 def triton_dtype(torch_dtype: Optional[str], what: str) -> str:
