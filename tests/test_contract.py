@@ -13,7 +13,7 @@ import pytest
 
 from fx_lightning.export.manifest import Manifest, Preprocess
 from fx_lightning.serve.contract import BadRequest, Contract, top_k_labels
-from fx_lightning.signature.signature import stated_leaf
+from fx_lightning.serve.triton_config import stated_leaf
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -107,6 +107,21 @@ def test_contract_of_a_manifest_refuses_what_a_server_cannot_take() -> None:
     manifest.inputs = [{"name": "x", "kind": "tensor", "shape": ["batch", 3], "dtype": "complex64"}]
     with pytest.raises(ValueError, match="complex64: not served"):
         Contract.of(manifest)
+
+
+def test_a_version_1_manifest_states_its_contract_from_the_tensors_it_recorded() -> None:
+    """Before signatures (format version 1) a manifest's inputs and outputs were the record: dim 0 the batch."""
+    from pathlib import Path
+
+    from fx_lightning.export.manifest import read_manifest
+    from fx_lightning.serve.triton_config import contract_model
+
+    contract = Contract.of(read_manifest(Path(__file__).parent / "data" / "export_v1"))
+    assert contract.batched and [(s.name, contract.request_sizes(s)) for s in contract.inputs] == [
+        ("input_1", (3, 8, 8))]
+    assert contract.to_dict()["outputs"] == [{"name": "output_0", "shape": ["batch", 3], "dtype": "float32"}]
+    model = contract_model("m", contract, "pt2", "python", Path("."), max_batch_size=4)
+    assert [list(model.dims(t)) for t in model.inputs + model.outputs] == [[3, 8, 8], [3]]
 
 
 def test_top_k_is_softmax_ranked() -> None:

@@ -13,8 +13,7 @@ import pytest
 
 from fx_lightning.serve import oip
 from fx_lightning.serve.contract import BadRequest, Contract
-from fx_lightning.serve.triton_config import config_json, config_text, contract_model
-from fx_lightning.signature.signature import stated_leaf
+from fx_lightning.serve.triton_config import config_json, config_text, contract_model, stated_leaf
 
 CONTRACT = Contract([stated_leaf("image", "float32", [None, 3, 4, 4]), stated_leaf("mask", "bool", [None, 4])],
                     outputs=[stated_leaf("scores", "float32", [None, 5]), stated_leaf("count", "int64", [None])])

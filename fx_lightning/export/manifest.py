@@ -449,8 +449,8 @@ def legacy_signature(inputs: Sequence[Json], outputs: Sequence[Json], dynamic_ba
     def leaf(view: Json) -> LeafSpec:
         shape = list(view.get("shape") or [])
         example = view.get("example_shape") or [d if isinstance(d, int) else 1 for d in shape]
-        return LeafSpec.from_dict({"name": view["name"], "dtype": view.get("dtype"), "example_shape": example,
-                                   "shape": ["batch", *shape[1:]] if shape else []})
+        return LeafSpec.from_dict({"name": view["name"], "dtype": view.get("dtype") or "float32",
+                                   "example_shape": example, "shape": ["batch", *shape[1:]] if shape else []})
 
     sample = SampleAxis(True, "dim 0 of every input and output, as manifests before version 3 had it", dynamic_batch)
     return Signature([leaf(s) for s in inputs], [leaf(s) for s in outputs], sample)

@@ -46,8 +46,8 @@ from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
                                               TritonModel, TritonOptions, TritonRepository, config_text,
-                                              default_model_name, describe, readme_text)
-from fx_lightning.signature.signature import LeafSpec, stated_leaf
+                                              default_model_name, describe, readme_text, stated_leaf)
+from fx_lightning.signature.signature import LeafSpec
 from fx_lightning.serve.triton_python import ENTRY_PARAMETER, MODEL_PY, python_copies, python_model
 
 __all__ = [

@@ -17,10 +17,10 @@ from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.export.select.sweep import recorded_batching
 from fx_lightning.serve.contract import Contract
-from fx_lightning.signature.signature import LeafSpec, stated_leaf
+from fx_lightning.signature.signature import DimKind, DimSpec, LeafSpec
 
 __all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonModel", "SkippedArtifact",
-           "TritonRepository", "data_type", "contract_model", "MODEL_NAME", "default_model_name", "config_text",
+           "TritonRepository", "stated_leaf", "data_type", "contract_model", "MODEL_NAME", "default_model_name", "config_text",
            "config_json", "readme_text",
            "describe", "int_at_least", "model_name_at"]
 
@@ -30,6 +30,13 @@ __all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_U
 DEFAULT_MAX_BATCH_SIZE = 8
 # How long Triton's dynamic batcher holds a request for others to join it: 0.1 ms, against CPU runs of milliseconds.
 DEFAULT_MAX_QUEUE_DELAY_US = 100
+
+
+def stated_leaf(name: str, dtype: str, sizes: Sequence[Optional[int]]) -> LeafSpec:
+    """A tensor as a runtime states it (an artifact's declared tensor, a Triton config's): a fixed size where
+    ``sizes`` gives one, any size (variable) where it gives None."""
+    dims = tuple(DimSpec(DimKind.variable, 0, 0, 0) if s is None else DimSpec(DimKind.fixed, s, s, s) for s in sizes)
+    return LeafSpec(name, name, (), dtype, dims)
 
 
 def data_type(tensor: LeafSpec) -> str:

@@ -33,7 +33,6 @@ __all__ = [
     "LeafSpec",
     "SampleAxis",
     "Signature",
-    "stated_leaf",
     "Observed",
     "derive_signature",
     "shape_problem",
@@ -59,12 +58,6 @@ class DimSpec:
     low: int
     high: int
 
-    def token(self, group: Optional[str] = None) -> Any:
-        """How a manifest writes it: the size (fixed), ``"batch"`` (the sample axis), a name (variable)."""
-        if self.kind is DimKind.fixed:
-            return self.size
-        return "batch" if self.kind is DimKind.sample else (group or "dynamic")
-
 
 @dataclass(frozen=True)
 class LeafSpec:
@@ -85,16 +78,17 @@ class LeafSpec:
 
     @property
     def shape(self) -> List[Any]:
+        """Each dimension as written: the size (fixed), ``"batch"`` (the sample axis), a name (variable)."""
         groups = self.groups or (None,) * len(self.dims)
-        return [d.token(g) for d, g in zip(self.dims, groups)]
+        return [d.size if d.kind is DimKind.fixed else "batch" if d.kind is DimKind.sample else (g or "dynamic")
+                for d, g in zip(self.dims, groups)]
 
     @property
     def example_shape(self) -> List[int]:
         return [d.size for d in self.dims]
 
     def sizes(self, any_samples: bool = True) -> List[Optional[int]]:
-        """Each dimension's size where a caller must send that size, None where it may send any: the sample axis
-        takes any size unless the artifacts were built for the example's number of samples (``any_samples``)."""
+        """The size a caller sends per dimension, None where any goes (the sample axis too with ``any_samples``)."""
         return [None if d.kind is DimKind.variable or (d.kind is DimKind.sample and any_samples) else d.size
                 for d in self.dims]
 
@@ -115,10 +109,7 @@ class LeafSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LeafSpec":
-        """The leaf ``to_dict`` wrote, or a manifest's older record of a tensor (no ``example_shape``: its fixed
-        sizes, 1 elsewhere; no ``dtype``: float32)."""
-        shape = list(data.get("shape") or [])
-        example = [int(s) for s in data.get("example_shape") or [d if isinstance(d, int) else 1 for d in shape]]
+        shape, example = list(data["shape"]), [int(s) for s in data["example_shape"]]
         seen = data.get("sizes_seen") or [[s, s] for s in example]
         dims, groups = [], []
         for token, size, (low, high) in zip(shape, example, seen):
@@ -126,15 +117,8 @@ class LeafSpec:
             dims.append(DimSpec(kind, size, int(low), int(high)))
             groups.append(token if kind is DimKind.variable else None)
         return cls(str(data["name"]), str(data.get("path", data["name"])),
-                   tuple((str(k), v) for k, v in data.get("steps") or []), str(data.get("dtype") or "float32"),
-                   tuple(dims), bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)))
-
-
-def stated_leaf(name: str, dtype: str, sizes: Sequence[Optional[int]], path: Optional[str] = None) -> LeafSpec:
-    """A tensor as a runtime states it (an artifact's declared tensor, a Triton config's): a fixed size where
-    ``sizes`` gives one, any size (variable) where it gives None."""
-    dims = tuple(DimSpec(DimKind.variable, 0, 0, 0) if s is None else DimSpec(DimKind.fixed, s, s, s) for s in sizes)
-    return LeafSpec(name, path or name, (), dtype, dims)
+                   tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
+                   bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)))
 
 
 @dataclass(frozen=True)
