@@ -1,5 +1,6 @@
-"""The records of a Triton model repository (:class:`TritonModel`, what was skipped, what was written) and their text: each model's ``config.pbtxt`` (protobuf text of Triton's ModelConfig, written without
-protobuf) and the repository's README. :mod:`fx_lightning.serve.triton` plans, checks and writes them."""
+"""The records of a Triton model repository (:class:`TritonModel`, what was skipped, what was written) and their
+text: each model's ``config.pbtxt`` (protobuf text of Triton's ModelConfig, written without protobuf) and the
+repository's README. :mod:`fx_lightning.serve.triton` plans, checks and writes them."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from fx_lightning.serve.contract import Contract
 from fx_lightning.signature.signature import DimKind, DimSpec, LeafSpec
 
 __all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonModel", "SkippedArtifact",
-           "TritonRepository", "stated_leaf", "data_type", "contract_model", "MODEL_NAME", "default_model_name", "config_text",
-           "config_json", "readme_text",
+           "TritonRepository", "stated_leaf", "data_type", "contract_model", "MODEL_NAME", "default_model_name",
+           "config_text", "config_json", "readme_text",
            "describe", "int_at_least", "model_name_at"]
 
 # Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
