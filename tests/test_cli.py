@@ -172,8 +172,8 @@ def test_inspect_prints_the_manifest(cli_export, capsys):
                    manifest.files["model.pt2"].sha256[:16]):
         assert needle in out, needle
     # The round-trip check in words: which format, on which input shapes, what error against what.
-    assert manifest.inputs[0].example_shape is not None
-    example = "x".join(map(str, manifest.inputs[0].example_shape))
+    assert manifest.inputs[0]["example_shape"] is not None
+    example = "x".join(map(str, manifest.inputs[0]["example_shape"]))
     assert f"pt2: loaded back and run on input {example} and 1x3x8x8: relative error" in out
     assert "against an fp64 copy of the fused model" in out and "the fused model itself" in out and "rel err" not in out
     weights = manifest.provenance.weights

@@ -11,8 +11,9 @@ from typing import List
 import numpy as np
 import pytest
 
-from fx_lightning.export.manifest import Manifest, Preprocess, TensorSpec
-from fx_lightning.serve.contract import BadRequest, Contract, InputSpec, top_k_labels
+from fx_lightning.export.manifest import Manifest, Preprocess
+from fx_lightning.serve.contract import BadRequest, Contract, top_k_labels
+from fx_lightning.serve.triton_config import stated_leaf
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -20,7 +21,7 @@ PIL = pytest.importorskip("PIL.Image")
 def _image_contract(layout: str = "NCHW", order: str = "RGB", channels: int = 3) -> Contract:
     shape = [channels, 6, 5] if layout == "NCHW" else [6, 5, channels]
     pre = Preprocess(mean=[0.5] * channels, std=[0.25] * channels, layout=layout, channel_order=order)
-    return Contract([InputSpec("image", "uint8", tuple(shape))], preprocess=pre, labels=["a", "b"])
+    return Contract([stated_leaf("image", "uint8", [None, *shape])], preprocess=pre, labels=["a", "b"])
 
 
 def _png(pixels: np.ndarray, fmt: str = "PNG") -> bytes:
@@ -79,7 +80,7 @@ def test_uint8_json_values_must_be_integers_in_range() -> None:
 
 
 def test_two_inputs_by_name_and_npz() -> None:
-    contract = Contract([InputSpec("image", "float32", (3, 4)), InputSpec("mask", "int64", (None,))])
+    contract = Contract([stated_leaf("image", "float32", [None, 3, 4]), stated_leaf("mask", "int64", [None, None])])
     a, b = np.ones((2, 3, 4), np.float32), np.arange(10, dtype=np.int64).reshape(2, 5)
     decoded = contract.decode(json.dumps({"inputs": {"mask": b.tolist(), "image": a.tolist()}}).encode(),
                               "application/json")
@@ -96,16 +97,31 @@ def test_two_inputs_by_name_and_npz() -> None:
 
 
 def test_contract_of_a_manifest_refuses_what_a_server_cannot_take() -> None:
-    manifest = Manifest(formats={}, inputs=[TensorSpec("x", "tensor", ["batch", 3], "float32"),
-                                            TensorSpec("flag", "bool", value="True")])
+    manifest = Manifest(formats={}, inputs=[{"name": "x", "kind": "tensor", "shape": ["batch", 3], "dtype": "float32"},
+                                            {"name": "flag", "kind": "bool", "value": "True"}])
     with pytest.raises(ValueError, match="'flag' is a bool"):
         Contract.of(manifest)
-    manifest.inputs = [TensorSpec("x.image", "tensor", ["batch", 3], "float32")]
+    manifest.inputs = [{"name": "x.image", "kind": "tensor", "shape": ["batch", 3], "dtype": "float32"}]
     with pytest.raises(ValueError, match="nested inside an argument"):
         Contract.of(manifest)
-    manifest.inputs = [TensorSpec("x", "tensor", ["batch", 3], "complex64")]
+    manifest.inputs = [{"name": "x", "kind": "tensor", "shape": ["batch", 3], "dtype": "complex64"}]
     with pytest.raises(ValueError, match="complex64: not served"):
         Contract.of(manifest)
+
+
+def test_a_version_1_manifest_states_its_contract_from_the_tensors_it_recorded() -> None:
+    """Before signatures (format version 1) a manifest's inputs and outputs were the record: dim 0 the batch."""
+    from pathlib import Path
+
+    from fx_lightning.export.manifest import read_manifest
+    from fx_lightning.serve.triton_config import contract_model
+
+    contract = Contract.of(read_manifest(Path(__file__).parent / "data" / "export_v1"))
+    assert contract.batched and [(s.name, contract.request_sizes(s)) for s in contract.inputs] == [
+        ("input_1", (3, 8, 8))]
+    assert contract.to_dict()["outputs"] == [{"name": "output_0", "shape": ["batch", 3], "dtype": "float32"}]
+    model = contract_model("m", contract, "pt2", "python", Path("."), max_batch_size=4)
+    assert [list(model.dims(t)) for t in model.inputs + model.outputs] == [[3, 8, 8], [3]]
 
 
 def test_top_k_is_softmax_ranked() -> None:

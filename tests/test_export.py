@@ -247,7 +247,7 @@ def test_static_batch_when_dynamic_batch_off(tmp_path):
     out = quick_export(tmp_path / "exp", formats=["pt2"], dynamic_batch=False)
     manifest = read_manifest(out)
     assert manifest.dynamic_batch is False and manifest.formats["pt2"].batch_sizes == [4]
-    assert manifest.inputs[0].shape == [4, 3, 8, 8]
+    assert manifest.inputs[0]["shape"] == [4, 3, 8, 8]
     with pytest.raises(Exception):  # the artifact itself takes its one batch size
         torch.export.load(str(out / "model.pt2")).module()(example(7))
     model = load_fused(out)

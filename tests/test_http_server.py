@@ -587,7 +587,7 @@ def test_batched_requests_whose_sizes_vary_off_the_sample_axis_run_in_groups_of_
     cfg.export.formats = [ExportFormat.pt2]
     fuse_and_export(model, tmp_path / "e", batches=batches, config=cfg)
     contract = Contract.of(read_manifest(tmp_path / "e"))
-    assert contract.batched and contract.inputs[0].sample_shape == (None, 4)
+    assert contract.batched and contract.request_sizes(contract.inputs[0]) == (None, 4)
     api = object.__new__(ArtifactAPI)  # the worker's batch and predict, without a server around them
     api.model = load_fused(tmp_path / "e")
     requests = [torch.randn(n, t, 4, generator=g) for n, t in ((2, 5), (1, 7), (3, 5), (1, 11))]

@@ -136,7 +136,7 @@ def test_mlflow_models_serve_answers_invocations_with_the_same_outputs(fitted: D
         cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(f"http://127.0.0.1:{port}/ping", server, tmp / "serve.log")
-        name = read_manifest(callback.export_dir).tensor_inputs()[0].name
+        name = read_manifest(callback.export_dir).call_signature().inputs[0].name
         body = json.dumps({"inputs": {name: x.tolist()}}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
                                          {"Content-Type": "application/json"})

@@ -241,11 +241,11 @@ def test_serve_takes_every_dtype_the_export_states() -> None:
     import numpy as np
 
     from fx_lightning.common.dtypes import DTYPES
-    from fx_lightning.export.manifest import TensorSpec
     from fx_lightning.serve.contract import Contract
 
     for dtype in DTYPES:
-        manifest = Manifest(formats={}, inputs=[TensorSpec("x", "tensor", ["batch", 3], dtype.torch)])
+        manifest = Manifest(formats={}, inputs=[{"name": "x", "kind": "tensor", "shape": ["batch", 3],
+                                                 "dtype": dtype.torch}])
         contract = Contract.of(manifest)
         values = [[0, 1, 1]] if dtype.torch != "bool" else [[False, True, True]]
         decoded = contract.decode(_json.dumps({"inputs": [values]}).encode(), "application/json")

@@ -11,14 +11,12 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import pytest
 
-from fx_lightning.export.manifest import TensorSpec
 from fx_lightning.serve import oip
-from fx_lightning.serve.contract import BadRequest, Contract, InputSpec
-from fx_lightning.serve.triton_config import config_json, config_text, contract_model
+from fx_lightning.serve.contract import BadRequest, Contract
+from fx_lightning.serve.triton_config import config_json, config_text, contract_model, stated_leaf
 
-CONTRACT = Contract([InputSpec("image", "float32", (3, 4, 4)), InputSpec("mask", "bool", (4,))],
-                    outputs=[TensorSpec("scores", shape=["batch", 5], dtype="float32"),
-                             TensorSpec("count", shape=["batch"], dtype="int64")])
+CONTRACT = Contract([stated_leaf("image", "float32", [None, 3, 4, 4]), stated_leaf("mask", "bool", [None, 4])],
+                    outputs=[stated_leaf("scores", "float32", [None, 5]), stated_leaf("count", "int64", [None])])
 OUTPUTS = ["scores", "count"]
 MODEL = contract_model("m", CONTRACT, "onnx", "fx-lightning", Path("."), max_batch_size=16)
 RNG = np.random.default_rng(0)
@@ -136,7 +134,7 @@ def test_the_servers_config_is_the_repositorys_record_and_its_metadata_follows()
     assert metadata["outputs"][1] == {"name": "count", "datatype": "INT64", "shape": [-1, 1]}  # Triton's dims
     # Without batching: full dims, the sample axis any size.
     whole = contract_model("m", CONTRACT, "onnx", "fx-lightning", Path("."), max_batch_size=0)
-    assert whole.max_batch_size == 0 and [list(t.dims) for t in whole.inputs] == [[-1, 3, 4, 4], [-1, 4]]
+    assert whole.max_batch_size == 0 and [list(whole.dims(t)) for t in whole.inputs] == [[-1, 3, 4, 4], [-1, 4]]
     assert oip.model_metadata(whole, "x")["inputs"][0]["shape"] == [-1, 3, 4, 4]
 
 
@@ -161,8 +159,7 @@ def test_statistics_keep_tritons_shape_and_survive_pickling() -> None:
 def test_a_per_sample_scalar_is_sent_and_answered_as_triton_states_it() -> None:
     """An input with no axis but the sample axis is [N, 1] on the wire (the config's dims: [1], reshape []), as
     Triton takes it, and reaches the model as [N]; an output so shaped goes back as [N, 1]."""
-    contract = Contract([InputSpec("lengths", "int64", ())],
-                        outputs=[TensorSpec("y", shape=["batch"], dtype="float32")])
+    contract = Contract([stated_leaf("lengths", "int64", [None])], outputs=[stated_leaf("y", "float32", [None])])
     model = contract_model("m", contract, "pt2", "fx-lightning", Path("."), max_batch_size=8)
     body = json.dumps({"inputs": [{"name": "lengths", "shape": [3, 1], "datatype": "INT64", "data": [4, 5, 6]}]})
     request = oip.decode_infer(contract, model, body.encode(), None)

@@ -113,7 +113,7 @@ def test_every_format_takes_raw_uint8_pixels_and_matches_the_original_model(tmp_
     assert set(manifest.formats) == set(formats)
     (spec,) = manifest.inputs
     # Height and width were shown to vary (trace.probe_sizes): the raw image takes any size too.
-    assert spec.dtype == "uint8" and spec.shape == (["batch", 3, "n0", "n0"] if layout == "NCHW"
+    assert spec["dtype"] == "uint8" and spec["shape"] == (["batch", 3, "n0", "n0"] if layout == "NCHW"
                                                     else ["batch", "n0", "n0", 3])
     pre = manifest.preprocess
     assert pre is not None and (pre.mean, pre.std) == (MEAN, STD) and pre.scale == pytest.approx(1 / 255)
@@ -149,7 +149,7 @@ def test_a_prologue_is_one_graph_and_float32_raw_inputs_are_not_rounded(tmp_path
     outcome = fuse_and_export(model, tmp_path / "e", example_inputs=(normalised_fp64(raw, MEAN, STD, 1.0).float(),),
                               config=config)
     manifest = read_manifest(outcome.export_dir)
-    assert manifest.inputs[0].dtype == "float32" and manifest.preprocess.input_dtype == "float32"
+    assert manifest.inputs[0]["dtype"] == "float32" and manifest.preprocess.input_dtype == "float32"
     saved = read_check_file(outcome.export_dir)
     assert rel_err(saved.inputs[0], raw) < 1e-6  # the example turned back into pixels, not rounded to integers
     graph_module = load_fused(outcome.export_dir, "graph_module")
@@ -166,7 +166,7 @@ def test_without_preprocess_nothing_changes(tmp_path):
     outcome = fuse_and_export(model, tmp_path / "e", batches=_normalised_batches(), config={
         "export": {"formats": ["pt2"]}})
     manifest = read_manifest(outcome.export_dir)
-    assert manifest.preprocess is None and manifest.labels == [] and manifest.inputs[0].dtype == "float32"
+    assert manifest.preprocess is None and manifest.labels == [] and manifest.inputs[0]["dtype"] == "float32"
     assert "raw_path_relative_max_error" not in outcome.parity.metrics
     assert manifest.formats["pt2"].check.against == "an fp64 copy of the fused model"
     x = _normalised_batches()[0][0]
@@ -257,7 +257,7 @@ def test_the_callback_finds_normalize_in_the_val_transform_and_compiles_it(tmp_p
     pre = manifest.preprocess
     assert pre is not None and pre.source == "datamodule.val_dataloader().dataset.transform"
     assert pre.mean == pytest.approx(MEAN) and pre.std == pytest.approx(STD) and pre.scale == pytest.approx(1 / 255)
-    assert manifest.inputs[0].dtype == "uint8" and manifest.labels == CLASSES
+    assert manifest.inputs[0]["dtype"] == "uint8" and manifest.labels == CLASSES
     assert "from datamodule.val_dataloader().dataset.transform" in (cb.summary or "")
     assert cb.preflight is not None and "export.preprocess" in cb.preflight.stages
     # Raw pixels (NCHW uint8) through each artifact = the training transform's normalisation -> the trained model.
@@ -284,13 +284,13 @@ def test_v2_transforms_in_a_subset_are_found_and_a_disabled_prologue_is_proposed
                                 "export.preprocess.enabled: true to compile it into the export")
     assert str(proposed[0]) in (cb.summary or "")
     manifest = read_manifest(cb.export_dir)
-    assert manifest.preprocess is None and manifest.inputs[0].dtype == "float32"
+    assert manifest.preprocess is None and manifest.inputs[0]["dtype"] == "float32"
 
     # Enabled: the same transform is compiled, NHWC as images decode.
     model, cb = _fit(tmp_path / "on", PixelData(transform, subset=True), preprocess={"enabled": True,
                                                                                      "layout": "NHWC"})
     manifest = read_manifest(cb.export_dir)
-    assert manifest.preprocess.source == source and manifest.inputs[0].shape == ["batch", "n0", "n0", 3]
+    assert manifest.preprocess.source == source and manifest.inputs[0]["shape"] == ["batch", "n0", "n0", 3]
     raw = torch.from_numpy(PixelImages(5, 9, transform).images)
     got = load_fused(cb.export_dir, "pt2")(raw)
     assert rel_err(got, reference(model, raw, layout="NHWC")) < 1e-5

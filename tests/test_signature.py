@@ -354,5 +354,5 @@ def test_every_runtime_and_the_manifest_name_an_input_as_forward_does(tmp_path: 
     fx_lightning.fuse_and_export(Plain().eval(), tmp_path / "e", batches=[torch.randn(4, 3) for _ in range(2)],
                                  config={"export": {"formats": ["pt2", "onnx"]}})
     manifest = read_manifest(tmp_path / "e")
-    assert [i.name for i in manifest.inputs] == [leaf.name for leaf in manifest.signature.inputs] == ["input"]
+    assert [i["name"] for i in manifest.inputs] == [leaf.name for leaf in manifest.signature.inputs] == ["input"]
     assert manifest.formats["onnx"].options["input_names"] == ["input"]

@@ -284,7 +284,7 @@ def test_a_model_that_runs_at_its_batch_size_only_is_exported_for_it_without_con
     manifest = read_manifest(cb.export_dir)
     assert not manifest.dynamic_batch and STATIC_EXPORT in [n.kind for n in manifest.notes]
     assert {name: entry.batch_sizes for name, entry in manifest.formats.items()} == {"graph_module": [8], "pt2": [8]}
-    assert manifest.inputs[0].shape == [8, 3, "n0", "n0"]  # height and width shown to vary (trace.probe_sizes)
+    assert manifest.inputs[0]["shape"] == [8, 3, "n0", "n0"]  # height and width shown to vary (trace.probe_sizes)
     backbone = model.backbone
     for fmt in ("pt2", "graph_module"):
         loaded = load_fused(cb.export_dir, fmt)
@@ -389,7 +389,7 @@ def test_named_tuple_and_dataclass_outputs_are_exported_and_reloaded(tmp_path, r
                                            config={"trace": {"mode": mode}, "export": {"formats": formats}})
     manifest = outcome.manifest
     assert list(manifest.formats) == formats and manifest.failed_formats == {} and manifest.dynamic_batch
-    assert [(s.name, s.shape) for s in manifest.outputs] == [("logits", ["batch", 2]), ("features", ["batch", 4])]
+    assert [(s["name"], s["shape"]) for s in manifest.outputs] == [("logits", ["batch", 2]), ("features", ["batch", 4])]
     x = torch.randn(3, 3, 8, 8)
     want = H.fp64_copy(model)(x.double())
     for fmt in formats:
@@ -521,7 +521,7 @@ def test_a_dict_input_model_is_exported_with_a_dynamic_batch(tmp_path, mode: str
     outcome = fx_lightning.fuse_and_export(model, tmp_path / "e", example_inputs=(x,),
                                            config={"trace": {"mode": mode}, "export": {"formats": formats}})
     assert outcome.result.report.batchnorms_folded == 1 and outcome.manifest.dynamic_batch
-    assert [(s.name, s.shape) for s in outcome.manifest.inputs] == [
+    assert [(s["name"], s["shape"]) for s in outcome.manifest.inputs] == [
         ("batch_continuous", ["batch", 3]), ("batch_categorical", ["batch", "n0"])]  # a mean over the columns
     assert [leaf.path for leaf in outcome.manifest.signature.inputs] == ["batch['continuous']", "batch['categorical']"]
     y = {"continuous": torch.randn(3, 3), "categorical": torch.randint(0, 10, (3, 5))}

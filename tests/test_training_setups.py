@@ -122,7 +122,7 @@ def test_device_auto_is_where_training_ran_and_recorded(tmp_path: Path) -> None:
     assert fuse_cb.preflight is not None and fuse_cb.preflight.device == str(trainer.strategy.root_device) == "cpu"
     manifest = read_manifest(fuse_cb.export_dir)
     assert {entry.device for entry in manifest.formats.values()} == {"cpu"}
-    assert manifest.inputs[0].device == "cpu"
+    assert manifest.inputs[0]["device"] == "cpu"
 
 
 def test_unavailable_device_fails_before_training(tmp_path: Path) -> None:

@@ -261,7 +261,7 @@ def test_two_inputs_two_outputs_and_a_uint8_input(two_io):
     assert [type_name(t.data_type) for t in ov_cfg.input] == ["TYPE_UINT8", "TYPE_FP32"]
     # OpenVINO names outputs after the operation that made them: the result maps them to the export's names.
     model = next(m for m in two_io["repository"].models if m.entry == "openvino")
-    assert [t.manifest_name or t.name for t in model.outputs] == ["output_0", "output_1"]
+    assert [model.export_names.get(t.name, t.name) for t in model.outputs] == ["output_0", "output_1"]
     assert ov_cfg.parameters["ENABLE_BATCH_PADDING"].string_value == "YES"
 
 
@@ -352,7 +352,7 @@ def test_a_corrupted_artifact_is_refused_naming_the_file(two_io, tmp_path, name)
 def test_a_manifest_that_disagrees_with_the_artifact_is_refused(two_io, tmp_path, dtype, message):
     export = _copy_export(two_io["dir"], tmp_path)
     data = json.loads((export / "manifest.json").read_text())
-    data["inputs"][0]["dtype"] = dtype
+    data["inputs"][0]["dtype"] = data["signature"]["inputs"][0]["dtype"] = dtype
     (export / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ExportError, match=message):
         write_triton_repository(export, tmp_path / "repo", formats=["onnx"])

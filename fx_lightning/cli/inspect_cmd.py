@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         console.print(table)
     console.print("round-trip checks (each format loaded back from the export and compared before it was kept):",
                   markup=False)
-    inputs = [spec for spec in manifest.inputs if spec.kind == "tensor"]
+    inputs = [spec for spec in manifest.inputs if spec.get("kind") == "tensor"]
     reference = read_check_file(root)  # the example the checks ran on: its sizes where the manifest names a dim
     example = next((list(t.shape) for t in reference.batches[0] if isinstance(t, torch.Tensor)), None) \
         if reference is not None else None
@@ -124,8 +124,8 @@ def _io_table(manifest: Any) -> Any:
     table = _table("inputs and outputs", "", "name", "shape", "dtype")
     for kind, specs in (("input", manifest.inputs), ("output", manifest.outputs)):
         for spec in specs:
-            table.add_row(kind, str(spec.name), shape_text(spec.shape if spec.shape is not None else spec.value),
-                          str(spec.dtype or spec.kind))
+            table.add_row(kind, str(spec["name"]), shape_text(spec.get("shape", spec.get("value"))),
+                          str(spec.get("dtype") or spec.get("kind")))
     return table
 
 
@@ -161,7 +161,7 @@ def roundtrip_text(name: str, check: Optional[Any], inputs: List[Any], example: 
         return f"{name}: failed its check: {check.reason or 'no reason recorded'}"
     shapes = []
     for size in check.batch_sizes:
-        named = inputs[0].shape or [] if inputs else []
+        named = inputs[0].get("shape") or [] if inputs else []
         sizes = example if example is not None and len(example) == len(named) else named
         dims = [size if d == "batch" else s for d, s in zip(named, sizes)]
         shapes.append("x".join(str(d) for d in dims) if dims else f"batch {size}")

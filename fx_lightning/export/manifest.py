@@ -15,7 +15,7 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -30,13 +30,12 @@ from fx_lightning.common.notes import Note
 from fx_lightning.parity.report import ArtifactCheck, ParityReport
 from fx_lightning.common.provenance import Provenance
 from fx_lightning.common.tolerance import DISCRETE_AGREEMENT
-from fx_lightning.signature.signature import DimKind, DimSpec, LeafSpec, SampleAxis, Signature
+from fx_lightning.signature.signature import LeafSpec, SampleAxis, Signature
 
 __all__ = [
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
     "MANIFEST_NAME",
-    "TensorSpec",
     "VariantOutcome",
     "Timing",
     "SweepPoint",
@@ -52,6 +51,7 @@ __all__ = [
     "read_manifest",
     "verify_files",
     "legacy_signature",
+    "is_tensor",
 ]
 
 FORMAT_VERSION = 3
@@ -59,26 +59,6 @@ READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 
 Json = Mapping[str, Any]  # one JSON object as json.loads gives it
-
-
-@dataclass
-class TensorSpec:
-    """One input or output: a tensor (shape with ``"batch"`` on a dynamic batch axis) or another value."""
-
-    name: str
-    kind: Optional[str] = None  # inputs: "tensor", else the Python type of a non-tensor input; outputs: none
-    shape: Optional[List[Union[int, str]]] = None
-    dtype: Optional[str] = None
-    example_shape: Optional[List[int]] = None
-    device: Optional[str] = None
-    value: Optional[str] = None  # repr of a non-tensor input
-
-    def to_dict(self) -> Dict[str, object]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k == "name"}
-
-    @classmethod
-    def from_dict(cls, data: Json) -> "TensorSpec":
-        return cls(**fields_from(cls, data))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -281,8 +261,11 @@ class Manifest:
     config: Optional[JsonObject] = None
     report: Optional[JsonObject] = None
     parity: Optional[ParityReport] = None
-    inputs: List[TensorSpec] = field(default_factory=list)
-    outputs: List[TensorSpec] = field(default_factory=list)
+    # The arguments and outputs as written for readers without fx-lightning: the signature's leaves (name, dtype,
+    # ``LeafSpec.written_shape``), and each argument's kind (an argument that is not a tensor: its type and value)
+    # and device. fx-lightning reads the signature; these only where it says nothing (before version 3).
+    inputs: List[JsonObject] = field(default_factory=list)
+    outputs: List[JsonObject] = field(default_factory=list)
     dynamic_batch: bool = False
     notes: List[Note] = field(default_factory=list)
     provenance: Provenance = field(default_factory=Provenance)
@@ -305,7 +288,7 @@ class Manifest:
         the sample axis when it recorded a dynamic batch."""
         if self.signature is not None:
             return self.signature
-        return legacy_signature(self.tensor_inputs(), self.outputs, self.dynamic_batch)
+        return legacy_signature([s for s in self.inputs if is_tensor(s)], self.outputs, self.dynamic_batch)
 
     @property
     def min_discrete_agreement(self) -> float:
@@ -314,17 +297,12 @@ class Manifest:
         parity = (self.config or {}).get("parity") or {}
         return float(parity.get("min_discrete_agreement", DISCRETE_AGREEMENT))
 
-    def tensor_inputs(self) -> List[TensorSpec]:
-        """The inputs a client sends: the tensors (a non-tensor argument is fixed in the graph). Version 1
-        manifests did not record ``kind``; a dtype says it is a tensor."""
-        return [s for s in self.inputs if s.kind == "tensor" or (s.kind is None and s.dtype is not None)]
-
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {
             "format_version": FORMAT_VERSION, "created_utc": self.created_utc, "versions": self.versions,
             "config": self.config, "report": self.report,
             "parity": self.parity.to_dict() if self.parity is not None else None,
-            "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
+            "inputs": list(self.inputs), "outputs": list(self.outputs),
             "dynamic_batch": self.dynamic_batch, "formats": {k: e.to_dict() for k, e in self.formats.items()},
             "files": {k: dataclasses.asdict(v) for k, v in self.files.items()},
             "notes": [n.to_dict() for n in self.notes], "extra": self.provenance.to_dict(),
@@ -356,8 +334,7 @@ class Manifest:
             format_version=int(data["format_version"]), created_utc=str(data.get("created_utc", "")),
             versions=dict(data.get("versions") or {}), config=data.get("config"), report=data.get("report"),
             parity=ParityReport.from_dict(parity) if isinstance(parity, Mapping) else None,
-            inputs=[TensorSpec.from_dict(s) for s in data.get("inputs") or []],
-            outputs=[TensorSpec.from_dict(s) for s in data.get("outputs") or []],
+            inputs=[dict(s) for s in data.get("inputs") or []], outputs=[dict(s) for s in data.get("outputs") or []],
             dynamic_batch=bool(data.get("dynamic_batch", False)),
             notes=[Note.from_dict(n) for n in data.get("notes") or []],
             provenance=Provenance.from_dict(data.get("extra")),
@@ -379,9 +356,10 @@ def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: 
     """The manifest of a fresh export: versions, inputs and outputs, formats, and what the caller knows."""
     return Manifest(
         formats=entries, created_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        versions=_versions(entries), config=config, report=report, parity=parity, inputs=_input_specs(ctx),
-        outputs=_output_specs(ctx), dynamic_batch=ctx.sample_dynamic, notes=list(ctx.notes),
-        provenance=provenance, signature=ctx.signature,
+        versions=_versions(entries), config=config, report=report, parity=parity, inputs=_input_views(ctx),
+        outputs=[{"name": leaf.name, "shape": leaf.written_shape(ctx.sample_dynamic), "dtype": leaf.dtype}
+                 for leaf in ctx.signature.outputs], dynamic_batch=ctx.sample_dynamic,
+        notes=list(ctx.notes), provenance=provenance, signature=ctx.signature,
     )
 
 
@@ -456,39 +434,35 @@ def verify_files(root: Path, manifest: Manifest, fmt: Optional[str] = None) -> N
             )
 
 
-def _input_specs(ctx: WriteContext) -> List[TensorSpec]:
-    """Each input: a tensor leaf as the signature describes it (``"batch"`` on the sample axis, a name where the size
-    varies), a non-tensor argument by its type and value."""
-    specs = []
+def _input_views(ctx: WriteContext) -> List[JsonObject]:
+    """Each argument as the manifest writes it: a tensor as its leaf's view with its kind, example shape and device;
+    another argument by its type and value."""
+    views: List[JsonObject] = []
     leaves = iter(ctx.signature.inputs)
     for name, a in zip(ctx.input_names, ctx.args):
         if not isinstance(a, torch.Tensor):
-            specs.append(TensorSpec(name, type(a).__name__, value=repr(a)[:200]))
+            views.append({"name": name, "kind": type(a).__name__, "value": repr(a)[:200]})
             continue
-        leaf = next(leaves)
-        specs.append(TensorSpec(name, "tensor", _shape(leaf, ctx), dtype_name(a.dtype), list(a.shape), str(a.device)))
-    return specs
+        shape = next(leaves).written_shape(ctx.sample_dynamic)
+        views.append({"name": name, "kind": "tensor", "shape": shape, "dtype": dtype_name(a.dtype),
+                      "example_shape": list(a.shape), "device": str(a.device)})
+    return views
 
 
-def _output_specs(ctx: WriteContext) -> List[TensorSpec]:
-    return [TensorSpec(leaf.name, None, _shape(leaf, ctx), leaf.dtype) for leaf in ctx.signature.outputs]
+def is_tensor(view: Json) -> bool:
+    """Whether an argument of a manifest's ``inputs`` is a tensor (version 1 recorded no ``kind``: a dtype says so)."""
+    return view.get("kind") == "tensor" or (view.get("kind") is None and view.get("dtype") is not None)
 
 
-def _shape(leaf: LeafSpec, ctx: WriteContext) -> List[Union[int, str]]:
-    """A leaf's shape as manifests write it: ``"batch"`` on a sample axis the artifacts take at any size (its size,
-    when they are built for the example's), a name where a size varies, the size elsewhere."""
-    return [d.size if token == "batch" and not ctx.sample_dynamic else token for token, d in zip(leaf.shape, leaf.dims)]
-
-
-def legacy_signature(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], dynamic_batch: bool) -> Signature:
-    """What a manifest written before signatures implied: dim 0 of every input and output is the batch (fixed to
-    the example's size when it recorded no dynamic batch: its artifacts ran other sizes as pieces)."""
-    def leaf(spec: TensorSpec) -> LeafSpec:
-        shape = list(spec.shape or [])
-        example = list(spec.example_shape or [d if isinstance(d, int) else 1 for d in shape])
-        dims = tuple(DimSpec(DimKind.sample if i == 0 else DimKind.fixed if isinstance(d, int) else DimKind.variable,
-                             int(size), int(size), int(size)) for i, (d, size) in enumerate(zip(shape, example)))
-        return LeafSpec(spec.name, spec.name, (), spec.dtype or "float32", dims)
+def legacy_signature(inputs: Sequence[Json], outputs: Sequence[Json], dynamic_batch: bool) -> Signature:
+    """What a manifest written before signatures implied from its tensors' records: dim 0 of every input and output
+    is the batch (fixed to the example's size when it recorded no dynamic batch: its artifacts ran other sizes as
+    pieces)."""
+    def leaf(view: Json) -> LeafSpec:
+        shape = list(view.get("shape") or [])
+        example = view.get("example_shape") or [d if isinstance(d, int) else 1 for d in shape]
+        return LeafSpec.from_dict({"name": view["name"], "dtype": view.get("dtype") or "float32",
+                                   "example_shape": example, "shape": ["batch", *shape[1:]] if shape else []})
 
     sample = SampleAxis(True, "dim 0 of every input and output, as manifests before version 3 had it", dynamic_batch)
     return Signature([leaf(s) for s in inputs], [leaf(s) for s in outputs], sample)

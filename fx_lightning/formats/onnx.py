@@ -16,7 +16,7 @@ from fx_lightning.common.json_views import JsonObject
 from fx_lightning.common.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats.base import RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext
-from fx_lightning.signature.signature import DimKind, LeafSpec
+from fx_lightning.signature.signature import LeafSpec
 
 __all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL", "ORT_OWN_THREADS"]
 
@@ -88,13 +88,7 @@ def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], outp
 def _dynamic_axes(leaf: LeafSpec, ctx: WriteContext) -> Dict[int, str]:
     """The TorchScript exporter's dynamic axes of a leaf: the sample axis ``batch`` (when dynamic), each size that
     varies by its name."""
-    axes: Dict[int, str] = {}
-    for d, (dim, token) in enumerate(zip(leaf.dims, leaf.shape)):
-        if dim.kind is DimKind.sample and ctx.sample_dynamic:
-            axes[d] = "batch"
-        elif dim.kind is DimKind.variable:
-            axes[d] = str(token)
-    return axes
+    return {d: token for d, token in enumerate(leaf.written_shape(ctx.sample_dynamic)) if isinstance(token, str)}
 
 
 # How the artifact is checked, and run by load_fused: what an inference server uses (all graph optimisations,

@@ -109,7 +109,7 @@ def judge_raw_path(report: Optional[ParityReport]) -> Optional[ParityReport]:
 
 def with_contract(manifest: Manifest, contract: InputContract) -> Manifest:
     """The manifest with the input contract: the raw input's prologue and the labels that fit the first output."""
-    first = manifest.outputs[0].shape if manifest.outputs else None
+    first = manifest.outputs[0].get("shape") if manifest.outputs else None
     width = first[-1] if first is not None and len(first) == 2 and isinstance(first[-1], int) else None
     labels, notes = labels_for_output(contract, width)
     if contract.preprocess is not None:

@@ -114,7 +114,7 @@ class ArtifactAPI(ls.LitAPI):
         torch.set_num_threads(self.options.threads_per_worker())
         worker = os.environ.get("LITSERVE_WORKER_ID", "0")
         try:
-            self.input_dtypes = [spec.dtype or "" for spec in read_manifest(self.root).tensor_inputs()]
+            self.input_dtypes = [leaf.dtype for leaf in read_manifest(self.root).call_signature().inputs]
             self.model, status = load_checked(self.root, self.options)
         except Exception as exc:  # noqa: BLE001 - reported by /health instead of stopping the server
             self.model, status = None, WorkerStatus(False, reason=f"{type(exc).__name__}: {first_line(exc)}")

@@ -27,10 +27,11 @@ import numpy as np
 
 from fx_lightning.common.dtypes import DTYPES
 
-from fx_lightning.export.manifest import Manifest, Preprocess, TensorSpec
+from fx_lightning.export.manifest import Manifest, Preprocess, is_tensor
+from fx_lightning.signature.signature import LeafSpec
 
-__all__ = ["DEFAULT_MAX_REQUEST_BATCH", "DEFAULT_MAX_BODY_MB", "BadRequest", "InputSpec", "Contract", "Decoded", "JSON_TYPE", "NPY_TYPE", "NPZ_TYPE", "IMAGE_TYPES",
-           "parse_json", "top_k_labels"]
+__all__ = ["DEFAULT_MAX_REQUEST_BATCH", "DEFAULT_MAX_BODY_MB", "BadRequest", "Contract", "Decoded", "JSON_TYPE",
+           "NPY_TYPE", "NPZ_TYPE", "IMAGE_TYPES", "parse_json", "top_k_labels"]
 
 JSON_TYPE = "application/json"
 NPY_TYPE = "application/x-npy"
@@ -56,26 +57,6 @@ class BadRequest(Exception):
         self.message = message
 
 
-@dataclass(frozen=True)
-class InputSpec:
-    """One model input: its name, dtype and the shape of one sample (``None``: any size on that axis); for an export
-    without a sample axis (``batched`` false), the shape of the whole input."""
-
-    name: str
-    dtype: str
-    sample_shape: Tuple[Optional[int], ...]
-    batched: bool = True
-
-    @property
-    def shape_text(self) -> str:
-        dims = ("any" if d is None else str(d) for d in self.sample_shape)
-        return "[" + ", ".join(["batch", *dims] if self.batched else list(dims)) + "]"
-
-    @property
-    def finite_only(self) -> bool:
-        return self.dtype.startswith("float")
-
-
 @dataclass
 class Decoded:
     """A request's inputs as arrays with a batch axis, and whether it sent one sample without one."""
@@ -91,43 +72,51 @@ class Decoded:
 
 @dataclass
 class Contract:
-    """What the server accepts: the inputs, the limits, the image layout when there is one, and the labels.
-    ``batched``: the export has a proven sample axis (dim 0 of every input and output), so requests hold samples
-    and are batched together; without one a request is the model's whole input and runs alone."""
+    """What the server accepts: the inputs (the signature's leaves), the limits, the image layout when there is one,
+    and the labels. ``batched``: the export has a proven sample axis (dim 0 of every input and output), so requests
+    hold samples and are batched together; without one a request is the model's whole input and runs alone.
+    ``any_samples``: the artifacts take any number of samples (else the example's: ``export.dynamic_batch`` false)."""
 
-    inputs: List[InputSpec]
-    outputs: List[TensorSpec] = field(default_factory=list)
+    inputs: List[LeafSpec]
+    outputs: List[LeafSpec] = field(default_factory=list)
     preprocess: Optional[Preprocess] = None
     labels: List[str] = field(default_factory=list)
     max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH
     max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
     batched: bool = True
+    any_samples: bool = True
 
     @classmethod
     def of(cls, manifest: Manifest, *, max_request_batch: int = DEFAULT_MAX_REQUEST_BATCH,
            max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20) -> "Contract":
         """The contract of an export. Raises ValueError for inputs a server cannot take (non-tensor or nested)."""
-        specs: List[InputSpec] = []
-        tensors = manifest.tensor_inputs()
+        other = next((view for view in manifest.inputs if not is_tensor(view)), None)
+        if other is not None:
+            raise ValueError(f"input {other.get('name')!r} is a {other.get('kind')} ({other.get('value')}), not a "
+                             "tensor: a server takes tensor inputs only")
         signature = manifest.call_signature()
-        batched = signature.batched and all(a == 0 for a in signature.input_axes() + signature.output_axes())
-        for spec in manifest.inputs:
-            if spec not in tensors or spec.shape is None or spec.dtype is None:
-                raise ValueError(f"input {spec.name!r} is a {spec.kind} ({spec.value}), not a tensor: a server "
-                                 "takes tensor inputs only")
-            if "." in spec.name:
-                raise ValueError(f"input {spec.name!r} is nested inside an argument: a server takes one tensor per "
+        for leaf in signature.inputs:
+            if "." in leaf.name:
+                raise ValueError(f"input {leaf.name!r} is nested inside an argument: a server takes one tensor per "
                                  "forward argument")
-            if spec.dtype not in _NUMPY_DTYPES:
-                raise ValueError(f"input {spec.name!r} has dtype {spec.dtype}: not served (allowed: "
+            if leaf.dtype not in _NUMPY_DTYPES:
+                raise ValueError(f"input {leaf.name!r} has dtype {leaf.dtype}: not served (allowed: "
                                  f"{', '.join(_NUMPY_DTYPES)})")
-            dims = spec.shape[1:] if batched else spec.shape
-            specs.append(InputSpec(spec.name, spec.dtype, tuple(d if isinstance(d, int) else None for d in dims),
-                                   batched))
-        if not specs:
+        if not signature.inputs:
             raise ValueError("the manifest lists no tensor inputs")
-        return cls(specs, list(manifest.outputs), manifest.preprocess, list(manifest.labels), max_request_batch,
-                   max_body_bytes, batched)
+        batched = signature.batched and all(a == 0 for a in signature.input_axes() + signature.output_axes())
+        return cls(list(signature.inputs), list(signature.outputs), manifest.preprocess, list(manifest.labels),
+                   max_request_batch, max_body_bytes, batched, manifest.dynamic_batch)
+
+    def request_sizes(self, leaf: LeafSpec) -> Tuple[Optional[int], ...]:
+        """The sizes a request gives an input: of one sample where the contract batches, else of the whole input
+        (None: any size on that axis)."""
+        sizes = leaf.sizes(self.any_samples)
+        return tuple(sizes[1:] if self.batched else sizes)
+
+    def shape_text(self, leaf: LeafSpec) -> str:
+        dims = ["any" if d is None else str(d) for d in self.request_sizes(leaf)]
+        return "[" + ", ".join(["batch", *dims] if self.batched else dims) + "]"
 
     # ------------------------------------------------------------------------------------------- decoding
 
@@ -164,7 +153,7 @@ class Contract:
         (a height or width of None: any, the model was shown to take other sizes)."""
         if self.preprocess is None or len(self.inputs) != 1 or self.inputs[0].dtype != "uint8":
             return None
-        dims = self.inputs[0].sample_shape
+        dims = self.request_sizes(self.inputs[0])
         if len(dims) != 3:
             return None
         c, h, w = dims if self.preprocess.layout == "NCHW" else (dims[2], dims[0], dims[1])
@@ -203,15 +192,16 @@ class Contract:
                                                            f"missing {missing}" if missing else "") if p))
         return [given[n] for n in names]
 
-    def _json_array(self, spec: InputSpec, value: Any) -> np.ndarray:
+    def _json_array(self, spec: LeafSpec, value: Any) -> np.ndarray:
         where = f"input {spec.name!r}"
         if not isinstance(value, list):
-            raise BadRequest(422, f"{where}: expected a nested list of shape {spec.shape_text}, got a JSON "
+            raise BadRequest(422, f"{where}: expected a nested list of shape {self.shape_text(spec)}, got a JSON "
                                   f"{type(value).__name__}")
         try:
             raw = np.asarray(value)
         except ValueError as exc:
-            raise BadRequest(422, f"{where}: ragged nested list ({exc}); expected shape {spec.shape_text}") from None
+            raise BadRequest(422, f"{where}: ragged nested list ({exc}); expected shape "
+                                  f"{self.shape_text(spec)}") from None
         want = _NUMPY_DTYPES[spec.dtype]
         if raw.dtype.kind not in "biuf" or (raw.dtype.kind == "b") != (want.kind == "b") and raw.size:
             if want.kind == "b" and raw.dtype.kind in "iu" and raw.size and set(np.unique(raw).tolist()) <= {0, 1}:
@@ -264,7 +254,7 @@ class Contract:
             raise BadRequest(400, f"malformed {media} body: {type(exc).__name__}: {exc}") from None
         return arrays
 
-    def _npy(self, stream: Any, spec: InputSpec) -> np.ndarray:
+    def _npy(self, stream: Any, spec: LeafSpec) -> np.ndarray:
         """One ``.npy`` array of ``spec``'s dtype and at most :attr:`max_request_batch` samples' size."""
         version = np.lib.format.read_magic(stream)
         read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
@@ -273,10 +263,11 @@ class Contract:
         if dtype != _NUMPY_DTYPES[spec.dtype]:
             raise BadRequest(422, f"input {spec.name!r}: expected dtype {spec.dtype}, got {dtype}")
         count = int(np.prod(shape, dtype=np.float64)) if shape else 1
-        sample = int(np.prod([d or 1 for d in spec.sample_shape], dtype=np.float64)) or 1
-        samples = shape[0] if len(shape) == len(spec.sample_shape) + 1 else None
+        sizes = self.request_sizes(spec)
+        sample = int(np.prod([d or 1 for d in sizes], dtype=np.float64)) or 1
+        samples = shape[0] if len(shape) == len(sizes) + 1 else None
         if self.batched and ((samples is not None and samples > self.max_request_batch) or (
-                count > sample * self.max_request_batch and all(d is not None for d in spec.sample_shape))):
+                count > sample * self.max_request_batch and all(d is not None for d in sizes))):
             raise BadRequest(413, f"input {spec.name!r}: an array of shape {list(shape)} exceeds the limit of "
                                   f"{self.max_request_batch} samples per request (--max-request-batch)")
         if count * dtype.itemsize > self.max_body_bytes:  # sizes that vary: the header alone may declare any size
@@ -328,17 +319,18 @@ class Contract:
             return self._checked_whole(arrays, top_k)
         single = None
         for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
-            rank = len(spec.sample_shape) + 1
+            sizes = self.request_sizes(spec)
+            rank = len(sizes) + 1
             if array.ndim not in (rank, rank - 1):
-                raise BadRequest(422, f"input {spec.name!r}: expected rank {rank} {spec.shape_text} (or rank "
+                raise BadRequest(422, f"input {spec.name!r}: expected rank {rank} {self.shape_text(spec)} (or rank "
                                       f"{rank - 1} for one sample), got rank {array.ndim} {list(array.shape)}")
             is_single = array.ndim == rank - 1
             if single is not None and is_single != single:
                 raise BadRequest(422, "inputs: send every input batched or every input as one sample, not both")
             single = is_single
             batched = array[None] if is_single else array
-            if any(want is not None and want != got for want, got in zip(spec.sample_shape, batched.shape[1:])):
-                raise BadRequest(422, f"input {spec.name!r}: expected shape {spec.shape_text}, got "
+            if any(want is not None and want != got for want, got in zip(sizes, batched.shape[1:])):
+                raise BadRequest(422, f"input {spec.name!r}: expected shape {self.shape_text(spec)}, got "
                                       f"{list(array.shape)}")
             _refuse_non_finite(spec, batched)
             arrays[i] = batched
@@ -356,10 +348,11 @@ class Contract:
     def _checked_whole(self, arrays: List[np.ndarray], top_k: Optional[int]) -> Decoded:
         """An export without a sample axis: each array is the whole input, of its rank and fixed sizes."""
         for spec, array in zip(self.inputs, arrays):
-            if array.ndim != len(spec.sample_shape) or any(
-                    want is not None and want != got for want, got in zip(spec.sample_shape, array.shape)):
-                raise BadRequest(422, f"input {spec.name!r}: expected shape {spec.shape_text} (the whole input: this "
-                                      f"model has no sample axis), got {list(array.shape)}")
+            sizes = self.request_sizes(spec)
+            if array.ndim != len(sizes) or any(want is not None and want != got
+                                               for want, got in zip(sizes, array.shape)):
+                raise BadRequest(422, f"input {spec.name!r}: expected shape {self.shape_text(spec)} (the whole input: "
+                                      f"this model has no sample axis), got {list(array.shape)}")
             _refuse_non_finite(spec, array)
         return Decoded(arrays, False, top_k)
 
@@ -368,10 +361,11 @@ class Contract:
     def to_dict(self) -> Dict[str, object]:
         """The contract as ``/info`` shows it."""
         out: Dict[str, object] = {
-            "inputs": [{"name": s.name, "dtype": s.dtype,
-                        "shape": ["batch", *s.sample_shape] if s.batched else list(s.sample_shape)} for s in self.inputs],
+            "inputs": [{"name": s.name, "dtype": s.dtype, "shape": ["batch", *self.request_sizes(s)] if self.batched
+                        else list(self.request_sizes(s))} for s in self.inputs],
             "batched": self.batched,
-            "outputs": [o.to_dict() for o in self.outputs],
+            "outputs": [{"name": o.name, "shape": o.written_shape(self.any_samples), "dtype": o.dtype}
+                        for o in self.outputs],
             "content_types": self.content_types,
             "max_request_batch": self.max_request_batch,
             "max_body_bytes": self.max_body_bytes,
@@ -385,8 +379,8 @@ class Contract:
         return out
 
 
-def _refuse_non_finite(spec: InputSpec, array: np.ndarray) -> None:
-    if spec.finite_only and array.size and not np.isfinite(array).all():
+def _refuse_non_finite(spec: LeafSpec, array: np.ndarray) -> None:
+    if spec.dtype.startswith("float") and array.size and not np.isfinite(array).all():
         count = int((~np.isfinite(array)).sum())
         raise BadRequest(422, f"input {spec.name!r}: {count} NaN or infinite value(s); the model takes finite "
                               f"{spec.dtype}")

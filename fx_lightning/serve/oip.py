@@ -23,8 +23,9 @@ import numpy as np
 
 from fx_lightning._version import __version__
 from fx_lightning.common.dtypes import TRITON_TO_NUMPY, TRITON_TO_V2, by_torch
-from fx_lightning.serve.contract import BadRequest, Contract, Decoded, InputSpec, parse_json
-from fx_lightning.serve.triton_config import TritonModel, TritonTensor
+from fx_lightning.serve.contract import BadRequest, Contract, Decoded, parse_json
+from fx_lightning.serve.triton_config import TritonModel, data_type
+from fx_lightning.signature.signature import LeafSpec
 
 __all__ = ["BINARY_HEADER", "MODEL_VERSION", "EXTENSIONS", "Wanted", "InferRequest", "decode_infer",
            "encode_infer", "stated_shape", "server_metadata", "model_metadata", "Statistics"]
@@ -63,8 +64,7 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
     if not isinstance(data, dict) or not isinstance(data.get("inputs"), list):
         raise BadRequest(400, "an infer request is a JSON object with 'inputs': a list of "
                               "{name, shape, datatype, data}")
-    by_name = {s.name: s for s in contract.inputs}
-    stated = {t.name: t for t in model.inputs}
+    by_name = {t.name: t for t in model.inputs}  # the contract's inputs as the model states them
     given: Dict[str, np.ndarray] = {}
     offset = 0
     for i, item in enumerate(data["inputs"]):
@@ -75,8 +75,7 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
             raise BadRequest(400, f"inputs[{i}]: unknown input {name!r}; the model's inputs are {list(by_name)}")
         if name in given:
             raise BadRequest(400, f"inputs[{i}]: input {name!r} given twice")
-        given[name], offset = _input_array(by_name[name], stated[name], model.max_batch_size > 0, item, binary,
-                                           offset)
+        given[name], offset = _input_array(model, by_name[name], item, binary, offset)
     if offset != len(binary):
         raise BadRequest(400, f"the binary section holds {len(binary)} bytes, the inputs' binary_data_size add up "
                               f"to {offset}")
@@ -89,10 +88,10 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
                         str(request_id) if request_id is not None else None)
 
 
-def stated_shape(tensor: TritonTensor, batching: bool) -> List[int]:
+def stated_shape(model: TritonModel, tensor: LeafSpec) -> List[int]:
     """A tensor's shape as the protocol states it: the config's dims, after the sample axis where the model
     batches (-1: any size). A tensor with no axis but the sample axis is ``[-1, 1]``, as in Triton."""
-    return ([-1] if batching else []) + list(tensor.dims)
+    return ([-1] if model.batching else []) + list(model.dims(tensor))
 
 
 def _split(body: bytes, header_length: Optional[str]) -> Tuple[bytes, bytes]:
@@ -105,13 +104,13 @@ def _split(body: bytes, header_length: Optional[str]) -> Tuple[bytes, bytes]:
     return body[:size], body[size:]
 
 
-def _input_array(spec: InputSpec, tensor: TritonTensor, batching: bool, item: Mapping[str, Any], binary: bytes,
+def _input_array(model: TritonModel, tensor: LeafSpec, item: Mapping[str, Any], binary: bytes,
                  offset: int) -> Tuple[np.ndarray, int]:
     """One input as the contract's array (the config's reshape applied), and the binary section's offset after it."""
-    where = f"input {spec.name!r}"
-    row = by_torch(spec.dtype)
+    where = f"input {tensor.name!r}"
+    row = by_torch(tensor.dtype)
     assert row is not None  # the contract serves only dtypes of the table
-    want_type, want_shape, dtype = row.v2, stated_shape(tensor, batching), np.dtype(row.numpy)
+    want_type, want_shape, dtype = row.v2, stated_shape(model, tensor), np.dtype(row.numpy)
     if item.get("datatype") != want_type:
         raise BadRequest(400, f"{where}: datatype {item.get('datatype')!r}; the model takes {want_type}")
     shape = item.get("shape")
@@ -131,7 +130,7 @@ def _input_array(spec: InputSpec, tensor: TritonTensor, batching: bool, item: Ma
             raise BadRequest(400, f"{where}: binary_data_size {size} runs past the binary section's "
                                   f"{len(binary)} bytes")
         array = np.frombuffer(binary, dtype=dtype, count=count, offset=offset).reshape(shape)
-        return _as_model_sees(array, tensor, batching), offset + size
+        return _as_model_sees(array, model, tensor), offset + size
     if "data" not in item:
         raise BadRequest(400, f"{where}: no 'data' and no parameters.binary_data_size")
     try:
@@ -145,13 +144,12 @@ def _input_array(spec: InputSpec, tensor: TritonTensor, batching: bool, item: Ma
                               f"datatype {want_type}")
     if dtype.kind in "iu" and raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
         raise BadRequest(400, f"{where}: non-integer data for datatype {want_type}")
-    return _as_model_sees(raw.astype(dtype).reshape(shape), tensor, batching), offset
+    return _as_model_sees(raw.astype(dtype).reshape(shape), model, tensor), offset
 
 
-def _as_model_sees(array: np.ndarray, tensor: TritonTensor, batching: bool) -> np.ndarray:
-    if tensor.reshape is None:
-        return array
-    return array.reshape(([array.shape[0]] if batching else []) + list(tensor.reshape))
+def _as_model_sees(array: np.ndarray, model: TritonModel, tensor: LeafSpec) -> np.ndarray:
+    reshape = model.reshape(tensor)
+    return array if reshape is None else array.reshape(([array.shape[0]] if model.batching else []) + list(reshape))
 
 
 def _wanted(data: Mapping[str, Any], output_names: Sequence[str]) -> List[Wanted]:
@@ -184,15 +182,14 @@ def encode_infer(model: TritonModel, request: InferRequest, outputs: Sequence[np
     if len(outputs) != len(model.outputs):
         raise ValueError(f"the artifact returned {len(outputs)} outputs, the model states "
                          f"{[t.name for t in model.outputs]}")
-    batching = model.max_batch_size > 0
     by_name = {t.name: (t, o) for t, o in zip(model.outputs, outputs)}
     described, chunks = [], []
     for want in request.outputs:
         tensor, array = by_name[want.name]
-        datatype = TRITON_TO_V2[tensor.data_type]
-        array = np.ascontiguousarray(array, dtype=TRITON_TO_NUMPY[tensor.data_type])  # bf16: float32 stands in
-        if tensor.reshape is not None:
-            array = array.reshape(([array.shape[0]] if batching else []) + list(tensor.dims))
+        datatype = TRITON_TO_V2[data_type(tensor)]
+        array = np.ascontiguousarray(array, dtype=TRITON_TO_NUMPY[data_type(tensor)])  # bf16: float32 stands in
+        if model.reshape(tensor) is not None:
+            array = array.reshape(([array.shape[0]] if model.batching else []) + list(model.dims(tensor)))
         item: Dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": list(array.shape)}
         if want.binary:
             raw = array.tobytes()
@@ -217,9 +214,9 @@ def server_metadata() -> Dict[str, object]:
 def model_metadata(model: TritonModel, platform: str) -> Dict[str, object]:
     """``GET /v2/models/{name}``: names, datatypes and shapes (-1 where a size varies, the sample axis included
     where the model batches), as the Triton repository's config states them."""
-    def tensors(items: Sequence[TritonTensor]) -> List[Dict[str, object]]:
-        return [{"name": t.name, "datatype": TRITON_TO_V2[t.data_type],
-                 "shape": stated_shape(t, model.max_batch_size > 0)} for t in items]
+    def tensors(items: Sequence[LeafSpec]) -> List[Dict[str, object]]:
+        return [{"name": t.name, "datatype": TRITON_TO_V2[data_type(t)], "shape": stated_shape(model, t)}
+                for t in items]
 
     return {"name": model.name, "versions": [MODEL_VERSION], "platform": platform,
             "inputs": tensors(model.inputs), "outputs": tensors(model.outputs)}

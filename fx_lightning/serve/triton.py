@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from fx_lightning.config import Strategy
-from fx_lightning.common.dtypes import ONNX_TO_TRITON, OPENVINO_TO_TRITON, TORCH_TO_TRITON
+from fx_lightning.common.dtypes import DTYPES, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats import FORMATS
 from fx_lightning.formats.base import FormatEntry
@@ -45,10 +44,11 @@ from fx_lightning.formats.onnx import ORT_OWN_THREADS
 from fx_lightning.export.load.loader import runtime_for
 from fx_lightning.export.write.atomic import replace_directories
 from fx_lightning.export.files import sha256_file
-from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, TensorSpec, read_manifest, verify_files
+from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
-                                              TritonModel, TritonOptions, TritonRepository, TritonTensor,
-                                              config_text, default_model_name, describe, readme_text)
+                                              TritonModel, TritonOptions, TritonRepository, config_text,
+                                              default_model_name, describe, readme_text, stated_leaf)
+from fx_lightning.signature.signature import LeafSpec
 from fx_lightning.serve.triton_python import ENTRY_PARAMETER, MODEL_PY, python_copies, python_model
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "VERSION",
     "TORCH_TO_TRITON",
     "TritonOptions",
-    "TritonTensor",
     "TritonModel",
     "SkippedArtifact",
     "TritonRepository",
@@ -74,14 +73,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VERSION = "1"  # the model version directory every model's files go in
-
-@dataclass(frozen=True)
-class ArtifactTensor:
-    """A tensor as the artifact declares it: Triton's data type and each axis's size (None: dynamic)."""
-
-    name: str
-    data_type: str
-    shape: Tuple[Optional[int], ...]
+# The torch dtype of each element type the artifacts declare (what Triton's backends take).
+_ONNX_DTYPES: Dict[str, str] = {d.onnx: d.torch for d in DTYPES if d.onnx}
+_OPENVINO_DTYPES: Dict[str, str] = {d.openvino: d.torch for d in DTYPES if d.openvino}
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,7 @@ class Backend:
     in the version directory, and the folder of the export those files are relative to."""
 
     name: str
-    read: Callable[[Path], Tuple[List[ArtifactTensor], List[ArtifactTensor]]]
+    read: Callable[[Path], Tuple[List[LeafSpec], List[LeafSpec]]]  # the artifact's tensors as it declares them
     model_file: str  # the file ``read`` takes, relative to the artifact's folder
     folder_is_path: bool  # True: the entry's path is the folder (openvino/); False: it is the file (model.onnx)
 
@@ -206,14 +200,20 @@ def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory
                              max_queue_delay_us=options.queue_delay_us, strategy=strategy)
     except ExportError as exc:  # what the contract cannot state: skipped like any other artifact Triton cannot take
         raise NotServable(str(exc)) from None
-    scalar = [t.name for t in model.inputs + model.outputs if t.reshape == ()]
-    if model.max_batch_size == 0 and scalar:
-        raise NotServable(f"{scalar[0]!r} is a scalar (no axes), which a Triton model that does not batch cannot "
-                          "state; return it with a batch axis")
+    _refuse_scalars(model.inputs + model.outputs)
     if note and model.max_batch_size:
         model.notes.append(note)
     _attach_labels(model, manifest.labels)
     return model
+
+
+def _refuse_scalars(tensors: Sequence[LeafSpec]) -> None:
+    """Triton wants dims, and refuses an empty reshape where a model does not batch: a scalar (no axes, not even a
+    batch one, so its model cannot batch) cannot be stated."""
+    scalar = next((t.name for t in tensors if not t.dims), None)
+    if scalar is not None:
+        raise NotServable(f"{scalar!r} is a scalar (no axes), which a Triton model that does not batch cannot "
+                          "state; return it with a batch axis")
 
 
 def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]],
@@ -251,23 +251,25 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     inputs, outputs = backend.read(folder / backend.model_file)
     where = f"{entry_name} ({folder / backend.model_file})"
     in_names, out_names = _recorded_names(entry)
-    in_specs = manifest.tensor_inputs()
+    signature = manifest.call_signature()
     static = bool(entry.batch_sizes or entry.built_shapes)
-    _agree(where, "input", inputs, in_specs, in_names, static)
-    _agree(where, "output", outputs, manifest.outputs, out_names, static)
+    _agree(where, "input", inputs, signature.inputs, in_names, static, manifest.dynamic_batch)
+    _agree(where, "output", outputs, signature.outputs, out_names, static, manifest.dynamic_batch)
     swept, note = options.with_recorded_batching(manifest, entry_name)
     max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name,
                                          swept.max_batch_size or DEFAULT_MAX_BATCH_SIZE)
     options = swept if why_not is None else options
     batching = max_batch > 0
+    _refuse_scalars(inputs + outputs)
     model = TritonModel(
         name=directory.name, entry=entry_name, backend=backend.name, directory=directory,
         files=[_relative(f, entry, backend) for f in entry.files], max_batch_size=max_batch,
-        inputs=[_config_tensor(t, s, batching) for t, s in zip(inputs, in_specs)],
-        outputs=[_config_tensor(t, s, batching) for t, s in zip(outputs, manifest.outputs)],
+        inputs=inputs, outputs=outputs,
         instances=options.instances, dynamic_batching=batching and options.dynamic_batching,
         preferred_batch_sizes=_preferred(options, max_batch) if batching and options.dynamic_batching else [],
         max_queue_delay_us=options.queue_delay_us,
+        export_names={t.name: s.name for t, s in zip(inputs + outputs, signature.inputs + signature.outputs)
+                      if t.name != s.name},
     )
     if note and why_not is None and batching:
         model.notes.append(note)
@@ -302,8 +304,8 @@ def _recorded_names(entry: FormatEntry) -> Tuple[Optional[List[str]], Optional[L
             [str(n) for n in outs] if isinstance(outs, list) else None)
 
 
-def _agree(where: str, kind: str, found: List[ArtifactTensor], specs: List[TensorSpec],
-           recorded: Optional[List[str]], static: bool) -> None:
+def _agree(where: str, kind: str, found: List[LeafSpec], specs: List[LeafSpec], recorded: Optional[List[str]],
+           static: bool, any_samples: bool) -> None:
     """The artifact's tensors are the manifest's: same count, the names the export recorded for it, and each
     tensor's data type and shape (a dynamic axis where the manifest names one, ``batch`` or a size that varies,
     unless the artifact is ``static``: built for the example's sizes; its size elsewhere)."""
@@ -316,24 +318,16 @@ def _agree(where: str, kind: str, found: List[ArtifactTensor], specs: List[Tenso
                           "re-export it.")
     for tensor, spec in zip(found, specs):
         expected = triton_dtype(spec.dtype, f"manifest {kind} {spec.name!r}")
-        if tensor.data_type != expected:
-            raise ExportError(f"{where}: {kind} {tensor.name!r} is {tensor.data_type} in the artifact, the manifest "
-                              f"says {spec.dtype} ({expected}); re-export it.")
-        _agree_shape(where, kind, tensor, spec, static)
-
-
-def _agree_shape(where: str, kind: str, tensor: ArtifactTensor, spec: TensorSpec, static: bool) -> None:
-    if spec.shape is None:
-        return
-    shape = tuple(spec.shape)
-    mismatch = len(shape) != len(tensor.shape) or any(
-        (isinstance(want, str) and not static and got is not None)
-        or (isinstance(want, int) and got is not None and got != want)
-        for want, got in zip(shape, tensor.shape))
-    if mismatch:
-        shown = ["any" if d is None else d for d in tensor.shape]
-        raise ExportError(f"{where}: {kind} {tensor.name!r} has shape {shown} in the artifact, the manifest says "
-                          f"{list(shape)}; re-export it.")
+        if tensor.dtype != spec.dtype:
+            raise ExportError(f"{where}: {kind} {tensor.name!r} is {TORCH_TO_TRITON[tensor.dtype]} in the artifact, "
+                              f"the manifest says {spec.dtype} ({expected}); re-export it.")
+        wants, gots = spec.sizes(any_samples), tensor.sizes()
+        if len(wants) != len(gots) or any((want is None and not static and got is not None)
+                                          or (want is not None and got is not None and got != want)
+                                          for want, got in zip(wants, gots)):
+            shown = ["any" if d is None else d for d in gots]
+            raise ExportError(f"{where}: {kind} {tensor.name!r} has shape {shown} in the artifact, the manifest "
+                              f"says {spec.written_shape(any_samples)}; re-export it.")
 
 
 def triton_dtype(torch_dtype: Optional[str], what: str) -> str:
@@ -344,7 +338,7 @@ def triton_dtype(torch_dtype: Optional[str], what: str) -> str:
     return TORCH_TO_TRITON[str(torch_dtype)]
 
 
-def _max_batch_size(manifest: Manifest, entry: FormatEntry, tensors: List[ArtifactTensor], requested: Optional[int],
+def _max_batch_size(manifest: Manifest, entry: FormatEntry, tensors: List[LeafSpec], requested: Optional[int],
                     entry_name: str, default: int = DEFAULT_MAX_BATCH_SIZE) -> Tuple[int, Optional[str]]:
     """max_batch_size for the artifact (``default`` when none is ``requested``), and why it is 0 when it must be:
     Triton batches only along a leading axis that every input and output has and that the artifact leaves
@@ -358,32 +352,22 @@ def _max_batch_size(manifest: Manifest, entry: FormatEntry, tensors: List[Artifa
     return 0, why_not
 
 
-def _fixed_batch_reason(manifest: Manifest, entry: FormatEntry, tensors: List[ArtifactTensor]) -> Optional[str]:
+def _fixed_batch_reason(manifest: Manifest, entry: FormatEntry, tensors: List[LeafSpec]) -> Optional[str]:
     signature = manifest.call_signature()
     if not signature.batched:
         return f"the model has no sample axis ({signature.sample.how})"
     if any(a != 0 for a in signature.input_axes() + signature.output_axes()):
         return "the samples are not on the leading axis of every input and output"
     if not manifest.dynamic_batch:
-        sizes = sorted({s.example_shape[0] for s in manifest.inputs if s.example_shape})
+        sizes = sorted({leaf.example_shape[0] for leaf in signature.inputs if leaf.dims})
         built = f" (batch size {', '.join(map(str, sizes))} only)" if sizes else ""
         return f"the export has a fixed batch (export.dynamic_batch: false){built}"
     if entry.batch_sizes is not None:
         return f"the artifact is built for batch size(s) {', '.join(map(str, entry.batch_sizes))} only"
-    fixed = [t.name for t in tensors if not t.shape or t.shape[0] is not None]
+    fixed = [t.name for t in tensors if not t.dims or t.sizes()[0] is not None]
     if fixed:
         return f"{', '.join(fixed)} has no dynamic leading (batch) axis in the artifact"
     return None
-
-
-def _config_tensor(tensor: ArtifactTensor, spec: TensorSpec, batching: bool) -> TritonTensor:
-    if not tensor.shape:  # Triton wants dims, and refuses an empty reshape where it does not batch
-        raise NotServable(f"{tensor.name!r} is a scalar (no axes), which a Triton model that does not batch cannot "
-                          "state; return it with a batch axis")
-    shape = tensor.shape[1:] if batching else tensor.shape
-    dims = tuple(-1 if d is None else int(d) for d in shape)
-    return TritonTensor(tensor.name, tensor.data_type, dims or (1,), () if not dims else None,
-                        spec.name if spec.name != tensor.name else None)
 
 
 def _preferred(options: TritonOptions, max_batch: int) -> List[int]:
@@ -436,20 +420,18 @@ def _attach_labels(model: TritonModel, labels: Sequence[str]) -> None:
     they fit its last axis."""
     if not labels or not model.outputs:
         return
-    first = model.outputs[0]
-    if first.dims[-1] != len(labels):
-        model.notes.append(f"labels not attached: {len(labels)} labels, output {first.name!r} has "
-                           f"{first.dims[-1]} columns")
+    columns = model.dims(model.outputs[0])[-1]
+    if columns != len(labels):
+        model.notes.append(f"labels not attached: {len(labels)} labels, output {model.outputs[0].name!r} has "
+                           f"{columns} columns")
         return
-    model.outputs[0] = TritonTensor(first.name, first.data_type, first.dims, first.reshape, first.manifest_name,
-                                    "labels.txt")
     model.labels = list(labels)
 
 
 # --- reading the artifacts ---------------------------------------------------------------------------------------
 
 
-def onnx_tensors(path: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTensor]]:
+def onnx_tensors(path: Path) -> Tuple[List[LeafSpec], List[LeafSpec]]:
     """The graph's inputs (initializers excluded) and outputs as ONNX declares them."""
     try:
         import onnx
@@ -458,19 +440,19 @@ def onnx_tensors(path: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTensor]
     graph = onnx.load(str(path), load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}
 
-    def one(value: Any) -> ArtifactTensor:
+    def one(value: Any) -> LeafSpec:
         if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
             raise ExportError(f"{path}: {value.name!r} is not a tensor of known rank; Triton needs one.")
         kind = onnx.TensorProto.DataType.Name(value.type.tensor_type.elem_type)
-        if kind not in ONNX_TO_TRITON:
+        if kind not in _ONNX_DTYPES:
             raise NotServable(f"{value.name!r} has ONNX type {kind}, which Triton has no data type for")
-        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim)
-        return ArtifactTensor(value.name, ONNX_TO_TRITON[kind], shape)
+        shape = [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
+        return stated_leaf(value.name, _ONNX_DTYPES[kind], shape)
 
     return ([one(v) for v in graph.input if v.name not in initializers], [one(v) for v in graph.output])
 
 
-def openvino_tensors(xml: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTensor]]:
+def openvino_tensors(xml: Path) -> Tuple[List[LeafSpec], List[LeafSpec]]:
     """The IR's inputs and outputs by the names the Triton backend looks them up by (``get_any_name``)."""
     try:
         import openvino as ov
@@ -478,20 +460,19 @@ def openvino_tensors(xml: Path) -> Tuple[List[ArtifactTensor], List[ArtifactTens
         raise ExportError(f"reading {xml} needs openvino: pip install 'fx-lightning[openvino]' ({exc})") from None
     model = ov.Core().read_model(str(xml))
 
-    def one(port: Any) -> ArtifactTensor:
+    def one(port: Any) -> LeafSpec:
         try:
             name = port.get_any_name()
         except RuntimeError:
             raise ExportError(f"{xml}: a tensor has no name, which Triton needs to address it.") from None
         kind = port.get_element_type().get_type_name()
-        if kind not in OPENVINO_TO_TRITON:
+        if kind not in _OPENVINO_DTYPES:
             raise NotServable(f"{name!r} has OpenVINO type {kind}, which Triton's OpenVINO backend does not take "
-                              f"(it takes {', '.join(OPENVINO_TO_TRITON)})")
+                              f"(it takes {', '.join(_OPENVINO_DTYPES)})")
         shape = port.get_partial_shape()
         if shape.rank.is_dynamic:
             raise ExportError(f"{xml}: {name!r} has a dynamic rank; Triton needs a fixed one.")
-        return ArtifactTensor(name, OPENVINO_TO_TRITON[kind],
-                              tuple(d.get_length() if d.is_static else None for d in shape))
+        return stated_leaf(name, _OPENVINO_DTYPES[kind], [d.get_length() if d.is_static else None for d in shape])
 
     return [one(p) for p in model.inputs], [one(p) for p in model.outputs]
 

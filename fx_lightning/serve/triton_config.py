@@ -1,11 +1,12 @@
-"""The records of a Triton model repository (:class:`TritonModel` and its tensors, what was skipped, what was
-written) and their text: each model's ``config.pbtxt`` (protobuf text of Triton's ModelConfig, written without
-protobuf) and the repository's README. :mod:`fx_lightning.serve.triton` plans, checks and writes them."""
+"""The records of a Triton model repository (:class:`TritonModel`, what was skipped, what was written) and their
+text: each model's ``config.pbtxt`` (protobuf text of Triton's ModelConfig, written without protobuf) and the
+repository's README. :mod:`fx_lightning.serve.triton` plans, checks and writes them."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -17,9 +18,11 @@ from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.export.select.sweep import recorded_batching
 from fx_lightning.serve.contract import Contract
+from fx_lightning.signature.signature import DimKind, DimSpec, LeafSpec
 
-__all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonTensor", "TritonModel", "SkippedArtifact", "TritonRepository",
-           "contract_model", "MODEL_NAME", "default_model_name", "config_text", "config_json", "readme_text",
+__all__ = ["TritonOptions", "DEFAULT_MAX_BATCH_SIZE", "DEFAULT_MAX_QUEUE_DELAY_US", "TritonModel", "SkippedArtifact",
+           "TritonRepository", "stated_leaf", "data_type", "contract_model", "MODEL_NAME", "default_model_name",
+           "config_text", "config_json", "readme_text",
            "describe", "int_at_least", "model_name_at"]
 
 # Batching: a dynamic-batch artifact gets this max_batch_size unless told otherwise. Small on purpose: on a CPU,
@@ -30,25 +33,22 @@ DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_QUEUE_DELAY_US = 100
 
 
-@dataclass(frozen=True)
-class TritonTensor:
-    """One input or output as the config states it. ``dims`` excludes the batch axis when the model batches
-    (-1: any size); ``reshape`` is the shape the model itself sees when that differs (a tensor with no axis but
-    the batch one is stated as ``dims: [1]``, reshaped to ``[]``, since Triton wants at least one dim).
-    ``manifest_name`` is the export's name for it where the artifact names it differently (OpenVINO names its
-    outputs after the operation that computed them)."""
+def stated_leaf(name: str, dtype: str, sizes: Sequence[Optional[int]]) -> LeafSpec:
+    """A tensor as a runtime states it (an artifact's declared tensor, a Triton config's): a fixed size where
+    ``sizes`` gives one, any size (variable) where it gives None."""
+    dims = tuple(DimSpec(DimKind.variable, 0, 0, 0) if s is None else DimSpec(DimKind.fixed, s, s, s) for s in sizes)
+    return LeafSpec(name, name, (), dtype, dims)
 
-    name: str
-    data_type: str
-    dims: Tuple[int, ...]
-    reshape: Optional[Tuple[int, ...]] = None
-    manifest_name: Optional[str] = None
-    label_filename: Optional[str] = None
+
+def data_type(tensor: LeafSpec) -> str:
+    """Triton's data type of a tensor (``float32`` -> ``TYPE_FP32``)."""
+    return TORCH_TO_TRITON[tensor.dtype]
 
 
 @dataclass
 class TritonModel:
-    """One model of the repository: where it is, what it serves and how Triton is to run it."""
+    """One model of the repository: where it is, what it serves and how Triton is to run it. Its tensors are leaves
+    as the config states them: the artifact's names, a fixed size or any (:func:`stated_leaf`)."""
 
     name: str
     entry: str  # the manifest's format entry (onnx, onnx-int8, openvino...)
@@ -56,8 +56,8 @@ class TritonModel:
     directory: Path
     files: List[str]  # under directory/VERSION
     max_batch_size: int
-    inputs: List[TritonTensor]
-    outputs: List[TritonTensor]
+    inputs: List[LeafSpec]
+    outputs: List[LeafSpec]
     instances: int = 1
     dynamic_batching: bool = False
     preferred_batch_sizes: List[int] = field(default_factory=list)
@@ -66,6 +66,26 @@ class TritonModel:
     notes: List[str] = field(default_factory=list)  # decisions a user should know (no batching, padding, precision)
     labels: List[str] = field(default_factory=list)  # written to labels.txt, named by the first output
     selection: bool = False  # serves the export's selection (``entry`` is what this machine picks), not one entry
+    # The export's name of a tensor the artifact names differently (OpenVINO names outputs after their operation).
+    export_names: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 0
+
+    def dims(self, tensor: LeafSpec) -> Tuple[int, ...]:
+        """The config's dims: after the batch axis when the model batches, -1 where any size; ``[1]`` for a tensor
+        with no axis but the batch one (reshaped to ``[]``: Triton wants at least one dim)."""
+        sizes = [-1 if d is None else d for d in tensor.sizes()]
+        return tuple(sizes[1:] if self.batching else sizes) or (1,)
+
+    def reshape(self, tensor: LeafSpec) -> Optional[Tuple[int, ...]]:
+        """The shape the model itself sees where it differs from the dims: ``[]`` for a tensor stated as ``[1]``."""
+        return () if len(tensor.dims) == int(self.batching) else None
+
+    def label_file(self, tensor: LeafSpec) -> Optional[str]:
+        """``labels.txt``, the export's class names, for the first output when they were attached."""
+        return "labels.txt" if self.labels and tensor is self.outputs[0] else None
 
 
 @dataclass(frozen=True)
@@ -112,17 +132,14 @@ def contract_model(name: str, contract: Contract, entry: str, backend: str, dire
     ValueError for a tensor whose dtype Triton has no data type for."""
     batching = contract.batched and max_batch_size > 0
 
-    def tensor(tensor_name: str, dtype: str, shape: Sequence[object]) -> TritonTensor:
-        if dtype not in TORCH_TO_TRITON:
-            raise ValueError(f"{tensor_name!r} has dtype {dtype}, which Triton has no data type for")
-        sizes = tuple(d if isinstance(d, int) else -1 for d in shape)
-        if batching:
-            sizes = sizes[1:]
-        return TritonTensor(tensor_name, TORCH_TO_TRITON[dtype], sizes or (1,), () if not sizes else None)
+    def tensor(leaf: LeafSpec, sizes: Sequence[Optional[int]]) -> LeafSpec:
+        if leaf.dtype not in TORCH_TO_TRITON:
+            raise ValueError(f"{leaf.name!r} has dtype {leaf.dtype}, which Triton has no data type for")
+        return stated_leaf(leaf.name, leaf.dtype, sizes)
 
-    inputs = [tensor(s.name, s.dtype, ([None] if contract.batched else []) + list(s.sample_shape))
-              for s in contract.inputs]
-    outputs = [tensor(o.name, str(o.dtype), list(o.shape or [])) for o in contract.outputs]
+    # An input of a batched contract takes any number of samples: the server pieces and pads what the artifact takes.
+    inputs = [tensor(s, s.sizes(contract.any_samples or contract.batched)) for s in contract.inputs]
+    outputs = [tensor(o, o.sizes(contract.any_samples)) for o in contract.outputs]
     return TritonModel(name=name, entry=entry, backend=backend, directory=directory, files=[],
                        max_batch_size=max_batch_size if batching else 0, inputs=inputs, outputs=outputs,
                        instances=instances, dynamic_batching=batching and dynamic_batching,
@@ -134,12 +151,13 @@ def config_json(model: TritonModel) -> Dict[str, object]:
     """The model's config as Triton's ``GET /v2/models/{name}/config`` renders it (JSON of the same ModelConfig
     :func:`config_text` writes)."""
 
-    def tensor(t: TritonTensor) -> Dict[str, object]:
-        out: Dict[str, object] = {"name": t.name, "data_type": t.data_type, "dims": list(t.dims)}
-        if t.reshape is not None:
-            out["reshape"] = {"shape": list(t.reshape)}
-        if t.label_filename:
-            out["label_filename"] = t.label_filename
+    def tensor(t: LeafSpec) -> Dict[str, object]:
+        out: Dict[str, object] = {"name": t.name, "data_type": data_type(t), "dims": list(model.dims(t))}
+        reshape, labels = model.reshape(t), model.label_file(t)
+        if reshape is not None:
+            out["reshape"] = {"shape": list(reshape)}
+        if labels:
+            out["label_filename"] = labels
         return out
 
     config: Dict[str, object] = {
@@ -161,7 +179,7 @@ def config_text(model: TritonModel) -> str:
              f"max_batch_size: {model.max_batch_size}"]
     for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
         lines.append(f"{kind} [")
-        lines.append(",\n".join(_tensor_text(t) for t in tensors))
+        lines.append(",\n".join(_tensor_text(model, t) for t in tensors))
         lines.append("]")
     lines += ["instance_group [", "  {", f"    count: {model.instances}", "    kind: KIND_CPU", "  }", "]"]
     if model.dynamic_batching:
@@ -173,13 +191,14 @@ def config_text(model: TritonModel) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tensor_text(tensor: TritonTensor) -> str:
-    lines = ["  {", f"    name: {_quote(tensor.name)}", f"    data_type: {tensor.data_type}",
-             f"    dims: {_list_text(tensor.dims)}"]
-    if tensor.reshape is not None:
-        lines.append(f"    reshape: {{ shape: {_list_text(tensor.reshape)} }}")
-    if tensor.label_filename:
-        lines.append(f"    label_filename: {_quote(tensor.label_filename)}")
+def _tensor_text(model: TritonModel, tensor: LeafSpec) -> str:
+    lines = ["  {", f"    name: {_quote(tensor.name)}", f"    data_type: {data_type(tensor)}",
+             f"    dims: {_list_text(model.dims(tensor))}"]
+    reshape, labels = model.reshape(tensor), model.label_file(tensor)
+    if reshape is not None:
+        lines.append(f"    reshape: {{ shape: {_list_text(reshape)} }}")
+    if labels:
+        lines.append(f"    label_filename: {_quote(labels)}")
     return "\n".join(lines + ["  }"])
 
 
@@ -237,8 +256,8 @@ def _model_readme(model: TritonModel, manifest: Manifest) -> List[str]:
     lines += ["| | name | type | shape per request | export's name |", "|---|---|---|---|---|"]
     for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
         for t in tensors:
-            lines.append(f"| {kind} | `{t.name}` | {t.data_type} | {_request_shape(model, t)} | "
-                         f"{t.manifest_name or t.name} |")
+            lines.append(f"| {kind} | `{t.name}` | {data_type(t)} | {_request_shape(model, t)} | "
+                         f"{model.export_names.get(t.name, t.name)} |")
     lines.append("")
     if manifest.preprocess is not None:
         p = manifest.preprocess
@@ -249,8 +268,8 @@ def _model_readme(model: TritonModel, manifest: Manifest) -> List[str]:
               "import numpy as np", "import tritonclient.http as httpclient", "",
               'client = httpclient.InferenceServerClient("localhost:8000")', "inputs = []"]
     for t in model.inputs:
-        shape, dtype = _example_shape(model, t), _v2_type(t.data_type)
-        lines += [f"x = np.zeros({shape}, dtype={_numpy_type(t.data_type)!r})",
+        shape, dtype = _example_shape(model, t), TRITON_TO_V2[data_type(t)]
+        lines += [f"x = np.zeros({shape}, dtype={TRITON_TO_NUMPY[data_type(t)]!r})",
                   f"inputs.append(httpclient.InferInput({t.name!r}, x.shape, {dtype!r}))",
                   "inputs[-1].set_data_from_numpy(x)"]
     lines += [f"result = client.infer({model.name!r}, inputs)"]
@@ -267,36 +286,21 @@ def _json_body_program(model: TritonModel) -> str:
     items = []
     for t in model.inputs:
         shape = _example_shape(model, t)
-        zero = "False" if t.data_type == "TYPE_BOOL" else "0"
+        zero = "False" if t.dtype == "bool" else "0"
         items.append(f'{{"name": {json.dumps(t.name)}, "shape": {list(shape)}, "datatype": '
-                     f'{json.dumps(_v2_type(t.data_type))}, "data": [{zero}] * {_count(shape)}}}')
+                     f'{json.dumps(TRITON_TO_V2[data_type(t)])}, "data": [{zero}] * {math.prod(shape)}}}')
     return f'import json; print(json.dumps({{"inputs": [{", ".join(items)}]}}))'
 
 
-def _request_shape(model: TritonModel, tensor: TritonTensor) -> str:
-    dims = ["any" if d == -1 else str(d) for d in (tensor.reshape if tensor.reshape is not None else tensor.dims)]
+def _request_shape(model: TritonModel, tensor: LeafSpec) -> str:
+    dims = ["any" if d is None else str(d) for d in tensor.sizes()[int(model.batching):]]
     return "[" + ", ".join((["batch"] if model.max_batch_size else []) + dims) + "]"
 
 
-def _example_shape(model: TritonModel, tensor: TritonTensor) -> Tuple[int, ...]:
+def _example_shape(model: TritonModel, tensor: LeafSpec) -> Tuple[int, ...]:
     """A shape a request may have: batch 1 when batching, 1 on every other dynamic axis."""
-    dims = tuple(1 if d == -1 else d for d in tensor.dims)
+    dims = tuple(1 if d == -1 else d for d in model.dims(tensor))
     return ((1,) + dims) if model.max_batch_size else dims
-
-
-def _count(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _v2_type(data_type: str) -> str:
-    return TRITON_TO_V2.get(data_type, data_type[len("TYPE_"):])
-
-
-def _numpy_type(data_type: str) -> str:
-    return TRITON_TO_NUMPY.get(data_type, data_type[len("TYPE_"):].lower())
 
 
 def describe(repository: TritonRepository) -> List[str]:

@@ -58,12 +58,6 @@ class DimSpec:
     low: int
     high: int
 
-    def token(self, group: Optional[str] = None) -> Any:
-        """How a manifest writes it: the size (fixed), ``"batch"`` (the sample axis), a name (variable)."""
-        if self.kind is DimKind.fixed:
-            return self.size
-        return "batch" if self.kind is DimKind.sample else (group or "dynamic")
-
 
 @dataclass(frozen=True)
 class LeafSpec:
@@ -84,12 +78,24 @@ class LeafSpec:
 
     @property
     def shape(self) -> List[Any]:
+        """Each dimension as written: the size (fixed), ``"batch"`` (the sample axis), a name (variable)."""
         groups = self.groups or (None,) * len(self.dims)
-        return [d.token(g) for d, g in zip(self.dims, groups)]
+        return [d.size if d.kind is DimKind.fixed else "batch" if d.kind is DimKind.sample else (g or "dynamic")
+                for d, g in zip(self.dims, groups)]
 
     @property
     def example_shape(self) -> List[int]:
         return [d.size for d in self.dims]
+
+    def sizes(self, any_samples: bool = True) -> List[Optional[int]]:
+        """The size a caller sends per dimension, None where any goes (the sample axis too with ``any_samples``)."""
+        return [None if d.kind is DimKind.variable or (d.kind is DimKind.sample and any_samples) else d.size
+                for d in self.dims]
+
+    def written_shape(self, any_samples: bool = True) -> List[Any]:
+        """The shape as a manifest's ``inputs`` and ``outputs`` (and the server's ``/info``) write it: ``"batch"`` on
+        a sample axis of any size (else its size), a name where a size varies."""
+        return [token if size is None else size for token, size in zip(self.shape, self.sizes(any_samples))]
 
     def to_dict(self) -> Dict[str, object]:
         out: Dict[str, object] = {"name": self.name, "path": self.path, "steps": [list(s) for s in self.steps],

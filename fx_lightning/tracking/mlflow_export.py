@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -176,13 +176,17 @@ def model_signature(manifest: Manifest) -> Any:
     from mlflow.types import Schema, TensorSpec
 
     contract = _contract(manifest)
-    inputs = [TensorSpec(np.dtype(spec.dtype), ((-1,) if spec.batched else ()) + tuple(
-        -1 if d is None else d for d in spec.sample_shape), spec.name) for spec in contract.inputs]
-    outputs = None  # stated only when every output's dtype and shape are known
-    stated = [(s, by_torch(s.dtype)) for s in manifest.outputs if s.dtype is not None and s.shape is not None]
-    if manifest.outputs and len(stated) == len(manifest.outputs) and all(d is not None for _, d in stated):
-        outputs = Schema([TensorSpec(np.dtype(d.numpy), tuple(x if isinstance(x, int) else -1 for x in s.shape),
-                                     s.name if len(stated) > 1 else None) for s, d in stated])
+
+    def shape(sizes: Sequence[Optional[int]]) -> Tuple[int, ...]:
+        return tuple(-1 if d is None else d for d in sizes)
+
+    inputs = [TensorSpec(np.dtype(leaf.dtype), ((-1,) if contract.batched else ())
+                         + shape(contract.request_sizes(leaf)), leaf.name) for leaf in contract.inputs]
+    outputs = None  # stated only when numpy has every output's dtype
+    stated = [(leaf, by_torch(leaf.dtype)) for leaf in contract.outputs]
+    if stated and all(d is not None for _, d in stated):
+        outputs = Schema([TensorSpec(np.dtype(d.numpy), shape(leaf.sizes(contract.any_samples)),
+                                     leaf.name if len(stated) > 1 else None) for leaf, d in stated])
     return ModelSignature(inputs=Schema(inputs), outputs=outputs)
 
 

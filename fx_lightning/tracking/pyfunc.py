@@ -33,7 +33,7 @@ class FusedExportModel(mlflow.pyfunc.PythonModel):
         self.module, self.self_check = load_checked(directory, pyfunc_serve_options(config.get(FORMAT_KEY)))
         manifest = read_manifest(directory)
         self.contract = Contract.of(manifest, max_request_batch=sys.maxsize, max_body_bytes=sys.maxsize)
-        self.output_names: List[str] = [spec.name for spec in manifest.outputs]
+        self.output_names: List[str] = [leaf.name for leaf in self.contract.outputs]
 
     # model_input carries no type hint: MLflow would infer a schema from one (a dict of arrays has none it accepts);
     # the schema is the tensor signature the model is logged with. MLflow says so once, as a UserWarning.

@@ -245,9 +245,9 @@ def _p90(ts: Sequence[float]) -> float:
 def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = []
-    for spec in manifest.inputs:
-        shape = [2 if d == "batch" else int(d) for d in spec.shape or []]
-        dtype = getattr(torch, spec.dtype or "float32")
+    for leaf in manifest.call_signature().inputs:
+        shape = [2 if d == "batch" else int(d) for d in leaf.written_shape(manifest.dynamic_batch)]
+        dtype = getattr(torch, leaf.dtype)
         out.append(torch.randn(shape, generator=g).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype))
     return out
 
