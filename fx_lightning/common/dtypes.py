@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-__all__ = ["DType", "DTYPES", "by_torch", "by_name", "TORCH_TO_TRITON", "ONNX_TO_TRITON", "OPENVINO_TO_TRITON",
+__all__ = ["DType", "DTYPES", "by_torch", "by_name", "TORCH_TO_TRITON", "ONNX_TO_TORCH", "OPENVINO_TO_TORCH",
            "TRITON_TO_NUMPY", "TRITON_TO_V2"]
 
 
@@ -42,9 +42,9 @@ _BY_TORCH: Dict[str, DType] = {d.torch: d for d in DTYPES}
 _BY_NAME: Dict[str, DType] = {**{a: d for d in DTYPES for a in d.aliases}, **_BY_TORCH}
 
 TORCH_TO_TRITON: Dict[str, str] = {d.torch: d.triton for d in DTYPES}
-# ONNX Runtime's backend also has strings; OpenVINO's has no bf16 and no f64.
-ONNX_TO_TRITON: Dict[str, str] = {**{d.onnx: d.triton for d in DTYPES if d.onnx}, "STRING": "TYPE_STRING"}
-OPENVINO_TO_TRITON: Dict[str, str] = {d.openvino: d.triton for d in DTYPES if d.openvino}
+# An artifact's tensor types as torch names (OpenVINO's Triton backend has no bf16 and no f64).
+ONNX_TO_TORCH: Dict[str, str] = {d.onnx: d.torch for d in DTYPES if d.onnx}
+OPENVINO_TO_TORCH: Dict[str, str] = {d.openvino: d.torch for d in DTYPES if d.openvino}
 TRITON_TO_NUMPY: Dict[str, str] = {**{d.triton: d.numpy for d in DTYPES}, "TYPE_STRING": "object"}
 TRITON_TO_V2: Dict[str, str] = {**{d.triton: d.v2 for d in DTYPES}, "TYPE_STRING": "BYTES"}
 

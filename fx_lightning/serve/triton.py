@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from fx_lightning.config import Strategy
-from fx_lightning.common.dtypes import DTYPES, TORCH_TO_TRITON
+from fx_lightning.common.dtypes import ONNX_TO_TORCH, OPENVINO_TO_TORCH, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats import FORMATS
 from fx_lightning.formats.base import FormatEntry
@@ -73,9 +73,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 VERSION = "1"  # the model version directory every model's files go in
-# The torch dtype of each element type the artifacts declare (what Triton's backends take).
-_ONNX_DTYPES: Dict[str, str] = {d.onnx: d.torch for d in DTYPES if d.onnx}
-_OPENVINO_DTYPES: Dict[str, str] = {d.openvino: d.torch for d in DTYPES if d.openvino}
 
 
 @dataclass(frozen=True)
@@ -444,10 +441,10 @@ def onnx_tensors(path: Path) -> Tuple[List[LeafSpec], List[LeafSpec]]:
         if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
             raise ExportError(f"{path}: {value.name!r} is not a tensor of known rank; Triton needs one.")
         kind = onnx.TensorProto.DataType.Name(value.type.tensor_type.elem_type)
-        if kind not in _ONNX_DTYPES:
+        if kind not in ONNX_TO_TORCH:
             raise NotServable(f"{value.name!r} has ONNX type {kind}, which Triton has no data type for")
         shape = [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
-        return stated_leaf(value.name, _ONNX_DTYPES[kind], shape)
+        return stated_leaf(value.name, ONNX_TO_TORCH[kind], shape)
 
     return ([one(v) for v in graph.input if v.name not in initializers], [one(v) for v in graph.output])
 
@@ -466,13 +463,13 @@ def openvino_tensors(xml: Path) -> Tuple[List[LeafSpec], List[LeafSpec]]:
         except RuntimeError:
             raise ExportError(f"{xml}: a tensor has no name, which Triton needs to address it.") from None
         kind = port.get_element_type().get_type_name()
-        if kind not in _OPENVINO_DTYPES:
+        if kind not in OPENVINO_TO_TORCH:
             raise NotServable(f"{name!r} has OpenVINO type {kind}, which Triton's OpenVINO backend does not take "
-                              f"(it takes {', '.join(_OPENVINO_DTYPES)})")
+                              f"(it takes {', '.join(OPENVINO_TO_TORCH)})")
         shape = port.get_partial_shape()
         if shape.rank.is_dynamic:
             raise ExportError(f"{xml}: {name!r} has a dynamic rank; Triton needs a fixed one.")
-        return stated_leaf(name, _OPENVINO_DTYPES[kind], [d.get_length() if d.is_static else None for d in shape])
+        return stated_leaf(name, OPENVINO_TO_TORCH[kind], [d.get_length() if d.is_static else None for d in shape])
 
     return [one(p) for p in model.inputs], [one(p) for p in model.outputs]
 
