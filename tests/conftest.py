@@ -53,15 +53,13 @@ def _fake_cpu(monkeypatch):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    """Under ``-n 2`` (``--dist loadgroup``, pyproject's addopts) a module whose tests share a module-scoped fixture
-    (an export built once, a server started once) runs on one worker, so the fixture is built once rather than once
-    per worker; those modules go first, so that no long module starts last while the other worker idles."""
+    """Under ``-n 2`` (``--dist loadfile``, pyproject's addopts: a module's tests run on one worker, so a module-scoped
+    fixture, an export built once or a server started once, is built once rather than once per worker; xdist's
+    ``loadgroup`` would do it per module, but with pytest 9 its group never reaches the node id) the modules whose tests
+    share such a fixture go first, so that no long module starts last while the other worker idles."""
     def shares_a_fixture(item: pytest.Item) -> bool:
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values()
         return any(d and d[-1].scope == "module" for d in defs)
 
-    shared = {id(item) for item in items if shares_a_fixture(item)}
-    for item in items:
-        if id(item) in shared:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    items.sort(key=lambda item: id(item) not in shared)  # stable: the order within each part is kept
+    first = {item.module.__name__ for item in items if shares_a_fixture(item)}
+    items.sort(key=lambda item: item.module.__name__ not in first)  # stable: the order within each part is kept

@@ -106,8 +106,9 @@ SITE_BY_PATTERN = {s.dotted: s for s in SITES}
 
 # ----------------------------------------------------------------------------------------- valid values
 
-# The registered passes a user may list under passes.extra: those that work on the graph.
-BUILTIN_PASSES = sorted(n for n in registered_passes() if get_pass(n).stage.value == "graph")
+# The built-in passes a user may list under passes.extra: those that work on the graph (not the passes other test
+# modules register, which a run importing them first would otherwise draw).
+BUILTIN_PASSES = sorted(n for n in registered_passes() if get_pass(n).builtin and get_pass(n).stage.value == "graph")
 USER_PASS = "sample_passes:double_output"  # tests/sample_passes.py, importable from the tests directory
 IDENT = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,7}", fullmatch=True)
 # Text that YAML and OmegaConf must carry unchanged: any printable Unicode, but not OmegaConf's own
