@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fx_lightning.passes.graph_utils import aten_ops, module_of, node_shape
+from fx_lightning.passes.graph_utils import aten_ops, known_shape, module_of
 
 __all__ = [
     "FOREIGN",
@@ -172,16 +172,16 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
     kind = _kind(gm, node)
     data = layout_inputs(gm, node) or []
     if kind in ("reshape", "expand"):
-        shape = node_shape(node)
-        if shape is None or any(s < 0 for s in shape):
+        shape = known_shape(node)
+        if shape is None:
             raise _Unfollowable(f"the shape of {_describe(node)} is unknown: pass example_inputs so shapes are known")
         return values[data[0]].reshape(shape) if kind == "reshape" else values[data[0]].expand(shape)
 
     def lookup(arg: fx.Node) -> Any:
         if arg in values:
             return values[arg]
-        shape = node_shape(arg)
-        if arg in data and shape is not None and all(size >= 0 for size in shape):  # another part of a concatenation
+        shape = known_shape(arg)
+        if arg in data and shape is not None:  # another part of a concatenation
             return torch.full(shape, FOREIGN, dtype=torch.float64)
         raise _Unfollowable(f"{_describe(node)} takes {_describe(arg)}, computed in the graph, as an argument")
 

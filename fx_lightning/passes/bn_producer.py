@@ -30,7 +30,7 @@ from fx_lightning.passes.bn_views import (
     weights_refusal,
 )
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.graph_utils import node_shape, value_users
+from fx_lightning.passes.graph_utils import known_shape, node_shape, value_users
 
 __all__ = ["FoldPlan", "only_feeds", "op_names", "walk_back", "plan_into_producer", "picked_scale_shift",
            "concat_parts"]
@@ -158,8 +158,8 @@ def _plan_chain(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNo
         if reason is not None:
             return reason
     ctx.ensure_shapes(gm)
-    out = node_shape(layer.node)
-    if out is None or any(size < 0 for size in out):
+    out = known_shape(layer.node)
+    if out is None:
         return "shapes unknown around the layout operations: pass example_inputs so they are known"
     axis = feature_axis(layer, len(out))
     if axis < 0:

@@ -23,6 +23,7 @@ __all__ = [
     "value_users",
     "fetch_attr",
     "node_shape",
+    "known_shape",
     "call_sites",
     "get_attr_targets",
     "install_module",
@@ -52,6 +53,12 @@ def node_shape(node: Any) -> Optional[Tuple[int, ...]]:
     if isinstance(val, torch.Tensor):
         return tuple(_size(s) for s in val.shape)
     return None
+
+
+def known_shape(node: Any) -> Optional[Tuple[int, ...]]:
+    """:func:`node_shape` when every size in it is known (none symbolic), else None."""
+    shape = node_shape(node)
+    return shape if shape is not None and all(size >= 0 for size in shape) else None
 
 
 def _size(size: Any) -> int:
