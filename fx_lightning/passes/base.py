@@ -330,6 +330,13 @@ def _doc_line(fn: Callable[..., Any]) -> str:
     return (inspect.getdoc(fn) or "").split("\n")[0]
 
 
+def _user_spec(name: str, obj: Any, options: Optional[type] = None, preserves_computation: bool = True,
+               reports_changes: bool = False) -> PassSpec:
+    """A user's pass: a function, or a torch.fx ``PassBase`` (its result taken in place, changes not reported)."""
+    run = _fx_pass_fn(obj) if _is_fx_pass(obj) else obj
+    return PassSpec(name, run, options, preserves_computation, _doc_line(obj), reports_changes and run is obj)
+
+
 def register_pass(
     name: str,
     *,
@@ -352,9 +359,7 @@ def register_pass(
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        run = _fx_pass_fn(fn) if _is_fx_pass(fn) else fn
-        spec = PassSpec(name, run, options, preserves_computation, _doc_line(fn), reports_changes and run is fn)
-        _register(spec, replace)
+        _register(_user_spec(name, fn, options, preserves_computation, reports_changes), replace)
         return fn
 
     return decorator
@@ -410,11 +415,9 @@ def resolve_pass(name: str) -> PassSpec:
         return _REGISTRY[name]
     if isinstance(obj, PassSpec):
         return obj
-    if _is_fx_pass(obj):
-        return PassSpec(name=name, fn=_fx_pass_fn(obj), description=_doc_line(obj))
-    if not callable(obj):
+    if not callable(obj):  # a torch.fx PassBase, class or instance, is callable
         raise ValueError(f"{name!r} is not callable")
-    return PassSpec(name=name, fn=obj, description=_doc_line(obj))
+    return _user_spec(name, obj)
 
 
 def registered_passes() -> List[str]:

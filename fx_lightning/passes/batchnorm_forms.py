@@ -30,6 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from fx_lightning.common.imports import import_object
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
+from fx_lightning.passes.graph_utils import owner_of
 from fx_lightning.passes.module_check import output_change, record_module_inputs
 from fx_lightning.common.tolerance import MODULE_CHECK_RTOL
 
@@ -191,8 +192,7 @@ def batchnorm_forms(module: nn.Module, options: BatchNormFormsOptions, ctx: Pass
         form = declared_form(sub, forms) if path else None
         if form is None:
             continue
-        parent_path, _, name = path.rpartition(".")
-        parent = module.get_submodule(parent_path) if parent_path else module
+        parent, name = owner_of(module, path)
         kind = type(sub).__qualname__
         try:
             replacement, change = output_change(sub, lambda: _replacement(sub, form), inputs.get(id(sub)), options.rtol)

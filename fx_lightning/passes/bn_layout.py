@@ -21,7 +21,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fx_lightning.passes.graph_utils import aten_ops, known_shape, module_of
+from fx_lightning.passes.bn_views import describe
+from fx_lightning.passes.graph_utils import aten_ops, known_shape, module_of, node_arg
 
 __all__ = [
     "FOREIGN",
@@ -94,7 +95,7 @@ def _pad_mode(node: fx.Node) -> Optional[str]:
         return None
     if node.target is torch.constant_pad_nd:
         return "constant"
-    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    mode = node_arg(node, 2, "mode", "constant")
     return mode if isinstance(mode, str) else None
 
 
@@ -163,18 +164,13 @@ class _Unfollowable(Exception):
     """Raised inside :func:`run_layout` with the reason a node cannot be run on labels."""
 
 
-def _describe(node: fx.Node) -> str:
-    target = node.target if node.op != "call_function" else getattr(node.target, "__name__", node.target)
-    return f"{node.name} ({target})"
-
-
 def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
     kind = _kind(gm, node)
     data = layout_inputs(gm, node) or []
     if kind in ("reshape", "expand"):
         shape = known_shape(node)
         if shape is None:
-            raise _Unfollowable(f"the shape of {_describe(node)} is unknown: pass example_inputs so shapes are known")
+            raise _Unfollowable(f"the shape of {describe(node)} is unknown: pass example_inputs so shapes are known")
         return values[data[0]].reshape(shape) if kind == "reshape" else values[data[0]].expand(shape)
 
     def lookup(arg: fx.Node) -> Any:
@@ -183,7 +179,7 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
         shape = known_shape(arg)
         if arg in data and shape is not None:  # another part of a concatenation
             return torch.full(shape, FOREIGN, dtype=torch.float64)
-        raise _Unfollowable(f"{_describe(node)} takes {_describe(arg)}, computed in the graph, as an argument")
+        raise _Unfollowable(f"{describe(node)} takes {describe(arg)}, computed in the graph, as an argument")
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lookup)
     if kind == "average":
@@ -195,14 +191,14 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
             return getattr(args[0], str(node.target))(*args[1:], **kwargs)
         return node.target(*args, **kwargs)  # type: ignore[operator]
     except Exception as exc:  # noqa: BLE001 - any op may refuse the labels' dtype or shape: then it is not followed
-        raise _Unfollowable(f"{_describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
+        raise _Unfollowable(f"{describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
 
 
 def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, object]) -> torch.Tensor:
     """The label every output of the average carries: the maximum over its window, which must equal the minimum."""
     x = args[0]
     if not isinstance(x, torch.Tensor):
-        raise _Unfollowable(f"{_describe(node)} could not be followed")
+        raise _Unfollowable(f"{describe(node)} could not be followed")
     if node.op == "call_method" or node.target in _MEAN_FUNCTIONS:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
@@ -218,7 +214,7 @@ def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, obj
         pool = _ADAPTIVE_MAX[spatial]
         high, low = pool(x, size), -pool(-x, size)
     if not torch.equal(high, low):
-        raise _Unfollowable(f"{_describe(node)} averages values of several channels together")
+        raise _Unfollowable(f"{describe(node)} averages values of several channels together")
     return high
 
 

@@ -30,6 +30,7 @@ from fx_lightning.passes.graph_utils import (
     install_module,
     is_batchnorm_like,
     module_of,
+    node_arg,
 )
 
 __all__ = [
@@ -109,13 +110,6 @@ def _zero(padding: Any, weight: Optional[torch.Tensor] = None) -> bool:
     if isinstance(padding, (tuple, list)):
         return all(p == 0 for p in padding)
     return padding == 0
-
-
-def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """Argument ``index`` (positional) or ``name`` (keyword) of a call node."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, Refused, None]:
@@ -327,7 +321,7 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
     """A foldable BatchNorm, why this BatchNorm is not foldable (:class:`Refused`), or None (not a BatchNorm)."""
     if not is_batchnorm_node(gm, node):
         return None
-    if not node.args or not isinstance(node.args[0], fx.Node):
+    if not isinstance(bn_input(node), fx.Node):
         return Refused("input is not a graph value")
     if node.op == "call_module":
         m = module_of(gm, node)
@@ -349,11 +343,10 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
                            "statistics even in eval mode")
         weight = m.weight if getattr(m, "affine", True) else None
         bias = m.bias if getattr(m, "affine", True) else None
-        return BatchNorm(node, node.args[0], m.running_mean.numel(), m.running_mean, m.running_var, weight, bias, float(m.eps))
+        return BatchNorm(node, bn_input(node), m.running_mean.numel(), m.running_mean, m.running_var, weight, bias,
+                         float(m.eps))
     kernel = _legit_kernel(node)
     if kernel is not None:  # (input, weight, bias, running_mean, running_var, momentum, eps): eval mode by definition
-        if not isinstance(kernel.args[0], fx.Node):
-            return Refused("input is not a graph value")
         w_a, b_a, rm_a, rv_a = (kernel.args[i] for i in range(1, 5))
         training, eps = False, kernel.args[6]
     elif node.target in _F_BN:  # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
@@ -374,8 +367,7 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
         return Refused("functional batch_norm: weight or bias is computed, not a constant")
     if not isinstance(eps, (int, float)):
         return Refused("functional batch_norm: eps is not a constant")
-    return BatchNorm(node, kernel.args[0] if kernel is not None else node.args[0], rm.numel(), rm, rv, w, b,
-                     float(eps))
+    return BatchNorm(node, bn_input(node), rm.numel(), rm, rv, w, b, float(eps))
 
 
 def describe(node: Any) -> str:

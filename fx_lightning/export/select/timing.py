@@ -37,7 +37,7 @@ from torch import nn
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import Sweep, SweepPoint, TimingFailure
-from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps
+from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps, timed_call
 from fx_lightning.common.rows import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Tick", "TURNS", "WorkerRequest", "Turn", "Answer",
@@ -80,8 +80,8 @@ def time_interleaved(models: Dict[Candidate, nn.Module], inputs: Sequence[Any], 
                 if cell in runnable:
                     time.sleep(IDLE_GAP_S)
                     try:
-                        idle = _timed(models[cell[0]], args[b])
-                        back_to_back = _timed(models[cell[0]], args[b])
+                        idle = timed_call(models[cell[0]], args[b])
+                        back_to_back = timed_call(models[cell[0]], args[b])
                     except Exception as exc:  # noqa: BLE001 - e.g. a model exported for another batch size
                         runnable.discard(cell)
                         failures.append(TimingFailure(name, b, f"{type(exc).__name__}: {first_line(exc)[:200]}"))
@@ -92,12 +92,6 @@ def time_interleaved(models: Dict[Candidate, nn.Module], inputs: Sequence[Any], 
                 if progress is not None:
                     progress("timing", done, total)
     return times, failures
-
-
-def _timed(module: nn.Module, args: Sequence[Any]) -> float:
-    start = time.perf_counter()
-    module(*args)
-    return time.perf_counter() - start
 
 
 OwnSamples = Dict[Tuple[int, str], List[float]]  # (batch size, traffic) -> seconds
