@@ -159,7 +159,8 @@ class _PassRecord(_DictReadable):
     def of(cls: Type[_R], node: str, text: str, **facts: object) -> _R:
         """From ``PassResult.change``'s or ``.skip``'s arguments: the common facts typed, the others in ``details``."""
         typed, details = _split_facts(facts)
-        return cls(node, text, typed.get("into"), typed.get("kind"), typed.get("module"), details)  # type: ignore[call-arg]
+        into, kind, module = (typed.get(k) for k in _TYPED_FACTS)
+        return cls(node, text, into, kind, module, details)  # type: ignore[call-arg]
 
     def to_dict(self) -> Dict[str, object]:
         """``{"node", "what"/"reason", **facts}``: the JSON shape manifests keep (facts that are None left out)."""
@@ -230,6 +231,11 @@ class PassResult:
 PassFn = Callable[..., Optional[PassResult]]
 
 
+def _options_dict(options: Any) -> Dict[str, Any]:
+    """A pass's options as keyword arguments: a dataclass's fields, or the mapping given (None: none)."""
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+
+
 def _is_fx_pass(obj: object) -> bool:
     """A torch.fx ``PassBase``: a subclass (made with the pass's options as keyword arguments) or an instance."""
     from torch.fx.passes.infra.pass_base import PassBase
@@ -243,7 +249,7 @@ def _fx_pass_fn(fx_pass: Any) -> PassFn:
     name = fx_pass.__name__ if isinstance(fx_pass, type) else type(fx_pass).__name__
 
     def run(gm: fx.GraphModule, options: Any, ctx: PassContext) -> PassResult:
-        given = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+        given = _options_dict(options)
         if not isinstance(fx_pass, type) and given:
             raise PassError(f"{name} is registered as an instance: it takes no options (got {sorted(given)}); "
                             "register the class to have them passed to its constructor")
@@ -307,9 +313,7 @@ class PassSpec:
             return dict(options or {})
         if isinstance(options, self.options_type):
             return options
-        if dataclasses.is_dataclass(options):
-            options = dataclasses.asdict(options)
-        return self.options_type(**dict(options or {}))
+        return self.options_type(**_options_dict(options))
 
 
 _REGISTRY: Dict[str, PassSpec] = {}

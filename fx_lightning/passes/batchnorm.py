@@ -86,11 +86,11 @@ class FuseBNIntoNextOptions(_FoldOptions):
 # -------------------------------------------------------------------------------------------- passes
 
 Plan = Union[FoldPlan, str, None]  # what a fold side makes of one BatchNorm: a plan, why not, or nothing to try
+AnyBatchNorm = Union[BatchNorm, Refused]
 
 
-def _fold_all(gm: fx.GraphModule, options: _FoldOptions,
-              plan_for: Callable[[fx.Node, Union[BatchNorm, Refused], torch.dtype], Plan],
-              refusal: Callable[[fx.Node, Union[BatchNorm, Refused], str], Tuple[str, Dict[str, object]]]) -> PassResult:
+def _fold_all(gm: fx.GraphModule, options: _FoldOptions, plan_for: Callable[[fx.Node, AnyBatchNorm, torch.dtype], Plan],
+              refusal: Callable[[fx.Node, AnyBatchNorm, str], Tuple[str, Dict[str, object]]]) -> PassResult:
     """Every BatchNorm that ``plan_for`` plans a fold of, folded; each it refuses skipped with ``refusal``'s
     (reason, facts). Each planned part was checked when the plan was made (``weights_refusal``), so a refusal while
     applying it is a bug: it raises (the pass fails) rather than leave some layers folded and the BatchNorm there."""

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.bn_layout import along_axis, axis_labels, layout_inputs, run_layout
+from fx_lightning.passes.bn_layout import COPYING_PAD_MODES, along_axis, axis_labels, layout_inputs, run_layout
 from fx_lightning.passes.bn_producer import FoldPlan, picked_scale_shift
 from fx_lightning.passes.bn_views import (
     BatchNorm,
@@ -32,8 +32,6 @@ from fx_lightning.passes.bn_views import (
 from fx_lightning.passes.graph_utils import known_shape, value_users
 
 __all__ = ["Reach", "reach", "plan_into_consumers", "plan_layers", "plan_layer"]
-
-_COPYING_MODES = ("reflect", "replicate", "circular")
 
 
 @dataclass
@@ -133,7 +131,7 @@ def plan_layer(gm: fx.GraphModule, bn: BatchNorm, consumer: fx.Node, arrived: ob
         return (f"each input feature of {describe(consumer)} mixes several BatchNorm channels, or a channel with "
                 "other values (the operations between them move the channel to another axis), so no per-feature "
                 "scale reproduces the BatchNorm")
-    if not layer.zero_padding and layer.padding_mode not in _COPYING_MODES and bool((channel_of >= 0).any()):
+    if not layer.zero_padding and layer.padding_mode not in COPYING_PAD_MODES and bool((channel_of >= 0).any()):
         return (f"{describe(consumer)} pads its input with zeros: the padding would see un-normalised zeros "
                 "where the BatchNorm gives its shift")
     reason = weights_refusal(gm, layer, copy_shared)

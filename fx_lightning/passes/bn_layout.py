@@ -26,6 +26,7 @@ from fx_lightning.passes.graph_utils import aten_ops, known_shape, module_of, no
 
 __all__ = [
     "FOREIGN",
+    "COPYING_PAD_MODES",
     "layout_inputs",
     "constant_padding",
     "run_layout",
@@ -62,7 +63,7 @@ _CONCAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate, torch.stack} | 
 
 # Padding that copies values of the same tensor (so it commutes with a per-channel affine map) and padding with
 # a constant (which does not: the constant is not normalised).
-_COPYING_PAD_MODES = {"reflect", "replicate", "circular"}
+COPYING_PAD_MODES = {"reflect", "replicate", "circular"}
 _COPYING_PAD_FUNCTIONS = aten_ops("reflection_pad1d.default", "reflection_pad2d.default", "reflection_pad3d.default",
                                   "replication_pad1d.default", "replication_pad2d.default",
                                   "replication_pad3d.default", "_pad_circular.default")
@@ -144,7 +145,7 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
         return "move" if len(node.args) == 2 and _constant_index(node.args[1]) else None
     if target in _MOVE_FUNCTIONS or target in _COPYING_PAD_FUNCTIONS:
         return "move"
-    return "move" if _pad_mode(node) in _COPYING_PAD_MODES else None
+    return "move" if _pad_mode(node) in COPYING_PAD_MODES else None
 
 
 def layout_inputs(gm: fx.GraphModule, node: Any) -> Optional[List[fx.Node]]:

@@ -69,15 +69,11 @@ def walk_back(gm: fx.GraphModule, value: object) -> Tuple[object, List[fx.Node]]
     chain: List[fx.Node] = []
     while isinstance(value, fx.Node):
         inputs = layout_inputs(gm, value)
-        if inputs is None or len(inputs) != 1 or value.op == "call_function" and _is_concat(value):
+        if inputs is None or len(inputs) != 1 or concat_parts(value) is not None:
             break
         chain.append(value)
         value = inputs[0]
     return value, chain[::-1]
-
-
-def _is_concat(node: fx.Node) -> bool:
-    return concat_parts(node) is not None
 
 
 def picked_scale_shift(bn: BatchNorm, dtype: torch.dtype, channels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -292,8 +292,7 @@ class BatchNorm:
 
 def bn_input(node: fx.Node) -> Any:
     """The value a BatchNorm call normalises (its first argument; the kernel's, for the kernel form)."""
-    kernel = _legit_kernel(node)
-    call = kernel if kernel is not None else node
+    call = bn_reader(node)
     return call.args[0] if call.args else None
 
 

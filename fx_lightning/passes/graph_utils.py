@@ -128,8 +128,7 @@ def aten_ops(*names: str) -> set:
 
 _ATEN_META_OPS = aten_ops("sym_size.int", "sym_size.default", "sym_numel.default", "sym_stride.int",
                           "sym_storage_offset.default")
-_ATEN_SHAPE_DONORS = {op for op in (getattr(getattr(torch.ops.aten, n, None), "default", None)
-                                    for n in ("reshape_as", "view_as", "expand_as")) if op is not None}
+_ATEN_SHAPE_DONORS = aten_ops(*(f"{name}.default" for name in _SHAPE_DONOR_METHODS))
 
 
 def shape_only_use(user: fx.Node, value: fx.Node) -> bool:

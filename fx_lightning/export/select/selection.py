@@ -282,7 +282,8 @@ def select_max_throughput(table: BenchTable, traffic: Any = "back_to_back",
     sweeps in ``traffic`` (the smaller batch size on a tie), its p99 within ``latency_budget_ms`` when given;
     None when no sweep has such a point."""
     traffic = Traffic(traffic).value
-    points = [(point, w) for w in table.sweeps if w.traffic == traffic and _passing(table, w.artifact) for point in [w.best(latency_budget_ms)] if point is not None]
+    points = [(point, w) for w in table.sweeps if w.traffic == traffic and _passing(table, w.artifact)
+              for point in [w.best(latency_budget_ms)] if point is not None]
     if not points:
         return None
     point, w = max(points, key=lambda pw: (pw[0].throughput, -pw[0].batch_size))
