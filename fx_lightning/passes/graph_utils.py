@@ -253,10 +253,8 @@ def delete_unused_attributes(gm: fx.GraphModule) -> int:
     for full, _ in list(itertools.chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False))):
         if not needed(full):
             owner, leaf = owner_of(gm, full)
-            if leaf in owner._parameters:
-                del owner._parameters[leaf]
-            elif leaf in owner._buffers:
-                del owner._buffers[leaf]
+            owner._parameters.pop(leaf, None)
+            owner._buffers.pop(leaf, None)
     gm.delete_all_unused_submodules()
     # Containers left empty (e.g. a BatchNorm whose parameters were all dropped) go too.
     for name, mod in sorted(gm.named_modules(), key=lambda kv: -kv[0].count(".")):

@@ -153,11 +153,17 @@ def sweep_candidates(table: BenchTable, traffic: str, limit: int = SWEPT_PER_TRA
     """The passing artifacts, each with its fastest runtime settings, whose throughput at the largest batch size
     timed is within :data:`FINALIST_WITHIN` of the best there (at most ``limit``, fastest first): the others
     are too far behind to have the most throughput at a larger one."""
+    rows = _passing_timings(table, max((t.batch_size for t in table.timings), default=1), traffic)
+    return [(t.artifact, t.runtime) for t in _fastest_artifacts(rows, limit)]
+
+
+def _fastest_artifacts(rows: List[Timing], limit: int) -> List[Timing]:
+    """Each artifact's fastest of ``rows`` (timings, fastest first) within :data:`FINALIST_WITHIN` of the fastest of
+    all, at most ``limit`` of them."""
     best: Dict[str, Timing] = {}
-    for t in _passing_timings(table, max((t.batch_size for t in table.timings), default=1), traffic):
+    for t in rows:
         best.setdefault(t.artifact, t)
-    fastest = min((t.median_ms for t in best.values()), default=0.0)
-    return [(t.artifact, t.runtime) for t in best.values() if t.median_ms <= fastest * FINALIST_WITHIN][:limit]
+    return [t for t in best.values() if t.median_ms <= rows[0].median_ms * FINALIST_WITHIN][:limit]
 
 
 def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple[str, str], nn.Module],
@@ -205,8 +211,7 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
                 continue
             # The fastest ``finalists`` artifacts, not settings: three settings of one artifact would leave no room
             # for the next artifact (ONNX Runtime's three took every place from OpenVINO bf16 on mobilenet_v3_large).
-            artifacts = list(dict.fromkeys(t.artifact for t in rows
-                                           if t.median_ms <= rows[0].median_ms * FINALIST_WITHIN))[:finalists]
+            artifacts = [t.artifact for t in _fastest_artifacts(rows, finalists)]
             # And every artifact a runtime runs with its own defaults, whatever the shared bench said (runtimes in
             # one process slow each other unevenly: OpenVINO bf16 ran 7.4 ms there, 1.4-1.8 ms alone): the pick is
             # then never slower than a runtime's defaults on our own files.
@@ -262,14 +267,13 @@ def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") ->
     """The fastest artifact (with the runtime settings that made it so) at ``batch_size`` under ``traffic`` whose
     check passed (baselines are not artifacts), or None."""
     traffic = Traffic(traffic).value
-    candidates = [(t.median_ms, t.artifact, t.runtime) for t in _passing_timings(table, batch_size, traffic)]
-    if not candidates:
+    rows = _passing_timings(table, batch_size, traffic)
+    if not rows:
         return None
-    median, name, runtime = min(candidates)
+    best = min(rows, key=lambda t: (t.median_ms, t.artifact, t.runtime))  # the same median: by name, for one answer
+    median, name, runtime = best.median_ms, best.artifact, best.runtime
     settings = f", runtime settings '{runtime}'" if runtime else ""
-    alone = any(t.process == "own" for t in table.timings
-                if (t.artifact, t.runtime, t.batch_size, t.traffic) == (name, runtime, batch_size, traffic))
-    settings += ", timed in a process of its own" if alone else ""
+    settings += ", timed in a process of its own" if best.process == "own" else ""
     return Selected(name, batch_size, median,
                     f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
                     f"{table.threads} threads, {table.isa}{settings}) of the artifacts that passed their check",

@@ -302,14 +302,10 @@ def _round_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerReques
                  axes: Optional[Sequence[Optional[int]]]) -> Turns:
     """Warm up; then each turn run the rounds asked for, until asked to finish: the samples."""
     candidate = (request.candidate[0], request.candidate[1])
-    _, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, 0, request.warmup, axes=axes)
-    if failures:
-        yield Answer("error", error=failures[0].reason)
-        return
-    turn = yield Answer("ready")
     kept: Dict[Tuple[int, str], List[float]] = {}
+    turn, warmup, answer = Turn(rounds=0), request.warmup, "ready"  # the first run is the warm-up alone
     while not turn.finish:
-        samples, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, turn.rounds, 0,
+        samples, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, turn.rounds, warmup,
                                              axes=axes)
         if failures:
             yield Answer("error", error=failures[0].reason)
@@ -317,7 +313,8 @@ def _round_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerReques
         for (_, b), by_traffic in samples.items():
             for traffic, ts in by_traffic.items():
                 kept.setdefault((b, traffic), []).extend(ts)
-        turn = yield Answer("done")
+        turn = yield Answer(answer)
+        warmup, answer = 0, "done"
     yield Answer("result", [[b, traffic, ts] for (b, traffic), ts in kept.items()])
 
 
