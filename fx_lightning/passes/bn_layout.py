@@ -90,6 +90,12 @@ _ADAPTIVE_AVERAGE_MODULES = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, n
 _ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
 
 
+# The functions above by kind (a getitem and F.pad are told by their arguments).
+_FUNCTION_KINDS = (("reshape", _RESHAPE_FUNCTIONS), ("average", _MEAN_FUNCTIONS | set(_ADAPTIVE_AVERAGES)),
+                   ("expand", _EXPAND_FUNCTIONS), ("concat", _CONCAT_FUNCTIONS),
+                   ("move", _MOVE_FUNCTIONS | _COPYING_PAD_FUNCTIONS))
+
+
 def _pad_mode(node: fx.Node) -> Optional[str]:
     """The mode of a ``F.pad`` / ``aten.pad`` call ("constant" when not given), None for other nodes."""
     if node.op != "call_function" or node.target not in _PAD_FUNCTIONS:
@@ -128,24 +134,12 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
         if node.target == "mean":
             return None if "dtype" in node.kwargs else "average"
         return "expand" if node.target in _EXPAND_METHODS else ("move" if node.target in _MOVE_METHODS else None)
-    if node.op != "call_function":
+    if node.op != "call_function" or (node.target in _MEAN_FUNCTIONS and "dtype" in node.kwargs):
         return None
-    target = node.target
-    if target in _RESHAPE_FUNCTIONS:
-        return "reshape"
-    if target in _MEAN_FUNCTIONS:
-        return None if "dtype" in node.kwargs else "average"
-    if target in _ADAPTIVE_AVERAGES:
-        return "average"
-    if target in _EXPAND_FUNCTIONS:
-        return "expand"
-    if target in _CONCAT_FUNCTIONS:
-        return "concat"
-    if target is operator.getitem:
+    if node.target is operator.getitem:
         return "move" if len(node.args) == 2 and _constant_index(node.args[1]) else None
-    if target in _MOVE_FUNCTIONS or target in _COPYING_PAD_FUNCTIONS:
-        return "move"
-    return "move" if _pad_mode(node) in COPYING_PAD_MODES else None
+    kind = next((kind for kind, targets in _FUNCTION_KINDS if node.target in targets), None)
+    return kind or ("move" if _pad_mode(node) in COPYING_PAD_MODES else None)
 
 
 def layout_inputs(gm: fx.GraphModule, node: Any) -> Optional[List[fx.Node]]:
