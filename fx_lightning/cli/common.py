@@ -41,7 +41,7 @@ def import_path(path: str, flag: str) -> Any:
         raise UsageError(f"{flag}: cannot import {path!r}: {exc}") from None
 
 
-def flags_of(args: Any, record: type) -> Dict[str, Any]:
+def flags_of(args: Any, record: type) -> Dict[str, object]:
     """The flags that set fields of the options dataclass ``record`` (named as its fields), as its keyword arguments."""
     import dataclasses
 

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     return 0
 
 
-def _checkpoint_entries(checkpoint: str) -> Dict[str, Any]:
+def _checkpoint_entries(checkpoint: str) -> Dict[str, object]:
     """The checkpoint's top-level entries, read with the safe loader ({} when it cannot: they are metadata only, the
     model loaded already)."""
     import torch

@@ -8,10 +8,13 @@ and the export's README are all derived from these records.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -30,7 +33,7 @@ from fx_lightning.signature.signature import DimKind, Signature
 __all__ = ["FUSED_CLASS_NAME", "RUNTIME_DEFAULTS", "Format", "FormatEntry", "ExactReference", "WriteContext", "Writer",
            "Loader",
            "VariantMaker", "VariantRequest",
-           "fields_from", "pickled_classes", "returns_named_tuple"]
+           "fields_from", "pickled_classes", "returns_named_tuple", "quietly", "numpy_inputs"]
 
 Json = Mapping[str, Any]  # one JSON object as json.loads gives it
 
@@ -39,11 +42,6 @@ def fields_from(cls: type, data: Json) -> Dict[str, object]:
     """The keys of ``data`` that are fields of the dataclass ``cls`` (records read back from JSON)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in data.items() if k in names}
-
-
-# The fields every format entry has; the rest of a writer's entry is the format's own (``options``).
-_ENTRY_FIELDS = ("path", "loader", "files", "device", "batch_sizes", "weights_only", "pickled_code", "check", "format",
-                 "variant", "imports", "gate", "built_shapes")
 
 
 @dataclass
@@ -95,6 +93,7 @@ class FormatEntry:
     @classmethod
     def from_dict(cls, name: str, data: Json) -> "FormatEntry":
         check, gate = data.get("check"), data.get("gate")
+        common = {f.name for f in dataclasses.fields(cls)} - {"options"}  # the rest is the format's own
         return cls(
             path=str(data["path"]), loader=str(data.get("loader", "")), files=[str(f) for f in data.get("files", [])],
             device=str(data.get("device") or "cpu"), weights_only=bool(data.get("weights_only", True)),
@@ -104,7 +103,7 @@ class FormatEntry:
             format=str(data.get("format") or name), variant=data.get("variant"),
             imports=[str(i) for i in data.get("imports", [])],
             gate=ParityReport.from_dict(gate) if isinstance(gate, Mapping) else None,
-            options={k: v for k, v in data.items() if k not in _ENTRY_FIELDS},
+            options={k: v for k, v in data.items() if k not in common},
             built_shapes=[[None if d is None else int(d) for d in s] for s in data["built_shapes"]]
             if isinstance(data.get("built_shapes"), list) else None,
         )
@@ -342,6 +341,19 @@ def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> JsonObject:
             out[key] = (_merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
                         else value)
     return out
+
+
+@contextlib.contextmanager
+def quietly() -> Iterator[None]:
+    """Third-party exporters and quantisers report their steps with print() and warnings: not the user's business."""
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def numpy_inputs(values: Sequence[Any]) -> List[Any]:
+    """The tensors among ``values`` as contiguous CPU numpy arrays: what ONNX Runtime and OpenVINO take."""
+    return [t.detach().cpu().contiguous().numpy() for t in values if isinstance(t, torch.Tensor)]
 
 
 def returns_named_tuple(model: fx.GraphModule) -> bool:

@@ -18,6 +18,7 @@ from torch import nn
 
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.base import FUSED_CLASS_NAME
+from fx_lightning.passes.graph_utils import owner_of
 
 __all__ = ["generate_code"]
 
@@ -113,8 +114,7 @@ def generate_code(
     for target in dict.fromkeys(attrs):
         if inside(target):
             continue
-        owner_path, _, name = target.rpartition(".")
-        owner = model.get_submodule(owner_path) if owner_path else model
+        owner, name = owner_of(model, target)
         value = getattr(owner, name)
         if not isinstance(value, torch.Tensor):
             raise ExportError(f"get_attr {target!r} is a {type(value).__name__}, not a tensor; cannot write it as code.")

@@ -3,9 +3,6 @@ checked with ONNX Runtime when it is installed. Optional extra: ``pip install 'f
 
 from __future__ import annotations
 
-import contextlib
-import io
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
@@ -15,7 +12,8 @@ from torch import nn
 from fx_lightning.common.json_views import JsonObject
 from fx_lightning.common.batches import flat_tensors
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.formats.base import RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext
+from fx_lightning.formats.base import (RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext,
+                                       numpy_inputs, quietly)
 from fx_lightning.signature.signature import LeafSpec
 
 __all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL", "ORT_OWN_THREADS"]
@@ -62,8 +60,7 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
 
 def onnx_dynamo(ctx: WriteContext, path: Path, input_names: List[str], output_names: List[str]) -> None:
     """torch.onnx's dynamo exporter, quietly (it reports its steps with print())."""
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quietly():
         program = torch.onnx.export(ctx.export_model, ctx.args, dynamo=True, input_names=input_names,
                                     output_names=output_names, dynamic_shapes=ctx.export_dynamic_shapes, verbose=False,
                                     opset_version=ctx.onnx_opset)
@@ -79,8 +76,7 @@ def onnx_torchscript(ctx: WriteContext, path: Path, input_names: List[str], outp
         signature = ctx.exported_signature
         dynamic_axes = {n: _dynamic_axes(leaf, ctx) for n, leaf in zip(input_names, signature.inputs)}
         dynamic_axes.update({n: _dynamic_axes(leaf, ctx) for n, leaf in zip(output_names, signature.outputs)})
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quietly():
         torch.onnx.export(ctx.model, ctx.args, str(path), dynamo=False, input_names=input_names,
                           output_names=output_names, dynamic_axes=dynamic_axes, opset_version=ctx.onnx_opset)
 
@@ -139,7 +135,7 @@ class OnnxRuntimeModule(nn.Module):
         if len(tensors) != len(self.input_names):
             raise ValueError(f"the ONNX model takes {len(self.input_names)} tensor inputs "
                              f"({', '.join(self.input_names)}), got {len(tensors)}.")
-        feed = {n: t.detach().cpu().contiguous().numpy() for n, t in zip(self.input_names, tensors)}
+        feed = dict(zip(self.input_names, numpy_inputs(tensors)))
         outs = [torch.from_numpy(o).to(self.device) for o in self.session.run(None, feed)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -182,14 +178,12 @@ def _make_variant(root: Path, entry: FormatEntry, request: VariantRequest) -> Op
             batch = next(self.batches, None)
             if batch is None:
                 return None
-            tensors = [t for t in batch if isinstance(t, torch.Tensor)]
-            return {n: t.detach().cpu().contiguous().numpy() for n, t in zip(names, tensors)}
+            return dict(zip(names, numpy_inputs(batch)))
 
     folder = root / request.folder
     folder.mkdir(parents=True, exist_ok=True)
     prepared = folder / ".model.pre.onnx"
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quietly():
         try:  # shape inference and graph optimisation first, as ONNX Runtime's quantisation guide asks
             quant_pre_process(str(root / entry.path), str(prepared))
             source = prepared

@@ -13,10 +13,7 @@ In C++: ``ov::Core core; auto compiled = core.compile_model("openvino/model.xml"
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple, Union
@@ -26,7 +23,8 @@ from torch import nn
 
 from fx_lightning.common.json_views import JsonObject
 from fx_lightning.errors import ExportError, first_line
-from fx_lightning.formats.base import RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext
+from fx_lightning.formats.base import (RUNTIME_DEFAULTS, Format, FormatEntry, VariantRequest, WriteContext,
+                                       numpy_inputs, quietly)
 
 __all__ = ["FORMAT", "OpenVinoModule", "COMPILE_CONFIG", "THREADS"]
 
@@ -49,15 +47,13 @@ def _convert(ctx: WriteContext) -> Tuple[Any, str, Optional[str]]:
     try:
         with torch.no_grad():
             program = export_program(ctx)
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quietly():
             return ov.convert_model(program), "torch.export", None
     except Exception as exc:  # noqa: BLE001 - TorchScript tracing handles some graphs the FX frontend cannot
         reason = f"{type(exc).__name__}: {first_line(exc)}"
     tensors = tuple(a for a in ctx.args if isinstance(a, torch.Tensor))
     try:
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with torch.no_grad(), quietly():
             return ov.convert_model(ctx.model, example_input=tensors), "torchscript", reason
     except Exception as exc:  # noqa: BLE001
         raise ExportError(f"OpenVINO could not convert the model: torch.export route: {reason}; "
@@ -115,8 +111,7 @@ def _make_variant(root: Path, entry: FormatEntry, request: VariantRequest) -> Op
 
     model = ov.Core().read_model(str(root / entry.path / "model.xml"))
     dataset = nncf.Dataset(request.calibration, _numpy_inputs)
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quietly():
         nncf.set_log_level(40)  # ERROR: its progress bars and INFO lines are not the user's business
         quantized = nncf.quantize(model, dataset, subset_size=max(1, sum(_samples(b) for b in request.calibration)))
     folder = root / request.folder / FORMAT.path
@@ -128,7 +123,7 @@ def _make_variant(root: Path, entry: FormatEntry, request: VariantRequest) -> Op
 
 
 def _numpy_inputs(batch: tuple) -> Any:
-    arrays = [t.detach().cpu().contiguous().numpy() for t in batch if isinstance(t, torch.Tensor)]
+    arrays = numpy_inputs(batch)
     return arrays[0] if len(arrays) == 1 else tuple(arrays)
 
 
@@ -186,11 +181,11 @@ class OpenVinoModule(nn.Module):
         return compiled
 
     def forward(self, *args: Any) -> Any:
-        tensors = [a.detach().cpu().contiguous() for a in args if isinstance(a, torch.Tensor)]
-        if len(tensors) != len(self.model.inputs):
-            raise ValueError(f"the OpenVINO model takes {len(self.model.inputs)} tensor inputs, got {len(tensors)}.")
-        compiled = self._request(tuple(tuple(t.shape) for t in tensors))
-        results = compiled([t.numpy() for t in tensors], share_inputs=True, share_outputs=False)
+        arrays = numpy_inputs(args)
+        if len(arrays) != len(self.model.inputs):
+            raise ValueError(f"the OpenVINO model takes {len(self.model.inputs)} tensor inputs, got {len(arrays)}.")
+        compiled = self._request(tuple(tuple(a.shape) for a in arrays))
+        results = compiled(arrays, share_inputs=True, share_outputs=False)
         outs = [torch.from_numpy(results[port]) for port in compiled.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -9,49 +9,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from fx_lightning.passes.base import (
-    DEFAULT_ORDER,
-    USER_PASSES,
-    Change,
-    PassContext,
-    PassOptions,
-    PassResult,
-    PassSpec,
-    RemainingBatchNorm,
-    Skip,
-    Stage,
-    builtin_pass,
-    builtin_passes,
-    get_pass,
-    plan_passes,
-    register_pass,
-    registered_passes,
-    resolve_pass,
-    run_pass,
-    run_passes,
-)
+from fx_lightning.passes import base
+from fx_lightning.passes.base import *  # noqa: F401,F403 - the registry's names, listed once in its __all__
 
-__all__ = [
-    "PassContext",
-    "PassOptions",
-    "PassResult",
-    "Change",
-    "Skip",
-    "RemainingBatchNorm",
-    "PassSpec",
-    "Stage",
-    "USER_PASSES",
-    "DEFAULT_ORDER",
-    "builtin_pass",
-    "builtin_passes",
-    "get_pass",
-    "plan_passes",
-    "register_pass",
-    "registered_passes",
-    "resolve_pass",
-    "run_pass",
-    "run_passes",
-]
+__all__ = list(base.__all__)
 
 for _info in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_info.name}")

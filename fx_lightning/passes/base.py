@@ -18,7 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch.fx as fx
 
@@ -122,25 +122,12 @@ def _split_facts(facts: Mapping[str, object]) -> Tuple[Dict[str, str], Dict[str,
     return typed, {k: v for k, v in facts.items() if k not in typed}
 
 
-def _check_details(record: object, head: Tuple[str, ...], details: Mapping[str, object]) -> None:
-    """A detail may not repeat a field that is set: ``to_dict()`` would have to pick one of the two."""
-    taken = set(head) | {k for k in _TYPED_FACTS if getattr(record, k) is not None}
-    clash = sorted(taken & set(details))
-    if clash:
-        raise ValueError(f"{type(record).__name__}: details repeat the field(s) {', '.join(clash)}")
-
-
-def _flat(head: Dict[str, object], record: object, details: Mapping[str, object]) -> Dict[str, object]:
-    typed = {k: getattr(record, k) for k in _TYPED_FACTS if getattr(record, k) is not None}
-    return {**head, **typed, **details}
-
-
 class _DictReadable:
     """``record["reason"]``: the records used to be plain dicts and user code reads them that way; it keeps
     working, with a DeprecationWarning that points at the attribute to read instead."""
 
     def to_dict(self) -> Dict[str, object]:
-        raise NotImplementedError
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     def __getitem__(self, key: str) -> object:
         named = key in {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
@@ -150,10 +137,41 @@ class _DictReadable:
         return self.to_dict()[key]
 
 
+_R = TypeVar("_R", bound="_PassRecord")
+
+
+class _PassRecord(_DictReadable):
+    """What :class:`Change` and :class:`Skip` share: the node, a text field named by ``_HEAD[1]``, the common facts
+    typed, any other fact in ``details``."""
+
+    _HEAD: ClassVar[Tuple[str, str]]
+
+    def __post_init__(self) -> None:
+        # A detail may not repeat a field that is set: ``to_dict()`` would have to pick one of the two.
+        clash = sorted((set(self._HEAD) | set(self._typed())) & set(self.details))  # type: ignore[attr-defined]
+        if clash:
+            raise ValueError(f"{type(self).__name__}: details repeat the field(s) {', '.join(clash)}")
+
+    def _typed(self) -> Dict[str, object]:
+        return {k: getattr(self, k) for k in _TYPED_FACTS if getattr(self, k) is not None}
+
+    @classmethod
+    def of(cls: Type[_R], node: str, text: str, **facts: object) -> _R:
+        """From ``PassResult.change``'s or ``.skip``'s arguments: the common facts typed, the others in ``details``."""
+        typed, details = _split_facts(facts)
+        into, kind, module = (typed.get(k) for k in _TYPED_FACTS)
+        return cls(node, text, into, kind, module, details)  # type: ignore[call-arg]
+
+    def to_dict(self) -> Dict[str, object]:
+        """``{"node", "what"/"reason", **facts}``: the JSON shape manifests keep (facts that are None left out)."""
+        return {**{k: getattr(self, k) for k in self._HEAD}, **self._typed(), **self.details}  # type: ignore
+
+
 @dataclass(frozen=True)
-class Change(_DictReadable):
+class Change(_PassRecord):
     """One edit a pass made: the node (or module path, ``<graph>``...) it made it at and what it did."""
 
+    _HEAD = ("node", "what")
     node: str
     what: str
     into: Optional[str] = None  # what a BatchNorm was folded into (``describe()`` of the node(s))
@@ -162,44 +180,18 @@ class Change(_DictReadable):
     # Any other fact, by name. Left out of the hash (a dict has none), so records still go into sets.
     details: Mapping[str, object] = field(default_factory=dict, hash=False)
 
-    def __post_init__(self) -> None:
-        _check_details(self, ("node", "what"), self.details)
-
-    @classmethod
-    def of(cls, node: str, what: str, **facts: object) -> "Change":
-        """From ``PassResult.change``'s arguments: the common facts typed, the others in ``details``."""
-        typed, details = _split_facts(facts)
-        return cls(node, what, typed.get("into"), typed.get("kind"), typed.get("module"), details)
-
-    def to_dict(self) -> Dict[str, object]:
-        """``{"node", "what", **facts}``: the JSON shape manifests keep (facts that are None left out)."""
-        return _flat({"node": self.node, "what": self.what}, self, self.details)
-
 
 @dataclass(frozen=True)
-class Skip(_DictReadable):
+class Skip(_PassRecord):
     """A candidate a pass left alone, and why."""
 
+    _HEAD = ("node", "reason")
     node: str
     reason: str
     into: Optional[str] = None  # what it would have been folded into
     kind: Optional[str] = None
     module: Optional[str] = None  # the module (class name or path) left alone
-    # Any other fact, by name. Left out of the hash (a dict has none), so records still go into sets.
-    details: Mapping[str, object] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        _check_details(self, ("node", "reason"), self.details)
-
-    @classmethod
-    def of(cls, node: str, reason: str, **facts: object) -> "Skip":
-        """From ``PassResult.skip``'s arguments: the common facts typed, the others in ``details``."""
-        typed, details = _split_facts(facts)
-        return cls(node, reason, typed.get("into"), typed.get("kind"), typed.get("module"), details)
-
-    def to_dict(self) -> Dict[str, object]:
-        """``{"node", "reason", **facts}``: the JSON shape manifests keep (facts that are None left out)."""
-        return _flat({"node": self.node, "reason": self.reason}, self, self.details)
+    details: Mapping[str, object] = field(default_factory=dict, hash=False)  # as Change's
 
 
 @dataclass(frozen=True)
@@ -208,9 +200,6 @@ class RemainingBatchNorm(_DictReadable):
 
     node: str
     reason: str
-
-    def to_dict(self) -> Dict[str, object]:
-        return {"node": self.node, "reason": self.reason}
 
 
 @dataclass
@@ -242,6 +231,11 @@ class PassResult:
 PassFn = Callable[..., Optional[PassResult]]
 
 
+def _options_dict(options: Any) -> Dict[str, object]:
+    """A pass's options as keyword arguments: a dataclass's fields, or the mapping given (None: none)."""
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+
+
 def _is_fx_pass(obj: object) -> bool:
     """A torch.fx ``PassBase``: a subclass (made with the pass's options as keyword arguments) or an instance."""
     from torch.fx.passes.infra.pass_base import PassBase
@@ -255,7 +249,7 @@ def _fx_pass_fn(fx_pass: Any) -> PassFn:
     name = fx_pass.__name__ if isinstance(fx_pass, type) else type(fx_pass).__name__
 
     def run(gm: fx.GraphModule, options: Any, ctx: PassContext) -> PassResult:
-        given = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+        given = _options_dict(options)
         if not isinstance(fx_pass, type) and given:
             raise PassError(f"{name} is registered as an instance: it takes no options (got {sorted(given)}); "
                             "register the class to have them passed to its constructor")
@@ -319,9 +313,7 @@ class PassSpec:
             return dict(options or {})
         if isinstance(options, self.options_type):
             return options
-        if dataclasses.is_dataclass(options):
-            options = dataclasses.asdict(options)
-        return self.options_type(**dict(options or {}))
+        return self.options_type(**_options_dict(options))
 
 
 _REGISTRY: Dict[str, PassSpec] = {}
@@ -340,6 +332,13 @@ def _register(spec: PassSpec, replace: bool) -> None:
 
 def _doc_line(fn: Callable[..., Any]) -> str:
     return (inspect.getdoc(fn) or "").split("\n")[0]
+
+
+def _user_spec(name: str, obj: Any, options: Optional[type] = None, preserves_computation: bool = True,
+               reports_changes: bool = False) -> PassSpec:
+    """A user's pass: a function, or a torch.fx ``PassBase`` (its result taken in place, changes not reported)."""
+    run = _fx_pass_fn(obj) if _is_fx_pass(obj) else obj
+    return PassSpec(name, run, options, preserves_computation, _doc_line(obj), reports_changes and run is obj)
 
 
 def register_pass(
@@ -364,9 +363,7 @@ def register_pass(
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        run = _fx_pass_fn(fn) if _is_fx_pass(fn) else fn
-        spec = PassSpec(name, run, options, preserves_computation, _doc_line(fn), reports_changes and run is fn)
-        _register(spec, replace)
+        _register(_user_spec(name, fn, options, preserves_computation, reports_changes), replace)
         return fn
 
     return decorator
@@ -422,11 +419,9 @@ def resolve_pass(name: str) -> PassSpec:
         return _REGISTRY[name]
     if isinstance(obj, PassSpec):
         return obj
-    if _is_fx_pass(obj):
-        return PassSpec(name=name, fn=_fx_pass_fn(obj), description=_doc_line(obj))
-    if not callable(obj):
+    if not callable(obj):  # a torch.fx PassBase, class or instance, is callable
         raise ValueError(f"{name!r} is not callable")
-    return PassSpec(name=name, fn=obj, description=_doc_line(obj))
+    return _user_spec(name, obj)
 
 
 def registered_passes() -> List[str]:

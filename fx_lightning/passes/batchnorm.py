@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -25,6 +25,7 @@ from fx_lightning.passes.bn_producer import FoldPlan, plan_into_producer
 from fx_lightning.passes.bn_reasons import explain_batchnorm
 from fx_lightning.passes.bn_views import (
     BatchNorm,
+    Refused,
     apply_channel_fold,
     bn_input,
     describe,
@@ -58,104 +59,94 @@ class FoldDtype(str, Enum):
 
 
 @dataclass
-class FuseConvBNOptions(PassOptions):
+class _FoldOptions(PassOptions):
+    """What every BatchNorm fold takes."""
+
     # fp64 folding keeps fp32 results within rounding of an fp64 reference; fp32 is for devices without fp64.
     fold_dtype: FoldDtype = FoldDtype.float64
-    # A conv called at several sites gets one fused copy per site; off: such sites are skipped.
+    # A layer called at several sites gets one fused copy per site; off: such sites are skipped.
     copy_shared_modules: bool = True
 
 
 @dataclass
-class FuseLinearBNOptions(PassOptions):
-    fold_dtype: FoldDtype = FoldDtype.float64
-    copy_shared_modules: bool = True
+class FuseConvBNOptions(_FoldOptions):
+    """Fold a BatchNorm into the Conv/ConvTranspose before it."""
 
 
 @dataclass
-class FuseBNIntoNextOptions(PassOptions):
+class FuseLinearBNOptions(_FoldOptions):
+    """Fold a BatchNorm into the Linear before it."""
+
+
+@dataclass
+class FuseBNIntoNextOptions(_FoldOptions):
     """Fold a BatchNorm into the Linears/convs that read its output (pre-activation blocks, TDNN layers)."""
-
-    fold_dtype: FoldDtype = FoldDtype.float64
-    copy_shared_modules: bool = True
-
-def _dtype(fold: Any) -> torch.dtype:
-    return torch.float64 if FoldDtype(fold) is FoldDtype.float64 else torch.float32
 
 
 # -------------------------------------------------------------------------------------------- passes
 
-
-def _apply(gm: fx.GraphModule, plan: FoldPlan, copy_shared: bool) -> None:
-    """Fold every part of ``plan``. Each was checked when the plan was made (``weights_refusal``), so a refusal
-    here is a bug: it raises (the pass fails) rather than leave some layers folded and the BatchNorm in place."""
-    for fold in plan.folds:
-        reason = apply_channel_fold(gm, fold, copy_shared)
-        if reason is not None:  # pragma: no cover - planned folds passed weights_refusal
-            raise RuntimeError(f"a planned fold into {describe(fold.layer.node)} was refused: {reason}")
+Plan = Union[FoldPlan, str, None]  # what a fold side makes of one BatchNorm: a plan, why not, or nothing to try
+AnyBatchNorm = Union[BatchNorm, Refused]
 
 
-def _fold_producer(gm: fx.GraphModule, ctx: PassContext, result: PassResult, kinds: Tuple[str, ...],
-                   options: Any) -> None:
-    dtype = _dtype(options.fold_dtype)
+def _fold_all(gm: fx.GraphModule, options: _FoldOptions, plan_for: Callable[[fx.Node, AnyBatchNorm, torch.dtype], Plan],
+              refusal: Callable[[fx.Node, AnyBatchNorm, str], Tuple[str, Dict[str, object]]]) -> PassResult:
+    """Every BatchNorm that ``plan_for`` plans a fold of, folded; each it refuses skipped with ``refusal``'s
+    (reason, facts). Each planned part was checked when the plan was made (``weights_refusal``), so a refusal while
+    applying it is a bug: it raises (the pass fails) rather than leave some layers folded and the BatchNorm there."""
+    result = PassResult()
+    dtype = torch.float64 if FoldDtype(options.fold_dtype) is FoldDtype.float64 else torch.float32
     for node in list(gm.graph.nodes):
         bn = match_bn(gm, node)
-        if bn is None:
-            continue
-        plan = plan_into_producer(gm, ctx, node, bn, kinds, options.copy_shared_modules, dtype)
-        if plan is None:
-            continue
+        plan = plan_for(node, bn, dtype) if bn is not None else None
         if isinstance(plan, str):
-            producer = bn_input(node)
-            result.skip(node.name, plan, **({"into": describe(producer)} if isinstance(bn, BatchNorm) else {}))
+            reason, facts = refusal(node, bn, plan)  # type: ignore[arg-type]
+            result.skip(node.name, reason, **facts)
+        if not isinstance(plan, FoldPlan):
             continue
-        _apply(gm, plan, options.copy_shared_modules)
-        assert isinstance(bn, BatchNorm)
-        remove_batchnorm(gm, bn, bn_input(node))
-        result.change(node.name, plan.what, into=plan.into, kind=plan.kind)
-    if result.changed:
-        delete_unused_attributes(gm)
-
-
-@builtin_pass("fuse_conv_bn", options=FuseConvBNOptions)
-def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContext) -> PassResult:
-    """Fold every BatchNorm that follows a Conv/ConvTranspose (any groups), a concatenation of them, or one through
-    layout operations that keep its channels, into it."""
-    result = PassResult()
-    _fold_producer(gm, ctx, result, ("conv", "conv_transpose"), options)
-    return result
-
-
-@builtin_pass("fuse_linear_bn", options=FuseLinearBNOptions)
-def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassContext) -> PassResult:
-    """Fold a BatchNorm that follows a Linear (directly, or through layout operations such as a transpose or a
-    flatten of its leading axes) when the shapes show it normalises the Linear's output features."""
-    result = PassResult()
-    _fold_producer(gm, ctx, result, ("linear",), options)
-    return result
-
-
-@builtin_pass("fuse_bn_into_next", options=FuseBNIntoNextOptions)
-def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: PassContext) -> PassResult:
-    """Fold a BatchNorm into every Linear/conv its output reaches (through layout operations and concatenations),
-    when nothing else reads it and no zero padding is in the way; every BatchNorm left gets the reason."""
-    result = PassResult()
-    dtype = _dtype(options.fold_dtype)
-    for node in list(gm.graph.nodes):
-        bn = match_bn(gm, node)
-        if bn is None:
-            continue
-        plan = plan_into_consumers(gm, ctx, node, bn, options.copy_shared_modules, dtype) \
-            if isinstance(bn, BatchNorm) else bn.reason
-        if isinstance(plan, str):  # the reason names what blocks a fold on both sides, not only this one
-            result.skip(node.name, explain_batchnorm(gm, ctx, node, options.copy_shared_modules))
-            continue
-        _apply(gm, plan, options.copy_shared_modules)
+        for fold in plan.folds:
+            refused = apply_channel_fold(gm, fold, options.copy_shared_modules)
+            if refused is not None:  # pragma: no cover - planned folds passed weights_refusal
+                raise RuntimeError(f"a planned fold into {describe(fold.layer.node)} was refused: {refused}")
         assert isinstance(bn, BatchNorm)
         remove_batchnorm(gm, bn, bn.input)
         result.change(node.name, plan.what, into=plan.into, kind=plan.kind)
     if result.changed:
         delete_unused_attributes(gm)
     return result
+
+
+def _fold_producer(gm: fx.GraphModule, ctx: PassContext, kinds: Tuple[str, ...], options: _FoldOptions) -> PassResult:
+    return _fold_all(
+        gm, options, lambda node, bn, dtype: plan_into_producer(gm, ctx, node, bn, kinds, options.copy_shared_modules,
+                                                                dtype),
+        lambda node, bn, reason: (reason, {"into": describe(bn_input(node))} if isinstance(bn, BatchNorm) else {}))
+
+
+@builtin_pass("fuse_conv_bn", options=FuseConvBNOptions)
+def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContext) -> PassResult:
+    """Fold every BatchNorm that follows a Conv/ConvTranspose (any groups), a concatenation of them, or one through
+    layout operations that keep its channels, into it."""
+    return _fold_producer(gm, ctx, ("conv", "conv_transpose"), options)
+
+
+@builtin_pass("fuse_linear_bn", options=FuseLinearBNOptions)
+def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassContext) -> PassResult:
+    """Fold a BatchNorm that follows a Linear (directly, or through layout operations such as a transpose or a
+    flatten of its leading axes) when the shapes show it normalises the Linear's output features."""
+    return _fold_producer(gm, ctx, ("linear",), options)
+
+
+@builtin_pass("fuse_bn_into_next", options=FuseBNIntoNextOptions)
+def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: PassContext) -> PassResult:
+    """Fold a BatchNorm into every Linear/conv its output reaches (through layout operations and concatenations),
+    when nothing else reads it and no zero padding is in the way; every BatchNorm left gets the reason."""
+    copy_shared = options.copy_shared_modules
+    return _fold_all(
+        gm, options, lambda node, bn, dtype: plan_into_consumers(gm, ctx, node, bn, copy_shared, dtype)
+        if isinstance(bn, BatchNorm) else bn.reason,
+        # the reason names what blocks a fold on both sides, not only this one
+        lambda node, bn, reason: (explain_batchnorm(gm, ctx, node, copy_shared), {}))
 
 
 def unfused_batchnorm_reasons(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> List[RemainingBatchNorm]:

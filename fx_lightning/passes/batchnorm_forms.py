@@ -28,8 +28,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fx_lightning.common.imports import import_object
+from fx_lightning.common.imports import import_checked, import_object
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
+from fx_lightning.passes.graph_utils import owner_of
 from fx_lightning.passes.module_check import output_change, record_module_inputs
 from fx_lightning.common.tolerance import MODULE_CHECK_RTOL
 
@@ -77,7 +78,7 @@ def register_batchnorm_form(cls_or_name: Any, epilogue: Iterable[str] = (), eps:
 
         register_batchnorm_form(MyBNReLU, epilogue=["act"])      # forward: act(batch_norm(x))
     """
-    name = cls_or_name if isinstance(cls_or_name, str) else f"{cls_or_name.__module__}.{cls_or_name.__qualname__}"
+    name = cls_or_name if isinstance(cls_or_name, str) else _qualified(cls_or_name)
     _FORMS.insert(0, BatchNormForm(name, tuple(epilogue), eps))
 
 
@@ -103,10 +104,7 @@ class BatchNormFormsOptions(PassOptions):
             raise ValueError(f"rtol: must be a finite number >= 0, got {self.rtol}.")
         for i, item in enumerate(self.modules):
             if ":" in item.module:
-                try:
-                    cls = import_object(item.module)
-                except Exception as exc:  # noqa: BLE001 - importing user code may raise anything
-                    raise ValueError(f"modules[{i}].module: cannot import {item.module!r}: {exc}.") from None
+                cls = import_checked(item.module, f"modules[{i}].module")
                 if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
                     raise ValueError(f"modules[{i}].module: {item.module!r} is not a torch.nn.Module class.")
             elif "." not in item.module:
@@ -191,8 +189,7 @@ def batchnorm_forms(module: nn.Module, options: BatchNormFormsOptions, ctx: Pass
         form = declared_form(sub, forms) if path else None
         if form is None:
             continue
-        parent_path, _, name = path.rpartition(".")
-        parent = module.get_submodule(parent_path) if parent_path else module
+        parent, name = owner_of(module, path)
         kind = type(sub).__qualname__
         try:
             replacement, change = output_change(sub, lambda: _replacement(sub, form), inputs.get(id(sub)), options.rtol)

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.bn_layout import along_axis, axis_labels, layout_inputs, run_layout
+from fx_lightning.passes.bn_layout import COPYING_PAD_MODES, along_axis, axis_labels, layout_inputs, run_layout
 from fx_lightning.passes.bn_producer import FoldPlan, picked_scale_shift
 from fx_lightning.passes.bn_views import (
     BatchNorm,
@@ -29,11 +29,9 @@ from fx_lightning.passes.bn_views import (
     match_layer,
     weights_refusal,
 )
-from fx_lightning.passes.graph_utils import node_shape, value_users
+from fx_lightning.passes.graph_utils import known_shape, value_users
 
-__all__ = ["Reach", "reach", "plan_into_consumers", "plan_layer"]
-
-_COPYING_MODES = ("reflect", "replicate", "circular")
+__all__ = ["Reach", "reach", "plan_into_consumers", "plan_layers", "plan_layer"]
 
 
 @dataclass
@@ -89,21 +87,27 @@ def plan_into_consumers(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn:
         return f"its output reaches {', '.join(describe(s) for s in found.stops)}, not a linear layer"
     if not found.layers:
         return "nothing reads its output"
+    planned = plan_layers(gm, ctx, node, bn, found, copy_shared, dtype)
+    refusal = planned if isinstance(planned, str) else next((f for f in planned if isinstance(f, str)), None)
+    if refusal is not None:
+        return refusal
+    folds = [f for f in planned if isinstance(f, ChannelFold)]
+    kinds = sorted({f.layer.kind for f in folds})
+    return FoldPlan(folds, "folded forward", ", ".join(describe(f.layer.node) for f in folds), "+".join(kinds))
+
+
+def plan_layers(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNorm, found: Reach, copy_shared: bool,
+                dtype: torch.dtype) -> Union[List[Union[ChannelFold, str]], str]:
+    """For each layer ``found`` reaches, its fold of ``node`` (a BatchNorm) or why it cannot take it; or why the
+    BatchNorm's channel cannot be followed to them at all."""
     ctx.ensure_shapes(gm)
-    shape = node_shape(node)
-    if shape is None or len(shape) < 2 or any(size < 0 for size in shape):
+    shape = known_shape(node)
+    if shape is None or len(shape) < 2:
         return "the BatchNorm's output shape is unknown: pass example_inputs so shapes are known"
     labels = run_layout(gm, node, axis_labels(shape, 1), found.layout)
     if isinstance(labels, str):
         return labels
-    folds = []
-    for consumer in found.layers:
-        fold = plan_layer(gm, bn, consumer, labels[consumer.args[0]], copy_shared, dtype)
-        if isinstance(fold, str):
-            return fold
-        folds.append(fold)
-    kinds = sorted({f.layer.kind for f in folds})
-    return FoldPlan(folds, "folded forward", ", ".join(describe(f.layer.node) for f in folds), "+".join(kinds))
+    return [plan_layer(gm, bn, consumer, labels[consumer.args[0]], copy_shared, dtype) for consumer in found.layers]
 
 
 def plan_layer(gm: fx.GraphModule, bn: BatchNorm, consumer: fx.Node, arrived: object, copy_shared: bool,
@@ -127,7 +131,7 @@ def plan_layer(gm: fx.GraphModule, bn: BatchNorm, consumer: fx.Node, arrived: ob
         return (f"each input feature of {describe(consumer)} mixes several BatchNorm channels, or a channel with "
                 "other values (the operations between them move the channel to another axis), so no per-feature "
                 "scale reproduces the BatchNorm")
-    if not layer.zero_padding and layer.padding_mode not in _COPYING_MODES and bool((channel_of >= 0).any()):
+    if not layer.zero_padding and layer.padding_mode not in COPYING_PAD_MODES and bool((channel_of >= 0).any()):
         return (f"{describe(consumer)} pads its input with zeros: the padding would see un-normalised zeros "
                 "where the BatchNorm gives its shift")
     reason = weights_refusal(gm, layer, copy_shared)

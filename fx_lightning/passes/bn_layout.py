@@ -21,10 +21,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fx_lightning.passes.graph_utils import aten_ops, module_of, node_shape
+from fx_lightning.passes.bn_views import describe
+from fx_lightning.passes.graph_utils import aten_ops, known_shape, module_of, node_arg
 
 __all__ = [
     "FOREIGN",
+    "COPYING_PAD_MODES",
     "layout_inputs",
     "constant_padding",
     "run_layout",
@@ -61,7 +63,7 @@ _CONCAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate, torch.stack} | 
 
 # Padding that copies values of the same tensor (so it commutes with a per-channel affine map) and padding with
 # a constant (which does not: the constant is not normalised).
-_COPYING_PAD_MODES = {"reflect", "replicate", "circular"}
+COPYING_PAD_MODES = {"reflect", "replicate", "circular"}
 _COPYING_PAD_FUNCTIONS = aten_ops("reflection_pad1d.default", "reflection_pad2d.default", "reflection_pad3d.default",
                                   "replication_pad1d.default", "replication_pad2d.default",
                                   "replication_pad3d.default", "_pad_circular.default")
@@ -88,13 +90,19 @@ _ADAPTIVE_AVERAGE_MODULES = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, n
 _ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
 
 
+# The functions above by kind (a getitem and F.pad are told by their arguments).
+_FUNCTION_KINDS = (("reshape", _RESHAPE_FUNCTIONS), ("average", _MEAN_FUNCTIONS | set(_ADAPTIVE_AVERAGES)),
+                   ("expand", _EXPAND_FUNCTIONS), ("concat", _CONCAT_FUNCTIONS),
+                   ("move", _MOVE_FUNCTIONS | _COPYING_PAD_FUNCTIONS))
+
+
 def _pad_mode(node: fx.Node) -> Optional[str]:
     """The mode of a ``F.pad`` / ``aten.pad`` call ("constant" when not given), None for other nodes."""
     if node.op != "call_function" or node.target not in _PAD_FUNCTIONS:
         return None
     if node.target is torch.constant_pad_nd:
         return "constant"
-    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    mode = node_arg(node, 2, "mode", "constant")
     return mode if isinstance(mode, str) else None
 
 
@@ -126,24 +134,12 @@ def _kind(gm: fx.GraphModule, node: fx.Node) -> Optional[str]:
         if node.target == "mean":
             return None if "dtype" in node.kwargs else "average"
         return "expand" if node.target in _EXPAND_METHODS else ("move" if node.target in _MOVE_METHODS else None)
-    if node.op != "call_function":
+    if node.op != "call_function" or (node.target in _MEAN_FUNCTIONS and "dtype" in node.kwargs):
         return None
-    target = node.target
-    if target in _RESHAPE_FUNCTIONS:
-        return "reshape"
-    if target in _MEAN_FUNCTIONS:
-        return None if "dtype" in node.kwargs else "average"
-    if target in _ADAPTIVE_AVERAGES:
-        return "average"
-    if target in _EXPAND_FUNCTIONS:
-        return "expand"
-    if target in _CONCAT_FUNCTIONS:
-        return "concat"
-    if target is operator.getitem:
+    if node.target is operator.getitem:
         return "move" if len(node.args) == 2 and _constant_index(node.args[1]) else None
-    if target in _MOVE_FUNCTIONS or target in _COPYING_PAD_FUNCTIONS:
-        return "move"
-    return "move" if _pad_mode(node) in _COPYING_PAD_MODES else None
+    kind = next((kind for kind, targets in _FUNCTION_KINDS if node.target in targets), None)
+    return kind or ("move" if _pad_mode(node) in COPYING_PAD_MODES else None)
 
 
 def layout_inputs(gm: fx.GraphModule, node: Any) -> Optional[List[fx.Node]]:
@@ -163,27 +159,22 @@ class _Unfollowable(Exception):
     """Raised inside :func:`run_layout` with the reason a node cannot be run on labels."""
 
 
-def _describe(node: fx.Node) -> str:
-    target = node.target if node.op != "call_function" else getattr(node.target, "__name__", node.target)
-    return f"{node.name} ({target})"
-
-
 def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
     kind = _kind(gm, node)
     data = layout_inputs(gm, node) or []
     if kind in ("reshape", "expand"):
-        shape = node_shape(node)
-        if shape is None or any(s < 0 for s in shape):
-            raise _Unfollowable(f"the shape of {_describe(node)} is unknown: pass example_inputs so shapes are known")
+        shape = known_shape(node)
+        if shape is None:
+            raise _Unfollowable(f"the shape of {describe(node)} is unknown: pass example_inputs so shapes are known")
         return values[data[0]].reshape(shape) if kind == "reshape" else values[data[0]].expand(shape)
 
     def lookup(arg: fx.Node) -> Any:
         if arg in values:
             return values[arg]
-        shape = node_shape(arg)
-        if arg in data and shape is not None and all(size >= 0 for size in shape):  # another part of a concatenation
+        shape = known_shape(arg)
+        if arg in data and shape is not None:  # another part of a concatenation
             return torch.full(shape, FOREIGN, dtype=torch.float64)
-        raise _Unfollowable(f"{_describe(node)} takes {_describe(arg)}, computed in the graph, as an argument")
+        raise _Unfollowable(f"{describe(node)} takes {describe(arg)}, computed in the graph, as an argument")
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lookup)
     if kind == "average":
@@ -195,14 +186,14 @@ def _run(gm: fx.GraphModule, node: fx.Node, values: Dict[fx.Node, Any]) -> Any:
             return getattr(args[0], str(node.target))(*args[1:], **kwargs)
         return node.target(*args, **kwargs)  # type: ignore[operator]
     except Exception as exc:  # noqa: BLE001 - any op may refuse the labels' dtype or shape: then it is not followed
-        raise _Unfollowable(f"{_describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
+        raise _Unfollowable(f"{describe(node)} could not be followed ({type(exc).__name__}: {exc})") from None
 
 
 def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, object]) -> torch.Tensor:
     """The label every output of the average carries: the maximum over its window, which must equal the minimum."""
     x = args[0]
     if not isinstance(x, torch.Tensor):
-        raise _Unfollowable(f"{_describe(node)} could not be followed")
+        raise _Unfollowable(f"{describe(node)} could not be followed")
     if node.op == "call_method" or node.target in _MEAN_FUNCTIONS:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
@@ -218,7 +209,7 @@ def _average(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Dict[str, obj
         pool = _ADAPTIVE_MAX[spatial]
         high, low = pool(x, size), -pool(-x, size)
     if not torch.equal(high, low):
-        raise _Unfollowable(f"{_describe(node)} averages values of several channels together")
+        raise _Unfollowable(f"{describe(node)} averages values of several channels together")
     return high
 
 

@@ -30,7 +30,7 @@ from fx_lightning.passes.bn_views import (
     weights_refusal,
 )
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.graph_utils import node_shape, value_users
+from fx_lightning.passes.graph_utils import known_shape, node_shape, value_users
 
 __all__ = ["FoldPlan", "only_feeds", "op_names", "walk_back", "plan_into_producer", "picked_scale_shift",
            "concat_parts"]
@@ -69,15 +69,11 @@ def walk_back(gm: fx.GraphModule, value: object) -> Tuple[object, List[fx.Node]]
     chain: List[fx.Node] = []
     while isinstance(value, fx.Node):
         inputs = layout_inputs(gm, value)
-        if inputs is None or len(inputs) != 1 or value.op == "call_function" and _is_concat(value):
+        if inputs is None or len(inputs) != 1 or concat_parts(value) is not None:
             break
         chain.append(value)
         value = inputs[0]
     return value, chain[::-1]
-
-
-def _is_concat(node: fx.Node) -> bool:
-    return concat_parts(node) is not None
 
 
 def picked_scale_shift(bn: BatchNorm, dtype: torch.dtype, channels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +154,8 @@ def _plan_chain(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNo
         if reason is not None:
             return reason
     ctx.ensure_shapes(gm)
-    out = node_shape(layer.node)
-    if out is None or any(size < 0 for size in out):
+    out = known_shape(layer.node)
+    if out is None:
         return "shapes unknown around the layout operations: pass example_inputs so they are known"
     axis = feature_axis(layer, len(out))
     if axis < 0:

@@ -13,11 +13,11 @@ import torch
 import torch.fx as fx
 
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.bn_consumer import plan_into_consumers, plan_layer, reach
-from fx_lightning.passes.bn_layout import axis_labels, constant_padding, run_layout
+from fx_lightning.passes.bn_consumer import plan_into_consumers, plan_layers, reach
+from fx_lightning.passes.bn_layout import constant_padding
 from fx_lightning.passes.bn_producer import concat_parts, op_names, plan_into_producer, walk_back
 from fx_lightning.passes.bn_views import BatchNorm, Refused, bn_input, describe, match_bn
-from fx_lightning.passes.graph_utils import module_of, node_shape
+from fx_lightning.passes.graph_utils import module_of
 
 __all__ = ["explain_batchnorm", "op_name"]
 
@@ -139,30 +139,13 @@ def _consumer_side(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Batc
     values = {stop: next((a for a in stop.all_input_nodes if a is node or a in found.layout), node)
               for stop in found.stops}
     reached = _after(gm, found.stops, values)
-    refusals = _layer_refusals(gm, ctx, node, bn, found.layout, found.layers, copy_shared) if found.layers else []
+    planned = plan_layers(gm, ctx, node, bn, found, copy_shared, torch.float64) if found.layers else []
+    refusals = [planned] if isinstance(planned, str) else [f for f in planned if isinstance(f, str)]
     if not reached and not refusals:
         plan = plan_into_consumers(gm, ctx, node, bn, copy_shared, torch.float64)
         return plan if isinstance(plan, str) else f"{plan.into} could take it (the fold into it did not run)"
     parts = ([f"it reaches {', '.join(reached)}"] if reached else []) + list(dict.fromkeys(refusals))
     return "; and ".join(parts)
-
-
-def _layer_refusals(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: BatchNorm, layout: List[fx.Node],
-                    layers: List[fx.Node], copy_shared: bool) -> List[str]:
-    """Why each layer the values reach cannot take them (none, when all can)."""
-    ctx.ensure_shapes(gm)
-    shape = node_shape(node)
-    if shape is None or len(shape) < 2 or any(size < 0 for size in shape):
-        return ["the BatchNorm's output shape is unknown: pass example_inputs so shapes are known"]
-    labels = run_layout(gm, node, axis_labels(shape, 1), layout)
-    if isinstance(labels, str):
-        return [labels]
-    out = []
-    for consumer in layers:
-        fold = plan_layer(gm, bn, consumer, labels[consumer.args[0]], copy_shared, torch.float64)
-        if isinstance(fold, str):
-            out.append(fold)
-    return out
 
 
 def explain_batchnorm(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, copy_shared: bool = True) -> str:

@@ -30,6 +30,7 @@ from fx_lightning.passes.graph_utils import (
     install_module,
     is_batchnorm_like,
     module_of,
+    node_arg,
 )
 
 __all__ = [
@@ -111,44 +112,24 @@ def _zero(padding: Any, weight: Optional[torch.Tensor] = None) -> bool:
     return padding == 0
 
 
-def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """Argument ``index`` (positional) or ``name`` (keyword) of a call node."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, Refused, None]:
     """A Layer, why this conv/linear cannot absorb anything (:class:`Refused`), or None (not a conv/linear)."""
-    if not isinstance(node, fx.Node):
+    kind = layer_kind(gm, node)
+    if kind is None:
         return None
     if node.op == "call_module":
         m = module_of(gm, node)
-        if not isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)):
-            return None
         if type(m).forward not in _KNOWN_LAYER_FORWARDS:
             return Refused(f"{type(m).__qualname__} overrides forward")
         if m._forward_hooks or m._forward_pre_hooks:
             return Refused(f"{type(m).__qualname__} has forward hooks")
-        if isinstance(m, nn.Linear):
+        if kind == "linear":
             return Layer(node, "linear", m.weight, m.bias, 1, True, m)
-        kind = "conv_transpose" if isinstance(m, _CONVT_MODULES) else "conv"
         return Layer(node, kind, m.weight, m.bias, m.groups, _zero(m.padding, m.weight), m, m.padding_mode)
-    if node.op != "call_function":
-        return None
-    target = node.target
-    if target in _LINEAR_FN:
-        kind, groups, padding = "linear", 1, 0
-    elif target in _CONV_FN:
-        kind, groups, padding = "conv", node_arg(node, 6, "groups", 1), node_arg(node, 4, "padding", 0)
-    elif target in _CONVT_FN:
-        kind, groups, padding = "conv_transpose", node_arg(node, 6, "groups", 1), node_arg(node, 4, "padding", 0)
-    elif target in _CONVOLUTION_FN:
-        transposed = node_arg(node, 6, "transposed", False)
-        kind = "conv_transpose" if transposed else "conv"
-        groups, padding = node_arg(node, 8, "groups", 1), node_arg(node, 4, "padding", 0)
-    else:
-        return None
+    # F.linear(input, weight, bias); F.conv*(input, weight, bias, stride, padding, dilation, groups);
+    # aten.convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    groups = 1 if kind == "linear" else node_arg(node, 8 if node.target in _CONVOLUTION_FN else 6, "groups", 1)
+    padding = 0 if kind == "linear" else node_arg(node, 4, "padding", 0)
     weight = attr_tensor(gm, node_arg(node, 1, "weight"))
     if weight is None:
         return Refused(f"{describe(node)}: weight is computed in the graph, not a constant")
@@ -259,14 +240,19 @@ def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:
     """"conv", "conv_transpose" or "linear" for any conv/linear node (foldable or not), else None."""
     if not isinstance(node, fx.Node):
         return None
-    m = module_of(gm, node)
-    if isinstance(m, nn.Linear) or (node.op == "call_function" and node.target in _LINEAR_FN):
-        return "linear"
-    if isinstance(m, nn.modules.conv._ConvNd) or (
-        node.op == "call_function" and node.target in (_CONV_FN | _CONVT_FN | _CONVOLUTION_FN)
-    ):
-        return "conv_transpose" if isinstance(m, _CONVT_MODULES) or node.target in _CONVT_FN else "conv"
-    return None
+    if node.op == "call_module":
+        m = module_of(gm, node)
+        if isinstance(m, nn.Linear):
+            return "linear"
+        if isinstance(m, nn.modules.conv._ConvNd):
+            return "conv_transpose" if isinstance(m, _CONVT_MODULES) else "conv"
+        return None
+    if node.op != "call_function":
+        return None
+    if node.target in _CONVOLUTION_FN:
+        return "conv_transpose" if node_arg(node, 6, "transposed", False) else "conv"
+    return next((kind for kind, fns in (("linear", _LINEAR_FN), ("conv", _CONV_FN), ("conv_transpose", _CONVT_FN))
+                 if node.target in fns), None)
 
 
 # ------------------------------------------------------------------------------------------ BatchNorm
@@ -306,8 +292,7 @@ class BatchNorm:
 
 def bn_input(node: fx.Node) -> Any:
     """The value a BatchNorm call normalises (its first argument; the kernel's, for the kernel form)."""
-    kernel = _legit_kernel(node)
-    call = kernel if kernel is not None else node
+    call = bn_reader(node)
     return call.args[0] if call.args else None
 
 
@@ -335,7 +320,7 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
     """A foldable BatchNorm, why this BatchNorm is not foldable (:class:`Refused`), or None (not a BatchNorm)."""
     if not is_batchnorm_node(gm, node):
         return None
-    if not node.args or not isinstance(node.args[0], fx.Node):
+    if not isinstance(bn_input(node), fx.Node):
         return Refused("input is not a graph value")
     if node.op == "call_module":
         m = module_of(gm, node)
@@ -357,11 +342,10 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
                            "statistics even in eval mode")
         weight = m.weight if getattr(m, "affine", True) else None
         bias = m.bias if getattr(m, "affine", True) else None
-        return BatchNorm(node, node.args[0], m.running_mean.numel(), m.running_mean, m.running_var, weight, bias, float(m.eps))
+        return BatchNorm(node, bn_input(node), m.running_mean.numel(), m.running_mean, m.running_var, weight, bias,
+                         float(m.eps))
     kernel = _legit_kernel(node)
     if kernel is not None:  # (input, weight, bias, running_mean, running_var, momentum, eps): eval mode by definition
-        if not isinstance(kernel.args[0], fx.Node):
-            return Refused("input is not a graph value")
         w_a, b_a, rm_a, rv_a = (kernel.args[i] for i in range(1, 5))
         training, eps = False, kernel.args[6]
     elif node.target in _F_BN:  # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
@@ -382,8 +366,7 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
         return Refused("functional batch_norm: weight or bias is computed, not a constant")
     if not isinstance(eps, (int, float)):
         return Refused("functional batch_norm: eps is not a constant")
-    return BatchNorm(node, kernel.args[0] if kernel is not None else node.args[0], rm.numel(), rm, rv, w, b,
-                     float(eps))
+    return BatchNorm(node, bn_input(node), rm.numel(), rm, rv, w, b, float(eps))
 
 
 def describe(node: Any) -> str:

@@ -10,7 +10,7 @@ from torch import nn
 from dataclasses import dataclass
 
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
-from fx_lightning.passes.graph_utils import module_of
+from fx_lightning.passes.graph_utils import module_of, node_arg
 
 __all__ = ["RemoveDropoutOptions", "remove_dropout", "is_dropout_node"]
 
@@ -18,24 +18,15 @@ aten = torch.ops.aten
 
 # _DropoutNd covers Dropout, Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout.
 _DROPOUT_MODULES = (nn.modules.dropout._DropoutNd,)
-# function -> (index, name) of its `training` argument and its default
+# function -> the name of its `training` argument (the third) and that argument's default
 _DROPOUT_FUNCTIONS = {
-    F.dropout: (2, "training", True),
-    F.dropout1d: (2, "training", True),
-    F.dropout2d: (2, "training", True),
-    F.dropout3d: (2, "training", True),
-    F.alpha_dropout: (2, "training", False),
-    F.feature_alpha_dropout: (2, "training", False),
-    torch.dropout: (2, "train", None),
-    torch.alpha_dropout: (2, "train", None),
-    torch.feature_dropout: (2, "train", None),
-    torch.feature_alpha_dropout: (2, "train", None),
-    aten.dropout.default: (2, "train", None),
+    **dict.fromkeys((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d), ("training", True)),
+    **dict.fromkeys((F.alpha_dropout, F.feature_alpha_dropout), ("training", False)),
     # torch.export records eval-mode Dropout1d/2d/3d (p=0 too) as aten.feature_dropout, AlphaDropout and
     # FeatureAlphaDropout as their own ATen ops: the same identity in eval mode.
-    aten.feature_dropout.default: (2, "train", None),
-    aten.alpha_dropout.default: (2, "train", None),
-    aten.feature_alpha_dropout.default: (2, "train", None),
+    **dict.fromkeys((torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+                     aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+                     aten.feature_alpha_dropout.default), ("train", None)),
 }
 
 
@@ -67,8 +58,7 @@ def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassC
                 continue
             what = type(m).__qualname__
         elif node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS:
-            index, name, default = _DROPOUT_FUNCTIONS[node.target]
-            training = node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+            training = node_arg(node, 2, *_DROPOUT_FUNCTIONS[node.target])
             what = getattr(node.target, "__name__", str(node.target))
             if training is not False and not options.remove_active_functional:
                 result.skip(

@@ -23,6 +23,9 @@ __all__ = [
     "value_users",
     "fetch_attr",
     "node_shape",
+    "node_arg",
+    "owner_of",
+    "known_shape",
     "call_sites",
     "get_attr_targets",
     "install_module",
@@ -52,6 +55,12 @@ def node_shape(node: Any) -> Optional[Tuple[int, ...]]:
     if isinstance(val, torch.Tensor):
         return tuple(_size(s) for s in val.shape)
     return None
+
+
+def known_shape(node: Any) -> Optional[Tuple[int, ...]]:
+    """:func:`node_shape` when every size in it is known (none symbolic), else None."""
+    shape = node_shape(node)
+    return shape if shape is not None and all(size >= 0 for size in shape) else None
 
 
 def _size(size: Any) -> int:
@@ -119,8 +128,7 @@ def aten_ops(*names: str) -> set:
 
 _ATEN_META_OPS = aten_ops("sym_size.int", "sym_size.default", "sym_numel.default", "sym_stride.int",
                           "sym_storage_offset.default")
-_ATEN_SHAPE_DONORS = {op for op in (getattr(getattr(torch.ops.aten, n, None), "default", None)
-                                    for n in ("reshape_as", "view_as", "expand_as")) if op is not None}
+_ATEN_SHAPE_DONORS = aten_ops(*(f"{name}.default" for name in _SHAPE_DONOR_METHODS))
 
 
 def shape_only_use(user: fx.Node, value: fx.Node) -> bool:
@@ -156,6 +164,24 @@ def _unique_name(parent: nn.Module, base: str) -> str:
     raise AssertionError  # pragma: no cover
 
 
+def _ancestors(path: str) -> set:
+    """``a``, ``a.b`` for ``a.b.c``: the modules that hold what ``path`` names."""
+    return {".".join(path.split(".")[:i]) for i in range(1, path.count(".") + 1)}
+
+
+def owner_of(gm: nn.Module, path: str) -> Tuple[nn.Module, str]:
+    """(the module that holds what ``path`` names, its name there)."""
+    owner_name, _, leaf = path.rpartition(".")
+    return (gm.get_submodule(owner_name) if owner_name else gm), leaf
+
+
+def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` (positional) or ``name`` (keyword) of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
 def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusive: bool) -> str:
     """Make ``node`` call ``new``.
 
@@ -164,16 +190,14 @@ def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusi
     call site keeps the old module.
     """
     target = str(node.target)
-    parent_name, _, leaf = target.rpartition(".")
-    parent = gm.get_submodule(parent_name) if parent_name else gm
+    parent, leaf = owner_of(gm, target)
     if exclusive:
         setattr(parent, leaf, new)
         return target
     name = _unique_name(parent, f"{leaf}_fused")
     parent.add_module(name, new)
-    new_target = f"{parent_name}.{name}" if parent_name else name
-    node.target = new_target
-    return new_target
+    node.target = f"{target.rpartition('.')[0]}.{name}" if "." in target else name
+    return str(node.target)
 
 
 def add_constant(gm: fx.GraphModule, node_before: fx.Node, base: str, value: torch.Tensor) -> fx.Node:
@@ -195,13 +219,12 @@ def drop_replaced_attribute(gm: fx.GraphModule, node: Any) -> None:
         return
     target = str(node.target)
     gm.graph.erase_node(node)
-    prefixes = {".".join(target.split(".")[:i]) for i in range(1, target.count(".") + 1)}
+    prefixes = _ancestors(target)
     for n in gm.graph.nodes:
         if (n.op == "get_attr" and n.target == target) or (n.op == "call_module" and n.target in prefixes):
             return  # still read: by another get_attr, or by the forward of a module that holds it
-    owner_name, _, leaf = target.rpartition(".")
     try:
-        owner = gm.get_submodule(owner_name) if owner_name else gm
+        owner, leaf = owner_of(gm, target)
     except AttributeError:
         return
     owner._parameters.pop(leaf, None)
@@ -219,30 +242,24 @@ def delete_unused_attributes(gm: fx.GraphModule) -> int:
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
 
     # Ancestors of anything read or called must stay (they hold it).
-    ancestors = {".".join(p.split(".")[:i]) for p in used_attrs | called for i in range(1, p.count(".") + 1)}
+    ancestors = set().union(*map(_ancestors, used_attrs | called))
 
     def needed(full: str) -> bool:
         if full in used_attrs or full in called or full in ancestors:
             return True
         # Inside a called module: its forward reads it.
-        parts = full.split(".")
-        return any(".".join(parts[:i]) in called for i in range(1, len(parts)))
+        return bool(_ancestors(full) & called)
 
     for full, _ in list(itertools.chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False))):
         if not needed(full):
-            owner_name, _, leaf = full.rpartition(".")
-            owner = gm.get_submodule(owner_name) if owner_name else gm
-            if leaf in owner._parameters:
-                del owner._parameters[leaf]
-            elif leaf in owner._buffers:
-                del owner._buffers[leaf]
+            owner, leaf = owner_of(gm, full)
+            owner._parameters.pop(leaf, None)
+            owner._buffers.pop(leaf, None)
     gm.delete_all_unused_submodules()
     # Containers left empty (e.g. a BatchNorm whose parameters were all dropped) go too.
     for name, mod in sorted(gm.named_modules(), key=lambda kv: -kv[0].count(".")):
         if name and not needed(name) and not any(True for _ in mod.parameters()) and not any(True for _ in mod.buffers()) and not list(mod.children()):
-            parent_name, _, leaf = name.rpartition(".")
-            parent = gm.get_submodule(parent_name) if parent_name else gm
-            delattr(parent, leaf)
+            delattr(*owner_of(gm, name))
     return before - _numel(gm)
 
 

@@ -22,7 +22,7 @@ import dataclasses
 import platform
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -111,7 +111,7 @@ def bench_export(
                               f"{rounds} round(s)"):
         samples, failures = time_interleaved(models, inputs, batch_sizes, rounds, warmup, progress,
                                              axes=signature.input_axes() if signature.batched else None)
-    table.timings = [Timing(name, b, 1e3 * statistics.median(ts), 1e3 * _p90(ts), len(ts), traffic, runtime)
+    table.timings = [Timing(name, b, **_figures(ts), traffic=traffic, runtime=runtime)
                      for ((name, runtime), b), by_traffic in samples.items() for traffic, ts in by_traffic.items() if ts]
     table.failures = [f for i, f in enumerate(failures) if f not in failures[:i]]  # a runtime choice fails as its artifact
     if own_process_finalists:
@@ -153,14 +153,17 @@ def sweep_candidates(table: BenchTable, traffic: str, limit: int = SWEPT_PER_TRA
     """The passing artifacts, each with its fastest runtime settings, whose throughput at the largest batch size
     timed is within :data:`FINALIST_WITHIN` of the best there (at most ``limit``, fastest first): the others
     are too far behind to have the most throughput at a larger one."""
-    largest = max((t.batch_size for t in table.timings), default=1)
-    rows = sorted((t for t in table.timings if t.batch_size == largest and t.traffic == traffic
-                   and t.artifact in table.checks and table.checks[t.artifact].passed), key=lambda t: t.median_ms)
+    rows = _passing_timings(table, max((t.batch_size for t in table.timings), default=1), traffic)
+    return [(t.artifact, t.runtime) for t in _fastest_artifacts(rows, limit)]
+
+
+def _fastest_artifacts(rows: List[Timing], limit: int) -> List[Timing]:
+    """Each artifact's fastest of ``rows`` (timings, fastest first) within :data:`FINALIST_WITHIN` of the fastest of
+    all, at most ``limit`` of them."""
     best: Dict[str, Timing] = {}
     for t in rows:
         best.setdefault(t.artifact, t)
-    fastest = min((t.median_ms for t in best.values()), default=0.0)
-    return [(t.artifact, t.runtime) for t in best.values() if t.median_ms <= fastest * FINALIST_WITHIN][:limit]
+    return [t for t in best.values() if t.median_ms <= rows[0].median_ms * FINALIST_WITHIN][:limit]
 
 
 def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple[str, str], nn.Module],
@@ -203,15 +206,12 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
     chosen: Dict[Tuple[str, str], set] = {}
     for b in {t.batch_size for t in table.timings}:
         for traffic in Traffic:
-            rows = sorted((t for t in table.timings if t.batch_size == b and t.traffic == traffic.value
-                           and t.artifact in table.checks and table.checks[t.artifact].passed),
-                          key=lambda t: t.median_ms)
+            rows = _passing_timings(table, b, traffic.value)
             if len(rows) < 2:
                 continue
             # The fastest ``finalists`` artifacts, not settings: three settings of one artifact would leave no room
             # for the next artifact (ONNX Runtime's three took every place from OpenVINO bf16 on mobilenet_v3_large).
-            artifacts = list(dict.fromkeys(t.artifact for t in rows
-                                           if t.median_ms <= rows[0].median_ms * FINALIST_WITHIN))[:finalists]
+            artifacts = [t.artifact for t in _fastest_artifacts(rows, finalists)]
             # And every artifact a runtime runs with its own defaults, whatever the shared bench said (runtimes in
             # one process slow each other unevenly: OpenVINO bf16 ran 7.4 ms there, 1.4-1.8 ms alone): the pick is
             # then never slower than a runtime's defaults on our own files.
@@ -234,13 +234,24 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
         for i, t in enumerate(table.timings):
             ts = samples.get((t.batch_size, t.traffic))
             if (t.artifact, t.runtime) == (artifact, runtime) and ts:
-                table.timings[i] = dataclasses.replace(t, median_ms=1e3 * statistics.median(ts),
-                                                       p90_ms=1e3 * _p90(ts), rounds=len(ts), process="own")
+                table.timings[i] = dataclasses.replace(t, **_figures(ts), process="own")
 
 
-def _p90(ts: Sequence[float]) -> float:
-    return sorted(ts)[min(len(ts) - 1, int(0.9 * len(ts)))]
+def _figures(ts: Sequence[float]) -> Dict[str, Union[float, int]]:
+    """A timing's figures from its calls' seconds: the median and the 90th percentile in ms, and how many."""
+    p90 = sorted(ts)[min(len(ts) - 1, int(0.9 * len(ts)))]
+    return {"median_ms": 1e3 * statistics.median(ts), "p90_ms": 1e3 * p90, "rounds": len(ts)}
 
+
+def _passing(table: BenchTable, artifact: str) -> bool:
+    """Whether ``artifact`` is one of the export's (not a baseline) and passed its check."""
+    return artifact in table.checks and table.checks[artifact].passed
+
+
+def _passing_timings(table: BenchTable, batch_size: int, traffic: str) -> List[Timing]:
+    """The timings of the artifacts that passed their check at ``batch_size`` in ``traffic``, fastest first."""
+    return sorted((t for t in table.timings if t.batch_size == batch_size and t.traffic == traffic
+                   and _passing(table, t.artifact)), key=lambda t: t.median_ms)
 
 def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -256,16 +267,13 @@ def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") ->
     """The fastest artifact (with the runtime settings that made it so) at ``batch_size`` under ``traffic`` whose
     check passed (baselines are not artifacts), or None."""
     traffic = Traffic(traffic).value
-    candidates = [(t.median_ms, t.artifact, t.runtime) for t in table.timings
-                  if t.batch_size == batch_size and t.traffic == traffic and t.artifact in table.checks
-                  and table.checks[t.artifact].passed]
-    if not candidates:
+    rows = _passing_timings(table, batch_size, traffic)
+    if not rows:
         return None
-    median, name, runtime = min(candidates)
+    best = min(rows, key=lambda t: (t.median_ms, t.artifact, t.runtime))  # the same median: by name, for one answer
+    median, name, runtime = best.median_ms, best.artifact, best.runtime
     settings = f", runtime settings '{runtime}'" if runtime else ""
-    alone = any(t.process == "own" for t in table.timings
-                if (t.artifact, t.runtime, t.batch_size, t.traffic) == (name, runtime, batch_size, traffic))
-    settings += ", timed in a process of its own" if alone else ""
+    settings += ", timed in a process of its own" if best.process == "own" else ""
     return Selected(name, batch_size, median,
                     f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
                     f"{table.threads} threads, {table.isa}{settings}) of the artifacts that passed their check",
@@ -278,8 +286,8 @@ def select_max_throughput(table: BenchTable, traffic: Any = "back_to_back",
     sweeps in ``traffic`` (the smaller batch size on a tie), its p99 within ``latency_budget_ms`` when given;
     None when no sweep has such a point."""
     traffic = Traffic(traffic).value
-    points = [(point, w) for w in table.sweeps if w.traffic == traffic and w.artifact in table.checks
-              and table.checks[w.artifact].passed for point in [w.best(latency_budget_ms)] if point is not None]
+    points = [(point, w) for w in table.sweeps if w.traffic == traffic and _passing(table, w.artifact)
+              for point in [w.best(latency_budget_ms)] if point is not None]
     if not points:
         return None
     point, w = max(points, key=lambda pw: (pw[0].throughput, -pw[0].batch_size))
@@ -309,7 +317,7 @@ def select_by_strategy(table: BenchTable, strategy: Any, batch_size: int, traffi
 
 def _budget_refusal(table: BenchTable, traffic: str, budget: float) -> str:
     lowest = sorted(((min(w.points, key=lambda p: p.p99_ms), w) for w in table.sweeps
-                     if w.traffic == traffic and w.points and table.checks.get(w.artifact, ArtifactCheck(False)).passed),
+                     if w.traffic == traffic and w.points and _passing(table, w.artifact)),
                     key=lambda pw: pw[0].p99_ms)
     figures = "; ".join(f"{w.artifact}{f' [{w.runtime}]' if w.runtime else ''} {p.p99_ms:.2f} ms at batch "
                         f"{p.batch_size}" for p, w in lowest)

@@ -33,7 +33,7 @@ from fx_lightning.formats.batching import quiet_pieces
 from fx_lightning.common.rows import with_rows
 
 __all__ = ["SweepSettings", "REHEARSAL_SWEEP", "Runner", "sweep", "sweep_steps", "measure_batch_size", "module_runner",
-           "sweep_module", "Batching", "recorded_batching", "IDLE_GAP_S"]
+           "sweep_module", "Batching", "recorded_batching", "IDLE_GAP_S", "timed_call"]
 
 # The idle gap before a call in the ``idle`` traffic: long enough for a runtime's threads to go to sleep (the
 # wake-up the idle traffic measures) and for one runtime's spinning threads to stop slowing the next (figures:
@@ -137,11 +137,16 @@ def module_runner(module: nn.Module, inputs: Sequence[Any], axes: Sequence[Optio
         if idle:
             time.sleep(IDLE_GAP_S)
         with torch.no_grad():
-            start = time.perf_counter()
-            module(*cache[batch_size])
-            return time.perf_counter() - start
+            return timed_call(module, cache[batch_size])
 
     return run
+
+
+def timed_call(module: nn.Module, args: Sequence[Any]) -> float:
+    """Seconds one call of ``module`` on ``args`` takes."""
+    start = time.perf_counter()
+    module(*args)
+    return time.perf_counter() - start
 
 
 def sweep_module(module: nn.Module, inputs: Sequence[Any], axes: Sequence[Optional[int]], artifact: str,

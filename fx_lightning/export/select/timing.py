@@ -37,7 +37,7 @@ from torch import nn
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
 from fx_lightning.export.manifest import Sweep, SweepPoint, TimingFailure
-from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps
+from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps, timed_call
 from fx_lightning.common.rows import with_rows
 
 __all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Tick", "TURNS", "WorkerRequest", "Turn", "Answer",
@@ -80,8 +80,8 @@ def time_interleaved(models: Dict[Candidate, nn.Module], inputs: Sequence[Any], 
                 if cell in runnable:
                     time.sleep(IDLE_GAP_S)
                     try:
-                        idle = _timed(models[cell[0]], args[b])
-                        back_to_back = _timed(models[cell[0]], args[b])
+                        idle = timed_call(models[cell[0]], args[b])
+                        back_to_back = timed_call(models[cell[0]], args[b])
                     except Exception as exc:  # noqa: BLE001 - e.g. a model exported for another batch size
                         runnable.discard(cell)
                         failures.append(TimingFailure(name, b, f"{type(exc).__name__}: {first_line(exc)[:200]}"))
@@ -92,12 +92,6 @@ def time_interleaved(models: Dict[Candidate, nn.Module], inputs: Sequence[Any], 
                 if progress is not None:
                     progress("timing", done, total)
     return times, failures
-
-
-def _timed(module: nn.Module, args: Sequence[Any]) -> float:
-    start = time.perf_counter()
-    module(*args)
-    return time.perf_counter() - start
 
 
 OwnSamples = Dict[Tuple[int, str], List[float]]  # (batch size, traffic) -> seconds
@@ -308,14 +302,10 @@ def _round_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerReques
                  axes: Optional[Sequence[Optional[int]]]) -> Turns:
     """Warm up; then each turn run the rounds asked for, until asked to finish: the samples."""
     candidate = (request.candidate[0], request.candidate[1])
-    _, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, 0, request.warmup, axes=axes)
-    if failures:
-        yield Answer("error", error=failures[0].reason)
-        return
-    turn = yield Answer("ready")
     kept: Dict[Tuple[int, str], List[float]] = {}
+    turn, warmup, answer = Turn(rounds=0), request.warmup, "ready"  # the first run is the warm-up alone
     while not turn.finish:
-        samples, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, turn.rounds, 0,
+        samples, failures = time_interleaved({candidate: module}, inputs, request.batch_sizes, turn.rounds, warmup,
                                              axes=axes)
         if failures:
             yield Answer("error", error=failures[0].reason)
@@ -323,7 +313,8 @@ def _round_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerReques
         for (_, b), by_traffic in samples.items():
             for traffic, ts in by_traffic.items():
                 kept.setdefault((b, traffic), []).extend(ts)
-        turn = yield Answer("done")
+        turn = yield Answer(answer)
+        warmup, answer = 0, "done"
     yield Answer("result", [[b, traffic, ts] for (b, traffic), ts in kept.items()])
 
 
