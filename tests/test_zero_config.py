@@ -836,3 +836,51 @@ def test_a_module_symbolic_tracing_cannot_follow_is_kept_whole_and_the_rest_fuse
         got = fused(x)
         assert got.shape == want.shape == (shape[0], 5) and got.dtype == torch.float32, shape
         assert H.rel_err(got, want) < 1e-5, shape
+
+
+class Refined(pl.LightningModule):
+    """torchvision's RAFT: ``forward(..., num_flow_updates=4)``, validated (and served by its predict) with 8."""
+
+    def __init__(self, validation_steps: Optional[int]) -> None:
+        super().__init__()
+        self.validation_steps = validation_steps
+        self.inp = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16))
+        self.step, self.out = nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, steps: int = 2) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(steps):
+            h = torch.tanh(self.step(h)) + h
+        return self.out(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch[0], steps=2), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        out = self(batch[0]) if self.validation_steps is None else self(batch[0], steps=self.validation_steps)
+        self.log("val_loss", F.mse_loss(out, batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("validation_steps", [6, None])
+def test_an_argument_left_out_means_forwards_default_never_the_value_observed(tmp_path, validation_steps) -> None:
+    """Validated with steps=6, the artifact called without steps computed 6 steps where the model computes its
+    default 2 (held out: RAFT's final flow off by 120%). Leaving it out is refused, and the advice works both ways."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = Refined(validation_steps)
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    reference, x = H.fp64_copy(model), torch.randn(3, 4)
+    for fmt in ("pt2", "graph_module"):
+        fused = load_fused(cb.export_dir, fmt)
+        if validation_steps is None:  # the steps left it out: so may the caller, and it is the default
+            got, want = fused(x), reference(x.double())
+        else:
+            with pytest.raises(ExportError, match=r"steps left out, which the model takes as 2 \(forward's default\); "
+                                                  r"the artifact was built with steps=6 .*: pass steps=6"):
+                fused(x)
+            got, want = fused(x, steps=6), reference(x.double(), steps=6)  # the advice: the call it computes
+        assert got.shape == want.shape == (3, 1) and H.rel_err(got, want) < 1e-5, fmt

@@ -15,6 +15,7 @@ Where none works, the error says what was tried and how ``parity.input`` is writ
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, FXLightningError, ModelError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
-from fx_lightning.signature.signature import Observed, Signature, derive_signature
+from fx_lightning.signature.signature import ConstSpec, Observed, Signature, derive_signature
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
            "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "without_labels",
@@ -297,14 +298,33 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
     outputs that are drawn at random), the shapes of more observed calls as evidence of what varies."""
     shapes = list(observed.shapes) if observed is not None else []
     try:
-        return derive_signature([Observed(s.target, s.samples) for s in steps], lambda c: run_seeded(reference, c, 0),
-                                rerun=lambda c: run_seeded(reference, c, 1), extra_shapes=shapes,
-                                root_names=forward_parameter_names(reference), probe=probe)
+        signature = derive_signature([Observed(s.target, s.samples) for s in steps],
+                                     lambda c: run_seeded(reference, c, 0), rerun=lambda c: run_seeded(reference, c, 1),
+                                     extra_shapes=shapes, root_names=forward_parameter_names(reference), probe=probe)
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc
     except Exception as exc:  # noqa: BLE001 - the model's own code, in eval mode, on the calls it received
         raise _eval_failure(exc) from exc
+    signature.constants = [_with_default(reference, c) for c in signature.constants]
+    return signature
+
+
+def _with_default(reference: nn.Module, const: ConstSpec) -> ConstSpec:
+    """``const`` with forward's default for it recorded where that is another value: a call that leaves the argument
+    out asks for the default (torchvision's RAFT: ``num_flow_updates=4``, validated with 8), which the artifact,
+    built with the observed value, does not compute."""
+    names = forward_parameter_names(reference) or []
+    kind, key = const.steps[0] if len(const.steps) == 1 else ("", None)
+    name = names[key] if kind == "arg" and isinstance(key, int) and key < len(names) else key if kind == "kwarg" else None
+    try:
+        param = inspect.signature(reference.forward).parameters.get(str(name)) if name is not None else None
+    except (TypeError, ValueError):
+        param = None
+    if param is None or param.default is inspect.Parameter.empty or const.unread is not None or \
+            const.matches(param.default):
+        return const
+    return dataclasses.replace(const, default=repr(param.default))
 
 
 def _eval_failure(exc: Exception) -> ModelError:

@@ -24,23 +24,10 @@ import torch
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
 from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
-                                               shapes_text,
-                                               stochastic_outputs)
+                                               shapes_text, stochastic_outputs)
 
-__all__ = [
-    "DimKind",
-    "DimSpec",
-    "LeafSpec",
-    "SampleAxis",
-    "Signature",
-    "Observed",
-    "derive_signature",
-    "shape_problem",
-    "with_raw_input",
-    "describe_outputs",
-    "rebuild_outputs",
-    "class_at",
-]
+__all__ = ["DimKind", "DimSpec", "LeafSpec", "ConstSpec", "SampleAxis", "Signature", "Observed", "derive_signature",
+           "shape_problem", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at"]
 
 
 class DimKind(str, Enum):
@@ -133,6 +120,8 @@ class ConstSpec:
     text: Optional[str] = None
     # Shown by experiment not to change the outputs (:func:`unread_constant`: the values tried): any value is taken.
     unread: Optional[str] = None
+    # forward's default for it (repr) where that is another value: a call leaving it out means that one, refused.
+    default: Optional[str] = None
 
     @classmethod
     def of(cls, path: str, steps: Tuple[Tuple[str, Any], ...], value: Any, unread: Optional[str] = None
@@ -156,13 +145,15 @@ class ConstSpec:
             out["repr"] = self.text
         if self.unread is not None:
             out["unread"] = self.unread
+        if self.default is not None:
+            out["default"] = self.default
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ConstSpec":
+        text, unread, default = (None if data.get(k) is None else str(data[k]) for k in ("repr", "unread", "default"))
         return cls(str(data["path"]), tuple((str(k), v) for k, v in data.get("steps") or []), data.get("value"),
-                   None if data.get("repr") is None else str(data["repr"]),
-                   None if data.get("unread") is None else str(data["unread"]))
+                   text, unread, default)
 
 
 @dataclass

@@ -28,16 +28,21 @@ __all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs",
 
 class ArtifactInterface(nn.Module):
     """``module`` (a loaded artifact) called as ``signature`` says. ``built``: the input shapes a static artifact is
-    built for (None: it takes the sizes the signature marks as varying)."""
+    built for (None: it takes the sizes the signature marks as varying). ``as_the_module``: called by a person as the
+    model was (``load_fused``), so its tensors alone leave out the arguments built in, which means forward's defaults
+    (refused where the artifact was built with another value); else by the package with the artifact's own inputs
+    (its check, the selection's timing, a server)."""
 
     def __init__(self, module: nn.Module, signature: Signature, built: Optional[List[List[int]]] = None,
-                 what: str = "artifact") -> None:
+                 what: str = "artifact", as_the_module: bool = False) -> None:
         super().__init__()
         self.module = module
         self.signature = signature
         self.built = built
         self.what = what
         self.names = [leaf.name for leaf in signature.inputs]
+        # Only its own inputs can be the model's call too: no built-in value differs from forward's default.
+        self.inputs_alone = not (as_the_module and any(c.default is not None for c in signature.constants))
         self.eval()
 
     def __getattr__(self, name: str) -> Any:
@@ -65,8 +70,8 @@ class ArtifactInterface(nn.Module):
 
     def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
         """The artifact's positional arguments from what the caller gave."""
-        if kwargs and not args and set(kwargs) == set(self.names) and all(isinstance(v, torch.Tensor)
-                                                                          for v in kwargs.values()):
+        if self.inputs_alone and kwargs and not args and set(kwargs) == set(self.names) and all(
+                isinstance(v, torch.Tensor) for v in kwargs.values()):
             return tuple(kwargs[n] for n in self.names)
         if not self.signature.flat:
             if kwargs:
@@ -77,20 +82,26 @@ class ArtifactInterface(nn.Module):
                                   f"{len(args)}" + (_NEVER_OBSERVED.format(first=len(self.names) + 1)
                                                     if len(args) > len(self.names) else ""))
             return args
-        if not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor) for a in args):
+        if self.inputs_alone and not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor)
+                                                                                   for a in args):
             return args
         call = Call(args, kwargs)
         self._refuse_unknown(call)
         for const in self.signature.constants:  # baked into the graph: another value would be ignored silently
+            built = const.text if const.text is not None else repr(const.value)
             try:
                 given = value_at(call, _steps(const))
             except (KeyError, IndexError, AttributeError, TypeError):
-                continue  # left out: the artifact computes with the value the calls had
+                if const.default is None:
+                    continue  # left out: the artifact computes with the value the calls had, forward's default
+                raise ExportError(f"{self.what}: {const.path} left out, which the model takes as {const.default} "
+                                  f"(forward's default); the artifact was built with {const.path}={built} (its value "
+                                  "in the calls the export was built from) and computes with that value only: pass "
+                                  f"{const.path}={built}, or export from steps whose calls leave it out") from None
             if not const.matches(given):
-                built = const.text if const.text is not None else repr(const.value)
                 raise ExportError(f"{self.what}: {const.path} is {given!r}; the artifact was built with "
-                                  f"{const.path}={built} (the value of every call observed), and computes "
-                                  "with that value only")
+                                  f"{const.path}={built} (its value in the calls the export was built from), and "
+                                  "computes with that value only")
         values: List[Any] = []
         for leaf in self.signature.inputs:
             try:

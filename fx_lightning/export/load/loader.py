@@ -61,7 +61,8 @@ def load_fused(
         format, runtime = (pick.format, pick.runtime) if pick is not None else (None, "")
     else:
         runtime = runtime_for(manifest, str(getattr(format, "value", format)), batch_size, traffic, strategy)
-    return load_artifact(root, manifest, format, verify=verify, device=device, compile=compile, runtime=runtime)
+    return load_artifact(root, manifest, format, verify=verify, device=device, compile=compile, runtime=runtime,
+                         as_the_module=True)
 
 
 def selection_for(manifest: Manifest, batch_size: Optional[int] = None, traffic: Optional[str] = None,
@@ -97,7 +98,8 @@ def runtime_for(manifest: Manifest, entry: str, batch_size: Optional[int] = None
 
 
 def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, *, verify: bool = True,
-                  device: Any = None, compile: bool = False, runtime: str = "") -> nn.Module:
+                  device: Any = None, compile: bool = False, runtime: str = "", as_the_module: bool = False
+                  ) -> nn.Module:
     """:func:`load_fused` with the manifest given: an export whose manifest is not on disk yet (the selection
     times the artifacts of an export being written) loads the same way. ``runtime``: one of the format's
     ``runtime_choices`` ("": the settings it was written with)."""
@@ -124,7 +126,8 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
         module = fmt.load(root, entry, target)
         module = with_pieces(module, entry.batch_sizes, signature, f"{chosen} artifact")
         if manifest.signature is not None:  # every call checked as the signature says, before a runtime sees it
-            module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact")
+            module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact",
+                                       as_the_module=as_the_module)
         return CompiledForServing(module) if compile else module
     except ExportError:
         raise
