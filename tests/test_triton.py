@@ -350,11 +350,22 @@ def test_a_corrupted_artifact_is_refused_naming_the_file(two_io, tmp_path, name)
     ("float32", r"input 'img' is TYPE_UINT8 in the artifact, the manifest says float32"),
 ])
 def test_a_manifest_that_disagrees_with_the_artifact_is_refused(two_io, tmp_path, dtype, message):
+    """Both statements of the inputs edited alike (one edited alone is refused when read: the next test)."""
     export = _copy_export(two_io["dir"], tmp_path)
     data = json.loads((export / "manifest.json").read_text())
     data["inputs"][0]["dtype"] = data["signature"]["inputs"][0]["dtype"] = dtype
     (export / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ExportError, match=message):
+        write_triton_repository(export, tmp_path / "repo", formats=["onnx"])
+
+
+def test_a_manifest_whose_inputs_disagree_with_its_signature_is_refused(two_io, tmp_path):
+    export = _copy_export(two_io["dir"], tmp_path)
+    data = json.loads((export / "manifest.json").read_text())
+    data["inputs"][0]["dtype"] = "float32"  # the signature (what fx-lightning reads) still says uint8
+    (export / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ExportError, match=r"corrupt manifest: the dtypes of its inputs \(float32, .*\) and of its "
+                                          r"signature's inputs \(uint8, .*\) disagree"):
         write_triton_repository(export, tmp_path / "repo", formats=["onnx"])
 
 

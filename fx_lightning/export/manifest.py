@@ -406,9 +406,23 @@ def read_manifest(directory: Any) -> Manifest:
         if not isinstance(data.get(key), dict):
             raise ExportError(f"{path}: corrupt manifest: '{key}' is missing or not an object.")
     try:
-        return Manifest.from_dict(data)
+        manifest = Manifest.from_dict(data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ExportError(f"{path}: corrupt manifest: {type(exc).__name__}: {exc}") from None
+    _refuse_disagreeing_views(manifest, path)
+    return manifest
+
+
+def _refuse_disagreeing_views(manifest: Manifest, path: Path) -> None:
+    """``inputs`` (for readers without fx-lightning) and ``signature`` (what fx-lightning reads) state the same
+    tensors: where an edit made them differ, one of them is wrong, and a server would trust the other."""
+    if manifest.signature is None:
+        return
+    views = [v.get("dtype") for v in manifest.inputs if is_tensor(v)]
+    leaves = [leaf.dtype for leaf in manifest.signature.inputs]
+    if len(views) == len(leaves) and views != leaves:  # (a nested argument is one view and several leaves)
+        raise ExportError(f"{path}: corrupt manifest: the dtypes of its inputs ({', '.join(map(str, views))}) and of "
+                          f"its signature's inputs ({', '.join(leaves)}) disagree")
 
 
 def verify_files(root: Path, manifest: Manifest, fmt: Optional[str] = None) -> None:
