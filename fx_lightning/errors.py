@@ -265,6 +265,10 @@ def _extend(items: ListConfig, values: Sequence[Any], path: str) -> None:
     """Append ``values`` to ``items`` (the list at key ``path``): a record item as the record merged key by key."""
     element = items._metadata.element_type
     for i, value in enumerate(values):
+        if dataclasses.is_dataclass(element) and not isinstance(value, dict):  # (a pass's name was made a mapping)
+            keys = [f.name for f in dataclasses.fields(element)]
+            raise ConfigError(f"{path}[{i}]: expected {'a name or ' if 'name' in keys else ''}a mapping with keys "
+                              f"{', '.join(keys)}, got {type(value).__name__} {value!r:.80}.")
         try:
             if dataclasses.is_dataclass(element) and isinstance(value, dict):
                 items.append(OmegaConf.structured(element))

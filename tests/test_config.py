@@ -49,6 +49,7 @@ BAD: List[Any] = [
     ({"passes": {"fuse_conv_bn": {"fold_dtype": "float16"}}}, "passes.fuse_conv_bn.fold_dtype", "float64, float32"),
     ({"passes": {"remove_dropout": "yes"}}, "passes.remove_dropout", "'yes'"),
     ({"passes": {"extra": ["no_such_pass"]}}, "passes.extra[0].name", "unknown pass 'no_such_pass'"),
+    ({"passes": {"extra": [5]}}, "passes.extra[0]", "expected a name or a mapping with keys name, enabled, options"),
     ({"passes": {"extra": ["fuse_conv_bn", {"nmae": "x"}]}}, "passes.extra[1].nmae", "Did you mean"),
     ({"passes": {"extra": ["no_such_module_xyz:fn"]}}, "passes.extra[0].name", "no_such_module_xyz"),
     ({"passes": {"extra": [{"name": "fuse_conv_bn", "options": {"bogus": 1}}]}},

@@ -157,3 +157,8 @@ def test_rank_zeros_export_failure_reaches_every_rank(tmp_path: Path, monkeypatc
     assert ranks[0][1] == ["all_gather", "broadcast from 0", "broadcast from 0"]
     assert "No space left on device" in _same_failure([o for o, _ in ranks])
     assert ranks[1][0].failure.where == " on rank 0 of 2" and all(o.export_dir is None for o, _ in ranks)
+
+
+def test_the_load_function_itself_is_refused_with_what_to_pass() -> None:
+    with pytest.raises(TypeError, match=r"pass load_source\(load, progress\), not the load function"):
+        run_pipeline(load_config({}), lambda: Source(_model(), Batches([], "val")), Destination(None))

@@ -59,10 +59,13 @@ def _str_enum(name: str, members: Iterable[str], doc: str) -> Any:
     OmegaConf validates an enum value by member *name* and rejects ``typing.Literal``; a ``str`` member
     compares equal to its value; the functional API allows members named after keywords (``raise``:
     ``OnError["raise"]``); ``module`` makes members picklable by name (Lightning copies callbacks across
-    processes).
+    processes); ``str()`` and f-strings give the value (``NHWC``, not ``Layout.NHWC``), as the plain strings they
+    stand for (the manifest's ``Preprocess`` fields) did.
     """
     cls = Enum(name, [(m, m) for m in members], type=str, module=__name__, qualname=name)  # type: ignore[misc]
     cls.__doc__ = doc
+    cls.__str__ = lambda self: str(self.value)  # type: ignore[method-assign]
+    cls.__format__ = lambda self, spec: format(str(self.value), spec)  # type: ignore[method-assign]
     return cls
 
 

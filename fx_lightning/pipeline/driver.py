@@ -223,6 +223,9 @@ def run_pipeline(
     rank (every rank then skips). ``progress``: where each step
     says it started and ended (default: plain lines through the ``fx_lightning.progress`` logger); the outcome
     keeps their times. The libraries' own INFO lines are kept out meanwhile (:func:`quiet_libraries`)."""
+    if callable(source):  # the load function earlier versions took: it would fail below as an attribute error
+        raise TypeError("run_pipeline() takes the loaded Source (or what loading raised): pass "
+                        "load_source(load, progress), not the load function")
     progress = progress if progress is not None else log_lines()
     try:
         with quiet_libraries():
