@@ -41,8 +41,10 @@ class ArtifactInterface(nn.Module):
         self.built = built
         self.what = what
         self.names = [leaf.name for leaf in signature.inputs]
-        # Only its own inputs can be the model's call too: no built-in value differs from forward's default.
-        self.inputs_alone = not (as_the_module and any(c.default is not None for c in signature.constants))
+        # Its own inputs alone, by position or name, are taken as its call unless they could be the model's call
+        # too (each input is an argument of forward) leaving out a built-in value whose default is another one.
+        self.inputs_alone = not (as_the_module and any(c.default is not None for c in signature.constants)
+                                 and all(len(leaf.steps) == 1 for leaf in signature.inputs))
         self.eval()
 
     def __getattr__(self, name: str) -> Any:

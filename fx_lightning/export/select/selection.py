@@ -253,6 +253,7 @@ def _passing_timings(table: BenchTable, batch_size: int, traffic: str) -> List[T
     return sorted((t for t in table.timings if t.batch_size == batch_size and t.traffic == traffic
                    and _passing(table, t.artifact)), key=lambda t: t.median_ms)
 
+
 def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = []
