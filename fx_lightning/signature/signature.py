@@ -569,7 +569,8 @@ def shape_problem(specs: Sequence[LeafSpec], leaves: Sequence[Any], built: Optio
             static = built[i][d] if built is not None else (dim.size if dim.kind is DimKind.fixed else None)
             if static is not None and size != static:
                 what = {DimKind.fixed: "a fixed size", DimKind.sample: "the sample axis",
-                        DimKind.variable: f"a size that varied ({dim.low}..{dim.high} seen)"}[dim.kind]
+                        DimKind.variable: f"a size that varied ({dim.low}..{dim.high} seen)" if dim.low != dim.high
+                        else f"a size shown to vary by a call resized, only {dim.low} seen"}[dim.kind]
                 return (f"input {spec.name} ({spec.path}) dim {d} is {size}; the artifact was built for {static} "
                         f"there ({what}{', exported for that size only' if dim.kind is not DimKind.fixed else ''})")
     rows = {f"{spec.name} dim {spec.sample_axis}": int(t.shape[spec.sample_axis])
