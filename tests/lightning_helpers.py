@@ -126,17 +126,11 @@ class LitClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-class FlatLit(pl.LightningModule):
-    """No ``backbone``: the whole module is the default target."""
+class CrossEntropySteps(pl.LightningModule):
+    """The steps of a classifier trained on ``(x, y)`` batches with SGD at ``lr``: a subclass declares its layers
+    and ``forward``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
-                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.classifier = nn.Linear(4, NUM_CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+    lr = 0.01
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -147,7 +141,22 @@ class FlatLit(pl.LightningModule):
         self.log("val_loss", F.cross_entropy(self(x), y))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class FlatLit(CrossEntropySteps):
+    """No ``backbone``: the whole module is the default target."""
+
+    lr = 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classifier = nn.Linear(4, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
 
 
 def make_trainer(tmp_path: Path, callbacks: List[Any], **kwargs: Any) -> pl.Trainer:

@@ -706,7 +706,7 @@ def test_a_module_keeping_a_tensor_with_autograd_history_is_fused_and_left_as_it
     assert got.shape == want.shape and got.dtype == torch.float32 and H.rel_err(got, want) < 1e-5
 
 
-class M5(pl.LightningModule):
+class M5(H.CrossEntropySteps):
     """torchaudio's speech-command tutorial (M5): ``F.avg_pool1d(x, x.shape[-1])``, a kernel torch.export cannot keep
     dynamic, on clips of one length: the length is shown to vary only by experiment."""
 
@@ -719,15 +719,6 @@ class M5(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.max_pool1d(F.relu(self.bn(self.conv(x))), 2)
         return self.fc(F.avg_pool1d(h, h.shape[-1]).squeeze(-1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return F.cross_entropy(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def test_a_length_torch_export_cannot_keep_dynamic_is_fixed_only_in_the_formats_made_with_it(tmp_path) -> None:
@@ -791,7 +782,7 @@ def test_an_output_whose_length_fp64_changes_is_checked_against_the_model_at_its
         assert got.shape == want.shape and H.rel_err(got, want) < 1e-5, fmt  # the model's own rows at fp32
 
 
-class WithWeightsTransforms(pl.LightningModule):
+class WithWeightsTransforms(H.CrossEntropySteps):
     """torchvision's deployment pattern: the weights' own preprocessing (``weights.transforms()``: resize, centre
     crop, normalise) inside forward. Symbolic tracing fails in it (``F_pil.get_dimensions`` on a Proxy, a call fx
     does not patch when told to keep the function whole) and torch.export on ``(std == 0).any()``: the module is
@@ -807,15 +798,6 @@ class WithWeightsTransforms(pl.LightningModule):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(self.preprocess(images))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return F.cross_entropy(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def test_a_module_symbolic_tracing_cannot_follow_is_kept_whole_and_the_rest_fused(tmp_path) -> None:

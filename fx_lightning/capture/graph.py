@@ -310,7 +310,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
             graph = tracer.trace(working, concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
         error = _explain_fx_failure(working, tracer, exc)
-        error.keep_whole = _what_to_keep_whole(working, tracer, exc)  # type: ignore[attr-defined]
+        error.keep_function = _failing_function(exc)  # type: ignore[attr-defined]
         error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
     name = working.__class__.__name__
@@ -342,10 +342,11 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
     graph the passes can still work on. None: nothing more to keep whole, or it still fails."""
     kept: List[Any] = []
     while len(kept) < MAX_KEPT_WHOLE:
-        more = getattr(error, "keep_whole", None)
+        module = getattr(error, "keep_module", None)
+        more = getattr(error, "keep_function", None) or module
         if more is not None and more in kept:  # kept whole, it still fails there (a call fx does not patch, as
             kept.remove(more)                  # ``module.function(...)``): its module is kept whole instead
-            more = getattr(error, "keep_module", None)
+            more = module
         if more is None or more in kept:
             return None
         kept.append(more)
@@ -361,15 +362,15 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
     return None
 
 
-def _what_to_keep_whole(root: nn.Module, tracer: FXLeafTracer, exc: BaseException) -> Optional[Any]:
-    """What symbolic tracing failed in: the module-level function of the innermost user frame, else the innermost
-    module's class (not the root: kept whole, nothing would be fused)."""
+def _failing_function(exc: BaseException) -> Optional[types.FunctionType]:
+    """The module-level function of the innermost user frame symbolic tracing failed in (None: that frame is not
+    one: a method, a nested function)."""
     for fs in reversed(_user_frames(exc)):
         fn = fs.f_globals.get(fs.f_code.co_name)
         if isinstance(fn, types.FunctionType) and fn.__code__ is fs.f_code:
             return fn
         break
-    return _failing_module_class(root, tracer)
+    return None
 
 
 def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[type]:

@@ -306,21 +306,23 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc
     except Exception as exc:  # noqa: BLE001 - the model's own code, in eval mode, on the calls it received
         raise _eval_failure(exc) from exc
-    signature.constants = [_with_default(reference, c) for c in signature.constants]
+    try:
+        parameters = inspect.signature(reference.forward).parameters
+    except (TypeError, ValueError):  # forward's signature unknown: no default to tell a left-out argument by
+        return signature
+    names = forward_parameter_names(reference) or []
+    signature.constants = [_with_default(c, parameters, names) for c in signature.constants]
     return signature
 
 
-def _with_default(reference: nn.Module, const: ConstSpec) -> ConstSpec:
-    """``const`` with forward's default for it recorded where that is another value: a call that leaves the argument
-    out asks for the default (torchvision's RAFT: ``num_flow_updates=4``, validated with 8), which the artifact,
-    built with the observed value, does not compute."""
-    names = forward_parameter_names(reference) or []
+def _with_default(const: ConstSpec, parameters: Mapping[str, inspect.Parameter], names: Sequence[str]
+                  ) -> ConstSpec:
+    """``const`` with forward's default for it (``parameters``; ``names``: forward's positional ones) recorded where
+    that is another value: a call that leaves the argument out asks for the default (torchvision's RAFT:
+    ``num_flow_updates=4``, validated with 8), which the artifact, built with the observed value, does not compute."""
     kind, key = const.steps[0] if len(const.steps) == 1 else ("", None)
     name = names[key] if kind == "arg" and isinstance(key, int) and key < len(names) else key if kind == "kwarg" else None
-    try:
-        param = inspect.signature(reference.forward).parameters.get(str(name)) if name is not None else None
-    except (TypeError, ValueError):
-        param = None
+    param = parameters.get(str(name)) if name is not None else None
     if param is None or param.default is inspect.Parameter.empty or const.unread is not None or \
             const.matches(param.default):
         return const
