@@ -47,9 +47,13 @@ from fx_lightning.export.files import sha256_file
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, SkippedArtifact,
                                               TritonModel, TritonOptions, TritonRepository, config_text,
-                                              default_model_name, describe, readme_text, stated_leaf)
+                                              contract_model, default_model_name, describe, readme_text,
+                                              stated_leaf)
 from fx_lightning.signature.signature import LeafSpec
-from fx_lightning.serve.triton_python import ENTRY_PARAMETER, MODEL_PY, python_copies, python_model
+from fx_lightning.serve.artifact import artifact_for
+from fx_lightning.serve.contract import Contract
+from fx_lightning.serve.triton_python import (ENTRY_PARAMETER, MODEL_PY, STRATEGY_PARAMETER, python_copies,
+                                              selection_options)
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
@@ -90,38 +94,14 @@ class NotServable(Exception):
     """An entry this backend cannot serve (a data type it lacks): skipped, or refused when asked for by name."""
 
 
-def write_triton_repository(
-    export_dir: Any,
-    out_dir: Any,
-    *,
-    name: Optional[str] = None,
-    formats: Optional[Sequence[str]] = None,
-    max_batch_size: Optional[int] = None,
-    instances: int = 1,
-    dynamic_batching: bool = True,
-    preferred_batch_sizes: Optional[Sequence[int]] = None,
-    max_queue_delay_us: Optional[int] = None,
-    overwrite: bool = False,
-    python: bool = True,
-) -> TritonRepository:
+def write_triton_repository(export_dir: Any, out_dir: Any, **fields: Any) -> TritonRepository:
     """Write a Triton model repository in ``out_dir`` from the export in ``export_dir``; returns what was written.
-
-    ``formats``: the manifest entries to write (default: every one Triton can serve). ``max_batch_size``: for
-    dynamic-batch artifacts (default 8; 0: Triton does not batch, dims are full shapes); an artifact built for
-    fixed batch sizes gets 0 (a value > 0 is refused). ``instances``: CPU instances of each model.
-    ``dynamic_batching``, ``preferred_batch_sizes``, ``max_queue_delay_us``: Triton's dynamic batcher, written
-    only for a model that batches. ``max_batch_size``, ``preferred_batch_sizes`` and ``max_queue_delay_us`` left
-    None come from the export's throughput sweep of each artifact when it recorded one (the model's notes say so),
-    else the defaults (8, Triton's default, 100 us). ``overwrite``: replace model directories of the same names. ``python``: also
-    Python-backend models (:mod:`fx_lightning.serve.triton_python`): ``NAME`` serving the export's selection as
-    ``fx-lightning serve`` does, and ``NAME_<entry>`` for each pt2/aoti artifact and variant.
+    ``fields``: the :class:`TritonOptions` (what to write, how Triton is to run it).
 
     Raises :class:`ConfigError` for a bad option (naming it, the value and what is allowed) and
     :class:`ExportError` when the export is not one Triton can serve or a file does not match the manifest
     (nothing is written then)."""
-    options = TritonOptions(name, list(formats) if formats is not None else None, max_batch_size, instances,
-                            dynamic_batching, list(preferred_batch_sizes) if preferred_batch_sizes else None,
-                            max_queue_delay_us, overwrite, python)
+    options = TritonOptions(**fields)
     options.check()
     root, out = Path(export_dir), Path(out_dir)
     manifest = read_manifest(root)
@@ -183,20 +163,36 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
 
 def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path,
                   options: TritonOptions) -> TritonModel:
-    batched = manifest.call_signature().batched
+    """A Python-backend model of artifact ``entry`` (None: the export's selection; its max-throughput pick when the
+    batching came from its sweep), stated from the export's contract exactly as ``fx-lightning serve`` states it
+    (the record :func:`contract_model` makes for both)."""
     swept, note = options.with_recorded_batching(manifest, entry)
     # The selection's batch size from the sweep: it serves the sweep's max-throughput pick, as fx-lightning serve does.
     strategy = Strategy.max_throughput.value if entry is None and note and options.max_batch_size is None else None
-    options = swept
-    max_batch = options.max_batch_size if options.max_batch_size is not None else (
-        DEFAULT_MAX_BATCH_SIZE if batched else 0)
-    try:
-        model = python_model(name, manifest, entry, directory, max_batch_size=max_batch, instances=options.instances,
-                             dynamic_batching=options.dynamic_batching,
-                             preferred_batch_sizes=_preferred(options, max_batch) if max_batch else [],
-                             max_queue_delay_us=options.queue_delay_us, strategy=strategy)
-    except ExportError as exc:  # what the contract cannot state: skipped like any other artifact Triton cannot take
+    max_batch = swept.max_batch_size if swept.max_batch_size is not None else (
+        DEFAULT_MAX_BATCH_SIZE if manifest.call_signature().batched else 0)
+    preferred = _preferred(swept, max_batch) if max_batch else []
+    try:  # what the contract cannot state: skipped like any other artifact Triton cannot take
+        contract = Contract.of(manifest)
+        chosen = entry or artifact_for(manifest, selection_options(entry, max_batch, strategy))[0]
+        model = contract_model(name, contract, chosen, "python", directory, max_batch_size=max_batch,
+                               instances=swept.instances, dynamic_batching=swept.dynamic_batching,
+                               preferred_batch_sizes=preferred, max_queue_delay_us=swept.queue_delay_us)
+    except ValueError as exc:
+        raise NotServable(f"the Python backend cannot serve this export: {exc}") from None
+    except ExportError as exc:
         raise NotServable(str(exc)) from None
+    model.files = ["model.py", f"export/{MANIFEST_NAME}"] + [f"export/{f}" for f in python_copies(manifest, entry)]
+    if entry is not None:
+        model.parameters[ENTRY_PARAMETER] = entry
+    else:
+        model.selection = True
+        if strategy is not None:
+            model.parameters[STRATEGY_PARAMETER] = strategy
+        model.notes.append(f"serves the export's selection ({chosen} on this machine), picked again on the server's")
+    if max_batch > 0 and not contract.batched:
+        model.notes.append("max_batch_size 0 (dims are full shapes): the export has no sample axis on dim 0 of "
+                           "every input and output")
     _refuse_scalars(model.inputs + model.outputs)
     if note and model.max_batch_size:
         model.notes.append(note)
@@ -244,14 +240,13 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
                 options: TritonOptions) -> TritonModel:
     backend = _backend(entry_name, entry)
     assert backend is not None  # _choose_entries kept only what a backend serves
-    folder = _artifact_folder(root, entry, backend)
-    inputs, outputs = backend.read(folder / backend.model_file)
-    where = f"{entry_name} ({folder / backend.model_file})"
-    in_names, out_names = _recorded_names(entry)
+    folder = _artifact_folder(entry, backend)
+    model_file = root / folder / backend.model_file
+    inputs, outputs = backend.read(model_file)
+    where = f"{entry_name} ({model_file})"
     signature = manifest.call_signature()
-    static = bool(entry.batch_sizes or entry.built_shapes)
-    _agree(where, "input", inputs, signature.inputs, in_names, static, manifest.dynamic_batch)
-    _agree(where, "output", outputs, signature.outputs, out_names, static, manifest.dynamic_batch)
+    _agree(where, "input", inputs, signature.inputs, entry, manifest.dynamic_batch)
+    _agree(where, "output", outputs, signature.outputs, entry, manifest.dynamic_batch)
     swept, note = options.with_recorded_batching(manifest, entry_name)
     max_batch, why_not = _max_batch_size(manifest, entry, inputs + outputs, options.max_batch_size, entry_name,
                                          swept.max_batch_size or DEFAULT_MAX_BATCH_SIZE)
@@ -260,7 +255,7 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     _refuse_scalars(inputs + outputs)
     model = TritonModel(
         name=directory.name, entry=entry_name, backend=backend.name, directory=directory,
-        files=[_relative(f, entry, backend) for f in entry.files], max_batch_size=max_batch,
+        files=[Path(f).relative_to(folder).as_posix() for f in entry.files], max_batch_size=max_batch,
         inputs=inputs, outputs=outputs,
         instances=options.instances, dynamic_batching=batching and options.dynamic_batching,
         preferred_batch_sizes=_preferred(options, max_batch) if batching and options.dynamic_batching else [],
@@ -283,30 +278,21 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     return model
 
 
-def _artifact_folder(root: Path, entry: FormatEntry, backend: Backend) -> Path:
-    path = root / entry.path
-    return path if backend.folder_is_path else path.parent
+def _artifact_folder(entry: FormatEntry, backend: Backend) -> Path:
+    """The artifact's folder in the export: its files are named relative to it in the version directory."""
+    return Path(entry.path) if backend.folder_is_path else Path(entry.path).parent
 
 
-def _relative(file: str, entry: FormatEntry, backend: Backend) -> str:
-    """A file of the entry, relative to the artifact's folder (its name in the version directory)."""
-    folder = Path(entry.path) if backend.folder_is_path else Path(entry.path).parent
-    return Path(file).relative_to(folder).as_posix()
-
-
-def _recorded_names(entry: FormatEntry) -> Tuple[Optional[List[str]], Optional[List[str]]]:
-    """The tensor names the export recorded for the artifact (ONNX records them; OpenVINO does not)."""
-    ins, outs = entry.options.get("input_names"), entry.options.get("output_names")
-    return ([str(n) for n in ins] if isinstance(ins, list) else None,
-            [str(n) for n in outs] if isinstance(outs, list) else None)
-
-
-def _agree(where: str, kind: str, found: List[LeafSpec], specs: List[LeafSpec], recorded: Optional[List[str]],
-           static: bool, any_samples: bool) -> None:
-    """The artifact's tensors are the manifest's: same count, the names the export recorded for it, and each
-    tensor's data type and shape (a dynamic axis where the manifest names one, ``batch`` or a size that varies,
-    unless the artifact is ``static``: built for the example's sizes; its size elsewhere)."""
+def _agree(where: str, kind: str, found: List[LeafSpec], specs: List[LeafSpec], entry: FormatEntry,
+           any_samples: bool) -> None:
+    """The artifact's tensors are the manifest's: same count, the names the export recorded for it (ONNX records
+    them; OpenVINO does not), and each tensor's data type and shape (a dynamic axis where the manifest names one,
+    ``batch`` or a size that varies, unless the artifact is static: built for the example's sizes; its size
+    elsewhere)."""
     names = [t.name for t in found]
+    recorded = entry.options.get(f"{kind}_names")
+    recorded = [str(n) for n in recorded] if isinstance(recorded, list) else None
+    static = bool(entry.batch_sizes or entry.built_shapes)
     if len(found) != len(specs):
         raise ExportError(f"{where}: the artifact has {len(found)} {kind}s ({', '.join(names)}), the manifest "
                           f"{len(specs)} ({', '.join(s.name for s in specs)}); re-export it.")

@@ -316,20 +316,27 @@ def describe(repository: TritonRepository) -> List[str]:
 
 @dataclass
 class TritonOptions:
-    """What to write (``formats``, ``name``) and how Triton is to run it; checked in one place by :meth:`check`."""
+    """What to write (``formats``, ``name``) and how Triton is to run it; checked in one place by :meth:`check`.
+
+    ``max_batch_size``: for dynamic-batch artifacts (0: Triton does not batch, dims are full shapes); an artifact
+    built for fixed batch sizes gets 0 (a value > 0 is refused). ``dynamic_batching``, ``preferred_batch_sizes``,
+    ``max_queue_delay_us``: Triton's dynamic batcher, written only for a model that batches. ``python``: also
+    Python-backend models (:mod:`fx_lightning.serve.triton_python`): ``NAME`` serving the export's selection as
+    ``fx-lightning serve`` does, and ``NAME_<entry>`` for each pt2/aoti artifact and variant."""
 
     name: Optional[str] = None  # None: the export directory's name
-    formats: Optional[List[str]] = None  # manifest entries; None: every one Triton can serve
-    # None (these three): from the export's throughput sweep of the artifact (export/select/sweep.py: recorded_batching),
-    # else DEFAULT_MAX_BATCH_SIZE for a dynamic batch (0 for a fixed one), Triton's default preferred sizes (the
-    # largest batch it can form) and DEFAULT_MAX_QUEUE_DELAY_US.
+    formats: Optional[Sequence[str]] = None  # manifest entries; None: every one Triton can serve
+    # None (these three; preferred_batch_sizes empty too): from the export's throughput sweep of the artifact
+    # (export/select/sweep.py: recorded_batching; the model's notes say so), else DEFAULT_MAX_BATCH_SIZE for a dynamic
+    # batch (0 for a fixed one), Triton's default preferred sizes (the largest batch it can form) and
+    # DEFAULT_MAX_QUEUE_DELAY_US.
     max_batch_size: Optional[int] = None
-    instances: int = 1
+    instances: int = 1  # CPU instances of each model
     dynamic_batching: bool = True
-    preferred_batch_sizes: Optional[List[int]] = None
+    preferred_batch_sizes: Optional[Sequence[int]] = None
     max_queue_delay_us: Optional[int] = None
     overwrite: bool = False  # replace a model directory of the same name in OUT
-    python: bool = True  # also Python-backend models: the selection (named NAME) and each pt2/aoti artifact
+    python: bool = True
 
     def check(self) -> None:
         """Refuse a value Triton would refuse at load time (or silently misread), naming the key."""
@@ -353,13 +360,12 @@ class TritonOptions:
         """These options with the batching settings left None taken from the export's throughput sweep of
         ``entry`` (None: the selection's max-throughput pick), and a note saying so; unchanged when the export
         recorded no sweep of it or every setting was given."""
-        wanted = (self.max_batch_size, self.preferred_batch_sizes, self.max_queue_delay_us)
+        wanted = (self.max_batch_size, self.preferred_batch_sizes or None, self.max_queue_delay_us)
         recorded = recorded_batching(manifest, entry) if manifest.call_signature().batched else None
         if recorded is None or None not in wanted:
             return self, None
         max_batch = self.max_batch_size if self.max_batch_size is not None else recorded.max_batch_size
-        preferred = self.preferred_batch_sizes if self.preferred_batch_sizes is not None else [
-            size for size in recorded.preferred_batch_sizes if size <= max_batch]
+        preferred = self.preferred_batch_sizes or [size for size in recorded.preferred_batch_sizes if size <= max_batch]
         delay = self.max_queue_delay_us if self.max_queue_delay_us is not None else \
             round(recorded.queue_delay_s * 1e6)
         taken = [key for key, value in zip(("max_batch_size", "preferred_batch_sizes", "max_queue_delay_us"), wanted)

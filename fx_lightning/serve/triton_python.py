@@ -13,21 +13,19 @@ with the extras of the artifact's format); Triton's Python backend runs the stub
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 import torch
 
 from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
-from fx_lightning.export.manifest import MANIFEST_NAME, Manifest
+from fx_lightning.export.manifest import Manifest
 from fx_lightning.common.rows import concat_rows, same_shape_groups, split_rows
-from fx_lightning.serve.artifact import ServeOptions, artifact_for, load_checked
+from fx_lightning.serve.artifact import ServeOptions, load_checked
 from fx_lightning.serve.contract import Contract
-from fx_lightning.serve.triton_config import TritonModel, contract_model
 
-__all__ = ["MODEL_PY", "ENTRY_PARAMETER", "STRATEGY_PARAMETER", "ExportRunner", "python_model",
-           "python_copies", "selection_options"]
+__all__ = ["MODEL_PY", "ENTRY_PARAMETER", "STRATEGY_PARAMETER", "ExportRunner", "python_copies",
+           "selection_options"]
 
 ENTRY_PARAMETER = "fx_lightning_entry"  # the config parameter naming the artifact; absent: the export's selection
 # The selection's strategy, written when the model's batching came from the export's sweep: the selection is then
@@ -120,34 +118,3 @@ def selection_options(entry: Optional[str], max_batch_size: int, strategy: Optio
     ``max_batch_size``, or (``strategy`` ``max_throughput``) the max-throughput pick whose sweep gave the batching."""
     swept = entry is None and strategy == Strategy.max_throughput.value
     return ServeOptions(format=entry or None, max_batch_size=None if swept else max(1, max_batch_size))
-
-
-def python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path, *, max_batch_size: int,
-                 instances: int, dynamic_batching: bool, preferred_batch_sizes: Sequence[int],
-                 max_queue_delay_us: int, strategy: Optional[str] = None) -> TritonModel:
-    """A Python-backend model of artifact ``entry`` (None: the export's selection; with ``strategy``
-    ``max_throughput``, its max-throughput pick, when the batching came from its sweep), stated from the export's
-    contract exactly as ``fx-lightning serve`` states it (the record :func:`contract_model` makes for both)."""
-    try:
-        contract = Contract.of(manifest)
-    except ValueError as exc:
-        raise ExportError(f"the Python backend cannot serve this export: {exc}") from None
-    chosen = entry or artifact_for(manifest, selection_options(entry, max_batch_size, strategy))[0]
-    try:
-        model = contract_model(name, contract, entry or chosen, "python", directory, max_batch_size=max_batch_size,
-                               instances=instances, dynamic_batching=dynamic_batching,
-                               preferred_batch_sizes=preferred_batch_sizes, max_queue_delay_us=max_queue_delay_us)
-    except ValueError as exc:
-        raise ExportError(f"the Python backend cannot serve this export: {exc}") from None
-    model.files = ["model.py", f"export/{MANIFEST_NAME}"] + [f"export/{f}" for f in python_copies(manifest, entry)]
-    if entry is not None:
-        model.parameters[ENTRY_PARAMETER] = entry
-    else:
-        model.selection = True
-        if strategy is not None:
-            model.parameters[STRATEGY_PARAMETER] = strategy
-        model.notes.append(f"serves the export's selection ({chosen} on this machine), picked again on the server's")
-    if max_batch_size > 0 and not contract.batched:
-        model.notes.append("max_batch_size 0 (dims are full shapes): the export has no sample axis on dim 0 of "
-                           "every input and output")
-    return model
