@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from torch import nn
 
-from fx_lightning.cli.common import UsageError, import_path, load_lightning_module
+from fx_lightning.cli.common import UsageError, import_path, load_lightning_module, titled_table
 from fx_lightning.config import ExportConfig, Selection, Strategy
 
 __all__ = ["add_parser", "run"]
@@ -132,13 +132,9 @@ def _progress(console: Any) -> Iterator[Callable[[str, int, int], None]]:
 
 
 def _table(table: Any, size: int, traffic: str, iters: int, baseline: Optional[str]) -> Any:
-    from rich.table import Table
-
-    out = Table(title=f"latency, batch {size}, {traffic.replace('_', ' ')} traffic, {iters} iterations "
-                      f"({table.threads} threads, {table.isa})", title_justify="left")
     columns = ("model", "check", "median ms", "p90 ms", "samples/s") + ((f"speed-up vs {baseline}",) if baseline else ())
-    for col in columns:
-        out.add_column(col, justify="left" if col in ("model", "check") else "right")
+    out = titled_table(f"latency, batch {size}, {traffic.replace('_', ' ')} traffic, {iters} iterations "
+                       f"({table.threads} threads, {table.isa})", *columns, right=columns[2:])
     base = table.median(baseline, size, traffic) if baseline else None
     for t in sorted((t for t in table.timings if t.batch_size == size and t.traffic == traffic),
                     key=lambda t: t.median_ms):
@@ -152,12 +148,9 @@ def _table(table: Any, size: int, traffic: str, iters: int, baseline: Optional[s
 
 
 def _sweep_table(table: Any, traffic: str) -> Any:
-    from rich.table import Table
-
-    out = Table(title=f"throughput sweep, {traffic.replace('_', ' ')} traffic ({table.threads} threads, {table.isa})",
-                title_justify="left")
-    for col in ("model", "batch", "p50 ms", "p99 ms", "samples/s", "stable"):
-        out.add_column(col, justify="left" if col == "model" else "right")
+    columns = ("model", "batch", "p50 ms", "p99 ms", "samples/s", "stable")
+    out = titled_table(f"throughput sweep, {traffic.replace('_', ' ')} traffic ({table.threads} threads, {table.isa})",
+                       *columns, right=columns[1:])
     for w in (w for w in table.sweeps if w.traffic == traffic):
         best = w.best()
         for p in w.points:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 __all__ = ["UsageError", "make_console", "print_error", "import_path", "json_arg", "load_lightning_module", "fmt",
-           "shape_text", "flags_of"]
+           "shape_text", "flags_of", "titled_table"]
 
 
 class UsageError(Exception):
@@ -111,6 +111,16 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def titled_table(title: str, *columns: str, right: Sequence[str] = (), **kwargs: Any) -> Any:
+    """A rich table titled on the left, with ``columns`` (those in ``right`` right-justified: figures)."""
+    from rich.table import Table
+
+    out = Table(title=title, title_justify="left", **kwargs)
+    for col in columns:
+        out.add_column(col, justify="right" if col in right else "left")
+    return out
 
 
 def shape_text(shape: Any) -> str:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from fx_lightning.cli.common import fmt, shape_text
+from fx_lightning.cli.common import fmt, shape_text, titled_table
 
 __all__ = ["add_parser", "run", "roundtrip_text"]
 
@@ -71,17 +71,8 @@ def _write_html(root: Path, manifest: Any, out: Optional[Path]) -> Path:
     return target
 
 
-def _table(title: str, *columns: str, **kwargs: Any) -> Any:
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left", **kwargs)
-    for col in columns:
-        table.add_column(col)
-    return table
-
-
 def _summary_table(root: Path, manifest: Any) -> Any:
-    summary = _table(f"fx-lightning export: {root}", "key", "value", show_header=False)
+    summary = titled_table(f"fx-lightning export: {root}", "key", "value", show_header=False)
     origin = manifest.provenance
     summary.add_row("format_version", str(manifest.format_version))
     summary.add_row("created", str(manifest.created_utc))
@@ -121,7 +112,7 @@ def _weights_rows(origin: Any) -> List[Tuple[str, str]]:
 
 
 def _io_table(manifest: Any) -> Any:
-    table = _table("inputs and outputs", "", "name", "shape", "dtype")
+    table = titled_table("inputs and outputs", "", "name", "shape", "dtype")
     for kind, specs in (("input", manifest.inputs), ("output", manifest.outputs)):
         for spec in specs:
             table.add_row(kind, str(spec["name"]), shape_text(spec.get("shape", spec.get("value"))),
@@ -133,11 +124,11 @@ def _report_tables(manifest: Any) -> List[Any]:
     report = manifest.report
     if not report:
         return []
-    passes = _table(f"fuse report (capture: {report.get('capture_mode')}, "
-                    f"BatchNorms folded: {report.get('batchnorms_folded')})", "pass", "changed", "skipped")
+    passes = titled_table(f"fuse report (capture: {report.get('capture_mode')}, "
+                          f"BatchNorms folded: {report.get('batchnorms_folded')})", "pass", "changed", "skipped")
     for p in report.get("passes", []):
         passes.add_row(str(p.get("name")), str(len(p.get("changed", []))), str(len(p.get("skipped", []))))
-    stats = _table("graph", "", "nodes", "BatchNorms", "dropouts", "parameters")
+    stats = titled_table("graph", "", "nodes", "BatchNorms", "dropouts", "parameters")
     for label in ("before", "after"):
         s = report.get(label) or {}
         stats.add_row(label, str(s.get("nodes")), str(s.get("batchnorms")), str(s.get("dropouts")),
@@ -146,7 +137,7 @@ def _report_tables(manifest: Any) -> List[Any]:
 
 
 def _formats_table(manifest: Any) -> Any:
-    table = _table("formats", "format", "path", "loader", "pickled code")
+    table = titled_table("formats", "format", "path", "loader", "pickled code")
     for name, entry in manifest.formats.items():
         table.add_row(name, entry.path, entry.loader, "yes (weights_only=False)" if entry.pickled_code else "no")
     return table
@@ -171,7 +162,7 @@ def roundtrip_text(name: str, check: Optional[Any], inputs: List[Any], example: 
 
 
 def _files_table(manifest: Any) -> Any:
-    table = _table("files", "file", "bytes", "sha256")
+    table = titled_table("files", "file", "bytes", "sha256")
     for name, info in manifest.files.items():
         table.add_row(name, f"{info.size:,}", info.sha256[:16] + "...")
     return table

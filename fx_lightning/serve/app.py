@@ -109,7 +109,6 @@ class ArtifactAPI(ls.LitAPI):
         self.root, self.options, self.board = root, options, board
         self.model: Optional[torch.nn.Module] = None
 
-
     def setup(self, device: Any) -> None:
         torch.set_num_threads(self.options.threads_per_worker())
         worker = os.environ.get("LITSERVE_WORKER_ID", "0")

@@ -136,8 +136,7 @@ class Contract:
         if media == JSON_TYPE:
             return self._from_json(body, top_k)
         if media in (NPY_TYPE, NPZ_TYPE):
-            arrays = self._from_numpy(body, media)
-            return self.checked(arrays, top_k)
+            return self.checked(self._from_numpy(body, media), top_k)
         if media in IMAGE_TYPES:
             return self._from_image(body, media, top_k)
         raise BadRequest(415, f"content type {content_type or '(none)'!r} is not accepted; send "

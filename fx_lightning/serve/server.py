@@ -74,8 +74,7 @@ def build_server(directory: Any, options: Optional[ServeOptions] = None) -> Any:
     worker and show in ``/health``)."""
     options = options or ServeOptions()
     options.check()
-    missing = missing_modules(("litserve",))
-    if missing:
+    if missing_modules(("litserve",)):
         raise ExportError(f"fx-lightning serve needs litserve: {INSTALL_HINT}.")
     root = Path(directory).resolve()
     manifest = read_manifest(root)

@@ -215,8 +215,6 @@ def _quote(text: str) -> str:
 # --- README ------------------------------------------------------------------------------------------------------
 
 
-
-
 def readme_text(models: Sequence[TritonModel], skipped: Sequence[SkippedArtifact], manifest: Manifest) -> str:
     """The repository's README.md: how to start Triton on it and send each model a request."""
     lines = [

@@ -19,7 +19,7 @@ import torch
 
 from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
-from fx_lightning.export.manifest import Manifest
+from fx_lightning.export.manifest import Manifest, read_manifest
 from fx_lightning.common.rows import concat_rows, same_shape_groups, split_rows
 from fx_lightning.serve.artifact import ServeOptions, load_checked
 from fx_lightning.serve.contract import Contract
@@ -73,10 +73,7 @@ class ExportRunner:
 
     def __init__(self, folder: Any, entry: Optional[str], max_batch_size: int,
                  strategy: Optional[str] = None) -> None:
-        from fx_lightning.export.manifest import read_manifest
-
-        manifest = read_manifest(folder)
-        contract = Contract.of(manifest)
+        contract = Contract.of(read_manifest(folder))
         self.batched = contract.batched and max_batch_size > 0
         self.module, self.status = load_checked(folder, selection_options(entry, max_batch_size, strategy))
         self.input_names = [s.name for s in contract.inputs]
