@@ -386,8 +386,7 @@ def encode_outputs(outputs: List[np.ndarray], decoded: Decoded, contract: Contra
     first output is their scores), or an ``.npz`` of the outputs by name when the client accepts it."""
     if decoded.single:
         outputs = [o[0] if o.ndim else o for o in outputs]
-    names = [o.name for o in contract.outputs] if len(contract.outputs) == len(outputs) else [
-        f"output_{i}" for i in range(len(outputs))]
+    names = contract.output_names(len(outputs))
     if npz:
         buffer = io.BytesIO()
         np.savez(buffer, **dict(zip(names, outputs)))

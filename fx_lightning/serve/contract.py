@@ -114,6 +114,10 @@ class Contract:
         sizes = leaf.sizes(self.any_samples)
         return tuple(sizes[1:] if self.batched else sizes)
 
+    def output_names(self, count: int) -> List[str]:
+        """The outputs' names, or ``output_<i>`` when a run returned another number of outputs."""
+        return [o.name for o in self.outputs] if len(self.outputs) == count else [f"output_{i}" for i in range(count)]
+
     def shape_text(self, leaf: LeafSpec) -> str:
         dims = ["any" if d is None else str(d) for d in self.request_sizes(leaf)]
         return "[" + ", ".join(["batch", *dims] if self.batched else dims) + "]"

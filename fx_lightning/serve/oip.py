@@ -28,7 +28,7 @@ from fx_lightning.serve.triton_config import TritonModel, data_type
 from fx_lightning.signature.signature import LeafSpec
 
 __all__ = ["BINARY_HEADER", "MODEL_VERSION", "EXTENSIONS", "Wanted", "InferRequest", "decode_infer",
-           "encode_infer", "stated_shape", "server_metadata", "model_metadata", "Statistics"]
+           "encode_infer", "server_metadata", "model_metadata", "Statistics"]
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 MODEL_VERSION = "1"  # one version per served export, as in the Triton repository
@@ -88,12 +88,6 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
                         str(request_id) if request_id is not None else None)
 
 
-def stated_shape(model: TritonModel, tensor: LeafSpec) -> List[int]:
-    """A tensor's shape as the protocol states it: the config's dims, after the sample axis where the model
-    batches (-1: any size). A tensor with no axis but the sample axis is ``[-1, 1]``, as in Triton."""
-    return ([-1] if model.batching else []) + list(model.dims(tensor))
-
-
 def _split(body: bytes, header_length: Optional[str]) -> Tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
@@ -110,7 +104,7 @@ def _input_array(model: TritonModel, tensor: LeafSpec, item: Mapping[str, Any], 
     where = f"input {tensor.name!r}"
     row = by_torch(tensor.dtype)
     assert row is not None  # the contract serves only dtypes of the table
-    want_type, want_shape, dtype = row.v2, stated_shape(model, tensor), np.dtype(row.numpy)
+    want_type, want_shape, dtype = row.v2, model.stated_shape(tensor), np.dtype(row.numpy)
     if item.get("datatype") != want_type:
         raise BadRequest(400, f"{where}: datatype {item.get('datatype')!r}; the model takes {want_type}")
     shape = item.get("shape")
@@ -215,7 +209,7 @@ def model_metadata(model: TritonModel, platform: str) -> Dict[str, object]:
     """``GET /v2/models/{name}``: names, datatypes and shapes (-1 where a size varies, the sample axis included
     where the model batches), as the Triton repository's config states them."""
     def tensors(items: Sequence[LeafSpec]) -> List[Dict[str, object]]:
-        return [{"name": t.name, "datatype": TRITON_TO_V2[data_type(t)], "shape": stated_shape(model, t)}
+        return [{"name": t.name, "datatype": TRITON_TO_V2[data_type(t)], "shape": model.stated_shape(t)}
                 for t in items]
 
     return {"name": model.name, "versions": [MODEL_VERSION], "platform": platform,

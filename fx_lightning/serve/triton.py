@@ -134,7 +134,7 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
     models: List[TritonModel] = []
     if options.python and options.formats is None:
         try:
-            models.append(_python_model(base, manifest, None, out / base, options))
+            models.append(_python_model(manifest, None, out / base, options))
         except NotServable as exc:
             skipped.append(SkippedArtifact("the selection (Python backend)", str(exc)))
     verified: Set[Tuple[str, ...]] = set()
@@ -147,7 +147,7 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
             directory = out / f"{base}_{entry_name}"
             models.append(_plan_model(root, manifest, entry_name, entry, directory, options)
                           if _backend(entry_name, entry) is not None
-                          else _python_model(f"{base}_{entry_name}", manifest, entry_name, directory, options))
+                          else _python_model(manifest, entry_name, directory, options))
         except NotServable as exc:
             if options.formats is not None:  # asked for by name: refused, not skipped
                 raise ExportError(f"{root}: {entry_name} cannot be served by Triton: {exc}.") from None
@@ -161,8 +161,7 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
     return models, skipped
 
 
-def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory: Path,
-                  options: TritonOptions) -> TritonModel:
+def _python_model(manifest: Manifest, entry: Optional[str], directory: Path, options: TritonOptions) -> TritonModel:
     """A Python-backend model of artifact ``entry`` (None: the export's selection; its max-throughput pick when the
     batching came from its sweep), stated from the export's contract exactly as ``fx-lightning serve`` states it
     (the record :func:`contract_model` makes for both)."""
@@ -175,7 +174,7 @@ def _python_model(name: str, manifest: Manifest, entry: Optional[str], directory
     try:  # what the contract cannot state: skipped like any other artifact Triton cannot take
         contract = Contract.of(manifest)
         chosen = entry or artifact_for(manifest, selection_options(entry, max_batch, strategy))[0]
-        model = contract_model(name, contract, chosen, "python", directory, max_batch_size=max_batch,
+        model = contract_model(directory.name, contract, chosen, "python", directory, max_batch_size=max_batch,
                                instances=swept.instances, dynamic_batching=swept.dynamic_batching,
                                preferred_batch_sizes=preferred, max_queue_delay_us=swept.queue_delay_us)
     except ValueError as exc:

@@ -79,6 +79,11 @@ class TritonModel:
         sizes = [-1 if d is None else d for d in tensor.sizes()]
         return tuple(sizes[1:] if self.batching else sizes) or (1,)
 
+    def stated_shape(self, tensor: LeafSpec) -> List[int]:
+        """A tensor's shape as the protocol states it: the config's dims, after the sample axis where the model
+        batches (-1: any size). A tensor with no axis but the sample axis is ``[-1, 1]``, as in Triton."""
+        return ([-1] if self.batching else []) + list(self.dims(tensor))
+
     def reshape(self, tensor: LeafSpec) -> Optional[Tuple[int, ...]]:
         """The shape the model itself sees where it differs from the dims: ``[]`` for a tensor stated as ``[1]``."""
         return () if len(tensor.dims) == int(self.batching) else None
@@ -297,8 +302,7 @@ def _request_shape(model: TritonModel, tensor: LeafSpec) -> str:
 
 def _example_shape(model: TritonModel, tensor: LeafSpec) -> Tuple[int, ...]:
     """A shape a request may have: batch 1 when batching, 1 on every other dynamic axis."""
-    dims = tuple(1 if d == -1 else d for d in model.dims(tensor))
-    return ((1,) + dims) if model.max_batch_size else dims
+    return tuple(1 if d == -1 else d for d in model.stated_shape(tensor))
 
 
 def describe(repository: TritonRepository) -> List[str]:
@@ -315,19 +319,17 @@ def describe(repository: TritonRepository) -> List[str]:
 @dataclass
 class TritonOptions:
     """What to write (``formats``, ``name``) and how Triton is to run it; checked in one place by :meth:`check`.
-
-    ``max_batch_size``: for dynamic-batch artifacts (0: Triton does not batch, dims are full shapes); an artifact
-    built for fixed batch sizes gets 0 (a value > 0 is refused). ``dynamic_batching``, ``preferred_batch_sizes``,
-    ``max_queue_delay_us``: Triton's dynamic batcher, written only for a model that batches. ``python``: also
-    Python-backend models (:mod:`fx_lightning.serve.triton_python`): ``NAME`` serving the export's selection as
-    ``fx-lightning serve`` does, and ``NAME_<entry>`` for each pt2/aoti artifact and variant."""
+    The dynamic batcher's settings are written only for a model that batches. ``python``: also Python-backend models
+    (:mod:`fx_lightning.serve.triton_python`): ``NAME`` serving the export's selection as ``fx-lightning serve``
+    does, and ``NAME_<entry>`` for each pt2/aoti artifact and variant."""
 
     name: Optional[str] = None  # None: the export directory's name
     formats: Optional[Sequence[str]] = None  # manifest entries; None: every one Triton can serve
     # None (these three; preferred_batch_sizes empty too): from the export's throughput sweep of the artifact
     # (export/select/sweep.py: recorded_batching; the model's notes say so), else DEFAULT_MAX_BATCH_SIZE for a dynamic
     # batch (0 for a fixed one), Triton's default preferred sizes (the largest batch it can form) and
-    # DEFAULT_MAX_QUEUE_DELAY_US.
+    # DEFAULT_MAX_QUEUE_DELAY_US. max_batch_size 0: Triton does not batch, dims are full shapes; an artifact built
+    # for fixed batch sizes gets 0 (a value > 0 is refused).
     max_batch_size: Optional[int] = None
     instances: int = 1  # CPU instances of each model
     dynamic_batching: bool = True

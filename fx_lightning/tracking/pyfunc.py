@@ -33,7 +33,6 @@ class FusedExportModel(mlflow.pyfunc.PythonModel):
         self.module, self.self_check = load_checked(directory, pyfunc_serve_options(config.get(FORMAT_KEY)))
         manifest = read_manifest(directory)
         self.contract = Contract.of(manifest, max_request_batch=sys.maxsize, max_body_bytes=sys.maxsize)
-        self.output_names: List[str] = [leaf.name for leaf in self.contract.outputs]
 
     # model_input carries no type hint: MLflow would infer a schema from one (a dict of arrays has none it accepts);
     # the schema is the tensor signature the model is logged with. MLflow says so once, as a UserWarning.
@@ -51,9 +50,7 @@ class FusedExportModel(mlflow.pyfunc.PythonModel):
             outputs = [o[0] for o in outputs]
         if len(outputs) == 1:
             return outputs[0]
-        names = self.output_names if len(self.output_names) == len(outputs) else [
-            f"output_{i}" for i in range(len(outputs))]
-        return dict(zip(names, outputs))
+        return dict(zip(self.contract.output_names(len(outputs)), outputs))
 
     def _values(self, model_input: Any) -> List[Any]:
         """One value per input, in the contract's order (raises BadRequest naming what is accepted)."""
