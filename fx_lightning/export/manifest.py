@@ -11,7 +11,6 @@ import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
-import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from fx_lightning.config.schema import ChannelOrder, InputDtype, Layout, Preproc
 from fx_lightning.common.json_views import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
-from fx_lightning.export.files import FileInfo, sha256_file
+from fx_lightning.export.files import FileInfo, sha256_file, write_atomically
 from fx_lightning.formats.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.formats import FORMATS
 from fx_lightning.common.notes import Note
@@ -47,7 +46,6 @@ __all__ = [
     "Manifest",
     "new_manifest",
     "write_manifest",
-    "replace_manifest",
     "read_manifest",
     "verify_files",
     "legacy_signature",
@@ -149,9 +147,6 @@ class Sweep:
         top = max(p.throughput for p in within)
         return min((p for p in within if p.throughput * (1 + tie) >= top), key=lambda p: p.batch_size)
 
-    def to_dict(self) -> Dict[str, object]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, data: Json) -> "Sweep":
         return cls(str(data["artifact"]), str(data["traffic"]),
@@ -180,11 +175,7 @@ class BenchTable:
                      == (artifact, batch_size, traffic, runtime)), None)
 
     def to_dict(self) -> Dict[str, object]:
-        return {"threads": self.threads, "isa": self.isa, "machine": self.machine, "torch": self.torch,
-                "timings": [dataclasses.asdict(t) for t in self.timings],
-                "checks": {k: c.to_dict() for k, c in self.checks.items()},
-                "failures": [dataclasses.asdict(f) for f in self.failures],
-                "sweeps": [w.to_dict() for w in self.sweeps], "not_swept": dict(self.not_swept), "cpu": self.cpu}
+        return {**dataclasses.asdict(self), "checks": {k: c.to_dict() for k, c in self.checks.items()}}
 
     @classmethod
     def from_dict(cls, data: Json) -> "BenchTable":
@@ -363,16 +354,9 @@ def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: 
     )
 
 
-def write_manifest(root: Path, manifest: Manifest, name: str = MANIFEST_NAME) -> None:
-    text = json.dumps(manifest.to_dict(), indent=2, allow_nan=False, sort_keys=False)
-    (root / name).write_text(text + "\n", encoding="utf-8")
-
-
-def replace_manifest(root: Path, manifest: Manifest) -> None:
-    """Rewrite the manifest of a finished export atomically (a reader sees the old one or the new one)."""
-    staging = f".{MANIFEST_NAME}.tmp"
-    write_manifest(Path(root), manifest, staging)
-    os.replace(Path(root) / staging, Path(root) / MANIFEST_NAME)
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Write (or rewrite, in a finished export) the manifest atomically: a reader sees the old one or the new one."""
+    write_atomically(Path(root) / MANIFEST_NAME, json.dumps(manifest.to_dict(), indent=2, allow_nan=False) + "\n")
 
 
 def read_manifest(directory: Any) -> Manifest:

@@ -40,7 +40,7 @@ from fx_lightning.export.manifest import (
     Timing,
     TimingFailure,
     read_manifest,
-    replace_manifest,
+    write_manifest,
 )
 from fx_lightning.export.select.sweep import SweepSettings, sweep_module
 from fx_lightning.export.progress import Progress
@@ -82,12 +82,10 @@ def bench_export(
     own_process_finalists: int = 0,
     threads: Optional[int] = None,
     progress: Optional[Tick] = None,
-    runtime_choices: bool = True,
     sweep: Optional[SweepSettings] = None,
     steps: Optional[Progress] = None,
 ) -> BenchTable:
-    """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices unless
-    ``runtime_choices`` is false) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
+    """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
     batch size, in both traffics, interleaved; check every artifact on ``check.pt``. ``own_process_finalists``: at
     most that many of the fastest passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN`
     of the fastest) are then timed again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those
@@ -101,7 +99,7 @@ def bench_export(
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     with steps.step("load and check every artifact") as end:
-        table, models, saved = _load_and_check(root, manifest, formats, threads, baselines, runtime_choices)
+        table, models, saved = _load_and_check(root, manifest, formats, threads, baselines)
         end.result = f"{sum(c.passed for c in table.checks.values())} of {len(table.checks)} passed their check"
     inputs = saved.inputs if saved is not None else _random_inputs(manifest)
     signature = manifest.call_signature()
@@ -126,8 +124,8 @@ def bench_export(
     return table
 
 
-def _load_and_check(root: Path, manifest: Manifest, formats: Optional[Sequence[str]],
-                    threads: Optional[int], baselines: Optional[Dict[str, nn.Module]], runtime_choices: bool
+def _load_and_check(root: Path, manifest: Manifest, formats: Optional[Sequence[str]], threads: Optional[int],
+                    baselines: Optional[Dict[str, nn.Module]]
                     ) -> Tuple[BenchTable, Dict[Tuple[str, str], nn.Module], Optional[Reference]]:
     """Every artifact loaded (with each runtime choice) and checked on ``check.pt``, beside the baselines."""
     if threads:
@@ -138,9 +136,8 @@ def _load_and_check(root: Path, manifest: Manifest, formats: Optional[Sequence[s
     models: Dict[Tuple[str, str], nn.Module] = {(name, ""): m for name, m in (baselines or {}).items()}
     for name in formats or list(manifest.formats):
         entry = manifest.formats[name]
-        choices = FORMATS[entry.format_name or name].runtime_choices if runtime_choices else {}
         try:
-            for runtime in ("", *choices):
+            for runtime in ("", *FORMATS[entry.format_name or name].runtime_choices):
                 models[(name, runtime)] = load_artifact(root, manifest, name, device="cpu", runtime=runtime)
         except ExportError as exc:
             table.checks[name] = ArtifactCheck(False, reason=first_line(exc))
@@ -213,8 +210,7 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
             # for the next artifact (ONNX Runtime's three took every place from OpenVINO bf16 on mobilenet_v3_large).
             artifacts = [t.artifact for t in _fastest_artifacts(rows, finalists)]
             # And every artifact a runtime runs with its own defaults, whatever the shared bench said (runtimes in
-            # one process slow each other unevenly: OpenVINO bf16 ran 7.4 ms there, 1.4-1.8 ms alone): the pick is
-            # then never slower than a runtime's defaults on our own files.
+            # one process slow each other unevenly: OpenVINO bf16 ran 7.4 ms there, 1.4-1.8 ms alone).
             artifacts += [t.artifact for t in rows if t.runtime == RUNTIME_DEFAULTS and t.artifact not in artifacts]
             for t in rows:
                 if t.artifact in artifacts:
@@ -272,13 +268,17 @@ def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") ->
     if not rows:
         return None
     best = min(rows, key=lambda t: (t.median_ms, t.artifact, t.runtime))  # the same median: by name, for one answer
-    median, name, runtime = best.median_ms, best.artifact, best.runtime
-    settings = f", runtime settings '{runtime}'" if runtime else ""
-    settings += ", timed in a process of its own" if best.process == "own" else ""
-    return Selected(name, batch_size, median,
+    median = best.median_ms
+    return Selected(best.artifact, batch_size, median,
                     f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
-                    f"{table.threads} threads, {table.isa}{settings}) of the artifacts that passed their check",
-                    traffic, runtime)
+                    f"{table.threads} threads, {table.isa}{_how_timed(best.runtime, best.process)}) of the artifacts "
+                    "that passed their check", traffic, best.runtime)
+
+
+def _how_timed(runtime: str, process: str) -> str:
+    """The runtime settings and the process a pick was timed with, as its ``why`` says them."""
+    settings = f", runtime settings '{runtime}'" if runtime else ""
+    return settings + (", timed in a process of its own" if process == "own" else "")
 
 
 def select_max_throughput(table: BenchTable, traffic: Any = "back_to_back",
@@ -292,15 +292,14 @@ def select_max_throughput(table: BenchTable, traffic: Any = "back_to_back",
     if not points:
         return None
     point, w = max(points, key=lambda pw: (pw[0].throughput, -pw[0].batch_size))
-    settings = f", runtime settings '{w.runtime}'" if w.runtime else ""
-    alone = ", timed in a process of its own" if w.process == "own" else ""
     within = f" with p99 within {latency_budget_ms:g} ms" if latency_budget_ms is not None else ""
     return Selected(w.artifact, point.batch_size, point.p50_ms,
                     f"most samples/s{within} over the throughput sweep, {traffic.replace('_', ' ')} traffic: "
                     f"{point.throughput:.1f}/s at batch {point.batch_size} (p50 {point.p50_ms:.2f} ms, p99 "
-                    f"{point.p99_ms:.2f} ms; {table.threads} threads, {table.isa}{settings}{alone}) of the artifacts "
-                    "that passed their check", traffic, w.runtime, strategy=Strategy.max_throughput.value,
-                    throughput=point.throughput, p99_ms=point.p99_ms, latency_budget_ms=latency_budget_ms)
+                    f"{point.p99_ms:.2f} ms; {table.threads} threads, {table.isa}{_how_timed(w.runtime, w.process)}) "
+                    "of the artifacts that passed their check", traffic, w.runtime,
+                    strategy=Strategy.max_throughput.value, throughput=point.throughput, p99_ms=point.p99_ms,
+                    latency_budget_ms=latency_budget_ms)
 
 
 def select_by_strategy(table: BenchTable, strategy: Any, batch_size: int, traffic: Any,
@@ -355,4 +354,4 @@ def with_selection(manifest: Manifest, table: BenchTable, selected: Optional[Sel
 def record_selection(root: Any, table: BenchTable, selected: Optional[Selected]) -> None:
     """Write the table and the selections into a finished export's manifest (atomically; the manifest is not in
     the file hashes)."""
-    replace_manifest(Path(root), with_selection(read_manifest(root), table, selected))
+    write_manifest(Path(root), with_selection(read_manifest(root), table, selected))

@@ -36,7 +36,9 @@ from torch import nn
 
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
-from fx_lightning.export.manifest import Sweep, SweepPoint, TimingFailure
+from fx_lightning.export.check import read_check_file
+from fx_lightning.export.load.loader import load_artifact
+from fx_lightning.export.manifest import Manifest, Sweep, SweepPoint, TimingFailure
 from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps, timed_call
 from fx_lightning.common.rows import with_rows
 
@@ -209,8 +211,10 @@ class _Worker:
         path.write_text(json.dumps(dataclasses.asdict(request)), encoding="utf-8")
         self.stderr_path = folder / "stderr.txt"
         self.stderr = open(self.stderr_path, "w", encoding="utf-8")
+        # The parent's import path, so an artifact that imports the user's modules loads as it did here.
+        child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen([*WORKER_COMMAND, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, env=_child_env())
+                                     stderr=self.stderr, text=True, env=child_env)
         self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -257,19 +261,10 @@ class _Worker:
         self.stderr.close()
 
 
-def _child_env() -> Dict[str, str]:
-    # The parent's import path, so an artifact that imports the user's modules loads as it did here.
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-
-
 def _time_request(path: Path) -> None:
     """The worker of :func:`time_in_own_processes` and :func:`sweep_in_own_processes`: load the one artifact, warm
     it up, say so, then do what its parent asks each turn, answering on stdout's own descriptor (whatever else
     prints goes to stderr) until it answers with its result."""
-    from fx_lightning.export.load.loader import load_artifact
-    from fx_lightning.export.manifest import Manifest
-    from fx_lightning.export.check import read_check_file
-
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -337,8 +332,8 @@ def _sweep_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerReques
                     stops[traffic] = str(done.value)
         if len(stops) < len(steps):
             yield Answer("done")
-    yield Answer("result", [Sweep(name, Traffic(traffic).value, points[traffic], stops[traffic], runtime,
-                                  "own").to_dict() for traffic in steps])
+    yield Answer("result", [dataclasses.asdict(Sweep(name, Traffic(traffic).value, points[traffic], stops[traffic],
+                                                     runtime, "own")) for traffic in steps])
 
 
 if __name__ == "__main__":

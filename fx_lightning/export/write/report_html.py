@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import html
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from fx_lightning.export.files import write_atomically
 from fx_lightning.export.manifest import Manifest, Sweep
 from fx_lightning.parity.report import OutputError
 
@@ -173,31 +173,34 @@ def sweep_series(sweeps: Sequence[Sweep], traffic: str) -> Dict[str, List[Series
 # ----------------------------------------------------------------------------------------------- sections
 
 
+def _card(label: str, big: str, more: str = "", attrs: str = "") -> str:
+    """A decision: what it is (``label``), its verdict or figure (``big``, with ``attrs``) and ``more`` under it."""
+    return f'<div class="card"><div class="muted">{label}</div><div class="big"{attrs}>{big}</div>{more}</div>'
+
+
 def _decisions(manifest: Manifest) -> str:
     report = manifest.report or {}
     folded, left = report.get("batchnorms_folded"), (report.get("after") or {}).get("batchnorms")
-    cards = [f'<div class="card"><div class="muted">BatchNorms folded / left</div><div class="big">'
-             f'{_figure("batchnorms_folded", folded, str(folded))} / {_figure("batchnorms_left", left, str(left))}'
-             f'</div></div>']
+    cards = [_card("BatchNorms folded / left", f'{_figure("batchnorms_folded", folded, str(folded))} / '
+                                               f'{_figure("batchnorms_left", left, str(left))}')]
     parity = manifest.parity
     if parity is not None:
-        worst = parity.metrics.get("relative_max_error")
-        cards.append(f'<div class="card"><div class="muted">parity on {parity.batches} batch(es) of {_e(parity.source)}'
-                     f' data</div><div class="big" data-key="parity.passed" data-value="{parity.passed}">'
-                     f'{_verdict(parity.passed)}</div><div>worst relative error '
-                     f'{_figure("parity.relative_max_error", worst)}</div></div>')
+        worst = _figure("parity.relative_max_error", parity.metrics.get("relative_max_error"))
+        cards.append(_card(f"parity on {parity.batches} batch(es) of {_e(parity.source)} data", _verdict(parity.passed),
+                           f"<div>worst relative error {worst}</div>",
+                           f' data-key="parity.passed" data-value="{parity.passed}"'))
     else:
-        cards.append('<div class="card"><div class="muted">parity</div><div class="big">not checked</div></div>')
+        cards.append(_card("parity", "not checked"))
     selected = manifest.selected
     if selected is not None:
         eager = manifest.bench.median("eager", selected.batch_size, selected.traffic) if manifest.bench else None
         speed = f", {_figure('selected.speedup', eager / selected.median_ms)}x eager" if eager else ""
-        cards.append(f'<div class="card"><div class="muted">served by load_fused (batch {selected.batch_size}, '
-                     f'{_e(selected.traffic)})</div><div class="big" data-key="selected.format">{_e(selected.format)}'
-                     f'</div><div>{_figure("selected.median_ms", selected.median_ms)} ms median{speed}</div></div>')
+        cards.append(_card(f"served by load_fused (batch {selected.batch_size}, {_e(selected.traffic)})",
+                           _e(selected.format), f'<div>{_figure("selected.median_ms", selected.median_ms)} ms median'
+                                                f'{speed}</div>', ' data-key="selected.format"'))
     else:
-        cards.append('<div class="card"><div class="muted">served</div><div class="big">not selected</div>'
-                     '<div class="muted">export.select: fastest times and picks one</div></div>')
+        cards.append(_card("served", "not selected",
+                           '<div class="muted">export.select: fastest times and picks one</div>'))
     return '<h2>Decisions</h2><div class="cards">' + "".join(cards) + "</div>"
 
 
@@ -414,10 +417,7 @@ def render_report(manifest: Manifest, title: str = "fx-lightning export") -> str
 def write_report(directory: Path, manifest: Manifest, title: Optional[str] = None) -> Path:
     """``report.html`` of ``manifest`` into ``directory`` (a temporary name renamed into place: never half a file)."""
     path = Path(directory) / REPORT_NAME
-    tmp = path.with_name(f".{REPORT_NAME}.tmp")
-    tmp.write_text(render_report(manifest, title or f"fx-lightning export: {Path(directory).name}"),
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, render_report(manifest, title or f"fx-lightning export: {Path(directory).name}"))
     return path
 
 
