@@ -5,15 +5,11 @@ check batch, and the fastest that passed recorded in the manifest for each batch
 
 Each artifact is timed with the runtime settings it was written with and with each of its format's
 ``runtime_choices`` (ONNX Runtime's threads spinning between runs, say; ONNX Runtime's and OpenVINO's own defaults,
-:data:`~fx_lightning.formats.base.RUNTIME_DEFAULTS`), and in two kinds of traffic: a call after an idle gap
-(:data:`IDLE_GAP_S`: the runtime's threads have gone to sleep, as under sparse traffic) and a call right after
-another (back to back), interleaved (timing.py); the finalists are then timed again each in a process of its own,
-as a server runs them, each with every one of its runtime settings: the pick is never slower than the runtime's
-own defaults on the same file, beyond the noise of those timings. The table keeps medians and the 90th percentile.
-The check compares each artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the
-export's own rule (a few times the fused model's own error), so an artifact that disagrees is never selected; a lossy
-variant must have passed its accuracy gate at export and, on this machine, run on ``check.pt`` within that gate's
-agreement (:func:`~fx_lightning.export.check.check_artifact`).
+:data:`~fx_lightning.formats.base.RUNTIME_DEFAULTS`), after an idle gap and back to back, interleaved (timing.py);
+the finalists are then timed again each in a process of its own, as a server runs them, each with every one of its
+runtime settings: the pick is never slower than the runtime's own defaults on the same file, beyond the noise of
+those timings. The table keeps medians and the 90th percentile. An artifact that fails its check on ``check.pt``
+(:func:`~fx_lightning.export.check.check_artifact`, a lossy variant's gate included) is never selected.
 """
 
 from __future__ import annotations
@@ -196,10 +192,9 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
 
 def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, warmup: int,
                           progress: Optional[Tick] = None) -> None:
-    """Replace the finalists' timings in ``table`` (the ``finalists`` fastest passing artifacts within
-    :data:`FINALIST_WITHIN` of the fastest, at each batch size and traffic, and every passing artifact with a
-    runtime's own defaults among its settings; each with every one of its runtime settings) with timings taken each
-    in a process of its own, the processes taking turns (timing.py)."""
+    """Replace the finalists' timings in ``table``, each with every one of its runtime settings, with timings taken
+    each in a process of its own, the processes taking turns (timing.py): the pick is then never slower than a
+    runtime's own defaults on the same file, whatever the shared bench said."""
     chosen: Dict[Tuple[str, str], set] = {}
     for b in {t.batch_size for t in table.timings}:
         for traffic in Traffic:
@@ -215,8 +210,6 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
             for t in rows:
                 if t.artifact in artifacts:
                     chosen.setdefault((t.artifact, t.runtime), set()).add(b)
-    # A finalist is timed alone with each of its runtime settings (the runtime's own defaults among them, above):
-    # the pick is then never slower than the runtime's defaults on the same file, whatever the shared bench said.
     if len(chosen) < 2:
         return
     timed = time_in_own_processes(root, manifest.to_dict(), {c: sorted(sizes) for c, sizes in chosen.items()},
