@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
-__all__ = ["FileInfo", "sha256_file", "file_infos", "write_atomically"]
+__all__ = ["FileInfo", "sha256_file", "file_infos"]
 
 
 def sha256_file(path: Any) -> str:
@@ -27,10 +26,3 @@ class FileInfo:
 
 def file_infos(root: Path, names: Sequence[str]) -> Dict[str, FileInfo]:
     return {name: FileInfo((root / name).stat().st_size, sha256_file(root / name)) for name in names}
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """``text`` into ``path`` under a temporary name renamed into place: never half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

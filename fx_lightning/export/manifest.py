@@ -11,6 +11,7 @@ import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
+import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from fx_lightning.config.schema import ChannelOrder, InputDtype, Layout, Preproc
 from fx_lightning.common.json_views import JsonObject, dtype_name, json_safe
 from fx_lightning._version import __version__
 from fx_lightning.errors import ExportError
-from fx_lightning.export.files import FileInfo, sha256_file, write_atomically
+from fx_lightning.export.files import FileInfo, sha256_file
 from fx_lightning.formats.base import FormatEntry, WriteContext, fields_from
 from fx_lightning.formats import FORMATS
 from fx_lightning.common.notes import Note
@@ -356,7 +357,9 @@ def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Write (or rewrite, in a finished export) the manifest atomically: a reader sees the old one or the new one."""
-    write_atomically(Path(root) / MANIFEST_NAME, json.dumps(manifest.to_dict(), indent=2, allow_nan=False) + "\n")
+    staging = Path(root) / f".{MANIFEST_NAME}.tmp"
+    staging.write_text(json.dumps(manifest.to_dict(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(staging, Path(root) / MANIFEST_NAME)
 
 
 def read_manifest(directory: Any) -> Manifest:

@@ -23,7 +23,7 @@ from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem
 
-__all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
+__all__ = ["ArtifactInterface", "FromLeaves", "nest_outputs", "for_sizes"]
 
 
 class ArtifactInterface(nn.Module):
@@ -198,15 +198,9 @@ class FromLeaves(nn.Module):
         self.signature = signature
 
     def forward(self, *leaves: Any) -> Any:
-        call = call_from_steps([_steps(leaf) for leaf in self.signature.inputs], leaves)
+        call = _nested([(_steps(leaf), value) for leaf, value in zip(self.signature.inputs, leaves)], objects=True)
+        call = call if isinstance(call, Call) else Call((call,))
         return self.module(*call.args, **call.kwargs)
-
-
-def call_from_steps(paths: Sequence[Tuple[Step, ...]], leaves: Sequence[Any]) -> Call:
-    """The call whose leaves sit at ``paths``: positional and keyword arguments, dicts for keys, tuples for
-    indices, plain objects (``SimpleNamespace``) for attributes."""
-    root = _nested(list(zip(paths, leaves)), objects=True)
-    return root if isinstance(root, Call) else Call((root,))
 
 
 def _nested(items: List[Tuple[Tuple[Step, ...], Any]], objects: bool) -> Any:

@@ -3,9 +3,8 @@ self-contained file: inline CSS and SVG drawn here, no script, no font, no reque
 Chromium and checks that nothing leaves the file).
 
 Functional core: :func:`render_report` (a :class:`~fx_lightning.export.manifest.Manifest` -> the HTML text) and
-:func:`sweep_svg` (one plot); :func:`write_report` writes it into an export (the writer does so in the staging
-directory, so it is atomic with the rest and listed in the manifest with its sha256; ``fx-lightning inspect DIR
---html`` for an existing export). Every figure shown carries ``data-key`` (what it is) and ``data-value`` (the
+:func:`sweep_svg` (one plot); the writer writes the page into the export's staging directory, so it is atomic with
+the rest and listed in the manifest with its sha256 (``fx-lightning inspect DIR --html`` for an existing export). Every figure shown carries ``data-key`` (what it is) and ``data-value`` (the
 manifest's number, unrounded), so a test can read the page and compare it with the manifest.
 """
 
@@ -14,14 +13,12 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from fx_lightning.export.files import write_atomically
 from fx_lightning.export.manifest import Manifest, Sweep
 from fx_lightning.parity.report import OutputError
 
-__all__ = ["REPORT_NAME", "render_report", "write_report", "sweep_svg", "sweep_series", "Series", "figures",
+__all__ = ["REPORT_NAME", "render_report", "sweep_svg", "sweep_series", "Series", "figures",
            "error_histogram_svg"]
 
 REPORT_NAME = "report.html"
@@ -412,13 +409,6 @@ def render_report(manifest: Manifest, title: str = "fx-lightning export") -> str
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'\">"
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>" + "".join(body) + "</body></html>\n")
-
-
-def write_report(directory: Path, manifest: Manifest, title: Optional[str] = None) -> Path:
-    """``report.html`` of ``manifest`` into ``directory`` (a temporary name renamed into place: never half a file)."""
-    path = Path(directory) / REPORT_NAME
-    write_atomically(path, render_report(manifest, title or f"fx-lightning export: {Path(directory).name}"))
-    return path
 
 
 def figures(manifest: Manifest) -> Mapping[str, float]:

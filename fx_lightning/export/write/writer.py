@@ -32,7 +32,7 @@ from fx_lightning.export.write.prologue import with_prologue
 from fx_lightning.export.files import file_infos
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Preprocess, new_manifest, write_manifest
 from fx_lightning.export.progress import Progress
-from fx_lightning.export.write.report_html import REPORT_NAME, write_report
+from fx_lightning.export.write.report_html import REPORT_NAME, render_report
 from fx_lightning.export.write.readme import readme_text
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.common.notes import Note
@@ -121,10 +121,10 @@ def finish_export(staging: Path, manifest: Manifest, final: Path, progress: Opti
     (what the manifest holds, drawn) and the manifest itself."""
     progress = progress if progress is not None else Progress()
     (staging / "README.md").write_text(readme_text(manifest.formats), encoding="utf-8")
-    manifest.files.update(file_infos(staging, ["README.md"]))
     with progress.step(f"{REPORT_NAME} and manifest.json"):
-        write_report(staging, manifest, title=f"fx-lightning export: {final.name}")
-        manifest.files.update(file_infos(staging, [REPORT_NAME]))
+        (staging / REPORT_NAME).write_text(render_report(manifest, f"fx-lightning export: {final.name}"),
+                                           encoding="utf-8")
+        manifest.files.update(file_infos(staging, ["README.md", REPORT_NAME]))
         write_manifest(staging, manifest)
 
 
