@@ -177,9 +177,9 @@ class LineProgress(Progress):
                           f"({_seconds(time.monotonic() - start)})")
 
 
-def log_lines(title: str = "", logger: logging.Logger = LOGGER) -> LineProgress:
+def log_lines() -> LineProgress:
     """Plain lines through the ``fx_lightning.progress`` logger at INFO: the default."""
-    return LineProgress(logger.info, title)
+    return LineProgress(LOGGER.info)
 
 
 class _Quieted:

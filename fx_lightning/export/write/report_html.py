@@ -49,14 +49,14 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _num(value: Optional[float], digits: int = 3) -> str:
+def _num(value: Optional[float]) -> str:
     if value is None:
         return "-"
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e7):
-        return f"{value:.{digits - 1}e}"
+        return f"{value:.2e}"
     if abs(value) >= 100:
         return f"{value:,.0f}"
-    return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:,.{max(digits - 2, 1)}f}"
+    return f"{value:.3g}" if abs(value) < 1 else f"{value:,.1f}"
 
 
 def _figure(key: str, value: Optional[float], text: Optional[str] = None) -> str:
