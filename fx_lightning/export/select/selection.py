@@ -81,15 +81,16 @@ def bench_export(
     sweep: Optional[SweepSettings] = None,
     steps: Optional[Progress] = None,
 ) -> BenchTable:
-    """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
-    batch size, in both traffics, interleaved; check every artifact on ``check.pt``. ``own_process_finalists``: at
-    most that many of the fastest passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN`
-    of the fastest) are then timed again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those
-    timings replace theirs (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet
-    (an export being written), else it is read from ``root``. ``sweep``: then the throughput sweep (export/select/sweep.py)
-    of the passing artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics,
-    each in a process of its own when ``own_process_finalists`` is set. ``steps``: where the loading, the timing,
-    the finalists and the sweep say they started and ended (their loops' progress too, unless ``progress``)."""
+    """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices) and
+    ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each batch size, in both traffics,
+    interleaved; check every artifact on ``check.pt``. ``own_process_finalists``: at most that many of the fastest
+    passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN` of the fastest) are then timed
+    again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those timings replace theirs
+    (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet (an export being written),
+    else it is read from ``root``. ``sweep``: then the throughput sweep (export/select/sweep.py) of the passing
+    artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics, each in a process of
+    its own when ``own_process_finalists`` is set. ``steps``: where the loading, the timing, the finalists and the
+    sweep say they started and ended (their loops' progress too, unless ``progress``)."""
     steps = steps if steps is not None else Progress()
     progress = progress if progress is not None else steps.advance
     root = Path(root)

@@ -4,8 +4,9 @@ Chromium and checks that nothing leaves the file).
 
 Functional core: :func:`render_report` (a :class:`~fx_lightning.export.manifest.Manifest` -> the HTML text) and
 :func:`sweep_svg` (one plot); the writer writes the page into the export's staging directory, so it is atomic with
-the rest and listed in the manifest with its sha256 (``fx-lightning inspect DIR --html`` for an existing export). Every figure shown carries ``data-key`` (what it is) and ``data-value`` (the
-manifest's number, unrounded), so a test can read the page and compare it with the manifest.
+the rest and listed in the manifest with its sha256 (``fx-lightning inspect DIR --html`` for an existing export).
+Every figure shown carries ``data-key`` (what it is) and ``data-value`` (the manifest's number, unrounded), so a
+test can read the page and compare it with the manifest.
 """
 
 from __future__ import annotations
