@@ -135,8 +135,7 @@ def record_artifact(root: Path, manifest: Manifest, name: str, artifact: Variant
     was made."""
     error = error or artifact.error
     passed = gate is not None and gate.passed and error is None
-    outcome = (VariantOutcome(artifact.entry_name, passed, gate, notes=list(notes)) if error is None else
-               VariantOutcome(artifact.entry_name, False, error=error, notes=list(notes)))
+    outcome = VariantOutcome(artifact.entry_name, passed, gate if error is None else None, error, notes=list(notes))
     formats, files = dict(manifest.formats), dict(manifest.files)
     if passed and artifact.entry is not None:
         artifact.entry.gate = gate
