@@ -156,13 +156,8 @@ def sweep_series(sweeps: Sequence[Sweep], traffic: str) -> Dict[str, List[Series
     """The plots of one traffic: ``latency`` (p50 and, dashed, p99 per artifact) and ``throughput``."""
     chosen = [w for w in sweeps if w.traffic == traffic and w.points]
     colours = {name: i for i, name in enumerate(dict.fromkeys(_sweep_name(w) for w in sweeps))}
-    latency: List[Series] = []
-    for w in chosen:
-        colour = colours[_sweep_name(w)]
-        latency.append(Series(f"{_sweep_name(w)} p50", tuple((p.batch_size, p.p50_ms) for p in w.points), False,
-                              colour))
-        latency.append(Series(f"{_sweep_name(w)} p99", tuple((p.batch_size, p.p99_ms) for p in w.points), True,
-                              colour))
+    latency = [Series(f"{_sweep_name(w)} {q}", tuple((p.batch_size, getattr(p, f"{q}_ms")) for p in w.points),
+                      q == "p99", colours[_sweep_name(w)]) for w in chosen for q in ("p50", "p99")]
     throughput = [Series(_sweep_name(w), tuple((p.batch_size, p.throughput) for p in w.points), False,
                          colours[_sweep_name(w)]) for w in chosen]
     return {"latency": latency, "throughput": throughput}
