@@ -24,7 +24,7 @@ from fx_lightning.errors import ConfigError
 from fx_lightning.export import read_manifest
 from fx_lightning.export.load.loader import selection_for
 from fx_lightning.export.manifest import (ArtifactCheck, BenchTable, Manifest, Sweep, SweepPoint, Timing,
-                                         replace_manifest)
+                                         write_manifest)
 from fx_lightning.export.select.selection import (select_all, select_by_strategy, select_max_throughput,
                                                   sweep_candidates, with_selection)
 from fx_lightning.export.select.sweep import SweepSettings, measure_batch_size, recorded_batching, sweep
@@ -311,7 +311,7 @@ def test_the_triton_repository_takes_its_batching_from_the_recorded_sweep(swept:
     shutil.copytree(swept[0], root)
     manifest = read_manifest(root)
     table = recorded_table()  # onnx swept: most throughput at 8; preferred (8,); no queue delay
-    replace_manifest(root, with_selection(manifest, table, select_by_strategy(table, "min_latency", 1,
+    write_manifest(root, with_selection(manifest, table, select_by_strategy(table, "min_latency", 1,
                                                                                "back_to_back")))
     repository = write_triton_repository(root, tmp_path / "repo", python=False)
     onnx = next(m for m in repository.models if m.entry == "onnx")
@@ -332,7 +332,7 @@ def test_the_triton_repository_takes_its_batching_from_the_recorded_sweep(swept:
     assert (onnx.max_batch_size, onnx.preferred_batch_sizes, onnx.max_queue_delay_us) == (2, [], 0)
     assert STRATEGY_PARAMETER not in next(m for m in told.models if m.selection).parameters  # the fastest at 2
     # Without a sweep: the defaults, and no note claiming one.
-    replace_manifest(root, manifest.__class__.from_dict({**manifest.to_dict(), "bench": None, "selected": None,
+    write_manifest(root, manifest.__class__.from_dict({**manifest.to_dict(), "bench": None, "selected": None,
                                                          "selections": []}))
     bare = next(m for m in write_triton_repository(root, tmp_path / "bare", python=False).models if m.entry == "onnx")
     assert (bare.max_batch_size, bare.preferred_batch_sizes, bare.max_queue_delay_us) == (8, [], 100)

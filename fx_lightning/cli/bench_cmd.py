@@ -165,7 +165,7 @@ def _sweep_table(table: Any, traffic: str) -> Any:
 def _unfused_model(args: argparse.Namespace, manifest: Any) -> Tuple[Any, Optional[str]]:
     """The original (unfused) target, from --model/--checkpoint or what the manifest recorded."""
     from fx_lightning.export.load.interface import FromLeaves
-    from fx_lightning.export.write.prologue import eager_baseline
+    from fx_lightning.export.write.prologue import behind_prologue
     from fx_lightning.pipeline import resolve_target
 
     origin = manifest.provenance
@@ -190,4 +190,4 @@ def _unfused_model(args: argparse.Namespace, manifest: Any) -> Tuple[Any, Option
         sub = model.get_submodule(target) if target else model
     if manifest.signature is not None and manifest.signature.flat:  # one tensor per input leaf, as the artifacts
         sub = FromLeaves(sub, manifest.signature)
-    return eager_baseline(sub.eval(), manifest.preprocess), None
+    return behind_prologue(sub.eval(), manifest.preprocess), None

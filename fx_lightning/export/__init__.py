@@ -11,10 +11,8 @@ Layout of an export directory::
     fused_module/          code: readable Python (module.py) + weights.pt, importable as a package
     model.onnx             onnx: ONNX with the dynamic axes the signature names (optional extra)
 
-One module per concern: the formats themselves live in :mod:`fx_lightning.formats` (one module per format, below
-the config schema that names them); here ``atomic`` (writing a directory atomically), ``manifest``, ``writer``
-(:func:`export_fused`), ``variants``, ``selection`` and ``timing``, ``interface`` (an artifact called as its
-signature says) and ``loader`` (:func:`load_fused`).
+The formats themselves live in :mod:`fx_lightning.formats` (one module per format); here :mod:`.manifest`,
+:mod:`.check`, and :mod:`.write`, :mod:`.load` and :mod:`.select`, whose own docstrings name their modules.
 """
 
 from __future__ import annotations

@@ -96,8 +96,9 @@ def reference_for(ctx: WriteContext) -> Reference:
         batches += ctx.check_args  # examples of other sizes: for the artifacts that take them
     stochastic = [i for i, leaf in enumerate(signature.outputs) if leaf.stochastic]
     fused = [_outputs(ctx.model, b) for b in batches]
+    original = ctx.reference.model if ctx.reference is not None else ctx.model
     try:  # the fp64 copy is made, used and freed here: no second copy of the model lives through the export
-        exact_model = copy.deepcopy(ctx.reference.model if ctx.reference is not None else ctx.model).double()
+        exact_model = copy.deepcopy(original).double()
         exact = [[_as_double(t) for t in _outputs(exact_model, map_leaves(_as_double, b))] for b in batches]
         del exact_model
     except RuntimeError:  # no fp64 kernel for some op: judge against the fused model itself
@@ -106,7 +107,6 @@ def reference_for(ctx: WriteContext) -> Reference:
         if [t.shape for t in out] != [t.shape for t in ex]:
             # fp64 took another branch (a score threshold keeps another number of rows, as NMS does): that example
             # is judged against the original model at the artifacts' precision, which took the same one.
-            original = ctx.reference.model if ctx.reference is not None else ctx.model
             exact[i] = [_as_double(t) for t in _outputs(original, batches[i])]
     errors = [relative_error(f.double(), e) for out, ex in zip(fused, exact) for i, (f, e) in enumerate(zip(out, ex))
               if e.is_floating_point() and not is_discrete(f) and i not in stochastic  # a discrete output flips
@@ -170,7 +170,8 @@ def check_artifact(module: nn.Module, reference: Reference,
     worst, allowed, sizes = 0.0, 0.0, []
     for batch, want in pairs:
         rows = reference.rows(batch)
-        where = f"batch size {rows}" if rows is not None else f"inputs of shapes {_shapes_text(batch)}"
+        where = (f"batch size {rows}" if rows is not None else "inputs of shapes "
+                 + ", ".join(str(list(a.shape)) for a in batch if isinstance(a, torch.Tensor)))
         try:
             got = _outputs(module, batch)
         except Exception as exc:  # noqa: BLE001 - the artifact's own failure, in words
@@ -232,7 +233,3 @@ def check_roundtrip(staging: Path, fmt: Format, entry: FormatEntry, reference: R
         what = "fails: it" if check.relative_error is None else "disagrees with the fused model"
         raise ExportError(f"the loaded model {what} {check.reason}.")
     return check
-
-
-def _shapes_text(batch: Sequence[Any]) -> str:
-    return ", ".join(str(list(a.shape)) for a in batch if isinstance(a, torch.Tensor))

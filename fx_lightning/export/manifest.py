@@ -47,7 +47,6 @@ __all__ = [
     "Manifest",
     "new_manifest",
     "write_manifest",
-    "replace_manifest",
     "read_manifest",
     "verify_files",
     "legacy_signature",
@@ -149,9 +148,6 @@ class Sweep:
         top = max(p.throughput for p in within)
         return min((p for p in within if p.throughput * (1 + tie) >= top), key=lambda p: p.batch_size)
 
-    def to_dict(self) -> Dict[str, object]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, data: Json) -> "Sweep":
         return cls(str(data["artifact"]), str(data["traffic"]),
@@ -180,11 +176,7 @@ class BenchTable:
                      == (artifact, batch_size, traffic, runtime)), None)
 
     def to_dict(self) -> Dict[str, object]:
-        return {"threads": self.threads, "isa": self.isa, "machine": self.machine, "torch": self.torch,
-                "timings": [dataclasses.asdict(t) for t in self.timings],
-                "checks": {k: c.to_dict() for k, c in self.checks.items()},
-                "failures": [dataclasses.asdict(f) for f in self.failures],
-                "sweeps": [w.to_dict() for w in self.sweeps], "not_swept": dict(self.not_swept), "cpu": self.cpu}
+        return {**dataclasses.asdict(self), "checks": {k: c.to_dict() for k, c in self.checks.items()}}
 
     @classmethod
     def from_dict(cls, data: Json) -> "BenchTable":
@@ -363,16 +355,11 @@ def new_manifest(ctx: WriteContext, entries: Dict[str, FormatEntry], *, config: 
     )
 
 
-def write_manifest(root: Path, manifest: Manifest, name: str = MANIFEST_NAME) -> None:
-    text = json.dumps(manifest.to_dict(), indent=2, allow_nan=False, sort_keys=False)
-    (root / name).write_text(text + "\n", encoding="utf-8")
-
-
-def replace_manifest(root: Path, manifest: Manifest) -> None:
-    """Rewrite the manifest of a finished export atomically (a reader sees the old one or the new one)."""
-    staging = f".{MANIFEST_NAME}.tmp"
-    write_manifest(Path(root), manifest, staging)
-    os.replace(Path(root) / staging, Path(root) / MANIFEST_NAME)
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Write (or rewrite, in a finished export) the manifest atomically: a reader sees the old one or the new one."""
+    staging = Path(root) / f".{MANIFEST_NAME}.tmp"
+    staging.write_text(json.dumps(manifest.to_dict(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(staging, Path(root) / MANIFEST_NAME)
 
 
 def read_manifest(directory: Any) -> Manifest:

@@ -137,9 +137,7 @@ class LineProgress(Progress):
 
     def advance(self, what: str, done: int, total: Optional[int]) -> None:
         now = time.monotonic()
-        last, first = self._last_advance.get(what, (now, now))
-        if what not in self._last_advance:
-            self._last_advance[what] = (now, now)
+        last, first = self._last_advance.setdefault(what, (now, now))
         finished = total is not None and done >= total
         if not finished and now - last < self.every_s:
             return
@@ -179,9 +177,9 @@ class LineProgress(Progress):
                           f"({_seconds(time.monotonic() - start)})")
 
 
-def log_lines(title: str = "", logger: logging.Logger = LOGGER) -> LineProgress:
+def log_lines() -> LineProgress:
     """Plain lines through the ``fx_lightning.progress`` logger at INFO: the default."""
-    return LineProgress(logger.info, title)
+    return LineProgress(LOGGER.info)
 
 
 class _Quieted:

@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
 from fx_lightning.errors import ExportError, FXLightningError, first_line, require_inputs
 from fx_lightning.export.manifest import Manifest, VariantOutcome
-from fx_lightning.export.write.prologue import eager_baseline
+from fx_lightning.export.write.prologue import behind_prologue
 from fx_lightning.export.select.selection import bench_export, select_by_strategy, with_selection
 from fx_lightning.export.select.sweep import REHEARSAL_SWEEP, SweepSettings
 from fx_lightning.export.write.variants import (Maker, finish_variant, format_variant_makers, make_artifact,
@@ -266,7 +266,7 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
     eager = interface.flattened(fused.reference) if interface is not None else fused.reference
     with in_step(Step.selection):
         table = bench_export(staging, manifest=manifest, batch_sizes=sorted({1, size}),
-                             baselines={"eager": eager_baseline(eager, fused.contract.preprocess)},
+                             baselines={"eager": behind_prologue(eager, fused.contract.preprocess)},
                              rounds=rounds, warmup=warmup,
                              own_process_finalists=finalists,
                              sweep=REHEARSAL_SWEEP if rehearsal else SweepSettings(),

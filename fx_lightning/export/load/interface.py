@@ -23,7 +23,7 @@ from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem
 
-__all__ = ["ArtifactInterface", "FromLeaves", "call_from_steps", "nest_outputs", "for_sizes"]
+__all__ = ["ArtifactInterface", "FromLeaves", "nest_outputs", "for_sizes"]
 
 
 class ArtifactInterface(nn.Module):
@@ -183,24 +183,7 @@ def nest_outputs(out: Any, specs: Sequence[LeafSpec]) -> Any:
                                                      all(isinstance(o, torch.Tensor) for o in out))
     if not flat_runtime or all(len(s) == 1 and s[0][0] == "index" for s in steps):
         return out
-    return _nested(list(zip(steps, leaves)))
-
-
-def _nested(items: List[Tuple[Tuple[Step, ...], torch.Tensor]]) -> Any:
-    """Plain containers holding each tensor at its path: sequences for indices, dicts for keys and fields."""
-    if len(items) == 1 and not items[0][0]:
-        return items[0][1]
-    groups: Dict[Any, List[Tuple[Tuple[Step, ...], torch.Tensor]]] = {}
-    kinds = set()
-    for path, tensor in items:
-        (kind, key), rest = path[0], path[1:]
-        kinds.add(kind)
-        groups.setdefault(key, []).append((rest, tensor))
-    if kinds == {"index"}:
-        return tuple(_nested(groups[k]) for k in sorted(groups))
-    return {k: _nested(v) for k, v in groups.items()}
-
-
+    return _nested(list(zip(steps, leaves)), objects=False)
 
 
 class FromLeaves(nn.Module):
@@ -215,18 +198,14 @@ class FromLeaves(nn.Module):
         self.signature = signature
 
     def forward(self, *leaves: Any) -> Any:
-        call = call_from_steps([_steps(leaf) for leaf in self.signature.inputs], leaves)
+        call = _nested([(_steps(leaf), value) for leaf, value in zip(self.signature.inputs, leaves)], objects=True)
+        call = call if isinstance(call, Call) else Call((call,))
         return self.module(*call.args, **call.kwargs)
 
 
-def call_from_steps(paths: Sequence[Tuple[Step, ...]], leaves: Sequence[Any]) -> Call:
-    """The call whose leaves sit at ``paths``: positional and keyword arguments, dicts for keys, tuples for
-    indices, plain objects (``SimpleNamespace``) for attributes."""
-    root = _nested_call(list(zip(paths, leaves)))
-    return root if isinstance(root, Call) else Call((root,))
-
-
-def _nested_call(items: List[Tuple[Tuple[Step, ...], Any]]) -> Any:
+def _nested(items: List[Tuple[Tuple[Step, ...], Any]], objects: bool) -> Any:
+    """Plain containers holding each value at its path: a :class:`Call` for arguments, tuples for indices, dicts for
+    keys, and for fields plain objects (``objects``) or dicts (outputs, as a runtime returns them)."""
     if len(items) == 1 and not items[0][0]:
         return items[0][1]
     groups: Dict[Any, List[Tuple[Tuple[Step, ...], Any]]] = {}
@@ -235,14 +214,14 @@ def _nested_call(items: List[Tuple[Tuple[Step, ...], Any]]) -> Any:
         (kind, key), rest = path[0], path[1:]
         kinds[key] = kind
         groups.setdefault((kind, key), []).append((rest, value))
-    values = {key: _nested_call(v) for (kind, key), v in groups.items()}
+    values = {key: _nested(v, objects) for (kind, key), v in groups.items()}
     kind_set = set(kinds.values())
     if kind_set <= {"arg", "kwarg"}:
         args = tuple(values[k] for k in sorted(k for k, kd in kinds.items() if kd == "arg"))
         return Call(args, {k: values[k] for k, kd in kinds.items() if kd == "kwarg"})
     if kind_set == {"index"}:
         return tuple(values[k] for k in sorted(values))
-    if kind_set == {"attr"}:
+    if kind_set == {"attr"} and objects:
         return types.SimpleNamespace(**values)
     return values
 

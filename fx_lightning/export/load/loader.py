@@ -161,11 +161,8 @@ def _device(device: Any, entry: FormatEntry) -> torch.device:
     if device is not None:
         return torch.device(device)
     built = torch.device(entry.device or "cpu")
-    if built.type == "cuda" and not (torch.cuda.is_available() and (built.index or 0) < torch.cuda.device_count()):
-        return torch.device("cpu")
-    if built.type not in ("cpu", "cuda"):
-        return torch.device("cpu")
-    return built
+    cuda_here = torch.cuda.is_available() and (built.index or 0) < torch.cuda.device_count()
+    return built if built.type == "cpu" or (built.type == "cuda" and cuda_here) else torch.device("cpu")
 
 
 def _choose(root: Path, manifest: Manifest, format: Optional[str]) -> str:

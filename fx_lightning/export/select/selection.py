@@ -5,15 +5,11 @@ check batch, and the fastest that passed recorded in the manifest for each batch
 
 Each artifact is timed with the runtime settings it was written with and with each of its format's
 ``runtime_choices`` (ONNX Runtime's threads spinning between runs, say; ONNX Runtime's and OpenVINO's own defaults,
-:data:`~fx_lightning.formats.base.RUNTIME_DEFAULTS`), and in two kinds of traffic: a call after an idle gap
-(:data:`IDLE_GAP_S`: the runtime's threads have gone to sleep, as under sparse traffic) and a call right after
-another (back to back), interleaved (timing.py); the finalists are then timed again each in a process of its own,
-as a server runs them, each with every one of its runtime settings: the pick is never slower than the runtime's
-own defaults on the same file, beyond the noise of those timings. The table keeps medians and the 90th percentile.
-The check compares each artifact's outputs on ``check.pt`` with the fp64 reference outputs saved there, with the
-export's own rule (a few times the fused model's own error), so an artifact that disagrees is never selected; a lossy
-variant must have passed its accuracy gate at export and, on this machine, run on ``check.pt`` within that gate's
-agreement (:func:`~fx_lightning.export.check.check_artifact`).
+:data:`~fx_lightning.formats.base.RUNTIME_DEFAULTS`), after an idle gap and back to back, interleaved (timing.py);
+the finalists are then timed again each in a process of its own, as a server runs them, each with every one of its
+runtime settings: the pick is never slower than the runtime's own defaults on the same file, beyond the noise of
+those timings. The table keeps medians and the 90th percentile. An artifact that fails its check on ``check.pt``
+(:func:`~fx_lightning.export.check.check_artifact`, a lossy variant's gate included) is never selected.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from fx_lightning.export.manifest import (
     Timing,
     TimingFailure,
     read_manifest,
-    replace_manifest,
+    write_manifest,
 )
 from fx_lightning.export.select.sweep import SweepSettings, sweep_module
 from fx_lightning.export.progress import Progress
@@ -82,26 +78,25 @@ def bench_export(
     own_process_finalists: int = 0,
     threads: Optional[int] = None,
     progress: Optional[Tick] = None,
-    runtime_choices: bool = True,
     sweep: Optional[SweepSettings] = None,
     steps: Optional[Progress] = None,
 ) -> BenchTable:
-    """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices unless
-    ``runtime_choices`` is false) and ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each
-    batch size, in both traffics, interleaved; check every artifact on ``check.pt``. ``own_process_finalists``: at
-    most that many of the fastest passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN`
-    of the fastest) are then timed again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those
-    timings replace theirs (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet
-    (an export being written), else it is read from ``root``. ``sweep``: then the throughput sweep (export/select/sweep.py)
-    of the passing artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics,
-    each in a process of its own when ``own_process_finalists`` is set. ``steps``: where the loading, the timing,
-    the finalists and the sweep say they started and ended (their loops' progress too, unless ``progress``)."""
+    """Time the export's artifacts (``formats``, default all; each also with its format's runtime choices) and
+    ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each batch size, in both traffics,
+    interleaved; check every artifact on ``check.pt``. ``own_process_finalists``: at most that many of the fastest
+    passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN` of the fastest) are then timed
+    again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those timings replace theirs
+    (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet (an export being written),
+    else it is read from ``root``. ``sweep``: then the throughput sweep (export/select/sweep.py) of the passing
+    artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics, each in a process of
+    its own when ``own_process_finalists`` is set. ``steps``: where the loading, the timing, the finalists and the
+    sweep say they started and ended (their loops' progress too, unless ``progress``)."""
     steps = steps if steps is not None else Progress()
     progress = progress if progress is not None else steps.advance
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     with steps.step("load and check every artifact") as end:
-        table, models, saved = _load_and_check(root, manifest, formats, threads, baselines, runtime_choices)
+        table, models, saved = _load_and_check(root, manifest, formats, threads, baselines)
         end.result = f"{sum(c.passed for c in table.checks.values())} of {len(table.checks)} passed their check"
     inputs = saved.inputs if saved is not None else _random_inputs(manifest)
     signature = manifest.call_signature()
@@ -126,8 +121,8 @@ def bench_export(
     return table
 
 
-def _load_and_check(root: Path, manifest: Manifest, formats: Optional[Sequence[str]],
-                    threads: Optional[int], baselines: Optional[Dict[str, nn.Module]], runtime_choices: bool
+def _load_and_check(root: Path, manifest: Manifest, formats: Optional[Sequence[str]], threads: Optional[int],
+                    baselines: Optional[Dict[str, nn.Module]]
                     ) -> Tuple[BenchTable, Dict[Tuple[str, str], nn.Module], Optional[Reference]]:
     """Every artifact loaded (with each runtime choice) and checked on ``check.pt``, beside the baselines."""
     if threads:
@@ -138,9 +133,8 @@ def _load_and_check(root: Path, manifest: Manifest, formats: Optional[Sequence[s
     models: Dict[Tuple[str, str], nn.Module] = {(name, ""): m for name, m in (baselines or {}).items()}
     for name in formats or list(manifest.formats):
         entry = manifest.formats[name]
-        choices = FORMATS[entry.format_name or name].runtime_choices if runtime_choices else {}
         try:
-            for runtime in ("", *choices):
+            for runtime in ("", *FORMATS[entry.format_name or name].runtime_choices):
                 models[(name, runtime)] = load_artifact(root, manifest, name, device="cpu", runtime=runtime)
         except ExportError as exc:
             table.checks[name] = ArtifactCheck(False, reason=first_line(exc))
@@ -199,10 +193,9 @@ def _sweep(root: Path, manifest: Manifest, table: BenchTable, models: Dict[Tuple
 
 def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, finalists: int, warmup: int,
                           progress: Optional[Tick] = None) -> None:
-    """Replace the finalists' timings in ``table`` (the ``finalists`` fastest passing artifacts within
-    :data:`FINALIST_WITHIN` of the fastest, at each batch size and traffic, and every passing artifact with a
-    runtime's own defaults among its settings; each with every one of its runtime settings) with timings taken each
-    in a process of its own, the processes taking turns (timing.py)."""
+    """Replace the finalists' timings in ``table``, each with every one of its runtime settings, with timings taken
+    each in a process of its own, the processes taking turns (timing.py): the pick is then never slower than a
+    runtime's own defaults on the same file, whatever the shared bench said."""
     chosen: Dict[Tuple[str, str], set] = {}
     for b in {t.batch_size for t in table.timings}:
         for traffic in Traffic:
@@ -213,14 +206,11 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
             # for the next artifact (ONNX Runtime's three took every place from OpenVINO bf16 on mobilenet_v3_large).
             artifacts = [t.artifact for t in _fastest_artifacts(rows, finalists)]
             # And every artifact a runtime runs with its own defaults, whatever the shared bench said (runtimes in
-            # one process slow each other unevenly: OpenVINO bf16 ran 7.4 ms there, 1.4-1.8 ms alone): the pick is
-            # then never slower than a runtime's defaults on our own files.
+            # one process slow each other unevenly: OpenVINO bf16 ran 7.4 ms there, 1.4-1.8 ms alone).
             artifacts += [t.artifact for t in rows if t.runtime == RUNTIME_DEFAULTS and t.artifact not in artifacts]
             for t in rows:
                 if t.artifact in artifacts:
                     chosen.setdefault((t.artifact, t.runtime), set()).add(b)
-    # A finalist is timed alone with each of its runtime settings (the runtime's own defaults among them, above):
-    # the pick is then never slower than the runtime's defaults on the same file, whatever the shared bench said.
     if len(chosen) < 2:
         return
     timed = time_in_own_processes(root, manifest.to_dict(), {c: sorted(sizes) for c, sizes in chosen.items()},
@@ -272,13 +262,17 @@ def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") ->
     if not rows:
         return None
     best = min(rows, key=lambda t: (t.median_ms, t.artifact, t.runtime))  # the same median: by name, for one answer
-    median, name, runtime = best.median_ms, best.artifact, best.runtime
-    settings = f", runtime settings '{runtime}'" if runtime else ""
-    settings += ", timed in a process of its own" if best.process == "own" else ""
-    return Selected(name, batch_size, median,
+    median = best.median_ms
+    return Selected(best.artifact, batch_size, median,
                     f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
-                    f"{table.threads} threads, {table.isa}{settings}) of the artifacts that passed their check",
-                    traffic, runtime)
+                    f"{table.threads} threads, {table.isa}{_how_timed(best.runtime, best.process)}) of the artifacts "
+                    "that passed their check", traffic, best.runtime)
+
+
+def _how_timed(runtime: str, process: str) -> str:
+    """The runtime settings and the process a pick was timed with, as its ``why`` says them."""
+    settings = f", runtime settings '{runtime}'" if runtime else ""
+    return settings + (", timed in a process of its own" if process == "own" else "")
 
 
 def select_max_throughput(table: BenchTable, traffic: Any = "back_to_back",
@@ -292,15 +286,14 @@ def select_max_throughput(table: BenchTable, traffic: Any = "back_to_back",
     if not points:
         return None
     point, w = max(points, key=lambda pw: (pw[0].throughput, -pw[0].batch_size))
-    settings = f", runtime settings '{w.runtime}'" if w.runtime else ""
-    alone = ", timed in a process of its own" if w.process == "own" else ""
     within = f" with p99 within {latency_budget_ms:g} ms" if latency_budget_ms is not None else ""
     return Selected(w.artifact, point.batch_size, point.p50_ms,
                     f"most samples/s{within} over the throughput sweep, {traffic.replace('_', ' ')} traffic: "
                     f"{point.throughput:.1f}/s at batch {point.batch_size} (p50 {point.p50_ms:.2f} ms, p99 "
-                    f"{point.p99_ms:.2f} ms; {table.threads} threads, {table.isa}{settings}{alone}) of the artifacts "
-                    "that passed their check", traffic, w.runtime, strategy=Strategy.max_throughput.value,
-                    throughput=point.throughput, p99_ms=point.p99_ms, latency_budget_ms=latency_budget_ms)
+                    f"{point.p99_ms:.2f} ms; {table.threads} threads, {table.isa}{_how_timed(w.runtime, w.process)}) "
+                    "of the artifacts that passed their check", traffic, w.runtime,
+                    strategy=Strategy.max_throughput.value, throughput=point.throughput, p99_ms=point.p99_ms,
+                    latency_budget_ms=latency_budget_ms)
 
 
 def select_by_strategy(table: BenchTable, strategy: Any, batch_size: int, traffic: Any,
@@ -355,4 +348,4 @@ def with_selection(manifest: Manifest, table: BenchTable, selected: Optional[Sel
 def record_selection(root: Any, table: BenchTable, selected: Optional[Selected]) -> None:
     """Write the table and the selections into a finished export's manifest (atomically; the manifest is not in
     the file hashes)."""
-    replace_manifest(Path(root), with_selection(read_manifest(root), table, selected))
+    write_manifest(Path(root), with_selection(read_manifest(root), table, selected))

@@ -150,10 +150,10 @@ def timed_call(module: nn.Module, args: Sequence[Any]) -> float:
 
 
 def sweep_module(module: nn.Module, inputs: Sequence[Any], axes: Sequence[Optional[int]], artifact: str,
-                 runtime: str, traffic: str, settings: SweepSettings, process: str = "shared") -> Sweep:
-    """The sweep of one loaded artifact in one traffic, as the manifest records it."""
+                 runtime: str, traffic: str, settings: SweepSettings) -> Sweep:
+    """The sweep of one loaded artifact in one traffic, in this process, as the manifest records it."""
     points, stop = sweep(module_runner(module, inputs, axes, traffic), settings)
-    return Sweep(artifact, Traffic(traffic).value, points, stop, runtime, process)
+    return Sweep(artifact, Traffic(traffic).value, points, stop, runtime)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ from torch import nn
 
 from fx_lightning.config import Traffic
 from fx_lightning.errors import first_line
-from fx_lightning.export.manifest import Sweep, SweepPoint, TimingFailure
+from fx_lightning.export.check import read_check_file
+from fx_lightning.export.load.loader import load_artifact
+from fx_lightning.export.manifest import Manifest, Sweep, SweepPoint, TimingFailure
 from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps, timed_call
 from fx_lightning.common.rows import with_rows
 
@@ -139,10 +141,9 @@ def time_in_own_processes(root: Path, manifest_json: Dict[str, object], candidat
     shares = [rounds // turns + (1 if i < rounds % turns else 0) for i in range(max(1, min(turns, rounds)))]
     requests = {c: WorkerRequest(str(root), manifest_json, c, threads, batch_sizes=list(sizes), warmup=warmup)
                 for c, sizes in candidates.items()}
-    raw = _take_turns(requests, lambda turn: Turn(rounds=shares[turn]) if turn < len(shares) else Turn(finish=True),
-                      _ticks(progress, "timing the finalists alone", len(candidates) * (len(shares) + 1)))
-    return {c: (({(int(b), str(t)): list(ts) for b, t, ts in result}, "") if result is not None else (None, why))
-            for c, (result, why) in raw.items()}
+    return _take_turns(requests, lambda turn: Turn(rounds=shares[turn]) if turn < len(shares) else Turn(finish=True),
+                       lambda result: {(int(b), str(t)): list(ts) for b, t, ts in result},
+                       progress, "timing the finalists alone", len(candidates) * (len(shares) + 1))
 
 
 def sweep_in_own_processes(root: Path, manifest_json: Dict[str, object], candidates: Dict[Candidate, Sequence[str]],
@@ -155,21 +156,16 @@ def sweep_in_own_processes(root: Path, manifest_json: Dict[str, object], candida
                                  sweep_settings=dataclasses.asdict(settings)) for c, traffics in candidates.items()}
     # A turn is one batch size of 1, 2, 4, ... up to max_batch_size: the total is at most that many (it stops earlier).
     most = len(candidates) * (int(settings.max_batch_size).bit_length() + 1)
-    raw = _take_turns(requests, lambda turn: Turn(rounds=1), _ticks(progress, "sweep (batch sizes, at most)", most))
-    return {c: (([Sweep.from_dict(w) for w in result], "") if result is not None else (None, why))
-            for c, (result, why) in raw.items()}
+    return _take_turns(requests, lambda turn: Turn(rounds=1), lambda result: [Sweep.from_dict(w) for w in result],
+                       progress, "sweep (batch sizes, at most)", most)
 
 
-def _ticks(progress: Optional[Tick], what: str, total: int) -> Callable[[int], None]:
-    """A turn counter for ``progress`` (the number of turns answered so far, of at most ``total``)."""
-    return (lambda done: progress(what, min(done, total), total)) if progress is not None else (lambda done: None)
-
-
-def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[int], Turn],
-                answered: Callable[[int], None] = lambda done: None) -> Dict[Candidate, Tuple[Any, str]]:
+def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[int], Turn], read: Callable[[Any], Any],
+                progress: Optional[Tick], what: str, total: int) -> Dict[Candidate, Tuple[Any, str]]:
     """One process per candidate on its request; once all have loaded and warmed up, each in turn (a shuffled
     order every turn) gets ``turn_for(turn)`` while the others wait, until each answers with its result. Returns
-    per candidate its result, or None and why its process failed (the others go on)."""
+    per candidate its result as ``read`` makes it, or None and why its process failed (the others go on); tells
+    ``progress`` of each answer as ``what``, of at most ``total``."""
     results: Dict[Candidate, Tuple[Any, str]] = {}
     with tempfile.TemporaryDirectory(prefix="fxl-own-process-") as tmp:
         workers: Dict[Candidate, _Worker] = {}
@@ -188,9 +184,10 @@ def _take_turns(requests: Dict[Candidate, WorkerRequest], turn_for: Callable[[in
                 for candidate in order:
                     answer, why = workers[candidate].ask(turn_for(turn))
                     if answer is None or answer.status == "result":
-                        results[candidate] = (answer.result if answer is not None else None, why)
+                        results[candidate] = (read(answer.result) if answer is not None else None, why)
                     done += 1
-                    answered(done)
+                    if progress is not None:
+                        progress(what, min(done, total), total)
                 turn += 1
         finally:
             for worker in workers.values():
@@ -209,8 +206,10 @@ class _Worker:
         path.write_text(json.dumps(dataclasses.asdict(request)), encoding="utf-8")
         self.stderr_path = folder / "stderr.txt"
         self.stderr = open(self.stderr_path, "w", encoding="utf-8")
+        # The parent's import path, so an artifact that imports the user's modules loads as it did here.
+        child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen([*WORKER_COMMAND, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, env=_child_env())
+                                     stderr=self.stderr, text=True, env=child_env)
         self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -257,19 +256,10 @@ class _Worker:
         self.stderr.close()
 
 
-def _child_env() -> Dict[str, str]:
-    # The parent's import path, so an artifact that imports the user's modules loads as it did here.
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-
-
 def _time_request(path: Path) -> None:
     """The worker of :func:`time_in_own_processes` and :func:`sweep_in_own_processes`: load the one artifact, warm
     it up, say so, then do what its parent asks each turn, answering on stdout's own descriptor (whatever else
     prints goes to stderr) until it answers with its result."""
-    from fx_lightning.export.load.loader import load_artifact
-    from fx_lightning.export.manifest import Manifest
-    from fx_lightning.export.check import read_check_file
-
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -337,8 +327,8 @@ def _sweep_turns(module: nn.Module, inputs: Sequence[Any], request: WorkerReques
                     stops[traffic] = str(done.value)
         if len(stops) < len(steps):
             yield Answer("done")
-    yield Answer("result", [Sweep(name, Traffic(traffic).value, points[traffic], stops[traffic], runtime,
-                                  "own").to_dict() for traffic in steps])
+    yield Answer("result", [dataclasses.asdict(Sweep(name, Traffic(traffic).value, points[traffic], stops[traffic],
+                                                     runtime, "own")) for traffic in steps])
 
 
 if __name__ == "__main__":

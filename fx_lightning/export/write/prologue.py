@@ -23,7 +23,7 @@ from fx_lightning.common.batches import describe, model_device_dtype
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Preprocess
 
-__all__ = ["Prologue", "with_prologue", "behind_prologue", "eager_baseline", "to_raw", "raw_args",
+__all__ = ["Prologue", "with_prologue", "behind_prologue", "to_raw", "raw_args",
            "check_prologue_input", "ThroughRaw"]
 
 # The prologue's buffers in the spliced graph (prefixed so they cannot shadow a model attribute).
@@ -122,16 +122,13 @@ def raw_args(args: Sequence[Any], preprocess: Preprocess) -> Tuple[Any, ...]:
     return tuple(to_raw(a, preprocess) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def behind_prologue(module: nn.Module, preprocess: Preprocess) -> nn.Module:
-    """``module`` (eager, taking the normalised input) with the prologue in front: it takes the raw input."""
+def behind_prologue(module: nn.Module, preprocess: Optional[Preprocess]) -> nn.Module:
+    """``module`` (eager, taking the normalised input) with the prologue in front: it takes the raw input (as it is
+    without a prologue). The selection and ``fx-lightning bench`` time the unfused model so beside the artifacts."""
+    if preprocess is None:
+        return module
     device, dtype = model_device_dtype(module)
     return nn.Sequential(Prologue(preprocess, dtype or torch.float32).to(device or "cpu"), module).eval()
-
-
-def eager_baseline(module: nn.Module, preprocess: Optional[Preprocess]) -> nn.Module:
-    """The unfused model (taking the artifacts' interface) as the selection and ``fx-lightning bench`` time it
-    beside the artifacts: on the inputs they take, raw ones behind the prologue when there is one."""
-    return module if preprocess is None else behind_prologue(module, preprocess)
 
 
 class ThroughRaw(nn.Module):

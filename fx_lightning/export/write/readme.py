@@ -11,7 +11,6 @@ __all__ = ["readme_text"]
 
 
 def readme_text(entries: Dict[str, FormatEntry]) -> str:
-    """The export's README.md: how to load each written format, with and without fx-lightning."""
     lines = [
         "# Fused model exported by fx-lightning",
         "",

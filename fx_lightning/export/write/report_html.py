@@ -3,25 +3,23 @@ self-contained file: inline CSS and SVG drawn here, no script, no font, no reque
 Chromium and checks that nothing leaves the file).
 
 Functional core: :func:`render_report` (a :class:`~fx_lightning.export.manifest.Manifest` -> the HTML text) and
-:func:`sweep_svg` (one plot); :func:`write_report` writes it into an export (the writer does so in the staging
-directory, so it is atomic with the rest and listed in the manifest with its sha256; ``fx-lightning inspect DIR
---html`` for an existing export). Every figure shown carries ``data-key`` (what it is) and ``data-value`` (the
-manifest's number, unrounded), so a test can read the page and compare it with the manifest.
+:func:`sweep_svg` (one plot); the writer writes the page into the export's staging directory, so it is atomic with
+the rest and listed in the manifest with its sha256 (``fx-lightning inspect DIR --html`` for an existing export).
+Every figure shown carries ``data-key`` (what it is) and ``data-value`` (the manifest's number, unrounded), so a
+test can read the page and compare it with the manifest.
 """
 
 from __future__ import annotations
 
 import html
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from fx_lightning.export.manifest import Manifest, Sweep
 from fx_lightning.parity.report import OutputError
 
-__all__ = ["REPORT_NAME", "render_report", "write_report", "sweep_svg", "sweep_series", "Series", "figures",
+__all__ = ["REPORT_NAME", "render_report", "sweep_svg", "sweep_series", "Series", "figures",
            "error_histogram_svg"]
 
 REPORT_NAME = "report.html"
@@ -52,14 +50,14 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _num(value: Optional[float], digits: int = 3) -> str:
+def _num(value: Optional[float]) -> str:
     if value is None:
         return "-"
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e7):
-        return f"{value:.{digits - 1}e}"
+        return f"{value:.2e}"
     if abs(value) >= 100:
         return f"{value:,.0f}"
-    return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:,.{max(digits - 2, 1)}f}"
+    return f"{value:.3g}" if abs(value) < 1 else f"{value:,.1f}"
 
 
 def _figure(key: str, value: Optional[float], text: Optional[str] = None) -> str:
@@ -158,13 +156,8 @@ def sweep_series(sweeps: Sequence[Sweep], traffic: str) -> Dict[str, List[Series
     """The plots of one traffic: ``latency`` (p50 and, dashed, p99 per artifact) and ``throughput``."""
     chosen = [w for w in sweeps if w.traffic == traffic and w.points]
     colours = {name: i for i, name in enumerate(dict.fromkeys(_sweep_name(w) for w in sweeps))}
-    latency: List[Series] = []
-    for w in chosen:
-        colour = colours[_sweep_name(w)]
-        latency.append(Series(f"{_sweep_name(w)} p50", tuple((p.batch_size, p.p50_ms) for p in w.points), False,
-                              colour))
-        latency.append(Series(f"{_sweep_name(w)} p99", tuple((p.batch_size, p.p99_ms) for p in w.points), True,
-                              colour))
+    latency = [Series(f"{_sweep_name(w)} {q}", tuple((p.batch_size, getattr(p, f"{q}_ms")) for p in w.points),
+                      q == "p99", colours[_sweep_name(w)]) for w in chosen for q in ("p50", "p99")]
     throughput = [Series(_sweep_name(w), tuple((p.batch_size, p.throughput) for p in w.points), False,
                          colours[_sweep_name(w)]) for w in chosen]
     return {"latency": latency, "throughput": throughput}
@@ -173,31 +166,34 @@ def sweep_series(sweeps: Sequence[Sweep], traffic: str) -> Dict[str, List[Series
 # ----------------------------------------------------------------------------------------------- sections
 
 
+def _card(label: str, big: str, more: str = "", attrs: str = "") -> str:
+    """A decision: what it is (``label``), its verdict or figure (``big``, with ``attrs``) and ``more`` under it."""
+    return f'<div class="card"><div class="muted">{label}</div><div class="big"{attrs}>{big}</div>{more}</div>'
+
+
 def _decisions(manifest: Manifest) -> str:
     report = manifest.report or {}
     folded, left = report.get("batchnorms_folded"), (report.get("after") or {}).get("batchnorms")
-    cards = [f'<div class="card"><div class="muted">BatchNorms folded / left</div><div class="big">'
-             f'{_figure("batchnorms_folded", folded, str(folded))} / {_figure("batchnorms_left", left, str(left))}'
-             f'</div></div>']
+    cards = [_card("BatchNorms folded / left", f'{_figure("batchnorms_folded", folded, str(folded))} / '
+                                               f'{_figure("batchnorms_left", left, str(left))}')]
     parity = manifest.parity
     if parity is not None:
-        worst = parity.metrics.get("relative_max_error")
-        cards.append(f'<div class="card"><div class="muted">parity on {parity.batches} batch(es) of {_e(parity.source)}'
-                     f' data</div><div class="big" data-key="parity.passed" data-value="{parity.passed}">'
-                     f'{_verdict(parity.passed)}</div><div>worst relative error '
-                     f'{_figure("parity.relative_max_error", worst)}</div></div>')
+        worst = _figure("parity.relative_max_error", parity.metrics.get("relative_max_error"))
+        cards.append(_card(f"parity on {parity.batches} batch(es) of {_e(parity.source)} data", _verdict(parity.passed),
+                           f"<div>worst relative error {worst}</div>",
+                           f' data-key="parity.passed" data-value="{parity.passed}"'))
     else:
-        cards.append('<div class="card"><div class="muted">parity</div><div class="big">not checked</div></div>')
+        cards.append(_card("parity", "not checked"))
     selected = manifest.selected
     if selected is not None:
         eager = manifest.bench.median("eager", selected.batch_size, selected.traffic) if manifest.bench else None
         speed = f", {_figure('selected.speedup', eager / selected.median_ms)}x eager" if eager else ""
-        cards.append(f'<div class="card"><div class="muted">served by load_fused (batch {selected.batch_size}, '
-                     f'{_e(selected.traffic)})</div><div class="big" data-key="selected.format">{_e(selected.format)}'
-                     f'</div><div>{_figure("selected.median_ms", selected.median_ms)} ms median{speed}</div></div>')
+        cards.append(_card(f"served by load_fused (batch {selected.batch_size}, {_e(selected.traffic)})",
+                           _e(selected.format), f'<div>{_figure("selected.median_ms", selected.median_ms)} ms median'
+                                                f'{speed}</div>', ' data-key="selected.format"'))
     else:
-        cards.append('<div class="card"><div class="muted">served</div><div class="big">not selected</div>'
-                     '<div class="muted">export.select: fastest times and picks one</div></div>')
+        cards.append(_card("served", "not selected",
+                           '<div class="muted">export.select: fastest times and picks one</div>'))
     return '<h2>Decisions</h2><div class="cards">' + "".join(cards) + "</div>"
 
 
@@ -409,16 +405,6 @@ def render_report(manifest: Manifest, title: str = "fx-lightning export") -> str
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'\">"
             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>" + "".join(body) + "</body></html>\n")
-
-
-def write_report(directory: Path, manifest: Manifest, title: Optional[str] = None) -> Path:
-    """``report.html`` of ``manifest`` into ``directory`` (a temporary name renamed into place: never half a file)."""
-    path = Path(directory) / REPORT_NAME
-    tmp = path.with_name(f".{REPORT_NAME}.tmp")
-    tmp.write_text(render_report(manifest, title or f"fx-lightning export: {Path(directory).name}"),
-                   encoding="utf-8")
-    os.replace(tmp, path)
-    return path
 
 
 def figures(manifest: Manifest) -> Mapping[str, float]:

@@ -135,8 +135,7 @@ def record_artifact(root: Path, manifest: Manifest, name: str, artifact: Variant
     was made."""
     error = error or artifact.error
     passed = gate is not None and gate.passed and error is None
-    outcome = (VariantOutcome(artifact.entry_name, passed, gate, notes=list(notes)) if error is None else
-               VariantOutcome(artifact.entry_name, False, error=error, notes=list(notes)))
+    outcome = VariantOutcome(artifact.entry_name, passed, gate if error is None else None, error, notes=list(notes))
     formats, files = dict(manifest.formats), dict(manifest.files)
     if passed and artifact.entry is not None:
         artifact.entry.gate = gate
@@ -149,8 +148,12 @@ def record_artifact(root: Path, manifest: Manifest, name: str, artifact: Variant
 
 
 def finish_variant(root: Path, name: str) -> None:
-    """The variant's folder removed when none of its artifacts was kept."""
-    _remove_empty_folders(root / name, keep=root)
+    """The variant's folder, and the folders in it, removed when none of its artifacts was kept."""
+    folder = root / name
+    if folder.is_dir() and folder != root:
+        _remove(root, (), folder)
+        if not any(folder.iterdir()):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def skip_variant(manifest: Manifest, name: str, reason: str) -> Manifest:
@@ -168,10 +171,3 @@ def _remove(root: Path, names: Iterable[str], folder: Path) -> None:
         if not any(sub.iterdir()):
             sub.rmdir()
 
-
-def _remove_empty_folders(folder: Path, keep: Path) -> None:
-    """``folder`` and the folders in it when nothing is left in them (``keep``, the export's root, is kept)."""
-    if folder.is_dir() and folder != keep:
-        _remove(keep, (), folder)
-        if not any(folder.iterdir()):
-            shutil.rmtree(folder, ignore_errors=True)

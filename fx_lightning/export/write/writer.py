@@ -5,7 +5,7 @@
 usable); inside one staging directory (:mod:`.atomic`), :func:`write_formats` writes and checks every format and
 :func:`finish_export` writes the README, ``report.html`` and the
 :class:`~fx_lightning.export.manifest.Manifest`; the pipeline's export step adds its variants and selection
-between the two. :func:`write_export` is that sequence for a fused model made by hand (:func:`export_fused`).
+between the two; :func:`export_fused` runs that sequence for a fused model made by hand.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fx_lightning.common.imports import missing_modules
@@ -31,18 +32,18 @@ from fx_lightning.export.write.prologue import with_prologue
 from fx_lightning.export.files import file_infos
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Preprocess, new_manifest, write_manifest
 from fx_lightning.export.progress import Progress
-from fx_lightning.export.write.report_html import REPORT_NAME, write_report
+from fx_lightning.export.write.report_html import REPORT_NAME, render_report
 from fx_lightning.export.write.readme import readme_text
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.common.notes import Note
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.passes.graph_utils import plain_graph_module
-from fx_lightning.signature.program import ExportFailed, LeafDims, Program, export_program, signature_dims
+from fx_lightning.signature.program import ExportFailed, LeafDims, export_program, signature_dims
 from fx_lightning.common.provenance import Provenance
 from fx_lightning.common.rows import rows_of, with_rows
 from fx_lightning.signature.signature import DimKind, Observed, Signature, derive_signature, shape_problem, with_raw_input
 
-__all__ = ["export_fused", "prepare_export", "write_export", "export_errors", "finish_export", "write_formats", "make_context",
+__all__ = ["export_fused", "prepare_export", "export_errors", "finish_export", "write_formats", "make_context",
            "require_formats", "refuse_existing", "STATIC_EXPORT", "STATIC_SIZES", "NO_SAMPLE_AXIS", "static_note"]
 
 
@@ -92,26 +93,15 @@ def export_fused(
             provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
             if parity is not None and not isinstance(parity, ParityReport):
                 parity = ParityReport.from_dict(parity)
-            write_export(final, ctx, config, report=report, parity=parity, provenance=provenance)
+            with export_errors(final), staging_directory(final) as staging:
+                manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance)
+                finish_export(staging, manifest, final)
         except Exception as exc:  # noqa: BLE001 - every rank raises it, after rank zero tells them
             error = exc
     _wait_for_rank_zero(error)
     if error is not None:
         raise error
     return final
-
-
-def write_export(final: Path, ctx: WriteContext, config: FuseConfig, *, report: Any = None,
-                 parity: Optional[ParityReport] = None, provenance: Optional[Provenance] = None,
-                 progress: Optional[Progress] = None) -> Manifest:
-    """The export of a fused model made by hand: the formats, then ``report.html`` and the manifest, in one staging
-    directory renamed to ``final`` at the end (the pipeline's export adds its variants and selection between the
-    two: :func:`fx_lightning.pipeline.export_step.export`). Raises :class:`ExportError` naming ``final``."""
-    with export_errors(final), staging_directory(final) as staging:
-        manifest = write_formats(staging, ctx, config, report=report, parity=parity, provenance=provenance,
-                                 progress=progress)
-        finish_export(staging, manifest, final, progress)
-    return manifest
 
 
 @contextlib.contextmanager
@@ -131,10 +121,10 @@ def finish_export(staging: Path, manifest: Manifest, final: Path, progress: Opti
     (what the manifest holds, drawn) and the manifest itself."""
     progress = progress if progress is not None else Progress()
     (staging / "README.md").write_text(readme_text(manifest.formats), encoding="utf-8")
-    manifest.files.update(file_infos(staging, ["README.md"]))
     with progress.step(f"{REPORT_NAME} and manifest.json"):
-        write_report(staging, manifest, title=f"fx-lightning export: {final.name}")
-        manifest.files.update(file_infos(staging, [REPORT_NAME]))
+        (staging / REPORT_NAME).write_text(render_report(manifest, f"fx-lightning export: {final.name}"),
+                                           encoding="utf-8")
+        manifest.files.update(file_infos(staging, ["README.md", REPORT_NAME]))
         write_manifest(staging, manifest)
 
 
@@ -173,16 +163,12 @@ def require_formats(formats: List[Format]) -> None:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _wait_for_rank_zero(error: Optional[BaseException]) -> None:
     """Under ``torch.distributed``, every rank returns only once rank zero's write finished (a rank that reads the
     path at once would find nothing there), and raises rank zero's error as an ExportError when it failed."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
     message = [None if error is None else f"{type(error).__name__}: {first_line(error)}"]
@@ -297,12 +283,11 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     if preprocess is not None:
         plain = with_prologue(plain, preprocess, normalised_dtype)
     args = tuple(example_inputs)
+    placeholders = [n.name for n in plain.graph.nodes if n.op == "placeholder"]
     if signature is None:  # the experiment on the model as given: an export capture's guards show a fixed size
-        signature = _signature_of(plain if preprocess is not None else graph_module, args,
-                                  [n.name for n in plain.graph.nodes if n.op == "placeholder"])
+        signature = _signature_of(plain if preprocess is not None else graph_module, args, placeholders)
     elif preprocess is not None:
         signature = with_raw_input(signature, args[0], preprocess.layout == "NHWC")
-    placeholders = [n.name for n in plain.graph.nodes if n.op == "placeholder"]
     # One name per input for every runtime, the manifest and the server: the signature's (forward's parameters,
     # as users write them), not the graph's (fx renames `input` to `input_1`).
     names = [leaf.name for leaf in signature.inputs] if len(signature.inputs) == len(placeholders) else placeholders
@@ -328,12 +313,7 @@ def make_context(graph_module: nn.Module, example_inputs: Tuple[Any, ...], confi
     if padded_only:
         ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []
     if not any(dims) or fixed is not None:
-        ctx.program = _program(ctx, args)
-        if any(dims) or padded_only:
-            ctx.notes.append(static_note(signature, args, fixed or signature.sample.how))
-            if signature.batched:
-                ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []
-        return ctx
+        return _static_program(ctx, rows, (fixed or signature.sample.how) if any(dims) or padded_only else None)
     if padded_only:
         ctx.notes.append(static_note(signature, args, signature.sample.how))
     return _with_dynamic_program(ctx, dims, rows, config.export.dynamic_batch)
@@ -364,20 +344,23 @@ def _with_dynamic_program(ctx: WriteContext, dims: List[LeafDims], rows: Optiona
         ctx.notes.append(NOT_DYNAMIC(reason=reason))
         ctx.program_refused = f"the sizes that vary could not stay dynamic in torch.export ({reason})"
         return ctx
-    ctx.program = _program(ctx, args)
-    ctx.notes.append(static_note(signature, args, reason))
-    if signature.batched:
-        ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []  # AOTInductor builds what the model can run
-    return ctx
+    return _static_program(ctx, rows, reason)
 
 
-def _program(ctx: WriteContext, args: Tuple[Any, ...]) -> Optional[Program]:
-    """The static program on ``args``, or None when torch.export cannot make one: the formats that need one then
-    fail with torch.export's error (:meth:`WriteContext.export`), the others (a pickled GraphModule) are written."""
+def _static_program(ctx: WriteContext, rows: Optional[int], reason: Optional[str]) -> WriteContext:
+    """``ctx`` with the program for the example's sizes, or none when torch.export cannot make one: the formats that
+    need one then fail with torch.export's error (:meth:`WriteContext.export`), the others (a pickled GraphModule)
+    are written. ``reason``: why sizes that could vary are fixed, for the note; AOTInductor is then built for the
+    example's number of samples (what the model can run)."""
     try:
-        return export_program(ctx.export_model, Call(args), None, allow_static=True)
+        ctx.program = export_program(ctx.export_model, Call(ctx.args), None, allow_static=True)
     except ExportFailed:
-        return None
+        ctx.program = None
+    if reason is not None:
+        ctx.notes.append(static_note(ctx.exported_signature, ctx.args, reason))
+        if ctx.exported_signature.batched:
+            ctx.aoti_batch_sizes = [int(rows)] if rows is not None else []
+    return ctx
 
 
 def _fits(signature: Signature, args: Sequence[Any]) -> bool:
@@ -400,10 +383,8 @@ def _signature_of(model: nn.Module, args: Tuple[Any, ...], names: List[str]) -> 
 
 def static_note(signature: Signature, args: Sequence[Any], reason: str) -> Note:
     """Why the artifacts are built for the example's sizes, and what load_fused does with others."""
-    axes = signature.input_axes()
     if signature.batched:
-        rows = rows_of(args, axes)
-        return STATIC_EXPORT(batch_size=rows, reason=reason)
+        return STATIC_EXPORT(batch_size=rows_of(args, signature.input_axes()), reason=reason)
     varied = [f"{leaf.name} dim {d}" for leaf in signature.inputs for d, dim in enumerate(leaf.dims)
               if dim.kind is DimKind.variable]
     return STATIC_SIZES(sizes=", ".join(varied) or "none", reason=reason)
