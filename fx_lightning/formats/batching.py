@@ -44,10 +44,6 @@ class BatchPieces(nn.Module):
         self.what, self.hint, self.warn = what, hint, warn
         self.eval()
 
-    @property
-    def batch_sizes(self) -> List[str]:
-        return sorted(self.runners)
-
     def forward(self, *args: Any) -> Any:
         axes = self._axes(args, self.axes)
         sizes = {int(t.shape[a]) for t, a in zip(args, axes) if a is not None and isinstance(t, torch.Tensor)}
@@ -100,7 +96,6 @@ def with_pieces(module: nn.Module, batch_sizes: Optional[Sequence[int]], signatu
         return module
     return BatchPieces({str(size): module for size in batch_sizes}, signature.input_axes(), signature.output_axes(),
                        what=what, hint="it was exported for those batch sizes only (see the manifest's notes)")
-
 
 
 def quiet_pieces(module: nn.Module) -> nn.Module:

@@ -26,11 +26,10 @@ from fx_lightning.passes.bn_views import (
     feature_axis,
     layer_kind,
     match_layer,
-    node_arg,
     weights_refusal,
 )
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.graph_utils import known_shape, node_shape, value_users
+from fx_lightning.passes.graph_utils import known_shape, node_arg, node_shape, value_users
 
 __all__ = ["FoldPlan", "only_feeds", "op_names", "walk_back", "plan_into_producer", "picked_scale_shift",
            "concat_parts"]

@@ -48,7 +48,6 @@ __all__ = [
     "is_batchnorm_node",
     "apply_layer_weights",
     "weights_refusal",
-    "node_arg",
     "remove_batchnorm",
     "describe",
 ]

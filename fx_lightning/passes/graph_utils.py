@@ -21,7 +21,6 @@ __all__ = [
     "looks_like_batchnorm",
     "shape_only_use",
     "value_users",
-    "fetch_attr",
     "node_shape",
     "node_arg",
     "owner_of",
@@ -35,13 +34,6 @@ __all__ = [
     "plain_graph_module",
     "drop_replaced_attribute",
 ]
-
-
-def fetch_attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def node_shape(node: Any) -> Optional[Tuple[int, ...]]:
@@ -281,7 +273,7 @@ def module_of(gm: fx.GraphModule, node: fx.Node) -> Optional[nn.Module]:
 def attr_tensor(gm: fx.GraphModule, arg: Any) -> Optional[torch.Tensor]:
     """The tensor a get_attr node reads, else None (the argument is computed, not constant)."""
     if isinstance(arg, fx.Node) and arg.op == "get_attr":
-        value = fetch_attr(gm, str(arg.target))
+        value = operator.attrgetter(str(arg.target))(gm)
         if isinstance(value, torch.Tensor):
             return value
     return None
