@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -132,9 +132,9 @@ def fuse_bn_into_next(gm: fx.GraphModule, options: FoldOptions, ctx: PassContext
         lambda node, bn, reason: (explain_batchnorm(gm, ctx, node, copy_shared), {}))
 
 
-def unfused_batchnorm_reasons(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> List[RemainingBatchNorm]:
+def unfused_batchnorm_reasons(gm: fx.GraphModule) -> List[RemainingBatchNorm]:
     """For each BatchNorm still in the graph, what stands in the way of a fold on either side (used when no pass
     gave a reason)."""
-    ctx = ctx if ctx is not None else PassContext(shapes_known=True)
+    ctx = PassContext(shapes_known=True)
     return [RemainingBatchNorm(node.name, explain_batchnorm(gm, ctx, node))
             for node in gm.graph.nodes if match_bn(gm, node) is not None]

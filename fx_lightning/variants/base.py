@@ -18,7 +18,8 @@ point of accuracy.
 from __future__ import annotations
 
 import dataclasses
-import time
+import statistics
+import timeit
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Generic, List, Optional, Sequence, Tuple, Type,
                     TypeVar)
@@ -134,14 +135,14 @@ class Variant(Generic[OptionsT]):
             return None
         return f"this CPU has no {self.native_text} ({cpu.short()}): {self.without_native}"
 
-    def measured_here(self, fused: nn.Module, inputs: Sequence[Any], calls: int = 3) -> Optional[str]:
-        """The :attr:`probe` and ``fused`` timed on ``inputs`` (medians of ``calls`` after one warm-up each), as a
+    def measured_here(self, fused: nn.Module, inputs: Sequence[Any]) -> Optional[str]:
+        """The :attr:`probe` and ``fused`` timed on ``inputs`` (medians of three calls after one warm-up each), as a
         phrase for a skip reason; None without a probe or when the probe cannot run."""
         if self.probe is None:
             return None
         try:
             slow = self.probe(fused)
-            fp32, variant = _median_s(fused, inputs, calls), _median_s(slow, inputs, calls)
+            fp32, variant = _median_s(fused, inputs), _median_s(slow, inputs)
         except Exception:  # noqa: BLE001 - a figure for the report only; the skip stands without it
             return None
         return (f"measured here in eager PyTorch on one example: {self.name} {1e3 * variant:.2f} ms against fp32 "
@@ -158,15 +159,10 @@ class Variant(Generic[OptionsT]):
         return made
 
 
-def _median_s(module: nn.Module, inputs: Sequence[Any], calls: int) -> float:
-    times = []
+def _median_s(module: nn.Module, inputs: Sequence[Any]) -> float:
     with torch.no_grad():
         module(*inputs)
-        for _ in range(calls):
-            start = time.perf_counter()
-            module(*inputs)
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        return statistics.median(timeit.repeat(lambda: module(*inputs), number=1, repeat=3))
 
 
 # Every variant, by name, in the order they are made (and their options listed in the config).

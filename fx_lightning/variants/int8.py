@@ -27,8 +27,7 @@ import torch.fx as fx
 
 from fx_lightning.common.batches import flat_tensors
 from fx_lightning.errors import PassError
-from fx_lightning.common.notes import NoteKind
-from fx_lightning.common.notes import Note
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.passes.graph_utils import plain_graph_module, unique_module_stacks
 from fx_lightning.variants.base import (MadeVariant, Variant, VariantContext, VariantOptions, declare_variant,
                                         export_variant, static_notes)
