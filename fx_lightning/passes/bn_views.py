@@ -142,14 +142,12 @@ def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, Refused, None]:
 
 
 def _set_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
-    args = list(node.args)
-    if len(args) > index:
-        args[index] = value
-        node.args = tuple(args)
-    elif name in node.kwargs or len(args) < index:
-        node.kwargs = {**node.kwargs, name: value}
+    if len(node.args) > index:
+        node.update_arg(index, value)
+    elif name in node.kwargs or len(node.args) < index:
+        node.update_kwarg(name, value)
     else:
-        node.args = tuple(args) + (value,)
+        node.args = (*node.args, value)
 
 
 def _fresh_module(m: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> nn.Module:
@@ -183,16 +181,18 @@ def weights_refusal(gm: fx.GraphModule, layer: Layer, copy_shared: bool) -> Opti
 
 def apply_layer_weights(
     gm: fx.GraphModule, layer: Layer, weight: torch.Tensor, bias: torch.Tensor, copy_shared: bool
-) -> Optional[str]:
-    """Point ``layer.node`` at new weights without touching other call sites. Returns a skip reason or None."""
+) -> None:
+    """Point ``layer.node`` at new weights without touching other call sites. The folds plan only what
+    :func:`weights_refusal` allows, so a refusal here is a bug: it raises (the pass fails) rather than leave some
+    layers folded and the BatchNorm there."""
     node = layer.node
     refusal = weights_refusal(gm, layer, copy_shared)
-    if refusal is not None:
-        return refusal
+    if refusal is not None:  # pragma: no cover - planned folds passed weights_refusal
+        raise RuntimeError(f"a planned fold into {describe(node)} was refused: {refusal}")
     if layer.module is not None:
         exclusive = _module_is_exclusive(gm, str(node.target))
         install_module(gm, node, _fresh_module(layer.module, weight, bias), exclusive=exclusive)
-        return None
+        return
     w_node = add_constant(gm, node, f"{node.name}_weight", weight)
     b_node = add_constant(gm, node, f"{node.name}_bias", bias)
     old_w, old_b = node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
@@ -201,7 +201,6 @@ def apply_layer_weights(
     # Free the unfused weight now, not at the end of the pass (peak memory: one copy of the weights).
     drop_replaced_attribute(gm, old_w)
     drop_replaced_attribute(gm, old_b)
-    return None
 
 
 def feature_axis(layer: Layer, rank: int) -> int:
@@ -222,8 +221,8 @@ class ChannelFold:
     side: str
 
 
-def apply_channel_fold(gm: fx.GraphModule, fold: ChannelFold, copy_shared: bool) -> Optional[str]:
-    """Fold ``fold`` into its layer's weights (a fresh copy for a shared module). Returns a skip reason or None."""
+def apply_channel_fold(gm: fx.GraphModule, fold: ChannelFold, copy_shared: bool) -> None:
+    """Fold ``fold`` into its layer's weights (a fresh copy for a shared module)."""
     layer = fold.layer
     device = layer.weight.device
     scale, shift = fold.scale.to(device), fold.shift.to(device)
@@ -232,7 +231,7 @@ def apply_channel_fold(gm: fx.GraphModule, fold: ChannelFold, copy_shared: bool)
                                    groups=layer.groups)
     else:
         w, b = fold_bn_into_input(layer.weight, layer.bias, scale, shift, groups=layer.groups)
-    return apply_layer_weights(gm, layer, w, b, copy_shared)
+    apply_layer_weights(gm, layer, w, b, copy_shared)
 
 
 def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:
