@@ -164,13 +164,10 @@ def _make_variant(root: Path, entry: FormatEntry, request: VariantRequest) -> Op
 
     class Reader(CalibrationDataReader):  # type: ignore[misc]
         def __init__(self) -> None:
-            self.batches = iter(request.calibration)
+            self.feeds = (dict(zip(names, numpy_inputs(batch))) for batch in request.calibration)
 
         def get_next(self) -> Optional[Dict[str, Any]]:
-            batch = next(self.batches, None)
-            if batch is None:
-                return None
-            return dict(zip(names, numpy_inputs(batch)))
+            return next(self.feeds, None)
 
     folder = root / request.folder
     folder.mkdir(parents=True, exist_ok=True)

@@ -78,11 +78,8 @@ def walk_back(gm: fx.GraphModule, value: object) -> Tuple[object, List[fx.Node]]
 def picked_scale_shift(bn: BatchNorm, dtype: torch.dtype, channels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The BatchNorm's scale and shift picked per feature by ``channels`` (a channel index; < 0: untouched)."""
     scale, shift = bn.scale_shift(dtype)
-    channels = channels.to(scale.device)
-    hit = channels >= 0
-    index = channels.clamp_min(0)
-    return torch.where(hit, scale[index], torch.ones_like(scale[index])), torch.where(hit, shift[index],
-                                                                                      torch.zeros_like(shift[index]))
+    index = channels.to(scale.device).clamp_min(-1)  # -1: the identity appended after the channels
+    return torch.cat([scale, scale.new_ones(1)])[index], torch.cat([shift, shift.new_zeros(1)])[index]
 
 
 def plan_into_producer(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Union[BatchNorm, Refused],

@@ -396,5 +396,4 @@ def remove_batchnorm(gm: fx.GraphModule, bn: BatchNorm, replacement: fx.Node) ->
     if kernel is not None:
         gm.graph.erase_node(kernel)
     for a in inputs:  # the functional form's statistics are get_attr nodes that are now dead
-        if a.op == "get_attr" and not a.users:
-            gm.graph.erase_node(a)
+        drop_replaced_attribute(gm, a)
