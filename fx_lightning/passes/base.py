@@ -323,11 +323,10 @@ def _register(spec: PassSpec, replace: bool) -> None:
     _REGISTRY[spec.name] = spec
 
 
-def _user_spec(name: str, obj: Any, options: Optional[type] = None, preserves_computation: bool = True,
-               reports_changes: bool = False) -> PassSpec:
-    """A user's pass: a function, or a torch.fx ``PassBase`` (its result taken in place, changes not reported)."""
-    run = _fx_pass_fn(obj) if _is_fx_pass(obj) else obj
-    return PassSpec(name, run, options, preserves_computation, reports_changes and run is obj)
+def _user_spec(name: str, obj: Any, options: Optional[type] = None, preserves_computation: bool = True) -> PassSpec:
+    """A user's pass: a function, or a torch.fx ``PassBase`` (its result taken in place); recompiled after it runs,
+    whatever it reports."""
+    return PassSpec(name, _fx_pass_fn(obj) if _is_fx_pass(obj) else obj, options, preserves_computation)
 
 
 def register_pass(
@@ -336,7 +335,6 @@ def register_pass(
     options: Optional[type] = None,
     preserves_computation: bool = True,
     replace: bool = False,
-    reports_changes: bool = False,
 ) -> Callable[[PassFn], PassFn]:
     """Register ``fn(gm, options, ctx) -> PassResult | None`` under ``name``; or a torch.fx ``PassBase``
     (subclass, made with the pass's options as keyword arguments, or instance), whose
@@ -352,7 +350,7 @@ def register_pass(
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        _register(_user_spec(name, fn, options, preserves_computation, reports_changes), replace)
+        _register(_user_spec(name, fn, options, preserves_computation), replace)
         return fn
 
     return decorator

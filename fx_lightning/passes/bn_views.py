@@ -100,12 +100,10 @@ class Refused:
     reason: str
 
 
-def _zero(padding: Any, weight: Optional[torch.Tensor] = None) -> bool:
+def _zero(padding: Any, weight: torch.Tensor) -> bool:
     """Whether a conv's padding adds nothing: 0, "valid", or "same" with a kernel that covers one position."""
     if isinstance(padding, str):
-        if padding == "same" and weight is not None:
-            return all(k == 1 for k in weight.shape[2:])
-        return padding == "valid"
+        return padding == "valid" or (padding == "same" and all(k == 1 for k in weight.shape[2:]))
     if isinstance(padding, (tuple, list)):
         return all(p == 0 for p in padding)
     return padding == 0

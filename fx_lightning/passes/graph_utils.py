@@ -174,7 +174,7 @@ def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
-def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusive: bool) -> str:
+def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusive: bool) -> None:
     """Make ``node`` call ``new``.
 
     ``exclusive``: the old module is called only here and nothing reads its attributes, so ``new`` takes
@@ -185,11 +185,10 @@ def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusi
     parent, leaf = owner_of(gm, target)
     if exclusive:
         setattr(parent, leaf, new)
-        return target
+        return
     name = _unique_name(parent, f"{leaf}_fused")
     parent.add_module(name, new)
     node.target = f"{target.rpartition('.')[0]}.{name}" if "." in target else name
-    return str(node.target)
 
 
 def add_constant(gm: fx.GraphModule, node_before: fx.Node, base: str, value: torch.Tensor) -> fx.Node:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the reporter is handed down by the export; variants never i
     from fx_lightning.export.progress import Progress
 
 __all__ = ["Variant", "VariantOptions", "VariantContext", "MadeVariant", "VARIANTS", "declare_variant",
-           "enabled_variants", "export_variant", "static_notes", "VARIANT_STATIC"]
+           "enabled_variants", "export_variant", "VARIANT_STATIC"]
 
 VARIANT_STATIC = NoteKind("variant_static", "the {variant} model exports for the example's sizes only ({reason})")
 
@@ -185,10 +185,11 @@ def enabled_variants(passes: Any) -> List[Tuple[Variant, VariantOptions]]:
     return [(v, options) for v, options in pairs if options.enabled]
 
 
-def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optional[Signature]) -> Program:
-    """A variant's model exported with the dimensions the signature says vary (the sample axis repeated to two
-    samples when the example has one), else for the example's sizes: a model that fixes a size is fixed in its
-    variants too."""
+def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optional[Signature],
+                   name: str) -> Tuple[Program, List[Note]]:
+    """The ``name`` variant's model exported with the dimensions the signature says vary (the sample axis repeated to
+    two samples when the example has one), else for the example's sizes (a model that fixes a size is fixed in its
+    variants too), and a note when its program is fixed to the example's sizes."""
     if signature is None:  # no observed calls (made by hand): dim 0 of every tensor
         dims = [{0: torch.export.Dim("batch", min=1)} if isinstance(a, torch.Tensor) and a.dim() else None
                 for a in inputs]
@@ -196,10 +197,6 @@ def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optiona
     else:
         dims, axes = signature_dims(signature), (signature.input_axes() if signature.batched else [])
     dynamic_inputs = tuple(with_rows(inputs, axes, 2)) if axes and rows_of(inputs, axes) == 1 else inputs
-    return export_program(model, Call(dynamic_inputs), dims if any(dims) else None, allow_static=True,
+    made = export_program(model, Call(dynamic_inputs), dims if any(dims) else None, allow_static=True,
                           static_call=Call(tuple(inputs)))
-
-
-def static_notes(made: Program, name: str) -> List[Note]:
-    """A note when the variant's program is fixed to the example's sizes, else none."""
-    return [] if made.dynamic else [VARIANT_STATIC(variant=name, reason=made.static_reason or "unknown")]
+    return made, [] if made.dynamic else [VARIANT_STATIC(variant=name, reason=made.static_reason or "unknown")]
