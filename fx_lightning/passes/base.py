@@ -13,7 +13,6 @@ The runner lints and recompiles after every pass and turns any failure into a :c
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -258,7 +257,6 @@ def _fx_pass_fn(fx_pass: Any) -> PassFn:
             result.change("<graph>", f"modified by the torch.fx pass {name}")
         return result
 
-    run.__doc__ = inspect.getdoc(fx_pass)
     run.__wrapped__ = fx_pass  # type: ignore[attr-defined]  # the same PassBase registered again is the same pass
     return run
 

@@ -336,10 +336,9 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
         if getattr(m, "running_mean", None) is None or getattr(m, "running_var", None) is None:
             return Refused(f"{name} has no running statistics (track_running_stats=False): it normalises with batch "
                            "statistics even in eval mode")
-        weight = m.weight if getattr(m, "affine", True) else None
-        bias = m.bias if getattr(m, "affine", True) else None
-        return BatchNorm(node, bn_input(node), m.running_mean.numel(), m.running_mean, m.running_var, weight, bias,
-                         float(m.eps))
+        affine = getattr(m, "affine", True)
+        return BatchNorm(node, bn_input(node), m.running_mean.numel(), m.running_mean, m.running_var,
+                         m.weight if affine else None, m.bias if affine else None, float(m.eps))
     kernel = _legit_kernel(node)
     if kernel is not None:  # (input, weight, bias, running_mean, running_var, momentum, eps): eval mode by definition
         w_a, b_a, rm_a, rv_a = (kernel.args[i] for i in range(1, 5))

@@ -90,11 +90,9 @@ def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, 
                           f"reparameterize.rtol {options.rtol:g}): left as trained", module=kind)
         return backup
     setattr(parent, name, new)
-    if change is None:
-        result.change(path, "reparameterized", module=kind, method=method,
-                      checked="no example inputs: not checked here (parity checks the whole model)")
-    else:
-        result.change(path, "reparameterized", module=kind, method=method, relative_change=change.relative_error)
+    checked = ({"checked": "no example inputs: not checked here (parity checks the whole model)"} if change is None
+               else {"relative_change": change.relative_error})
+    result.change(path, "reparameterized", module=kind, method=method, **checked)
     return None if new is not child else new
 
 
