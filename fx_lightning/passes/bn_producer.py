@@ -207,11 +207,8 @@ def _plan_concat(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Union[
     if reason is not None:
         return reason
     scale, shift = bn.scale_shift(dtype)
-    folds, start = [], 0
-    for layer in layers:
-        part = slice(start, start + layer.out_channels)
-        folds.append(ChannelFold(layer, scale[part], shift[part], "output"))
-        start += layer.out_channels
+    sizes = [layer.out_channels for layer in layers]  # each conv's slice of the channels, in order
+    folds = [ChannelFold(layer, s, t, "output") for layer, s, t in zip(layers, scale.split(sizes), shift.split(sizes))]
     return FoldPlan(folds, "folded into a concatenation", ", ".join(describe(x.node) for x in layers), "conv")
 
 
@@ -224,8 +221,8 @@ def _concat_refusal(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Bat
     reason = only_feeds(cat, bn_reader(node))
     if reason is not None:
         return reason
-    if sum(x.out_channels for x in layers) != bn.num_features:
-        channels = sum(x.out_channels for x in layers)
+    channels = sum(x.out_channels for x in layers)
+    if channels != bn.num_features:
         return f"the concatenated convs have {channels} channels, the BatchNorm {bn.num_features}"
     ctx.ensure_shapes(gm)
     shape = node_shape(cat)
