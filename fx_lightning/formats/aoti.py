@@ -29,14 +29,10 @@ from fx_lightning.formats.base import Format, FormatEntry, WriteContext, fields_
 from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.common.rows import with_rows
 
-__all__ = ["FORMAT", "AotiModule", "BuiltFor", "cpu_capability"]
+__all__ = ["FORMAT", "AotiModule", "BuiltFor"]
 
 # CPU instruction-set levels as torch reports them (torch.backends.cpu.get_cpu_capability()), lowest first.
 _ISA_ORDER = ("DEFAULT", "NO AVX", "AVX2", "AVX512", "AMX")
-
-
-def cpu_capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
 
 
 def _compiler() -> Optional[str]:
@@ -86,7 +82,7 @@ def _write(root: Path, ctx: WriteContext) -> FormatEntry:
         "sample_axes": ctx.signature.input_axes() if batched else [None] * len(ctx.signature.inputs),
         "output_sample_axes": ctx.signature.output_axes() if batched else [None] * len(ctx.signature.outputs),
         "built_for": dataclasses.asdict(BuiltFor(
-            str(device), platform.machine(), cpu_capability() if device.type == "cpu" else None,
+            str(device), platform.machine(), torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
             list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
             _compiler_version(), torch.__version__)),
     })
@@ -120,7 +116,7 @@ def _refusal(built: BuiltFor, device: torch.device) -> Optional[str]:
         return f"built for {built.machine}, this machine is {platform.machine()}"
     if torch.device(built.device or "cpu").type != device.type:
         return f"built for {built.device}; an AOTInductor package runs only on the device type it was built for"
-    here = cpu_capability()
+    here = torch.backends.cpu.get_cpu_capability()
     if device.type == "cpu" and built.isa in _ISA_ORDER and here in _ISA_ORDER and \
             _ISA_ORDER.index(here) < _ISA_ORDER.index(built.isa):
         return f"built for CPUs with {built.isa}, this CPU has {here}"

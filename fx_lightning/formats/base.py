@@ -109,8 +109,6 @@ class FormatEntry:
         )
 
 
-
-
 # The name, among a Format's runtime_choices, of the runtime's own default settings (what a user gets from the
 # runtime given no options, with the precision the artifact was checked at): raced beside the settings it was
 # written with, so the pick is never slower than the runtime's defaults on the same file.
@@ -219,17 +217,17 @@ class WriteContext:
             return None, None
         batch = self.static_batch if fmt.from_program else (
             rows_of(self.args, self.signature.input_axes()) if self.signature.batched else None)
-        return ([batch] if batch is not None else None), self.built_shapes(force=True)
+        return ([batch] if batch is not None else None), self.built_shapes()
 
     @property
     def device(self) -> torch.device:
         """Where the model and its example inputs are: the device the artifacts are built for."""
         return next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
-    def built_shapes(self, force: bool = False) -> Optional[List[List[Optional[int]]]]:
-        """The input shapes the artifacts are built for when the program is static (``force``: whatever it is; the
-        sample axis left free: it is run as pieces), else None."""
-        if (self.dynamic and not force) or not any(isinstance(a, torch.Tensor) and a.dim() for a in self.args):
+    def built_shapes(self) -> Optional[List[List[Optional[int]]]]:
+        """The input shapes the artifacts are built for (the sample axis left free: it is run as pieces), None when
+        no input has a dimension."""
+        if not any(isinstance(a, torch.Tensor) and a.dim() for a in self.args):
             return None
         signature = self.exported_signature
         axes = signature.input_axes() if signature.batched else [None] * len(signature.inputs)

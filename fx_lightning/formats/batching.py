@@ -44,10 +44,6 @@ class BatchPieces(nn.Module):
         self.what, self.hint, self.warn = what, hint, warn
         self.eval()
 
-    @property
-    def batch_sizes(self) -> List[str]:
-        return sorted(self.runners)
-
     def forward(self, *args: Any) -> Any:
         axes = self._axes(args, self.axes)
         sizes = {int(t.shape[a]) for t, a in zip(args, axes) if a is not None and isinstance(t, torch.Tensor)}
@@ -58,7 +54,7 @@ class BatchPieces(nn.Module):
         runner = self.runners.get(str(size)) or self.runners.get(ANY_BATCH)
         if runner is not None or size is None:
             return (runner or next(iter(self.runners.values())))(*args)
-        parts = list(self._pieces(args, size))
+        parts = list(self._pieces(args, axes, size))
         tree = tree_of(parts[0])
         leaves = [tree.leaves(p) for p in parts]
         return tree.rebuild(concat_rows(leaves, self._axes(leaves[0], self.output_axes)))
@@ -69,7 +65,7 @@ class BatchPieces(nn.Module):
             return axes
         return [0 if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in tensors]
 
-    def _pieces(self, args: Tuple[Any, ...], size: int) -> Iterator[Any]:
+    def _pieces(self, args: Tuple[Any, ...], axes: List[Optional[int]], size: int) -> Iterator[Any]:
         built = sorted((int(k) for k in self.runners), reverse=True)
         message = (f"no {self.what} for batch size {size} (built for: {', '.join(map(str, built[::-1]))}): "
                    f"running it as pieces of those")
@@ -81,7 +77,6 @@ class BatchPieces(nn.Module):
         while start < size:
             left = size - start
             piece = next((k for k in built if k <= left), built[-1])
-            axes = self._axes(args, self.axes)
             rows = take_rows(args, axes, start, min(piece, left))
             out = self.runners[str(piece)](*with_rows(rows, axes, piece))
             if piece > left:  # the padding's outputs dropped
@@ -100,7 +95,6 @@ def with_pieces(module: nn.Module, batch_sizes: Optional[Sequence[int]], signatu
         return module
     return BatchPieces({str(size): module for size in batch_sizes}, signature.input_axes(), signature.output_axes(),
                        what=what, hint="it was exported for those batch sizes only (see the manifest's notes)")
-
 
 
 def quiet_pieces(module: nn.Module) -> nn.Module:

@@ -6,7 +6,6 @@ instead of pickles (a module without one is pickled and listed), weights loaded 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import textwrap
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fx_lightning.common.imports import import_object
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.base import FUSED_CLASS_NAME
 from fx_lightning.passes.graph_utils import owner_of
@@ -171,13 +171,10 @@ def _constructor(module: nn.Module) -> Optional[str]:
     if set(mine) != set(theirs) or any(mine[k][0] != theirs[k][0] for k in mine):
         return None
     dtypes = {v[1] for v in mine.values()}
-    if dtypes and dtypes != {torch.get_default_dtype()}:
-        # Build in the stored dtype so load_state_dict does not cast the weights.
-        (dtype,) = dtypes if len(dtypes) == 1 else (None,)
-        if dtype is None:
-            return None
-        return f"{text}.to({dtype})"
-    return text
+    if len(dtypes) > 1:
+        return None
+    # Build in the stored dtype so load_state_dict does not cast the weights.
+    return text if dtypes <= {torch.get_default_dtype()} else f"{text}.to({next(iter(dtypes))})"
 
 
 def _public_state(module: nn.Module) -> Dict[str, object]:
@@ -202,10 +199,8 @@ def _global_imports(globals_: Dict[str, Any]) -> List[str]:
         module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
         if module and qualname and "<" not in qualname:
             try:
-                found = importlib.import_module(module)
-                for part in qualname.split("."):
-                    found = getattr(found, part)
-            except (ImportError, AttributeError):
+                found = import_object(f"{module}:{qualname}")
+            except (ImportError, AttributeError, ValueError):
                 found = None
             if found is obj:
                 lines.append(f"{name} = _resolve({module!r}, {qualname!r})")

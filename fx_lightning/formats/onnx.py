@@ -16,7 +16,7 @@ from fx_lightning.formats.base import (RUNTIME_DEFAULTS, Format, FormatEntry, Va
                                        numpy_inputs, quietly)
 from fx_lightning.signature.signature import LeafSpec
 
-__all__ = ["FORMAT", "OnnxRuntimeModule", "session_options", "SESSION_LEVEL", "ORT_OWN_THREADS"]
+__all__ = ["FORMAT", "OnnxRuntimeModule", "SESSION_LEVEL", "ORT_OWN_THREADS"]
 
 
 def _write(root: Path, ctx: WriteContext) -> FormatEntry:
@@ -99,23 +99,10 @@ SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 ORT_OWN_THREADS = 0
 
 
-def session_options(threads: Optional[int] = None, level: str = SESSION_LEVEL,
-                    config_entries: Optional[Dict[str, str]] = None) -> Any:
-    """ONNX Runtime's session options: ``threads`` intra-op threads (None: torch's count in this process;
-    :data:`ORT_OWN_THREADS`: ONNX Runtime's own default), graph optimisation ``level`` and the session
-    ``config_entries`` (None: :data:`SESSION_CONFIG`)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    options.intra_op_num_threads = torch.get_num_threads() if threads is None else threads
-    for key, value in (SESSION_CONFIG if config_entries is None else config_entries).items():
-        options.add_session_config_entry(key, str(value))
-    return options
-
-
 class OnnxRuntimeModule(nn.Module):
-    """An onnxruntime session behind the nn.Module interface: tensors in, tensors out (on ``device``)."""
+    """An onnxruntime session behind the nn.Module interface: tensors in, tensors out (on ``device``). The session
+    runs ``threads`` intra-op threads (None: torch's count in this process; :data:`ORT_OWN_THREADS`: ONNX Runtime's
+    own default), graph optimisation ``level`` and the session ``config_entries`` (None: :data:`SESSION_CONFIG`)."""
 
     def __init__(self, path: Any, providers: Optional[Sequence[str]] = None, device: Any = "cpu",
                  threads: Optional[int] = None, level: str = SESSION_LEVEL,
@@ -123,9 +110,14 @@ class OnnxRuntimeModule(nn.Module):
         super().__init__()
         import onnxruntime as ort
 
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        options.intra_op_num_threads = torch.get_num_threads() if threads is None else threads
+        for key, value in (SESSION_CONFIG if config_entries is None else config_entries).items():
+            options.add_session_config_entry(key, str(value))
         self.path = str(path)
         self.device = torch.device(device)
-        self.session = ort.InferenceSession(self.path, sess_options=session_options(threads, level, config_entries),
+        self.session = ort.InferenceSession(self.path, sess_options=options,
                                             providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.eval()
@@ -172,13 +164,10 @@ def _make_variant(root: Path, entry: FormatEntry, request: VariantRequest) -> Op
 
     class Reader(CalibrationDataReader):  # type: ignore[misc]
         def __init__(self) -> None:
-            self.batches = iter(request.calibration)
+            self.feeds = (dict(zip(names, numpy_inputs(batch))) for batch in request.calibration)
 
         def get_next(self) -> Optional[Dict[str, Any]]:
-            batch = next(self.batches, None)
-            if batch is None:
-                return None
-            return dict(zip(names, numpy_inputs(batch)))
+            return next(self.feeds, None)
 
     folder = root / request.folder
     folder.mkdir(parents=True, exist_ok=True)

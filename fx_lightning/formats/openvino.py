@@ -136,11 +136,11 @@ class OpenVinoModule(nn.Module):
 
     ``config``: the compile config as given (None: :data:`COMPILE_CONFIG`); ``threads``: its
     ``INFERENCE_NUM_THREADS`` (None: torch's count in this process; 0: not set, OpenVINO's own default).
-    ``static_shapes`` (default): each new combination of input shapes gets its own compiled copy with those
-    shapes fixed (the ``MAX_SHAPES`` most recent are kept); else one compiled model takes every shape."""
+    Each new combination of input shapes gets its own compiled copy with those shapes fixed (the ``MAX_SHAPES``
+    most recent are kept); shapes the IR cannot take statically run on one compiled model that takes every shape."""
 
-    def __init__(self, xml_path: Any, config: Optional[Mapping[str, Union[str, int]]] = None, threads: Optional[int] = None,
-                 static_shapes: bool = True) -> None:
+    def __init__(self, xml_path: Any, config: Optional[Mapping[str, Union[str, int]]] = None,
+                 threads: Optional[int] = None) -> None:
         super().__init__()
         import openvino as ov
 
@@ -151,19 +151,11 @@ class OpenVinoModule(nn.Module):
         self.config: Dict[str, Union[str, int]] = {k: v for k, v in given.items() if k != THREADS}
         if threads != 0:
             self.config[THREADS] = int(threads or torch.get_num_threads())
-        self.static_shapes = static_shapes
         self.compiled: "OrderedDict[Any, Any]" = OrderedDict()
         self.dynamic: Any = None  # compiled on first need: a second copy of the weights otherwise
         self.eval()
 
-    def _dynamic(self) -> Any:
-        if self.dynamic is None:
-            self.dynamic = self.core.compile_model(self.model, "CPU", self.config)
-        return self.dynamic
-
     def _request(self, shapes: Tuple[Tuple[int, ...], ...]) -> Any:
-        if not self.static_shapes:
-            return self._dynamic()
         if shapes in self.compiled:
             self.compiled.move_to_end(shapes)
             return self.compiled[shapes]
@@ -174,7 +166,9 @@ class OpenVinoModule(nn.Module):
             model.reshape({port: ov.PartialShape(list(s)) for port, s in zip(model.inputs, shapes)})
             compiled = self.core.compile_model(model, "CPU", self.config)
         except RuntimeError:  # shapes the IR cannot take statically: the dynamic model says why, if it must
-            return self._dynamic()
+            if self.dynamic is None:
+                self.dynamic = self.core.compile_model(self.model, "CPU", self.config)
+            return self.dynamic
         self.compiled[shapes] = compiled
         if len(self.compiled) > MAX_SHAPES:
             self.compiled.popitem(last=False)

@@ -13,7 +13,6 @@ The runner lints and recompiles after every pass and turns any failure into a :c
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -115,13 +114,6 @@ class PassContext:
 _TYPED_FACTS: Tuple[str, ...] = ("into", "kind", "module")
 
 
-def _split_facts(facts: Mapping[str, object]) -> Tuple[Dict[str, str], Dict[str, object]]:
-    """(typed facts, the rest): a common fact goes to its typed field only when it is a string, so a user pass
-    that gives, say, ``kind=3`` or ``into=None`` keeps exactly what it gave (in ``details``)."""
-    typed = {k: v for k, v in facts.items() if k in _TYPED_FACTS and isinstance(v, str)}
-    return typed, {k: v for k, v in facts.items() if k not in typed}
-
-
 class _DictReadable:
     """``record["reason"]``: the records used to be plain dicts and user code reads them that way; it keeps
     working, with a DeprecationWarning that points at the attribute to read instead."""
@@ -157,10 +149,11 @@ class _PassRecord(_DictReadable):
 
     @classmethod
     def of(cls: Type[_R], node: str, text: str, **facts: object) -> _R:
-        """From ``PassResult.change``'s or ``.skip``'s arguments: the common facts typed, the others in ``details``."""
-        typed, details = _split_facts(facts)
-        into, kind, module = (typed.get(k) for k in _TYPED_FACTS)
-        return cls(node, text, into, kind, module, details)  # type: ignore[call-arg]
+        """From ``PassResult.change``'s or ``.skip``'s arguments: a common fact typed only when it is a string (a
+        user pass that gives, say, ``kind=3`` or ``into=None`` keeps exactly what it gave), the others in
+        ``details``."""
+        typed = {k: v for k, v in facts.items() if k in _TYPED_FACTS and isinstance(v, str)}
+        return cls(node, text, **typed, details={k: v for k, v in facts.items() if k not in typed})  # type: ignore
 
     def to_dict(self) -> Dict[str, object]:
         """``{"node", "what"/"reason", **facts}``: the JSON shape manifests keep (facts that are None left out)."""
@@ -264,7 +257,6 @@ def _fx_pass_fn(fx_pass: Any) -> PassFn:
             result.change("<graph>", f"modified by the torch.fx pass {name}")
         return result
 
-    run.__doc__ = inspect.getdoc(fx_pass)
     run.__wrapped__ = fx_pass  # type: ignore[attr-defined]  # the same PassBase registered again is the same pass
     return run
 
@@ -301,7 +293,6 @@ class PassSpec:
     fn: PassFn
     options_type: Optional[type] = None
     preserves_computation: bool = True
-    description: str = ""
     # The pass records every graph edit in its PassResult: an empty result means an unchanged graph,
     # and the runner skips the recompile (it is the costliest step of a no-op pass on a large graph).
     reports_changes: bool = False
@@ -330,15 +321,10 @@ def _register(spec: PassSpec, replace: bool) -> None:
     _REGISTRY[spec.name] = spec
 
 
-def _doc_line(fn: Callable[..., Any]) -> str:
-    return (inspect.getdoc(fn) or "").split("\n")[0]
-
-
-def _user_spec(name: str, obj: Any, options: Optional[type] = None, preserves_computation: bool = True,
-               reports_changes: bool = False) -> PassSpec:
-    """A user's pass: a function, or a torch.fx ``PassBase`` (its result taken in place, changes not reported)."""
-    run = _fx_pass_fn(obj) if _is_fx_pass(obj) else obj
-    return PassSpec(name, run, options, preserves_computation, _doc_line(obj), reports_changes and run is obj)
+def _user_spec(name: str, obj: Any, options: Optional[type] = None, preserves_computation: bool = True) -> PassSpec:
+    """A user's pass: a function, or a torch.fx ``PassBase`` (its result taken in place); recompiled after it runs,
+    whatever it reports."""
+    return PassSpec(name, _fx_pass_fn(obj) if _is_fx_pass(obj) else obj, options, preserves_computation)
 
 
 def register_pass(
@@ -347,7 +333,6 @@ def register_pass(
     options: Optional[type] = None,
     preserves_computation: bool = True,
     replace: bool = False,
-    reports_changes: bool = False,
 ) -> Callable[[PassFn], PassFn]:
     """Register ``fn(gm, options, ctx) -> PassResult | None`` under ``name``; or a torch.fx ``PassBase``
     (subclass, made with the pass's options as keyword arguments, or instance), whose
@@ -363,31 +348,23 @@ def register_pass(
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        _register(_user_spec(name, fn, options, preserves_computation, reports_changes), replace)
+        _register(_user_spec(name, fn, options, preserves_computation), replace)
         return fn
 
     return decorator
 
 
-def builtin_pass(
-    name: str,
-    *,
-    options: type,
-    preserves_computation: bool = True,
-    reports_changes: bool = True,
-    stage: Stage = Stage.graph,
-) -> Callable[[PassFn], PassFn]:
-    """Declare a built-in pass: ``options`` (a :class:`PassOptions` dataclass) becomes ``passes.<name>`` in
-    the config schema and ``stage`` says what it works on; its place in the default order is in
-    :data:`DEFAULT_ORDER`, which must list it."""
+def builtin_pass(name: str, *, options: type, stage: Stage = Stage.graph) -> Callable[[PassFn], PassFn]:
+    """Declare a built-in pass (it preserves computation and reports its changes): ``options`` (a
+    :class:`PassOptions` dataclass) becomes ``passes.<name>`` in the config schema and ``stage`` says what it works
+    on; its place in the default order is in :data:`DEFAULT_ORDER`, which must list it."""
     if not (isinstance(options, type) and issubclass(options, PassOptions)):
         raise TypeError(f"built-in pass {name!r}: options must subclass PassOptions")
     if name not in DEFAULT_ORDER:
         raise ValueError(f"built-in pass {name!r} is not in DEFAULT_ORDER; add it there, at its place in the order")
 
     def decorator(fn: PassFn) -> PassFn:
-        spec = PassSpec(name, fn, options, preserves_computation, _doc_line(fn), reports_changes, True, stage)
-        _register(spec, replace=False)
+        _register(PassSpec(name, fn, options, reports_changes=True, builtin=True, stage=stage), replace=False)
         return fn
 
     return decorator

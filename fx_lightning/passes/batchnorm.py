@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -37,9 +37,7 @@ from fx_lightning.passes.graph_utils import delete_unused_attributes
 
 __all__ = [
     "FoldDtype",
-    "FuseConvBNOptions",
-    "FuseLinearBNOptions",
-    "FuseBNIntoNextOptions",
+    "FoldOptions",
     "is_batchnorm_node",
     "fuse_conv_bn",
     "fuse_linear_bn",
@@ -59,28 +57,13 @@ class FoldDtype(str, Enum):
 
 
 @dataclass
-class _FoldOptions(PassOptions):
-    """What every BatchNorm fold takes."""
+class FoldOptions(PassOptions):
+    """What every BatchNorm fold takes (``fuse_conv_bn``, ``fuse_linear_bn``, ``fuse_bn_into_next``)."""
 
     # fp64 folding keeps fp32 results within rounding of an fp64 reference; fp32 is for devices without fp64.
     fold_dtype: FoldDtype = FoldDtype.float64
     # A layer called at several sites gets one fused copy per site; off: such sites are skipped.
     copy_shared_modules: bool = True
-
-
-@dataclass
-class FuseConvBNOptions(_FoldOptions):
-    """Fold a BatchNorm into the Conv/ConvTranspose before it."""
-
-
-@dataclass
-class FuseLinearBNOptions(_FoldOptions):
-    """Fold a BatchNorm into the Linear before it."""
-
-
-@dataclass
-class FuseBNIntoNextOptions(_FoldOptions):
-    """Fold a BatchNorm into the Linears/convs that read its output (pre-activation blocks, TDNN layers)."""
 
 
 # -------------------------------------------------------------------------------------------- passes
@@ -89,11 +72,10 @@ Plan = Union[FoldPlan, str, None]  # what a fold side makes of one BatchNorm: a 
 AnyBatchNorm = Union[BatchNorm, Refused]
 
 
-def _fold_all(gm: fx.GraphModule, options: _FoldOptions, plan_for: Callable[[fx.Node, AnyBatchNorm, torch.dtype], Plan],
+def _fold_all(gm: fx.GraphModule, options: FoldOptions, plan_for: Callable[[fx.Node, AnyBatchNorm, torch.dtype], Plan],
               refusal: Callable[[fx.Node, AnyBatchNorm, str], Tuple[str, Dict[str, object]]]) -> PassResult:
     """Every BatchNorm that ``plan_for`` plans a fold of, folded; each it refuses skipped with ``refusal``'s
-    (reason, facts). Each planned part was checked when the plan was made (``weights_refusal``), so a refusal while
-    applying it is a bug: it raises (the pass fails) rather than leave some layers folded and the BatchNorm there."""
+    (reason, facts)."""
     result = PassResult()
     dtype = torch.float64 if FoldDtype(options.fold_dtype) is FoldDtype.float64 else torch.float32
     for node in list(gm.graph.nodes):
@@ -105,9 +87,7 @@ def _fold_all(gm: fx.GraphModule, options: _FoldOptions, plan_for: Callable[[fx.
         if not isinstance(plan, FoldPlan):
             continue
         for fold in plan.folds:
-            refused = apply_channel_fold(gm, fold, options.copy_shared_modules)
-            if refused is not None:  # pragma: no cover - planned folds passed weights_refusal
-                raise RuntimeError(f"a planned fold into {describe(fold.layer.node)} was refused: {refused}")
+            apply_channel_fold(gm, fold, options.copy_shared_modules)
         assert isinstance(bn, BatchNorm)
         remove_batchnorm(gm, bn, bn.input)
         result.change(node.name, plan.what, into=plan.into, kind=plan.kind)
@@ -116,29 +96,29 @@ def _fold_all(gm: fx.GraphModule, options: _FoldOptions, plan_for: Callable[[fx.
     return result
 
 
-def _fold_producer(gm: fx.GraphModule, ctx: PassContext, kinds: Tuple[str, ...], options: _FoldOptions) -> PassResult:
+def _fold_producer(gm: fx.GraphModule, ctx: PassContext, kinds: Tuple[str, ...], options: FoldOptions) -> PassResult:
     return _fold_all(
         gm, options, lambda node, bn, dtype: plan_into_producer(gm, ctx, node, bn, kinds, options.copy_shared_modules,
                                                                 dtype),
         lambda node, bn, reason: (reason, {"into": describe(bn_input(node))} if isinstance(bn, BatchNorm) else {}))
 
 
-@builtin_pass("fuse_conv_bn", options=FuseConvBNOptions)
-def fuse_conv_bn(gm: fx.GraphModule, options: FuseConvBNOptions, ctx: PassContext) -> PassResult:
+@builtin_pass("fuse_conv_bn", options=FoldOptions)
+def fuse_conv_bn(gm: fx.GraphModule, options: FoldOptions, ctx: PassContext) -> PassResult:
     """Fold every BatchNorm that follows a Conv/ConvTranspose (any groups), a concatenation of them, or one through
     layout operations that keep its channels, into it."""
     return _fold_producer(gm, ctx, ("conv", "conv_transpose"), options)
 
 
-@builtin_pass("fuse_linear_bn", options=FuseLinearBNOptions)
-def fuse_linear_bn(gm: fx.GraphModule, options: FuseLinearBNOptions, ctx: PassContext) -> PassResult:
+@builtin_pass("fuse_linear_bn", options=FoldOptions)
+def fuse_linear_bn(gm: fx.GraphModule, options: FoldOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm that follows a Linear (directly, or through layout operations such as a transpose or a
     flatten of its leading axes) when the shapes show it normalises the Linear's output features."""
     return _fold_producer(gm, ctx, ("linear",), options)
 
 
-@builtin_pass("fuse_bn_into_next", options=FuseBNIntoNextOptions)
-def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: PassContext) -> PassResult:
+@builtin_pass("fuse_bn_into_next", options=FoldOptions)
+def fuse_bn_into_next(gm: fx.GraphModule, options: FoldOptions, ctx: PassContext) -> PassResult:
     """Fold a BatchNorm into every Linear/conv its output reaches (through layout operations and concatenations),
     when nothing else reads it and no zero padding is in the way; every BatchNorm left gets the reason."""
     copy_shared = options.copy_shared_modules
@@ -149,9 +129,9 @@ def fuse_bn_into_next(gm: fx.GraphModule, options: FuseBNIntoNextOptions, ctx: P
         lambda node, bn, reason: (explain_batchnorm(gm, ctx, node, copy_shared), {}))
 
 
-def unfused_batchnorm_reasons(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> List[RemainingBatchNorm]:
+def unfused_batchnorm_reasons(gm: fx.GraphModule) -> List[RemainingBatchNorm]:
     """For each BatchNorm still in the graph, what stands in the way of a fold on either side (used when no pass
     gave a reason)."""
-    ctx = ctx if ctx is not None else PassContext(shapes_known=True)
+    ctx = PassContext(shapes_known=True)
     return [RemainingBatchNorm(node.name, explain_batchnorm(gm, ctx, node))
             for node in gm.graph.nodes if match_bn(gm, node) is not None]

@@ -29,10 +29,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from fx_lightning.common.imports import import_checked, import_object
-from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
+from fx_lightning.passes.base import PassContext, PassResult, Stage, builtin_pass
 from fx_lightning.passes.graph_utils import owner_of
-from fx_lightning.passes.module_check import output_change, record_module_inputs
-from fx_lightning.common.tolerance import MODULE_CHECK_RTOL
+from fx_lightning.passes.module_check import ModuleCheckOptions, output_change, record_module_inputs
 
 __all__ = [
     "BatchNormForm",
@@ -92,16 +91,13 @@ class BatchNormFormConfig:
 
 
 @dataclass
-class BatchNormFormsOptions(PassOptions):
+class BatchNormFormsOptions(ModuleCheckOptions):
     # Your own declarations, tried before the built-in ones (timm's BatchNormAct2d family, Hugging Face's
     # frozen BatchNorms).
     modules: List[BatchNormFormConfig] = field(default_factory=list)
-    # A replacement whose output moves by more than this (relative) on the module's own input is refused.
-    rtol: float = MODULE_CHECK_RTOL
 
     def check(self) -> None:
-        if not math.isfinite(self.rtol) or self.rtol < 0:
-            raise ValueError(f"rtol: must be a finite number >= 0, got {self.rtol}.")
+        super().check()
         for i, item in enumerate(self.modules):
             if ":" in item.module:
                 cls = import_checked(item.module, f"modules[{i}].module")

@@ -26,11 +26,10 @@ from fx_lightning.passes.bn_views import (
     feature_axis,
     layer_kind,
     match_layer,
-    node_arg,
     weights_refusal,
 )
 from fx_lightning.passes.base import PassContext
-from fx_lightning.passes.graph_utils import known_shape, node_shape, value_users
+from fx_lightning.passes.graph_utils import known_shape, node_arg, node_shape, value_users
 
 __all__ = ["FoldPlan", "only_feeds", "op_names", "walk_back", "plan_into_producer", "picked_scale_shift",
            "concat_parts"]
@@ -79,11 +78,8 @@ def walk_back(gm: fx.GraphModule, value: object) -> Tuple[object, List[fx.Node]]
 def picked_scale_shift(bn: BatchNorm, dtype: torch.dtype, channels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The BatchNorm's scale and shift picked per feature by ``channels`` (a channel index; < 0: untouched)."""
     scale, shift = bn.scale_shift(dtype)
-    channels = channels.to(scale.device)
-    hit = channels >= 0
-    index = channels.clamp_min(0)
-    return torch.where(hit, scale[index], torch.ones_like(scale[index])), torch.where(hit, shift[index],
-                                                                                      torch.zeros_like(shift[index]))
+    index = channels.to(scale.device).clamp_min(-1)  # -1: the identity appended after the channels
+    return torch.cat([scale, scale.new_ones(1)])[index], torch.cat([shift, shift.new_zeros(1)])[index]
 
 
 def plan_into_producer(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Union[BatchNorm, Refused],
@@ -211,11 +207,8 @@ def _plan_concat(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Union[
     if reason is not None:
         return reason
     scale, shift = bn.scale_shift(dtype)
-    folds, start = [], 0
-    for layer in layers:
-        part = slice(start, start + layer.out_channels)
-        folds.append(ChannelFold(layer, scale[part], shift[part], "output"))
-        start += layer.out_channels
+    sizes = [layer.out_channels for layer in layers]  # each conv's slice of the channels, in order
+    folds = [ChannelFold(layer, s, t, "output") for layer, s, t in zip(layers, scale.split(sizes), shift.split(sizes))]
     return FoldPlan(folds, "folded into a concatenation", ", ".join(describe(x.node) for x in layers), "conv")
 
 
@@ -228,8 +221,8 @@ def _concat_refusal(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, bn: Bat
     reason = only_feeds(cat, bn_reader(node))
     if reason is not None:
         return reason
-    if sum(x.out_channels for x in layers) != bn.num_features:
-        channels = sum(x.out_channels for x in layers)
+    channels = sum(x.out_channels for x in layers)
+    if channels != bn.num_features:
         return f"the concatenated convs have {channels} channels, the BatchNorm {bn.num_features}"
     ctx.ensure_shapes(gm)
     shape = node_shape(cat)

@@ -56,10 +56,6 @@ def op_name(gm: fx.GraphModule, node: fx.Node) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
-def _other_operand_is_a_value(node: fx.Node, value: object) -> bool:
-    return any(isinstance(a, fx.Node) and a is not value for a in list(node.args) + list(node.kwargs.values()))
-
-
 def _category(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> str:
     """What ``user``, reading the BatchNorm's values as ``value``, is, among the things no fold passes."""
     name = op_name(gm, user)
@@ -68,7 +64,7 @@ def _category(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> str:
     if constant_padding(gm, user):
         return "padding with a constant, which would not be normalised"
     if name in _SUMS or user.target in (operator.add, operator.sub):
-        if not _other_operand_is_a_value(user, value):
+        if all(a is value for a in user.all_input_nodes):
             return "the addition of a constant, which the fold does not follow"
         if name.endswith("sub") or user.target is operator.sub:
             return "the subtraction of another value"

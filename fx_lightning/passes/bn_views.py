@@ -48,7 +48,6 @@ __all__ = [
     "is_batchnorm_node",
     "apply_layer_weights",
     "weights_refusal",
-    "node_arg",
     "remove_batchnorm",
     "describe",
 ]
@@ -101,12 +100,10 @@ class Refused:
     reason: str
 
 
-def _zero(padding: Any, weight: Optional[torch.Tensor] = None) -> bool:
+def _zero(padding: Any, weight: torch.Tensor) -> bool:
     """Whether a conv's padding adds nothing: 0, "valid", or "same" with a kernel that covers one position."""
     if isinstance(padding, str):
-        if padding == "same" and weight is not None:
-            return all(k == 1 for k in weight.shape[2:])
-        return padding == "valid"
+        return padding == "valid" or (padding == "same" and all(k == 1 for k in weight.shape[2:]))
     if isinstance(padding, (tuple, list)):
         return all(p == 0 for p in padding)
     return padding == 0
@@ -143,14 +140,12 @@ def match_layer(gm: fx.GraphModule, node: Any) -> Union[Layer, Refused, None]:
 
 
 def _set_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
-    args = list(node.args)
-    if len(args) > index:
-        args[index] = value
-        node.args = tuple(args)
-    elif name in node.kwargs or len(args) < index:
-        node.kwargs = {**node.kwargs, name: value}
+    if len(node.args) > index:
+        node.update_arg(index, value)
+    elif name in node.kwargs or len(node.args) < index:
+        node.update_kwarg(name, value)
     else:
-        node.args = tuple(args) + (value,)
+        node.args = (*node.args, value)
 
 
 def _fresh_module(m: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> nn.Module:
@@ -184,16 +179,18 @@ def weights_refusal(gm: fx.GraphModule, layer: Layer, copy_shared: bool) -> Opti
 
 def apply_layer_weights(
     gm: fx.GraphModule, layer: Layer, weight: torch.Tensor, bias: torch.Tensor, copy_shared: bool
-) -> Optional[str]:
-    """Point ``layer.node`` at new weights without touching other call sites. Returns a skip reason or None."""
+) -> None:
+    """Point ``layer.node`` at new weights without touching other call sites. The folds plan only what
+    :func:`weights_refusal` allows, so a refusal here is a bug: it raises (the pass fails) rather than leave some
+    layers folded and the BatchNorm there."""
     node = layer.node
     refusal = weights_refusal(gm, layer, copy_shared)
-    if refusal is not None:
-        return refusal
+    if refusal is not None:  # pragma: no cover - planned folds passed weights_refusal
+        raise RuntimeError(f"a planned fold into {describe(node)} was refused: {refusal}")
     if layer.module is not None:
         exclusive = _module_is_exclusive(gm, str(node.target))
         install_module(gm, node, _fresh_module(layer.module, weight, bias), exclusive=exclusive)
-        return None
+        return
     w_node = add_constant(gm, node, f"{node.name}_weight", weight)
     b_node = add_constant(gm, node, f"{node.name}_bias", bias)
     old_w, old_b = node_arg(node, 1, "weight"), node_arg(node, 2, "bias")
@@ -202,7 +199,6 @@ def apply_layer_weights(
     # Free the unfused weight now, not at the end of the pass (peak memory: one copy of the weights).
     drop_replaced_attribute(gm, old_w)
     drop_replaced_attribute(gm, old_b)
-    return None
 
 
 def feature_axis(layer: Layer, rank: int) -> int:
@@ -223,8 +219,8 @@ class ChannelFold:
     side: str
 
 
-def apply_channel_fold(gm: fx.GraphModule, fold: ChannelFold, copy_shared: bool) -> Optional[str]:
-    """Fold ``fold`` into its layer's weights (a fresh copy for a shared module). Returns a skip reason or None."""
+def apply_channel_fold(gm: fx.GraphModule, fold: ChannelFold, copy_shared: bool) -> None:
+    """Fold ``fold`` into its layer's weights (a fresh copy for a shared module)."""
     layer = fold.layer
     device = layer.weight.device
     scale, shift = fold.scale.to(device), fold.shift.to(device)
@@ -233,7 +229,7 @@ def apply_channel_fold(gm: fx.GraphModule, fold: ChannelFold, copy_shared: bool)
                                    groups=layer.groups)
     else:
         w, b = fold_bn_into_input(layer.weight, layer.bias, scale, shift, groups=layer.groups)
-    return apply_layer_weights(gm, layer, w, b, copy_shared)
+    apply_layer_weights(gm, layer, w, b, copy_shared)
 
 
 def layer_kind(gm: fx.GraphModule, node: Any) -> Optional[str]:
@@ -340,10 +336,9 @@ def match_bn(gm: fx.GraphModule, node: fx.Node) -> Union[BatchNorm, Refused, Non
         if getattr(m, "running_mean", None) is None or getattr(m, "running_var", None) is None:
             return Refused(f"{name} has no running statistics (track_running_stats=False): it normalises with batch "
                            "statistics even in eval mode")
-        weight = m.weight if getattr(m, "affine", True) else None
-        bias = m.bias if getattr(m, "affine", True) else None
-        return BatchNorm(node, bn_input(node), m.running_mean.numel(), m.running_mean, m.running_var, weight, bias,
-                         float(m.eps))
+        affine = getattr(m, "affine", True)
+        return BatchNorm(node, bn_input(node), m.running_mean.numel(), m.running_mean, m.running_var,
+                         m.weight if affine else None, m.bias if affine else None, float(m.eps))
     kernel = _legit_kernel(node)
     if kernel is not None:  # (input, weight, bias, running_mean, running_var, momentum, eps): eval mode by definition
         w_a, b_a, rm_a, rv_a = (kernel.args[i] for i in range(1, 5))
@@ -398,5 +393,4 @@ def remove_batchnorm(gm: fx.GraphModule, bn: BatchNorm, replacement: fx.Node) ->
     if kernel is not None:
         gm.graph.erase_node(kernel)
     for a in inputs:  # the functional form's statistics are get_attr nodes that are now dead
-        if a.op == "get_attr" and not a.users:
-            gm.graph.erase_node(a)
+        drop_replaced_attribute(gm, a)

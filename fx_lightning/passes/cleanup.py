@@ -5,26 +5,15 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from dataclasses import dataclass
-
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
 from fx_lightning.passes.graph_utils import delete_unused_attributes, module_of
 
-__all__ = ["RemoveIdentityOptions", "EliminateDeadCodeOptions", "remove_identity", "eliminate_dead_code"]
+__all__ = ["remove_identity", "eliminate_dead_code"]
 
 
-@dataclass
-class RemoveIdentityOptions(PassOptions):
-    pass
-
-
-@dataclass
-class EliminateDeadCodeOptions(PassOptions):
-    pass
-
-
-@builtin_pass("remove_identity", options=RemoveIdentityOptions)
-def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: PassContext) -> PassResult:
+# Neither pass has options of its own: PassOptions (``enabled``) is theirs.
+@builtin_pass("remove_identity", options=PassOptions)
+def remove_identity(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Replace calls of ``nn.Identity`` by their input."""
     result = PassResult()
     for node in list(gm.graph.nodes):
@@ -37,8 +26,8 @@ def remove_identity(gm: fx.GraphModule, options: RemoveIdentityOptions, ctx: Pas
     return result
 
 
-@builtin_pass("eliminate_dead_code", options=EliminateDeadCodeOptions)
-def eliminate_dead_code(gm: fx.GraphModule, options: EliminateDeadCodeOptions, ctx: PassContext) -> PassResult:
+@builtin_pass("eliminate_dead_code", options=PassOptions)
+def eliminate_dead_code(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Drop nodes whose results nobody uses (impure ones stay), then the attributes nobody reads."""
     result = PassResult()
     before = {n.name: n for n in gm.graph.nodes}

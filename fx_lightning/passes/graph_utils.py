@@ -21,7 +21,6 @@ __all__ = [
     "looks_like_batchnorm",
     "shape_only_use",
     "value_users",
-    "fetch_attr",
     "node_shape",
     "node_arg",
     "owner_of",
@@ -35,13 +34,6 @@ __all__ = [
     "plain_graph_module",
     "drop_replaced_attribute",
 ]
-
-
-def fetch_attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def node_shape(node: Any) -> Optional[Tuple[int, ...]]:
@@ -182,7 +174,7 @@ def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
-def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusive: bool) -> str:
+def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusive: bool) -> None:
     """Make ``node`` call ``new``.
 
     ``exclusive``: the old module is called only here and nothing reads its attributes, so ``new`` takes
@@ -193,11 +185,10 @@ def install_module(gm: fx.GraphModule, node: fx.Node, new: nn.Module, *, exclusi
     parent, leaf = owner_of(gm, target)
     if exclusive:
         setattr(parent, leaf, new)
-        return target
+        return
     name = _unique_name(parent, f"{leaf}_fused")
     parent.add_module(name, new)
     node.target = f"{target.rpartition('.')[0]}.{name}" if "." in target else name
-    return str(node.target)
 
 
 def add_constant(gm: fx.GraphModule, node_before: fx.Node, base: str, value: torch.Tensor) -> fx.Node:
@@ -281,7 +272,7 @@ def module_of(gm: fx.GraphModule, node: fx.Node) -> Optional[nn.Module]:
 def attr_tensor(gm: fx.GraphModule, arg: Any) -> Optional[torch.Tensor]:
     """The tensor a get_attr node reads, else None (the argument is computed, not constant)."""
     if isinstance(arg, fx.Node) and arg.op == "get_attr":
-        value = fetch_attr(gm, str(arg.target))
+        value = operator.attrgetter(str(arg.target))(gm)
         if isinstance(value, torch.Tensor):
             return value
     return None

@@ -6,17 +6,34 @@ replacement is run on it beside the original; a replacement whose output moves b
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from fx_lightning.common.batches import detached
+from fx_lightning.common.tolerance import MODULE_CHECK_RTOL
 from fx_lightning.parity.compare import Comparison, compare_outputs
+from fx_lightning.passes.base import PassOptions
 
-__all__ = ["record_module_inputs", "output_change"]
+__all__ = ["ModuleCheckOptions", "record_module_inputs", "output_change"]
 
 Recorded = Tuple[tuple, dict]
+
+
+@dataclass
+class ModuleCheckOptions(PassOptions):
+    """Options of a pass that replaces submodules before capture."""
+
+    # A replacement whose output moves by more than this (max|after - before| / max|before|, on the input the
+    # module received) is refused: the module is left, or put back, as it was.
+    rtol: float = MODULE_CHECK_RTOL
+
+    def check(self) -> None:
+        if not math.isfinite(self.rtol) or self.rtol < 0:
+            raise ValueError(f"rtol: must be a finite number >= 0, got {self.rtol}.")
 
 
 def record_module_inputs(

@@ -18,31 +18,17 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
-from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from torch import nn
 
-from fx_lightning.passes.base import PassContext, PassOptions, PassResult, Stage, builtin_pass
-from fx_lightning.passes.module_check import output_change, record_module_inputs
-from fx_lightning.common.tolerance import MODULE_CHECK_RTOL
+from fx_lightning.passes.base import PassContext, PassResult, Stage, builtin_pass
+from fx_lightning.passes.module_check import ModuleCheckOptions, output_change, record_module_inputs
 
-__all__ = ["ReparameterizeOptions", "reparameterize", "DEPLOY_METHODS"]
+__all__ = ["reparameterize", "DEPLOY_METHODS"]
 
 # The conversion protocol, in order of precedence (timm's).
 DEPLOY_METHODS: Tuple[str, ...] = ("fuse", "reparameterize", "switch_to_deploy")
-
-
-@dataclass
-class ReparameterizeOptions(PassOptions):
-    # A converted module whose output moves by more than this (max|after - before| / max|before|, on the
-    # input it received) is put back as it was.
-    rtol: float = MODULE_CHECK_RTOL
-
-    def check(self) -> None:
-        if not math.isfinite(self.rtol) or self.rtol < 0:
-            raise ValueError(f"rtol: must be a finite number >= 0, got {self.rtol}.")
 
 
 def _deploy_method(module: nn.Module) -> Optional[str]:
@@ -72,7 +58,7 @@ def _convert(module: nn.Module, method: str) -> nn.Module:
     return module.eval()
 
 
-def _visit(parent: nn.Module, prefix: str, inputs: Dict[int, Tuple[tuple, dict]], options: ReparameterizeOptions,
+def _visit(parent: nn.Module, prefix: str, inputs: Dict[int, Tuple[tuple, dict]], options: ModuleCheckOptions,
            result: PassResult) -> None:
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
@@ -85,7 +71,7 @@ def _visit(parent: nn.Module, prefix: str, inputs: Dict[int, Tuple[tuple, dict]]
 
 
 def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, method: str,
-                     recorded: Optional[Tuple[tuple, dict]], options: ReparameterizeOptions,
+                     recorded: Optional[Tuple[tuple, dict]], options: ModuleCheckOptions,
                      result: PassResult) -> Optional[nn.Module]:
     """Convert ``child`` in ``parent``, or put it back; returns the module whose children are walked next
     (None for a ``fuse()`` replacement, which is already in deploy form)."""
@@ -104,16 +90,14 @@ def _convert_checked(parent: nn.Module, name: str, path: str, child: nn.Module, 
                           f"reparameterize.rtol {options.rtol:g}): left as trained", module=kind)
         return backup
     setattr(parent, name, new)
-    if change is None:
-        result.change(path, "reparameterized", module=kind, method=method,
-                      checked="no example inputs: not checked here (parity checks the whole model)")
-    else:
-        result.change(path, "reparameterized", module=kind, method=method, relative_change=change.relative_error)
+    checked = ({"checked": "no example inputs: not checked here (parity checks the whole model)"} if change is None
+               else {"relative_change": change.relative_error})
+    result.change(path, "reparameterized", module=kind, method=method, **checked)
     return None if new is not child else new
 
 
-@builtin_pass("reparameterize", options=ReparameterizeOptions, stage=Stage.module)
-def reparameterize(module: nn.Module, options: ReparameterizeOptions, ctx: PassContext) -> PassResult:
+@builtin_pass("reparameterize", options=ModuleCheckOptions, stage=Stage.module)
+def reparameterize(module: nn.Module, options: ModuleCheckOptions, ctx: PassContext) -> PassResult:
     """Convert re-parameterisable blocks to their deploy form (fuse / reparameterize / switch_to_deploy)."""
     result = PassResult()
     if _deploy_method(module) is not None:

@@ -6,32 +6,9 @@ Importing this package declares the built-in variants, in the order they are mad
 
 from __future__ import annotations
 
-from fx_lightning.variants.base import (
-    VARIANT_STATIC,
-    VARIANTS,
-    MadeVariant,
-    Variant,
-    VariantContext,
-    VariantOptions,
-    declare_variant,
-    enabled_variants,
-    export_variant,
-)
+from fx_lightning.variants import base
+from fx_lightning.variants.base import *  # noqa: F401,F403 - the declaration's names, listed once in its __all__
 from fx_lightning.variants.int8 import INT8, QuantizeInt8Options
-from fx_lightning.variants.bf16 import BF16, CastBf16Options
+from fx_lightning.variants.bf16 import BF16
 
-__all__ = [
-    "Variant",
-    "VariantOptions",
-    "VariantContext",
-    "MadeVariant",
-    "VARIANTS",
-    "VARIANT_STATIC",
-    "INT8",
-    "BF16",
-    "QuantizeInt8Options",
-    "CastBf16Options",
-    "declare_variant",
-    "enabled_variants",
-    "export_variant",
-]
+__all__ = list(base.__all__) + ["INT8", "BF16", "QuantizeInt8Options"]

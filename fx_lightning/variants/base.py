@@ -18,7 +18,8 @@ point of accuracy.
 from __future__ import annotations
 
 import dataclasses
-import time
+import statistics
+import timeit
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Generic, List, Optional, Sequence, Tuple, Type,
                     TypeVar)
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # the reporter is handed down by the export; variants never i
     from fx_lightning.export.progress import Progress
 
 __all__ = ["Variant", "VariantOptions", "VariantContext", "MadeVariant", "VARIANTS", "declare_variant",
-           "enabled_variants", "export_variant", "static_notes", "VARIANT_STATIC"]
+           "enabled_variants", "export_variant", "VARIANT_STATIC"]
 
 VARIANT_STATIC = NoteKind("variant_static", "the {variant} model exports for the example's sizes only ({reason})")
 
@@ -134,14 +135,14 @@ class Variant(Generic[OptionsT]):
             return None
         return f"this CPU has no {self.native_text} ({cpu.short()}): {self.without_native}"
 
-    def measured_here(self, fused: nn.Module, inputs: Sequence[Any], calls: int = 3) -> Optional[str]:
-        """The :attr:`probe` and ``fused`` timed on ``inputs`` (medians of ``calls`` after one warm-up each), as a
+    def measured_here(self, fused: nn.Module, inputs: Sequence[Any]) -> Optional[str]:
+        """The :attr:`probe` and ``fused`` timed on ``inputs`` (medians of three calls after one warm-up each), as a
         phrase for a skip reason; None without a probe or when the probe cannot run."""
         if self.probe is None:
             return None
         try:
             slow = self.probe(fused)
-            fp32, variant = _median_s(fused, inputs, calls), _median_s(slow, inputs, calls)
+            fp32, variant = _median_s(fused, inputs), _median_s(slow, inputs)
         except Exception:  # noqa: BLE001 - a figure for the report only; the skip stands without it
             return None
         return (f"measured here in eager PyTorch on one example: {self.name} {1e3 * variant:.2f} ms against fp32 "
@@ -158,15 +159,10 @@ class Variant(Generic[OptionsT]):
         return made
 
 
-def _median_s(module: nn.Module, inputs: Sequence[Any], calls: int) -> float:
-    times = []
+def _median_s(module: nn.Module, inputs: Sequence[Any]) -> float:
     with torch.no_grad():
         module(*inputs)
-        for _ in range(calls):
-            start = time.perf_counter()
-            module(*inputs)
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        return statistics.median(timeit.repeat(lambda: module(*inputs), number=1, repeat=3))
 
 
 # Every variant, by name, in the order they are made (and their options listed in the config).
@@ -189,10 +185,11 @@ def enabled_variants(passes: Any) -> List[Tuple[Variant, VariantOptions]]:
     return [(v, options) for v, options in pairs if options.enabled]
 
 
-def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optional[Signature]) -> Program:
-    """A variant's model exported with the dimensions the signature says vary (the sample axis repeated to two
-    samples when the example has one), else for the example's sizes: a model that fixes a size is fixed in its
-    variants too."""
+def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optional[Signature],
+                   name: str) -> Tuple[Program, List[Note]]:
+    """The ``name`` variant's model exported with the dimensions the signature says vary (the sample axis repeated to
+    two samples when the example has one), else for the example's sizes (a model that fixes a size is fixed in its
+    variants too), and a note when its program is fixed to the example's sizes."""
     if signature is None:  # no observed calls (made by hand): dim 0 of every tensor
         dims = [{0: torch.export.Dim("batch", min=1)} if isinstance(a, torch.Tensor) and a.dim() else None
                 for a in inputs]
@@ -200,10 +197,6 @@ def export_variant(model: nn.Module, inputs: Tuple[Any, ...], signature: Optiona
     else:
         dims, axes = signature_dims(signature), (signature.input_axes() if signature.batched else [])
     dynamic_inputs = tuple(with_rows(inputs, axes, 2)) if axes and rows_of(inputs, axes) == 1 else inputs
-    return export_program(model, Call(dynamic_inputs), dims if any(dims) else None, allow_static=True,
+    made = export_program(model, Call(dynamic_inputs), dims if any(dims) else None, allow_static=True,
                           static_call=Call(tuple(inputs)))
-
-
-def static_notes(made: Program, name: str) -> List[Note]:
-    """A note when the variant's program is fixed to the example's sizes, else none."""
-    return [] if made.dynamic else [VARIANT_STATIC(variant=name, reason=made.static_reason or "unknown")]
+    return made, [] if made.dynamic else [VARIANT_STATIC(variant=name, reason=made.static_reason or "unknown")]

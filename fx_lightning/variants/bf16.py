@@ -12,7 +12,6 @@ lossy variant (:mod:`fx_lightning.variants.base`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,14 +20,9 @@ from torch import nn
 
 from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.variants.base import (MadeVariant, Variant, VariantContext, VariantOptions, declare_variant,
-                                        export_variant, static_notes)
+                                        export_variant)
 
-__all__ = ["BF16", "CastBf16Options", "cast_bf16"]
-
-
-@dataclass
-class CastBf16Options(VariantOptions):
-    """The gate's options only: bf16 needs no calibration."""
+__all__ = ["BF16", "cast_bf16"]
 
 
 class _InBf16(nn.Module):
@@ -50,15 +44,16 @@ def in_bf16(gm: nn.Module) -> nn.Module:
                    .to(torch.bfloat16)).eval()
 
 
-def cast_bf16(gm: fx.GraphModule, options: CastBf16Options, ctx: VariantContext) -> MadeVariant:
+def cast_bf16(gm: fx.GraphModule, options: VariantOptions, ctx: VariantContext) -> MadeVariant:
     """The fused model in bfloat16 (inputs and outputs stay fp32), exported with a dynamic batch."""
     model = in_bf16(gm)
-    made = export_variant(model, tuple(ctx.calibration[0] if ctx.calibration else ctx.example_inputs), ctx.signature)
-    return MadeVariant(made.program.module(), static_notes(made, "bf16"))
+    made, notes = export_variant(model, tuple(ctx.calibration[0] if ctx.calibration else ctx.example_inputs),
+                                 ctx.signature, "bf16")
+    return MadeVariant(made.program.module(), notes)
 
 
 BF16 = declare_variant(Variant(
-    "bf16", "cast_bf16", CastBf16Options, cast_bf16,
+    "bf16", "cast_bf16", VariantOptions, cast_bf16,  # the gate's options only: bf16 needs no calibration
     native_flags=frozenset({"avx512_bf16", "amx_bf16"}),
     native_text="AVX512-BF16 or AMX-BF16",
     without_native="bf16 would run emulated",

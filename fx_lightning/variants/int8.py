@@ -27,11 +27,10 @@ import torch.fx as fx
 
 from fx_lightning.common.batches import flat_tensors
 from fx_lightning.errors import PassError
-from fx_lightning.common.notes import NoteKind
-from fx_lightning.common.notes import Note
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.passes.graph_utils import plain_graph_module, unique_module_stacks
 from fx_lightning.variants.base import (MadeVariant, Variant, VariantContext, VariantOptions, declare_variant,
-                                        export_variant, static_notes)
+                                        export_variant)
 
 if TYPE_CHECKING:
     from fx_lightning.export.progress import Progress
@@ -132,8 +131,7 @@ def quantize_int8(gm: fx.GraphModule, options: QuantizeInt8Options, ctx: Variant
     batches = ctx.calibration[: options.calibration_batches]
     if not batches:
         raise PassError("passes.quantize_int8: no calibration batches (the model's inputs on data batches are needed)")
-    made = export_variant(plain_graph_module(gm), tuple(batches[0]), ctx.signature)
-    notes = static_notes(made, "int8")
+    made, notes = export_variant(plain_graph_module(gm), tuple(batches[0]), ctx.signature, "int8")
     with torch.no_grad():
         program = made.program.module()
         unique_module_stacks(program)  # pt2e needs one module per call site
