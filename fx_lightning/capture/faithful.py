@@ -51,7 +51,7 @@ _FX_UNFAITHFUL_FIXES = (
 _EXPORT_UNFAITHFUL_FIXES = (
     "\n  torch.export specialised the graph to something the example inputs do not meet. Fixes:"
     "\n  - trace.mode: fx, with the offending module kept opaque: trace.leaf_modules: ['pkg.module:Class']"
-    "\n  - trace.dynamic_batch: false, when the model fixes its batch size"
+    "\n  - export.dynamic_batch: false, when the model fixes its batch size"
 )
 
 

@@ -239,13 +239,15 @@ def capture(
     already_copied: bool = False,
     signature: Optional[Signature] = None,
     check: Sequence[Call] = (),
+    dynamic_samples: bool = True,
 ) -> Capture:
     """Capture ``module`` as a GraphModule. ``module`` itself is never changed.
 
     ``example_inputs``: forward's arguments (a tuple, or a :class:`~fx_lightning.common.calls.Call`); ``signature``: what
     the observed calls showed (which dimensions vary); ``check``: other calls the captured graph must run as the
     model does (the sizes the signature says vary). ``already_copied``: the caller passes a working copy it owns
-    (saves one deep copy).
+    (saves one deep copy). ``dynamic_samples`` (``export.dynamic_batch``): a torch.export capture marks the sample
+    axis dynamic.
     """
     working = module if already_copied else eval_copy(module)
     working.eval()
@@ -253,12 +255,12 @@ def capture(
         else example_inputs
     mode = TraceMode(trace.mode)
     if mode is TraceMode.export:
-        return _capture_export(working, trace, call, signature, check)
+        return _capture_export(working, dynamic_samples, call, signature, check)
     try:
         result = _capture_fx(working, trace)
         raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         if result.opaque_batchnorms and mode is TraceMode.auto and call is not None:
-            return _prefer_export(result, working, trace, call, signature, check)
+            return _prefer_export(result, working, dynamic_samples, call, signature, check)
         return result
     except TraceError as fx_error:
         if mode is TraceMode.fx:
@@ -269,7 +271,7 @@ def capture(
                 "fallback could not run: pass example_inputs=(tensor, ...) to fuse()."
             ) from fx_error.__cause__
         try:
-            result = _capture_export(working, trace, call, signature, check)
+            result = _capture_export(working, dynamic_samples, call, signature, check)
         except TraceError as export_error:
             result = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
             if result is None:
@@ -283,11 +285,11 @@ def capture(
         return result
 
 
-def _prefer_export(fx_result: Capture, working: nn.Module, trace: TraceConfig, call: Call,
+def _prefer_export(fx_result: Capture, working: nn.Module, dynamic_samples: bool, call: Call,
                    signature: Optional[Signature], check: Sequence[Call]) -> Capture:
     """Symbolic tracing had to keep some BatchNorms whole; torch.export traces their forward, so they fold."""
     try:
-        result = _capture_export(working, trace, call, signature, check)
+        result = _capture_export(working, dynamic_samples, call, signature, check)
     except TraceError:
         return fx_result
     names = ", ".join(fx_result.opaque_batchnorms[:3]) + (" ..." if len(fx_result.opaque_batchnorms) > 3 else "")
@@ -406,7 +408,7 @@ def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
                for n in gm.graph.nodes)
 
 
-def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call], signature: Optional[Signature],
+def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Call], signature: Optional[Signature],
                     check: Sequence[Call]) -> Capture:
     """torch.export (:func:`fx_lightning.signature.program.export_program`: non-strict, then the routes data-dependent code
     needs) with the sample axis and the sizes that vary dynamic, checked against the eager module on the example
@@ -421,12 +423,12 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
             "(the callback takes them from the validation data)."
         )
     leaves = tree_of_call(call).leaves(call)
-    dims = capture_dims(signature, leaves, dynamic_samples=trace.dynamic_batch)
+    dims = capture_dims(signature, leaves, dynamic_samples=dynamic_samples)
     # Dynamic first (a sample repeated to two: torch.export specialises 0 and 1), then the example's own sizes, for a
     # model whose graph is right only at the size it was traced with.
     # A graph fixed to sizes that vary (a graph's node count) would take no other graph: no static capture then.
     varies = signature is not None and any(d.kind is DimKind.variable for leaf in signature.inputs for d in leaf.dims)
-    plans = ([(dims, _at_least_two(call, signature) if trace.dynamic_batch else call)] if any(dims) else []) + \
+    plans = ([(dims, _at_least_two(call, signature) if dynamic_samples else call)] if any(dims) else []) + \
         ([] if varies else [(None, call)])
     target: nn.Module = working
     first: Optional[TraceError] = None
