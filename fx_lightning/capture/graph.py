@@ -151,11 +151,8 @@ def _detach_into(memo: Dict[int, Any], value: Any, depth: int) -> None:
     if isinstance(value, torch.Tensor):
         if value.grad_fn is not None and id(value) not in memo:
             memo[id(value)] = value.detach().clone()
-    elif depth < 4 and isinstance(value, (list, tuple)):
-        for item in value:
-            _detach_into(memo, item, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
+    elif depth < 4 and isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
             _detach_into(memo, item, depth + 1)
 
 
@@ -367,12 +364,9 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
 def _failing_function(exc: BaseException) -> Optional[types.FunctionType]:
     """The module-level function of the innermost user frame symbolic tracing failed in (None: that frame is not
     one: a method, a nested function)."""
-    for fs in reversed(_user_frames(exc)):
-        fn = fs.f_globals.get(fs.f_code.co_name)
-        if isinstance(fn, types.FunctionType) and fn.__code__ is fs.f_code:
-            return fn
-        break
-    return None
+    frames = _user_frames(exc)
+    fn = frames[-1].f_globals.get(frames[-1].f_code.co_name) if frames else None
+    return fn if isinstance(fn, types.FunctionType) and fn.__code__ is frames[-1].f_code else None
 
 
 def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[type]:
@@ -390,14 +384,12 @@ def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[typ
 
 def _user_frames(exc: BaseException) -> List[Any]:
     """The traceback's frames outside torch and this package (the user's code), outermost first."""
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        fname = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not (fname.startswith(_TORCH_DIR) or fname.startswith(_PKG_DIR) or "<" in tb.tb_frame.f_code.co_filename):
-            frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    return frames
+    return [frame for frame, _ in traceback.walk_tb(exc.__traceback__) if _is_users(frame.f_code.co_filename)]
+
+
+def _is_users(filename: str) -> bool:
+    """Code outside torch and this package, and not generated (``<string>``, ``<eval_with_key>``)."""
+    return not (os.path.abspath(filename).startswith((_TORCH_DIR, _PKG_DIR)) or "<" in filename)
 
 
 def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
@@ -441,7 +433,7 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
         if target is not working:
             result.notes.append(PLAIN_OUTPUTS())
-        if made.strict or made.batchnorm_kernel or made.size_oblivious:
+        if made.route != "non-strict":
             result.notes.append(CAPTURED_ROUTE(route=made.route))
         try:
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check if made.dynamic else ())
@@ -557,13 +549,7 @@ def _class_path(root: nn.Module, path: str) -> str:
 
 def _user_frame(exc: BaseException) -> Optional[str]:
     """The innermost traceback frame outside torch and this package: the user's source line."""
-    found = None
-    for fs in traceback.extract_tb(exc.__traceback__):
-        fname = os.path.abspath(fs.filename)
-        if fname.startswith(_TORCH_DIR) or fname.startswith(_PKG_DIR) or "<" in fs.filename:
-            continue
-        found = fs
-    if found is None:
+    found = [fs for fs in traceback.extract_tb(exc.__traceback__) if _is_users(fs.filename)]
+    if not found:
         return None
-    code = (found.line or "").strip()
-    return f"{found.filename}:{found.lineno} in {found.name}: {code}"
+    return f"{found[-1].filename}:{found[-1].lineno} in {found[-1].name}: {(found[-1].line or '').strip()}"

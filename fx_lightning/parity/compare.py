@@ -15,7 +15,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from fx_lightning.common.calls import plain
+from fx_lightning.common.calls import leaf_values, plain
 from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
 from fx_lightning.common.tolerance import rounding_tolerance
 
@@ -72,16 +72,6 @@ def _as_tree(value: Any) -> Any:
     return None
 
 
-def _leaves(tree: Any) -> List[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _leaves(v)]
-    if isinstance(tree, list):
-        return [t for v in tree for t in _leaves(v)]
-    return []
-
-
 def _nesting(got: Any, want: Any, path: str) -> Optional[str]:
     """Where two trees nest differently (None: the same)."""
     kind = lambda t: "tensor" if isinstance(t, torch.Tensor) else type(t).__name__  # noqa: E731
@@ -103,12 +93,11 @@ def structure_mismatch(got: Any, want: Any, *, nested: bool = True) -> Optional[
     """How ``got`` differs from ``want`` in structure: tensor count, nesting (``nested``), shapes, dtypes.
     None when they match. ``nested=False`` compares the flat tensor lists only (a runtime such as ONNX Runtime
     returns its outputs flat)."""
-    g_tree, w_tree = _tree(got), _tree(want)
-    g, w = _leaves(g_tree), _leaves(w_tree)
+    g, w = leaf_values(got), leaf_values(want)
     if len(g) != len(w):
         return f"the output has {len(g)} tensor(s), the reference {len(w)}"
     if nested:
-        problem = _nesting(g_tree, w_tree, "")
+        problem = _nesting(_tree(got), _tree(want), "")
         if problem is not None:
             return problem
     for i, (a, b) in enumerate(zip(g, w)):
@@ -163,7 +152,7 @@ def compare_outputs(
     if mismatch is not None:
         return Comparison(mismatch, float("inf"), rtol or 0.0)
     worst, allowed, failure = 0.0, 0.0, None
-    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(_leaves(_tree(got)), _leaves(_tree(want))))
+    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(leaf_values(got), leaf_values(want)))
     for i, (g, w) in enumerate(pairs):
         if min_agreement is not None and is_discrete(w):
             share = agreement(g, w)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from fx_lightning.common.imports import import_object
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
 from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
@@ -399,13 +399,10 @@ def _distribution_from_fields(cls: Optional[type], params: Mapping[str, torch.Te
 
 def class_at(name: str) -> Optional[type]:
     """The class ``module:qualname`` names, when it can be imported by that name (not one defined in a function)."""
-    module_name, _, qualname = name.partition(":")
-    if "<locals>" in qualname or not module_name:
+    if "<locals>" in name:
         return None
     try:
-        value: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            value = getattr(value, part)
+        value = import_object(name)
     except Exception:  # noqa: BLE001 - not importable here
         return None
     return value if isinstance(value, type) else None
