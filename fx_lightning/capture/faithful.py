@@ -4,6 +4,7 @@ change. Used by :mod:`fx_lightning.capture.graph` on every graph it returns."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -66,15 +67,11 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> O
     """The first module call of the graph whose output differs from (or raises unlike) the eager module's."""
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     eager: Dict[str, List[torch.Tensor]] = {}
-    handles = []
-    def record(name: str) -> Any:
-        def hook(_m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
-            eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
-        return hook
+    def record(name: str, _m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
+        eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
 
-    for name, sub in working.named_modules():
-        if name in targets:
-            handles.append(sub.register_forward_hook(record(name)))
+    handles = [sub.register_forward_hook(functools.partial(record, name)) for name, sub in working.named_modules()
+               if name in targets]
     try:
         run_seeded(working, inputs)
     finally:

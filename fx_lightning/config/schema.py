@@ -308,11 +308,9 @@ class ExportConfig:
                 "formats: empty while export.enabled is true; allowed: "
                 f"{', '.join(f.name for f in ExportFormat)} (or set export.enabled: false)."
             )
-        seen = set()
         for i, fmt in enumerate(self.formats):
-            if fmt in seen:
+            if fmt in self.formats[:i]:
                 raise ValueError(f"formats[{i}]: {fmt.name!r} is listed twice.")
-            seen.add(fmt)
         sizes = self.aoti_batch_sizes
         if any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
             raise ValueError(f"aoti_batch_sizes: positive and distinct batch sizes, or [] for one dynamic-batch "

@@ -48,21 +48,14 @@ class Comparison:
 
     def describe(self) -> str:
         """Why it failed, or how close it is."""
-        if self.mismatch is not None:
-            return self.mismatch
-        if self.failure is not None:
-            return self.failure
-        return f"relative error {self.relative_error:.3g} (allowed {self.tolerance:.1e})"
-
-
-def _tree(value: Any) -> Any:
-    """The nesting of ``value`` with tensors as leaves: sequences as lists; mappings, dataclasses (Hugging Face
-    ``ModelOutput``), objects and ``torch.distributions`` objects (their parameters) as dicts; anything else is not
-    an output and is left out."""
-    return _as_tree(plain(value))
+        return self.mismatch or self.failure or \
+            f"relative error {self.relative_error:.3g} (allowed {self.tolerance:.1e})"
 
 
 def _as_tree(value: Any) -> Any:
+    """The nesting of ``value`` (in plain containers: :func:`~fx_lightning.common.calls.plain`) with tensors as
+    leaves: sequences as lists; mappings, dataclasses (Hugging Face ``ModelOutput``), objects and
+    ``torch.distributions`` objects (their parameters) as dicts; anything else is not an output and is left out."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, Mapping):
@@ -97,7 +90,7 @@ def structure_mismatch(got: Any, want: Any, *, nested: bool = True) -> Optional[
     if len(g) != len(w):
         return f"the output has {len(g)} tensor(s), the reference {len(w)}"
     if nested:
-        problem = _nesting(_tree(got), _tree(want), "")
+        problem = _nesting(_as_tree(plain(got)), _as_tree(plain(want)), "")
         if problem is not None:
             return problem
     for i, (a, b) in enumerate(zip(g, w)):

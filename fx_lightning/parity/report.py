@@ -71,12 +71,9 @@ class ParityReport:
     def __str__(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
         lines = [f"parity {verdict} on {self.batches} batch(es) of {self.source} data"]
-        for key, value in self.metrics.items():
-            lines.append(f"  {key:<28} {value:.6g}")
-        for failure in self.failures:
-            lines.append(f"  FAIL: {failure}")
-        for note in self.notes:
-            lines.append(f"  note: {note}")
+        lines += [f"  {key:<28} {value:.6g}" for key, value in self.metrics.items()]
+        lines += [f"  FAIL: {failure}" for failure in self.failures]
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 

@@ -58,18 +58,15 @@ def stochastic_outputs(call: Observed, first: Sequence[torch.Tensor], rerun: Run
             if a.shape != b.shape or not compare_outputs(b, a).passed}
 
 
-def find_sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tensor]],
-                 outputs: Sequence[Optional[Sequence[torch.Tensor]]],
+def find_sample_axis(leaves: Sequence[Sequence[torch.Tensor]], outputs: Sequence[Optional[Sequence[torch.Tensor]]],
                  all_shapes: Sequence[Sequence[Tuple[int, ...]]], all_counts: Sequence[Optional[int]],
                  run: Runner, tree: Tree, stochastic: set) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
     """Which input and output dimensions carry the samples, and the evidence (the outputs drawn at random in forward
     are left out of the experiments: their draws differ with the batch's shape)."""
     n_in = len(leaves[0])
-    none_in: List[Optional[int]] = [None] * n_in
-    none_out: List[Optional[int]] = [None] * len(outputs[0] or [])
 
     def refused(why: str) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
-        return SampleAxis(False, why), none_in, none_out
+        return SampleAxis(False, why), [None] * n_in, [None] * len(outputs[0] or [])
 
     known = [(shapes, n) for shapes, n in zip(all_shapes, all_counts) if n is not None]
     if known:
@@ -103,18 +100,17 @@ def find_sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.
     if all(a is None for a in compared):  # nothing to compare rows with: no evidence either way
         return refused(f"{how}, but every output on it is drawn at random, so no experiment can show the rows "
                        "independent")
-    best = max(range(len(calls)), key=lambda c: sizes_per_call[c])
+    best = max(range(len(leaves)), key=lambda c: sizes_per_call[c])
     n = sizes_per_call[best]
     if n < 2:  # one sample: a second, made of the first's values in another order, is the probe
-        verdict = _probe_second_row(calls[best].call, leaves[best], outputs[best], in_axes, compared, run, tree)  # type: ignore[arg-type]
+        verdict = _probe_second_row(leaves[best], outputs[best], in_axes, compared, run, tree)  # type: ignore[arg-type]
         if not verdict[0]:
             return refused(f"{how}; every call observed had one sample, and {verdict[1]}")
         return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", True), in_axes, out_axes
-    verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, compared, n, run, tree,  # type: ignore[arg-type]
+    verdict = _rows_independent(leaves[best], outputs[best], in_axes, compared, n, run, tree,  # type: ignore[arg-type]
                                 out_axes)
-    if verdict is not None and not verdict[0]:
+    if not verdict[0]:
         return refused(f"{how}, but the samples are not independent: {verdict[1]}")
-    assert verdict is not None
     return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", verdict[2]), in_axes, out_axes
 
 
@@ -136,9 +132,9 @@ def _axis_following(pairs: Sequence[Tuple[Tuple[int, ...], int]]) -> Optional[in
     return matching[0] if len(matching) == 1 else None
 
 
-def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+def _rows_independent(leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                       in_axes: Sequence[Optional[int]], out_axes: Sequence[Optional[int]], n: int, run: Runner,
-                      tree: Tree, all_out_axes: Sequence[Optional[int]]) -> Optional[Tuple[bool, str, bool]]:
+                      tree: Tree, all_out_axes: Sequence[Optional[int]]) -> Tuple[bool, str, bool]:
     """The experiment: (independent, what was seen, any_size). Rows ``k..n`` of every input on the axis replaced
     by copies of the first rows must leave the first ``k`` rows of every output unchanged; the first ``k`` rows
     alone must give them too (else only padding to a size seen is exact). ``out_axes``: the outputs compared
@@ -175,7 +171,7 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
     return True, seen + "; the first rows alone gave the same outputs", True
 
 
-def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+def _probe_second_row(leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                       in_axes: Sequence[Optional[int]], out_axes: Sequence[Optional[int]], run: Runner,
                       tree: Tree) -> Tuple[bool, str]:
     """The experiment with one sample: a second row made of the first's own values in another order (same dtype,
@@ -218,7 +214,7 @@ class SizeProbe:
     call: Optional[Call] = None
 
 
-def probe_sizes(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+def probe_sizes(leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                 candidates: Sequence[Tuple[int, int]], run: Runner, tree: Tree) -> SizeProbe:
     """Which of ``candidates`` ((leaf, dim) pairs of sizes that did not vary, the sample axis left out) can vary,
     by experiment: the dims of one size are resized together (to twice the size, else half, else one less), and
