@@ -120,6 +120,20 @@ def test_auto_mode_falls_back_to_export_and_still_folds():
     assert_exact(model, result.graph_module, (torch.randn(5, 3, 6, 6),))  # dynamic batch
 
 
+@pytest.mark.parametrize("dynamic_batch", [True, False])
+def test_export_dynamic_batch_decides_the_captured_sample_axis(dynamic_batch: bool) -> None:
+    """One knob: ``export.dynamic_batch`` marks the torch.export capture's sample axis dynamic, or fixes it."""
+    model = randomize_batchnorms(ShapeDependent())
+    x = torch.randn(3, 3, 6, 6)
+    result = fuse(model, {"trace": {"mode": "export"}, "export": {"dynamic_batch": dynamic_batch}}, example_inputs=x)
+    assert_exact(model, result.graph_module, (x,))
+    if dynamic_batch:
+        assert_exact(model, result.graph_module, (torch.randn(5, 3, 6, 6),))
+    else:
+        with pytest.raises(Exception, match="== 3"):  # torch.export's guard: the graph takes the example's 3 only
+            result.graph_module(torch.randn(5, 3, 6, 6))
+
+
 def test_auto_mode_without_inputs_says_how_to_enable_fallback():
     with pytest.raises(TraceError, match="example_inputs"):
         fuse(ShapeDependent())

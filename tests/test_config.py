@@ -42,7 +42,7 @@ BAD: List[Any] = [
     ({"trace": {"leaf_modules": ["nope_pkg.Block"]}}, "trace.leaf_modules[0]", "nope_pkg"),
     ({"trace": {"leaf_modules": "torch.nn.Conv2d"}}, "trace.leaf_modules", "expected a list"),
     ({"trace": {"autowrap_functions": ["math:no_such_function"]}}, "trace.autowrap_functions[0]", "no_such_function"),
-    ({"trace": {"dynamic_batch": "maybe"}}, "trace.dynamic_batch", "'maybe'"),
+    ({"export": {"dynamic_batch": "maybe"}}, "export.dynamic_batch", "'maybe'"),
     ({"trace": {"concrete_args": [1]}}, "trace.concrete_args", "expected a mapping"),
     ({"passes": {"fuse_conv_bnn": {}}}, "passes.fuse_conv_bnn", "Did you mean 'passes.fuse_conv_bn'"),
     ({"passes": {"fuse_conv_bn": {"enabeld": False}}}, "passes.fuse_conv_bn.enabeld", "enabled"),
@@ -76,6 +76,8 @@ BAD: List[Any] = [
     ({"export": {"onnx_opset": 3}}, "export.onnx_opset", "got 3"),
     ({"export": {"dirr": "out"}}, "export.dirr", "Did you mean 'export.dir'"),
     ({"export": "yes"}, "export", "'yes'"),
+    ({"trace": {"dynamic_batch": False}}, "trace.dynamic_batch",
+     "moved to export.dynamic_batch (one knob for the capture and the artifacts)"),
 ]
 IDS = [key for _, key, _ in BAD]
 
@@ -137,7 +139,7 @@ def _cli(args: List[str]) -> Any:
 
 
 # The CLI is slower to build: a spread of the cases above (every level, enums, lists, values) is enough.
-CLI_CASES = [BAD[i] for i in (0, 2, 5, 6, 11, 13, 15, 16, 20, 22, 27, 28, 32, 36)]
+CLI_CASES = [BAD[i] for i in (0, 2, 5, 6, 11, 13, 15, 16, 20, 22, 27, 28, 32, 36, -1)]
 
 
 @pytest.mark.parametrize("kwargs, key, fragment", CLI_CASES, ids=[c[1] for c in CLI_CASES])

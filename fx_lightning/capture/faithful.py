@@ -4,6 +4,7 @@ change. Used by :mod:`fx_lightning.capture.graph` on every graph it returns."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -51,7 +52,7 @@ _FX_UNFAITHFUL_FIXES = (
 _EXPORT_UNFAITHFUL_FIXES = (
     "\n  torch.export specialised the graph to something the example inputs do not meet. Fixes:"
     "\n  - trace.mode: fx, with the offending module kept opaque: trace.leaf_modules: ['pkg.module:Class']"
-    "\n  - trace.dynamic_batch: false, when the model fixes its batch size"
+    "\n  - export.dynamic_batch: false, when the model fixes its batch size"
 )
 
 
@@ -66,15 +67,11 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> O
     """The first module call of the graph whose output differs from (or raises unlike) the eager module's."""
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     eager: Dict[str, List[torch.Tensor]] = {}
-    handles = []
-    def record(name: str) -> Any:
-        def hook(_m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
-            eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
-        return hook
+    def record(name: str, _m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
+        eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
 
-    for name, sub in working.named_modules():
-        if name in targets:
-            handles.append(sub.register_forward_hook(record(name)))
+    handles = [sub.register_forward_hook(functools.partial(record, name)) for name, sub in working.named_modules()
+               if name in targets]
     try:
         run_seeded(working, inputs)
     finally:

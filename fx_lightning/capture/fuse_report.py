@@ -37,31 +37,22 @@ def graph_stats(gm: fx.GraphModule) -> GraphStats:
             bns += 1
         elif is_dropout_node(gm, node):
             dropouts += 1
-    seen = set()
-    numel = 0
-    for t in itertools.chain(gm.parameters(), gm.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            numel += t.numel()
-    return GraphStats(len(gm.graph.nodes), bns, dropouts, numel)
+    unique = {id(t): t for t in itertools.chain(gm.parameters(), gm.buffers())}  # a tensor shared: counted once
+    return GraphStats(len(gm.graph.nodes), bns, dropouts, sum(t.numel() for t in unique.values()))
 
 
 def batchnorms_in_leaves(gm: fx.GraphModule) -> List[RemainingBatchNorm]:
     """The BatchNorms inside the modules the graph calls whole (leaf modules: configured, or kept opaque because
     their forward does not trace): in the export, and never folded."""
     out: List[RemainingBatchNorm] = []
-    seen = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or node.target in seen:
-            continue
-        seen.add(node.target)
-        leaf = gm.get_submodule(str(node.target))
+    for target in dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "call_module"):
+        leaf = gm.get_submodule(target)
         if is_batchnorm_like(leaf) or looks_like_batchnorm(leaf):
             continue  # a BatchNorm itself: counted as a node
         for name, sub in leaf.named_modules():
             if name and (is_batchnorm_like(sub) or looks_like_batchnorm(sub)):
-                out.append(RemainingBatchNorm(f"{node.target}.{name}",
-                                              f"inside {type(leaf).__qualname__} '{node.target}', a module the graph "
+                out.append(RemainingBatchNorm(f"{target}.{name}",
+                                              f"inside {type(leaf).__qualname__} '{target}', a module the graph "
                                               "calls whole (a leaf: not traced into), so not folded"))
     return out
 

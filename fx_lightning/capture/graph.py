@@ -151,11 +151,8 @@ def _detach_into(memo: Dict[int, Any], value: Any, depth: int) -> None:
     if isinstance(value, torch.Tensor):
         if value.grad_fn is not None and id(value) not in memo:
             memo[id(value)] = value.detach().clone()
-    elif depth < 4 and isinstance(value, (list, tuple)):
-        for item in value:
-            _detach_into(memo, item, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
+    elif depth < 4 and isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
             _detach_into(memo, item, depth + 1)
 
 
@@ -239,13 +236,15 @@ def capture(
     already_copied: bool = False,
     signature: Optional[Signature] = None,
     check: Sequence[Call] = (),
+    dynamic_samples: bool = True,
 ) -> Capture:
     """Capture ``module`` as a GraphModule. ``module`` itself is never changed.
 
     ``example_inputs``: forward's arguments (a tuple, or a :class:`~fx_lightning.common.calls.Call`); ``signature``: what
     the observed calls showed (which dimensions vary); ``check``: other calls the captured graph must run as the
     model does (the sizes the signature says vary). ``already_copied``: the caller passes a working copy it owns
-    (saves one deep copy).
+    (saves one deep copy). ``dynamic_samples`` (``export.dynamic_batch``): a torch.export capture marks the sample
+    axis dynamic.
     """
     working = module if already_copied else eval_copy(module)
     working.eval()
@@ -253,12 +252,12 @@ def capture(
         else example_inputs
     mode = TraceMode(trace.mode)
     if mode is TraceMode.export:
-        return _capture_export(working, trace, call, signature, check)
+        return _capture_export(working, dynamic_samples, call, signature, check)
     try:
         result = _capture_fx(working, trace)
         raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         if result.opaque_batchnorms and mode is TraceMode.auto and call is not None:
-            return _prefer_export(result, working, trace, call, signature, check)
+            return _prefer_export(result, working, dynamic_samples, call, signature, check)
         return result
     except TraceError as fx_error:
         if mode is TraceMode.fx:
@@ -269,7 +268,7 @@ def capture(
                 "fallback could not run: pass example_inputs=(tensor, ...) to fuse()."
             ) from fx_error.__cause__
         try:
-            result = _capture_export(working, trace, call, signature, check)
+            result = _capture_export(working, dynamic_samples, call, signature, check)
         except TraceError as export_error:
             result = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
             if result is None:
@@ -283,11 +282,11 @@ def capture(
         return result
 
 
-def _prefer_export(fx_result: Capture, working: nn.Module, trace: TraceConfig, call: Call,
+def _prefer_export(fx_result: Capture, working: nn.Module, dynamic_samples: bool, call: Call,
                    signature: Optional[Signature], check: Sequence[Call]) -> Capture:
     """Symbolic tracing had to keep some BatchNorms whole; torch.export traces their forward, so they fold."""
     try:
-        result = _capture_export(working, trace, call, signature, check)
+        result = _capture_export(working, dynamic_samples, call, signature, check)
     except TraceError:
         return fx_result
     names = ", ".join(fx_result.opaque_batchnorms[:3]) + (" ..." if len(fx_result.opaque_batchnorms) > 3 else "")
@@ -365,12 +364,9 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
 def _failing_function(exc: BaseException) -> Optional[types.FunctionType]:
     """The module-level function of the innermost user frame symbolic tracing failed in (None: that frame is not
     one: a method, a nested function)."""
-    for fs in reversed(_user_frames(exc)):
-        fn = fs.f_globals.get(fs.f_code.co_name)
-        if isinstance(fn, types.FunctionType) and fn.__code__ is fs.f_code:
-            return fn
-        break
-    return None
+    frames = _user_frames(exc)
+    fn = frames[-1].f_globals.get(frames[-1].f_code.co_name) if frames else None
+    return fn if isinstance(fn, types.FunctionType) and fn.__code__ is frames[-1].f_code else None
 
 
 def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[type]:
@@ -388,14 +384,12 @@ def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[typ
 
 def _user_frames(exc: BaseException) -> List[Any]:
     """The traceback's frames outside torch and this package (the user's code), outermost first."""
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        fname = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not (fname.startswith(_TORCH_DIR) or fname.startswith(_PKG_DIR) or "<" in tb.tb_frame.f_code.co_filename):
-            frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    return frames
+    return [frame for frame, _ in traceback.walk_tb(exc.__traceback__) if _is_users(frame.f_code.co_filename)]
+
+
+def _is_users(filename: str) -> bool:
+    """Code outside torch and this package, and not generated (``<string>``, ``<eval_with_key>``)."""
+    return not (os.path.abspath(filename).startswith((_TORCH_DIR, _PKG_DIR)) or "<" in filename)
 
 
 def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
@@ -406,7 +400,7 @@ def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
                for n in gm.graph.nodes)
 
 
-def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call], signature: Optional[Signature],
+def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Call], signature: Optional[Signature],
                     check: Sequence[Call]) -> Capture:
     """torch.export (:func:`fx_lightning.signature.program.export_program`: non-strict, then the routes data-dependent code
     needs) with the sample axis and the sizes that vary dynamic, checked against the eager module on the example
@@ -421,12 +415,12 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
             "(the callback takes them from the validation data)."
         )
     leaves = tree_of_call(call).leaves(call)
-    dims = capture_dims(signature, leaves, dynamic_samples=trace.dynamic_batch)
+    dims = capture_dims(signature, leaves, dynamic_samples=dynamic_samples)
     # Dynamic first (a sample repeated to two: torch.export specialises 0 and 1), then the example's own sizes, for a
     # model whose graph is right only at the size it was traced with.
     # A graph fixed to sizes that vary (a graph's node count) would take no other graph: no static capture then.
     varies = signature is not None and any(d.kind is DimKind.variable for leaf in signature.inputs for d in leaf.dims)
-    plans = ([(dims, _at_least_two(call, signature) if trace.dynamic_batch else call)] if any(dims) else []) + \
+    plans = ([(dims, _at_least_two(call, signature) if dynamic_samples else call)] if any(dims) else []) + \
         ([] if varies else [(None, call)])
     target: nn.Module = working
     first: Optional[TraceError] = None
@@ -439,7 +433,7 @@ def _capture_export(working: nn.Module, trace: TraceConfig, call: Optional[Call]
         result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
         if target is not working:
             result.notes.append(PLAIN_OUTPUTS())
-        if made.strict or made.batchnorm_kernel or made.size_oblivious:
+        if made.route != "non-strict":
             result.notes.append(CAPTURED_ROUTE(route=made.route))
         try:
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check if made.dynamic else ())
@@ -555,13 +549,7 @@ def _class_path(root: nn.Module, path: str) -> str:
 
 def _user_frame(exc: BaseException) -> Optional[str]:
     """The innermost traceback frame outside torch and this package: the user's source line."""
-    found = None
-    for fs in traceback.extract_tb(exc.__traceback__):
-        fname = os.path.abspath(fs.filename)
-        if fname.startswith(_TORCH_DIR) or fname.startswith(_PKG_DIR) or "<" in fs.filename:
-            continue
-        found = fs
-    if found is None:
+    found = [fs for fs in traceback.extract_tb(exc.__traceback__) if _is_users(fs.filename)]
+    if not found:
         return None
-    code = (found.line or "").strip()
-    return f"{found.filename}:{found.lineno} in {found.name}: {code}"
+    return f"{found[-1].filename}:{found[-1].lineno} in {found[-1].name}: {(found[-1].line or '').strip()}"

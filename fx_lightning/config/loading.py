@@ -105,10 +105,17 @@ def _to_plain(source: Any, path: str = "") -> Any:
     )
 
 
+# Keys that moved: (section, key) -> where to, and why. Refused naming the new key, not as an unknown one.
+_MOVED = {("trace", "dynamic_batch"): "export.dynamic_batch (one knob for the capture and the artifacts)"}
+
+
 def _normalise(plain: Any) -> Any:
     """Accept shorthands OmegaConf cannot: ``passes.extra: ["name", ...]`` and ``passes.X: false``."""
     if not isinstance(plain, dict):
         return plain
+    for (section, key), moved_to in _MOVED.items():
+        if isinstance(plain.get(section), dict) and key in plain[section]:
+            raise ConfigError(f"{section}.{key}: moved to {moved_to}; got {plain[section][key]!r}.")
     passes = plain.get("passes")
     if isinstance(passes, dict):
         passes = dict(passes)

@@ -120,8 +120,6 @@ class TraceConfig:
     autowrap_modules: List[str] = field(default_factory=lambda: ["math"])
     # Arguments of forward to specialise on (symbolic tracing's concrete_args).
     concrete_args: Dict[str, Any] = field(default_factory=dict)
-    # For mode=export: mark dim 0 of every tensor input dynamic.
-    dynamic_batch: bool = True
     # Sizes that never varied in the observed calls are resized once in an experiment; where the model takes the
     # other size they stay dynamic (an image's height and width, a sequence's length), else they are fixed. Off:
     # every size seen once is fixed (a model the experiment would mislead, or a server that wants fixed dims).
@@ -280,6 +278,7 @@ class ExportConfig:
     formats: List[ExportFormat] = field(
         default_factory=lambda: [ExportFormat.graph_module, ExportFormat.pt2]
     )
+    # The artifacts take any number of samples, and the torch.export capture marks the sample axis dynamic.
     dynamic_batch: bool = True
     overwrite: bool = True
     onnx_opset: Optional[int] = None
@@ -309,11 +308,9 @@ class ExportConfig:
                 "formats: empty while export.enabled is true; allowed: "
                 f"{', '.join(f.name for f in ExportFormat)} (or set export.enabled: false)."
             )
-        seen = set()
         for i, fmt in enumerate(self.formats):
-            if fmt in seen:
+            if fmt in self.formats[:i]:
                 raise ValueError(f"formats[{i}]: {fmt.name!r} is listed twice.")
-            seen.add(fmt)
         sizes = self.aoti_batch_sizes
         if any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
             raise ValueError(f"aoti_batch_sizes: positive and distinct batch sizes, or [] for one dynamic-batch "

@@ -15,7 +15,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from fx_lightning.common.calls import plain
+from fx_lightning.common.calls import leaf_values, plain
 from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
 from fx_lightning.common.tolerance import rounding_tolerance
 
@@ -48,21 +48,14 @@ class Comparison:
 
     def describe(self) -> str:
         """Why it failed, or how close it is."""
-        if self.mismatch is not None:
-            return self.mismatch
-        if self.failure is not None:
-            return self.failure
-        return f"relative error {self.relative_error:.3g} (allowed {self.tolerance:.1e})"
-
-
-def _tree(value: Any) -> Any:
-    """The nesting of ``value`` with tensors as leaves: sequences as lists; mappings, dataclasses (Hugging Face
-    ``ModelOutput``), objects and ``torch.distributions`` objects (their parameters) as dicts; anything else is not
-    an output and is left out."""
-    return _as_tree(plain(value))
+        return self.mismatch or self.failure or \
+            f"relative error {self.relative_error:.3g} (allowed {self.tolerance:.1e})"
 
 
 def _as_tree(value: Any) -> Any:
+    """The nesting of ``value`` (in plain containers: :func:`~fx_lightning.common.calls.plain`) with tensors as
+    leaves: sequences as lists; mappings, dataclasses (Hugging Face ``ModelOutput``), objects and
+    ``torch.distributions`` objects (their parameters) as dicts; anything else is not an output and is left out."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, Mapping):
@@ -70,16 +63,6 @@ def _as_tree(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_as_tree(v) for v in value]
     return None
-
-
-def _leaves(tree: Any) -> List[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _leaves(v)]
-    if isinstance(tree, list):
-        return [t for v in tree for t in _leaves(v)]
-    return []
 
 
 def _nesting(got: Any, want: Any, path: str) -> Optional[str]:
@@ -103,12 +86,11 @@ def structure_mismatch(got: Any, want: Any, *, nested: bool = True) -> Optional[
     """How ``got`` differs from ``want`` in structure: tensor count, nesting (``nested``), shapes, dtypes.
     None when they match. ``nested=False`` compares the flat tensor lists only (a runtime such as ONNX Runtime
     returns its outputs flat)."""
-    g_tree, w_tree = _tree(got), _tree(want)
-    g, w = _leaves(g_tree), _leaves(w_tree)
+    g, w = leaf_values(got), leaf_values(want)
     if len(g) != len(w):
         return f"the output has {len(g)} tensor(s), the reference {len(w)}"
     if nested:
-        problem = _nesting(g_tree, w_tree, "")
+        problem = _nesting(_as_tree(plain(got)), _as_tree(plain(want)), "")
         if problem is not None:
             return problem
     for i, (a, b) in enumerate(zip(g, w)):
@@ -163,7 +145,7 @@ def compare_outputs(
     if mismatch is not None:
         return Comparison(mismatch, float("inf"), rtol or 0.0)
     worst, allowed, failure = 0.0, 0.0, None
-    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(_leaves(_tree(got)), _leaves(_tree(want))))
+    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(leaf_values(got), leaf_values(want)))
     for i, (g, w) in enumerate(pairs):
         if min_agreement is not None and is_discrete(w):
             share = agreement(g, w)

@@ -11,9 +11,10 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torchmetrics import Metric, MetricCollection
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.regression import MeanAbsoluteError
+from torchmetrics.utilities import dim_zero_cat
 
 __all__ = [
     "LOCAL_ONLY",
@@ -213,9 +214,7 @@ class SampleErrors(Metric):
     def compute(self) -> torch.Tensor:
         if not self.diffs:
             return torch.zeros(0, dtype=torch.float64)
-        diffs = torch.cat([torch.atleast_1d(d) for d in self.diffs]) if isinstance(self.diffs, list) else self.diffs
-        scales = torch.cat([torch.atleast_1d(s) for s in self.scales]) if isinstance(self.scales, list) else self.scales
-        return relative_max_error(diffs, scales.max())  # elementwise: one scale, the output's
+        return relative_max_error(dim_zero_cat(self.diffs), dim_zero_cat(self.scales).max())  # one scale, the output's
 
 
 def agreement_parts(preds: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -248,25 +247,18 @@ class Agreement(Metric):
 
 def output_metrics() -> Dict[str, Metric]:
     """The metrics of the fused target's outputs against the reference's (``OUTPUT_KEYS``), in float64."""
-    collection = MetricCollection(
-        {
-            "relative_max_error": RelativeMaxError(**LOCAL_ONLY),
-            "mean_absolute_error": MeanAbsoluteError(**LOCAL_ONLY),
-            "cosine_similarity": SampleCosineSimilarity("mean", **LOCAL_ONLY),
-            "cosine_similarity_min": SampleCosineSimilarity("min", **LOCAL_ONLY),
-        },
-        compute_groups=False,
-    )
+    metrics: Dict[str, Metric] = {
+        "relative_max_error": RelativeMaxError(**LOCAL_ONLY),
+        "mean_absolute_error": MeanAbsoluteError(**LOCAL_ONLY),
+        "cosine_similarity": SampleCosineSimilarity("mean", **LOCAL_ONLY),
+        "cosine_similarity_min": SampleCosineSimilarity("min", **LOCAL_ONLY),
+    }
     # MeanAbsoluteError keeps float32 sums and does not upcast its inputs.
-    collection.set_dtype(torch.float64)
-    return dict(collection.items())
+    return {key: metric.set_dtype(torch.float64) for key, metric in metrics.items()}
 
 
 def classification_metrics(num_classes: int) -> Dict[str, Metric]:
     """Top-1 agreement (tolerant of near ties, and strict) and accuracy of each model (``CLASSIFICATION_KEYS``)."""
-
     # average="micro": the fraction of samples; torchmetrics' default "macro" averages per class.
-    def accuracy() -> Metric:
-        return MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False, **LOCAL_ONLY)
-
-    return {key: accuracy() for key in CLASSIFICATION_KEYS}
+    return {key: MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False, **LOCAL_ONLY)
+            for key in CLASSIFICATION_KEYS}

@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Union
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
 
+from fx_lightning.common.json_views import json_safe
 from fx_lightning.common.notes import Note
 
 __all__ = ["ParityReport", "ArtifactCheck", "OutputError"]
-
-
-def _finite_or_text(value: float) -> Union[float, str]:
-    return float(value) if math.isfinite(value) else str(value)  # JSON has no NaN
 
 
 @dataclass
@@ -33,10 +29,7 @@ class OutputError:
     zeros: int = 0
 
     def to_dict(self) -> Dict[str, object]:
-        return {"name": self.name, "relative_max_error": _finite_or_text(self.relative_max_error),
-                "samples": self.samples, "quantiles": {k: _finite_or_text(v) for k, v in self.quantiles.items()},
-                "shape": list(self.shape), "edges": [_finite_or_text(e) for e in self.edges],
-                "counts": list(self.counts), "zeros": self.zeros}
+        return json_safe(asdict(self))  # type: ignore[no-any-return]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OutputError":
@@ -59,10 +52,9 @@ class ParityReport:
 
     def to_dict(self) -> Dict[str, object]:
         """JSON-safe view (non-finite floats become strings, since JSON has no NaN)."""
-        return {"passed": self.passed, "metrics": {k: _finite_or_text(v) for k, v in self.metrics.items()},
+        return {"passed": self.passed, "metrics": json_safe(self.metrics),
                 "failures": [f.to_dict() for f in self.failures], "batches": self.batches, "source": self.source,
-                "notes": [n.to_dict() for n in self.notes],
-                "thresholds": {k: _finite_or_text(v) for k, v in self.thresholds.items()},
+                "notes": [n.to_dict() for n in self.notes], "thresholds": json_safe(self.thresholds),
                 "outputs": [o.to_dict() for o in self.outputs]}
 
     @classmethod
@@ -79,12 +71,9 @@ class ParityReport:
     def __str__(self) -> str:
         verdict = "PASSED" if self.passed else "FAILED"
         lines = [f"parity {verdict} on {self.batches} batch(es) of {self.source} data"]
-        for key, value in self.metrics.items():
-            lines.append(f"  {key:<28} {value:.6g}")
-        for failure in self.failures:
-            lines.append(f"  FAIL: {failure}")
-        for note in self.notes:
-            lines.append(f"  note: {note}")
+        lines += [f"  {key:<28} {value:.6g}" for key, value in self.metrics.items()]
+        lines += [f"  FAIL: {failure}" for failure in self.failures]
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -112,7 +101,7 @@ class ArtifactCheck:
         for key in ("reason", "relative_error", "tolerance"):
             value = getattr(self, key)
             if value is not None:
-                out[key] = _finite_or_text(value) if isinstance(value, float) else value
+                out[key] = json_safe(value)
         out.update(fused_error=self.fused_error, batch_sizes=list(self.batch_sizes), against=self.against)
         if self.lossy:
             out["lossy"] = True

@@ -103,7 +103,8 @@ def fuse(
     interface = Interface.of(working, call, run_once(working, call)) if call is not None else None
     captured = capture(interface.module if interface is not None else working, cfg.trace,
                        interface.call if interface is not None else None, already_copied=True, signature=signature,
-                       check=[interface.leaves_of(c) for c in check_inputs] if interface is not None else ())
+                       check=[interface.leaves_of(c) for c in check_inputs] if interface is not None else (),
+                       dynamic_samples=cfg.export.dynamic_batch)
     if interface is not None:
         inputs = interface.call.args
         if interface.flat:

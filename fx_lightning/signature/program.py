@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -62,7 +62,10 @@ class ExportAttempt:
 
     @property
     def route(self) -> str:
-        return _route_text(self.strict, self.batchnorm_kernel, self.size_oblivious)
+        """How torch.export ran: ``non-strict`` alone is its plain route."""
+        return ("strict" if self.strict else "non-strict") + \
+            (", BatchNorm as its inference kernel" if self.batchnorm_kernel else "") + \
+            (", sizes size-oblivious" if self.size_oblivious else "")
 
     def __str__(self) -> str:
         what = "dynamic" if self.dynamic else "static"
@@ -72,29 +75,21 @@ class ExportAttempt:
 
 @dataclass
 class Program:
-    """The exported program and how it was made: ``dynamic`` (the dimensions asked for are dynamic) or not (the
-    example's sizes only, ``static_reason`` says why)."""
+    """The exported program and every attempt, the last the one that made it: ``dynamic`` (the dimensions asked for
+    are dynamic) or not (the example's sizes only, ``static_reason`` says why), by its ``route``."""
 
     program: "torch.export.ExportedProgram"
     dynamic: bool
-    strict: bool
-    batchnorm_kernel: bool
-    attempts: List[ExportAttempt] = field(default_factory=list)
-    size_oblivious: bool = False
+    attempts: List[ExportAttempt]
+
+    @property
+    def route(self) -> str:
+        return self.attempts[-1].route
 
     @property
     def static_reason(self) -> Optional[str]:
         failed = [a for a in self.attempts if a.error is not None and a.dynamic]
         return first_line(failed[0].error) if failed and not self.dynamic else None
-
-    @property
-    def route(self) -> str:
-        return _route_text(self.strict, self.batchnorm_kernel, self.size_oblivious)
-
-
-def _route_text(strict: bool, kernel: bool, oblivious: bool) -> str:
-    return ("strict" if strict else "non-strict") + (", BatchNorm as its inference kernel" if kernel else "") + \
-        (", sizes size-oblivious" if oblivious else "")
 
 
 def signature_dims(signature: Signature, *, dynamic_samples: bool = True) -> List[LeafDims]:
@@ -272,7 +267,7 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
                 if not _data_dependent(exc):
                     break  # the other routes would fail the same way: only data-dependent failures have one
                 continue
-            return Program(program, is_dynamic, strict, kernel, attempts, oblivious)
+            return Program(program, is_dynamic, attempts)
     raise ExportFailed(attempts)
 
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from fx_lightning.common.calls import Call, Tree, tree_of
-from fx_lightning.parity.compare import compare_outputs
+from fx_lightning.common.rows import concat_rows, take_rows, with_rows
+from fx_lightning.parity.compare import compare_outputs, structure_mismatch
 
 __all__ = ["SampleAxis", "Observed", "Runner", "find_sample_axis", "stochastic_outputs", "shapes_text", "SizeProbe",
            "probe_sizes"]
@@ -57,18 +58,15 @@ def stochastic_outputs(call: Observed, first: Sequence[torch.Tensor], rerun: Run
             if a.shape != b.shape or not compare_outputs(b, a).passed}
 
 
-def find_sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.Tensor]],
-                 outputs: Sequence[Optional[Sequence[torch.Tensor]]],
+def find_sample_axis(leaves: Sequence[Sequence[torch.Tensor]], outputs: Sequence[Optional[Sequence[torch.Tensor]]],
                  all_shapes: Sequence[Sequence[Tuple[int, ...]]], all_counts: Sequence[Optional[int]],
                  run: Runner, tree: Tree, stochastic: set) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
     """Which input and output dimensions carry the samples, and the evidence (the outputs drawn at random in forward
     are left out of the experiments: their draws differ with the batch's shape)."""
     n_in = len(leaves[0])
-    none_in: List[Optional[int]] = [None] * n_in
-    none_out: List[Optional[int]] = [None] * len(outputs[0] or [])
 
     def refused(why: str) -> Tuple[SampleAxis, List[Optional[int]], List[Optional[int]]]:
-        return SampleAxis(False, why), none_in, none_out
+        return SampleAxis(False, why), [None] * n_in, [None] * len(outputs[0] or [])
 
     known = [(shapes, n) for shapes, n in zip(all_shapes, all_counts) if n is not None]
     if known:
@@ -102,18 +100,17 @@ def find_sample_axis(calls: Sequence[Observed], leaves: Sequence[Sequence[torch.
     if all(a is None for a in compared):  # nothing to compare rows with: no evidence either way
         return refused(f"{how}, but every output on it is drawn at random, so no experiment can show the rows "
                        "independent")
-    best = max(range(len(calls)), key=lambda c: sizes_per_call[c])
+    best = max(range(len(leaves)), key=lambda c: sizes_per_call[c])
     n = sizes_per_call[best]
     if n < 2:  # one sample: a second, made of the first's values in another order, is the probe
-        verdict = _probe_second_row(calls[best].call, leaves[best], outputs[best], in_axes, compared, run, tree)  # type: ignore[arg-type]
+        verdict = _probe_second_row(leaves[best], outputs[best], in_axes, compared, run, tree)  # type: ignore[arg-type]
         if not verdict[0]:
             return refused(f"{how}; every call observed had one sample, and {verdict[1]}")
         return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", True), in_axes, out_axes
-    verdict = _rows_independent(calls[best].call, leaves[best], outputs[best], in_axes, compared, n, run, tree,  # type: ignore[arg-type]
+    verdict = _rows_independent(leaves[best], outputs[best], in_axes, compared, n, run, tree,  # type: ignore[arg-type]
                                 out_axes)
-    if verdict is not None and not verdict[0]:
+    if not verdict[0]:
         return refused(f"{how}, but the samples are not independent: {verdict[1]}")
-    assert verdict is not None
     return SampleAxis(True, f"{how}, and rows are independent ({verdict[1]})", verdict[2]), in_axes, out_axes
 
 
@@ -135,16 +132,15 @@ def _axis_following(pairs: Sequence[Tuple[Tuple[int, ...], int]]) -> Optional[in
     return matching[0] if len(matching) == 1 else None
 
 
-def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+def _rows_independent(leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                       in_axes: Sequence[Optional[int]], out_axes: Sequence[Optional[int]], n: int, run: Runner,
-                      tree: Tree, all_out_axes: Sequence[Optional[int]]) -> Optional[Tuple[bool, str, bool]]:
+                      tree: Tree, all_out_axes: Sequence[Optional[int]]) -> Tuple[bool, str, bool]:
     """The experiment: (independent, what was seen, any_size). Rows ``k..n`` of every input on the axis replaced
     by copies of the first rows must leave the first ``k`` rows of every output unchanged; the first ``k`` rows
     alone must give them too (else only padding to a size seen is exact). ``out_axes``: the outputs compared
     (None: drawn at random, left out); ``all_out_axes``: every output's sample axis, for the structure check."""
     k = max(1, n // 2)
-    index = torch.arange(n) % k
-    replaced = [t.index_select(a, index.to(t.device)) if a is not None else t for t, a in zip(leaves, in_axes)]
+    replaced = with_rows(take_rows(leaves, in_axes, 0, k), in_axes, n)
     want = [o.narrow(a, 0, k) for o, a in zip(outputs, out_axes) if a is not None]
     try:
         got = run(tree.rebuild(replaced))
@@ -155,7 +151,7 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
     if not comparison.passed:
         return False, f"replacing rows {k}..{n - 1} changed the outputs of rows 0..{k - 1}: {comparison.describe()}", \
             False
-    alone = [t.narrow(a, 0, k) if a is not None else t for t, a in zip(leaves, in_axes)]
+    alone = take_rows(leaves, in_axes, 0, k)
     seen = f"replacing rows {k}..{n - 1} of {n} left rows 0..{k - 1} unchanged"
     try:
         out = run(tree.rebuild(alone))
@@ -163,7 +159,9 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
         return True, seen + f"; the first rows alone make it raise {type(exc).__name__}, so only padding to a " \
             "size seen is exact", False
     out_leaves = tree_of(out).leaves(out)
-    if not _same_structure(out_leaves, outputs, all_out_axes, k):  # malformed at k rows, as if it raised: pad only
+    # Not the batch's outputs with k rows on each sample axis (count, dtypes, shapes): as if it raised, pad only.
+    if structure_mismatch(out_leaves, [o.narrow(a, 0, k) if a is not None else o
+                                       for o, a in zip(outputs, all_out_axes)]) is not None:
         return True, seen + f"; the first rows alone give outputs of another structure ({shapes_text(out_leaves)}, " \
             f"not {shapes_text(outputs)} with {k} rows), so only padding to a size seen is exact", False
     first = compare_outputs([o.narrow(a, 0, k) for o, a in zip(out_leaves, out_axes) if a is not None], want)
@@ -173,22 +171,7 @@ def _rows_independent(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
     return True, seen + "; the first rows alone gave the same outputs", True
 
 
-def _same_structure(got: Sequence[Any], outputs: Sequence[torch.Tensor], out_axes: Sequence[Optional[int]],
-                    k: int) -> bool:
-    """Whether ``got`` (the outputs of ``k`` rows) has the batch's outputs' count, dtypes and shapes, ``k`` rows
-    on each sample axis."""
-    if len(got) != len(outputs):
-        return False
-    for g, o, a in zip(got, outputs, out_axes):
-        want = list(o.shape)
-        if a is not None:
-            want[a] = k
-        if not isinstance(g, torch.Tensor) or g.dtype != o.dtype or list(g.shape) != want:
-            return False
-    return True
-
-
-def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+def _probe_second_row(leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                       in_axes: Sequence[Optional[int]], out_axes: Sequence[Optional[int]], run: Runner,
                       tree: Tree) -> Tuple[bool, str]:
     """The experiment with one sample: a second row made of the first's own values in another order (same dtype,
@@ -201,7 +184,7 @@ def _probe_second_row(call: Call, leaves: Sequence[torch.Tensor], outputs: Seque
         return flat[torch.randperm(flat.numel(), generator=g).to(flat.device)].reshape(row.shape)
 
     probe = [scrambled(t, a) if a is not None else t for t, a in zip(leaves, in_axes)]
-    both = [torch.cat([t, p], dim=a) if a is not None else t for t, p, a in zip(leaves, probe, in_axes)]
+    both = concat_rows([leaves, probe], in_axes)
     try:
         together, alone = run(tree.rebuild(both)), run(tree.rebuild(probe))
     except Exception as exc:  # noqa: BLE001
@@ -231,7 +214,7 @@ class SizeProbe:
     call: Optional[Call] = None
 
 
-def probe_sizes(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+def probe_sizes(leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                 candidates: Sequence[Tuple[int, int]], run: Runner, tree: Tree) -> SizeProbe:
     """Which of ``candidates`` ((leaf, dim) pairs of sizes that did not vary, the sample axis left out) can vary,
     by experiment: the dims of one size are resized together (to twice the size, else half, else one less), and
@@ -258,15 +241,6 @@ def probe_sizes(call: Call, leaves: Sequence[torch.Tensor], outputs: Sequence[to
     return SizeProbe(groups, sorted(changed), tree.rebuild(current))
 
 
-def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``t`` with ``size`` elements along ``dim``: its first ones, or itself repeated (the same values: valid indices
-    stay valid)."""
-    if size <= t.shape[dim]:
-        return t.narrow(dim, 0, size)
-    reps = -(-size // t.shape[dim])
-    return torch.cat([t] * reps, dim=dim).narrow(dim, 0, size)
-
-
 def _cut(leaves: Sequence[torch.Tensor], group: Sequence[Tuple[int, int]], size: int,
          outputs: Sequence[torch.Tensor], run: Runner, tree: Tree) -> Optional[Tuple[List[torch.Tensor], set]]:
     """``leaves`` with the dims of ``group`` resized, and the output dims whose size changed; None when the
@@ -275,8 +249,8 @@ def _cut(leaves: Sequence[torch.Tensor], group: Sequence[Tuple[int, int]], size:
     # intermediate size to 1 (which torch.export would specialise on); then shorter.
     for other in dict.fromkeys(s for s in (2 * size, size // 2, size - 1) if s >= 1 and s != size):
         cut = list(leaves)
-        for leaf, dim in group:
-            cut[leaf] = _resized(cut[leaf], dim, other)
+        for leaf, dim in group:  # its first elements, or itself repeated (the same values: valid indices stay valid)
+            cut[leaf] = with_rows([cut[leaf]], [dim], other)[0]
         try:
             got = run(tree.rebuild(cut))
         except Exception:  # noqa: BLE001 - the model refuses that size: the dims stay fixed

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from fx_lightning.common.imports import import_object
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
 from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
@@ -85,14 +85,10 @@ class LeafSpec:
         return [token if size is None else size for token, size in zip(self.shape, self.sizes(any_samples))]
 
     def to_dict(self) -> Dict[str, object]:
-        out: Dict[str, object] = {"name": self.name, "path": self.path, "steps": [list(s) for s in self.steps],
-                                  "dtype": self.dtype, "shape": self.shape, "example_shape": self.example_shape,
-                                  "sizes_seen": [[d.low, d.high] for d in self.dims]}
-        if self.stochastic:
-            out["stochastic"] = True
-        if self.unread:
-            out["unread"] = True
-        return out
+        flags = {"stochastic": self.stochastic, "unread": self.unread}  # written only when set
+        return {"name": self.name, "path": self.path, "steps": [list(s) for s in self.steps], "dtype": self.dtype,
+                "shape": self.shape, "example_shape": self.example_shape,
+                "sizes_seen": [[d.low, d.high] for d in self.dims], **{key: True for key, on in flags.items() if on}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LeafSpec":
@@ -140,14 +136,9 @@ class ConstSpec:
         return type(given) is type(self.value) and given == self.value
 
     def to_dict(self) -> Dict[str, object]:
-        out: Dict[str, object] = {"path": self.path, "steps": [list(s) for s in self.steps], "value": self.value}
-        if self.text is not None:
-            out["repr"] = self.text
-        if self.unread is not None:
-            out["unread"] = self.unread
-        if self.default is not None:
-            out["default"] = self.default
-        return out
+        given = {"repr": self.text, "unread": self.unread, "default": self.default}
+        return {"path": self.path, "steps": [list(s) for s in self.steps], "value": self.value,
+                **{key: value for key, value in given.items() if value is not None}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ConstSpec":
@@ -292,14 +283,13 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
                                                                 if len(s) == len(paths)]
     counts = [c.samples for c in same] + [n for s, n in extra_shapes if len(s) == len(paths)]
     stochastic = stochastic_outputs(same[0], out_leaves[0], rerun) if rerun is not None else set()
-    sample = find_sample_axis(same, leaves, out_leaves, shapes, counts, run, tree, stochastic)
-    in_axes, out_axes = sample[1], sample[2]
-    proven = sample[0].proven
+    sample, in_axes, out_axes = find_sample_axis(leaves, out_leaves, shapes, counts, run, tree, stochastic)
+    proven = sample.proven
     # Sizes that did not vary are fixed only when the model cannot be shown to take others (probe_sizes).
     candidates = [(i, d) for i, t in enumerate(leaves[0]) for d in range(t.dim())
                   if not (proven and d == in_axes[i]) and len({s[i][d] for s in shapes if len(s[i]) > d}) == 1
                   and t.shape[d] > 1] if probe else []
-    probe = probe_sizes(same[0].call, leaves[0], out_leaves[0], candidates, run, tree)  # type: ignore[arg-type]
+    probe = probe_sizes(leaves[0], out_leaves[0], candidates, run, tree)  # type: ignore[arg-type]
     probed_in = {pair for group in probe.inputs for pair in group}
     in_specs = [_leaf(names[i], path_text(paths[i], root_names), paths[i], leaves[0][i],
                       [s[i] for s in shapes], in_axes[i] if proven else None,
@@ -325,7 +315,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
         leaf, dim = count_dim  # type: ignore[misc]
         notes.append(f"{len(counted)} int output(s) equal to {in_specs[leaf].name} dim {dim} in each of {len(same)} "
                      "calls (a row count): the artifact gives the size of the call at hand")
-    return Signature(in_specs, out_specs, sample[0], len(same), flat, notes, constants, describe_outputs(out_tree),
+    return Signature(in_specs, out_specs, sample, len(same), flat, notes, constants, describe_outputs(out_tree),
                      [probe.call] if probe.call is not None else [], counted, count_dim)
 
 
@@ -399,13 +389,10 @@ def _distribution_from_fields(cls: Optional[type], params: Mapping[str, torch.Te
 
 def class_at(name: str) -> Optional[type]:
     """The class ``module:qualname`` names, when it can be imported by that name (not one defined in a function)."""
-    module_name, _, qualname = name.partition(":")
-    if "<locals>" in qualname or not module_name:
+    if "<locals>" in name:
         return None
     try:
-        value: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            value = getattr(value, part)
+        value = import_object(name)
     except Exception:  # noqa: BLE001 - not importable here
         return None
     return value if isinstance(value, type) else None
@@ -519,13 +506,8 @@ def _grouped(specs: List[LeafSpec], sizes: Sequence[Sequence[Tuple[int, ...]]],
     (``sizes``: each leaf's shape in each call)."""
     out = []
     for spec, shapes in zip(specs, sizes):
-        groups: List[Optional[str]] = []
-        for d, dim in enumerate(spec.dims):
-            if dim.kind is not DimKind.variable:
-                groups.append(None)
-                continue
-            key = tuple(s[d] for s in shapes if len(s) > d)
-            groups.append(keys.setdefault(key, f"n{len(keys)}"))
+        groups = [keys.setdefault(tuple(s[d] for s in shapes if len(s) > d), f"n{len(keys)}")
+                  if dim.kind is DimKind.variable else None for d, dim in enumerate(spec.dims)]
         out.append(dataclasses.replace(spec, groups=tuple(groups)))
     return out
 
