@@ -133,7 +133,7 @@ class FXFuseCallback(Callback):
                              batch_idx: int) -> None:
         if self._recorder is None:
             return
-        if not self._rehearsed and rehearsal_due(trainer, self._recorder, before_training=True):
+        if not self._rehearsed and rehearsal_due(trainer, self._recorder):
             self._rehearse(trainer, pl_module)
         self._recorder.begin("training", batch, batch_idx, step_loader(trainer, "training"))
 

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from fx_lightning.common.batches import detached, extract_labels, loader_sample_counts
-from fx_lightning.common.calls import Call, tree_of_call
-from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, first_loader
+from fx_lightning.common.calls import Call, map_leaves, tree_of_call
+from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, SOURCE_ORDER, SOURCE_STAGES, first_loader
 from fx_lightning.capture.graph import is_compiled_module
-from fx_lightning.config import FuseConfig, ParityData
+from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import Observations, ObservedStep, calibration_batch_count, resolve_target
@@ -92,8 +92,7 @@ class CallRecorder:
     def __init__(self, pl_module: "pl.LightningModule", config: FuseConfig) -> None:
         self.root = pl_module
         # parity.data: whose calls parity compares on (example: the example_input_array, nothing observed).
-        self.stages: Tuple[str, ...] = {ParityData.auto: ("validation", "training"), ParityData.val: ("validation",),
-                                        ParityData.train: ("training",), ParityData.example: ()}[config.parity.data]
+        self.stages = tuple(SOURCE_STAGES[source] for source in SOURCE_ORDER[config.parity.data])
         self.path, self.target = resolve_target(pl_module, config.target)
         self.keep = max(1, config.parity.max_batches)
         # Training calls: parity's (without validation data) and the lossy variants' calibration.
@@ -250,9 +249,7 @@ class CallRecorder:
 
 def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
     """A call's arguments, detached and copied (the step goes on with the originals), on the CPU."""
-    call = Call(tuple(args), dict(kwargs))
-    tree = tree_of_call(call)
-    return tree.rebuild([t.detach().to("cpu", copy=True) for t in tree.leaves(call)])
+    return map_leaves(lambda t: t.detach().to("cpu", copy=True), Call(tuple(args), dict(kwargs)))
 
 
 def _shapes(call: Call) -> List[Tuple[int, ...]]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fx_lightning.common.imports import import_object
-from fx_lightning.common.calls import Call, leaf_values, map_leaves, plain
+from fx_lightning.common.calls import Call, map_leaves, plain, tree_of
 from fx_lightning.errors import ConfigError
 
 __all__ = [
@@ -175,8 +175,6 @@ def describe(value: Any, depth: int = 0) -> str:
     return type(value).__name__
 
 
-
-
 def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
     """``fuse()``'s ``example_inputs`` as forward's positional arguments: a tensor is one, a sequence several."""
     if example_inputs is None:
@@ -209,7 +207,7 @@ def model_device_dtype(module: nn.Module) -> Tuple[Optional[torch.device], Optio
 def flat_tensors(out: Any) -> List[torch.Tensor]:
     """Every tensor of a (nested) output, in a stable order: tuples, lists, mappings, dataclasses (Hugging Face
     ``ModelOutput`` is a mapping), ``torch.distributions`` objects (their parameters), objects' tensor fields."""
-    return leaf_values(out)
+    return tree_of(out).leaves(out)
 
 
 def describe_call(call: Call) -> str:
@@ -238,16 +236,6 @@ def record_calls(module: nn.Module) -> Iterator[List[Tuple[tuple, dict, Any]]]:
         handle.remove()
 
 
-
-
-
-
-
-
-
-
-
-
 def is_record_type(cls: Any) -> bool:
     """A named tuple or a plain dataclass: a record type torch.export's serialiser does not know by itself
     (a registered one, such as Hugging Face's ModelOutput, is a mapping and left alone)."""
@@ -267,8 +255,6 @@ class PlainOutputs(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return plain(self.model(*args))
-
-
 
 
 def loader_sample_counts(loader: Any, count: int) -> List[Optional[int]]:

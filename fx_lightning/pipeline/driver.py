@@ -280,15 +280,13 @@ def _run(config: FuseConfig, source: Union[Source, Exception, None], destination
     return outcome
 
 
-def run_locally(config: FuseConfig, source: Union[Source, Exception, None],
-                progress: Optional[Progress] = None) -> LocalShare:
+def run_locally(config: FuseConfig, source: Union[Source, Exception, None], progress: Progress) -> LocalShare:
     """This rank's share: fuse a copy of the source, measure parity on this rank's batches (``source`` an
     exception: what loading raised). Public as the seam a caller wraps to run ranks its own way (the tests run them
     as threads, one at a time through torch.fx)."""
     if source is None or isinstance(source, Exception):
         return LocalShare(error=source if source is not None else FXLightningError("no source was loaded"))
     local = LocalShare(source)
-    progress = progress if progress is not None else Progress()
     try:
         with progress.step("capture and passes") as end:
             local.fused = fuse_target(local.source, config)

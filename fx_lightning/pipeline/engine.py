@@ -34,7 +34,7 @@ from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchn
 from fx_lightning.capture.fuse_report import FuseReport, GraphStats, PassReport, batchnorms_in_leaves, graph_stats
 from fx_lightning.signature.signature import Signature
 
-__all__ = ["FuseResult", "fuse", "run_once", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
+__all__ = ["FuseResult", "fuse", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
 
 FLAT_INTERFACE = NoteKind("flat_interface", "captured through a flat interface: one tensor per input leaf "
                                             "({names}), the original arguments rebuilt inside, outputs made plain")
@@ -100,7 +100,7 @@ def fuse(
         working = eval_copy(module)
         module_runs = [(spec, _undone(result, undone), seconds) for spec, result, seconds in module_runs]
     removed = batchnorm_modules - _count_batchnorm_modules(working)  # by deploy-form conversions
-    interface = Interface.of(working, call, run_once(working, call)) if call is not None else None
+    interface = Interface.of(working, call, run_seeded(working, call)) if call is not None else None
     captured = capture(interface.module if interface is not None else working, cfg.trace,
                        interface.call if interface is not None else None, already_copied=True, signature=signature,
                        check=[interface.leaves_of(c) for c in check_inputs] if interface is not None else ())
@@ -139,11 +139,6 @@ def fuse(
 def _as_call(example_inputs: Any) -> Optional[Call]:
     args = as_example_inputs(example_inputs)
     return None if args is None else Call(args)
-
-
-def run_once(module: nn.Module, call: Call) -> Any:
-    """``module`` on ``call`` in eval mode, without gradients, with a fixed RNG (the caller's streams untouched)."""
-    return run_seeded(module, call)
 
 
 def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],

@@ -44,7 +44,7 @@ from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, calibration_steps, signature_for, target_steps,
                                          without_labels)
-from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
+from fx_lightning.pipeline.records import Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
 from fx_lightning.common.provenance import Provenance
 from fx_lightning.signature.signature import Signature
@@ -52,10 +52,6 @@ from fx_lightning.variants import enabled_variants
 
 __all__ = [
     "Step",
-    "Batches",
-    "Source",
-    "Fused",
-    "Exported",
     "in_step",
     "fuse_target",
     "other_sizes",
@@ -229,39 +225,28 @@ def measure(fused: Fused, config: FuseConfig) -> Optional[ParityState]:
     with in_step(Step.parity), own_rng(fused.reference_whole), torch.no_grad():
         _, dtype = model_device_dtype(fused.reference_whole)
         precise = copy.deepcopy(fused.reference).double() if dtype in _LOW_PRECISION else None
-        state = _measure_steps(fused, fused.reference, fused.candidate, fused.fused_model, config.parity,
-                               precise=precise)
+        state = _measure_steps(fused, fused.reference, fused.candidate, fused.reference_whole, fused.fused_model,
+                               config.parity, precise=precise)
         # With a prologue: the batches as raw pixels, too.
         raw_path = raw_input.measure_raw_path(fused, config.parity.min_discrete_agreement)
         state.notes += [raw_path] if raw_path is not None else []
         return state
 
 
-def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, whole_candidate: nn.Module,
-                   cfg: ParityConfig, *, precise: Optional[nn.Module] = None, nested: bool = True) -> ParityState:
-    """``candidate`` against ``reference`` on the fused model's steps: through the whole models (the candidate in
-    place) when the steps recorded the whole model's calls, else on the target's own calls."""
+def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, whole_reference: nn.Module,
+                   whole_candidate: nn.Module, cfg: ParityConfig, *, precise: Optional[nn.Module] = None,
+                   nested: bool = True) -> ParityState:
+    """``candidate`` against ``reference`` on the fused model's steps: through the whole models (each with its
+    target in place) when the steps recorded the whole model's calls, else on the target's own calls."""
     whole = fused.through_whole
+    outputs = fused.signature.outputs
     return measure_parity(
         reference, candidate, fused.steps, cfg,
-        whole_reference=fused.reference_whole if whole else None, whole_candidate=whole_candidate if whole else None,
+        whole_reference=whole_reference if whole else None, whole_candidate=whole_candidate if whole else None,
         input_rule=_whole_call if whole else _target_call, label_rule=_labels, source=fused.source,
-        precise_reference=precise, nested=nested, stochastic=_stochastic(fused),
-        output_names=_output_names(fused), sample_axes=_sample_axes(fused))
-
-
-def _stochastic(fused: Fused) -> List[int]:
-    """The target's outputs drawn at random in forward (by position among its tensors)."""
-    return [i for i, leaf in enumerate(fused.signature.outputs) if leaf.stochastic]
-
-
-def _output_names(fused: Fused) -> List[str]:
-    """The target's outputs as the signature names them: what the per-output parity errors are called."""
-    return [leaf.name for leaf in fused.signature.outputs]
-
-
-def _sample_axes(fused: Fused) -> List[Optional[int]]:
-    return [leaf.sample_axis for leaf in fused.signature.outputs]
+        precise_reference=precise, nested=nested,
+        stochastic=[i for i, leaf in enumerate(outputs) if leaf.stochastic],  # drawn at random in forward
+        output_names=[leaf.name for leaf in outputs], sample_axes=[leaf.sample_axis for leaf in outputs])
 
 
 def _whole_call(step: ObservedStep) -> Call:
@@ -294,13 +279,7 @@ def gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_k
     whole_reference = fused.fused_model if preprocess is None else whole_model_with(fused.fused_model, fused.target,
                                                                                     reference)
     whole_candidate = whole_model_with(fused.fused_model, fused.target, loaded)
-    state = measure_parity(reference, loaded, fused.steps, config,
-                           whole_reference=whole_reference if fused.through_whole else None,
-                           whole_candidate=whole_candidate if fused.through_whole else None,
-                           input_rule=_whole_call if fused.through_whole else _target_call, label_rule=_labels,
-                           source=fused.source, nested=False,
-                           stochastic=_stochastic(fused), output_names=_output_names(fused),
-                           sample_axes=_sample_axes(fused))
+    state = _measure_steps(fused, reference, loaded, whole_reference, whole_candidate, config, nested=False)
     return judge_parity(state, config, lossy=True, config_key=config_key)
 
 
