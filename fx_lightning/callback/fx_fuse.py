@@ -124,11 +124,6 @@ class FXFuseCallback(Callback):
         if self._recorder is not None and dataloader_idx == 0:
             self._recorder.begin("validation", batch, batch_idx, step_loader(trainer, "validation"))
 
-    def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any,
-                                **kwargs: Any) -> None:
-        if self._recorder is not None:
-            self._recorder.end()
-
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         if self._recorder is None:
@@ -141,6 +136,8 @@ class FXFuseCallback(Callback):
                            **kwargs: Any) -> None:
         if self._recorder is not None:
             self._recorder.end()
+
+    on_validation_batch_end = on_train_batch_end
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         if self._recorder is not None and not self._rehearsed:
@@ -170,9 +167,7 @@ class FXFuseCallback(Callback):
         """Raise the failure's error before training (on_error=raise), or warn and let training go on unfused."""
         self._stop_recording()
         error = failure.error
-        if self.config.on_error is OnError["raise"]:
-            self._raised = error
-            _raise(error, failure)
+        self._raise_if_asked(failure)
         self.skipped = skipped
         self.error = error
         rank_zero_warn(f"{error} Training goes on (on_error=warn) and nothing will be fused.")
@@ -238,11 +233,18 @@ class FXFuseCallback(Callback):
                      f"({failure.type_name or type(failure.error).__name__}):",
             after=[checkpoint_message(trainer)])
         self.error = error
-        if self.config.on_error is OnError["raise"]:
-            self._raised = error
-            _raise(error, failure)
+        self._raise_if_asked(failure)
         # Every rank warns (not rank zero only): each rank's log must say why nothing was exported.
         warnings.warn(f"{error}\n(on_error=warn: fit returns normally)", UserWarning, stacklevel=2)
+
+    def _raise_if_asked(self, failure: Failure) -> None:
+        """on_error=raise: raise the failure's error keeping its cause (one rebuilt from another rank's message has
+        none here)."""
+        if self.config.on_error is OnError["raise"]:
+            self._raised = failure.error
+            if failure.remote:
+                raise failure.error from None
+            raise failure.error
 
     def _stop_recording(self) -> Optional[CallRecorder]:
         recorder, self._recorder = self._recorder, None
@@ -274,13 +276,6 @@ class FXFuseCallback(Callback):
 
 # What a run leaves on the callback for the user (copied to the callback a copy was made from).
 _RESULTS = ("result", "parity_report", "export_dir", "mlflow", "outcome", "summary", "error", "skipped", "preflight")
-
-
-def _raise(error: FXLightningError, failure: Failure) -> None:
-    """Raise ``error`` keeping its cause; one rebuilt from another rank's message has none here."""
-    if failure.remote:
-        raise error from None
-    raise error
 
 
 def _fix_for(failure: Failure, stage: str) -> str:

@@ -98,7 +98,8 @@ def target_steps(config: FuseConfig, source: Source, whole: nn.Module, target: n
 
 def _observed(observed: Observations, wanted: int, whole: nn.Module, target: nn.Module, path: str) -> TargetSteps:
     device, _ = model_device_dtype(whole)
-    steps = [_moved(s, device) for s in observed.steps[:wanted]]
+    steps = [dataclasses.replace(s, target=to_model(s.target, device, None), whole=to_model(s.whole, device, None))
+             for s in observed.steps[:wanted]]
     through = bool(path) and all(s.whole is not None for s in steps)
     if through:  # the target's inputs at these weights (weights: best differ from the ones observed)
         try:
@@ -111,11 +112,6 @@ def _observed(observed: Observations, wanted: int, whole: nn.Module, target: nn.
     note = OBSERVED_CALLS(stage=observed.stage, calls=len(steps), shapes=len(observed.shapes) + len(observed.steps))
     return TargetSteps(steps, through, {"validation": "val", "training": "train"}.get(observed.stage, "val"),
                        [*observed.notes, note])
-
-
-def _moved(step: ObservedStep, device: Optional[torch.device]) -> ObservedStep:
-    return ObservedStep(to_model(step.target, device, None), to_model(step.whole, device, None)
-                        if step.whole is not None else None, step.samples, step.labels)
 
 
 def _parity_data(config: FuseConfig, batches: Batches, example_inputs: Any,

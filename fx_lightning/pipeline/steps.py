@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 from enum import Enum
+from operator import attrgetter
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +38,7 @@ from fx_lightning.errors import (
     require_inputs,
 )
 from fx_lightning.export.load.interface import for_sizes
+from fx_lightning.export.write.input_contract import resolve_input_contract
 from fx_lightning.export.manifest import Preprocess
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
@@ -157,14 +159,15 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         with in_step(Step.parity_input):
             calibration, calibration_notes = calibration_steps(config, source, reference_whole, reference, path,
                                                                found, calibration_batch_count(config))
-    contract = raw_input.contract_for(source.contract, config)
+    # The source's contract, else the config's alone (without Lightning nothing is searched).
+    contract = source.contract if source.contract is not None else resolve_input_contract(config.export)
     notes = [*source.notes, *source.batches.notes, *found.notes, *calibration_notes, *contract.notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
     candidate = _candidate(result, signature)
     fused = Fused(path, result, reference, reference_whole, whole_model_with(reference_whole, path, candidate),
-                  result.example_inputs, found.steps, signature, found.source, [], notes, found.through_whole,
-                  contract, candidate)
+                  result.example_inputs, found.steps, signature, found.source, candidate, notes=notes,
+                  through_whole=found.through_whole, contract=contract)
     fused.calibration = [fused.graph_inputs(call) for call in calibration]
     return fused
 
@@ -243,23 +246,10 @@ def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, who
     return measure_parity(
         reference, candidate, fused.steps, cfg,
         whole_reference=whole_reference if whole else None, whole_candidate=whole_candidate if whole else None,
-        input_rule=_whole_call if whole else _target_call, label_rule=_labels, source=fused.source,
+        input_rule=attrgetter("whole" if whole else "target"), label_rule=attrgetter("labels"), source=fused.source,
         precise_reference=precise, nested=nested,
         stochastic=[i for i, leaf in enumerate(outputs) if leaf.stochastic],  # drawn at random in forward
         output_names=[leaf.name for leaf in outputs], sample_axes=[leaf.sample_axis for leaf in outputs])
-
-
-def _whole_call(step: ObservedStep) -> Call:
-    assert step.whole is not None
-    return step.whole
-
-
-def _target_call(step: ObservedStep) -> Call:
-    return step.target
-
-
-def _labels(step: ObservedStep) -> Optional[torch.Tensor]:
-    return step.labels
 
 
 def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityReport]:
