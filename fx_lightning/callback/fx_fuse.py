@@ -156,11 +156,13 @@ class FXFuseCallback(Callback):
 
     def _refuse_preflight(self, failure: Failure, when: str) -> None:
         stage = failure.step or "preflight"
+        # The error's own advice when it carries one ("": none would work), else its stage's.
+        fix = failure.error.fix if failure.error.fix is not None else FIXES.get(stage, "see the error above")
         failure.error.add_context(
             headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped {when} "
                      f"({failure.type_name or type(failure.error).__name__}).\npreflight failed at stage '{stage}' "
                      f"({when}; nothing was trained):",
-            after=[f"  Fix: {fix}."] if (fix := _fix_for(failure, stage)) else [])
+            after=[f"  Fix: {fix}."] if fix else [])
         self._refuse_before_fit(failure, f"preflight failed: {failure.error}")
 
     def _refuse_before_fit(self, failure: Failure, skipped: str) -> None:
@@ -276,10 +278,3 @@ class FXFuseCallback(Callback):
 
 # What a run leaves on the callback for the user (copied to the callback a copy was made from).
 _RESULTS = ("result", "parity_report", "export_dir", "mlflow", "outcome", "summary", "error", "skipped", "preflight")
-
-
-def _fix_for(failure: Failure, stage: str) -> str:
-    """The advice under a preflight failure: the error's own when it carries one (empty: none would work), else
-    its stage's."""
-    own = failure.error.fix
-    return own if own is not None else FIXES.get(stage, "see the error above")

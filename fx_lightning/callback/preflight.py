@@ -130,7 +130,8 @@ def check_before_fit(
             shutil.rmtree(staging, ignore_errors=True)
     if outcome.failure is not None and outcome.failure.type_name != ModelError.__name__:
         return None, outcome.failure  # first: the device may be what failed, and is not resolved again below
-    seconds, device = time.perf_counter() - start, _device_name(trainer, config)
+    seconds, resolved = time.perf_counter() - start, resolve_device(config.device, trainer.strategy.root_device)
+    device = str(resolved) if resolved is not None else None
     if outcome.failure is not None:
         # The untrained model cannot run (training fills what it needs): what needs no model run is proven.
         return PreflightReport(config.preflight.value, seconds, device, _checks(config),
@@ -198,11 +199,6 @@ def rehearsal_config(config: FuseConfig) -> FuseConfig:
     return dataclasses.replace(config, passes=dataclasses.replace(passes, extra=[], **off),
                                parity=dataclasses.replace(config.parity, enabled=False),
                                export=dataclasses.replace(config.export, enabled=False))
-
-
-def _device_name(trainer: "pl.Trainer", config: FuseConfig) -> Optional[str]:
-    device = resolve_device(config.device, trainer.strategy.root_device)
-    return str(device) if device is not None else None
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ __all__ = [
     "extract_labels",
     "describe",
     "identity_rule",
-    "as_example_inputs",
+    "example_call",
     "to_model",
     "model_device_dtype",
     "flat_tensors",
@@ -175,13 +175,12 @@ def describe(value: Any, depth: int = 0) -> str:
     return type(value).__name__
 
 
-def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
-    """``fuse()``'s ``example_inputs`` as forward's positional arguments: a tensor is one, a sequence several."""
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    return tuple(example_inputs)
+def example_call(example_inputs: Any) -> Optional[Call]:
+    """``fuse()``'s ``example_inputs`` as a call: a :class:`~fx_lightning.common.calls.Call` as it is, a tensor one
+    positional argument, a sequence several (None: none given)."""
+    if example_inputs is None or isinstance(example_inputs, Call):
+        return example_inputs
+    return Call((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs))
 
 
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:

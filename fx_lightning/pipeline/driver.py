@@ -17,6 +17,7 @@ In one process (:data:`~fx_lightning.pipeline.collectives.LOCAL`) these calls co
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -44,8 +45,6 @@ from fx_lightning.pipeline.steps import (
     fuse_target,
     judge,
     measure,
-    provenance_for,
-    sequence_steps,
 )
 from fx_lightning.pipeline.targets import refuse_protected, resolve_device
 from fx_lightning.common.provenance import Provenance
@@ -316,8 +315,8 @@ def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: 
             differ = tuple(r.rank for r in everyone if r.buffers_differ)
             if differ:
                 notes.append(BUFFERS_DIFFERED(ranks=differ))
-        steps = sequence_steps(source.checked, [Step.parity_input.value, Step.capture.value, Step.passes.value],
-                               [Step.parity.value] if parity is not None else [])
+        steps = list(dict.fromkeys([*source.checked, Step.parity_input.value, Step.capture.value, Step.passes.value,
+                                    *([Step.parity.value] if parity is not None else [])]))  # each once, in order
         return _Verdict(parity, notes, steps), None
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the verdict broadcast
         return ErrorInfo.of(0, exc), exc
@@ -330,9 +329,11 @@ def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[Pa
     assert destination.directory is not None
     try:
         refuse_protected(destination.directory, destination.protected)
+        # The manifest's provenance: the caller's, with the target and the weights this process fused.
+        provenance = dataclasses.replace(destination.provenance, target=fused.target,
+                                         weights=source.weights or destination.provenance.weights)
         with progress.step("export", str(destination.directory)) as end:
-            exported = export(fused, config, parity, destination.directory,
-                              provenance_for(fused, source, destination.provenance),
+            exported = export(fused, config, parity, destination.directory, provenance,
                               rehearsal=mode is Mode.rehearsal, progress=progress)
             end.result = f"{len(exported.manifest.formats) if exported.manifest else 0} artifact(s)"
         return exported, None

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.common.batches import as_example_inputs, detached, model_device_dtype
+from fx_lightning.common.batches import detached, example_call, model_device_dtype
 from fx_lightning.common.calls import Call, Interface, run_seeded
 from fx_lightning.capture.graph import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
@@ -88,7 +88,7 @@ def fuse(
     if not isinstance(module, nn.Module):
         raise TypeError(f"fuse() takes a torch.nn.Module, got {type(module).__name__}")
     cfg = config if isinstance(config, FuseConfig) else load_config(config)
-    call = example_inputs if isinstance(example_inputs, Call) else _as_call(example_inputs)
+    call = example_call(example_inputs)
     inputs = call.args if call is not None and not call.kwargs else None  # the module passes' positional inputs
     start = time.perf_counter()
     plan = plan_passes(cfg.passes)
@@ -134,11 +134,6 @@ def fuse(
         report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
     return FuseResult(gm, report, cfg, inputs, interface, captured.static_shapes)
-
-
-def _as_call(example_inputs: Any) -> Optional[Call]:
-    args = as_example_inputs(example_inputs)
-    return None if args is None else Call(args)
 
 
 def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],

@@ -27,9 +27,9 @@ from torch import nn
 from fx_lightning.common.batches import (
     PARITY_INPUT_SPELLINGS,
     InputRule,
-    as_example_inputs,
     describe,
     describe_call,
+    example_call,
     extract_input,
     extract_labels,
     identity_rule,
@@ -119,12 +119,11 @@ def _parity_data(config: FuseConfig, batches: Batches, example_inputs: Any,
     """The batches parity reads, the rule that takes forward's inputs out of them, their source, and notes."""
     data = list(itertools.islice(iter(batches.items), wanted))
     notes: List[Note] = []
-    example: Optional[Call] = None
     if isinstance(example_inputs, Mapping):  # Lightning allows a dict of keyword arguments here
-        example = Call((), dict(example_inputs))
+        example: Optional[Call] = Call((), dict(example_inputs))
         notes.append(EXAMPLE_INPUTS_DICT())
-    elif example_inputs is not None:
-        example = Call(as_example_inputs(example_inputs) or ())
+    else:
+        example = example_call(example_inputs)
     if not data and example is not None:
         if batches.source != "example":
             notes.append(EXAMPLE_INPUTS_USED())

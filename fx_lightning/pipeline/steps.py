@@ -48,7 +48,6 @@ from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, calibration_steps, si
                                          without_labels)
 from fx_lightning.pipeline.records import Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
-from fx_lightning.common.provenance import Provenance
 from fx_lightning.signature.signature import Signature
 from fx_lightning.variants import enabled_variants
 
@@ -61,8 +60,6 @@ __all__ = [
     "measure",
     "judge",
     "gate_variant",
-    "provenance_for",
-    "sequence_steps",
     "PARITY_DISABLED",
 ]
 
@@ -271,14 +268,3 @@ def gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_k
     whole_candidate = whole_model_with(fused.fused_model, fused.target, loaded)
     state = _measure_steps(fused, reference, loaded, whole_reference, whole_candidate, config, nested=False)
     return judge_parity(state, config, lossy=True, config_key=config_key)
-
-
-def provenance_for(fused: Fused, source: Source, base: Provenance) -> Provenance:
-    """What the manifest records about where the model came from: ``base`` (the caller's), the target and the
-    weights this process fused."""
-    return dataclasses.replace(base, target=fused.target, weights=source.weights or base.weights)
-
-
-def sequence_steps(*groups: Sequence[str]) -> List[str]:
-    """Steps in order, each once."""
-    return list(dict.fromkeys(s for g in groups for s in g))
