@@ -155,7 +155,7 @@ class FXFuseCallback(Callback):
             self._refuse_preflight(failure, "before the first optimizer step")
 
     def _refuse_preflight(self, failure: Failure, when: str) -> None:
-        stage = failure.step or "preflight"
+        stage = failure.error.step or "preflight"
         # The error's own advice when it carries one ("": none would work), else its stage's.
         fix = failure.error.fix if failure.error.fix is not None else FIXES.get(stage, "see the error above")
         failure.error.add_context(

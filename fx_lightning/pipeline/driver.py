@@ -131,10 +131,6 @@ class Failure:
     type_name: Optional[str] = None
     remote: bool = False
 
-    @property
-    def step(self) -> Optional[str]:
-        return self.error.step
-
     @classmethod
     def of(cls, exc: BaseException, where: str = "") -> "Failure":
         """This process's own ``exc``: ours as it is, anything else wrapped once."""

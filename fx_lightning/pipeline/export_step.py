@@ -69,8 +69,6 @@ NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no arti
                                                 "falls back to the order of preference")
 
 
-
-
 def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], directory: Path,
            provenance: Provenance, *, rehearsal: bool, progress: Progress) -> Exported:
     """Write the fused model: every format (each loaded back and checked), the variants and the selection, all in
