@@ -39,6 +39,7 @@ from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line, require_inputs
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.progress import Progress
+from fx_lightning.export.write.input_contract import InputContract
 from fx_lightning.export.write.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
 from fx_lightning.pipeline import (
@@ -209,7 +210,8 @@ def _no_autocast() -> Iterator[None]:
 
 
 def settings_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-                    log_dir: Optional[str], staging_error: Optional[OSError] = None) -> Tuple[Any, Any]:
+                    log_dir: Optional[str], staging_error: Optional[OSError] = None
+                    ) -> Tuple[Optional[torch.device], InputContract]:
     """The checks that need no model run: the device, the target, the weights, the export directory and the
     formats' dependencies, the input normalisation. Returns the device and the input contract."""
     with in_step(Step.device):

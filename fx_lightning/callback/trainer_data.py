@@ -212,12 +212,8 @@ def checkpoint_callbacks(trainer: "pl.Trainer") -> List[Any]:
 
 def checkpoint_files(trainer: "pl.Trainer") -> List[Path]:
     """Every checkpoint the trainer's ModelCheckpoints know of (an export must never replace one)."""
-    files: List[Path] = []
-    for cb in checkpoint_callbacks(trainer):
-        for p in (cb.best_model_path, cb.last_model_path, *cb.best_k_models):
-            if p:
-                files.append(Path(p))
-    return files
+    return [Path(p) for cb in checkpoint_callbacks(trainer)
+            for p in (cb.best_model_path, cb.last_model_path, *cb.best_k_models) if p]
 
 
 def checkpoint_message(trainer: "pl.Trainer") -> str:

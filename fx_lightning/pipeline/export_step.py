@@ -161,7 +161,7 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                                   progress)
         with in_step(Step.variants):
             makers = format_variant_makers(staging, manifest, variant.name,
-                                           raw_input.raw_calibration(fused.calibration, preprocess))
+                                           [raw_input.example_raw(c, preprocess) for c in fused.calibration])
         manifest = _gated(staging, manifest, fused, variant.name, makers, gate_config, key, (), progress)
     return manifest
 

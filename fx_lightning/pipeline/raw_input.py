@@ -28,7 +28,7 @@ from fx_lightning.pipeline.records import Fused
 
 
 __all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "export_inputs",
-           "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models", "raw_calibration",
+           "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models",
            "example_raw", "normalised_dtype"]
 
 _PATH = ("{batches} parity batch(es) sent as raw {input_dtype} {layout} {channel_order} pixels through the exported "
@@ -119,12 +119,7 @@ def variant_gate_models(reference: nn.Module, loaded: nn.Module,
     return ThroughRaw(behind_prologue(reference, preprocess), preprocess), ThroughRaw(loaded, preprocess)
 
 
-def raw_calibration(calibration: List[tuple], preprocess: Optional[Preprocess]) -> List[tuple]:
-    """Calibration inputs for the formats' own variants, made from their artifacts (raw with a prologue)."""
-    return calibration if preprocess is None else [raw_args(c, preprocess) for c in calibration]
-
-
 def example_raw(example: Any, preprocess: Optional[Preprocess]) -> Any:
-    """Example inputs as the artifacts take them (raw with a prologue)."""
+    """Example (or calibration) inputs as the artifacts take them (raw with a prologue)."""
     return example if preprocess is None or example is None else raw_args(tuple(example), preprocess)
 
