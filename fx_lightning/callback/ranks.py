@@ -52,14 +52,8 @@ class StrategyCollectives:
 
     def __init__(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
-
-    @property
-    def rank(self) -> int:
-        return int(self.trainer.global_rank)
-
-    @property
-    def world_size(self) -> int:
-        return int(self.trainer.world_size)
+        self.rank = int(trainer.global_rank)
+        self.world_size = int(trainer.world_size)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         return self.trainer.strategy.broadcast(obj, src=src)

@@ -20,7 +20,7 @@ import copy
 import dataclasses
 from enum import Enum
 from operator import attrgetter
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -179,19 +179,15 @@ def _candidate(result: FuseResult, signature: Signature) -> nn.Module:
 
 
 def _unread_inputs(graph_module: nn.Module, signature: Signature) -> List[str]:
-    """The inputs the captured graph never reads (a placeholder with no users), by the signature's names."""
+    """The inputs the captured graph never reads (a placeholder whose only users are torch.export's ``_guards_fn``:
+    its checks of the input's sizes, which the stand-in an unread input gets is sized to pass), by the signature's
+    names."""
     graph = getattr(graph_module, "graph", None)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
     if len(placeholders) != len(signature.inputs):
         return []
     return [leaf.name for leaf, node in zip(signature.inputs, placeholders)
-            if all(_checks_only(user) for user in node.users)]
-
-
-def _checks_only(node: Any) -> bool:
-    """A use that reads no value: torch.export's ``_guards_fn`` (its checks of the input's sizes; the stand-in an
-    unread input gets is sized to pass them)."""
-    return node.op == "call_module" and str(node.target) == "_guards_fn"
+            if all(user.op == "call_module" and str(user.target) == "_guards_fn" for user in node.users)]
 
 
 def other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
