@@ -15,7 +15,7 @@ import dataclasses
 import difflib
 import typing
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -220,7 +220,10 @@ def _enum_members(exc: Exception) -> List[str]:
     return [m.name for m in enums[0]] if enums else []
 
 
-def load_record(schema: type, sources: Sequence[Mapping[Any, Any]], path: str = "") -> Any:
+R = TypeVar("R")  # the record type load_record builds
+
+
+def load_record(schema: Type[R], sources: Sequence[Mapping[Any, Any]], path: str = "") -> R:
     """The dataclass ``schema`` with ``sources`` merged into it in order (:func:`merge_into`), as its object; every
     failure a ConfigError naming the full key (``path``: the record's own key, "" for the root)."""
     node = OmegaConf.structured(schema)

@@ -124,16 +124,11 @@ class FXFuseCallback(Callback):
         if self._recorder is not None and dataloader_idx == 0:
             self._recorder.begin("validation", batch, batch_idx, step_loader(trainer, "validation"))
 
-    def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any,
-                                **kwargs: Any) -> None:
-        if self._recorder is not None:
-            self._recorder.end()
-
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         if self._recorder is None:
             return
-        if not self._rehearsed and rehearsal_due(trainer, self._recorder, before_training=True):
+        if not self._rehearsed and rehearsal_due(trainer, self._recorder):
             self._rehearse(trainer, pl_module)
         self._recorder.begin("training", batch, batch_idx, step_loader(trainer, "training"))
 
@@ -141,6 +136,8 @@ class FXFuseCallback(Callback):
                            **kwargs: Any) -> None:
         if self._recorder is not None:
             self._recorder.end()
+
+    on_validation_batch_end = on_train_batch_end
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         if self._recorder is not None and not self._rehearsed:
@@ -158,21 +155,21 @@ class FXFuseCallback(Callback):
             self._refuse_preflight(failure, "before the first optimizer step")
 
     def _refuse_preflight(self, failure: Failure, when: str) -> None:
-        stage = failure.step or "preflight"
+        stage = failure.error.step or "preflight"
+        # The error's own advice when it carries one ("": none would work), else its stage's.
+        fix = failure.error.fix if failure.error.fix is not None else FIXES.get(stage, "see the error above")
         failure.error.add_context(
             headline=f"FXFuseCallback: the end-of-fit work would fail{failure.where}, so it is stopped {when} "
                      f"({failure.type_name or type(failure.error).__name__}).\npreflight failed at stage '{stage}' "
                      f"({when}; nothing was trained):",
-            after=[f"  Fix: {fix}."] if (fix := _fix_for(failure, stage)) else [])
+            after=[f"  Fix: {fix}."] if fix else [])
         self._refuse_before_fit(failure, f"preflight failed: {failure.error}")
 
     def _refuse_before_fit(self, failure: Failure, skipped: str) -> None:
         """Raise the failure's error before training (on_error=raise), or warn and let training go on unfused."""
         self._stop_recording()
         error = failure.error
-        if self.config.on_error is OnError["raise"]:
-            self._raised = error
-            _raise(error, failure)
+        self._raise_if_asked(failure)
         self.skipped = skipped
         self.error = error
         rank_zero_warn(f"{error} Training goes on (on_error=warn) and nothing will be fused.")
@@ -238,11 +235,18 @@ class FXFuseCallback(Callback):
                      f"({failure.type_name or type(failure.error).__name__}):",
             after=[checkpoint_message(trainer)])
         self.error = error
-        if self.config.on_error is OnError["raise"]:
-            self._raised = error
-            _raise(error, failure)
+        self._raise_if_asked(failure)
         # Every rank warns (not rank zero only): each rank's log must say why nothing was exported.
         warnings.warn(f"{error}\n(on_error=warn: fit returns normally)", UserWarning, stacklevel=2)
+
+    def _raise_if_asked(self, failure: Failure) -> None:
+        """on_error=raise: raise the failure's error keeping its cause (one rebuilt from another rank's message has
+        none here)."""
+        if self.config.on_error is OnError["raise"]:
+            self._raised = failure.error
+            if failure.remote:
+                raise failure.error from None
+            raise failure.error
 
     def _stop_recording(self) -> Optional[CallRecorder]:
         recorder, self._recorder = self._recorder, None
@@ -274,17 +278,3 @@ class FXFuseCallback(Callback):
 
 # What a run leaves on the callback for the user (copied to the callback a copy was made from).
 _RESULTS = ("result", "parity_report", "export_dir", "mlflow", "outcome", "summary", "error", "skipped", "preflight")
-
-
-def _raise(error: FXLightningError, failure: Failure) -> None:
-    """Raise ``error`` keeping its cause; one rebuilt from another rank's message has none here."""
-    if failure.remote:
-        raise error from None
-    raise error
-
-
-def _fix_for(failure: Failure, stage: str) -> str:
-    """The advice under a preflight failure: the error's own when it carries one (empty: none would work), else
-    its stage's."""
-    own = failure.error.fix
-    return own if own is not None else FIXES.get(stage, "see the error above")

@@ -8,50 +8,75 @@ from __future__ import annotations
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import lightning.pytorch as pl
 
 from fx_lightning.callback.namespaces import lightning_classes
-from fx_lightning.callback.trainer_data import METRIC_PREFIX, fuse_metrics, log_metrics
 from fx_lightning.export.manifest import Manifest
-from fx_lightning.export.write.report_html import REPORT_NAME, sweep_series, sweep_svg
+from fx_lightning.export.write.report_html import REPORT_NAME, Series, sweep_series, sweep_svg
 from fx_lightning.pipeline import Outcome, summary_text
 
 __all__ = ["log_outcome", "outcome_metrics", "plots", "ARTIFACT_PATH"]
 
 ARTIFACT_PATH = "fx_fuse"  # the folder of the run's artifacts, and the TensorBoard tags' prefix
+METRIC_PREFIX = "fx_fuse/"
 
 
 def outcome_metrics(outcome: Outcome) -> Dict[str, float]:
-    """:func:`fuse_metrics` and, when an artifact was selected, its median latency and the artifacts exported."""
-    out = fuse_metrics(outcome)
+    """The ``fx_fuse/*`` figures of an outcome: the fuse report's, parity's and, when an artifact was selected,
+    its median latency and the artifacts exported."""
+    report = outcome.result.report
+    out: Dict[str, float] = {
+        "batchnorms_before": float(report.before.batchnorms),
+        "batchnorms_after": float(report.after.batchnorms),
+        "batchnorms_folded": float(report.batchnorms_folded),
+        "nodes_before": float(report.before.nodes),
+        "nodes_after": float(report.after.nodes),
+        "parameters_before": float(report.before.parameters),
+        "parameters_after": float(report.after.parameters),
+        "fuse_seconds": float(report.seconds),
+        "exported": 1.0 if outcome.export_dir is not None else 0.0,
+    }
+    if outcome.parity is not None:
+        out["parity_passed"] = 1.0 if outcome.parity.passed else 0.0
+        out["parity_batches"] = float(outcome.parity.batches)
+        for key, value in outcome.parity.metrics.items():
+            out[f"parity_{key}"] = float(value)
     manifest = outcome.manifest
     if manifest is not None:
-        out[METRIC_PREFIX + "artifacts"] = float(len(manifest.formats))
+        out["artifacts"] = float(len(manifest.formats))
         if manifest.selected is not None:
-            out[METRIC_PREFIX + "selected_median_ms"] = float(manifest.selected.median_ms)
-    return out
+            out["selected_median_ms"] = float(manifest.selected.median_ms)
+    return {METRIC_PREFIX + k: v for k, v in out.items()}
+
+
+# What each of the sweep's charts plots against the batch size.
+_Y_LABELS = {"latency": "ms per call", "throughput": "samples/s"}
+
+
+def _charts(manifest: Manifest) -> Iterator[Tuple[str, str, List[Series]]]:
+    """The sweep's charts as (kind, traffic, series): per traffic, latency then throughput."""
+    sweeps = manifest.bench.sweeps if manifest.bench else []
+    for traffic in dict.fromkeys(w.traffic for w in sweeps):
+        for kind, series in sweep_series(sweeps, traffic).items():
+            yield kind, traffic, series
 
 
 def plots(manifest: Manifest) -> List[Tuple[str, str]]:
     """The sweep's plots as (file name, standalone SVG), per traffic: latency and throughput against batch size."""
-    bench = manifest.bench
-    out: List[Tuple[str, str]] = []
-    for traffic in dict.fromkeys(w.traffic for w in (bench.sweeps if bench else [])):
-        series = sweep_series(bench.sweeps, traffic) if bench else {}
-        out.append((f"sweep_latency_{traffic}.svg", sweep_svg(f"latency ({traffic})", "batch size", "ms per call",
-                                                              series["latency"], f"latency.{traffic}")))
-        out.append((f"sweep_throughput_{traffic}.svg", sweep_svg(f"throughput ({traffic})", "batch size",
-                                                                 "samples/s", series["throughput"],
-                                                                 f"throughput.{traffic}")))
-    return out
+    return [(f"sweep_{kind}_{traffic}.svg", sweep_svg(f"{kind} ({traffic})", "batch size", _Y_LABELS[kind], series,
+                                                       f"{kind}.{traffic}"))
+            for kind, traffic, series in _charts(manifest)]
 
 
 def log_outcome(trainer: "pl.Trainer", outcome: Outcome) -> None:
     """Every logger: the metrics; TensorBoard and MLflow: the report and plots too. A logger that refuses a file
     costs a warning, never the fit (the export stands)."""
-    log_metrics(trainer, outcome_metrics(outcome))
+    metrics = outcome_metrics(outcome)
+    for lg in trainer.loggers:  # not pl_module.log(): refused in on_fit_end
+        lg.log_metrics(metrics, step=trainer.global_step)
+        lg.save()
     tensorboard, mlflow = lightning_classes("loggers.TensorBoardLogger"), lightning_classes("loggers.MLFlowLogger")
     for lg in trainer.loggers:
         try:
@@ -84,21 +109,19 @@ def _figures(manifest: Manifest) -> List[Tuple[str, Any]]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    bench = manifest.bench
     out = []
-    for traffic in dict.fromkeys(w.traffic for w in (bench.sweeps if bench else [])):
-        for kind, series in sweep_series(bench.sweeps, traffic).items() if bench else ():
-            figure, axes = plt.subplots(figsize=(6, 3.5))
-            for s in series:
-                axes.plot([p[0] for p in s.points], [p[1] for p in s.points], "--" if s.dashed else "-", marker="o",
-                          label=s.name)
-            axes.set_xscale("log", base=2)
-            axes.set_xlabel("batch size")
-            axes.set_ylabel("ms per call" if kind == "latency" else "samples/s")
-            axes.set_title(f"{kind} ({traffic})")
-            axes.legend(fontsize=7)
-            figure.tight_layout()
-            out.append((f"sweep_{kind}_{traffic}", figure))
+    for kind, traffic, series in _charts(manifest):
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        for s in series:
+            axes.plot([p[0] for p in s.points], [p[1] for p in s.points], "--" if s.dashed else "-", marker="o",
+                      label=s.name)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("batch size")
+        axes.set_ylabel(_Y_LABELS[kind])
+        axes.set_title(f"{kind} ({traffic})")
+        axes.legend(fontsize=7)
+        figure.tight_layout()
+        out.append((f"sweep_{kind}_{traffic}", figure))
     return out
 
 

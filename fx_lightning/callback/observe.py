@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from fx_lightning.common.batches import detached, extract_labels, loader_sample_counts
-from fx_lightning.common.calls import Call, tree_of_call
-from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, first_loader
+from fx_lightning.common.calls import Call, map_leaves, tree_of_call
+from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, SOURCE_ORDER, SOURCE_STAGES, first_loader
 from fx_lightning.capture.graph import is_compiled_module
-from fx_lightning.config import FuseConfig, ParityData
+from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import Observations, ObservedStep, calibration_batch_count, resolve_target
@@ -64,24 +64,22 @@ class _Log:
     """What one module received: values of the latest validation run's first calls and of the first training
     calls, and the shapes (with the batch's sample count) of every call."""
 
-    validation: List[ObservedStep] = field(default_factory=list)
-    training: List[ObservedStep] = field(default_factory=list)
+    kept: Dict[str, List[ObservedStep]] = field(default_factory=lambda: {"validation": [], "training": []})
     shapes: List[Tuple[List[Tuple[int, ...]], Optional[int]]] = field(default_factory=list)
 
-    def add(self, stage: str, observed: ObservedStep, keep: int, keep_training: int) -> None:
-        kept = self.validation if stage == "validation" else self.training
-        if len(kept) < (keep if stage == "validation" else keep_training):
-            kept.append(observed)
+    def add(self, stage: str, observed: ObservedStep, keep: int) -> None:
+        if len(self.kept[stage]) < keep:
+            self.kept[stage].append(observed)
         if len(self.shapes) < MAX_SHAPES:
             self.shapes.append((_shapes(observed.target), observed.samples))
 
     def observations(self, path: str, stages: Tuple[str, ...], notes: List[Any]) -> Optional[Observations]:
         """The first of ``stages`` whose calls were seen."""
         for stage in stages:
-            steps = self.validation if stage == "validation" else self.training
+            steps = self.kept[stage]
             if steps:
                 extra = [NO_VALIDATION_DATA()] if stage == "training" and "validation" in stages else []
-                return Observations(path, list(steps), list(self.shapes), list(self.training), stage,
+                return Observations(path, list(steps), list(self.shapes), list(self.kept["training"]), stage,
                                     [*notes, *extra])
         return None
 
@@ -92,12 +90,11 @@ class CallRecorder:
     def __init__(self, pl_module: "pl.LightningModule", config: FuseConfig) -> None:
         self.root = pl_module
         # parity.data: whose calls parity compares on (example: the example_input_array, nothing observed).
-        self.stages: Tuple[str, ...] = {ParityData.auto: ("validation", "training"), ParityData.val: ("validation",),
-                                        ParityData.train: ("training",), ParityData.example: ()}[config.parity.data]
+        self.stages = tuple(SOURCE_STAGES[source] for source in SOURCE_ORDER[config.parity.data])
         self.path, self.target = resolve_target(pl_module, config.target)
-        self.keep = max(1, config.parity.max_batches)
-        # Training calls: parity's (without validation data) and the lossy variants' calibration.
-        self.keep_training = max(self.keep, calibration_batch_count(config))
+        # Calls kept per stage; training calls: parity's (without validation data) and the lossy variants' calibration.
+        keep = max(1, config.parity.max_batches)
+        self.keep = {"validation": keep, "training": max(keep, calibration_batch_count(config))}
         # Watched: the target, and the LightningModule's children when it is the default target (its steps may
         # call a submodule instead of its forward).
         self.watched: Dict[str, nn.Module] = {self.path: self.target}
@@ -119,7 +116,7 @@ class CallRecorder:
             return
         if stage == "validation" and batch_idx == 0:
             for log in self.logs.values():
-                log.validation = []
+                log.kept["validation"] = []
         samples = loader_sample_counts(loader, batch_idx + 1)[batch_idx] if loader is not None else None
         self.step = _Step(stage, samples, _labels(batch))
         self._hook()
@@ -139,7 +136,7 @@ class CallRecorder:
                 if name != self.path and whole is not None:
                     continue  # a child called by the forward: the forward is what the steps call
                 self.logs[name].add(step.stage, ObservedStep(call, whole if name else None, step.samples,
-                                                             step.labels), self.keep, self.keep_training)
+                                                             step.labels), self.keep[step.stage])
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -211,8 +208,7 @@ class CallRecorder:
     def observations_from(self, stage: str) -> bool:
         """Whether the target's calls of ``stage`` were observed (their values kept) and parity would use them."""
         log = self.logs[self.path]
-        return self.off is None and stage in self.stages[:1] and bool(log.validation if stage == "validation"
-                                                                      else log.training)
+        return self.off is None and stage in self.stages[:1] and bool(log.kept[stage])
 
     def observations(self) -> Optional[Observations]:
         """What was observed (None: nothing, observation was off, or ``parity.data: example``), of the first stage
@@ -225,8 +221,7 @@ class CallRecorder:
         found = self.logs[self.path].observations(self.path, self.stages, [])
         if found is not None or self.target is not self.root or self.root_called:
             return found
-        called = sorted(name for name, log in self.logs.items() if name != self.path and (log.validation or
-                                                                                          log.training))
+        called = sorted(name for name, log in self.logs.items() if name != self.path and any(log.kept.values()))
         if not called:
             return None
         name = self._trained_one(called)
@@ -250,9 +245,7 @@ class CallRecorder:
 
 def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
     """A call's arguments, detached and copied (the step goes on with the originals), on the CPU."""
-    call = Call(tuple(args), dict(kwargs))
-    tree = tree_of_call(call)
-    return tree.rebuild([t.detach().to("cpu", copy=True) for t in tree.leaves(call)])
+    return map_leaves(lambda t: t.detach().to("cpu", copy=True), Call(tuple(args), dict(kwargs)))
 
 
 def _shapes(call: Call) -> List[Tuple[int, ...]]:

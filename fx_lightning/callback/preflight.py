@@ -32,13 +32,14 @@ from fx_lightning.callback.mlflow_logging import check_mlflow, mlflow_wanted
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.observe import CallRecorder
 from fx_lightning.callback.ranks import StrategyCollectives
-from fx_lightning.callback.trainer_data import export_directory, parity_batches
+from fx_lightning.callback.trainer_data import checkpoint_callbacks, export_directory, parity_batches
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.capture.graph import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line, require_inputs
 from fx_lightning.formats import FORMATS
-from fx_lightning.export.progress import Progress, log_lines
+from fx_lightning.export.progress import Progress
+from fx_lightning.export.write.input_contract import InputContract
 from fx_lightning.export.write.writer import refuse_existing, require_formats
 from fx_lightning.passes import Stage, builtin_passes
 from fx_lightning.pipeline import (
@@ -107,7 +108,7 @@ def check_settings(trainer: "pl.Trainer", pl_module: "pl.LightningModule", confi
 
 def check_before_fit(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-    observed: Optional[Observations] = None, progress: Optional[Progress] = None,
+    observed: Optional[Observations], progress: Progress,
 ) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
     """Run the preflight on this rank, with the other ranks, on the ``observed`` calls (None: the batches are read):
     the report, or the failure every rank gets (the lowest failing rank's, naming it). The caller's random number
@@ -120,7 +121,6 @@ def check_before_fit(
     staging, staging_error = _temporary_directory()
     try:
         with own_rng(pl_module, trainer.strategy.root_device), _no_autocast():
-            progress = progress if progress is not None else log_lines()
             source = load_source(lambda: preflight_source(trainer, pl_module, config, log_dir, staging_error,
                                                           observed), progress)
             outcome = run_pipeline(
@@ -131,7 +131,8 @@ def check_before_fit(
             shutil.rmtree(staging, ignore_errors=True)
     if outcome.failure is not None and outcome.failure.type_name != ModelError.__name__:
         return None, outcome.failure  # first: the device may be what failed, and is not resolved again below
-    seconds, device = time.perf_counter() - start, _device_name(trainer, config)
+    seconds, resolved = time.perf_counter() - start, resolve_device(config.device, trainer.strategy.root_device)
+    device = str(resolved) if resolved is not None else None
     if outcome.failure is not None:
         # The untrained model cannot run (training fills what it needs): what needs no model run is proven.
         return PreflightReport(config.preflight.value, seconds, device, _checks(config),
@@ -141,19 +142,16 @@ def check_before_fit(
     return PreflightReport(config.preflight.value, seconds, device, steps, predicted=predicted), None
 
 
-def rehearsal_due(trainer: "pl.Trainer", recorder: CallRecorder, before_training: bool) -> bool:
-    """Whether the preflight's rehearsal runs now. Before the first training step: when every rank observed the
-    target's calls in validation (the sanity check); else at the first optimizer step, once the first training
-    forward has been seen. A collective before training: every rank decides alike."""
-    if not before_training:
-        return True
+def rehearsal_due(trainer: "pl.Trainer", recorder: CallRecorder) -> bool:
+    """Whether the preflight's rehearsal runs before the first training step: when every rank observed the
+    target's calls in validation (the sanity check); else it runs at the first optimizer step, once the first
+    training forward has been seen. A collective: every rank decides alike."""
     mine = recorder.observations_from("validation")
     return all(StrategyCollectives(trainer).all_gather(mine))
 
 
 def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-             recorder: CallRecorder, progress: Optional[Progress] = None
-             ) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
+             recorder: CallRecorder, progress: Progress) -> Tuple[Optional[PreflightReport], Optional[Failure]]:
     """The preflight's rehearsal on what ``recorder`` observed (with its hooks off: the module is copied)."""
     with recorder.paused():
         observed, error = None, None
@@ -204,11 +202,6 @@ def rehearsal_config(config: FuseConfig) -> FuseConfig:
                                export=dataclasses.replace(config.export, enabled=False))
 
 
-def _device_name(trainer: "pl.Trainer", config: FuseConfig) -> Optional[str]:
-    device = resolve_device(config.device, trainer.strategy.root_device)
-    return str(device) if device is not None else None
-
-
 @contextlib.contextmanager
 def _no_autocast() -> Iterator[None]:
     with torch.autocast("cpu", enabled=False), (torch.autocast("cuda", enabled=False) if torch.cuda.is_available()
@@ -217,7 +210,8 @@ def _no_autocast() -> Iterator[None]:
 
 
 def settings_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-                    log_dir: Optional[str], staging_error: Optional[OSError] = None) -> Tuple[Any, Any]:
+                    log_dir: Optional[str], staging_error: Optional[OSError] = None
+                    ) -> Tuple[Optional[torch.device], InputContract]:
     """The checks that need no model run: the device, the target, the weights, the export directory and the
     formats' dependencies, the input normalisation. Returns the device and the input contract."""
     with in_step(Step.device):
@@ -233,8 +227,7 @@ def settings_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", conf
                     raise ExportError(f"the preflight cannot make a temporary directory to export into: "
                                       f"{staging_error.strerror or staging_error}")
                 _probe_writable(export_directory(trainer, config, log_dir), config.export.overwrite,
-                                [cb.dirpath for cb in trainer.checkpoint_callbacks
-                                 if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint")) and cb.dirpath])
+                                [cb.dirpath for cb in checkpoint_callbacks(trainer) if cb.dirpath])
             with in_step(Step.export_dependencies):
                 require_formats([FORMATS[f.value] for f in config.export.formats])
     if mlflow_wanted(trainer, config):

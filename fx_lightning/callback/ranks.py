@@ -24,7 +24,7 @@ from fx_lightning.callback.trainer_data import (
 )
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.config import FuseConfig, WeightsSource
-from fx_lightning.export.progress import Progress, log_lines
+from fx_lightning.export.progress import Progress
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import (
     Batches,
@@ -52,14 +52,8 @@ class StrategyCollectives:
 
     def __init__(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
-
-    @property
-    def rank(self) -> int:
-        return int(self.trainer.global_rank)
-
-    @property
-    def world_size(self) -> int:
-        return int(self.trainer.world_size)
+        self.rank = int(trainer.global_rank)
+        self.world_size = int(trainer.world_size)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         return self.trainer.strategy.broadcast(obj, src=src)
@@ -78,8 +72,7 @@ class StrategyCollectives:
 
 def fuse_after_fit(
     trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig, skip: Optional[str],
-    preflight: Optional[PreflightReport] = None, observed: Optional[Observations] = None,
-    progress: Optional[Progress] = None,
+    preflight: Optional[PreflightReport], observed: Optional[Observations], progress: Progress,
 ) -> Outcome:
     """Run the pipeline on this rank at the end of fit and return what happened; raises nothing. ``preflight``
     (what was proven before training) goes into the manifest; ``observed``: the target's calls during fit;
@@ -93,7 +86,6 @@ def fuse_after_fit(
         world_size=trainer.world_size, preflight=preflight,
     )
     destination = Destination(export_directory(trainer, config, log_dir), checkpoint_files(trainer), provenance)
-    progress = progress if progress is not None else log_lines()
     source = (load_source(lambda: end_of_fit_source(trainer, pl_module, config, buffers, observed), progress)
               if skip is None else None)
     return run_pipeline(config, source, destination, collectives=StrategyCollectives(trainer), skip=skip,
@@ -101,8 +93,7 @@ def fuse_after_fit(
 
 
 def end_of_fit_source(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: FuseConfig,
-                      reference_buffers: Optional[Dict[str, torch.Tensor]],
-                      observed: Optional[Observations] = None) -> Source:
+                      reference_buffers: Optional[Dict[str, torch.Tensor]], observed: Optional[Observations]) -> Source:
     """This rank's source: the weights to fuse, its parity batches, the device, and rank zero's buffers when
     this rank's differ."""
     device = resolve_device(config.device, trainer.strategy.root_device)

@@ -1,5 +1,5 @@
 """What the callback (and the CLI) read from a Trainer or a DataModule: parity batches, the weights to fuse,
-the checkpoints to protect, and where to log.
+the checkpoints to protect, and where to export.
 
 Free functions over Lightning objects; none of them changes the LightningModule or touches a checkpoint.
 """
@@ -20,24 +20,22 @@ from fx_lightning.capture.graph import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import NoteKind
-from fx_lightning.pipeline import Batches, Outcome, calibration_batch_count
+from fx_lightning.pipeline import Batches, calibration_batch_count
 from fx_lightning.common.provenance import WeightsInfo
 
 __all__ = [
-    "METRIC_PREFIX",
+    "SOURCE_ORDER",
+    "SOURCE_STAGES",
     "first_loader",
     "choose_batches",
     "parity_batches",
     "trainer_loaders",
     "export_directory",
     "pick_weights",
+    "checkpoint_callbacks",
     "checkpoint_files",
     "checkpoint_message",
-    "fuse_metrics",
-    "log_metrics",
 ]
-
-METRIC_PREFIX = "fx_fuse/"
 
 BATCHES_READ = NoteKind("batches_read", "parity read {count} batch(es) of {source} data (at most {limit}: {why})")
 CALIBRATION_READ = NoteKind("calibration_read", "the lossy variants were calibrated on {count} batch(es) of "
@@ -46,13 +44,15 @@ NO_VALIDATION_DATA = NoteKind("no_validation_data", "no validation data: parity 
 EXAMPLE_INPUT_ARRAY_USED = NoteKind("example_input_array_used", "no {sources} data: parity used the "
                                                                 "LightningModule's example_input_array")
 
-# parity.data -> the sources tried, in order (example_input_array is the pipeline's own fallback).
-_SOURCE_ORDER: Dict[ParityData, Tuple[str, ...]] = {
+# parity.data -> the sources tried, in order (example_input_array is the pipeline's own fallback), and the stage
+# each source's batches run in (what the callback observes).
+SOURCE_ORDER: Dict[ParityData, Tuple[str, ...]] = {
     ParityData.auto: ("val", "train"),
     ParityData.val: ("val",),
     ParityData.train: ("train",),
     ParityData.example: (),
 }
+SOURCE_STAGES = {"val": "validation", "train": "training"}
 
 
 def first_loader(loaders: Any) -> Any:
@@ -68,7 +68,6 @@ def first_loader(loaders: Any) -> Any:
 
 # A source's own batch limit (the trainer's limit_val_batches, say): (batches, "why") or None for no limit.
 BatchLimit = Callable[[str, Any], Optional[Tuple[int, str]]]
-_SOURCE_NAMES = {"val": "validation", "train": "training"}
 
 
 def choose_batches(
@@ -78,7 +77,7 @@ def choose_batches(
     from the first source in ``parity.data``'s order whose loader gives any; ``loaders`` maps a source name
     (``val``, ``train``) to a function returning its loader(s) or None. ``limit`` caps what is read from a
     source the way the training run capped it, and the note says so."""
-    order = _SOURCE_ORDER[parity.data]
+    order = SOURCE_ORDER[parity.data]
     for name in order:
         getter = loaders.get(name)
         loader = first_loader(getter()) if getter is not None else None
@@ -91,7 +90,7 @@ def choose_batches(
         batches = list(itertools.islice(iter(loader), n))
         if batches:
             notes = [NO_VALIDATION_DATA()] if name == "train" and len(order) > 1 else []
-            notes.append(BATCHES_READ(count=len(batches), source=_SOURCE_NAMES[name], limit=n, why=why))
+            notes.append(BATCHES_READ(count=len(batches), source=SOURCE_STAGES[name], limit=n, why=why))
             return Batches(batches, name, notes, samples=loader_sample_counts(loader, len(batches)))
     notes = [EXAMPLE_INPUT_ARRAY_USED(sources=" or ".join(order))] if parity.data is not ParityData.example else []
     return Batches([], "example", notes)
@@ -206,24 +205,20 @@ def pick_weights(
     return best, WeightsInfo("best", f"best checkpoint {path}{score_text}{where}", epoch, step, str(path))
 
 
-def _checkpoint_callbacks(trainer: "pl.Trainer") -> List[Any]:
+def checkpoint_callbacks(trainer: "pl.Trainer") -> List[Any]:
     """The trainer's ModelCheckpoints (of either Lightning namespace)."""
     return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, lightning_classes("callbacks.ModelCheckpoint"))]
 
 
 def checkpoint_files(trainer: "pl.Trainer") -> List[Path]:
     """Every checkpoint the trainer's ModelCheckpoints know of (an export must never replace one)."""
-    files: List[Path] = []
-    for cb in _checkpoint_callbacks(trainer):
-        for p in (cb.best_model_path, cb.last_model_path, *cb.best_k_models):
-            if p:
-                files.append(Path(p))
-    return files
+    return [Path(p) for cb in checkpoint_callbacks(trainer)
+            for p in (cb.best_model_path, cb.last_model_path, *cb.best_k_models) if p]
 
 
 def checkpoint_message(trainer: "pl.Trainer") -> str:
     """Where the user's trained weights are, for error messages."""
-    callbacks = _checkpoint_callbacks(trainer)
+    callbacks = checkpoint_callbacks(trainer)
     if not callbacks:
         return (
             "No ModelCheckpoint was configured, so no checkpoint was written; the trained weights are in the "
@@ -237,32 +232,3 @@ def checkpoint_message(trainer: "pl.Trainer") -> str:
             if p:
                 lines.append(f"  {label}: {p}{'' if Path(p).exists() else ' (not on this filesystem)'}")
     return "\n".join(lines)
-
-
-def fuse_metrics(outcome: Outcome) -> Dict[str, float]:
-    """The ``fx_fuse/*`` figures of an outcome, for the loggers."""
-    report = outcome.result.report
-    out: Dict[str, float] = {
-        "batchnorms_before": float(report.before.batchnorms),
-        "batchnorms_after": float(report.after.batchnorms),
-        "batchnorms_folded": float(report.batchnorms_folded),
-        "nodes_before": float(report.before.nodes),
-        "nodes_after": float(report.after.nodes),
-        "parameters_before": float(report.before.parameters),
-        "parameters_after": float(report.after.parameters),
-        "fuse_seconds": float(report.seconds),
-        "exported": 1.0 if outcome.export_dir is not None else 0.0,
-    }
-    if outcome.parity is not None:
-        out["parity_passed"] = 1.0 if outcome.parity.passed else 0.0
-        out["parity_batches"] = float(outcome.parity.batches)
-        for key, value in outcome.parity.metrics.items():
-            out[f"parity_{key}"] = float(value)
-    return {METRIC_PREFIX + k: v for k, v in out.items()}
-
-
-def log_metrics(trainer: "pl.Trainer", metrics: Dict[str, float]) -> None:
-    """Write to every logger (``pl_module.log()`` is refused in ``on_fit_end``)."""
-    for lg in trainer.loggers:
-        lg.log_metrics(metrics, step=trainer.global_step)
-        lg.save()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fx_lightning.common.imports import import_object
-from fx_lightning.common.calls import Call, leaf_values, map_leaves, plain
+from fx_lightning.common.calls import Call, map_leaves, plain, tree_of
 from fx_lightning.errors import ConfigError
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "extract_labels",
     "describe",
     "identity_rule",
-    "as_example_inputs",
+    "example_call",
     "to_model",
     "model_device_dtype",
     "flat_tensors",
@@ -175,15 +175,12 @@ def describe(value: Any, depth: int = 0) -> str:
     return type(value).__name__
 
 
-
-
-def as_example_inputs(example_inputs: Any) -> Optional[tuple]:
-    """``fuse()``'s ``example_inputs`` as forward's positional arguments: a tensor is one, a sequence several."""
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    return tuple(example_inputs)
+def example_call(example_inputs: Any) -> Optional[Call]:
+    """``fuse()``'s ``example_inputs`` as a call: a :class:`~fx_lightning.common.calls.Call` as it is, a tensor one
+    positional argument, a sequence several (None: none given)."""
+    if example_inputs is None or isinstance(example_inputs, Call):
+        return example_inputs
+    return Call((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs))
 
 
 def to_model(args: Any, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> Any:
@@ -209,7 +206,7 @@ def model_device_dtype(module: nn.Module) -> Tuple[Optional[torch.device], Optio
 def flat_tensors(out: Any) -> List[torch.Tensor]:
     """Every tensor of a (nested) output, in a stable order: tuples, lists, mappings, dataclasses (Hugging Face
     ``ModelOutput`` is a mapping), ``torch.distributions`` objects (their parameters), objects' tensor fields."""
-    return leaf_values(out)
+    return tree_of(out).leaves(out)
 
 
 def describe_call(call: Call) -> str:
@@ -238,16 +235,6 @@ def record_calls(module: nn.Module) -> Iterator[List[Tuple[tuple, dict, Any]]]:
         handle.remove()
 
 
-
-
-
-
-
-
-
-
-
-
 def is_record_type(cls: Any) -> bool:
     """A named tuple or a plain dataclass: a record type torch.export's serialiser does not know by itself
     (a registered one, such as Hugging Face's ModelOutput, is a mapping and left alone)."""
@@ -267,8 +254,6 @@ class PlainOutputs(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return plain(self.model(*args))
-
-
 
 
 def loader_sample_counts(loader: Any, count: int) -> List[Optional[int]]:

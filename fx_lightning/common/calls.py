@@ -40,7 +40,6 @@ __all__ = [
     "Tree",
     "tree_of",
     "tree_of_call",
-    "leaf_values",
     "plain",
     "is_flat_call",
     "needs_flat_outputs",
@@ -291,10 +290,6 @@ def run_seeded(fn: Callable[..., Any], call: Call, seed: int = 0) -> Any:
 # ------------------------------------------------------------------------------------------- structure
 
 
-def _is_distribution(value: Any) -> bool:
-    return isinstance(value, torch.distributions.Distribution)
-
-
 def _distribution_params(value: Any) -> List[Tuple[str, Any]]:
     """A distribution's own parameters: those of ``arg_constraints`` it was built with (a lazily derived one,
     such as ``probs`` of a distribution built from ``logits``, is left out), or its base distribution."""
@@ -351,7 +346,7 @@ def _holds_tensor(value: Any, depth: int = 0) -> bool:
         return any(_holds_tensor(v, depth + 1) for v in value.values())
     if isinstance(value, (tuple, list)):
         return any(_holds_tensor(v, depth + 1) for v in value)
-    if _is_distribution(value):
+    if isinstance(value, torch.distributions.Distribution):
         return True
     if isinstance(value, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
         return False
@@ -374,7 +369,7 @@ def tree_of(value: Any, depth: int = 0) -> Tree:
     if isinstance(value, Mapping):  # an OrderedDict (torchvision's feature extractors) stays one; others: a dict
         cls = collections.OrderedDict if type(value) is collections.OrderedDict else dict
         return Tree("map", cls, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()])
-    if _is_distribution(value):
+    if isinstance(value, torch.distributions.Distribution):
         return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in _distribution_params(value)],
                     template=value)
     if isinstance(value, nn.Module):
@@ -390,12 +385,6 @@ def tree_of_call(call: Call) -> Tree:
     children = [(("arg", i), tree_of(a)) for i, a in enumerate(call.args)]
     children += [(("kwarg", k), tree_of(v)) for k, v in call.kwargs.items()]
     return Tree("call", children=children)
-
-
-def leaf_values(value: Any) -> List[torch.Tensor]:
-    """Every tensor of ``value`` in a stable order (sequences, mappings, distributions' parameters, dataclasses,
-    objects' fields)."""
-    return tree_of(value).leaves(value)
 
 
 def plain(value: Any) -> Any:

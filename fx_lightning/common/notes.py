@@ -51,11 +51,8 @@ class NoteKind:
         if known.template != self.template:
             raise ValueError(f"note kind {self.name!r} is declared twice, with different sentences")
 
-    def fields(self) -> List[str]:
-        return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
-
     def __call__(self, **facts: object) -> "Note":
-        missing = [f for f in self.fields() if f not in facts]
+        missing = [f for _, f, _, _ in string.Formatter().parse(self.template) if f and f not in facts]
         if missing:
             raise TypeError(f"note {self.name!r} needs the facts {', '.join(missing)}")
         return Note(self, tuple((k, _frozen(v)) for k, v in facts.items()))
@@ -72,11 +69,8 @@ class Note:
                 return value
         raise KeyError(f"note {self.kind.name!r} has no fact {name!r}; it has {', '.join(k for k, _ in self.facts)}")
 
-    def facts_dict(self) -> Mapping[str, Fact]:
-        return dict(self.facts)
-
     def __str__(self) -> str:
-        return self.kind.template.format(**self.facts_dict())
+        return self.kind.template.format(**dict(self.facts))
 
     def to_dict(self) -> Mapping[str, object]:
         """JSON view: the kind, the facts (non-finite numbers as text: JSON has none) and the sentence."""

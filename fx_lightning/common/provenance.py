@@ -27,9 +27,6 @@ class WeightsInfo:
     global_step: Optional[int] = None
     checkpoint: Optional[str] = None
 
-    def to_dict(self) -> Dict[str, object]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> "WeightsInfo":
         checkpoint = data.get("checkpoint")
@@ -48,9 +45,6 @@ class PreflightReport:
     unproven: Optional[str] = None  # what could not be proven before training, and why
     # What the end of fit will do other than asked (a format skipped, and why), as the rehearsal showed.
     predicted: List[str] = field(default_factory=list)
-
-    def to_dict(self) -> Dict[str, object]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> "PreflightReport":
@@ -92,13 +86,12 @@ class Provenance:
     other: Dict[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, object]:
-        """The JSON view: set fields only (and ``other``'s keys at the top)."""
+        """The JSON view: set fields only, records as dicts (and ``other``'s keys at the top)."""
         out: Dict[str, object] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "other" and value is not None:
-                out[f.name] = value.to_dict() if hasattr(value, "to_dict") else (
-                    dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
+                out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
         out.update(json_safe(self.other))
         return out
 

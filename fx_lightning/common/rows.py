@@ -13,7 +13,6 @@ from fx_lightning.errors import ExportError
 __all__ = ["rows_of", "take_rows", "with_rows", "concat_rows", "same_shape_groups", "split_rows"]
 
 
-
 def rows_of(leaves: Sequence[Any], axes: Sequence[Optional[int]]) -> Optional[int]:
     """The number of rows of flat ``leaves`` on their sample axes (None: no leaf has one)."""
     return next((int(t.shape[a]) for t, a in zip(leaves, axes) if a is not None and isinstance(t, torch.Tensor)),

@@ -17,6 +17,7 @@ In one process (:data:`~fx_lightning.pipeline.collectives.LOCAL`) these calls co
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -44,8 +45,6 @@ from fx_lightning.pipeline.steps import (
     fuse_target,
     judge,
     measure,
-    provenance_for,
-    sequence_steps,
 )
 from fx_lightning.pipeline.targets import refuse_protected, resolve_device
 from fx_lightning.common.provenance import Provenance
@@ -131,10 +130,6 @@ class Failure:
     where: str = ""
     type_name: Optional[str] = None
     remote: bool = False
-
-    @property
-    def step(self) -> Optional[str]:
-        return self.error.step
 
     @classmethod
     def of(cls, exc: BaseException, where: str = "") -> "Failure":
@@ -280,15 +275,13 @@ def _run(config: FuseConfig, source: Union[Source, Exception, None], destination
     return outcome
 
 
-def run_locally(config: FuseConfig, source: Union[Source, Exception, None],
-                progress: Optional[Progress] = None) -> LocalShare:
+def run_locally(config: FuseConfig, source: Union[Source, Exception, None], progress: Progress) -> LocalShare:
     """This rank's share: fuse a copy of the source, measure parity on this rank's batches (``source`` an
     exception: what loading raised). Public as the seam a caller wraps to run ranks its own way (the tests run them
     as threads, one at a time through torch.fx)."""
     if source is None or isinstance(source, Exception):
         return LocalShare(error=source if source is not None else FXLightningError("no source was loaded"))
     local = LocalShare(source)
-    progress = progress if progress is not None else Progress()
     try:
         with progress.step("capture and passes") as end:
             local.fused = fuse_target(local.source, config)
@@ -318,8 +311,8 @@ def _decide(collectives: Collectives, config: FuseConfig, fused: Fused, source: 
             differ = tuple(r.rank for r in everyone if r.buffers_differ)
             if differ:
                 notes.append(BUFFERS_DIFFERED(ranks=differ))
-        steps = sequence_steps(source.checked, [Step.parity_input.value, Step.capture.value, Step.passes.value],
-                               [Step.parity.value] if parity is not None else [])
+        steps = list(dict.fromkeys([*source.checked, Step.parity_input.value, Step.capture.value, Step.passes.value,
+                                    *([Step.parity.value] if parity is not None else [])]))  # each once, in order
         return _Verdict(parity, notes, steps), None
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the verdict broadcast
         return ErrorInfo.of(0, exc), exc
@@ -332,9 +325,11 @@ def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[Pa
     assert destination.directory is not None
     try:
         refuse_protected(destination.directory, destination.protected)
+        # The manifest's provenance: the caller's, with the target and the weights this process fused.
+        provenance = dataclasses.replace(destination.provenance, target=fused.target,
+                                         weights=source.weights or destination.provenance.weights)
         with progress.step("export", str(destination.directory)) as end:
-            exported = export(fused, config, parity, destination.directory,
-                              provenance_for(fused, source, destination.provenance),
+            exported = export(fused, config, parity, destination.directory, provenance,
                               rehearsal=mode is Mode.rehearsal, progress=progress)
             end.result = f"{len(exported.manifest.formats) if exported.manifest else 0} artifact(s)"
         return exported, None

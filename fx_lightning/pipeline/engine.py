@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fx_lightning.common.batches import as_example_inputs, detached, model_device_dtype
+from fx_lightning.common.batches import detached, example_call, model_device_dtype
 from fx_lightning.common.calls import Call, Interface, run_seeded
 from fx_lightning.capture.graph import capture, eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
@@ -34,7 +34,7 @@ from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchn
 from fx_lightning.capture.fuse_report import FuseReport, GraphStats, PassReport, batchnorms_in_leaves, graph_stats
 from fx_lightning.signature.signature import Signature
 
-__all__ = ["FuseResult", "fuse", "run_once", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
+__all__ = ["FuseResult", "fuse", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
 
 FLAT_INTERFACE = NoteKind("flat_interface", "captured through a flat interface: one tensor per input leaf "
                                             "({names}), the original arguments rebuilt inside, outputs made plain")
@@ -88,7 +88,7 @@ def fuse(
     if not isinstance(module, nn.Module):
         raise TypeError(f"fuse() takes a torch.nn.Module, got {type(module).__name__}")
     cfg = config if isinstance(config, FuseConfig) else load_config(config)
-    call = example_inputs if isinstance(example_inputs, Call) else _as_call(example_inputs)
+    call = example_call(example_inputs)
     inputs = call.args if call is not None and not call.kwargs else None  # the module passes' positional inputs
     start = time.perf_counter()
     plan = plan_passes(cfg.passes)
@@ -100,7 +100,7 @@ def fuse(
         working = eval_copy(module)
         module_runs = [(spec, _undone(result, undone), seconds) for spec, result, seconds in module_runs]
     removed = batchnorm_modules - _count_batchnorm_modules(working)  # by deploy-form conversions
-    interface = Interface.of(working, call, run_once(working, call)) if call is not None else None
+    interface = Interface.of(working, call, run_seeded(working, call)) if call is not None else None
     captured = capture(interface.module if interface is not None else working, cfg.trace,
                        interface.call if interface is not None else None, already_copied=True, signature=signature,
                        check=[interface.leaves_of(c) for c in check_inputs] if interface is not None else (),
@@ -135,16 +135,6 @@ def fuse(
         report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
     return FuseResult(gm, report, cfg, inputs, interface, captured.static_shapes)
-
-
-def _as_call(example_inputs: Any) -> Optional[Call]:
-    args = as_example_inputs(example_inputs)
-    return None if args is None else Call(args)
-
-
-def run_once(module: nn.Module, call: Call) -> Any:
-    """``module`` on ``call`` in eval mode, without gradients, with a fixed RNG (the caller's streams untouched)."""
-    return run_seeded(module, call)
 
 
 def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],

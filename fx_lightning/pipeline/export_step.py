@@ -69,17 +69,14 @@ NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no arti
                                                 "falls back to the order of preference")
 
 
-
-
 def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], directory: Path,
-           provenance: Provenance, *, rehearsal: bool = False, progress: Optional[Progress] = None) -> Exported:
+           provenance: Provenance, *, rehearsal: bool, progress: Progress) -> Exported:
     """Write the fused model: every format (each loaded back and checked), the variants and the selection, all in
     one staging directory renamed to ``directory`` (made absolute) at the end, so the export appears complete or
     not at all. ``rehearsal`` (the preflight): as the end of fit will (a format that cannot be written is skipped
     with a note under ``export.on_format_failure: skip``), except that a variant or the selection that cannot run
     is an error, a variant's gate is measured but not required, and the selection times each artifact once.
     ``progress``: where each part (a format, a variant, the timing, the sweep) says it started and ended."""
-    progress = progress if progress is not None else Progress()
     require_inputs(fused.example_inputs is not None, "the exporter to write the fused model with",
                    key=f"export to {directory}")
     directory = Path(os.path.abspath(directory))
@@ -128,14 +125,13 @@ def _other_inputs(fused: Fused) -> List[tuple]:
 
 
 def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                 rehearsal: bool = False, progress: Optional[Progress] = None) -> Manifest:
+                 rehearsal: bool, progress: Progress) -> Manifest:
     """Make each enabled lossy variant (int8, bf16) of the verified fused model: its own model in the torch
     formats, and each exported format's own variant (OpenVINO through NNCF, ONNX Runtime); keep the artifacts that
     pass the variant's gate, loaded back. Every outcome is recorded in the manifest, and a variant this CPU cannot
     run fast is skipped with the reason. A variant that cannot be made is an error in the rehearsal (which runs the
     accuracy-aware search on one layer, to prove it runs), and a recorded outcome after training (the fp32
     artifacts stand)."""
-    progress = progress if progress is not None else Progress()
     for variant, options in enabled_variants(config.passes):
         key = f"passes.{variant.key}"
         lacking = variant.lacks(cpu_info()) if options.require_cpu_features else None
@@ -165,7 +161,7 @@ def add_variants(staging: Path, manifest: Manifest, fused: Fused, config: FuseCo
                                   progress)
         with in_step(Step.variants):
             makers = format_variant_makers(staging, manifest, variant.name,
-                                           raw_input.raw_calibration(fused.calibration, preprocess))
+                                           [raw_input.example_raw(c, preprocess) for c in fused.calibration])
         manifest = _gated(staging, manifest, fused, variant.name, makers, gate_config, key, (), progress)
     return manifest
 
@@ -202,7 +198,7 @@ def _one_example(fused: Fused) -> Tuple[Any, ...]:
 
 
 def _make_variant(variant: Variant, options: VariantOptions, fused: Fused, gate_config: ParityConfig, key: str,
-                  rehearsal: bool, progress: Optional[Progress] = None) -> Union[MadeVariant, VariantOutcome]:
+                  rehearsal: bool, progress: Progress) -> Union[MadeVariant, VariantOutcome]:
     """The variant's model, or the outcome recording why it could not be made (``progress``: told how far a
     calibration is). Its accuracy-aware search gates candidate models against the fused one, as the artifacts are."""
     ctx = VariantContext(fused.example_inputs, list(fused.calibration), fused.signature,
@@ -254,7 +250,7 @@ def _rounded(value: Optional[float]) -> Optional[float]:
 
 
 def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: FuseConfig, *,
-                    rehearsal: bool = False, progress: Optional[Progress] = None) -> Manifest:
+                    rehearsal: bool, progress: Progress) -> Manifest:
     """Time the export's artifacts against the unfused target (eager), sweep the likely winners' throughput, and
     record the table and the pick of ``export.select_strategy`` among those that passed their check.
     ``rehearsal``: one round each, proving every artifact loads and runs at the batch sizes timed, and an error
@@ -270,7 +266,7 @@ def select_artifact(staging: Path, manifest: Manifest, fused: Fused, config: Fus
                              rounds=rounds, warmup=warmup,
                              own_process_finalists=finalists,
                              sweep=REHEARSAL_SWEEP if rehearsal else SweepSettings(),
-                             steps=progress if progress is not None else Progress())
+                             steps=progress)
         # The rehearsal's one round proves the sweep runs; its figures cannot judge a latency budget.
         selected = select_by_strategy(table, config.export.select_strategy, size, config.export.select_traffic,
                                       None if rehearsal else config.export.latency_budget_ms)

@@ -27,9 +27,9 @@ from torch import nn
 from fx_lightning.common.batches import (
     PARITY_INPUT_SPELLINGS,
     InputRule,
-    as_example_inputs,
     describe,
     describe_call,
+    example_call,
     extract_input,
     extract_labels,
     identity_rule,
@@ -98,7 +98,8 @@ def target_steps(config: FuseConfig, source: Source, whole: nn.Module, target: n
 
 def _observed(observed: Observations, wanted: int, whole: nn.Module, target: nn.Module, path: str) -> TargetSteps:
     device, _ = model_device_dtype(whole)
-    steps = [_moved(s, device) for s in observed.steps[:wanted]]
+    steps = [dataclasses.replace(s, target=to_model(s.target, device, None), whole=to_model(s.whole, device, None))
+             for s in observed.steps[:wanted]]
     through = bool(path) and all(s.whole is not None for s in steps)
     if through:  # the target's inputs at these weights (weights: best differ from the ones observed)
         try:
@@ -113,22 +114,16 @@ def _observed(observed: Observations, wanted: int, whole: nn.Module, target: nn.
                        [*observed.notes, note])
 
 
-def _moved(step: ObservedStep, device: Optional[torch.device]) -> ObservedStep:
-    return ObservedStep(to_model(step.target, device, None), to_model(step.whole, device, None)
-                        if step.whole is not None else None, step.samples, step.labels)
-
-
 def _parity_data(config: FuseConfig, batches: Batches, example_inputs: Any,
                  wanted: int) -> Tuple[List[Any], InputRule, str, List[Note]]:
     """The batches parity reads, the rule that takes forward's inputs out of them, their source, and notes."""
     data = list(itertools.islice(iter(batches.items), wanted))
     notes: List[Note] = []
-    example: Optional[Call] = None
     if isinstance(example_inputs, Mapping):  # Lightning allows a dict of keyword arguments here
-        example = Call((), dict(example_inputs))
+        example: Optional[Call] = Call((), dict(example_inputs))
         notes.append(EXAMPLE_INPUTS_DICT())
-    elif example_inputs is not None:
-        example = Call(as_example_inputs(example_inputs) or ())
+    else:
+        example = example_call(example_inputs)
     if not data and example is not None:
         if batches.source != "example":
             notes.append(EXAMPLE_INPUTS_USED())

@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from fx_lightning.common.batches import detached
-from fx_lightning.config import FuseConfig
 from fx_lightning.formats.base import FUSED_CLASS_NAME, ExactReference
-from fx_lightning.export.write.input_contract import InputContract, labels_for_output, preprocess_note, resolve_input_contract
+from fx_lightning.export.write.input_contract import InputContract, labels_for_output, preprocess_note
 from fx_lightning.export.manifest import Manifest, Preprocess
 from fx_lightning.export.write.prologue import ThroughRaw, behind_prologue, check_prologue_input, raw_args, with_prologue
 from fx_lightning.common.notes import Note, NoteKind
@@ -28,8 +27,8 @@ from fx_lightning.passes.graph_utils import plain_graph_module
 from fx_lightning.pipeline.records import Fused
 
 
-__all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "contract_for", "export_inputs",
-           "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models", "raw_calibration",
+__all__ = ["RAW_PATH_PASSED", "RAW_PATH_MISSED", "RAW_REFERENCE", "export_inputs",
+           "measure_raw_path", "judge_raw_path", "with_contract", "variant_gate_models",
            "example_raw", "normalised_dtype"]
 
 _PATH = ("{batches} parity batch(es) sent as raw {input_dtype} {layout} {channel_order} pixels through the exported "
@@ -39,13 +38,6 @@ RAW_PATH_PASSED = NoteKind("raw_path_passed", "raw input path: " + _PATH)
 RAW_PATH_MISSED = NoteKind("raw_path_missed", "raw input path FAILED: " + _PATH + ": {failure}")
 RAW_REFERENCE = "the raw inputs normalised in fp64, then an fp64 copy of the original (unfused) model"
 _RAW_METRIC = "raw_path_relative_max_error"
-
-
-def contract_for(given: Optional[InputContract], config: FuseConfig) -> InputContract:
-    """The source's contract, else the config's alone (without Lightning nothing is searched)."""
-    if given is not None:
-        return given
-    return resolve_input_contract(config.export)
 
 
 def export_inputs(fused: "Fused") -> Tuple[tuple, Optional[ExactReference]]:
@@ -127,12 +119,7 @@ def variant_gate_models(reference: nn.Module, loaded: nn.Module,
     return ThroughRaw(behind_prologue(reference, preprocess), preprocess), ThroughRaw(loaded, preprocess)
 
 
-def raw_calibration(calibration: List[tuple], preprocess: Optional[Preprocess]) -> List[tuple]:
-    """Calibration inputs for the formats' own variants, made from their artifacts (raw with a prologue)."""
-    return calibration if preprocess is None else [raw_args(c, preprocess) for c in calibration]
-
-
 def example_raw(example: Any, preprocess: Optional[Preprocess]) -> Any:
-    """Example inputs as the artifacts take them (raw with a prologue)."""
+    """Example (or calibration) inputs as the artifacts take them (raw with a prologue)."""
     return example if preprocess is None or example is None else raw_args(tuple(example), preprocess)
 

@@ -93,17 +93,12 @@ class Fused:
     steps: List[ObservedStep]  # what parity compares on: the target's calls (and the whole model's)
     signature: Signature  # how the artifact is called, from the calls observed
     source: str
+    candidate: nn.Module  # the fused model as parity runs it, called as the original target is
     calibration: List[tuple] = field(default_factory=list)  # the graph's inputs on calibration steps
     notes: List[Note] = field(default_factory=list)
     # True: parity runs the whole model on each step's whole call; False: it compares the target alone on its calls.
     through_whole: bool = True
     contract: InputContract = field(default_factory=InputContract)  # the prologue and labels to export
-    # The fused model as parity runs it, called as the original target is (None: ``result.module``).
-    candidate: Optional[nn.Module] = None
-
-    def __post_init__(self) -> None:
-        if self.candidate is None:
-            self.candidate = self.result.module
 
     def graph_inputs(self, call: Call) -> tuple:
         """A call of the target as the fused graph takes it (one tensor per leaf, for a flat interface)."""

@@ -19,7 +19,8 @@ import contextlib
 import copy
 import dataclasses
 from enum import Enum
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from operator import attrgetter
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from fx_lightning.errors import (
     require_inputs,
 )
 from fx_lightning.export.load.interface import for_sizes
+from fx_lightning.export.write.input_contract import resolve_input_contract
 from fx_lightning.export.manifest import Preprocess
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
@@ -44,18 +46,13 @@ from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, calibration_steps, signature_for, target_steps,
                                          without_labels)
-from fx_lightning.pipeline.records import Batches, Exported, Fused, ObservedStep, Source
+from fx_lightning.pipeline.records import Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
-from fx_lightning.common.provenance import Provenance
 from fx_lightning.signature.signature import Signature
 from fx_lightning.variants import enabled_variants
 
 __all__ = [
     "Step",
-    "Batches",
-    "Source",
-    "Fused",
-    "Exported",
     "in_step",
     "fuse_target",
     "other_sizes",
@@ -63,8 +60,6 @@ __all__ = [
     "measure",
     "judge",
     "gate_variant",
-    "provenance_for",
-    "sequence_steps",
     "PARITY_DISABLED",
 ]
 
@@ -161,14 +156,15 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         with in_step(Step.parity_input):
             calibration, calibration_notes = calibration_steps(config, source, reference_whole, reference, path,
                                                                found, calibration_batch_count(config))
-    contract = raw_input.contract_for(source.contract, config)
+    # The source's contract, else the config's alone (without Lightning nothing is searched).
+    contract = source.contract if source.contract is not None else resolve_input_contract(config.export)
     notes = [*source.notes, *source.batches.notes, *found.notes, *calibration_notes, *contract.notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
     candidate = _candidate(result, signature)
     fused = Fused(path, result, reference, reference_whole, whole_model_with(reference_whole, path, candidate),
-                  result.example_inputs, found.steps, signature, found.source, [], notes, found.through_whole,
-                  contract, candidate)
+                  result.example_inputs, found.steps, signature, found.source, candidate, notes=notes,
+                  through_whole=found.through_whole, contract=contract)
     fused.calibration = [fused.graph_inputs(call) for call in calibration]
     return fused
 
@@ -183,19 +179,15 @@ def _candidate(result: FuseResult, signature: Signature) -> nn.Module:
 
 
 def _unread_inputs(graph_module: nn.Module, signature: Signature) -> List[str]:
-    """The inputs the captured graph never reads (a placeholder with no users), by the signature's names."""
+    """The inputs the captured graph never reads (a placeholder whose only users are torch.export's ``_guards_fn``:
+    its checks of the input's sizes, which the stand-in an unread input gets is sized to pass), by the signature's
+    names."""
     graph = getattr(graph_module, "graph", None)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
     if len(placeholders) != len(signature.inputs):
         return []
     return [leaf.name for leaf, node in zip(signature.inputs, placeholders)
-            if all(_checks_only(user) for user in node.users)]
-
-
-def _checks_only(node: Any) -> bool:
-    """A use that reads no value: torch.export's ``_guards_fn`` (its checks of the input's sizes; the stand-in an
-    unread input gets is sized to pass them)."""
-    return node.op == "call_module" and str(node.target) == "_guards_fn"
+            if all(user.op == "call_module" and str(user.target) == "_guards_fn" for user in node.users)]
 
 
 def other_sizes(steps: Sequence[ObservedStep]) -> List[Call]:
@@ -229,52 +221,28 @@ def measure(fused: Fused, config: FuseConfig) -> Optional[ParityState]:
     with in_step(Step.parity), own_rng(fused.reference_whole), torch.no_grad():
         _, dtype = model_device_dtype(fused.reference_whole)
         precise = copy.deepcopy(fused.reference).double() if dtype in _LOW_PRECISION else None
-        state = _measure_steps(fused, fused.reference, fused.candidate, fused.fused_model, config.parity,
-                               precise=precise)
+        state = _measure_steps(fused, fused.reference, fused.candidate, fused.reference_whole, fused.fused_model,
+                               config.parity, precise=precise)
         # With a prologue: the batches as raw pixels, too.
         raw_path = raw_input.measure_raw_path(fused, config.parity.min_discrete_agreement)
         state.notes += [raw_path] if raw_path is not None else []
         return state
 
 
-def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, whole_candidate: nn.Module,
-                   cfg: ParityConfig, *, precise: Optional[nn.Module] = None, nested: bool = True) -> ParityState:
-    """``candidate`` against ``reference`` on the fused model's steps: through the whole models (the candidate in
-    place) when the steps recorded the whole model's calls, else on the target's own calls."""
+def _measure_steps(fused: Fused, reference: nn.Module, candidate: nn.Module, whole_reference: nn.Module,
+                   whole_candidate: nn.Module, cfg: ParityConfig, *, precise: Optional[nn.Module] = None,
+                   nested: bool = True) -> ParityState:
+    """``candidate`` against ``reference`` on the fused model's steps: through the whole models (each with its
+    target in place) when the steps recorded the whole model's calls, else on the target's own calls."""
     whole = fused.through_whole
+    outputs = fused.signature.outputs
     return measure_parity(
         reference, candidate, fused.steps, cfg,
-        whole_reference=fused.reference_whole if whole else None, whole_candidate=whole_candidate if whole else None,
-        input_rule=_whole_call if whole else _target_call, label_rule=_labels, source=fused.source,
-        precise_reference=precise, nested=nested, stochastic=_stochastic(fused),
-        output_names=_output_names(fused), sample_axes=_sample_axes(fused))
-
-
-def _stochastic(fused: Fused) -> List[int]:
-    """The target's outputs drawn at random in forward (by position among its tensors)."""
-    return [i for i, leaf in enumerate(fused.signature.outputs) if leaf.stochastic]
-
-
-def _output_names(fused: Fused) -> List[str]:
-    """The target's outputs as the signature names them: what the per-output parity errors are called."""
-    return [leaf.name for leaf in fused.signature.outputs]
-
-
-def _sample_axes(fused: Fused) -> List[Optional[int]]:
-    return [leaf.sample_axis for leaf in fused.signature.outputs]
-
-
-def _whole_call(step: ObservedStep) -> Call:
-    assert step.whole is not None
-    return step.whole
-
-
-def _target_call(step: ObservedStep) -> Call:
-    return step.target
-
-
-def _labels(step: ObservedStep) -> Optional[torch.Tensor]:
-    return step.labels
+        whole_reference=whole_reference if whole else None, whole_candidate=whole_candidate if whole else None,
+        input_rule=attrgetter("whole" if whole else "target"), label_rule=attrgetter("labels"), source=fused.source,
+        precise_reference=precise, nested=nested,
+        stochastic=[i for i, leaf in enumerate(outputs) if leaf.stochastic],  # drawn at random in forward
+        output_names=[leaf.name for leaf in outputs], sample_axes=[leaf.sample_axis for leaf in outputs])
 
 
 def judge(state: Optional[ParityState], config: FuseConfig) -> Optional[ParityReport]:
@@ -294,22 +262,5 @@ def gate_variant(fused: Fused, loaded: nn.Module, config: ParityConfig, config_k
     whole_reference = fused.fused_model if preprocess is None else whole_model_with(fused.fused_model, fused.target,
                                                                                     reference)
     whole_candidate = whole_model_with(fused.fused_model, fused.target, loaded)
-    state = measure_parity(reference, loaded, fused.steps, config,
-                           whole_reference=whole_reference if fused.through_whole else None,
-                           whole_candidate=whole_candidate if fused.through_whole else None,
-                           input_rule=_whole_call if fused.through_whole else _target_call, label_rule=_labels,
-                           source=fused.source, nested=False,
-                           stochastic=_stochastic(fused), output_names=_output_names(fused),
-                           sample_axes=_sample_axes(fused))
+    state = _measure_steps(fused, reference, loaded, whole_reference, whole_candidate, config, nested=False)
     return judge_parity(state, config, lossy=True, config_key=config_key)
-
-
-def provenance_for(fused: Fused, source: Source, base: Provenance) -> Provenance:
-    """What the manifest records about where the model came from: ``base`` (the caller's), the target and the
-    weights this process fused."""
-    return dataclasses.replace(base, target=fused.target, weights=source.weights or base.weights)
-
-
-def sequence_steps(*groups: Sequence[str]) -> List[str]:
-    """Steps in order, each once."""
-    return list(dict.fromkeys(s for g in groups for s in g))

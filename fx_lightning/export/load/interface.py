@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from fx_lightning.common.calls import Call, Step, leaf_values, path_text, tree_of_call, value_at
+from fx_lightning.common.batches import flat_tensors
+from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem
@@ -65,7 +66,7 @@ class ArtifactInterface(nn.Module):
         out = self.module(*call_args)
         tree = self.signature.output_tree
         if tree is not None:
-            leaves = leaf_values(out)
+            leaves = flat_tensors(out)
             if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
                 return rebuild_outputs(tree, leaves, self.signature.samples_in(tensors))
         return nest_outputs(out, self.signature.outputs)
@@ -176,7 +177,7 @@ def nest_outputs(out: Any, specs: Sequence[LeafSpec]) -> Any:
     steps = [_steps(s) for s in specs]
     if not steps or all(len(s) == 0 for s in steps):
         return out
-    leaves = leaf_values(out)
+    leaves = flat_tensors(out)
     if len(leaves) != len(specs):
         return out
     flat_runtime = isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and
