@@ -15,7 +15,8 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from fx_lightning.common.calls import leaf_values, plain
+from fx_lightning.common.batches import flat_tensors
+from fx_lightning.common.calls import plain
 from fx_lightning.parity.metrics import agreement_parts, relative_max_error, relative_max_error_parts
 from fx_lightning.common.tolerance import rounding_tolerance
 
@@ -86,7 +87,7 @@ def structure_mismatch(got: Any, want: Any, *, nested: bool = True) -> Optional[
     """How ``got`` differs from ``want`` in structure: tensor count, nesting (``nested``), shapes, dtypes.
     None when they match. ``nested=False`` compares the flat tensor lists only (a runtime such as ONNX Runtime
     returns its outputs flat)."""
-    g, w = leaf_values(got), leaf_values(want)
+    g, w = flat_tensors(got), flat_tensors(want)
     if len(g) != len(w):
         return f"the output has {len(g)} tensor(s), the reference {len(w)}"
     if nested:
@@ -145,7 +146,7 @@ def compare_outputs(
     if mismatch is not None:
         return Comparison(mismatch, float("inf"), rtol or 0.0)
     worst, allowed, failure = 0.0, 0.0, None
-    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(leaf_values(got), leaf_values(want)))
+    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(flat_tensors(got), flat_tensors(want)))
     for i, (g, w) in enumerate(pairs):
         if min_agreement is not None and is_discrete(w):
             share = agreement(g, w)
