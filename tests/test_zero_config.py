@@ -867,3 +867,52 @@ def test_an_argument_left_out_means_forwards_default_never_the_value_observed(tm
                 fused(x)
             got, want = fused(x, steps=6), reference(x.double(), steps=6)  # the advice: the call it computes
         assert got.shape == want.shape == (3, 1) and H.rel_err(got, want) < 1e-5, fmt
+
+
+class EmbeddedBackbone(H.CrossEntropySteps):
+    """pytorch-tabular's model: ``embed`` -> ``backbone`` -> ``head`` in the LightningModule's forward; the default
+    target ``backbone`` takes the embedded features, not the batch, and leaves the head out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.backbone = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Linear(8, H.NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(self.embed(x)))
+
+
+def _table_loaders() -> Any:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, H.NUM_CLASSES, (32,),
+                                                                                          generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8), torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def test_the_default_backbone_says_what_the_forward_runs_beside_it_and_the_advice_exports_all(tmp_path) -> None:
+    """Before: the artifact was the backbone alone (it takes the embedded features) and nothing said so."""
+    cb = FXFuseCallback(export={"formats": ["pt2"]})
+    model = EmbeddedBackbone()
+    H.make_trainer(tmp_path / "default", [cb], max_epochs=1).fit(model, *_table_loaders())
+    assert cb.outcome.manifest.provenance.target == "backbone"
+    (note,) = [n for n in cb.outcome.notes if n.kind.name == "backbone_only"]
+    assert "embed (56 trained parameters), head" in str(note) and "target: ''" in str(note), str(note)
+    # The advice: the whole forward, from the batch's columns to the classes, and no note.
+    cb = FXFuseCallback(target="", export={"formats": ["pt2"]})
+    H.make_trainer(tmp_path / "whole", [cb], max_epochs=1).fit(model, *_table_loaders())
+    assert cb.outcome.manifest.provenance.target == ""
+    assert not [n for n in cb.outcome.notes if n.kind.name == "backbone_only"]
+    x = torch.randn(5, 6)
+    got = load_fused(cb.export_dir)(x)
+    assert got.shape == (5, H.NUM_CLASSES) and got.dtype == torch.float32
+    assert H.rel_err(got, H.fp64_copy(model)(x.double())) < 1e-5
+
+
+def test_a_backbone_the_forward_runs_alone_gets_no_note(tmp_path) -> None:
+    cb = FXFuseCallback(export={"formats": ["pt2"]})
+    model = H.LitClassifier()
+    model.head = nn.Identity()  # forward: the backbone alone (an identity holds no trained parameters)
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    assert cb.outcome.manifest.provenance.target == "backbone"
+    assert not [n for n in cb.outcome.notes if n.kind.name == "backbone_only"], cb.outcome.notes

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -33,11 +33,14 @@ from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import Observations, ObservedStep, calibration_batch_count, resolve_target
 
-__all__ = ["CallRecorder", "TARGET_CALLED_BY_STEPS", "NOT_OBSERVED"]
+__all__ = ["CallRecorder", "TARGET_CALLED_BY_STEPS", "BACKBONE_ONLY", "NOT_OBSERVED"]
 
 TARGET_CALLED_BY_STEPS = NoteKind("target_called_by_steps", "the LightningModule's steps never call its forward (they "
                                                             "call {called} directly): fused {target}, the one of them "
                                                             "that holds the trained parameters")
+BACKBONE_ONLY = NoteKind("backbone_only", "target: null fused backbone (the default where the LightningModule has "
+                                          "one), but its forward also runs {around} around it, which the artifact "
+                                          "leaves out: set target: '' to export the whole forward")
 NOT_OBSERVED = NoteKind("not_observed", "the target's calls were not observed ({why}): its inputs were taken out of "
                                         "the batches")
 # Shapes of this many calls are kept (evidence of which sizes vary).
@@ -100,6 +103,12 @@ class CallRecorder:
         self.watched: Dict[str, nn.Module] = {self.path: self.target}
         if self.target is pl_module and config.target is None:
             self.watched.update(dict(pl_module.named_children()))
+        # The default target ``backbone``: the children holding trained parameters that the LightningModule's
+        # forward runs beside it (an input embedding, a head): the artifact leaves them out, and a note says so.
+        self.beside: Dict[str, nn.Module] = {
+            name: child for name, child in pl_module.named_children()
+            if config.target is None and self.path == "backbone" and child is not self.target and _trained(child)}
+        self.ran_beside: Set[str] = set()
         self.logs: Dict[str, _Log] = {name: _Log() for name in self.watched}
         self.step: Optional[_Step] = None
         self.root_called = False
@@ -159,6 +168,8 @@ class CallRecorder:
         for name, module in self.watched.items():
             if module is not self.root:
                 self.handles.append(module.register_forward_pre_hook(self._watch(name, module), with_kwargs=True))
+        for name, module in self.beside.items():
+            self.handles.append(module.register_forward_pre_hook(self._beside(name, module)))
 
     def _unhook(self) -> None:
         for handle in self.handles:
@@ -198,6 +209,12 @@ class CallRecorder:
                 self.logs[name].shapes.append((_shapes(Call(tuple(args), dict(kwargs))), None))
         return hook
 
+    def _beside(self, name: str, watched: nn.Module) -> Any:
+        def hook(module: nn.Module, args: Tuple[Any, ...]) -> None:
+            if self.step is not None and self.step.depth > 0 and module is watched:
+                self.ran_beside.add(name)
+        return hook
+
     def _room(self, step: _Step, name: str) -> bool:
         """Whether a call of ``name`` in this step is kept with its values: a few per step (two views of a batch,
         say), within what parity compares on."""
@@ -218,7 +235,7 @@ class CallRecorder:
             return None
         if self.step is not None:  # asked during a step (the preflight before the first optimizer step): its calls
             self._keep(self.step)
-        found = self.logs[self.path].observations(self.path, self.stages, [])
+        found = self.logs[self.path].observations(self.path, self.stages, self._backbone_only())
         if found is not None or self.target is not self.root or self.root_called:
             return found
         called = sorted(name for name, log in self.logs.items() if name != self.path and any(log.kept.values()))
@@ -228,11 +245,21 @@ class CallRecorder:
         return self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(
             called=", ".join(called), target=name)])
 
+    def _backbone_only(self) -> List[Any]:
+        """The note that the default target ``backbone`` leaves out what the forward runs beside it (where the
+        forward was seen to call the backbone and them)."""
+        log = self.logs[self.path]
+        inside = any(step.whole is not None for step in (*log.validation, *log.training))
+        if not (inside and self.ran_beside):
+            return []
+        around = ", ".join(f"{n} ({_trained(self.beside[n]):,} trained parameters)" for n in sorted(self.ran_beside))
+        return [BACKBONE_ONLY(around=around)]
+
     def _trained_one(self, called: List[str]) -> str:
         """Of the submodules the steps call, the one that holds the trained parameters (a batch transform or a loss
         holds none). Raises ConfigError naming each with its count when several do: which one is the model is then
         not observable."""
-        counts = {name: sum(p.numel() for p in self.watched[name].parameters() if p.requires_grad) for name in called}
+        counts = {name: _trained(self.watched[name]) for name in called}
         trained = sorted((n for n in called if counts[n] > 0), key=lambda n: -counts[n])
         if len(called) == 1 or len(trained) == 1:
             return trained[0] if trained else called[0]
@@ -241,6 +268,11 @@ class CallRecorder:
             f"target: null, and the LightningModule's steps never call its forward: they call the submodules "
             f"{listed} directly, and more than one holds trained parameters.",
             fix=f"set target to the one to fuse (e.g. target: {(trained or called)[0]})")
+
+
+def _trained(module: nn.Module) -> int:
+    """How many of the module's parameters are trained."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
 def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
