@@ -249,7 +249,7 @@ class CallRecorder:
         """The note that the default target ``backbone`` leaves out what the forward runs beside it (where the
         forward was seen to call the backbone and them)."""
         log = self.logs[self.path]
-        inside = any(step.whole is not None for step in (*log.validation, *log.training))
+        inside = any(step.whole is not None for steps in log.kept.values() for step in steps)
         if not (inside and self.ran_beside):
             return []
         around = ", ".join(f"{n} ({_trained(self.beside[n]):,} trained parameters)" for n in sorted(self.ran_beside))
