@@ -33,7 +33,6 @@ def load_config(config: ConfigLike = None, **overrides: Any) -> FuseConfig:
     """
     sources = ([config] if config is not None else []) + [{k: v} for k, v in overrides.items() if v is not None]
     cfg = load_record(FuseConfig, [_normalise(_to_plain(source)) for source in sources])
-    assert isinstance(cfg, FuseConfig)
     validate(cfg)
     # The user passes: resolved, and their options as their options dataclasses read them.
     extras = [dataclasses.replace(e, options=_typed_pass_options(e, i)) for i, e in enumerate(cfg.passes.extra)]

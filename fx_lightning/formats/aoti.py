@@ -46,10 +46,6 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def _unavailable() -> Optional[str]:
-    return None if _compiler() else "a C++ compiler (g++ or clang++) to build AOTInductor packages"
-
-
 def _compiler_version() -> str:
     cxx = _compiler()
     if not cxx:
@@ -152,7 +148,7 @@ FORMAT = Format(
     write=_write,
     load=_load,
     preference=50,
-    unavailable=_unavailable,
+    unavailable=lambda: None if _compiler() else "a C++ compiler (g++ or clang++) to build AOTInductor packages",
     install_hint="install a C++ compiler (apt-get install g++)",
     readme=(
         "- `{path}/` (aoti): AOTInductor packages compiled for this machine's CPU or GPU: "

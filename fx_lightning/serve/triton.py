@@ -239,7 +239,8 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
                 options: TritonOptions) -> TritonModel:
     backend = _backend(entry_name, entry)
     assert backend is not None  # _choose_entries kept only what a backend serves
-    folder = _artifact_folder(entry, backend)
+    # The artifact's folder in the export: its files are named relative to it in the version directory.
+    folder = Path(entry.path) if backend.folder_is_path else Path(entry.path).parent
     model_file = root / folder / backend.model_file
     inputs, outputs = backend.read(model_file)
     where = f"{entry_name} ({model_file})"
@@ -275,11 +276,6 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
                                 if runtime else []))
     _attach_labels(model, manifest.labels)
     return model
-
-
-def _artifact_folder(entry: FormatEntry, backend: Backend) -> Path:
-    """The artifact's folder in the export: its files are named relative to it in the version directory."""
-    return Path(entry.path) if backend.folder_is_path else Path(entry.path).parent
 
 
 def _agree(where: str, kind: str, found: List[LeafSpec], specs: List[LeafSpec], entry: FormatEntry,

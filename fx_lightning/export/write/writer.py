@@ -87,7 +87,7 @@ def export_fused(
     """
     final = Path(os.path.abspath(os.fspath(directory)))
     error: Optional[BaseException] = None
-    if _rank() == 0:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         try:
             ctx = prepare_export(graph_module, example_inputs, config, final)
             provenance = extra if isinstance(extra, Provenance) else Provenance.from_dict(extra)
@@ -160,10 +160,6 @@ def require_formats(formats: List[Format]) -> None:
                 f"export.formats has {fmt.name!r} but {', '.join(missing)} is not installed: "
                 f"{fmt.install_hint}, or drop {fmt.name} from export.formats."
             )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _wait_for_rank_zero(error: Optional[BaseException]) -> None:
