@@ -22,9 +22,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from fx_lightning._version import __version__
-from fx_lightning.common.dtypes import TRITON_TO_NUMPY, TRITON_TO_V2, by_torch
+from fx_lightning.common.dtypes import BY_TORCH
 from fx_lightning.serve.contract import BadRequest, Contract, Decoded, parse_json
-from fx_lightning.serve.triton_config import TritonModel, data_type
+from fx_lightning.serve.triton_config import TritonModel
 from fx_lightning.signature.signature import LeafSpec
 
 __all__ = ["BINARY_HEADER", "MODEL_VERSION", "EXTENSIONS", "Wanted", "InferRequest", "decode_infer",
@@ -102,8 +102,7 @@ def _input_array(model: TritonModel, tensor: LeafSpec, item: Mapping[str, Any], 
                  offset: int) -> Tuple[np.ndarray, int]:
     """One input as the contract's array (the config's reshape applied), and the binary section's offset after it."""
     where = f"input {tensor.name!r}"
-    row = by_torch(tensor.dtype)
-    assert row is not None  # the contract serves only dtypes of the table
+    row = BY_TORCH[tensor.dtype]  # the contract serves only dtypes of the table
     want_type, want_shape, dtype = row.v2, model.stated_shape(tensor), np.dtype(row.numpy)
     if item.get("datatype") != want_type:
         raise BadRequest(400, f"{where}: datatype {item.get('datatype')!r}; the model takes {want_type}")
@@ -180,8 +179,8 @@ def encode_infer(model: TritonModel, request: InferRequest, outputs: Sequence[np
     described, chunks = [], []
     for want in request.outputs:
         tensor, array = by_name[want.name]
-        datatype = TRITON_TO_V2[data_type(tensor)]
-        array = np.ascontiguousarray(array, dtype=TRITON_TO_NUMPY[data_type(tensor)])  # bf16: float32 stands in
+        datatype = BY_TORCH[tensor.dtype].v2
+        array = np.ascontiguousarray(array, dtype=BY_TORCH[tensor.dtype].numpy)  # bf16: float32 stands in
         if model.reshape(tensor) is not None:
             array = array.reshape(([array.shape[0]] if model.batching else []) + list(model.dims(tensor)))
         item: Dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": list(array.shape)}
@@ -209,7 +208,7 @@ def model_metadata(model: TritonModel, platform: str) -> Dict[str, object]:
     """``GET /v2/models/{name}``: names, datatypes and shapes (-1 where a size varies, the sample axis included
     where the model batches), as the Triton repository's config states them."""
     def tensors(items: Sequence[LeafSpec]) -> List[Dict[str, object]]:
-        return [{"name": t.name, "datatype": TRITON_TO_V2[data_type(t)], "shape": model.stated_shape(t)}
+        return [{"name": t.name, "datatype": BY_TORCH[t.dtype].v2, "shape": model.stated_shape(t)}
                 for t in items]
 
     return {"name": model.name, "versions": [MODEL_VERSION], "platform": platform,

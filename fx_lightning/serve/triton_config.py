@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fx_lightning.common.dtypes import TORCH_TO_TRITON, TRITON_TO_NUMPY, TRITON_TO_V2
+from fx_lightning.common.dtypes import BY_TORCH, TORCH_TO_TRITON
 from fx_lightning.errors import ConfigError
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.export.select.sweep import recorded_batching
@@ -271,8 +271,8 @@ def _model_readme(model: TritonModel, manifest: Manifest) -> List[str]:
               "import numpy as np", "import tritonclient.http as httpclient", "",
               'client = httpclient.InferenceServerClient("localhost:8000")', "inputs = []"]
     for t in model.inputs:
-        shape, dtype = _example_shape(model, t), TRITON_TO_V2[data_type(t)]
-        lines += [f"x = np.zeros({shape}, dtype={TRITON_TO_NUMPY[data_type(t)]!r})",
+        shape, dtype = _example_shape(model, t), BY_TORCH[t.dtype].v2
+        lines += [f"x = np.zeros({shape}, dtype={BY_TORCH[t.dtype].numpy!r})",
                   f"inputs.append(httpclient.InferInput({t.name!r}, x.shape, {dtype!r}))",
                   "inputs[-1].set_data_from_numpy(x)"]
     lines += [f"result = client.infer({model.name!r}, inputs)"]
@@ -291,7 +291,7 @@ def _json_body_program(model: TritonModel) -> str:
         shape = _example_shape(model, t)
         zero = "False" if t.dtype == "bool" else "0"
         items.append(f'{{"name": {json.dumps(t.name)}, "shape": {list(shape)}, "datatype": '
-                     f'{json.dumps(TRITON_TO_V2[data_type(t)])}, "data": [{zero}] * {math.prod(shape)}}}')
+                     f'{json.dumps(BY_TORCH[t.dtype].v2)}, "data": [{zero}] * {math.prod(shape)}}}')
     return f'import json; print(json.dumps({{"inputs": [{", ".join(items)}]}}))'
 
 
