@@ -51,6 +51,7 @@ __all__ = [
     "verify_files",
     "legacy_signature",
     "is_tensor",
+    "dist_version",
 ]
 
 FORMAT_VERSION = 3
@@ -474,17 +475,18 @@ def _versions(entries: Mapping[str, FormatEntry]) -> Dict[str, Optional[str]]:
         "format_version": str(FORMAT_VERSION),
         "fx_lightning": __version__,
         "torch": torch.__version__,
-        "lightning": _dist_version("lightning"),
+        "lightning": dist_version("lightning"),
         "python": platform.python_version(),
     }
     for name, entry in entries.items():
         fmt = FORMATS[entry.format_name or name]
         for module in (*fmt.requires, *fmt.runtime_requires):
-            out[module] = _dist_version(module)
+            out[module] = dist_version(module)
     return out
 
 
-def _dist_version(name: str) -> Optional[str]:
+def dist_version(name: str) -> Optional[str]:
+    """The installed version of the distribution ``name`` (None: not installed)."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:

@@ -25,7 +25,7 @@ from fx_lightning.config import MlflowConfig
 from fx_lightning.common.dtypes import by_torch
 from fx_lightning.errors import ConfigError, ExportError, first_line
 from fx_lightning.export.check import read_check_file
-from fx_lightning.export.manifest import Manifest, VariantOutcome, read_manifest, verify_files
+from fx_lightning.export.manifest import Manifest, VariantOutcome, dist_version, read_manifest, verify_files
 from fx_lightning.formats import FORMATS
 from fx_lightning.common.rows import rows_of, take_rows
 from fx_lightning.serve.artifact import ServeOptions, artifact_for
@@ -209,12 +209,7 @@ def pip_requirements(manifest: Manifest, served: str) -> List[str]:
     names.setdefault("numpy", "numpy")
     pinned: List[str] = []
     for name, module in names.items():
-        version = manifest.versions.get(name) or manifest.versions.get(module)
-        if not version:
-            try:
-                version = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                version = None
+        version = manifest.versions.get(name) or manifest.versions.get(module) or dist_version(name)
         pinned.append(f"{name}=={version.split('+')[0]}" if version else name)
     return pinned
 
