@@ -198,8 +198,10 @@ class FXFuseCallback(Callback):
         try:
             if outcome.failure is not None:
                 self._fail(trainer, outcome.failure)
-        finally:
-            self._share_results()
+        finally:  # this copy's results on the object it was copied from (see ``__deepcopy__``)
+            if self._origin is not None:
+                for key in _RESULTS:
+                    setattr(self._origin, key, getattr(self, key))
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "FXFuseCallback":
         """A copy (a library that deep-copies the trainer's callbacks runs the copy) whose results reach this
@@ -210,12 +212,6 @@ class FXFuseCallback(Callback):
             setattr(twin, key, value if key == "_origin" else copy.deepcopy(value, memo))
         twin._origin = self._origin if self._origin is not None else self
         return twin
-
-    def _share_results(self) -> None:
-        """This copy's results on the object it was copied from (see ``__deepcopy__``)."""
-        if self._origin is not None:
-            for key in _RESULTS:
-                setattr(self._origin, key, getattr(self, key))
 
     def _record(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
         """Keep what the pipeline did, log its figures once and print its summary."""
