@@ -210,7 +210,8 @@ class Contract:
             if want.kind == "b" and raw.dtype.kind in "iu" and raw.size and set(np.unique(raw).tolist()) <= {0, 1}:
                 return raw.astype(bool)
             expected = "true/false (or 0/1)" if want.kind == "b" else f"numbers ({spec.dtype})"
-            got = "true/false" if raw.dtype.kind == "b" else _json_kind(raw)
+            got = ("true/false" if raw.dtype.kind == "b" else "strings" if raw.dtype.kind in "US"
+                   else "null or mixed values" if raw.dtype == object else f"{raw.dtype}")
             raise BadRequest(422, f"{where}: expected {expected}, got {got}")
         if want.kind == "f" and raw.dtype.kind == "f" and raw.size:
             finite = raw[np.isfinite(raw)]
@@ -419,9 +420,3 @@ def _top_k(value: Any, key: str) -> Optional[int]:
     except (TypeError, ValueError, OverflowError):
         raise BadRequest(422, f"{key}: expected a non-negative integer, got {value!r}") from None
     return k
-
-
-def _json_kind(raw: np.ndarray) -> str:
-    if raw.dtype.kind in "US":
-        return "strings"
-    return "null or mixed values" if raw.dtype == object else f"{raw.dtype}"

@@ -212,7 +212,8 @@ def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]],
                     python: bool) -> Tuple[List[str], List[SkippedArtifact]]:
     """The entries to write (in manifest order) and those skipped with the reason; a named entry that is not in
     the export, or not servable, is refused."""
-    servable = _servable(manifest, python)
+    backends = set(_BACKENDS) | ({"python"} if python else set())
+    servable = [n for n, e in manifest.formats.items() if FORMATS[e.format_name or n].triton_backend in backends]
     if wanted is not None:
         for name in wanted:
             if name not in manifest.formats:
@@ -223,11 +224,6 @@ def _choose_entries(manifest: Manifest, wanted: Optional[Sequence[str]],
                                   f"; allowed: {', '.join(servable) or 'none in this export'}.")
         return [n for n in manifest.formats if n in wanted], []
     return servable, [SkippedArtifact(n, _skip_reason(manifest, n)) for n in manifest.formats if n not in servable]
-
-
-def _servable(manifest: Manifest, python: bool) -> List[str]:
-    backends = set(_BACKENDS) | ({"python"} if python else set())
-    return [n for n, e in manifest.formats.items() if FORMATS[e.format_name or n].triton_backend in backends]
 
 
 def _skip_reason(manifest: Manifest, entry_name: str) -> str:
