@@ -7,6 +7,7 @@ Public API::
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from fx_lightning._version import __version__
@@ -35,18 +36,12 @@ __all__ = [
 ]
 
 
+# The callback pulls in Lightning and the exporter torch.export: import them only when asked for.
+_LAZY = {"FXFuseCallback": "fx_lightning.callback", "load_fused": "fx_lightning.export.load.loader",
+         "fuse_and_export": "fx_lightning.pipeline.driver"}
+
+
 def __getattr__(name: str) -> Any:
-    # The callback pulls in Lightning and the exporter torch.export: import them only when asked for.
-    if name == "FXFuseCallback":
-        from fx_lightning.callback import FXFuseCallback
-
-        return FXFuseCallback
-    if name == "load_fused":
-        from fx_lightning.export.load.loader import load_fused
-
-        return load_fused
-    if name == "fuse_and_export":
-        from fx_lightning.pipeline.driver import fuse_and_export
-
-        return fuse_and_export
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'fx_lightning' has no attribute {name!r}")
