@@ -22,7 +22,7 @@ import numpy as np
 
 from fx_lightning._version import __version__
 from fx_lightning.config import MlflowConfig
-from fx_lightning.common.dtypes import by_torch
+from fx_lightning.common.dtypes import BY_TORCH
 from fx_lightning.errors import ConfigError, ExportError, first_line
 from fx_lightning.export.check import read_check_file
 from fx_lightning.export.manifest import Manifest, VariantOutcome, dist_version, read_manifest, verify_files
@@ -183,7 +183,7 @@ def model_signature(manifest: Manifest) -> Any:
     inputs = [TensorSpec(np.dtype(leaf.dtype), ((-1,) if contract.batched else ())
                          + shape(contract.request_sizes(leaf)), leaf.name) for leaf in contract.inputs]
     outputs = None  # stated only when numpy has every output's dtype
-    stated = [(leaf, by_torch(leaf.dtype)) for leaf in contract.outputs]
+    stated = [(leaf, BY_TORCH.get(leaf.dtype)) for leaf in contract.outputs]
     if stated and all(d is not None for _, d in stated):
         outputs = Schema([TensorSpec(np.dtype(d.numpy), shape(leaf.sizes(contract.any_samples)),
                                      leaf.name if len(stated) > 1 else None) for leaf, d in stated])
