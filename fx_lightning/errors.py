@@ -34,7 +34,7 @@ __all__ = [
     "ModelError",
     "NoInputsError",
     "require_inputs",
-    "error_class",
+    "ERROR_CLASSES",
     "first_line",
     "OnError",
     "unknown_key",
@@ -143,13 +143,9 @@ def require_inputs(given: bool, needed_for: str, give: str = _GIVE_INPUTS, key: 
         raise NoInputsError(f"{key + ': ' if key else ''}no inputs for {needed_for}: give {give}")
 
 
-_CLASSES = {cls.__name__: cls for cls in (FXLightningError, ConfigError, TraceError, PassError, ParityError, ExportError,
-                                          ModelError, NoInputsError)}
-
-
-def error_class(name: str) -> type:
-    """Our error class of that name (an error that crossed between processes by name), else the base class."""
-    return _CLASSES.get(name, FXLightningError)
+# Our error classes by name: an error that crossed between processes by name is raised again as its class.
+ERROR_CLASSES = {cls.__name__: cls for cls in (FXLightningError, ConfigError, TraceError, PassError, ParityError,
+                                               ExportError, ModelError, NoInputsError)}
 
 
 def first_line(exc: BaseException, *, with_type: bool = False) -> str:

@@ -30,7 +30,7 @@ from torch import nn
 from fx_lightning.common.batches import loader_sample_counts
 from fx_lightning.config import ConfigLike, FuseConfig, OnError, load_config
 from fx_lightning.pipeline.engine import FuseResult
-from fx_lightning.errors import FXLightningError, ParityError, error_class, first_line, require_inputs
+from fx_lightning.errors import ERROR_CLASSES, FXLightningError, ParityError, first_line, require_inputs
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
 from fx_lightning.export.write.report_html import REPORT_NAME
@@ -115,7 +115,7 @@ class ErrorInfo:
 
     def rebuild(self) -> FXLightningError:
         """The same fx_lightning error class when it is one of ours, else :class:`FXLightningError`."""
-        error = error_class(self.type_name)(self.message)
+        error = ERROR_CLASSES.get(self.type_name, FXLightningError)(self.message)
         error.step = self.step
         return error
 
