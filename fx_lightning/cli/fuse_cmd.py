@@ -174,9 +174,9 @@ def _random_input(shape_text: str, dtype_text: str) -> Any:
         raise UsageError(f"--input-shape: expected integers like 8,3,32,32, got {shape_text!r}") from None
     if not shape or any(s < 1 for s in shape):
         raise UsageError(f"--input-shape: expected positive integers like 8,3,32,32, got {shape_text!r}")
-    from fx_lightning.common.dtypes import DTYPES, by_name
+    from fx_lightning.common.dtypes import BY_NAME, DTYPES
 
-    found = by_name(dtype_text)
+    found = BY_NAME.get(dtype_text)
     if found is None:
         raise UsageError(f"--input-dtype: {dtype_text!r}; allowed: {', '.join(d.torch for d in DTYPES)} (or "
                          f"{', '.join(a for d in DTYPES for a in d.aliases)})")

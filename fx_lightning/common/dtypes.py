@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-__all__ = ["DType", "DTYPES", "BY_TORCH", "by_name", "TORCH_TO_TRITON", "ONNX_TO_TORCH", "OPENVINO_TO_TORCH"]
+__all__ = ["DType", "DTYPES", "BY_TORCH", "BY_NAME", "TORCH_TO_TRITON", "ONNX_TO_TORCH", "OPENVINO_TO_TORCH"]
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,10 @@ DTYPES: Tuple[DType, ...] = (
 )
 
 BY_TORCH: Dict[str, DType] = {d.torch: d for d in DTYPES}  # by torch's name ("float32")
-_BY_NAME: Dict[str, DType] = {**{a: d for d in DTYPES for a in d.aliases}, **BY_TORCH}
+# By what a user names: torch's name or an alias ("float", "double", "half", "int", "long").
+BY_NAME: Dict[str, DType] = {**{a: d for d in DTYPES for a in d.aliases}, **BY_TORCH}
 
 TORCH_TO_TRITON: Dict[str, str] = {d.torch: d.triton for d in DTYPES}
 # An artifact's tensor types as torch names (OpenVINO's Triton backend has no bf16 and no f64).
 ONNX_TO_TORCH: Dict[str, str] = {d.onnx: d.torch for d in DTYPES if d.onnx}
 OPENVINO_TO_TORCH: Dict[str, str] = {d.openvino: d.torch for d in DTYPES if d.openvino}
-
-
-def by_name(name: str) -> Optional[DType]:
-    """The dtype a user names: torch's name or an alias ("float", "double", "half", "int", "long")."""
-    return _BY_NAME.get(name)
