@@ -11,7 +11,8 @@ and the shapes of every call (what varies). :meth:`CallRecorder.observations` ha
 
 Where the LightningModule is the target but its steps never call its ``forward`` (they call ``self.forward(...)``
 directly, or a submodule), the one submodule the steps do call is the target, and a note says so; a compiled module
-(whose hooks do not run) is not observed, and the pipeline reads the batch instead.
+(whose hooks do not run) is not observed, and the pipeline reads the batch instead. Where the default target is the
+``backbone`` and the forward runs other trained children beside it, a note names them (the artifact leaves them out).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class CallRecorder:
         # forward runs beside it (an input embedding, a head): the artifact leaves them out, and a note says so.
         self.beside: Dict[str, nn.Module] = {
             name: child for name, child in pl_module.named_children()
-            if config.target is None and self.path == "backbone" and child is not self.target and _trained(child)}
+            if config.target is None and self.target is not pl_module and child is not self.target and _trained(child)}
         self.ran_beside: Set[str] = set()
         self.logs: Dict[str, _Log] = {name: _Log() for name in self.watched}
         self.step: Optional[_Step] = None
