@@ -35,6 +35,9 @@ import lightning_helpers as H
 import fx_lightning
 from fx_lightning import FXFuseCallback, load_fused
 from fx_lightning.errors import ExportError
+from fx_lightning.export.manifest import read_manifest
+from fx_lightning.serve.artifact import artifact_for
+from fx_lightning.serve.server import ServeOptions
 
 
 def test_sizes_that_never_varied_stay_dynamic_when_the_model_takes_others(tmp_path) -> None:
@@ -740,6 +743,11 @@ def test_a_length_torch_export_cannot_keep_dynamic_is_fixed_only_in_the_formats_
     with pytest.raises(ExportError, match=r"built for 400 there \(a size shown to vary by a call resized, only 400 "
                                           r"seen, exported for that size only\)"):  # refused by name, never wrong
         load_fused(cb.export_dir, "pt2")(torch.randn(2, 1, 600))
+    # The default pick (load_fused(dir), serve) passes over the artifact built for one length: the call users serve
+    # has other lengths (MONAI's DenseNet121 at other volume sizes was refused by the default pick).
+    x = torch.randn(1, 1, 600)
+    assert H.rel_err(load_fused(cb.export_dir)(x), reference(x.double())) < 1e-5
+    assert artifact_for(read_manifest(cb.export_dir), ServeOptions()) == ("graph_module", "")
 
 
 class ScoreFiltered(pl.LightningModule):

@@ -19,7 +19,8 @@ from torch import nn
 from fx_lightning.config import Strategy, Traffic
 from fx_lightning.errors import ConfigError, ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.export.load.loader import load_artifact, runtime_for, selection_for
+from fx_lightning.export.load.loader import load_artifact, preferred_format, runtime_for, selection_for
+from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import Manifest, read_manifest, verify_files
 from fx_lightning.export.select.selection import check_entry
 from fx_lightning.parity.report import ArtifactCheck
@@ -201,10 +202,11 @@ def artifact_for(manifest: Manifest, options: ServeOptions) -> Tuple[str, str]:
             if options.batching.startswith(SWEPT) else selection_for(manifest, max_batch, traffic))
     if pick is not None:
         return pick.format, pick.runtime
-    available = list(manifest.formats)
-    if not available:
+    if not manifest.formats:
         raise ExportError("the manifest lists no formats")
-    return ("pt2" if "pt2" in available else available[0]), ""
+    if not any(name in manifest.formats for name in FORMATS):
+        return next(iter(manifest.formats)), ""
+    return preferred_format(manifest), ""
 
 
 class StatusBoard:

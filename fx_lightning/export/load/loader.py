@@ -17,8 +17,9 @@ from fx_lightning.formats.batching import with_pieces
 from fx_lightning.export.load.interface import ArtifactInterface
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
+from fx_lightning.signature.signature import DimKind
 
-__all__ = ["load_fused", "load_artifact", "selection_for", "runtime_for", "CompiledForServing"]
+__all__ = ["load_fused", "load_artifact", "selection_for", "runtime_for", "preferred_format", "CompiledForServing"]
 
 
 def load_fused(
@@ -37,7 +38,8 @@ def load_fused(
     ``format``: a format name (``pt2``, ``graph_module``, ``code``, ``onnx``, ``aoti``...) or a variant's entry
     (``openvino-int8``); ``None`` picks the artifact the export selected as the fastest that passed its check
     (``export.select: fastest`` or ``fx-lightning bench --select``), with the runtime settings that made it fastest,
-    else the first available in order of preference (pt2 first); a format named is loaded with the runtime
+    else the first available in order of preference (pt2 first, passing over one built for a single size of a
+    dimension the signature shows to vary when another takes every size); a format named is loaded with the runtime
     settings the selection recorded for it (:func:`runtime_for`: ONNX Runtime's own defaults, say, when they
     won). ``batch_size`` and ``traffic`` (``idle``: requests after an idle gap; ``back_to_back``) pick the
     fastest the export recorded for the batch size (the nearest one timed) and traffic a server will run, instead
@@ -165,6 +167,23 @@ def _device(device: Any, entry: FormatEntry) -> torch.device:
     return built if built.type == "cpu" or (built.type == "cuda" and cuda_here) else torch.device("cpu")
 
 
+def fixes_varying_sizes(manifest: Manifest, name: str) -> bool:
+    """Whether artifact ``name`` was built for one size of a dimension the signature says varies (torch.export
+    could not keep it dynamic: it refuses the other sizes by name). The order of preference passes it over for
+    an artifact that takes them (the fused graph's own formats), so the default pick serves every size proven."""
+    built, signature = manifest.formats[name].built_shapes, manifest.signature
+    if built is None or signature is None:
+        return False
+    return any(size is not None and dim.kind is DimKind.variable
+               for shape, leaf in zip(built, manifest.call_signature().inputs) for size, dim in zip(shape, leaf.dims))
+
+
+def preferred_format(manifest: Manifest) -> str:
+    """The first format in order of preference that takes every size the signature proves (else the first)."""
+    available = [name for name in FORMATS if name in manifest.formats]
+    return next((name for name in available if not fixes_varying_sizes(manifest, name)), available[0])
+
+
 def _choose(root: Path, manifest: Manifest, format: Optional[str]) -> str:
     available = [name for name in FORMATS if name in manifest.formats]
     variants = [name for name, entry in manifest.formats.items() if entry.variant]
@@ -174,7 +193,7 @@ def _choose(root: Path, manifest: Manifest, format: Optional[str]) -> str:
             return str(selected)
         if not available:
             raise ExportError(f"{root / MANIFEST_NAME}: lists no formats.")
-        return available[0]
+        return preferred_format(manifest)
     chosen = str(getattr(format, "value", format))
     if chosen in variants:
         return chosen

@@ -55,10 +55,12 @@ NOT_DYNAMIC = NoteKind("not_dynamic", "torch.export could not keep the sizes tha
                                       "other)")
 STATIC_SIZES = NoteKind("static_sizes", "the formats made with torch.export take the example's sizes only: the sizes "
                                         "that varied ({sizes}) could not stay dynamic ({reason}); load_fused refuses "
-                                        "other sizes for them (not a sample axis it could split or pad along)")
+                                        "other sizes for them (not a sample axis it could split or pad along); load_fused(dir) and "
+                                        "serve load a format that takes them unless a selection picked another")
 PROBED_FIXED = NoteKind("probed_fixed", "sizes shown to vary by experiment (a call with them resized ran) could "
                                       "not stay dynamic in torch.export ({reason}): the artifacts made with it take "
-                                      "the sizes seen there; the fused graph's own formats take every size")
+                                      "the sizes seen there; the fused graph's own formats take every size (load_fused(dir) and serve "
+                                      "load one of those unless a selection picked another)")
 NO_SAMPLE_AXIS = NoteKind("no_sample_axis", "no sample axis: {how}; every artifact takes its inputs whole (never split "
                                             "or padded)")
 
