@@ -151,6 +151,29 @@ def test_inputs_with_different_numbers_of_samples_are_refused() -> None:
     assert problem is not None and "different numbers of samples" in problem and "6" in problem and "9" in problem
 
 
+@pytest.mark.parametrize("built", [None, [[None, 3], [None, 3]], [[None, 4], [None, 3]]])
+def test_the_interfaces_quick_check_refuses_exactly_what_shape_problem_refuses(built: Any) -> None:
+    """ArtifactInterface checks each call's shapes with a test worked out once (the Python per call is latency);
+    it must refuse every call shape_problem refuses, with shape_problem's message, and pass the others through."""
+    from fx_lightning.export.load.interface import ArtifactInterface
+
+    sig = _signature(nn.Bilinear(3, 3, 2), [Call((torch.randn(4, 3), torch.randn(4, 3)))], [4])
+    iface = ArtifactInterface(lambda a, b: torch.zeros(a.shape[0], 2), sig, built)
+    outcomes = []
+    for shapes in [((4, 3), (4, 3)), ((1, 3), (1, 3)), ((6, 3), (9, 3)), ((4, 4), (4, 3)), ((4, 3), (4, 3, 1)),
+                   ((4,), (4, 3)), ((2, 3), (2, 2))]:
+        tensors = [torch.randn(s) for s in shapes]
+        problem = shape_problem(sig.inputs, tensors, built)
+        outcomes.append(problem is None)
+        if problem is None:
+            assert iface(*tensors).shape == (shapes[0][0], 2), shapes
+        else:
+            with pytest.raises(ExportError) as refused:
+                iface(*tensors)
+            assert problem in str(refused.value), shapes
+    assert True in outcomes and False in outcomes
+
+
 def test_the_signature_survives_the_manifest() -> None:
     calls = [Call((torch.randn(7, 5, 3),)), Call((torch.randn(9, 3, 3),))]
     sig = _signature(TimeMajor(), calls, [5, 3])

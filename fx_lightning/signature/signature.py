@@ -27,7 +27,7 @@ from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, fi
                                                shapes_text, stochastic_outputs)
 
 __all__ = ["DimKind", "DimSpec", "LeafSpec", "ConstSpec", "SampleAxis", "Signature", "Observed", "derive_signature",
-           "shape_problem", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at"]
+           "shape_problem", "static_sizes", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at"]
 
 
 class DimKind(str, Enum):
@@ -534,6 +534,12 @@ def _output_names(tree: Tree) -> List[str]:
     return names
 
 
+def static_sizes(spec: LeafSpec, built: Optional[Sequence[Optional[int]]] = None) -> List[Optional[int]]:
+    """The one size each dimension of ``spec`` takes (None: any): ``built``, the shape a static artifact was built
+    for, else the signature's fixed sizes."""
+    return list(built) if built is not None else [d.size if d.kind is DimKind.fixed else None for d in spec.dims]
+
+
 def shape_problem(specs: Sequence[LeafSpec], leaves: Sequence[Any], built: Optional[Sequence[Sequence[int]]] = None
                   ) -> Optional[str]:
     """Why flat ``leaves`` do not fit ``specs`` (None: they do): the leaf, the dimension, its kind and what came.
@@ -546,9 +552,8 @@ def shape_problem(specs: Sequence[LeafSpec], leaves: Sequence[Any], built: Optio
         if t.dim() != len(spec.dims):
             return f"input {spec.name} ({spec.path}) has {t.dim()} dimensions ({list(t.shape)}), the artifact takes " \
                    f"{len(spec.dims)} ({spec.shape})"
-        for d, dim in enumerate(spec.dims):
+        for d, (dim, static) in enumerate(zip(spec.dims, static_sizes(spec, built[i] if built is not None else None))):
             size = int(t.shape[d])
-            static = built[i][d] if built is not None else (dim.size if dim.kind is DimKind.fixed else None)
             if static is not None and size != static:
                 what = {DimKind.fixed: "a fixed size", DimKind.sample: "the sample axis",
                         DimKind.variable: f"a size that varied ({dim.low}..{dim.high} seen)" if dim.low != dim.high

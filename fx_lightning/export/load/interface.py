@@ -22,7 +22,7 @@ from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem
+from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
 
 __all__ = ["ArtifactInterface", "FromLeaves", "nest_outputs", "for_sizes"]
 
@@ -46,6 +46,12 @@ class ArtifactInterface(nn.Module):
         # too (each input is an argument of forward) leaving out a built-in value whose default is another one.
         self.inputs_alone = not (as_the_module and any(c.default is not None for c in signature.constants)
                                  and all(len(leaf.steps) == 1 for leaf in signature.inputs))
+        # What every call's tensors must fit, worked out once: at 1-3 ms a call, the Python run per call is part of
+        # the latency (after an idle gap, cold caches make it several times its hot cost).
+        self._fits = [(len(leaf.dims), [(d, size) for d, size in enumerate(static_sizes(leaf, built[i] if built is not None else None))
+                                        if size is not None], leaf.sample_axis)
+                      for i, leaf in enumerate(signature.inputs)]
+        self._one_tensor_out = (signature.output_tree or {}).get("kind") == "tensor"
         self.eval()
 
     def __getattr__(self, name: str) -> Any:
@@ -60,16 +66,34 @@ class ArtifactInterface(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call_args = self._arguments(args, kwargs)
         tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
-        problem = shape_problem(self.signature.inputs, tensors, self.built)
-        if problem is not None:
-            raise ExportError(f"{self.what}: {problem}")
+        if not self._fit(tensors):
+            problem = shape_problem(self.signature.inputs, tensors, self.built)
+            if problem is not None:
+                raise ExportError(f"{self.what}: {problem}")
         out = self.module(*call_args)
+        if self._one_tensor_out and isinstance(out, torch.Tensor):
+            return out
         tree = self.signature.output_tree
         if tree is not None:
             leaves = flat_tensors(out)
             if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
                 return rebuild_outputs(tree, leaves, self.signature.samples_in(tensors))
         return nest_outputs(out, self.signature.outputs)
+
+    def _fit(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` fit the signature (:func:`shape_problem` says why not, more slowly)."""
+        if len(tensors) != len(self._fits):
+            return False
+        rows = None
+        for t, (rank, fixed, axis) in zip(tensors, self._fits):
+            shape = t.shape
+            if len(shape) != rank or any(shape[d] != size for d, size in fixed):
+                return False
+            if axis is not None:
+                if rows is not None and shape[axis] != rows:
+                    return False
+                rows = shape[axis]
+        return True
 
     def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
         """The artifact's positional arguments from what the caller gave."""
