@@ -924,3 +924,46 @@ def test_a_backbone_the_forward_runs_alone_gets_no_note(tmp_path) -> None:
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
     assert cb.outcome.manifest.provenance.target == "backbone"
     assert not [n for n in cb.outcome.notes if n.kind.name == "backbone_only"], cb.outcome.notes
+
+
+class KeywordNet(nn.Module):
+    """Hugging Face's ``self.model(**batch)``: the steps give every argument by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.bn, self.head = nn.Embedding(50, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.head(self.bn((self.emb(input_ids) * attention_mask.unsqueeze(-1)).sum(1)))
+
+
+class CalledByKeyword(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = KeywordNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self.model(input_ids=batch[0], attention_mask=batch[1]), batch[2])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.model(input_ids=batch[0], attention_mask=batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_argument_the_steps_gave_by_name_may_be_given_by_position(tmp_path) -> None:
+    """The steps call ``model(input_ids=..., attention_mask=...)``; ``model(ids, attention_mask=m)`` is the same call
+    to the model, and was refused ('args[0] given, which the artifact was not built for')."""
+    data = torch.utils.data.TensorDataset(torch.randint(0, 50, (32, 7)), torch.ones(32, 7, dtype=torch.long),
+                                          torch.randint(0, 3, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, module = FXFuseCallback(export={"formats": ["pt2"]}), CalledByKeyword()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    fused, reference = load_fused(cb.export_dir), H.fp64_copy(module.model)
+    ids, mask = torch.randint(0, 50, (3, 7)), torch.randint(0, 2, (3, 7))
+    want = reference(ids, attention_mask=mask)
+    for got in (fused(ids, attention_mask=mask), fused(ids, mask), fused(input_ids=ids, attention_mask=mask)):
+        assert got.shape == want.shape and got.dtype == torch.float32 and H.rel_err(got, want) < 1e-5
+    with pytest.raises(ExportError, match="not built for"):  # a third argument forward does not take
+        fused(ids, mask, mask)

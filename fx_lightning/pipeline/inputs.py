@@ -307,6 +307,8 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
         return signature
     names = forward_parameter_names(reference) or []
     signature.constants = [_with_default(c, parameters, names) for c in signature.constants]
+    signature.arguments = [p.name if p.kind is p.POSITIONAL_OR_KEYWORD else "" for p in parameters.values()
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return signature
 
 

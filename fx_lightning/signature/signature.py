@@ -171,6 +171,9 @@ class Signature:
     # Keyword arguments every call carried that the artifact's call leaves out, proven by experiment (labels for a
     # loss computed in forward: :func:`~fx_lightning.pipeline.inputs.without_labels`).
     left_out: List[str] = field(default_factory=list)
+    # forward's arguments that can be given by position or by name, in order ("" for one taken by position only):
+    # a call may write each either way, whichever way the observed calls wrote it.
+    arguments: List[str] = field(default_factory=list)
 
     def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
         """The number of samples of a call with these input leaves, for the outputs that count them."""
@@ -225,7 +228,8 @@ class Signature:
                 "notes": list(self.notes), "constants": [c.to_dict() for c in self.constants],
                 **({"output_tree": self.output_tree} if self.output_tree is not None else {}),
                 **({"count_dim": list(self.count_dim)} if self.count_dim is not None else {}),
-                **({"left_out": list(self.left_out)} if self.left_out else {})}
+                **({"left_out": list(self.left_out)} if self.left_out else {}),
+                **({"arguments": list(self.arguments)} if self.arguments else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -238,7 +242,8 @@ class Signature:
                    [ConstSpec.from_dict(c) for c in data.get("constants") or []],
                    dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None,
                    count_dim=(int(data["count_dim"][0]), int(data["count_dim"][1])) if data.get("count_dim") else None,
-                   left_out=[str(n) for n in data.get("left_out") or []])
+                   left_out=[str(n) for n in data.get("left_out") or []],
+                   arguments=[str(n) for n in data.get("arguments") or []])
 
 
 # ------------------------------------------------------------------------------------------ derivation

@@ -112,7 +112,7 @@ class ArtifactInterface(nn.Module):
         if self.inputs_alone and not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor)
                                                                                    for a in args):
             return args
-        call = Call(args, kwargs)
+        call = self._as_observed(Call(args, kwargs))
         self._refuse_unknown(call)
         for const in self.signature.constants:  # baked into the graph: another value would be ignored silently
             built = const.text if const.text is not None else repr(const.value)
@@ -142,6 +142,25 @@ class ArtifactInterface(nn.Module):
                 values.append(None)
         return tuple(self._stand_in(leaf, values) if leaf.unread and values[i] is None else values[i]
                      for i, leaf in enumerate(self.signature.inputs))
+
+    def _as_observed(self, call: Call) -> Call:
+        """``call`` with each argument of forward written as the observed calls wrote it (by position or by name):
+        ``model(ids, attention_mask=m)`` is the call the steps wrote ``model(input_ids=ids, attention_mask=m)``."""
+        names = self.signature.arguments
+        if not names:
+            return call
+        firsts = [leaf.steps[0] for leaf in [*self.signature.inputs, *self.signature.constants] if leaf.steps]
+        by_name = {key for kind, key in firsts if kind == "kwarg"}
+        by_position = {key for kind, key in firsts if kind == "arg"}
+        args, kwargs = list(call.args), dict(call.kwargs)
+        for i in range(len(args) - 1, -1, -1):  # trailing arguments the calls gave by name
+            if i in by_position or i >= len(names) or names[i] not in by_name or names[i] in kwargs:
+                break
+            kwargs[names[i]] = args.pop()
+        for i, name in enumerate(names):  # then arguments the calls gave by position, in order
+            if i == len(args) and i in by_position and name and name in kwargs and name not in by_name:
+                args.append(kwargs.pop(name))
+        return Call(tuple(args), kwargs)
 
     def _stand_in(self, leaf: LeafSpec, values: Sequence[Any]) -> torch.Tensor:
         """Zeros for an input the graph never reads (a forecaster's future targets, None at predict time), sized as
