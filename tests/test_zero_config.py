@@ -967,3 +967,53 @@ def test_an_argument_the_steps_gave_by_name_may_be_given_by_position(tmp_path) -
         assert got.shape == want.shape and got.dtype == torch.float32 and H.rel_err(got, want) < 1e-5
     with pytest.raises(ExportError, match="not built for"):  # a third argument forward does not take
         fused(ids, mask, mask)
+
+
+@dataclasses.dataclass
+class ClassifierOutput(collections.OrderedDict):
+    """Hugging Face's ModelOutput pattern: a dataclass that is also a mapping, registered with torch's pytree."""
+
+    logits: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+
+torch.utils._pytree.register_pytree_node(
+    ClassifierOutput, lambda o: (list(o.values()), list(o.keys())),
+    lambda values, keys: ClassifierOutput(**dict(zip(keys, values))),
+    serialized_type_name=f"{__name__}.ClassifierOutput")
+
+
+class ReturnsModelOutput(H.CrossEntropySteps):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> ClassifierOutput:
+        h = self.body(x)
+        return ClassifierOutput(logits=self.head(h), hidden=h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]).logits, batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+
+def test_a_dataclass_that_is_a_mapping_comes_back_as_its_class(tmp_path) -> None:
+    """A ModelOutput came back as a plain dict: ``out.logits`` raised AttributeError."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, module = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), ReturnsModelOutput()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    x = torch.randn(3, 8)
+    want = H.fp64_copy(module)(x.double())
+    for fmt in ("pt2", "graph_module"):
+        got = load_fused(cb.export_dir, fmt)(x)
+        assert type(got) is ClassifierOutput and list(got.keys()) == ["logits", "hidden"], (fmt, type(got))
+        for key in ("logits", "hidden"):
+            assert getattr(got, key).shape == want[key].shape and H.rel_err(got[key], want[key]) < 1e-5, (fmt, key)

@@ -367,7 +367,9 @@ def tree_of(value: Any, depth: int = 0) -> Tree:
     if isinstance(value, (tuple, list)):
         return Tree("seq", type(value), [(("index", i), tree_of(v, depth + 1)) for i, v in enumerate(value)])
     if isinstance(value, Mapping):  # an OrderedDict (torchvision's feature extractors) stays one; others: a dict
-        cls = collections.OrderedDict if type(value) is collections.OrderedDict else dict
+        # (a dataclass that is a mapping, Hugging Face's ModelOutput, keeps its class for the outputs' description)
+        cls = type(value) if dataclasses.is_dataclass(value) else \
+            collections.OrderedDict if type(value) is collections.OrderedDict else dict
         return Tree("map", cls, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()])
     if isinstance(value, torch.distributions.Distribution):
         return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in _distribution_params(value)],

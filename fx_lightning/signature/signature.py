@@ -359,7 +359,11 @@ def describe_outputs(tree: Tree) -> JsonObject:
     items = [describe_outputs(child) for _, child in tree.children]
     keys = [key for (_, key), _child in tree.children]
     fields = getattr(tree.cls, "_fields", None) if tree.kind == "seq" else None
-    record = tree.cls is not None and (fields is not None or (tree.kind == "obj" and dataclasses.is_dataclass(tree.cls)))
+    # A dataclass that is also a mapping (Hugging Face's ModelOutput) comes back as its class where it imports (its
+    # attributes and keys both work), else as the mapping it is.
+    record = tree.cls is not None and (fields is not None or (tree.kind == "obj" and dataclasses.is_dataclass(tree.cls))
+                                       or (tree.kind == "map" and dataclasses.is_dataclass(tree.cls)
+                                           and class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}") is tree.cls))
     if record:
         name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
         return {"kind": "namedtuple" if fields is not None else "dataclass", "class": name,
