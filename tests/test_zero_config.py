@@ -1017,3 +1017,45 @@ def test_a_dataclass_that_is_a_mapping_comes_back_as_its_class(tmp_path) -> None
         assert type(got) is ClassifierOutput and list(got.keys()) == ["logits", "hidden"], (fmt, type(got))
         for key in ("logits", "hidden"):
             assert getattr(got, key).shape == want[key].shape and H.rel_err(got[key], want[key]) < 1e-5, (fmt, key)
+
+
+class KeepsNoBox(nn.Module):
+    """A detector's score threshold that keeps no row on the validation data (a trained Mask R-CNN kept no box on
+    a validation image): the parity metrics crashed on the [0, 4] outputs ('cannot reshape tensor of 0 elements')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.score, self.box = nn.Conv2d(8, 1, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, images: torch.Tensor) -> Any:
+        f = self.body(images)
+        scores, boxes = self.score(f).sigmoid().flatten(1), self.box(f).flatten(2).transpose(1, 2)
+        return [{"boxes": b[s > 2.0], "scores": s[s > 2.0]} for s, b in zip(scores, boxes)]  # a sigmoid is < 2
+
+
+class DetectorSteps(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = KeepsNoBox()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        f = self.model.body(batch[0])
+        return self.model.score(f).mean() + self.model.box(f).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.model(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_outputs_with_no_rows_are_compared_without_a_crash_and_said_unproven(tmp_path) -> None:
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.rand(16, 3, 16, 16)), batch_size=4)
+    cb, module = FXFuseCallback(export={"formats": ["pt2"]}), DetectorSteps()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    assert "empty_outputs" in {n.kind.name for n in cb.outcome.parity.notes}
+    x = torch.rand(4, 3, 16, 16)
+    got, want = load_fused(cb.export_dir)(x), H.fp64_copy(module.model)(x.double())
+    assert type(got) is list and len(got) == len(want) == 4
+    assert all(g["boxes"].shape == (0, 4) and g["scores"].shape == (0,) for g in got)

@@ -84,6 +84,8 @@ NOT_CLASS_SCORES = NoteKind("not_class_scores", "outputs are not class scores: t
 ALL_STOCHASTIC = NoteKind("all_stochastic", "every output of the target ({count}) changes from run to run (drawn at "
                                             "random in forward, in eval mode): nothing deterministic to compare")
 NO_LABELS = NoteKind("no_labels", "no integer labels in the batches: accuracy not measured")
+EMPTY_OUTPUTS = NoteKind("empty_outputs", "every output was empty on the batches compared (no rows: a score threshold "
+                                          "that kept none, say): no value was compared, so the values are unproven")
 
 
 @dataclass
@@ -214,6 +216,8 @@ class _Measurement:
         if lr.dim() < 2 or lr.shape[-1] < 2:
             return  # not class scores: no top-1
         lr, lc = lr.reshape(-1, lr.shape[-1]), lc.reshape(-1, lc.shape[-1])
+        if lr.shape[0] == 0:
+            return  # no rows to pick a class in (a detector that kept no box)
         num_classes = lr.shape[-1]
         if self.not_class_scores or self._labels_rule_out_scores(labels, lr.shape[0], num_classes):
             return
@@ -258,6 +262,9 @@ class _Measurement:
 
     def finish(self, source: str, whole: bool, precise: bool) -> ParityState:
         metrics: Dict[str, Metric] = dict(self.outputs)
+        absolute = metrics.get("mean_absolute_error")
+        if absolute is not None and absolute.update_called and int(getattr(absolute, "total", 1)) == 0:
+            _note_once(self.state.notes, EMPTY_OUTPUTS())
         if whole:
             metrics["whole_relative_max_error"] = self.whole_error
         if precise:

@@ -74,6 +74,8 @@ def sample_error_parts(preds: torch.Tensor, target: torch.Tensor, axis: Optional
     diff, ref = (preds.double() - target.double()).abs(), target.double().abs()
     if axis is None or diff.dim() == 0 or axis >= diff.dim():
         return diff.max().reshape(1), ref.max().reshape(1)
+    if diff.numel() == 0:  # no rows (a detector that kept no box), or rows of nothing
+        return diff.new_zeros(diff.shape[axis]), ref.new_zeros(ref.shape[axis])
     diff, ref = diff.movedim(axis, 0).reshape(diff.shape[axis], -1), ref.movedim(axis, 0).reshape(ref.shape[axis], -1)
     if diff.shape[1] == 0:
         return diff.new_zeros(diff.shape[0]), ref.new_zeros(ref.shape[0])
@@ -109,7 +111,7 @@ def log_histogram(errors: torch.Tensor, bins: int = 12) -> Tuple[List[float], Li
 
 def sample_cosine(preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-sample cosine similarity of the flattened outputs, in float64; two zero rows count as 1, one as 0."""
-    a = preds.double().reshape(preds.shape[0], -1) if preds.dim() >= 2 else preds.double().reshape(1, -1)
+    a = preds.double().flatten(1) if preds.dim() >= 2 else preds.double().reshape(1, -1)  # [0, k] stays [0, k]
     b = target.double().reshape(a.shape)
     na, nb = a.norm(dim=1), b.norm(dim=1)
     cos = (a * b).sum(dim=1) / (na * nb)
@@ -175,7 +177,8 @@ class SampleCosineSimilarity(Metric):
         cos = sample_cosine(preds, target)
         self.total = self.total + cos.sum()
         self.count = self.count + cos.numel()
-        self.minimum = torch.minimum(self.minimum, cos.min())  # propagates NaN
+        if cos.numel():  # an output with no rows (a detector that kept no box) has no sample to compare
+            self.minimum = torch.minimum(self.minimum, cos.min())  # propagates NaN
 
     def compute(self) -> torch.Tensor:
         if self.reduction == "min":
