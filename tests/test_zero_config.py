@@ -1059,3 +1059,51 @@ def test_outputs_with_no_rows_are_compared_without_a_crash_and_said_unproven(tmp
     got, want = load_fused(cb.export_dir)(x), H.fp64_copy(module.model)(x.double())
     assert type(got) is list and len(got) == len(want) == 4
     assert all(g["boxes"].shape == (0, 4) and g["scores"].shape == (0,) for g in got)
+
+
+class WritesIntoItsInput(nn.Module):
+    """sentence-transformers' modules: ``features["sentence_embedding"] = ...; return features``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(30, 16), nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))
+
+    def forward(self, features: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        tokens = self.emb(features["input_ids"])
+        features["token_embeddings"] = tokens
+        mask = features["attention_mask"].unsqueeze(-1).to(tokens.dtype)
+        features["sentence_embedding"] = self.proj((tokens * mask).sum(1) / mask.sum(1))
+        return features
+
+
+class EncoderSteps(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = WritesIntoItsInput()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        e = self.model({"input_ids": batch[0], "attention_mask": batch[1]})["sentence_embedding"]
+        return F.cross_entropy(e @ e.T, torch.arange(len(e)))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.model({"input_ids": batch[0], "attention_mask": batch[1]})
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_forward_that_writes_into_its_input_dict_is_fused(tmp_path) -> None:
+    """The recorded call was run as it was, so the keys forward added to its dict made the next run's call another
+    structure: the preflight stopped training with KeyError: 'token_embeddings'."""
+    data = torch.utils.data.TensorDataset(torch.randint(0, 30, (32, 6)), torch.ones(32, 6, dtype=torch.long))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, module = FXFuseCallback(export={"formats": ["pt2"]}), EncoderSteps()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    ids, mask = torch.randint(0, 30, (3, 9)), torch.randint(0, 2, (3, 9))
+    mask[:, 0] = 1
+    got = load_fused(cb.export_dir)({"input_ids": ids, "attention_mask": mask})
+    want = H.fp64_copy(module.model)({"input_ids": ids, "attention_mask": mask})
+    assert type(got) is dict and set(got) == set(want), (type(got), list(got))
+    for key in ("token_embeddings", "sentence_embedding"):
+        assert got[key].shape == want[key].shape and got[key].dtype == torch.float32
+        assert H.rel_err(got[key], want[key]) < 1e-5, key

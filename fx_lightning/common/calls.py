@@ -63,7 +63,21 @@ class Call:
     kwargs: Dict[str, Any] = field(default_factory=dict)
 
     def run(self, module: Callable[..., Any]) -> Any:
-        return module(*self.args, **self.kwargs)
+        """``module`` on this call, its dicts and lists fresh copies: a forward that writes into its input dict
+        (sentence-transformers' modules add their outputs to it) leaves the recorded call as it was."""
+        return module(*(_fresh(a) for a in self.args), **{k: _fresh(v) for k, v in self.kwargs.items()})
+
+
+def _fresh(value: Any) -> Any:
+    """``value`` with its dicts and lists (and the plain tuples holding them) copied; tensors and objects shared."""
+    if isinstance(value, dict):
+        fresh = copy.copy(value)
+        for key, item in value.items():
+            fresh[key] = _fresh(item)
+        return fresh
+    if type(value) in (list, tuple):
+        return type(value)(_fresh(v) for v in value)
+    return value
 
 
 def as_call(inputs: Any) -> Call:
