@@ -1107,3 +1107,36 @@ def test_a_forward_that_writes_into_its_input_dict_is_fused(tmp_path) -> None:
     for key in ("token_embeddings", "sentence_embedding"):
         assert got[key].shape == want[key].shape and got[key].dtype == torch.float32
         assert H.rel_err(got[key], want[key]) < 1e-5, key
+
+
+class ReturnDictFlag(H.CrossEntropySteps):
+    """diffusers' ``forward(sample, timestep, return_dict=True)``: the same tensors, in an output object by default
+    and in a tuple with ``return_dict=False`` (what its training loops pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, return_dict: bool = True) -> Any:
+        h = self.body(x)
+        return ClassifierOutput(logits=self.head(h), hidden=h) if return_dict else (self.head(h), h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0], return_dict=False)[0], batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0], return_dict=False)
+
+
+def test_a_flag_that_changes_only_the_outputs_containers_is_read(tmp_path) -> None:
+    """The flag's experiment compared the output tensors alone, found them equal with return_dict=True, and took the
+    flag as unread: the artifact answered ``fused(x)`` with the tuple where the model returns its output object."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, module = FXFuseCallback(export={"formats": ["pt2"]}), ReturnDictFlag()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    fused, x = load_fused(cb.export_dir), torch.randn(3, 8)
+    with pytest.raises(ExportError, match="return_dict left out, which the model takes as True"):
+        fused(x)
+    got, want = fused(x, return_dict=False), H.fp64_copy(module)(x.double(), return_dict=False)
+    assert type(got) is tuple and len(got) == 2 and all(H.rel_err(g, w) < 1e-5 for g, w in zip(got, want))

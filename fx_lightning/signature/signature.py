@@ -311,7 +311,8 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     out_specs = _grouped(out_specs, [[tuple(o[i].shape) for o in out_leaves] for i in range(len(out_paths))], keys)  # type: ignore[index]
     # Every constant, whatever its type: one the artifact cannot check would be ignored when another is passed.
     constants = [ConstSpec.of(path_text(path, root_names), tuple(path), value,
-                              unread_constant(tree, leaves[0], out_leaves[0], path, value, same[0].samples, run))  # type: ignore[arg-type]
+                              unread_constant(tree, leaves[0], out_leaves[0], path, value, same[0].samples, run,
+                                              tree_of(outputs[0])))  # type: ignore[arg-type]
                  for path, value in tree.constants()]
     if probe.inputs:
         notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
@@ -446,11 +447,12 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
 
 
 def unread_constant(tree: Tree, leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], path: Sequence[Any],
-                    value: Any, samples: Optional[int], run: Runner) -> Optional[str]:
+                    value: Any, samples: Optional[int], run: Runner, output_tree: Tree) -> Optional[str]:
     """Whether a constant of the calls is shown not to change the outputs, by running the call with the other values
     it can take: every other member of an enum, the other bool; an int that counts the batch's samples (a graph or
-    molecule count) with 1, one more and twice as many. Returns the values tried (None: read, untried, or it
-    raised): the artifact then takes any value there, as the model does."""
+    molecule count) with 1, one more and twice as many. The outputs' containers count as much as their tensors (a
+    ``return_dict`` flag changes only those). Returns the values tried (None: read, untried, or it raised): the
+    artifact then takes any value there, as the model does."""
     if isinstance(value, Enum):
         others: List[Any] = [m for m in type(value) if m is not value]
     elif isinstance(value, bool):
@@ -468,7 +470,10 @@ def unread_constant(tree: Tree, leaves: Sequence[torch.Tensor], outputs: Sequenc
             got = run(call)
         except Exception:  # noqa: BLE001 - the model reads it
             return None
-        got_leaves = tree_of(got).leaves(got)
+        got_tree = tree_of(got)
+        if not got_tree.same_structure(output_tree):
+            return None
+        got_leaves = got_tree.leaves(got)
         if len(got_leaves) != len(outputs) or any(
                 g.shape != o.shape or g.dtype != o.dtype or not torch.equal(g, o) for g, o in zip(got_leaves, outputs)):
             return None
