@@ -75,8 +75,10 @@ def _fresh(value: Any) -> Any:
         for key, item in value.items():
             fresh[key] = _fresh(item)
         return fresh
-    if type(value) in (list, tuple):
-        return type(value)(_fresh(v) for v in value)
+    if type(value) is list:
+        return [_fresh(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_fresh(v) for v in value)
     return value
 
 
