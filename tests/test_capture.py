@@ -191,3 +191,27 @@ def test_the_users_line_in_a_capture_error_is_never_inside_the_package():
     where = _user_frame(info.value)
     assert where is not None and where.startswith(__file__) and "_users_line_reading" in where, where
     assert [f.f_code.co_name for f in _user_frames(info.value)][-1] == "_users_line_reading_a_missing_argument"
+
+
+class ValueBranch(nn.Module):
+    """A Python branch on a tensor's values: no tracer can capture it (torch.fx: a proxy's bool; torch.export: a
+    data-dependent guard), and nothing below the root can be kept whole instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        if y.sum() > 0:
+            return y
+        return -y
+
+
+def test_when_both_captures_fail_the_advice_does_not_name_the_mode_just_tried():
+    """auto tries torch.export after symbolic tracing: advising ``trace.mode: export`` then is advice shown not to
+    work."""
+    with pytest.raises(TraceError, match="Neither capture mode worked") as raised:
+        fuse(ValueBranch(), example_inputs=torch.randn(2, 3, 4, 4))
+    assert "trace.mode: export" not in str(raised.value)
+    assert "trace.autowrap_functions" in str(raised.value)  # the fixes that remain are still said

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import lightning_helpers as H
 import fx_lightning
@@ -1140,3 +1141,45 @@ def test_a_flag_that_changes_only_the_outputs_containers_is_read(tmp_path) -> No
         fused(x)
     got, want = fused(x, return_dict=False), H.fp64_copy(module)(x.double(), return_dict=False)
     assert type(got) is tuple and len(got) == 2 and all(H.rel_err(g, w) < 1e-5 for g, w in zip(got, want))
+
+
+class PackedGRU(H.CrossEntropySteps):
+    """Padded token batches through ``pack_padded_sequence`` and a GRU, as text and speech classifiers write it: no
+    tracer follows the packing (torch.fx fails inside torch's own code; torch.export on ``lengths.cpu()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.gru = nn.Embedding(50, 16), nn.GRU(16, 32, batch_first=True)
+        self.norm, self.head = nn.BatchNorm1d(32), nn.Linear(32, 4)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(self.embed(tokens), lengths.cpu(), batch_first=True, enforce_sorted=False)
+        _, hidden = self.gru(packed)
+        return self.head(self.norm(hidden[-1]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0], batch[1]), batch[2])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0], batch[1])
+
+
+def test_a_library_function_no_tracer_follows_is_kept_whole_and_the_artifact_takes_every_length(tmp_path) -> None:
+    """pack_padded_sequence is torch's own Python: it was never kept whole (only the user's functions were), so
+    the preflight stopped training with "Neither capture mode worked" and advice (trace.mode: export) that had just
+    failed. Kept whole, it is called by name in the saved graph: torch.fx writes a kept-whole torch function as a
+    dotted wrap() its own unpickler cannot find, and that entry broke every later trace in the process."""
+    torch.manual_seed(0)
+    lengths = torch.randint(3, 13, (48,))
+    data = torch.utils.data.TensorDataset(torch.randint(1, 50, (48, 12)), lengths, torch.randint(0, 4, (48,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    cb, module = FXFuseCallback(), PackedGRU()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    assert "kept whole" in cb.summary and "pack_padded_sequence" in cb.summary
+    fused, reference = load_fused(cb.export_dir), H.fp64_copy(module)
+    for batch, length in ((1, 12), (3, 20), (2, 5)):  # batch 1 and lengths never seen
+        tokens, lengths = torch.randint(1, 50, (batch, length)), torch.randint(1, length + 1, (batch,))
+        got, want = fused(tokens, lengths), reference(tokens, lengths)
+        assert got.shape == want.shape == (batch, 4) and got.dtype == torch.float32
+        assert H.rel_err(got, want) < 1e-5
+    torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))  # torch.fx's process-wide table is unharmed

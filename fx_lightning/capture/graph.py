@@ -25,6 +25,7 @@ from fx_lightning.common.calls import Call, as_call, no_distribution_validation,
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
+from fx_lightning.capture.kept_whole import call_torch_functions_by_name
 from fx_lightning.capture.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
@@ -273,13 +274,18 @@ def capture(
             result = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
             if result is None:
                 raise TraceError(
-                    f"Neither capture mode worked.\n[fx] {fx_error}\n[export] {export_error}"
+                    f"Neither capture mode worked.\n[fx] {_without_export_advice(fx_error)}\n[export] {export_error}"
                 ) from export_error.__cause__
             result.notes.insert(0, CAPTURED_KEEPING_WHOLE(export=first_line(export_error)))
             return result
         what = "gave a graph that differs from the model" if "unfaithful" in str(fx_error) else "failed"
         result.notes.insert(0, CAPTURE_FELL_BACK(what=what, reason=first_line(fx_error)))
         return result
+
+
+def _without_export_advice(fx_error: TraceError) -> str:
+    """The fx failure's message less its advice to capture with torch.export, which has just failed too."""
+    return "\n".join(line for line in str(fx_error).splitlines() if not line.startswith("  - trace.mode: export"))
 
 
 def _prefer_export(fx_result: Capture, working: nn.Module, dynamic_samples: bool, call: Call,
@@ -312,6 +318,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
         error.keep_function = _failing_function(exc)  # type: ignore[attr-defined]
         error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
+    call_torch_functions_by_name(graph)
     name = working.__class__.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     # torch.fx's Tracer.trace leaves the tracer in a reference cycle (its patched __call__/__getattr__
@@ -362,11 +369,25 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
 
 
 def _failing_function(exc: BaseException) -> Optional[types.FunctionType]:
-    """The module-level function of the innermost user frame symbolic tracing failed in (None: that frame is not
-    one: a method, a nested function)."""
-    frames = _user_frames(exc)
-    fn = frames[-1].f_globals.get(frames[-1].f_code.co_name) if frames else None
-    return fn if isinstance(fn, types.FunctionType) and fn.__code__ is frames[-1].f_code else None
+    """The module-level function symbolic tracing failed in: the innermost user frame's, or else the library
+    function that frame called (``pack_padded_sequence`` called from a forward: tracing fails inside torch's own
+    Python code). None: neither is a module-level function."""
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    users = [i for i, frame in enumerate(frames) if _is_users(frame.f_code.co_filename)]
+    if not users:
+        return None
+    inner = users[-1]
+    for frame in frames[inner:inner + 2]:  # the user's frame, then the one it called
+        fn = frame.f_globals.get(frame.f_code.co_name)
+        if isinstance(fn, types.FunctionType) and fn.__code__ is frame.f_code and not _is_tracer_code(frame):
+            return fn
+    return None
+
+
+def _is_tracer_code(frame: Any) -> bool:
+    """torch.fx's and this package's own frames (its patched calls, proxies): never what is kept whole."""
+    filename = os.path.abspath(frame.f_code.co_filename)
+    return filename.startswith((os.path.join(_TORCH_DIR, "fx") + os.sep, _PKG_DIR)) or "<" in filename
 
 
 def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[type]:

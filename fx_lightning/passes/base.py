@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
+import torch
 import torch.fx as fx
 
 from fx_lightning.common.imports import import_object
@@ -81,6 +82,38 @@ class PassOptions:
         (the key relative to the pass's options); the config loader names the full key."""
 
 
+class _ShapeRecorder(fx.Interpreter):
+    """torch.fx's ShapeProp, recording metadata only where it can: ShapeProp rebuilds every container a node
+    returns with metadata in place of its tensors, which a named tuple that checks its fields refuses (a
+    ``PackedSequence`` from a function the capture kept whole: AttributeError, the pass stopped)."""
+
+    def propagate(self, *args: Any) -> Any:
+        return self.run(*args)
+
+    def run_node(self, n: fx.Node) -> Any:
+        from torch.fx.node import map_aggregate
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        result = super().run_node(n)
+        found = False
+
+        def extract(obj: Any) -> Any:
+            nonlocal found
+            if isinstance(obj, torch.Tensor):
+                found = True
+                return _extract_tensor_metadata(obj)
+            return obj
+
+        try:
+            meta = map_aggregate(result, extract)
+        except Exception:  # noqa: BLE001 - a container that cannot hold metadata: its node has none
+            found = False
+        if found:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = type(result)
+        return result
+
+
 @dataclass
 class PassContext:
     """What passes may know besides the graph.
@@ -99,11 +132,9 @@ class PassContext:
             return True
         if self.example_inputs is None:
             return False
-        import torch
-        from torch.fx.passes.shape_prop import ShapeProp
 
         with torch.no_grad():
-            ShapeProp(gm).propagate(*self.example_inputs)
+            _ShapeRecorder(gm).propagate(*self.example_inputs)
         self.shapes_known = True
         return True
 
