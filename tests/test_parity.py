@@ -84,6 +84,28 @@ def test_extract_labels_only_integer_tensors() -> None:
     assert extract_labels(x) is None
 
 
+def test_the_labels_are_the_batch_item_whose_values_are_classes_of_the_scores() -> None:
+    """A text batch ``(tokens, lengths, labels)``: its second item was taken as the labels, so lengths 5..19
+    ruled the 4-wide output out as class scores and no accuracy was measured (nor gated, for a lossy variant)."""
+    labels = torch.arange(10) % 4
+    logits = torch.nn.functional.one_hot(labels, 4).float() * 4
+    worse = logits.clone()
+    worse[:3] = torch.roll(worse[:3], 1, dims=1)  # 3 of 10 now wrong
+    lengths = torch.arange(5, 15)
+    report = check_parity(Logits(), lambda x: worse, [(logits, lengths, labels)], {"min_top1_agreement": 0})
+    assert report.metrics["accuracy_reference"] == 1.0
+    assert report.metrics["accuracy_fused"] == pytest.approx(0.7)
+    assert not [n for n in report.notes if "not the labels' classes" in str(n)]
+
+
+def test_labels_that_fit_no_candidate_still_rule_the_output_out_as_scores() -> None:
+    """When no integer item of the batch holds classes of the scores, the first still shows they are not scores."""
+    logits = torch.randn(10, 4)
+    report = check_parity(Logits(), lambda x: logits, [(logits, torch.arange(5, 15), torch.arange(10, 20))])
+    assert "accuracy_fused" not in report.metrics
+    assert [n for n in report.notes if "not the labels' classes" in str(n)]
+
+
 # ---------------------------------------------------------------------------------------- the metrics
 
 

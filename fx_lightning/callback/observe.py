@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from fx_lightning.common.batches import detached, extract_labels, loader_sample_counts
+from fx_lightning.common.batches import detached, label_candidates, loader_sample_counts
 from fx_lightning.common.calls import Call, map_leaves, tree_of_call
 from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, SOURCE_ORDER, SOURCE_STAGES, first_loader
 from fx_lightning.capture.graph import is_compiled_module
@@ -54,7 +54,7 @@ CALLS_PER_STEP = 4
 class _Step:
     stage: str  # "validation" | "training"
     samples: Optional[int]
-    labels: Optional[torch.Tensor]
+    labels: Tuple[torch.Tensor, ...]
     whole: Optional[Call] = None
     depth: int = 0  # > 0 while the LightningModule's forward runs
     counted: List[bool] = field(default_factory=list)  # per open call of the LightningModule: was it its forward
@@ -285,12 +285,12 @@ def _shapes(call: Call) -> List[Tuple[int, ...]]:
     return [tuple(t.shape) for t in tree_of_call(call).leaves(call)]
 
 
-def _labels(batch: Any) -> Optional[torch.Tensor]:
+def _labels(batch: Any) -> Tuple[torch.Tensor, ...]:
     try:
-        labels = extract_labels(batch)
+        candidates = label_candidates(batch)
     except Exception:  # noqa: BLE001 - a batch that holds no labels the usual way
-        return None
-    return detached(labels).cpu() if labels is not None else None
+        return ()
+    return tuple(detached(t).cpu() for t in candidates)
 
 
 def step_loader(trainer: "pl.Trainer", stage: str) -> Any:

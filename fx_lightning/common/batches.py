@@ -26,6 +26,7 @@ __all__ = [
     "InputRule",
     "extract_input",
     "extract_labels",
+    "label_candidates",
     "describe",
     "identity_rule",
     "example_call",
@@ -137,24 +138,33 @@ def _automatic_input(batch: Any) -> Any:
 
 
 def extract_labels(batch: Any, rule: InputRule = None) -> Optional[torch.Tensor]:
-    """Integer class labels in the batch, if any: the second item of a tuple/list, or a ``LABEL_KEYS`` entry."""
-    labels: Any = None
+    """The batch's first integer tensor that may be class labels (:func:`label_candidates`), if any."""
+    candidates = label_candidates(batch, rule)
+    return candidates[0] if candidates else None
+
+
+def label_candidates(batch: Any, rule: InputRule = None) -> Tuple[torch.Tensor, ...]:
+    """The batch's integer tensors that may be class labels, in order: what ``rule`` picks, else the items of a
+    tuple/list after the first (a text batch's lengths or offsets come before its labels: which is which is decided
+    where the outputs show it, :meth:`~fx_lightning.parity.gate.ParityRun.compare_classes`), a ``LABEL_KEYS`` entry,
+    or a library batch type's ``label``/``target`` field."""
+    found: Any = None
     if callable(rule):
-        labels = rule(batch)
+        found = rule(batch)
     elif isinstance(rule, (str, int)):
         try:
-            labels = batch[rule]
+            found = batch[rule]
         except (KeyError, IndexError, TypeError):
-            labels = None
+            found = None
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        labels = batch[1]
+        found = tuple(batch[1:])
     elif isinstance(batch, Mapping):
-        labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+        found = next((batch[k] for k in LABEL_KEYS if k in batch), None)
     else:  # a library's own batch type: a ``label``/``target`` field
-        labels = next((getattr(batch, k) for k in LABEL_KEYS if hasattr(batch, k)), None)
-    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and not labels.is_complex():
-        return labels
-    return None
+        found = next((getattr(batch, k) for k in LABEL_KEYS if hasattr(batch, k)), None)
+    items = found if isinstance(found, (tuple, list)) else (found,)
+    return tuple(t for t in items
+                 if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex())
 
 
 def describe(value: Any, depth: int = 0) -> str:

@@ -22,7 +22,7 @@ from fx_lightning.common.batches import (
     InputRule,
     detached,
     extract_input,
-    extract_labels,
+    label_candidates,
     flat_tensors,
     model_device_dtype,
     record_calls,
@@ -206,8 +206,10 @@ class _Measurement:
             if r.shape == c.shape:
                 self.whole_error.update(c.double(), r.double())
 
-    def compare_classes(self, reference_out: Any, candidate_out: Any, labels: Optional[torch.Tensor]) -> None:
-        """Top-1 agreement and accuracy, when the first output looks like class scores."""
+    def compare_classes(self, reference_out: Any, candidate_out: Any, candidates: Sequence[torch.Tensor]) -> None:
+        """Top-1 agreement and accuracy, when the first output looks like class scores. The labels are the first of
+        the batch's ``candidates`` with one value per row, each a class of the scores (a text batch's lengths or
+        offsets come before its labels); when none is, the first, which may show the output is not class scores."""
         refs, cands = flat_tensors(reference_out), flat_tensors(candidate_out)
         if not refs or not cands or refs[0].shape != cands[0].shape:
             return
@@ -219,6 +221,7 @@ class _Measurement:
         if lr.shape[0] == 0:
             return  # no rows to pick a class in (a detector that kept no box)
         num_classes = lr.shape[-1]
+        labels = _labels_for(candidates, lr.shape[0], num_classes)
         if self.not_class_scores or self._labels_rule_out_scores(labels, lr.shape[0], num_classes):
             return
         if self.classes is None:
@@ -337,8 +340,16 @@ def measure_parity(
             else:
                 whole_ref_out, whole_cand_out = calls[0][2], cand_outs[0]
             run.state.batches += 1
-            run.compare_classes(whole_ref_out, whole_cand_out, extract_labels(batch, label_rule))
+            run.compare_classes(whole_ref_out, whole_cand_out, label_candidates(batch, label_rule))
     return run.finish(source, whole_reference is not None, precise_reference is not None)
+
+
+def _labels_for(candidates: Sequence[torch.Tensor], rows: int, width: int) -> Optional[torch.Tensor]:
+    """The first candidate with ``rows`` values in ``[0, width)``, else the first (None: no candidate)."""
+    for labels in candidates:
+        if labels.numel() == rows and rows and 0 <= int(labels.min()) and int(labels.max()) < width:
+            return labels
+    return candidates[0] if candidates else None
 
 
 class _RandomState:

@@ -31,7 +31,7 @@ from fx_lightning.common.batches import (
     describe_call,
     example_call,
     extract_input,
-    extract_labels,
+    label_candidates,
     identity_rule,
     model_device_dtype,
     record_calls,
@@ -135,7 +135,7 @@ def _batch_step(whole: nn.Module, target: nn.Module, path: str, batch: Any, rule
                 samples: Optional[int]) -> ObservedStep:
     device, dtype = model_device_dtype(whole)
     call = as_call(to_model(extract_input(batch, rule), device, dtype))
-    labels = extract_labels(batch) if rule is not identity_rule else None
+    labels = label_candidates(batch) if rule is not identity_rule else ()
     if not path:
         return ObservedStep(call, None, samples, labels)
     return ObservedStep(target_calls(whole, target, call)[0], call, samples, labels)
@@ -265,10 +265,10 @@ def without_labels(found: TargetSteps, reference: nn.Module) -> TargetSteps:
     return dataclasses.replace(found, steps=steps, notes=[*found.notes, LABELS_LEFT_OUT(labels=labels)])
 
 
-def _is_labels(name: str, value: torch.Tensor, labels: Optional[torch.Tensor]) -> bool:
-    if labels is not None and value.shape == labels.shape:
-        return bool(torch.equal(value.detach().cpu(), labels.detach().cpu()))
-    return labels is None and name in _LABEL_NAMES
+def _is_labels(name: str, value: torch.Tensor, labels: Tuple[torch.Tensor, ...]) -> bool:
+    if labels:
+        return any(value.shape == t.shape and bool(torch.equal(value.detach().cpu(), t.detach().cpu())) for t in labels)
+    return name in _LABEL_NAMES
 
 
 def _outputs_kept(without: Any, with_them: Any) -> bool:

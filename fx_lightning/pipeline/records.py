@@ -39,12 +39,13 @@ class Batches:
 @dataclass
 class ObservedStep:
     """One step's call of the target: its arguments, the whole model's call in the same step (None: the step
-    did not call the model's forward), the number of samples in the step's batch, and the batch's labels."""
+    did not call the model's forward), the number of samples in the step's batch, and the batch's integer tensors
+    that may be its labels (:func:`~fx_lightning.common.batches.label_candidates`)."""
 
     target: Call
     whole: Optional[Call] = None
     samples: Optional[int] = None
-    labels: Optional[torch.Tensor] = None
+    labels: Tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
