@@ -1183,3 +1183,72 @@ def test_a_library_function_no_tracer_follows_is_kept_whole_and_the_artifact_tak
         assert got.shape == want.shape == (batch, 4) and got.dtype == torch.float32
         assert H.rel_err(got, want) < 1e-5
     torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))  # torch.fx's process-wide table is unharmed
+
+
+class ImageListModel(H.CrossEntropySteps):
+    """torchvision's detectors' call: a ``List[Tensor]`` of images in, one result per image out (a dict). With
+    ``shared``, each image is scaled by the list's mean brightness: the items interact."""
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__()
+        self.shared = shared
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, images: list) -> list:
+        batch = torch.stack(images)
+        if self.shared:
+            batch = batch / (1.0 + batch.mean().abs())
+        features = self.body(batch).mean((2, 3))
+        scores = self.head(features)
+        return [{"scores": scores[i], "features": features[i]} for i in range(len(images))]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(torch.stack([r["scores"] for r in self(list(images))]), labels)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(list(batch[0]))
+
+
+def _image_list_fit(tmp_path, shared: bool) -> Any:
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 3, 16, 16), torch.randint(0, 4, (24,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    cb, module = FXFuseCallback(), ImageListModel(shared)
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    return cb, module
+
+
+def test_a_list_whose_items_are_samples_takes_any_length(tmp_path) -> None:
+    """The artifact is built for the list's length in the calls (4 images: four tensors in the graph); a list of 1,
+    3 or 6 images was refused as a structure it was not built for. Each image's result shown to be its own (beside
+    copies of itself it gets the result it got in the call), other lengths run as pieces of 4, the last padded."""
+    cb, module = _image_list_fit(tmp_path, shared=False)
+    manifest = read_manifest(cb.export_dir)
+    assert manifest.signature is not None and manifest.signature.items is not None
+    assert manifest.signature.items.length == 4
+    fused, reference = load_fused(cb.export_dir), H.fp64_copy(module)
+    for count in (1, 3, 4, 6):
+        images = [torch.randn(3, 16, 16) for _ in range(count)]
+        got, want = fused(images), reference([x.double() for x in images])
+        assert type(got) is list and len(got) == count
+        for g, w in zip(got, want):
+            assert type(g) is dict and list(g) == ["scores", "features"]
+            for key in g:
+                assert g[key].shape == w[key].shape and g[key].dtype == torch.float32
+                assert H.rel_err(g[key], w[key]) < 1e-5, (count, key)
+
+
+def test_a_list_whose_items_interact_is_taken_at_its_length_only(tmp_path) -> None:
+    """Images scaled by the list's mean: pieces would change every result, so no other length is taken."""
+    cb, module = _image_list_fit(tmp_path, shared=True)
+    signature = read_manifest(cb.export_dir).signature
+    assert signature is not None and signature.items is None
+    assert any("items of argument 0 are not independent" in note for note in signature.notes)
+    fused = load_fused(cb.export_dir)
+    images = [torch.randn(3, 16, 16) for _ in range(4)]
+    got, want = fused(images), H.fp64_copy(module)([x.double() for x in images])
+    assert all(H.rel_err(g["scores"], w["scores"]) < 1e-5 for g, w in zip(got, want))
+    with pytest.raises(ExportError, match=r"given, which the artifact was not built for|cannot find its inputs"):
+        fused(images[:3])

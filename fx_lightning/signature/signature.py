@@ -23,6 +23,7 @@ import torch
 from fx_lightning.common.imports import import_object
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call, value_at
+from fx_lightning.signature.item_list import ItemList, find_item_list
 from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
                                                shapes_text, stochastic_outputs)
 
@@ -174,6 +175,9 @@ class Signature:
     # forward's arguments that can be given by position or by name, in order ("" for one taken by position only):
     # a call may write each either way, whichever way the observed calls wrote it.
     arguments: List[str] = field(default_factory=list)
+    # A list argument whose items are samples, proven by experiment (:mod:`~fx_lightning.signature.item_list`): a list
+    # of another length runs as pieces of the length the artifact takes.
+    items: Optional[ItemList] = None
 
     def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
         """The number of samples of a call with these input leaves, for the outputs that count them."""
@@ -229,7 +233,8 @@ class Signature:
                 **({"output_tree": self.output_tree} if self.output_tree is not None else {}),
                 **({"count_dim": list(self.count_dim)} if self.count_dim is not None else {}),
                 **({"left_out": list(self.left_out)} if self.left_out else {}),
-                **({"arguments": list(self.arguments)} if self.arguments else {})}
+                **({"arguments": list(self.arguments)} if self.arguments else {}),
+                **({"item_list": dict(self.items.to_dict())} if self.items is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -243,7 +248,8 @@ class Signature:
                    dict(data["output_tree"]) if isinstance(data.get("output_tree"), Mapping) else None,
                    count_dim=(int(data["count_dim"][0]), int(data["count_dim"][1])) if data.get("count_dim") else None,
                    left_out=[str(n) for n in data.get("left_out") or []],
-                   arguments=[str(n) for n in data.get("arguments") or []])
+                   arguments=[str(n) for n in data.get("arguments") or []],
+                   items=ItemList.from_dict(data["item_list"]) if data.get("item_list") else None)
 
 
 # ------------------------------------------------------------------------------------------ derivation
@@ -317,12 +323,16 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     if probe.inputs:
         notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
             f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
+    items, why_not = find_item_list(same[0].call, outputs[0], run)
+    if items is not None or why_not is not None:
+        notes.append(f"a list whose items are samples: {items.how}" if items is not None else
+                     f"no list whose items are samples: {why_not}; a list of another length is refused")
     if counted:
         leaf, dim = count_dim  # type: ignore[misc]
         notes.append(f"{len(counted)} int output(s) equal to {in_specs[leaf].name} dim {dim} in each of {len(same)} "
                      "calls (a row count): the artifact gives the size of the call at hand")
     return Signature(in_specs, out_specs, sample, len(same), flat, notes, constants, describe_outputs(out_tree),
-                     [probe.call] if probe.call is not None else [], counted, count_dim)
+                     [probe.call] if probe.call is not None else [], counted, count_dim, items=items)
 
 
 def _sample_counts(trees: Sequence[Tree], shapes: Sequence[Sequence[Tuple[int, ...]]]

@@ -22,6 +22,7 @@ from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
+from fx_lightning.signature.item_list import given_length, run_in_pieces
 from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
 
 __all__ = ["ArtifactInterface", "FromLeaves", "nest_outputs", "for_sizes"]
@@ -64,6 +65,15 @@ class ArtifactInterface(nn.Module):
             return getattr(inner, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        items = self.signature.items
+        if items is not None and (args or kwargs):
+            call = self._as_observed(Call(args, kwargs))
+            given = given_length(items, call)
+            if given is not None and given != items.length:
+                if given == 0:
+                    raise ExportError(f"{self.what}: the list {path_text((items.argument,))} is empty; it takes one "
+                                      "or more items")
+                return run_in_pieces(items, call, lambda piece: self.forward(*piece.args, **piece.kwargs))
         call_args = self._arguments(args, kwargs)
         tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
         if not self._fit(tensors):
