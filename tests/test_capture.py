@@ -215,3 +215,29 @@ def test_when_both_captures_fail_the_advice_does_not_name_the_mode_just_tried():
         fuse(ValueBranch(), example_inputs=torch.randn(2, 3, 4, 4))
     assert "trace.mode: export" not in str(raised.value)
     assert "trace.autowrap_functions" in str(raised.value)  # the fixes that remain are still said
+
+
+def test_keeping_whole_stops_when_the_failure_is_at_a_module_already_kept(monkeypatch):
+    """A failure reported at a module already kept whole (fx cannot make a node of the arguments of its call: a
+    library's batch object) was taken out of the list and put back, forever: the preflight hung (torch_geometric's
+    GATv2Conv called with a Batch). It is now refused as neither capture working."""
+    import fx_lightning.capture.graph as graph
+
+    class Kept(nn.Module):
+        pass
+
+    tries = []
+
+    def failing(working, trace, kept_whole=()):
+        tries.append(tuple(kept_whole))
+        if len(tries) > 50:
+            raise AssertionError("the kept-whole loop does not end")
+        error = TraceError("fails at a module kept whole")
+        error.keep_function, error.keep_module = None, Kept
+        raise error
+
+    monkeypatch.setattr(graph, "_capture_fx", failing)
+    first = TraceError("first failure")
+    first.keep_function, first.keep_module = None, Kept
+    assert graph._capture_fx_keeping_whole(nn.Linear(2, 2), None, None, (), first) is None
+    assert tries == [(Kept,)]

@@ -347,13 +347,14 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
     counted as left). When torch.export cannot capture the model either (a value read in Python, say), this is the
     graph the passes can still work on. None: nothing more to keep whole, or it still fails."""
     kept: List[Any] = []
-    while len(kept) < MAX_KEPT_WHOLE:
+    for _ in range(MAX_KEPT_WHOLE):  # tries, not kept entries: a swap below keeps the count the same
         module = getattr(error, "keep_module", None)
-        more = getattr(error, "keep_function", None) or module
-        if more is not None and more in kept:  # kept whole, it still fails there (a call fx does not patch, as
-            kept.remove(more)                  # ``module.function(...)``): its module is kept whole instead
+        function = getattr(error, "keep_function", None)
+        more = function or module
+        if function is not None and function in kept:  # kept whole, it still fails there (a call fx does not
+            kept.remove(function)                      # patch, as ``module.function(...)``): its module instead
             more = module
-        if more is None or more in kept:
+        if more is None or more in kept:  # it fails at a module already kept whole (its call's arguments)
             return None
         kept.append(more)
         try:
