@@ -1252,3 +1252,20 @@ def test_a_list_whose_items_interact_is_taken_at_its_length_only(tmp_path) -> No
     assert all(H.rel_err(g["scores"], w["scores"]) < 1e-5 for g, w in zip(got, want))
     with pytest.raises(ExportError, match=r"given, which the artifact was not built for|cannot find its inputs"):
         fused(images[:3])
+
+
+def test_a_kept_whole_library_function_survives_every_format_of_the_fused_graph(tmp_path) -> None:
+    """The code format wrote the name it imports a kept-whole function by above the helper that imports it (load:
+    NameError '_resolve'), so it was left out for every model with a function kept whole."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(1, 50, (32, 9)), torch.randint(3, 10, (32,)),
+                                          torch.randint(0, 4, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, module = FXFuseCallback(export={"formats": ["graph_module", "code"]}), PackedGRU()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    assert set(read_manifest(cb.export_dir).formats) == {"graph_module", "code"}
+    reference = H.fp64_copy(module)
+    tokens, lengths = torch.randint(1, 50, (2, 14)), torch.tensor([14, 6])
+    for name in ("graph_module", "code"):
+        got = load_fused(cb.export_dir, format=name)(tokens, lengths)
+        assert H.rel_err(got, reference(tokens, lengths)) < 1e-5, name

@@ -42,7 +42,7 @@ def _resolve(module: str, qualname: str):
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
-
+{resolved}
 
 def _owner(root: torch.nn.Module, path: str):
     """The module that holds ``path`` (creating empty containers on the way) and the last name."""
@@ -128,7 +128,7 @@ def generate_code(
         lines.append(f"_tensor(self, {target!r}, {list(value.shape)}, {value.dtype}, {kind!r})")
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     code = model.graph.python_code(root_module="self")
-    imports = _global_imports(code.globals)
+    imports, resolved = _global_imports(code.globals)
     init = ["def __init__(self):", "    super().__init__()"] + ["    " + ln for ln in lines]
     if non_persistent:
         init += [
@@ -138,10 +138,16 @@ def generate_code(
             "        getattr(owner, name).copy_(value)",
         ]
         torch.save(non_persistent, folder / "constants.pt")
-    body = "\n".join(init) + "\n\n" + textwrap.dedent(code.src).strip("\n") + "\n"
+    # torch.fx writes wrap("name") for each function kept whole above forward; it must run at a module's top level.
+    source_lines = textwrap.dedent(code.src).strip("\n").splitlines()
+    wraps = [line for line in source_lines if line.startswith("torch.fx._symbolic_trace.wrap(")]
+    forward = "\n".join(line for line in source_lines if line not in wraps).strip("\n")
+    resolved = resolved + wraps
+    body = "\n".join(init) + "\n\n" + forward + "\n"
     source = (
         _CODE_HEADER.format(version=version, torch_version=torch.__version__, package=package,
-                            imports="\n".join(imports))
+                            imports="\n".join(imports),
+                            resolved="".join(f"\n{line}" for line in resolved) + ("\n" if resolved else ""))
         + f"\nclass {FUSED_CLASS_NAME}(torch.nn.Module):\n"
         + textwrap.indent(body, "    ")
         + _CODE_FOOTER.format(cls=FUSED_CLASS_NAME)
@@ -181,7 +187,7 @@ def _public_state(module: nn.Module) -> Dict[str, object]:
     return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
 
 
-def _global_imports(globals_: Dict[str, Any]) -> List[str]:
+def _global_imports(globals_: Dict[str, Any]) -> Tuple[List[str], List[str]]:
     from torch.fx.graph import _custom_builtins
 
     lines: List[str] = []
@@ -206,7 +212,7 @@ def _global_imports(globals_: Dict[str, Any]) -> List[str]:
                 lines.append(f"{name} = _resolve({module!r}, {qualname!r})")
                 continue
         raise ExportError(f"the graph calls {obj!r} (as {name!r}), which cannot be imported by name.")
-    # _resolve is defined after the imports block: the resolved names go after it.
+    # The imports go above, and the names found with _resolve below, its definition (a kept-whole function: the
+    # module-level names the graph calls).
     plain = [ln for ln in lines if not ln.startswith(tuple(f"{n} = _resolve" for n in globals_))]
-    resolved = [ln for ln in lines if ln not in plain]
-    return plain + ([""] if resolved else []) + resolved
+    return plain, [ln for ln in lines if ln not in plain]
