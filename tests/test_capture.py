@@ -9,6 +9,7 @@ from torch import nn
 from fusion_helpers import assert_exact, count_batchnorms, fingerprint, randomize_batchnorms
 from fx_lightning import TraceError, fuse
 from fx_lightning.capture.graph import CAPTURE_FELL_BACK
+from pool_library import global_pool
 
 
 class DataDependent(nn.Module):
@@ -233,11 +234,33 @@ def test_keeping_whole_stops_when_the_failure_is_at_a_module_already_kept(monkey
         if len(tries) > 50:
             raise AssertionError("the kept-whole loop does not end")
         error = TraceError("fails at a module kept whole")
-        error.keep_function, error.keep_module = None, Kept
+        error.keep_functions, error.keep_module = [], Kept
         raise error
 
     monkeypatch.setattr(graph, "_capture_fx", failing)
     first = TraceError("first failure")
-    first.keep_function, first.keep_module = None, Kept
+    first.keep_functions, first.keep_module = [], Kept
     assert graph._capture_fx_keeping_whole(nn.Linear(2, 2), None, None, (), first) is None
     assert tries == [(Kept,)]
+
+
+class PooledGraphs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.head = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.head(global_pool(self.bn(self.lin(x)), index))
+
+
+def test_a_library_function_is_kept_whole_from_where_the_model_calls_it():
+    """The function that fails (scatter_sum) is called inside the library, where torch.fx does not patch it: kept
+    whole it still failed, and the whole model was kept instead (torch_geometric: "Neither capture mode worked").
+    The function the model's code calls around it (global_pool) is kept whole next, and the rest is fused."""
+    model = randomize_batchnorms(PooledGraphs()).eval()
+    index = torch.tensor([0, 0, 1, 1, 1, 2])
+    result = fuse(model, example_inputs=(torch.randn(6, 4), index))
+    assert result.report.capture_mode == "fx"
+    assert any("global_pool" in str(note) for note in result.report.notes)
+    assert count_batchnorms(result.graph_module) == 0
+    assert_exact(model, result.graph_module, (torch.randn(9, 4), torch.tensor([0, 1, 1, 2, 2, 2, 3, 4, 4])))

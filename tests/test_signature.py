@@ -379,3 +379,32 @@ def test_every_runtime_and_the_manifest_name_an_input_as_forward_does(tmp_path: 
     manifest = read_manifest(tmp_path / "e")
     assert [i["name"] for i in manifest.inputs] == [leaf.name for leaf in manifest.signature.inputs] == ["input"]
     assert manifest.formats["onnx"].options["input_names"] == ["input"]
+
+
+class GraphPool(nn.Module):
+    """torch_geometric's call: nodes of several graphs, each node's graph index, and the graphs' labels (never read);
+    one output row per graph, as many as the index says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pooled = torch.zeros(int(index.max()) + 1, 4).index_add_(0, index, x)
+        return self.lin(pooled)
+
+
+def test_an_axis_only_an_unread_input_follows_is_no_sample_axis() -> None:
+    """The graphs' labels are the one input whose dim 0 follows the loader's count of graphs. Replacing their last rows
+    changed nothing (they are never read), and their first rows alone still gave one output row per graph: that was
+    taken as a sample axis on which only padding is exact, and every artifact was built for the example's sizes
+    (torch_geometric's GATv2Conv: held-out batches of 1, 5 and 7 graphs refused)."""
+    calls, counts = [], []
+    for graphs, nodes in ((6, 23), (6, 19)):
+        index = torch.sort(torch.randint(0, graphs, (nodes,))).values
+        index[:graphs] = torch.arange(graphs)
+        calls.append(Call((torch.randn(nodes, 4), torch.sort(index).values, torch.randint(0, 3, (graphs,)))))
+        counts.append(graphs)
+    signature = _signature(GraphPool(), calls, counts)
+    assert not signature.sample.proven
+    assert "the outputs follow something else than these inputs' rows" in signature.sample.how, signature.sample.how

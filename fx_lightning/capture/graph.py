@@ -315,7 +315,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
             graph = tracer.trace(working, concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
         error = _explain_fx_failure(working, tracer, exc)
-        error.keep_function = _failing_function(exc)  # type: ignore[attr-defined]
+        error.keep_functions = _failing_functions(exc)  # type: ignore[attr-defined]
         error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
     call_torch_functions_by_name(graph)
@@ -347,13 +347,15 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
     counted as left). When torch.export cannot capture the model either (a value read in Python, say), this is the
     graph the passes can still work on. None: nothing more to keep whole, or it still fails."""
     kept: List[Any] = []
+    given_up: List[Any] = []
     for _ in range(MAX_KEPT_WHOLE):  # tries, not kept entries: a swap below keeps the count the same
         module = getattr(error, "keep_module", None)
-        function = getattr(error, "keep_function", None)
-        more = function or module
-        if function is not None and function in kept:  # kept whole, it still fails there (a call fx does not
-            kept.remove(function)                      # patch, as ``module.function(...)``): its module instead
-            more = module
+        functions = getattr(error, "keep_functions", None) or []
+        for function in [f for f in functions if f in kept]:  # kept whole, it still fails there: fx patches a
+            kept.remove(function)                            # function only where the traced code names it
+            given_up.append(function)                        # (not inside a library): the next one out instead
+        fresh = [f for f in functions if f not in given_up]
+        more = fresh[0] if fresh else module
         if more is None or more in kept:  # it fails at a module already kept whole (its call's arguments)
             return None
         kept.append(more)
@@ -369,20 +371,24 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
     return None
 
 
-def _failing_function(exc: BaseException) -> Optional[types.FunctionType]:
-    """The module-level function symbolic tracing failed in: the innermost user frame's, or else the library
-    function that frame called (``pack_padded_sequence`` called from a forward: tracing fails inside torch's own
-    Python code). None: neither is a module-level function."""
+def _failing_functions(exc: BaseException) -> List[types.FunctionType]:
+    """The module-level functions symbolic tracing failed in, the first to keep whole first: the innermost user
+    frame's, the library function that frame called (``pack_padded_sequence`` called from a forward: tracing fails
+    inside torch's own Python code), then the user frames around it that are module-level functions, innermost first
+    (torch_geometric's ``global_add_pool`` around the ``scatter`` that reads a tensor's value: fx patches only the
+    names the traced code calls, so ``scatter`` kept whole still fails)."""
     frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
     users = [i for i, frame in enumerate(frames) if _is_users(frame.f_code.co_filename)]
     if not users:
-        return None
+        return []
     inner = users[-1]
-    for frame in frames[inner:inner + 2]:  # the user's frame, then the one it called
+    found: List[types.FunctionType] = []
+    for frame in [*frames[inner:inner + 2], *(frames[i] for i in reversed(users[:-1]))]:
         fn = frame.f_globals.get(frame.f_code.co_name)
-        if isinstance(fn, types.FunctionType) and fn.__code__ is frame.f_code and not _is_tracer_code(frame):
-            return fn
-    return None
+        if isinstance(fn, types.FunctionType) and fn.__code__ is frame.f_code and not _is_tracer_code(frame) \
+                and fn not in found:
+            found.append(fn)
+    return found
 
 
 def _is_tracer_code(frame: Any) -> bool:

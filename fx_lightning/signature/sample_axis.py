@@ -159,6 +159,10 @@ def _rows_independent(leaves: Sequence[torch.Tensor], outputs: Sequence[torch.Te
         return True, seen + f"; the first rows alone make it raise {type(exc).__name__}, so only padding to a " \
             "size seen is exact", False
     out_leaves = tree_of(out).leaves(out)
+    if structure_mismatch(out_leaves, outputs) is None and compare_outputs(out_leaves, list(outputs)).passed:
+        # The same outputs, all n rows of them, from k rows: they do not follow this axis (an input never read)
+        return False, f"the first {k} rows alone gave the same outputs as all {n}: the outputs follow something " \
+            "else than these inputs' rows (an input the model does not read, such as a batch's labels)", False
     # Not the batch's outputs with k rows on each sample axis (count, dtypes, shapes): as if it raised, pad only.
     if structure_mismatch(out_leaves, [o.narrow(a, 0, k) if a is not None else o
                                        for o, a in zip(outputs, all_out_axes)]) is not None:
