@@ -231,3 +231,165 @@ def test_unfaithful_fx_capture_advice_leaf_modules_works():
                   example_inputs=x)
     assert result.report.capture_mode == "fx"
     assert_matches(model, result.graph_module, x)
+
+
+# ------------------------------------------------------------------------------------------ configuration
+
+
+def _image_model() -> nn.Module:
+    return randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))).eval()
+
+
+def _refused(config: dict) -> str:
+    from fx_lightning.config import load_config
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(config)
+    return str(raised.value)
+
+
+def _export_works(tmp_path, config: dict, model: nn.Module = None, x: torch.Tensor = None):
+    """fuse_and_export with ``config`` runs; the fused model (and the export's default artifact, when written)
+    match the fp64 original."""
+    from fx_lightning import fuse_and_export, load_fused
+
+    model = model if model is not None else _image_model()
+    x = x if x is not None else torch.randn(3, 3, 6, 6)
+    outcome = fuse_and_export(model, tmp_path / "fused", example_inputs=(x,), config=config)
+    assert outcome.failure is None and outcome.fused_model is not None
+    assert_matches(model, outcome.fused_model, x)
+    if outcome.export_dir is not None:
+        assert_matches(model, load_fused(outcome.export_dir), x)
+    return outcome
+
+
+def test_moved_key_advice_export_dynamic_batch_works(tmp_path):
+    """config/loading.py _MOVED: 'trace.dynamic_batch: moved to export.dynamic_batch'."""
+    assert "moved to export.dynamic_batch" in _refused({"trace": {"dynamic_batch": False}})
+    model, x = randomize_batchnorms(ShapeZeros()).eval(), torch.randn(3, 3, 6, 6)
+    outcome = _export_works(tmp_path, {"trace": {"mode": "export"}, "export": {"dynamic_batch": False,
+                                                                              "formats": ["pt2"]}}, model, x)
+    assert outcome.manifest is not None and outcome.manifest.dynamic_batch is False
+
+
+def test_module_stage_pass_in_extra_advice_configure_under_passes_works(tmp_path):
+    """config/loading.py: "passes.extra[0].name: 'reparameterize' works on the module before capture, not on the
+    graph; configure it under passes.reparameterize instead"."""
+    assert "configure it under passes.reparameterize instead" in _refused({"passes": {"extra": ["reparameterize"]}})
+    _export_works(tmp_path, {"passes": {"reparameterize": {"enabled": True}}, "export": {"formats": ["pt2"]}})
+
+
+def test_unknown_key_advice_did_you_mean_works(tmp_path):
+    """errors.py unknown_key: "parity.rtoll: unknown key. Did you mean 'parity.rtol'?"."""
+    message = _refused({"parity": {"rtoll": 1e-4}})
+    found = re.search(r"Did you mean '([a-z_.]+)'\?", message)
+    assert found and found.group(1) == "parity.rtol", message
+    section, key = found.group(1).split(".")
+    _export_works(tmp_path, {section: {key: 1e-4}, "export": {"formats": ["pt2"]}})
+
+
+def test_empty_formats_advice_export_enabled_false_works(tmp_path):
+    """config/schema.py ExportConfig.check: 'export.formats: empty while export.enabled is true; allowed: ... (or
+    set export.enabled: false)'."""
+    message = _refused({"export": {"formats": []}})
+    assert "(or set export.enabled: false)" in message and "allowed: pt2" in message
+    outcome = _export_works(tmp_path, {"export": {"formats": [], "enabled": False}})
+    assert outcome.export_dir is None and not (tmp_path / "fused").exists()
+    _export_works(tmp_path / "one", {"export": {"formats": ["pt2"]}})  # a format from the allowed list
+
+
+@pytest.mark.parametrize("fix", [{"enabled": True}, {"mlflow": {"enabled": None}}, {"mlflow": {"enabled": False}}],
+                         ids=["export.enabled", "mlflow.enabled-null", "mlflow.enabled-false"])
+def test_mlflow_without_export_advice_works(tmp_path, fix):
+    """config/schema.py ExportConfig.check: 'export.mlflow.enabled: true while export.enabled is false: ... set
+    export.enabled: true, or mlflow.enabled: null or false'. Without a Trainer nothing is logged either way: the
+    export runs."""
+    bad = {"enabled": False, "formats": ["pt2"], "mlflow": {"enabled": True}}
+    message = _refused({"export": bad})
+    assert "set export.enabled: true, or mlflow.enabled: null or false" in message
+    _export_works(tmp_path, {"export": {**bad, **fix}})
+
+
+@pytest.mark.parametrize("fix", [{"register_as": "fused-model"}, {"registry_uri": None}],
+                         ids=["register_as", "registry_uri-null"])
+def test_registry_uri_without_register_as_advice_works(tmp_path, fix):
+    """config/schema.py MlflowConfig.check: 'export.mlflow.registry_uri: ... given without register_as; nothing
+    would be registered: set register_as too, or registry_uri: null'."""
+    mlflow = {"registry_uri": "sqlite:///registry.db"}
+    assert "set register_as too, or registry_uri: null" in _refused({"export": {"mlflow": mlflow}})
+    _export_works(tmp_path, {"export": {"formats": ["pt2"], "mlflow": {**mlflow, **fix}}})
+
+
+def test_alias_without_register_as_advice_works(tmp_path):
+    """config/schema.py MlflowConfig.check: 'export.mlflow.alias: ... given without register_as; ... set
+    register_as too'."""
+    assert "set register_as too" in _refused({"export": {"mlflow": {"alias": "candidate"}}})
+    _export_works(tmp_path, {"export": {"formats": ["pt2"], "mlflow": {"alias": "candidate",
+                                                                        "register_as": "fused-model"}}})
+
+
+def test_latency_budget_advice_sets_everything_it_needs(tmp_path):
+    """config/schema.py ExportConfig.check: 'export.latency_budget_ms: ... with select_strategy: min_latency; ...
+    set select_strategy: max_throughput and select: fastest, or latency_budget_ms: null'. It said only
+    select_strategy: max_throughput, which was then refused for want of select: fastest."""
+    from fx_lightning.config import load_config
+
+    message = _refused({"export": {"latency_budget_ms": 50.0}})
+    assert "set select_strategy: max_throughput and select: fastest, or latency_budget_ms: null" in message
+    cfg = load_config({"export": {"latency_budget_ms": 50.0, "select_strategy": "max_throughput",
+                                  "select": "fastest"}})
+    assert cfg.export.select_strategy.value == "max_throughput" and cfg.export.latency_budget_ms == 50.0
+    # Where select: fastest is already set, the advice does not repeat it.
+    message = _refused({"export": {"latency_budget_ms": 50.0, "select": "fastest"}})
+    assert "set select_strategy: max_throughput, or latency_budget_ms: null" in message
+    # The other half: no budget (the timed export itself is covered by test_sweep.py).
+    _export_works(tmp_path, {"export": {"formats": ["pt2"], "latency_budget_ms": None}})
+
+
+def test_strategy_without_select_fastest_advice_works():
+    """config/schema.py ExportConfig.check: 'export.select_strategy: max_throughput with select: preference; ...
+    set select: fastest'."""
+    from fx_lightning.config import load_config
+
+    assert "set select: fastest" in _refused({"export": {"select_strategy": "max_throughput"}})
+    cfg = load_config({"export": {"select_strategy": "max_throughput", "select": "fastest"}})
+    assert cfg.export.select.value == "fastest"
+
+
+@pytest.mark.parametrize("target", [None, ""], ids=["null", "empty"])
+def test_target_not_dotted_advice_works(tmp_path, target):
+    """config/schema.py FuseConfig.check: "target: 'features-0' is not a dotted attribute path ...; use null for the
+    default (backbone if present, else the whole module), or '' for the whole module"."""
+    message = _refused({"target": "features-0"})
+    assert "use null for the default" in message and "or '' for the whole module" in message
+    _export_works(tmp_path, {"target": target, "export": {"formats": ["pt2"]}})
+
+
+def test_missing_extra_pass_name_advice_works(tmp_path):
+    """errors.py load_record / config/loading.py: "passes.extra[0].name: missing ...; give a value (a registered pass
+    name or 'pkg.module:function')"."""
+    message = _refused({"passes": {"extra": [{"options": {}}]}})
+    assert "a registered pass name or 'pkg.module:function'" in message
+    _export_works(tmp_path, {"passes": {"extra": [{"name": "eliminate_dead_code", "options": {}}]},
+                             "export": {"formats": ["pt2"]}})
+
+
+def noop_pass(gm, options, ctx):
+    """A user pass that changes nothing (given by import path)."""
+    return None
+
+
+def test_unknown_pass_advice_works(tmp_path):
+    """passes/base.py get_pass: "unknown pass 'no_such_pass'; registered passes: ... (or give an import path
+    'pkg.module:function')". Every name it lists is taken in passes.extra (the module passes, which passes.extra
+    refuses, were listed too) and so is an import path."""
+    from fx_lightning.config import load_config
+
+    message = _refused({"passes": {"extra": ["no_such_pass"]}})
+    assert "(or give an import path 'pkg.module:function')" in message
+    listed = re.search(r"registered passes: ([a-z_, ]+) \(", message).group(1).split(", ")
+    assert "fuse_conv_bn" in listed and "reparameterize" not in listed and "batchnorm_forms" not in listed
+    for name in listed:
+        load_config({"passes": {"extra": [name]}})
+    _export_works(tmp_path, {"passes": {"extra": ["test_advice:noop_pass"]}, "export": {"formats": ["pt2"]}})

@@ -410,8 +410,10 @@ def get_pass(name: str) -> PassSpec:
     try:
         return _REGISTRY[name]
     except KeyError:
+        # The graph passes only: a module pass (reparameterize...) is refused where a name is looked up (passes.extra).
+        graph = sorted(n for n, spec in _REGISTRY.items() if spec.stage is Stage.graph)
         raise KeyError(
-            f"unknown pass {name!r}; registered passes: {', '.join(sorted(_REGISTRY))} "
+            f"unknown pass {name!r}; registered passes: {', '.join(graph)} "
             "(or give an import path 'pkg.module:function')"
         ) from None
 
