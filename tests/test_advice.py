@@ -305,7 +305,7 @@ def test_mlflow_without_export_advice_works(tmp_path, fix):
     """config/schema.py ExportConfig.check: 'export.mlflow.enabled: true while export.enabled is false: ... set
     export.enabled: true, or mlflow.enabled: null or false'. Without a Trainer nothing is logged either way: the
     export runs."""
-    bad = {"enabled": False, "formats": ["pt2"], "mlflow": {"enabled": True}}
+    bad = {"enabled": False, "formats": ["graph_module"], "mlflow": {"enabled": True}}
     message = _refused({"export": bad})
     assert "set export.enabled: true, or mlflow.enabled: null or false" in message
     _export_works(tmp_path, {"export": {**bad, **fix}})
@@ -393,3 +393,121 @@ def test_unknown_pass_advice_works(tmp_path):
     for name in listed:
         load_config({"passes": {"extra": [name]}})
     _export_works(tmp_path, {"passes": {"extra": ["test_advice:noop_pass"]}, "export": {"formats": ["pt2"]}})
+
+
+# ------------------------------------------------------------------------------------ the callback (Lightning)
+
+
+def _fit(tmp_path, name: str, model=None, callbacks=(), **options):
+    """Fit a tiny LitClassifier (or ``model``) with FXFuseCallback(**options) after ``callbacks``; returns (model,
+    callback, trainer)."""
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
+
+    model = model if model is not None else H.LitClassifier()
+    cb = FXFuseCallback(**options)
+    trainer = H.make_trainer(tmp_path / name, [*callbacks, cb], **({"enable_checkpointing": False}
+                                                                   if not callbacks else {}))
+    trainer.fit(model, *H.loaders())
+    return model, cb, trainer
+
+
+def _refused_fit(tmp_path, error=Exception, **kwargs) -> str:
+    with pytest.raises(error) as raised:
+        _fit(tmp_path, "refused", **kwargs)
+    return str(raised.value)
+
+
+def _fused_backbone_works(model, cb) -> None:
+    """The callback fused the backbone, and it matches the trained backbone (fp64 eval copy)."""
+    assert cb.result is not None and cb.error is None
+    assert_matches(model.backbone, cb.result.graph_module, torch.randn(5, 3, 8, 8))
+
+
+@pytest.mark.parametrize("fix", ["weights-last", "add-ModelCheckpoint"])
+def test_weights_best_without_checkpoint_callback_advice_works(tmp_path, fix):
+    """callback/preflight.py _check_weights (stage 'weights'): "weights: 'best' needs a ModelCheckpoint callback in
+    the Trainer, and there is none. Fix: add a ModelCheckpoint that saves (monitor=..., save_top_k >= 1) or use
+    weights: last"."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    message = _refused_fit(tmp_path, ConfigError, weights="best", export={"enabled": False})
+    assert "Fix: add a ModelCheckpoint that saves (monitor=..., save_top_k >= 1) or use weights: last" in message
+    if fix == "weights-last":
+        model, cb, _ = _fit(tmp_path, "fixed", weights="last", export={"enabled": False})
+    else:
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="val_loss", save_top_k=1)
+        model, cb, _ = _fit(tmp_path, "fixed", callbacks=[ckpt], weights="best", export={"enabled": False})
+        assert ckpt.best_model_path
+        import lightning_helpers as H
+
+        model = H.LitClassifier()  # the best checkpoint's weights are what was fused
+        model.load_state_dict(torch.load(ckpt.best_model_path, weights_only=False)["state_dict"])
+    _fused_backbone_works(model, cb)
+
+
+@pytest.mark.parametrize("fix", ["save_top_k", "weights-last"])
+def test_weights_best_with_save_top_k_zero_advice_works(tmp_path, fix):
+    """callback/preflight.py _check_weights (stage 'weights'): "weights: 'best', but the ModelCheckpoint has
+    save_top_k=0". The stage's advice, "add a ModelCheckpoint", could not work (the Trainer's first ModelCheckpoint
+    is the one read): it now says to give that one save_top_k >= 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def ckpt(top_k: int, monitor: str = "val_loss") -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path / f"ckpts{top_k}", monitor=monitor, save_top_k=top_k)
+
+    message = _refused_fit(tmp_path, ConfigError, callbacks=[ckpt(0)], weights="best", export={"enabled": False})
+    assert "Fix: give that ModelCheckpoint save_top_k >= 1 (or -1), or use weights: last" in message
+    assert "add a ModelCheckpoint" not in message
+    # The stage's old advice, followed: a second ModelCheckpoint that saves; still refused.
+    assert "save_top_k=0" in _refused_fit(tmp_path, ConfigError, callbacks=[ckpt(0), ckpt(1, "score")], weights="best",
+                                          export={"enabled": False})
+    if fix == "save_top_k":
+        model, cb, trainer = _fit(tmp_path, "fixed", callbacks=[ckpt(1)], weights="best", export={"enabled": False})
+        import lightning_helpers as H
+
+        model = H.LitClassifier()
+        model.load_state_dict(torch.load(trainer.checkpoint_callback.best_model_path,
+                                         weights_only=False)["state_dict"])
+    else:
+        model, cb, _ = _fit(tmp_path, "fixed", callbacks=[ckpt(0)], weights="last", export={"enabled": False})
+    _fused_backbone_works(model, cb)
+
+
+@pytest.mark.parametrize("fix", ["cpu", "auto"])
+def test_unavailable_device_advice_works(tmp_path, fix):
+    """pipeline/targets.py resolve_device (stage 'device'): "device: 'cuda:3' is not available in this process ...;
+    use auto (where training ran) or cpu"."""
+    if torch.cuda.device_count() > 3:
+        pytest.skip("cuda:3 exists here")
+    message = _refused_fit(tmp_path, ConfigError, device="cuda:3", export={"enabled": False})
+    assert "use auto (where training ran) or cpu" in message
+    model, cb, _ = _fit(tmp_path, "fixed", device=fix, export={"enabled": False})
+    _fused_backbone_works(model, cb)
+
+
+def test_export_dir_in_checkpoint_directory_advice_works(tmp_path):
+    """pipeline/targets.py refuse_protected (stage 'export directory'): "export.dir: ... could replace a checkpoint.
+    Choose another export.dir"."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from fx_lightning import ExportError, load_fused
+
+    ckpts = tmp_path / "ckpts"
+    message = _refused_fit(tmp_path, ExportError, callbacks=[ModelCheckpoint(dirpath=ckpts)],
+                           export={"dir": str(ckpts), "formats": ["pt2"]})
+    assert "Choose another export.dir" in message
+    model, cb, _ = _fit(tmp_path, "fixed", callbacks=[ModelCheckpoint(dirpath=ckpts)],
+                        export={"dir": str(tmp_path / "fused"), "formats": ["pt2"]})
+    _fused_backbone_works(model, cb)
+    assert_matches(model.backbone, load_fused(tmp_path / "fused"), torch.randn(5, 3, 8, 8))
+
+
+@pytest.mark.parametrize("fix", [None, False])
+def test_mlflow_required_without_logger_advice_works(tmp_path, fix):
+    """callback/mlflow_logging.py (stage 'export.mlflow'): "export.mlflow.enabled: true, but the Trainer has no
+    MLFlowLogger; add one (...), or set export.mlflow.enabled: null (log when one is attached) or false"."""
+    message = _refused_fit(tmp_path, ConfigError, export={"formats": ["graph_module"], "mlflow": {"enabled": True}})
+    assert "or set export.mlflow.enabled: null (log when one is attached) or false" in message
+    model, cb, _ = _fit(tmp_path, "fixed", export={"formats": ["graph_module"], "mlflow": {"enabled": fix}})
+    _fused_backbone_works(model, cb)
+    assert cb.export_dir is not None and cb.mlflow is None
