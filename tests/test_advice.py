@@ -511,3 +511,85 @@ def test_mlflow_required_without_logger_advice_works(tmp_path, fix):
     model, cb, _ = _fit(tmp_path, "fixed", export={"formats": ["graph_module"], "mlflow": {"enabled": fix}})
     _fused_backbone_works(model, cb)
     assert cb.export_dir is not None and cb.mlflow is None
+
+
+def _two_submodules_lit():
+    """A LightningModule whose steps call ``encoder`` and ``head`` directly, never its own forward: both hold trained
+    parameters, so which one is the model cannot be observed."""
+    import lightning_helpers as H
+    import torch.nn.functional as F
+
+    class Lit(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = H.TinyBackbone(8)
+            self.head = nn.Linear(8, H.NUM_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.head(self.encoder(x)), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self.head(self.encoder(x)), y))
+
+    return Lit()
+
+
+def test_target_null_with_steps_calling_submodules_advice_works(tmp_path):
+    """callback/observe.py _trained_one: "target: null, and the LightningModule's steps never call its forward: they
+    call the submodules ... directly, and more than one holds trained parameters. Fix: set target to the one to fuse
+    (e.g. target: encoder)"."""
+    message = _refused_fit(tmp_path, ConfigError, model=_two_submodules_lit(), export={"enabled": False})
+    found = re.search(r"Fix: set target to the one to fuse \(e\.g\. target: ([\w.]+)\)", message)
+    assert found, message
+    model, cb, _ = _fit(tmp_path, "fixed", model=_two_submodules_lit(), target=found.group(1),
+                        export={"enabled": False})
+    assert found.group(1) == "encoder" and cb.result is not None
+    assert_matches(model.encoder, cb.result.graph_module, torch.randn(5, 3, 8, 8))
+
+
+def test_backbone_only_note_advice_target_whole_works(tmp_path):
+    """callback/observe.py BACKBONE_ONLY (a note, not a refusal): "target: null fused backbone ..., but its forward
+    also runs head ... around it, which the artifact leaves out: set target: '' to export the whole forward"."""
+    from fx_lightning import load_fused
+    from fx_lightning.callback.observe import BACKBONE_ONLY
+
+    model, cb, _ = _fit(tmp_path, "default", export={"enabled": False})
+    assert any(n.kind == BACKBONE_ONLY for n in cb.outcome.notes)
+    assert "set target: '' to export the whole forward" in BACKBONE_ONLY.template
+    model, cb, _ = _fit(tmp_path, "whole", target="", export={"formats": ["graph_module"]})
+    assert not any(n.kind == BACKBONE_ONLY for n in cb.outcome.notes)
+    x = torch.randn(5, 3, 8, 8)
+    assert_matches(model, load_fused(cb.export_dir), x)  # backbone and head: the LightningModule's forward
+
+
+class Noisy(nn.Module):
+    """Random in eval mode: no fused model can match it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        return y + torch.randn_like(y)
+
+
+def test_parity_failure_advice_on_failure_warn_works(tmp_path):
+    """pipeline/driver.py _parity_failure: "parity FAILED ...: Nothing was exported. (set parity.on_failure: warn to
+    only warn)": with it set, the same run warns and returns (nothing exported, as the message says)."""
+    from fx_lightning import ParityError, fuse_and_export
+
+    x = torch.randn(3, 3, 6, 6)
+    with pytest.raises(ParityError) as raised:
+        fuse_and_export(Noisy(), tmp_path / "a", example_inputs=(x,), config={"export": {"formats": ["pt2"]}})
+    assert "(set parity.on_failure: warn to only warn)" in str(raised.value)
+    with pytest.warns(UserWarning, match="parity FAILED"):
+        outcome = fuse_and_export(Noisy(), tmp_path / "b", example_inputs=(x,),
+                                  config={"export": {"formats": ["pt2"]}, "parity": {"on_failure": "warn"}})
+    assert outcome.failure is None and outcome.parity is not None and not outcome.parity.passed
+    assert outcome.export_dir is None and not (tmp_path / "b").exists()
