@@ -593,3 +593,192 @@ def test_parity_failure_advice_on_failure_warn_works(tmp_path):
                                   config={"export": {"formats": ["pt2"]}, "parity": {"on_failure": "warn"}})
     assert outcome.failure is None and outcome.parity is not None and not outcome.parity.passed
     assert outcome.export_dir is None and not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------------------------ fuse_and_export's inputs
+
+
+def test_no_inputs_advice_works(tmp_path):
+    """errors.py require_inputs (fuse_and_export): "fuse_and_export(): no inputs for checking and exporting the fused
+    model: give batches (data to verify on) or example_inputs (forward's arguments)"."""
+    from fx_lightning import fuse_and_export
+
+    model, x = _image_model(), torch.randn(3, 3, 6, 6)
+    with pytest.raises(ConfigError) as raised:
+        fuse_and_export(model, tmp_path / "none", config={"export": {"formats": ["pt2"]}})
+    assert "give batches (data to verify on) or example_inputs (forward's arguments)" in str(raised.value)
+    _export_works(tmp_path / "example", {"export": {"formats": ["pt2"]}}, model, x)
+    outcome = fuse_and_export(model, tmp_path / "batches", batches=[(x, torch.zeros(3))],
+                              config={"export": {"formats": ["pt2"]}})
+    assert outcome.parity is not None and outcome.parity.passed
+    assert_matches(model, outcome.fused_model, x)
+
+
+def test_parity_input_not_found_advice_key_works(tmp_path):
+    """pipeline/inputs.py / common/batches.py: "parity.input: forward's input could not be taken out of the batch
+    ... parity.input can be a key of a dict batch ('image'), ...": the key set, the run works."""
+    from fx_lightning import fuse_and_export
+
+    model, x = _image_model(), torch.randn(3, 3, 6, 6)
+    batches = [{"pixels": x, "label": torch.zeros(3)}]
+    with pytest.raises(ConfigError) as raised:
+        fuse_and_export(model, tmp_path / "a", batches=batches, config={"export": {"formats": ["pt2"]}})
+    assert "parity.input can be a key of a dict batch ('image')" in str(raised.value)
+    # A key that is not there: the message lists the batch's keys.
+    with pytest.raises(ConfigError) as raised:
+        fuse_and_export(model, tmp_path / "b", batches=batches, config={"parity": {"input": "image"}})
+    keys = re.search(r"its keys: ([\w, ]+)\.", str(raised.value)).group(1).split(", ")
+    assert keys == ["pixels", "label"]
+    outcome = fuse_and_export(model, tmp_path / "c", batches=batches,
+                              config={"parity": {"input": keys[0]}, "export": {"formats": ["pt2"]}})
+    assert outcome.parity is not None and outcome.parity.passed and outcome.parity.batches == 1
+    from fx_lightning import load_fused
+
+    assert_matches(model, load_fused(outcome.export_dir), x)
+
+
+def test_parity_input_function_advice_works(tmp_path):
+    """common/batches.py PARITY_INPUT_SPELLINGS: "... or 'pkg.module:function' taking the batch and returning
+    forward's argument"."""
+    from fx_lightning import fuse_and_export, load_fused
+
+    model, x = _image_model(), torch.randn(3, 3, 6, 6)
+    batches = [{"sample": {"pixels": x}, "label": torch.zeros(3)}]
+    with pytest.raises(ConfigError) as raised:
+        fuse_and_export(model, tmp_path / "a", batches=batches, config={"export": {"formats": ["pt2"]}})
+    assert "'pkg.module:function' taking the batch and returning forward's argument" in str(raised.value)
+    outcome = fuse_and_export(model, tmp_path / "b", batches=batches,
+                              config={"parity": {"input": "test_advice:pixels_of"}, "export": {"formats": ["pt2"]}})
+    assert outcome.parity is not None and outcome.parity.passed
+    assert_matches(model, load_fused(outcome.export_dir), x)
+
+
+def pixels_of(batch):
+    """parity.input for the nested batches above."""
+    return batch["sample"]["pixels"]
+
+
+class Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        self.spare = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x)
+
+
+def test_target_never_called_advice_works(tmp_path):
+    """pipeline/inputs.py: "target: the target module is never called by the model's forward, so it cannot be fused
+    in place; point `target` at a module that forward uses"."""
+    model, x = randomize_batchnorms(Unused()).eval(), torch.randn(3, 3, 6, 6)
+    with pytest.raises(ConfigError) as raised:
+        _export_works(tmp_path / "a", {"target": "spare", "export": {"formats": ["pt2"]}}, model, x)
+    assert "point `target` at a module that forward uses" in str(raised.value)
+    from fx_lightning import fuse_and_export, load_fused
+
+    outcome = fuse_and_export(model, tmp_path / "b", example_inputs=(x,),
+                              config={"target": "backbone", "export": {"formats": ["pt2"]}})
+    assert outcome.target == "backbone" and outcome.parity is not None and outcome.parity.passed
+    assert_matches(model.backbone, load_fused(outcome.export_dir), x)
+
+
+# ------------------------------------------------------------------------------------------- export settings
+
+
+def test_export_dir_not_a_directory_advice_works(tmp_path):
+    """export/write/writer.py: "<dir>: exists and is not a directory; choose another export.dir"."""
+    from fx_lightning import ExportError, fuse_and_export
+
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ExportError) as raised:
+        fuse_and_export(_image_model(), tmp_path / "file", example_inputs=(torch.randn(3, 3, 6, 6),),
+                        config={"export": {"formats": ["pt2"]}})
+    assert "choose another export.dir" in str(raised.value)
+    _export_works(tmp_path / "other", {"export": {"formats": ["pt2"]}})
+
+
+@pytest.mark.parametrize("fix", ["remove", "overwrite"])
+def test_export_dir_exists_without_overwrite_advice_works(tmp_path, fix):
+    """export/write/writer.py: "<dir>: already exists and export.overwrite is false; remove it or set it true"."""
+    import shutil
+
+    from fx_lightning import ExportError
+
+    config = {"export": {"formats": ["pt2"], "overwrite": False}}
+    _export_works(tmp_path, config)
+    with pytest.raises(ExportError) as raised:
+        _export_works(tmp_path, config)
+    assert "remove it or set it true" in str(raised.value)
+    if fix == "remove":
+        shutil.rmtree(tmp_path / "fused")
+        _export_works(tmp_path, config, model=_image_model())
+    else:
+        torch.manual_seed(1)  # another model: the export is replaced
+        _export_works(tmp_path, {"export": {"formats": ["pt2"], "overwrite": True}},
+                      model=randomize_batchnorms(_image_model(), seed=1))
+
+
+@pytest.mark.parametrize("fix", ["one-per-column", "null"])
+def test_labels_of_the_wrong_length_advice_works(tmp_path, fix):
+    """export/write/input_contract.py: "export.labels: 2 class names ['a', 'b'] but the exported model's first output
+    has 3 columns; give one name per column, or null"."""
+    from fx_lightning.export import read_manifest
+
+    with pytest.raises(ConfigError) as raised:
+        _export_works(tmp_path, {"export": {"formats": ["pt2"], "labels": ["a", "b"]}})
+    assert "give one name per column, or null" in str(raised.value)
+    labels = ["a", "b", "c"] if fix == "one-per-column" else None
+    outcome = _export_works(tmp_path, {"export": {"formats": ["pt2"], "labels": labels}})
+    assert read_manifest(outcome.export_dir).labels == (labels or [])
+
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def _preprocess_works(tmp_path, preprocess: dict) -> None:
+    """An export with ``export.preprocess`` set runs; its artifact takes raw uint8 pixels and matches the fp64
+    original on them normalised (this test's own normalisation)."""
+    from fx_lightning import fuse_and_export, load_fused
+
+    model = _image_model()
+    mean = torch.tensor(preprocess["mean"], dtype=torch.float64)[None, :, None, None]
+    std = torch.tensor(preprocess["std"], dtype=torch.float64)[None, :, None, None]
+    raw = torch.randint(0, 256, (3, 3, 6, 6), dtype=torch.uint8)
+    normalised = (raw.double() / 255 - mean) / std
+    outcome = fuse_and_export(model, tmp_path / "fused", example_inputs=(normalised.float(),),
+                              config={"export": {"formats": ["pt2"], "preprocess": {"enabled": True, **preprocess}}})
+    with torch.no_grad():
+        want = copy_fp64(model)(normalised)
+    assert rel_err(load_fused(outcome.export_dir)(raw), want) <= TOL
+
+
+def copy_fp64(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model).double().eval()
+
+
+@pytest.mark.parametrize("fix", ["mean-and-std", "disabled"])
+def test_preprocess_without_mean_and_std_advice_works(tmp_path, fix):
+    """export/write/input_contract.py: "export.preprocess.enabled: true with mean: null and std: null, and there is
+    no datamodule here to find them in; set export.preprocess.mean and export.preprocess.std (one value per channel),
+    or export.preprocess.enabled: false"."""
+    with pytest.raises(ConfigError) as raised:
+        _export_works(tmp_path / "a", {"export": {"formats": ["pt2"], "preprocess": {"enabled": True}}})
+    assert "set export.preprocess.mean and export.preprocess.std (one value per channel), or " \
+           "export.preprocess.enabled: false" in str(raised.value)
+    if fix == "mean-and-std":
+        _preprocess_works(tmp_path / "b", {"mean": MEAN, "std": STD})
+    else:
+        _export_works(tmp_path / "b", {"export": {"formats": ["pt2"], "preprocess": {"enabled": False}}})
+
+
+def test_preprocess_channel_count_advice_works(tmp_path):
+    """export/write/prologue.py: "export.preprocess.mean: 1 value(s) [0.5] but the model's input (3, 3, 6, 6) has 3
+    channels on axis 1; give one mean and std per channel"."""
+    with pytest.raises(ConfigError) as raised:
+        _export_works(tmp_path / "a", {"export": {"formats": ["pt2"], "preprocess": {
+            "enabled": True, "mean": [0.5], "std": [0.2]}}})
+    assert "give one mean and std per channel" in str(raised.value)
+    _preprocess_works(tmp_path / "b", {"mean": [0.5] * 3, "std": [0.2] * 3})
