@@ -782,3 +782,63 @@ def test_preprocess_channel_count_advice_works(tmp_path):
             "enabled": True, "mean": [0.5], "std": [0.2]}}})
     assert "give one mean and std per channel" in str(raised.value)
     _preprocess_works(tmp_path / "b", {"mean": [0.5] * 3, "std": [0.2] * 3})
+
+
+# ------------------------------------------------------------------------------------ load_fused's call checks
+
+
+class OptionalBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor = None) -> torch.Tensor:
+        y = self.bn(self.conv(x)).mean((2, 3))
+        return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("fix", ["leave-it-out", "pass-it-in-the-calls"])
+def test_argument_never_observed_advice_works(tmp_path, fix):
+    """export/load/interface.py _NEVER_OBSERVED: "takes 1 input(s) (x); got 2: no call the export was built from ...
+    passed an argument from position 2 on ... Leave it out, or pass it in the calls the training and validation steps
+    make, and the export takes it" (here the calls are fuse_and_export's example inputs)."""
+    from fx_lightning import ExportError, fuse_and_export, load_fused
+
+    model = randomize_batchnorms(OptionalBias()).eval()
+    x, bias = torch.randn(3, 3, 6, 6), torch.randn(3, 4)
+    outcome = fuse_and_export(model, tmp_path / "a", example_inputs=(x,), config={"export": {"formats": ["pt2"]}})
+    with pytest.raises(ExportError) as raised:
+        load_fused(outcome.export_dir)(x, bias)
+    assert "Leave it out, or pass it in the calls" in str(raised.value)
+    if fix == "leave-it-out":
+        assert_matches(model, load_fused(outcome.export_dir), x)
+    else:
+        outcome = fuse_and_export(model, tmp_path / "b", example_inputs=(x, bias),
+                                  config={"export": {"formats": ["pt2"]}})
+        assert_matches(model, load_fused(outcome.export_dir), x, bias)
+
+
+class Views(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, views):
+        return torch.stack([self.bn(self.conv(v)).mean((1, 2, 3)) for v in views], 1)
+
+
+def test_input_not_built_for_advice_export_from_calls_that_pass_it_works(tmp_path):
+    """export/load/interface.py _refuse_unknown: "... given, which the artifact was not built for (it takes ...):
+    ...; leave it out only if that is the call you want, else export from calls that pass it"."""
+    from fx_lightning import ExportError, fuse_and_export, load_fused
+
+    model = randomize_batchnorms(Views()).eval()
+    two = [torch.randn(4, 3, 8, 8) for _ in range(2)]
+    five = two + [torch.randn(4, 3, 8, 8) for _ in range(3)]
+    outcome = fuse_and_export(model, tmp_path / "two", example_inputs=(two,), config={"export": {"formats": ["pt2"]}})
+    with pytest.raises(ExportError) as raised:
+        load_fused(outcome.export_dir)(five)
+    assert "else export from calls that pass it" in str(raised.value)
+    outcome = fuse_and_export(model, tmp_path / "five", example_inputs=(five,),
+                              config={"export": {"formats": ["pt2"]}})
+    assert_matches(model, load_fused(outcome.export_dir), five)
