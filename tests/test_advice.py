@@ -842,3 +842,110 @@ def test_input_not_built_for_advice_export_from_calls_that_pass_it_works(tmp_pat
     outcome = fuse_and_export(model, tmp_path / "five", example_inputs=(five,),
                               config={"export": {"formats": ["pt2"]}})
     assert_matches(model, load_fused(outcome.export_dir), five)
+
+
+# ----------------------------------------------------------------------- the preflight's advice for each stage
+
+
+def test_missing_target_stage_advice_works(tmp_path):
+    """callback/preflight.py FIXES[target] after pipeline/targets.py: "target: 'encoder': 'encoder' is not a
+    submodule of <root> ... Children of <root>: backbone (TinyBackbone), head (Linear). Fix: point target at a
+    submodule that the LightningModule's forward calls"."""
+    message = _refused_fit(tmp_path, ConfigError, target="encoder", export={"enabled": False})
+    assert "Fix: point target at a submodule that the LightningModule's forward calls" in message
+    assert "backbone (TinyBackbone)" in message
+    model, cb, _ = _fit(tmp_path, "fixed", target="backbone", export={"enabled": False})
+    _fused_backbone_works(model, cb)
+
+
+class GatedBackbone(nn.Module):
+    """TinyBackbone-like, with a value branch in a submodule: the callback's capture refuses it before training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.gate = ValueGate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.bn(self.conv(x))).mean((2, 3))
+
+
+def test_capture_stage_advice_leaf_modules_works_in_the_callback(tmp_path):
+    """callback/preflight.py FIXES[capture] ("see the fixes listed above (trace.mode, trace.leaf_modules,
+    trace.autowrap_functions)") after capture/graph.py's 'torch.fx could not trace module ... keep that module
+    opaque: trace.leaf_modules: [<path>]' (trace.mode: fx; auto keeps the module whole by itself): the path it names,
+    set, and the fit fuses."""
+    import lightning_helpers as H
+
+    message = _refused_fit(tmp_path, TraceError, model=H.LitClassifier(backbone=GatedBackbone()),
+                           trace={"mode": "fx"}, export={"enabled": False})
+    assert "Fix: see the fixes listed above (trace.mode, trace.leaf_modules, trace.autowrap_functions)" in message
+    path = re.search(r"trace\.leaf_modules: \['([^']+)'\]", message).group(1)
+    model, cb, _ = _fit(tmp_path, "fixed", model=H.LitClassifier(backbone=GatedBackbone()),
+                        trace={"mode": "fx", "leaf_modules": [path]}, export={"enabled": False})
+    assert H.count_batchnorms(cb.result.graph_module) == 0
+    for sign in (1, -1):
+        assert_matches(model.backbone, cb.result.graph_module, sign * torch.rand(5, 3, 8, 8))
+
+
+def test_passes_stage_advice_disable_it_works(tmp_path):
+    """callback/preflight.py FIXES[passes]: "pass 'sample_passes:raises' raised ValueError: ... Fix: fix the pass named
+    above, or disable it under passes" (a user pass: passes.extra[i].enabled: false)."""
+    from fx_lightning import PassError
+
+    message = _refused_fit(tmp_path, PassError, passes={"extra": ["sample_passes:raises"]}, export={"enabled": False})
+    assert "Fix: fix the pass named above, or disable it under passes" in message
+    model, cb, _ = _fit(tmp_path, "fixed", passes={"extra": [{"name": "sample_passes:raises", "enabled": False}]},
+                        export={"enabled": False})
+    _fused_backbone_works(model, cb)
+
+
+@pytest.mark.parametrize("labels", [["a", "b", "c", "d"], None], ids=["one-per-column", "null"])
+def test_labels_in_the_callback_get_their_own_advice(tmp_path, labels):
+    """export/write/input_contract.py at the preflight's stage 'export': "export.labels: 2 class names ... but the
+    exported model's first output has 4 columns". The stage's advice, "drop the failing format from export.formats",
+    cannot help; the error now carries its own: one name per column, or null."""
+    from fx_lightning import load_fused
+    from fx_lightning.export import read_manifest
+
+    message = _refused_fit(tmp_path, ConfigError, target="", export={"formats": ["graph_module"],
+                                                                     "labels": ["a", "b"]})
+    assert "Fix: give export.labels one name per column of the first output, or set it to null" in message
+    assert "drop the failing format" not in message
+    model, cb, _ = _fit(tmp_path, "fixed", target="", export={"formats": ["graph_module"], "labels": labels})
+    assert read_manifest(cb.export_dir).labels == (labels or [])
+    assert_matches(model, load_fused(cb.export_dir), torch.randn(5, 3, 8, 8))
+
+
+def test_preprocess_channels_in_the_callback_get_their_own_advice(tmp_path):
+    """export/write/prologue.py at the preflight's stage 'parity': "export.preprocess.mean: 1 value(s) [0.5] but the
+    model's input ... has 3 channels". The stage's advice, "check parity.input and the model's outputs", does not
+    name what to change; the error now carries its own: one mean and std per channel."""
+    from fx_lightning import load_fused
+
+    bad = {"formats": ["graph_module"], "preprocess": {"enabled": True, "mean": [0.5], "std": [0.2]}}
+    message = _refused_fit(tmp_path, ConfigError, export=bad)
+    assert "Fix: give export.preprocess.mean and std one value per channel of the input" in message
+    assert "check parity.input" not in message
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    model, cb, _ = _fit(tmp_path, "fixed", export={**bad, "preprocess": {"enabled": True, "mean": mean, "std": std}})
+    raw = torch.randint(0, 256, (5, 3, 8, 8), dtype=torch.uint8)
+    normalised = (raw.double() / 255 - torch.tensor(mean, dtype=torch.float64)[None, :, None, None]) / \
+        torch.tensor(std, dtype=torch.float64)[None, :, None, None]
+    with torch.no_grad():
+        want = copy_fp64(model.backbone)(normalised)
+    assert rel_err(load_fused(cb.export_dir)(raw), want) <= TOL
+
+
+def test_preprocess_on_a_model_without_one_image_input_advice_works(tmp_path):
+    """export/write/prologue.py check_prologue_input: "export.preprocess: the prologue needs one 4-D NCHW image
+    tensor ...; the model's input is .... Set export.preprocess.enabled: false for this model"."""
+    model = randomize_batchnorms(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))).eval()
+    x = torch.randn(5, 3)
+    with pytest.raises(ConfigError) as raised:
+        _export_works(tmp_path / "a", {"export": {"formats": ["pt2"], "preprocess": {
+            "enabled": True, "mean": MEAN, "std": STD}}}, model, x)
+    assert "Set export.preprocess.enabled: false for this model" in str(raised.value)
+    assert raised.value.fix == "set export.preprocess.enabled: false for this model"
+    _export_works(tmp_path / "b", {"export": {"formats": ["pt2"], "preprocess": {
+        "enabled": False, "mean": MEAN, "std": STD}}}, model, x)
