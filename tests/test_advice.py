@@ -949,3 +949,109 @@ def test_preprocess_on_a_model_without_one_image_input_advice_works(tmp_path):
     assert raised.value.fix == "set export.preprocess.enabled: false for this model"
     _export_works(tmp_path / "b", {"export": {"formats": ["pt2"], "preprocess": {
         "enabled": False, "mean": MEAN, "std": STD}}}, model, x)
+
+
+# -------------------------------------------------------------------------------------------------- more
+
+
+def test_zero_samples_advice_works(tmp_path):
+    """capture/graph.py _at_least_two: "a tensor argument has batch size 0; give at least one sample". (Through
+    fuse_and_export an empty example stops earlier, as a ModelError; the writer's copy of this message is not
+    reached there.)"""
+    from fx_lightning import FXLightningError
+
+    model = randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).eval()
+    with pytest.raises(FXLightningError) as raised:
+        fuse(model, {"trace": {"mode": "export"}}, example_inputs=torch.randn(0, 3, 6, 6))
+    assert "give at least one sample" in str(raised.value)
+    x = torch.randn(1, 3, 6, 6)
+    result = fuse(model, {"trace": {"mode": "export"}}, example_inputs=x)
+    assert_matches(model, result.graph_module, x)
+    assert_matches(model, result.graph_module, torch.randn(3, 3, 6, 6))  # one sample: still any batch size
+
+
+def test_preprocess_mean_without_std_advice_works(tmp_path):
+    """config/schema.py PreprocessConfig.check: "export.preprocess.mean: [...] given without std; give both (one value
+    per channel), or neither ..."."""
+    assert "give both (one value per channel)" in _refused({"export": {"preprocess": {"enabled": True,
+                                                                                      "mean": MEAN}}})
+    _preprocess_works(tmp_path, {"mean": MEAN, "std": STD})
+
+
+def test_preprocess_std_length_advice_works(tmp_path):
+    """config/schema.py PreprocessConfig.check: "export.preprocess.std: 2 values ... but mean has 3 ...; give one
+    value per channel in both"."""
+    assert "give one value per channel in both" in _refused({"export": {"preprocess": {
+        "enabled": True, "mean": MEAN, "std": STD[:2]}}})
+    _preprocess_works(tmp_path, {"mean": MEAN, "std": STD})
+
+
+def test_register_pass_twice_advice_replace_works():
+    """passes/base.py _register: "a pass named 'advice_scale' is already registered; pass replace=True to override
+    it"."""
+    from fx_lightning import register_pass
+
+    register_pass("advice_scale", replace=True)(noop_pass)
+    with pytest.raises(ValueError, match="pass replace=True to override it"):
+        register_pass("advice_scale")(lambda gm, options, ctx: None)
+    model = _image_model()
+    register_pass("advice_scale", replace=True)(lambda gm, options, ctx: None)
+    result = fuse(model, {"passes": {"extra": ["advice_scale"]}}, example_inputs=torch.randn(2, 3, 6, 6))
+    assert_matches(model, result.graph_module, torch.randn(3, 3, 6, 6))
+
+
+def test_register_builtin_pass_name_advice_configure_under_passes_works():
+    """passes/base.py _register: "'fuse_conv_bn' is a built-in pass; configure it under passes.fuse_conv_bn
+    instead". It was refused first with "already registered; pass replace=True to override it", advice that could
+    not work (replace=True was then refused as a built-in)."""
+    from fx_lightning import register_pass
+
+    for replace in (False, True):
+        with pytest.raises(ValueError) as raised:
+            register_pass("fuse_conv_bn", replace=replace)(lambda gm, options, ctx: None)
+        assert "configure it under passes.fuse_conv_bn instead" in str(raised.value)
+        assert "replace=True" not in str(raised.value)
+    model = _image_model()
+    for enabled in (True, False):
+        result = fuse(model, {"passes": {"fuse_conv_bn": {"enabled": enabled}}}, example_inputs=torch.randn(2, 3, 6, 6))
+        assert count_batchnorms(result.graph_module) == (0 if enabled else 1)
+        assert_matches(model, result.graph_module, torch.randn(3, 3, 6, 6))
+
+
+def test_format_not_installed_advice_drop_it_works(tmp_path, monkeypatch):
+    """export/write/writer.py require_formats: "export.formats has 'onnx' but onnxscript is not installed: pip install
+    ..., or drop onnx from export.formats" (onnxscript made missing here; installing cannot be shown offline)."""
+    import fx_lightning.export.write.writer as writer
+    from fx_lightning import ExportError
+
+    real = writer.missing_modules
+    monkeypatch.setattr(writer, "missing_modules", lambda names: [n for n in names if n == "onnxscript"] + real(
+        [n for n in names if n != "onnxscript"]))
+    with pytest.raises(ExportError) as raised:
+        _export_works(tmp_path / "a", {"export": {"formats": ["pt2", "onnx"]}})
+    assert "or drop onnx from export.formats" in str(raised.value) and "pip install" in str(raised.value)
+    _export_works(tmp_path / "b", {"export": {"formats": ["pt2"]}})
+
+
+class ReshapeIntoNorm(nn.Module):
+    """conv -> reshape(x.shape[0], -1) -> BatchNorm1d: folded only where the reshape's shape is known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm1d(64), nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(self.conv(x).reshape(x.shape[0], -1)))
+
+
+def test_unknown_shapes_advice_example_inputs_works():
+    """passes/bn_layout.py (a reason in the fuse report, not a refusal): "shapes unknown around the layout
+    operations: pass example_inputs so they are known"."""
+    model = randomize_batchnorms(ReshapeIntoNorm()).eval()
+    result = fuse(model, {"trace": {"mode": "fx"}})
+    (left,) = result.report.remaining_batchnorms
+    assert "pass example_inputs so" in left.reason
+    x = torch.randn(2, 3, 6, 6)
+    result = fuse(model, {"trace": {"mode": "fx"}}, example_inputs=x)
+    assert count_batchnorms(result.graph_module) == 0 and not result.report.remaining_batchnorms
+    assert_matches(model, result.graph_module, x)

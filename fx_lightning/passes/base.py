@@ -345,10 +345,11 @@ def _register(spec: PassSpec, replace: bool) -> None:
     existing = _REGISTRY.get(spec.name)
     same = existing is not None and getattr(existing.fn, "__wrapped__", existing.fn) is getattr(spec.fn, "__wrapped__",
                                                                                                  spec.fn)
-    if existing is not None and not replace and not same:
-        raise ValueError(f"a pass named {spec.name!r} is already registered; pass replace=True to override it")
+    # A built-in's name first: replace=True, the other refusal's advice, cannot replace a built-in.
     if existing is not None and existing.builtin and not spec.builtin:
         raise ValueError(f"{spec.name!r} is a built-in pass; configure it under passes.{spec.name} instead")
+    if existing is not None and not replace and not same:
+        raise ValueError(f"a pass named {spec.name!r} is already registered; pass replace=True to override it")
     _REGISTRY[spec.name] = spec
 
 
