@@ -1055,3 +1055,100 @@ def test_unknown_shapes_advice_example_inputs_works():
     result = fuse(model, {"trace": {"mode": "fx"}}, example_inputs=x)
     assert count_batchnorms(result.graph_module) == 0 and not result.report.remaining_batchnorms
     assert_matches(model, result.graph_module, x)
+
+
+class BNAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d in small: BatchNorm's own forward, then ``act``. Symbolic tracing cannot follow
+    BatchNorm's forward, so in fx mode it is kept whole."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+@pytest.mark.parametrize("fix", ["trace.mode-export", "batchnorm_forms"])
+def test_batchnorm_kept_whole_advice_works(fix):
+    """passes/bn_views.py (a reason in the fuse report): "BNAct overrides BatchNorm's forward and was kept whole
+    ...: trace.mode: export (or auto) folds it, or declare it under passes.batchnorm_forms.modules"."""
+    model = randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 4, 3), BNAct(4))).eval()
+    x = torch.randn(2, 3, 6, 6)
+    result = fuse(model, {"trace": {"mode": "fx"}}, example_inputs=x)
+    reasons = [s.reason for s in result.report.pass_report("fuse_conv_bn").skipped]
+    assert any("trace.mode: export (or auto) folds it, or declare it under passes.batchnorm_forms.modules" in r
+               for r in reasons), reasons
+    if fix == "trace.mode-export":
+        config = {"trace": {"mode": "export"}}
+    else:
+        config = {"trace": {"mode": "fx"}, "passes": {"batchnorm_forms": {"modules": [
+            {"module": "test_advice:BNAct", "epilogue": ["act"]}]}}}
+    result = fuse(model, config, example_inputs=x)
+    assert count_batchnorms(result.graph_module) == 0
+    assert_matches(model, result.graph_module, x)
+
+
+class PrivateBatch:
+    """Keeps its tensor in a private attribute, with no to_dict(): the signature cannot read it."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self._x = x
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self._x
+
+
+class PublicBatch:
+    """The same input with a public field."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class ReadsField(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(3, 4), nn.BatchNorm1d(4)
+
+    def forward(self, data) -> torch.Tensor:
+        return self.bn(self.lin(data.x))
+
+
+def public_batch(batch: PrivateBatch) -> PublicBatch:
+    """parity.input: the target's input with its tensor readable."""
+    return PublicBatch(batch.x)
+
+
+def tensor_of(batch: PrivateBatch) -> torch.Tensor:
+    return batch.x
+
+
+def test_private_attributes_advice_parity_input_function_works(tmp_path):
+    """signature/signature.py derive_signature: "data is a ...PrivateBatch that keeps its tensors in private
+    attributes, with no to_dict() ... Give the class public fields or a to_dict(), or set parity.input to a function
+    returning the target's input with its tensors readable". It said "a function returning the tensors the target
+    takes", which cannot work where the target takes the object (its forward reads data.x)."""
+    from fx_lightning import FXLightningError, fuse_and_export, load_fused
+
+    model = randomize_batchnorms(ReadsField()).eval()
+    batches = [PrivateBatch(torch.randn(4, 3)), PrivateBatch(torch.randn(6, 3))]
+    config = {"parity": {"input": "*"}, "export": {"formats": ["pt2"]}}
+    with pytest.raises(FXLightningError) as raised:
+        fuse_and_export(model, tmp_path / "a", batches=batches, config=config)
+    assert "set parity.input to a function returning the target's input with its tensors readable" in \
+        str(raised.value)
+    with pytest.raises(FXLightningError):  # the old advice: the tensors alone are not what forward takes
+        fuse_and_export(model, tmp_path / "b", batches=batches,
+                        config={**config, "parity": {"input": "test_advice:tensor_of"}})
+    outcome = fuse_and_export(model, tmp_path / "c", batches=batches,
+                              config={**config, "parity": {"input": "test_advice:public_batch"}})
+    assert outcome.parity is not None and outcome.parity.passed
+    data = PublicBatch(torch.randn(5, 3))
+    with torch.no_grad():
+        want = copy_fp64(model)(PublicBatch(data.x.double()))
+    assert rel_err(load_fused(outcome.export_dir)(data), want) <= TOL
+    # Or the class given public fields: the batches as they are.
+    outcome = fuse_and_export(model, tmp_path / "d", batches=[PublicBatch(b.x) for b in batches], config=config)
+    assert rel_err(load_fused(outcome.export_dir)(data), want) <= TOL
