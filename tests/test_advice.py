@@ -1152,3 +1152,86 @@ def test_private_attributes_advice_parity_input_function_works(tmp_path):
     # Or the class given public fields: the batches as they are.
     outcome = fuse_and_export(model, tmp_path / "d", batches=[PublicBatch(b.x) for b in batches], config=config)
     assert rel_err(load_fused(outcome.export_dir)(data), want) <= TOL
+
+
+# --------------------------------------------------------------------------------------------------- Triton
+
+
+def _onnx_in_repository_works(model: nn.Module, repository, x: torch.Tensor) -> None:
+    """The repository holds an onnxruntime model whose model.onnx computes what ``model`` does."""
+    ort = pytest.importorskip("onnxruntime")
+    (written,) = [m for m in repository.models if m.backend == "onnxruntime"]
+    (path,) = list(written.directory.rglob("model.onnx"))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        want = copy_fp64(model)(x.double())
+    assert rel_err(torch.from_numpy(got), want) <= TOL
+
+
+def _flat_model() -> nn.Module:
+    return randomize_batchnorms(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(1))).eval()
+
+
+def test_triton_nothing_servable_advice_export_onnx_works(tmp_path):
+    """serve/triton.py plan_repository: "<export>: nothing Triton can serve: pt2: python=False: ... Export with
+    export.formats including onnx or openvino (e.g. export.formats=[pt2,onnx,openvino])"."""
+    pytest.importorskip("onnx")
+    from fx_lightning import ExportError, fuse_and_export
+    from fx_lightning.serve.triton import write_triton_repository
+
+    model, x = _flat_model(), torch.randn(2, 3, 6, 6)
+    outcome = fuse_and_export(model, tmp_path / "pt2", example_inputs=(x,), config={"export": {"formats": ["pt2"]}})
+    with pytest.raises(ExportError) as raised:
+        write_triton_repository(outcome.export_dir, tmp_path / "repo", python=False)
+    assert "Export with export.formats including onnx or openvino" in str(raised.value)
+    outcome = fuse_and_export(model, tmp_path / "both", example_inputs=(x,),
+                              config={"export": {"formats": ["pt2", "onnx"]}})
+    repository = write_triton_repository(outcome.export_dir, tmp_path / "repo", python=False)
+    _onnx_in_repository_works(model, repository, torch.randn(3, 3, 6, 6))
+
+
+class WithScalarOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor):
+        y = self.fc(x)
+        return y, y.sum()
+
+
+def test_triton_nothing_servable_with_onnx_gives_no_advice_to_export_onnx(tmp_path):
+    """serve/triton.py plan_repository: where the export already holds onnx and Triton refuses it (a scalar output),
+    "Export with export.formats including onnx or openvino" could not work: it is no longer said."""
+    pytest.importorskip("onnx")
+    from fx_lightning import ExportError, fuse_and_export
+    from fx_lightning.serve.triton import write_triton_repository
+
+    outcome = fuse_and_export(WithScalarOutput().eval(), tmp_path / "e", example_inputs=(torch.randn(4, 5),),
+                              config={"export": {"formats": ["onnx", "openvino"]}})
+    with pytest.raises(ExportError) as raised:
+        write_triton_repository(outcome.export_dir, tmp_path / "repo", python=False)
+    assert "is a scalar" in str(raised.value) and "Export with export.formats" not in str(raised.value)
+
+
+def test_triton_fixed_batch_advice_dynamic_batch_works(tmp_path):
+    """serve/triton.py _max_batch_size: "triton max_batch_size: 4; onnx cannot batch: the export has a fixed batch
+    (export.dynamic_batch: false) ...; allowed: 0 (or unset). Re-export with export.dynamic_batch: true to let
+    Triton batch it"."""
+    pytest.importorskip("onnx")
+    from fx_lightning import fuse_and_export
+    from fx_lightning.serve.triton import write_triton_repository
+
+    model, x = _flat_model(), torch.randn(2, 3, 6, 6)
+    outcome = fuse_and_export(model, tmp_path / "fixed", example_inputs=(x,),
+                              config={"export": {"formats": ["onnx"], "dynamic_batch": False}})
+    with pytest.raises(ConfigError) as raised:
+        write_triton_repository(outcome.export_dir, tmp_path / "repo", max_batch_size=4)
+    assert "Re-export with export.dynamic_batch: true to let Triton batch it" in str(raised.value)
+    outcome = fuse_and_export(model, tmp_path / "dynamic", example_inputs=(x,),
+                              config={"export": {"formats": ["onnx"], "dynamic_batch": True}})
+    repository = write_triton_repository(outcome.export_dir, tmp_path / "repo", max_batch_size=4)
+    (written,) = [m for m in repository.models if m.backend == "onnxruntime"]
+    assert written.max_batch_size == 4
+    _onnx_in_repository_works(model, repository, torch.randn(3, 3, 6, 6))
