@@ -1235,3 +1235,41 @@ def test_triton_fixed_batch_advice_dynamic_batch_works(tmp_path):
     (written,) = [m for m in repository.models if m.backend == "onnxruntime"]
     assert written.max_batch_size == 4
     _onnx_in_repository_works(model, repository, torch.randn(3, 3, 6, 6))
+
+
+# --------------------------------------------------------------------------------------------------- MLflow
+
+
+def test_mlflow_registry_not_answering_advice_works(tmp_path, monkeypatch):
+    """tracking/mlflow_export.py check_destination (stage 'export.mlflow'): "export.mlflow.registry_uri: the model
+    registry at ... does not answer, so 'm' cannot be registered: ... Fix the registry URI, or set register_as: null
+    and registry_uri: null". It said only "set register_as: null", which the config then refused (registry_uri given
+    without register_as)."""
+    mlflow = pytest.importorskip("mlflow")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback, load_fused
+
+    monkeypatch.chdir(tmp_path)
+
+    def fit(name: str, mlflow_options: dict):
+        logger = MLFlowLogger(experiment_name="x", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+                              artifact_location=str(tmp_path / "artifacts"))
+        model = H.LitClassifier()
+        cb = FXFuseCallback(export={"dir": str(tmp_path / name), "formats": ["pt2"], "mlflow": mlflow_options})
+        H.make_trainer(tmp_path / name, [cb], logger=logger, enable_checkpointing=False).fit(model, *H.loaders())
+        return model, cb
+
+    (tmp_path / "a_file").write_text("not a directory")
+    broken = {"register_as": "m", "registry_uri": f"sqlite:///{tmp_path}/a_file/registry.db"}
+    with pytest.raises(ConfigError) as raised:
+        fit("refused", broken)
+    assert "Fix the registry URI, or set register_as: null and registry_uri: null" in str(raised.value)
+    with pytest.raises(ConfigError, match="given without register_as"):  # the old advice alone
+        fit("old-advice", {**broken, "register_as": None})
+    # (A registry that answers, the other half, is what test_mlflow.py registers into.)
+    model, cb = fit("fixed", {**broken, "register_as": None, "registry_uri": None})
+    assert cb.mlflow is not None and cb.mlflow.registered is None  # logged into the run, not registered
+    x = torch.randn(5, 3, 8, 8)
+    assert_matches(model.backbone, load_fused(cb.export_dir), x)
