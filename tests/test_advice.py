@@ -1273,3 +1273,24 @@ def test_mlflow_registry_not_answering_advice_works(tmp_path, monkeypatch):
     assert cb.mlflow is not None and cb.mlflow.registered is None  # logged into the run, not registered
     x = torch.randn(5, 3, 8, 8)
     assert_matches(model.backbone, load_fused(cb.export_dir), x)
+
+
+@pytest.mark.parametrize("save_top_k", [None, 0], ids=["no-ModelCheckpoint", "save_top_k-0"])
+def test_weights_best_after_training_advice_weights_last_works(tmp_path, save_top_k):
+    """callback/trainer_data.py pick_weights (preflight off: found after training): "weights: 'best' needs a
+    ModelCheckpoint callback in the Trainer, and there is none (add ModelCheckpoint(monitor=...) or use weights:
+    last)" and "weights: 'best', but the ModelCheckpoint saved no checkpoint (best_model_path is empty); use weights:
+    last or check the ModelCheckpoint's monitor/save settings"."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def callbacks():
+        return [] if save_top_k is None else [ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="val_loss",
+                                                              save_top_k=save_top_k)]
+
+    message = _refused_fit(tmp_path, ConfigError, callbacks=callbacks(), weights="best", preflight="off",
+                           export={"enabled": False})
+    assert ("or use weights: last" if save_top_k is None else "use weights: last or check the ModelCheckpoint's "
+            "monitor/save settings") in message
+    model, cb, _ = _fit(tmp_path, "fixed", callbacks=callbacks(), weights="last", preflight="off",
+                        export={"enabled": False})
+    _fused_backbone_works(model, cb)
