@@ -1294,3 +1294,39 @@ def test_weights_best_after_training_advice_weights_last_works(tmp_path, save_to
     model, cb, _ = _fit(tmp_path, "fixed", callbacks=callbacks(), weights="last", preflight="off",
                         export={"enabled": False})
     _fused_backbone_works(model, cb)
+
+
+def test_mlflow_cli_advice_names_its_flags_and_works(tmp_path, capsys, monkeypatch):
+    """cli/mlflow_cmd.py: the export.mlflow messages' advice, in the command's flags. "--alias: 'prod' given without
+    --register; ... set --register too" (it said "set register_as too", a config key the command has no flag for),
+    "--registry-uri: ... given without --register; ... set --register too, or leave out --registry-uri" (it said
+    "registry_uri: null"), "--format: 'openvino' is not in the export; it holds pt2 (or leave out --format ...)",
+    and "give --tracking-uri (or set MLFLOW_TRACKING_URI)": each followed, the command logs the export."""
+    mlflow = pytest.importorskip("mlflow")
+    from fx_lightning import fuse_and_export
+    from fx_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model, x = _image_model(), torch.randn(3, 3, 6, 6)
+    outcome = fuse_and_export(model, tmp_path / "export", example_inputs=(x,), config={"export": {"formats": ["pt2"]}})
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    base = ["mlflow", str(outcome.export_dir)]
+
+    def refused(argv) -> str:
+        capsys.readouterr()
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        return " ".join((captured.err + captured.out).split())  # the console wraps lines
+
+    assert "give --tracking-uri (or set MLFLOW_TRACKING_URI)" in refused(base)
+    assert "set --register too" in refused([*base, "--tracking-uri", uri, "--alias", "prod"])
+    assert "set --register too, or leave out --registry-uri" in refused(
+        [*base, "--tracking-uri", uri, "--registry-uri", f"sqlite:///{tmp_path}/registry.db"])
+    assert "(or leave out --format for its selection)" in refused([*base, "--tracking-uri", uri, "--format", "onnx"])
+    # Followed: --register with the alias; MLFLOW_TRACKING_URI for --tracking-uri; no --format.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert main([*base, "--alias", "prod", "--register", "advised"]) == 0
+    version = mlflow.MlflowClient(uri).get_model_version_by_alias("advised", "prod")
+    # Logged and registered (what the pyfunc then answers is test_mlflow.py's).
+    assert str(version.version) == "1" and version.tags["fx_lightning.served_artifact"] == "pt2"
