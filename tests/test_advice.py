@@ -1330,3 +1330,21 @@ def test_mlflow_cli_advice_names_its_flags_and_works(tmp_path, capsys, monkeypat
     version = mlflow.MlflowClient(uri).get_model_version_by_alias("advised", "prod")
     # Logged and registered (what the pyfunc then answers is test_mlflow.py's).
     assert str(version.version) == "1" and version.tags["fx_lightning.served_artifact"] == "pt2"
+
+
+def test_export_dependencies_stage_advice_drop_the_format_works(tmp_path, monkeypatch):
+    """callback/preflight.py FIXES[export dependencies]: "export.formats has 'onnx' but onnxscript is not installed:
+    ... Fix: install what is named above, or drop that format from export.formats" (onnxscript made missing here;
+    installing cannot be shown offline)."""
+    import fx_lightning.export.write.writer as writer
+    from fx_lightning import ExportError, load_fused
+
+    real = writer.missing_modules
+    monkeypatch.setattr(writer, "missing_modules", lambda names: [n for n in names if n == "onnxscript"] + real(
+        [n for n in names if n != "onnxscript"]))
+    message = _refused_fit(tmp_path, ExportError, export={"formats": ["graph_module", "onnx"]})
+    assert "stage 'export dependencies'" in message
+    assert "Fix: install what is named above, or drop that format from export.formats" in message
+    model, cb, _ = _fit(tmp_path, "fixed", export={"formats": ["graph_module"]})
+    _fused_backbone_works(model, cb)
+    assert_matches(model.backbone, load_fused(cb.export_dir), torch.randn(5, 3, 8, 8))
