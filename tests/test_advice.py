@@ -1348,3 +1348,21 @@ def test_export_dependencies_stage_advice_drop_the_format_works(tmp_path, monkey
     model, cb, _ = _fit(tmp_path, "fixed", export={"formats": ["graph_module"]})
     _fused_backbone_works(model, cb)
     assert_matches(model.backbone, load_fused(cb.export_dir), torch.randn(5, 3, 8, 8))
+
+
+def test_cli_model_without_load_from_checkpoint_advice_works(tmp_path, capsys):
+    """cli/common.py load_lightning_module: "--model: <class 'torch.nn.modules.linear.Linear'> has no
+    load_from_checkpoint; give a LightningModule subclass"."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fx_lightning import load_fused
+    from fx_lightning.cli import main
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, save_top_k=0)
+    model, _, _ = _fit(tmp_path, "fit", callbacks=[ckpt], export={"enabled": False})
+    command = ["fuse", ckpt.last_model_path, "--input-shape", "2,3,8,8", "export.formats=[pt2]"]
+    capsys.readouterr()
+    assert main([*command, "--model", "torch.nn:Linear", "-o", str(tmp_path / "a")]) == 2
+    assert "give a LightningModule subclass" in capsys.readouterr().err
+    assert main([*command, "--model", "lightning_helpers:LitClassifier", "-o", str(tmp_path / "b")]) == 0
+    assert_matches(model.backbone, load_fused(tmp_path / "b"), torch.randn(5, 3, 8, 8))
