@@ -129,8 +129,10 @@ def test_the_same_torch_fx_pass_registered_twice_is_one_pass_and_an_instance_ref
 
 
 def test_register_pass_refuses_silent_overwrite():
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="is a built-in pass"):  # not "pass replace=True": that is refused too
         register_pass("fuse_conv_bn")(lambda gm, o, c: None)
+    with pytest.raises(ValueError, match="is a built-in pass"):
+        register_pass("fuse_conv_bn", replace=True)(lambda gm, o, c: None)
 
 
 def test_pass_that_raises_is_named():

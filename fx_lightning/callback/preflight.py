@@ -283,7 +283,9 @@ def _check_weights(trainer: "pl.Trainer", pl_module: "pl.LightningModule", confi
     if not isinstance(ckpt, lightning_classes("callbacks.ModelCheckpoint")):
         raise ConfigError("weights: 'best' needs a ModelCheckpoint callback in the Trainer, and there is none.")
     if ckpt.save_top_k == 0:
-        raise ConfigError("weights: 'best', but the ModelCheckpoint has save_top_k=0: it will save no best checkpoint.")
+        # Its own advice: the stage's ("add a ModelCheckpoint") would not do, the Trainer's first one being read.
+        raise ConfigError("weights: 'best', but the ModelCheckpoint has save_top_k=0: it will save no best checkpoint.",
+                          fix="give that ModelCheckpoint save_top_k >= 1 (or -1), or use weights: last")
     copy_ = strip_compiled(copy.deepcopy(pl_module))
     copy_.load_state_dict(plain_state_dict(pl_module.state_dict()), strict=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any
 
 from fx_lightning.cli.common import UsageError
@@ -55,15 +56,31 @@ def run(args: argparse.Namespace, console: Any) -> int:
     except ValueError as exc:
         flag = {"register_as": "--register", "artifact_path": "--artifact-path", "registry_uri": "--registry-uri"}
         key, _, rest = str(exc).partition(":")
-        raise UsageError(f"fx-lightning mlflow: {flag.get(key, '--' + key)}:{rest}") from None
+        raise UsageError(f"fx-lightning mlflow: {flag.get(key, '--' + key)}:{_as_flags(rest)}") from None
     run_ = MlflowRun(args.tracking_uri, args.run_id, args.experiment, args.registry_uri)
     try:
         logged = log_export(args.directory, run_, options)
     except ConfigError as exc:  # the flags' names, not the config keys they stand for
-        raise UsageError(f"fx-lightning mlflow: {str(exc).replace('export.mlflow.format', '--format')}") from None
+        raise UsageError(f"fx-lightning mlflow: {_as_flags(str(exc))}") from None
     console.print(f"logged {args.directory} into run {logged.run_id} (serving {logged.served}):", markup=False)
     console.print(f"  {logged.run_uri}\n  {logged.model_uri}", markup=False)
     if logged.registered is not None:
         console.print(f"  {logged.registered.uri}" + (f"\n  models:/{logged.registered.name}@{logged.registered.alias}"
                                                       if logged.registered.alias else ""), markup=False)
     return 0
+
+
+# The config keys an export.mlflow message names, as this command's flags: its advice ("set register_as too, or
+# registry_uri: null") is followed on the command line ("set --register too, or no --registry-uri").
+_FLAGS = (("format", "--format"), ("register_as", "--register"), ("registry_uri", "--registry-uri"),
+          ("artifact_path", "--artifact-path"))
+
+
+def _as_flags(text: str) -> str:
+    for key, flag in _FLAGS:
+        text = text.replace(f"export.mlflow.{key}", flag)
+        if "_" in key:  # a bare word such as "format" is prose too
+            text = re.sub(rf"(?<![\w.-]){key}: null", f"leave out {flag}", text)
+            text = re.sub(rf"(?<![\w.-]){key}(?!\w)", flag, text)
+    return text.replace("set leave out", "leave out").replace("(or null for its selection)",
+                                                              "(or leave out --format for its selection)")

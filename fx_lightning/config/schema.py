@@ -324,8 +324,10 @@ class ExportConfig:
         if budget is not None and (isinstance(budget, bool) or not math.isfinite(budget) or budget <= 0):
             raise ValueError(f"latency_budget_ms: {budget!r}; allowed: a number of milliseconds > 0, or null.")
         if budget is not None and self.select_strategy is not Strategy.max_throughput:
+            # select: fastest too where it is not set: the strategy alone is refused next (it picks from timings).
+            also = "" if self.select is Selection.fastest else " and select: fastest"
             raise ValueError(f"latency_budget_ms: {budget!r} with select_strategy: {self.select_strategy.value}; a p99 "
-                             "budget bounds the max_throughput pick: set select_strategy: max_throughput, or "
+                             f"budget bounds the max_throughput pick: set select_strategy: max_throughput{also}, or "
                              "latency_budget_ms: null.")
         if self.select is not Selection.fastest and (self.select_strategy is not Strategy.min_latency
                                                      or budget is not None):

@@ -345,10 +345,11 @@ def _register(spec: PassSpec, replace: bool) -> None:
     existing = _REGISTRY.get(spec.name)
     same = existing is not None and getattr(existing.fn, "__wrapped__", existing.fn) is getattr(spec.fn, "__wrapped__",
                                                                                                  spec.fn)
-    if existing is not None and not replace and not same:
-        raise ValueError(f"a pass named {spec.name!r} is already registered; pass replace=True to override it")
+    # A built-in's name first: replace=True, the other refusal's advice, cannot replace a built-in.
     if existing is not None and existing.builtin and not spec.builtin:
         raise ValueError(f"{spec.name!r} is a built-in pass; configure it under passes.{spec.name} instead")
+    if existing is not None and not replace and not same:
+        raise ValueError(f"a pass named {spec.name!r} is already registered; pass replace=True to override it")
     _REGISTRY[spec.name] = spec
 
 
@@ -410,8 +411,10 @@ def get_pass(name: str) -> PassSpec:
     try:
         return _REGISTRY[name]
     except KeyError:
+        # The graph passes only: a module pass (reparameterize...) is refused where a name is looked up (passes.extra).
+        graph = sorted(n for n, spec in _REGISTRY.items() if spec.stage is Stage.graph)
         raise KeyError(
-            f"unknown pass {name!r}; registered passes: {', '.join(sorted(_REGISTRY))} "
+            f"unknown pass {name!r}; registered passes: {', '.join(graph)} "
             "(or give an import path 'pkg.module:function')"
         ) from None
 

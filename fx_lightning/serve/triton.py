@@ -153,10 +153,14 @@ def plan_repository(root: Path, manifest: Manifest, out: Path,
                 raise ExportError(f"{root}: {entry_name} cannot be served by Triton: {exc}.") from None
             skipped.append(SkippedArtifact(entry_name, str(exc)))
     if not models:
+        # Re-exporting with onnx or openvino helps only an export without them: where they were refused (a scalar
+        # output), the reasons say why, and the same formats would be refused again.
+        native = any(_backend(name, entry) is not None for name, entry in manifest.formats.items())
         raise ExportError(
             f"{root}: nothing Triton can serve: "
             + "; ".join(f"{s.entry}: {s.reason}" for s in skipped)
-            + ". Export with export.formats including onnx or openvino (e.g. export.formats=[pt2,onnx,openvino])."
+            + ("." if native else
+               ". Export with export.formats including onnx or openvino (e.g. export.formats=[pt2,onnx,openvino]).")
         )
     return models, skipped
 

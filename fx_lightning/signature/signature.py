@@ -273,7 +273,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
         raise ValueError(f"{path_text(path, root_names)} is a {cls.__module__}.{cls.__qualname__} that keeps its "
                          "tensors in private attributes, with no to_dict(): they cannot be read as its inputs. Give "
                          "the class public fields or a to_dict(), or set parity.input to a function returning "
-                         "the tensors the target takes")
+                         "the target's input with its tensors readable (an object with public fields or a to_dict())")
     same = [c for c in calls if tree_of_call(c.call).same_structure(tree)]
     notes = [] if len(same) == len(calls) else [
         f"{len(calls) - len(same)} of {len(calls)} calls had another structure (other arguments or flags) and were "

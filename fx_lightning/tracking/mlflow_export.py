@@ -166,7 +166,9 @@ def check_destination(run: MlflowRun, options: MlflowConfig) -> None:
                 key = "registry_uri" if run.registry_uri else "register_as"
                 raise ConfigError(f"export.mlflow.{key}: the model registry at {mlflow.get_registry_uri()!r} does not "
                                   f"answer, so {options.register_as!r} cannot be registered: {type(exc).__name__}: "
-                                  f"{first_line(exc)}. Fix the registry URI, or set register_as: null.") from None
+                                  f"{first_line(exc)}. Fix the registry URI, or set register_as: null"
+                                  # registry_uri without register_as is refused: both go
+                                  + (" and registry_uri: null." if options.registry_uri else ".")) from None
 
 
 def model_signature(manifest: Manifest) -> Any:

@@ -106,7 +106,9 @@ def labels_for_output(contract: InputContract, width: Optional[int]) -> Tuple[Li
     if contract.labels_configured:
         raise ConfigError(f"export.labels: {count} class names {_shown(contract.labels)} but the exported model's "
                           f"first output has {width if width is not None else 'no class'} columns; give one name "
-                          "per column, or null.")
+                          "per column, or null.",
+                          # in place of the export step's "drop the failing format", which would not help
+                          fix="give export.labels one name per column of the first output, or set it to null")
     return [], [LABELS_IGNORED(source=contract.labels_source, count=count, width=width)]
 
 

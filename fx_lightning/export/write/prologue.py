@@ -91,11 +91,14 @@ def check_prologue_input(args: Sequence[Any], preprocess: Preprocess) -> None:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if len(args) != 1 or len(tensors) != 1 or tensors[0].dim() != 4:
         raise ConfigError(f"export.preprocess: the prologue needs {wanted}; the model's input is "
-                          f"{describe(tuple(args))}. Set export.preprocess.enabled: false for this model.")
+                          f"{describe(tuple(args))}. Set export.preprocess.enabled: false for this model.",
+                          fix="set export.preprocess.enabled: false for this model")
     if tensors[0].shape[1] != channels:
         raise ConfigError(f"export.preprocess.mean: {channels} value(s) {list(preprocess.mean)} but the model's "
                           f"input {tuple(tensors[0].shape)} has {tensors[0].shape[1]} channels on axis 1; give one "
-                          "mean and std per channel.")
+                          "mean and std per channel.",
+                          # checked where parity runs: that step's advice (parity.input) would not help
+                          fix="give export.preprocess.mean and std one value per channel of the input")
     if preprocess.channel_order == "BGR" and channels != 3:
         raise ConfigError(f"export.preprocess.channel_order: BGR needs 3 channels; the input has {channels}.")
 
