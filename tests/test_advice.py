@@ -624,6 +624,7 @@ def test_parity_input_not_found_advice_key_works(tmp_path):
     with pytest.raises(ConfigError) as raised:
         fuse_and_export(model, tmp_path / "a", batches=batches, config={"export": {"formats": ["pt2"]}})
     assert "parity.input can be a key of a dict batch ('image')" in str(raised.value)
+    assert str(raised.value).count("parity.input can be a key of a dict batch") == 1  # said once
     # A key that is not there: the message lists the batch's keys.
     with pytest.raises(ConfigError) as raised:
         fuse_and_export(model, tmp_path / "b", batches=batches, config={"parity": {"input": "image"}})

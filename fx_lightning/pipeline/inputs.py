@@ -184,7 +184,7 @@ def _steps_from_module(whole: nn.Module, target: nn.Module, data: List[Any], fai
             f"{type(failure).__name__}: {first_line(failure)}") from failure
     raise ConfigError(
         f"parity.input: forward's input could not be taken out of the batch ({describe(data[0])}). Tried: the "
-        f"automatic input ({type(failure).__name__}: {first_line(failure)})"
+        f"automatic input ({type(failure).__name__}: {first_line(failure).replace(f' {PARITY_INPUT_SPELLINGS}.', '')})"
         + (f"; the LightningModule's {'; its '.join(step_errors)}" if step_errors else "")
         + f". Under a Trainer the callback observes what the steps pass; here, {PARITY_INPUT_SPELLINGS}."
     ) from failure
