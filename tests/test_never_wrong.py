@@ -469,3 +469,67 @@ def test_a_built_in_constant_of_any_type_is_checked_never_ignored(tmp_path):
             loaded(x, (2.0, 2.0), Stage.VAL)
         with pytest.raises(ExportError, match=r"stage is <Stage.TRAIN: 'train'>"):
             loaded(x, (1.5, 1.0), Stage.TRAIN)
+
+
+class LengthBranch(nn.Module):
+    """A branch on the length (torchaudio's ConvTasNet pads to its stride only when the length is not a multiple):
+    trained and validated at lengths that are multiples of 8, so the capture holds that side of the branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv1d(1, 8, 5, padding=2), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv(x)))
+        if x.shape[-1] % 8 == 0:
+            return y
+        return y * 2 + 1
+
+
+def test_a_branch_on_a_size_is_kept_as_a_condition_and_other_sizes_are_refused(tmp_path) -> None:
+    """Wrong at first: torch.export guarded the branch (x.size()[2] % 8 == 0), the fused graph dropped the guard, and
+    every artifact computed the multiple-of-8 side for every length (relative error 0.58 at 1234), the manifest
+    saying the length varies. The guard is now a condition of the signature, checked on every call."""
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback, load_fused
+    from fx_lightning.errors import ExportError
+
+    class Steps(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LengthBranch()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch, batch_idx):
+            return (self(batch[0]).mean(1, keepdim=True) - batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self(batch[0])
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 1, 64)), batch_size=4)
+    cb, module = FXFuseCallback(), Steps()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    signature = read_manifest(cb.export_dir).signature
+    assert signature is not None and signature.conditions == ["size0_2 % 8 == 0"]
+    reference = H.fp64_copy(module.model)
+    for name in read_manifest(cb.export_dir).formats:
+        fused = load_fused(cb.export_dir, format=name)
+        x = torch.randn(2, 1, 96)  # a length never seen, on the side of the branch the capture holds
+        assert H.rel_err(fused(x), reference(x.double())) < 1e-5, name
+        for length in (100, 67):
+            with pytest.raises(ExportError, match=r"takes only sizes where x.shape\[2\] % 8 == 0"):
+                fused(torch.randn(2, 1, length))
+
+
+def test_a_condition_in_a_manifest_is_never_run_as_code() -> None:
+    from fx_lightning.signature.conditions import condition_holds
+
+    x = torch.zeros(2, 3, 16)
+    assert condition_holds("size0_2 % 8 == 0 and size0_1 >= 3", [x])
+    assert not condition_holds("(size0_2 // 3) == 4", [x])
+    for text in ("__import__('os').system('true')", "size0_2.bit_length() > 0", "[size0_2][0] == 16"):
+        with pytest.raises(ValueError, match="not a size condition"):
+            condition_holds(text, [x])

@@ -26,6 +26,7 @@ from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.capture.kept_whole import call_torch_functions_by_name
+from fx_lightning.signature.conditions import conditions_from_guards
 from fx_lightning.capture.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
@@ -51,6 +52,7 @@ __all__ = [
     "CAPTURED_ROUTE",
     "CAPTURED_KEEPING_WHOLE",
     "KEPT_WHOLE",
+    "SIZE_CONDITIONS",
 ]
 
 CAPTURE_FELL_BACK = NoteKind("capture_fell_back", "symbolic tracing {what}, captured with torch.export instead: "
@@ -64,6 +66,9 @@ CAPTURED_ROUTE = NoteKind("captured_route", "torch.export needed its {route} rou
 CAPTURED_KEEPING_WHOLE = NoteKind("captured_keeping_whole", "neither capture followed the whole model (torch.export: "
                                                             "{export}); symbolic tracing kept whole what it could not "
                                                             "follow")
+SIZE_CONDITIONS = NoteKind("size_conditions", "the model branches on its input sizes: torch.export guards the branch "
+                           "taken with {conditions} (sizes of the input leaves by position), so every artifact takes "
+                           "only sizes that meet them and refuses others by name")
 KEPT_WHOLE = NoteKind("kept_whole", "kept whole (run as one call, not traced into, unfused): {kept}")
 PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
                                           "of their fields (torch.export carries no record class it does not know)")
@@ -168,6 +173,8 @@ class Capture:
     opaque_batchnorms: List[str] = field(default_factory=list)
     # The input shapes a torch.export capture is fixed to (its sizes could not stay dynamic); None: it takes others.
     static_shapes: Optional[List[List[int]]] = None
+    # torch.export's guards on the sizes the capture takes, over the input leaves (signature/conditions.py).
+    conditions: List[str] = field(default_factory=list)
 
 
 class FXLeafTracer(fx.Tracer):
@@ -469,11 +476,16 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
             first = first or exc
             continue
         fixed_by_code = made.dynamic and signature is None and specialised(made.program, plan_dims)
-        if (not made.dynamic or fixed_by_code) and any(dims):
+        conditions, unreadable = conditions_from_guards(made.program, target, plan_call) if made.dynamic else ([], [])
+        if (not made.dynamic or fixed_by_code or unreadable) and any(dims):
             reason = "torch.export fixed the batch size the model's code depends on" if fixed_by_code else \
-                made.static_reason or (first_line(first) if first is not None else "unknown")
+                f"torch.export guards the sizes with {unreadable[0]!r}, which cannot be checked on a call" \
+                if unreadable else made.static_reason or (first_line(first) if first is not None else "unknown")
             result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=reason))
             result.static_shapes = [list(t.shape) for t in leaves]
+        elif conditions:
+            result.conditions = conditions
+            result.notes.append(SIZE_CONDITIONS(conditions="; ".join(conditions)))
         return result
     if first is None:
         raise TraceError(f"torch.export could not capture {type(working).__qualname__} with the sizes that vary "

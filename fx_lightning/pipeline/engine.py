@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -56,6 +56,8 @@ class FuseResult:
     interface: Optional[Interface] = None
     # The input shapes graph_module is fixed to (a torch.export capture whose sizes could not stay dynamic).
     static_shapes: Optional[List[List[int]]] = None
+    # Conditions on the input sizes torch.export's guards put on the capture (signature/conditions.py).
+    conditions: List[str] = field(default_factory=list)
 
     @property
     def module(self) -> nn.Module:
@@ -134,7 +136,7 @@ def fuse(
     if inputs is None and captured.mode == "fx":
         report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
-    return FuseResult(gm, report, cfg, inputs, interface, captured.static_shapes)
+    return FuseResult(gm, report, cfg, inputs, interface, captured.static_shapes, captured.conditions)
 
 
 def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],

@@ -148,6 +148,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
+        if result.conditions:  # the branch the capture holds: other sizes are refused by name
+            signature = dataclasses.replace(signature, conditions=list(result.conditions))
         if result.interface is not None and signature.count_dim is not None:  # counted per call, not the first's
             result.interface = result.interface.counting_samples(signature.sample_count_outputs, signature.count_dim)
         if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf

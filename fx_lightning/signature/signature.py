@@ -179,6 +179,9 @@ class Signature:
     # A list argument whose items are samples, proven by experiment (:mod:`~fx_lightning.signature.item_list`): a list
     # of another length runs as pieces of the length the artifact takes.
     items: Optional[ItemList] = None
+    # Conditions on the input leaves' sizes (torch.export's guards on a branch the model takes on a size:
+    # :mod:`~fx_lightning.signature.conditions`): a call that fails one is refused by name.
+    conditions: List[str] = field(default_factory=list)
 
     def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
         """The number of samples of a call with these input leaves, for the outputs that count them."""
@@ -235,7 +238,8 @@ class Signature:
                 **({"count_dim": list(self.count_dim)} if self.count_dim is not None else {}),
                 **({"left_out": list(self.left_out)} if self.left_out else {}),
                 **({"arguments": list(self.arguments)} if self.arguments else {}),
-                **({"item_list": dict(self.items.to_dict())} if self.items is not None else {})}
+                **({"item_list": dict(self.items.to_dict())} if self.items is not None else {}),
+                **({"conditions": list(self.conditions)} if self.conditions else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -250,7 +254,8 @@ class Signature:
                    count_dim=(int(data["count_dim"][0]), int(data["count_dim"][1])) if data.get("count_dim") else None,
                    left_out=[str(n) for n in data.get("left_out") or []],
                    arguments=[str(n) for n in data.get("arguments") or []],
-                   items=ItemList.from_dict(data["item_list"]) if data.get("item_list") else None)
+                   items=ItemList.from_dict(data["item_list"]) if data.get("item_list") else None,
+                   conditions=[str(c) for c in data.get("conditions") or []])
 
 
 # ------------------------------------------------------------------------------------------ derivation

@@ -22,6 +22,7 @@ from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
+from fx_lightning.signature.conditions import condition_holds, failed_condition
 from fx_lightning.signature.item_list import given_length, run_in_pieces
 from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
 
@@ -77,7 +78,8 @@ class ArtifactInterface(nn.Module):
         call_args = self._arguments(args, kwargs)
         tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
         if not self._fit(tensors):
-            problem = shape_problem(self.signature.inputs, tensors, self.built)
+            problem = shape_problem(self.signature.inputs, tensors, self.built) or failed_condition(
+                self.signature.conditions, tensors, self.names)
             if problem is not None:
                 raise ExportError(f"{self.what}: {problem}")
         out = self.module(*call_args)
@@ -103,7 +105,7 @@ class ArtifactInterface(nn.Module):
                 if rows is not None and shape[axis] != rows:
                     return False
                 rows = shape[axis]
-        return True
+        return all(condition_holds(c, tensors) for c in self.signature.conditions)
 
     def _arguments(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
         """The artifact's positional arguments from what the caller gave."""

@@ -1,0 +1,172 @@
+"""Conditions on the sizes an artifact takes, from torch.export's guards: a forward that branches on a size
+(``if T % 8 == 0``, as torchaudio's ConvTasNet pads to its stride) is captured on one side of the branch, and
+torch.export's program guards that side (``(L['x'].size()[2] % 8) == 0``). The fused graph and the artifacts made
+from it keep only the code on that side: without the guard they would compute it for every size. Each guard is
+kept as a condition over the input leaves' sizes (``size0_2 % 8 == 0``), written in the manifest and checked by
+``load_fused`` before a runtime sees a call. A guard that cannot be read this way is reported, and the capture is
+then fixed to the example's sizes.
+
+Conditions are checked by a small evaluator over integers (no ``eval``): a manifest is data, never code.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import operator
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fx_lightning.common.calls import Call, tree_of_call
+
+__all__ = ["conditions_from_guards", "condition_holds", "describe_condition", "failed_condition"]
+
+_BINARY: Dict[type, Callable[[int, int], int]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+_COMPARE: Dict[type, Callable[[int, int], bool]] = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+}
+
+
+def conditions_from_guards(program: Any, module: nn.Module, call: Call) -> Tuple[List[str], List[str]]:
+    """torch.export's guards on ``program`` (made from ``module`` called with ``call``) as conditions over the sizes
+    of ``call``'s tensor leaves, and the guards that could not be read so (their text)."""
+    guards = [str(g) for g in getattr(program, "_guards_code", None) or []]
+    if not guards:
+        return [], []
+    leaves = tree_of_call(call).leaves(call)
+    try:
+        bound = inspect.signature(module.forward).bind(*call.args, **call.kwargs)
+        named: Dict[str, Any] = dict(bound.arguments)
+    except (TypeError, ValueError):
+        return [], guards
+    conditions, unread = [], []
+    for guard in guards:
+        condition = _condition(guard, named, leaves)
+        if condition is None:
+            unread.append(guard)
+        else:
+            conditions.append(condition)
+    return conditions, unread
+
+
+def _condition(guard: str, named: Dict[str, Any], leaves: Sequence[torch.Tensor]) -> Optional[str]:
+    """``guard`` with each ``L[...].size()[d]`` replaced by ``size{leaf}_{d}``; None where something else is read."""
+    try:
+        tree = ast.parse(guard, mode="eval")
+    except SyntaxError:
+        return None
+
+    class Sizes(ast.NodeTransformer):
+        def visit_Subscript(self, node: ast.Subscript) -> Any:  # L['x'].size()[2]
+            call = node.value
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "size" \
+                    and not call.args and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
+                leaf = _leaf_index(call.func.value, named, leaves)
+                if leaf is not None:
+                    return ast.copy_location(ast.Name(f"size{leaf}_{node.slice.value}", ast.Load()), node)
+            return self.generic_visit(node)
+
+    rewritten = Sizes().visit(tree)
+    text = ast.unparse(rewritten)
+    return text if _evaluable(rewritten.body) else None
+
+
+def _leaf_index(node: ast.AST, named: Dict[str, Any], leaves: Sequence[torch.Tensor]) -> Optional[int]:
+    """The leaf ``L['x']['key'][0]`` is, by identity among ``leaves`` (None: not one of them)."""
+    keys: List[Any] = []
+    while isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        keys.append(node.slice.value)
+        node = node.value
+    if not (isinstance(node, ast.Name) and node.id == "L") or not keys:
+        return None
+    value: Any = named
+    for key in reversed(keys):
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return next((i for i, leaf in enumerate(leaves) if leaf is value), None)
+
+
+def _evaluable(node: ast.AST) -> bool:
+    """Whether ``node`` uses only what :func:`_value` evaluates."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, bool)
+    if isinstance(node, ast.Name):
+        return node.id.startswith("size")
+    if isinstance(node, ast.BinOp):
+        return type(node.op) in _BINARY and _evaluable(node.left) and _evaluable(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, (ast.Not, ast.USub)) and _evaluable(node.operand)
+    if isinstance(node, ast.BoolOp):
+        return all(_evaluable(v) for v in node.values)
+    if isinstance(node, ast.Compare):
+        return all(type(op) in _COMPARE for op in node.ops) and all(_evaluable(v) for v in [node.left, *node.comparators])
+    return False
+
+
+def _value(node: ast.AST, sizes: Dict[str, int]) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return sizes[node.id]
+    if isinstance(node, ast.BinOp):
+        return _BINARY[type(node.op)](_value(node.left, sizes), _value(node.right, sizes))
+    if isinstance(node, ast.UnaryOp):
+        operand = _value(node.operand, sizes)
+        return (not operand) if isinstance(node.op, ast.Not) else -operand
+    if isinstance(node, ast.BoolOp):
+        values = [_value(v, sizes) for v in node.values]
+        return all(values) if isinstance(node.op, ast.And) else any(values)
+    if isinstance(node, ast.Compare):
+        left = _value(node.left, sizes)
+        for op, right_node in zip(node.ops, node.comparators):
+            right = _value(right_node, sizes)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    raise ValueError(f"not a size condition: {ast.dump(node)}")
+
+
+def condition_holds(condition: str, tensors: Sequence[Any]) -> bool:
+    """Whether the sizes of ``tensors`` (the artifact's input leaves, in order) meet ``condition``."""
+    tree = ast.parse(condition, mode="eval")
+    if not _evaluable(tree.body):  # a manifest edited by hand: nothing it says can be checked
+        raise ValueError(f"not a size condition: {condition!r}")
+    sizes = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            leaf, _, dim = node.id[len("size"):].partition("_")
+            tensor = tensors[int(leaf)]
+            sizes[node.id] = int(tensor.shape[int(dim)])
+    return bool(_value(tree.body, sizes))
+
+
+def describe_condition(condition: str, names: Sequence[str]) -> str:
+    """``condition`` as people read it: ``(x dim 2 % 8) == 0``."""
+    tree = ast.parse(condition, mode="eval")
+
+    class Named(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> Any:
+            leaf, _, dim = node.id[len("size"):].partition("_")
+            return ast.Name(f"{names[int(leaf)]}.shape[{dim}]", ast.Load())
+
+    return ast.unparse(Named().visit(tree))
+
+
+def failed_condition(conditions: Sequence[str], tensors: Sequence[Any], names: Sequence[str]) -> Optional[str]:
+    """Why ``tensors`` are refused by the first condition they fail (None: they meet every one)."""
+    for condition in conditions:
+        if not condition_holds(condition, tensors):
+            sizes = ", ".join(f"{names[i]}.shape = {list(t.shape)}" for i, t in enumerate(tensors)
+                              if f"size{i}_" in condition)
+            return (f"{sizes}; the artifact takes only sizes where {describe_condition(condition, names)} (the model "
+                    "branches on that size, and the captured graph holds the branch taken in the calls observed)")
+    return None
