@@ -1269,3 +1269,41 @@ def test_a_kept_whole_library_function_survives_every_format_of_the_fused_graph(
     for name in ("graph_module", "code"):
         got = load_fused(cb.export_dir, format=name)(tokens, lengths)
         assert H.rel_err(got, reference(tokens, lengths)) < 1e-5, name
+
+
+class OptionalMask(H.CrossEntropySteps):
+    """Wav2Vec2's call: ``forward(x, attention_mask=None)``, every training and validation call passing the mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv1d(1, 8, 5, padding=2), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x.unsqueeze(1))))
+        if attention_mask is None:
+            return self.head(h.mean(-1))
+        m = attention_mask[:, None, :].to(h.dtype)
+        return self.head((h * m).sum(-1) / m.sum(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0], batch[1]), batch[2])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0], batch[1])
+
+
+def test_an_input_every_call_passed_left_out_is_refused_saying_why_and_the_advice_works(tmp_path) -> None:
+    """The refusal said "takes 2 input(s) (x, attention_mask); got 1": neither why nor what to do."""
+    torch.manual_seed(0)
+    mask = torch.ones(16, 40, dtype=torch.long)
+    mask[::2, 30:] = 0
+    data = torch.utils.data.TensorDataset(torch.randn(16, 40), mask, torch.randint(0, 3, (16,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    cb, module = FXFuseCallback(), OptionalMask()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    fused, x = load_fused(cb.export_dir), torch.randn(1, 50)
+    with pytest.raises(ExportError, match="attention_mask left out, which every call the export was built from .* "
+                                          "passed.* pass it as those calls did"):
+        fused(x)
+    ones = torch.ones(1, 50, dtype=torch.long)  # the advice taken: the mask passed, as the steps' calls did
+    assert H.rel_err(fused(x, ones), H.fp64_copy(module)(x.double(), ones)) < 1e-5

@@ -119,7 +119,8 @@ class ArtifactInterface(nn.Module):
             if len(args) != len(self.names):  # a runtime may answer for the first ones: refuse, naming them
                 raise ExportError(f"{self.what}: takes {len(self.names)} input(s) ({', '.join(self.names)}); got "
                                   f"{len(args)}" + (_NEVER_OBSERVED.format(first=len(self.names) + 1)
-                                                    if len(args) > len(self.names) else ""))
+                                                    if len(args) > len(self.names) else
+                                                    _ALWAYS_OBSERVED.format(missing=", ".join(self.names[len(args):]))))
             return args
         if self.inputs_alone and not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor)
                                                                                    for a in args):
@@ -215,6 +216,13 @@ _NEVER_OBSERVED = (": no call the export was built from (the training and valida
                    "inputs) passed an argument from position {first} on, so the artifact was not built with one (it "
                    "computes as the model does without it). Leave it out, or pass it in the calls the training and "
                    "validation steps make, and the export takes it")
+
+
+# The served call leaves out an input every observed call passed (Wav2Vec2's attention_mask, None by default):
+# the artifact was built with it, and nothing shows what the model computes without it.
+_ALWAYS_OBSERVED = (": {missing} left out, which every call the export was built from (the training and validation "
+                    "calls observed) passed, so the artifact computes with it and nothing shows what the model does "
+                    "without it: pass it as those calls did")
 
 
 def _normal(path: Tuple[Step, ...]) -> Tuple[Step, ...]:
