@@ -20,19 +20,18 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.common.imports import import_object
-from fx_lightning.common.batches import PlainOutputs, flat_tensors
-from fx_lightning.common.calls import Call, as_call, no_distribution_validation, run_seeded, tree_of_call
+from fx_lightning.common.batches import PlainOutputs
+from fx_lightning.common.calls import Call, as_call, no_distribution_validation, tree_of_call
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.capture.kept_whole import call_torch_functions_by_name
-from fx_lightning.signature.conditions import conditions_from_guards
+from fx_lightning.signature.conditions import conditions_from_guards, one_row_condition
 from fx_lightning.capture.faithful import raise_if_unfaithful
-from fx_lightning.parity.compare import compare_outputs
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
 from fx_lightning.signature.program import ExportFailed, capture_dims, export_program, specialised
-from fx_lightning.common.rows import rows_of, take_rows, with_rows
+from fx_lightning.common.rows import rows_of, with_rows
 from fx_lightning.signature.signature import DimKind, Signature
 
 __all__ = [
@@ -485,7 +484,7 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
             result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=reason))
             result.static_shapes = [list(t.shape) for t in leaves]
         else:
-            conditions += _one_row_differs(result.graph_module, working, call, signature)
+            conditions += one_row_condition(result.graph_module, working, call, signature)
             if conditions:
                 result.conditions = conditions
                 result.notes.append(SIZE_CONDITIONS(conditions="; ".join(conditions)))
@@ -515,32 +514,6 @@ def _exported(working: nn.Module, target: nn.Module, call: Call, dims: Any, chec
                 + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
             ) from cause
     raise AssertionError("unreachable")
-
-
-def _one_row_differs(graph: nn.Module, working: nn.Module, call: Call, signature: Optional[Signature]) -> List[str]:
-    """The condition that the sample axis is not 1, where the graph gives other values than the model on one row:
-    torch.export takes a dynamic size to be 2 or more, so a branch the model takes on a batch of one (``if
-    x.shape[0] == 1``) is not in the graph and not guarded. [] where the model runs one row as the graph does."""
-    if signature is None or not signature.batched:
-        return []
-    leaves = tree_of_call(call).leaves(call)
-    axes = signature.input_axes()
-    first = next((i for i, a in enumerate(axes) if a is not None), None)
-    if first is None or len(leaves) != len(axes) or rows_of(leaves, axes) in (None, 1):
-        return []
-    one = tree_of_call(call).rebuild(take_rows(leaves, axes, 0, 1))
-    try:
-        expected = flat_tensors(run_seeded(working, one))
-    except Exception:  # noqa: BLE001 - the model itself does not run one row: nothing to guard
-        return []
-    try:
-        got = flat_tensors(run_seeded(graph, one))
-    except Exception:  # noqa: BLE001 - the graph does not: refused by name instead of by the runtime
-        return [f"size{first}_{axes[first]} != 1"]
-    if len(got) != len(expected) or any(g.numel() != e.numel() for g, e in zip(got, expected)):
-        return []  # another structure at one row (a squeeze): the interface rebuilds it, values compared elsewhere
-    same = compare_outputs([g.reshape(-1) for g in got], [e.reshape(-1) for e in expected]).passed
-    return [] if same else [f"size{first}_{axes[first]} != 1"]
 
 
 def _at_least_two(call: Call, signature: Optional[Signature]) -> Call:

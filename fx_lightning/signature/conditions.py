@@ -14,14 +14,20 @@ from __future__ import annotations
 import ast
 import inspect
 import operator
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from fx_lightning.common.calls import Call, tree_of_call
+from fx_lightning.common.batches import flat_tensors
+from fx_lightning.common.calls import Call, run_seeded, tree_of_call
+from fx_lightning.common.rows import rows_of, take_rows
+from fx_lightning.parity.compare import compare_outputs
 
-__all__ = ["conditions_from_guards", "condition_holds", "describe_condition", "failed_condition"]
+if TYPE_CHECKING:
+    from fx_lightning.signature.signature import Signature
+
+__all__ = ["conditions_from_guards", "condition_holds", "describe_condition", "failed_condition", "one_row_condition"]
 
 _BINARY: Dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
@@ -42,7 +48,7 @@ def conditions_from_guards(program: Any, module: nn.Module, call: Call) -> Tuple
     leaves = tree_of_call(call).leaves(call)
     try:
         bound = inspect.signature(module.forward).bind(*call.args, **call.kwargs)
-        named: Dict[str, Any] = dict(bound.arguments)
+        named: Dict[str, object] = dict(bound.arguments)
     except (TypeError, ValueError):
         return [], guards
     conditions, unread = [], []
@@ -55,7 +61,7 @@ def conditions_from_guards(program: Any, module: nn.Module, call: Call) -> Tuple
     return conditions, unread
 
 
-def _condition(guard: str, named: Dict[str, Any], leaves: Sequence[torch.Tensor]) -> Optional[str]:
+def _condition(guard: str, named: Dict[str, object], leaves: Sequence[torch.Tensor]) -> Optional[str]:
     """``guard`` with each ``L[...].size()[d]`` replaced by ``size{leaf}_{d}``; None where something else is read."""
     try:
         tree = ast.parse(guard, mode="eval")
@@ -77,7 +83,7 @@ def _condition(guard: str, named: Dict[str, Any], leaves: Sequence[torch.Tensor]
     return text if _evaluable(rewritten.body) else None
 
 
-def _leaf_index(node: ast.AST, named: Dict[str, Any], leaves: Sequence[torch.Tensor]) -> Optional[int]:
+def _leaf_index(node: ast.AST, named: Dict[str, object], leaves: Sequence[torch.Tensor]) -> Optional[int]:
     """The leaf ``L['x']['key'][0]`` is, by identity among ``leaves`` (None: not one of them)."""
     keys: List[Any] = []
     while isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
@@ -170,3 +176,29 @@ def failed_condition(conditions: Sequence[str], tensors: Sequence[Any], names: S
             return (f"{sizes}; the artifact takes only sizes where {describe_condition(condition, names)} (the model "
                     "branches on that size, and the captured graph holds the branch taken in the calls observed)")
     return None
+
+
+def one_row_condition(graph: nn.Module, working: nn.Module, call: Call, signature: Optional["Signature"]) -> List[str]:
+    """The condition that the sample axis is not 1, where the graph gives other values than the model on one row:
+    torch.export takes a dynamic size to be 2 or more, so a branch the model takes on a batch of one (``if
+    x.shape[0] == 1``) is not in the graph and not guarded. [] where the model runs one row as the graph does."""
+    if signature is None or not signature.batched:
+        return []
+    leaves = tree_of_call(call).leaves(call)
+    axes = signature.input_axes()
+    first = next((i for i, a in enumerate(axes) if a is not None), None)
+    if first is None or len(leaves) != len(axes) or rows_of(leaves, axes) in (None, 1):
+        return []
+    one = tree_of_call(call).rebuild(take_rows(leaves, axes, 0, 1))
+    try:
+        expected = flat_tensors(run_seeded(working, one))
+    except Exception:  # noqa: BLE001 - the model itself does not run one row: nothing to guard
+        return []
+    try:
+        got = flat_tensors(run_seeded(graph, one))
+    except Exception:  # noqa: BLE001 - the graph does not: refused by name instead of by the runtime
+        return [f"size{first}_{axes[first]} != 1"]
+    if len(got) != len(expected) or any(g.numel() != e.numel() for g, e in zip(got, expected)):
+        return []  # another structure at one row (a squeeze): the interface rebuilds it, values compared elsewhere
+    same = compare_outputs([g.reshape(-1) for g in got], [e.reshape(-1) for e in expected]).passed
+    return [] if same else [f"size{first}_{axes[first]} != 1"]
