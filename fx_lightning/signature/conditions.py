@@ -51,6 +51,8 @@ def conditions_from_guards(program: Any, module: nn.Module, call: Call) -> Tuple
         named: Dict[str, object] = dict(bound.arguments)
     except (TypeError, ValueError):
         return [], guards
+    # torch.export's strict route names the inputs by their flat order (the pytree of the arguments)
+    named.setdefault("flat_args", torch.utils._pytree.tree_flatten((call.args, call.kwargs))[0])
     conditions, unread = [], []
     for guard in guards:
         condition = _condition(guard, named, leaves)

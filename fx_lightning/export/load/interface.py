@@ -54,7 +54,11 @@ class ArtifactInterface(nn.Module):
                                         if size is not None], leaf.sample_axis)
                       for i, leaf in enumerate(signature.inputs)]
         self._one_tensor_out = (signature.output_tree or {}).get("kind") == "tensor"
-        self.eval()
+        try:
+            self.eval()
+        except NotImplementedError:  # torch.export's unlifted module refuses eval(): its graph is eval already
+            for module in self.modules():
+                module.training = False
 
     def __getattr__(self, name: str) -> Any:
         try:
