@@ -466,3 +466,27 @@ def test_the_result_lists_the_written_directories(two_io):
     repository: TritonRepository = two_io["repository"]
     assert repository.directories == [two_io["out"] / name for name in ("exp", "exp_onnx", "exp_openvino", "exp_pt2")]
     assert repository.readme == two_io["out"] / "README.md"
+
+
+class LengthBranch(nn.Module):
+    """Pads to its stride only when the length is not a multiple of it (torchaudio's ConvTasNet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv1d(1, 4, 3, padding=1), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv(x)))
+        return y if x.shape[-1] % 8 == 0 else y * 2 + 1
+
+
+def test_a_condition_on_a_size_the_config_leaves_free_is_refused(tmp_path):
+    """The model's branch on the length is a condition load_fused and serve check on every call; a Triton config
+    cannot state it, and Triton would run the captured side of the branch for every length."""
+    model = randomize_batchnorms(LengthBranch()).eval()
+    outcome = fuse_and_export(model, tmp_path / "exp", batches=[torch.randn(4, 1, 64), torch.randn(2, 1, 32)],
+                              config=_config([ExportFormat.onnx]))
+    signature = read_manifest(outcome.export_dir).signature
+    assert signature.conditions == ["size0_2 % 8 == 0"]
+    with pytest.raises(ExportError, match=r"takes only sizes where x.shape\[2\] % 8 == 0 .* a Triton config cannot"):
+        write_triton_repository(outcome.export_dir, tmp_path / "repo")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MA
                                               TritonModel, TritonOptions, TritonRepository, config_text,
                                               contract_model, default_model_name, describe, readme_text,
                                               stated_leaf)
-from fx_lightning.signature.signature import LeafSpec
+from fx_lightning.signature.conditions import describe_condition
+from fx_lightning.signature.signature import DimKind, LeafSpec
 from fx_lightning.serve.artifact import artifact_for
 from fx_lightning.serve.contract import Contract
 from fx_lightning.serve.triton_python import (ENTRY_PARAMETER, MODEL_PY, STRATEGY_PARAMETER, python_copies,
@@ -203,6 +205,22 @@ def _python_model(manifest: Manifest, entry: Optional[str], directory: Path, opt
     return model
 
 
+def _refuse_conditions(where: str, signature: Any, entry: FormatEntry) -> None:
+    """A condition on a size the config leaves free (a branch the model takes on it): Triton cannot check it, and
+    the model would compute the captured side of the branch for every size."""
+    if entry.built_shapes:  # built for the example's sizes: every dim is fixed in the config
+        return
+    for condition in signature.conditions:
+        free = [(int(leaf), int(dim)) for leaf, dim in re.findall(r"size(\d+)_(\d+)", condition)
+                if signature.inputs[int(leaf)].dims[int(dim)].kind is not DimKind.fixed]
+        if free:
+            names = [leaf.name for leaf in signature.inputs]
+            raise ExportError(
+                f"{where}: the artifact takes only sizes where {describe_condition(condition, names)} (the model "
+                "branches on that size; see the manifest's signature.conditions), which a Triton config cannot "
+                "state: serve it with fx-lightning serve or load it with load_fused, which check it on every call")
+
+
 def _refuse_scalars(tensors: Sequence[LeafSpec]) -> None:
     """Triton wants dims, and refuses an empty reshape where a model does not batch: a scalar (no axes, not even a
     batch one, so its model cannot batch) cannot be stated."""
@@ -245,6 +263,7 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     inputs, outputs = backend.read(model_file)
     where = f"{entry_name} ({model_file})"
     signature = manifest.call_signature()
+    _refuse_conditions(where, signature, entry)
     _agree(where, "input", inputs, signature.inputs, entry, manifest.dynamic_batch)
     _agree(where, "output", outputs, signature.outputs, entry, manifest.dynamic_batch)
     swept, note = options.with_recorded_batching(manifest, entry_name)
