@@ -491,27 +491,10 @@ def test_a_branch_on_a_size_is_kept_as_a_condition_and_other_sizes_are_refused(t
     every artifact computed the multiple-of-8 side for every length (relative error 0.58 at 1234), the manifest
     saying the length varies. The guard is now a condition of the signature, checked on every call."""
     import lightning_helpers as H
-    from fx_lightning import FXFuseCallback, load_fused
+    from fx_lightning import load_fused
     from fx_lightning.errors import ExportError
 
-    class Steps(H.CrossEntropySteps):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = LengthBranch()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.model(x)
-
-        def training_step(self, batch, batch_idx):
-            return (self(batch[0]).mean(1, keepdim=True) - batch[0]).pow(2).mean()
-
-        def validation_step(self, batch, batch_idx):
-            self(batch[0])
-
-    torch.manual_seed(0)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 1, 64)), batch_size=4)
-    cb, module = FXFuseCallback(), Steps()
-    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    cb, module = _fit_with_callback(tmp_path, LengthBranch(), torch.randn(8, 1, 64), batch_size=4)
     signature = read_manifest(cb.export_dir).signature
     assert signature is not None and signature.conditions == ["size0_2 % 8 == 0"]
     reference = H.fp64_copy(module.model)
@@ -558,13 +541,29 @@ def test_a_branch_on_a_size_never_observed_is_refused_by_name(tmp_path, branch, 
     or more, so the batch-of-one branch is neither in the graph nor guarded; the long-input branch was guarded, and
     the guard dropped. Now the graph is run on one row against the model at capture, and both are conditions."""
     import lightning_helpers as H
-    from fx_lightning import FXFuseCallback, load_fused
+    from fx_lightning import load_fused
     from fx_lightning.errors import ExportError
+
+    cb, module = _fit_with_callback(tmp_path, SizeBranches(branch), torch.randn(16, 2, 64), batch_size=8)
+    reference = H.fp64_copy(module.model)
+    for name in read_manifest(cb.export_dir).formats:
+        fused = load_fused(cb.export_dir, format=name)
+        x = torch.randn(3, 2, 96)
+        assert H.rel_err(fused(x), reference(x.double())) < 1e-5, name
+        with pytest.raises(ExportError, match=f"takes only sizes where {condition}"):
+            fused(torch.randn(*refused))
+
+
+def _fit_with_callback(tmp_path, model: nn.Module, inputs: torch.Tensor, batch_size: int):
+    """``model`` trained one epoch on ``inputs`` in a LightningModule whose steps call it, with ``FXFuseCallback()``
+    alone; the callback and the module."""
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
 
     class Steps(H.CrossEntropySteps):
         def __init__(self) -> None:
             super().__init__()
-            self.model = SizeBranches(branch)
+            self.model = model
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.model(x)
@@ -576,13 +575,7 @@ def test_a_branch_on_a_size_never_observed_is_refused_by_name(tmp_path, branch, 
             self(batch[0])
 
     torch.manual_seed(0)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 2, 64)), batch_size=8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs), batch_size=batch_size)
     cb, module = FXFuseCallback(), Steps()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
-    reference = H.fp64_copy(module.model)
-    for name in read_manifest(cb.export_dir).formats:
-        fused = load_fused(cb.export_dir, format=name)
-        x = torch.randn(3, 2, 96)
-        assert H.rel_err(fused(x), reference(x.double())) < 1e-5, name
-        with pytest.raises(ExportError, match=f"takes only sizes where {condition}"):
-            fused(torch.randn(*refused))
+    return cb, module

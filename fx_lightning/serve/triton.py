@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from fx_lightning.serve.triton_config import (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MA
                                               TritonModel, TritonOptions, TritonRepository, config_text,
                                               contract_model, default_model_name, describe, readme_text,
                                               stated_leaf)
-from fx_lightning.signature.conditions import describe_condition
+from fx_lightning.signature.conditions import condition_sizes, describe_condition
 from fx_lightning.signature.signature import DimKind, LeafSpec
 from fx_lightning.serve.artifact import artifact_for
 from fx_lightning.serve.contract import Contract
@@ -211,9 +210,7 @@ def _refuse_conditions(where: str, signature: Any, entry: FormatEntry) -> None:
     if entry.built_shapes:  # built for the example's sizes: every dim is fixed in the config
         return
     for condition in signature.conditions:
-        free = [(int(leaf), int(dim)) for leaf, dim in re.findall(r"size(\d+)_(\d+)", condition)
-                if signature.inputs[int(leaf)].dims[int(dim)].kind is not DimKind.fixed]
-        if free:
+        if any(signature.inputs[leaf].dims[dim].kind is not DimKind.fixed for leaf, dim in condition_sizes(condition)):
             names = [leaf.name for leaf in signature.inputs]
             raise ExportError(
                 f"{where}: the artifact takes only sizes where {describe_condition(condition, names)} (the model "

@@ -12,6 +12,7 @@ Conditions are checked by a small evaluator over integers (no ``eval``): a manif
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import operator
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -27,7 +28,8 @@ from fx_lightning.parity.compare import compare_outputs
 if TYPE_CHECKING:
     from fx_lightning.signature.signature import Signature
 
-__all__ = ["conditions_from_guards", "condition_holds", "describe_condition", "failed_condition", "one_row_condition"]
+__all__ = ["conditions_from_guards", "condition_holds", "condition_sizes", "describe_condition", "failed_condition",
+           "one_row_condition"]
 
 _BINARY: Dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
@@ -143,18 +145,25 @@ def _value(node: ast.AST, sizes: Dict[str, int]) -> Any:
     raise ValueError(f"not a size condition: {ast.dump(node)}")
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(condition: str) -> Tuple[ast.expr, Tuple[Tuple[str, int, int], ...]]:
+    """``condition`` parsed once (it is checked on every call), with its sizes: (name, leaf, dim)."""
+    body = ast.parse(condition, mode="eval").body
+    if not _evaluable(body):  # a manifest edited by hand: nothing it says can be checked
+        raise ValueError(f"not a size condition: {condition!r}")
+    names = sorted({node.id for node in ast.walk(body) if isinstance(node, ast.Name)})
+    return body, tuple((name, *map(int, name[len("size"):].split("_"))) for name in names)  # type: ignore[misc]
+
+
+def condition_sizes(condition: str) -> List[Tuple[int, int]]:
+    """The (input leaf, dimension) pairs ``condition`` reads."""
+    return [(leaf, dim) for _, leaf, dim in _parsed(condition)[1]]
+
+
 def condition_holds(condition: str, tensors: Sequence[Any]) -> bool:
     """Whether the sizes of ``tensors`` (the artifact's input leaves, in order) meet ``condition``."""
-    tree = ast.parse(condition, mode="eval")
-    if not _evaluable(tree.body):  # a manifest edited by hand: nothing it says can be checked
-        raise ValueError(f"not a size condition: {condition!r}")
-    sizes = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            leaf, _, dim = node.id[len("size"):].partition("_")
-            tensor = tensors[int(leaf)]
-            sizes[node.id] = int(tensor.shape[int(dim)])
-    return bool(_value(tree.body, sizes))
+    body, sizes = _parsed(condition)
+    return bool(_value(body, {name: int(tensors[leaf].shape[dim]) for name, leaf, dim in sizes}))
 
 
 def describe_condition(condition: str, names: Sequence[str]) -> str:
@@ -173,8 +182,8 @@ def failed_condition(conditions: Sequence[str], tensors: Sequence[Any], names: S
     """Why ``tensors`` are refused by the first condition they fail (None: they meet every one)."""
     for condition in conditions:
         if not condition_holds(condition, tensors):
-            sizes = ", ".join(f"{names[i]}.shape = {list(t.shape)}" for i, t in enumerate(tensors)
-                              if f"size{i}_" in condition)
+            read = {leaf for leaf, _ in condition_sizes(condition)}
+            sizes = ", ".join(f"{names[i]}.shape = {list(tensors[i].shape)}" for i in sorted(read))
             return (f"{sizes}; the artifact takes only sizes where {describe_condition(condition, names)} (the model "
                     "branches on that size, and the captured graph holds the branch taken in the calls observed)")
     return None
@@ -186,12 +195,13 @@ def one_row_condition(graph: nn.Module, working: nn.Module, call: Call, signatur
     x.shape[0] == 1``) is not in the graph and not guarded. [] where the model runs one row as the graph does."""
     if signature is None or not signature.batched:
         return []
-    leaves = tree_of_call(call).leaves(call)
+    tree = tree_of_call(call)
+    leaves = tree.leaves(call)
     axes = signature.input_axes()
     first = next((i for i, a in enumerate(axes) if a is not None), None)
     if first is None or len(leaves) != len(axes) or rows_of(leaves, axes) in (None, 1):
         return []
-    one = tree_of_call(call).rebuild(take_rows(leaves, axes, 0, 1))
+    one = tree.rebuild(take_rows(leaves, axes, 0, 1))
     try:
         expected = flat_tensors(run_seeded(working, one))
     except Exception:  # noqa: BLE001 - the model itself does not run one row: nothing to guard

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from fx_lightning.capture.graph import set_eval
 from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
@@ -54,11 +55,7 @@ class ArtifactInterface(nn.Module):
                                         if size is not None], leaf.sample_axis)
                       for i, leaf in enumerate(signature.inputs)]
         self._one_tensor_out = (signature.output_tree or {}).get("kind") == "tensor"
-        try:
-            self.eval()
-        except NotImplementedError:  # torch.export's unlifted module refuses eval(): its graph is eval already
-            for module in self.modules():
-                module.training = False
+        set_eval(self)  # not .eval(): torch.export's unlifted module refuses it
 
     def __getattr__(self, name: str) -> Any:
         try:
