@@ -518,6 +518,39 @@ def test_a_condition_in_a_manifest_is_never_run_as_code() -> None:
             condition_holds(text, [x])
 
 
+class FramesAtLeastOne(nn.Module):
+    """Wav2Vec2's frame count, ``max(1, frames - 1)``: torch.export guards it with ``torch.sym_max``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv1d(1, 8, 20, stride=20), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x))
+        frames = max(1, h.shape[-1] - 1)
+        return h[..., :frames].mean(-1) * frames
+
+
+def test_a_guard_calling_sym_max_is_a_condition_and_the_length_stays_dynamic(tmp_path) -> None:
+    """Wav2Vec2 stopped training in the preflight: a guard calling torch.sym_max could not be read, so the capture
+    was fixed to the example's length, and parity on the next validation length failed ("built for 3067 there")."""
+    import lightning_helpers as H
+    from fx_lightning import load_fused
+    from fx_lightning.errors import ExportError
+
+    cb, module = _fit_with_callback(tmp_path, FramesAtLeastOne(), torch.randn(8, 1, 400), batch_size=4)
+    signature = read_manifest(cb.export_dir).signature
+    assert signature is not None and any("max(" in c for c in signature.conditions)
+    reference = H.fp64_copy(module.model)
+    for name in read_manifest(cb.export_dir).formats:
+        fused = load_fused(cb.export_dir, format=name)
+        for shape in ((1, 1, 400), (3, 1, 1000), (2, 1, 77)):
+            x = torch.randn(*shape)
+            assert H.rel_err(fused(x), reference(x.double())) < 1e-5, (name, shape)
+        with pytest.raises(ExportError, match="takes only sizes where"):
+            fused(torch.randn(2, 1, 39))  # one frame: the other side of max(1, ...)
+
+
 class SizeBranches(nn.Module):
     """Branches on a size the training calls never took: a batch of one, a long input beyond the size probe's 2x."""
 

@@ -1292,15 +1292,51 @@ class OptionalMask(H.CrossEntropySteps):
         self(batch[0], batch[1])
 
 
-def test_an_input_every_call_passed_left_out_is_refused_saying_why_and_the_advice_works(tmp_path) -> None:
-    """The refusal said "takes 2 input(s) (x, attention_mask); got 1": neither why nor what to do."""
+class OptionalMaskOtherwise(OptionalMask):
+    """The same call, but without the mask the model pools otherwise (its maximum): no mask of ones stands in."""
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if attention_mask is not None:
+            return super().forward(x, attention_mask)
+        return self.head(torch.relu(self.bn(self.conv(x.unsqueeze(1)))).amax(-1))
+
+
+def _fit_with_masks(tmp_path: Any, module: pl.LightningModule) -> FXFuseCallback:
     torch.manual_seed(0)
     mask = torch.ones(16, 40, dtype=torch.long)
     mask[::2, 30:] = 0
     data = torch.utils.data.TensorDataset(torch.randn(16, 40), mask, torch.randint(0, 3, (16,)))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
-    cb, module = FXFuseCallback(), OptionalMask()
+    cb = FXFuseCallback()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    return cb
+
+
+def test_an_input_every_call_passed_left_out_gets_the_stand_in_proven_to_mean_leaving_it_out(tmp_path) -> None:
+    """Wav2Vec2's served call leaves out the attention_mask every training call passed: it was refused ("takes 2
+    input(s); got 1"). A mask of ones gives what the model gives without it on every observed call, so the artifact
+    puts ones in its place: right at lengths and batch sizes never seen, by position and by name."""
+    module = OptionalMask()
+    cb = _fit_with_masks(tmp_path, module)
+    manifest = read_manifest(cb.export_dir)
+    assert [leaf.absent_fill for leaf in manifest.signature.inputs] == [None, 1.0]
+    assert any(note.kind.name == "absent_filled" for note in cb.outcome.notes)
+    reference = H.fp64_copy(module)
+    for name in manifest.formats:
+        fused = load_fused(cb.export_dir, format=name)
+        for x in (torch.randn(1, 50), torch.randn(3, 23)):
+            want = reference(x.double())
+            assert H.rel_err(fused(x), want) < 1e-5, name
+            assert H.rel_err(fused(x=x), want) < 1e-5, name
+            assert H.rel_err(fused(x, attention_mask=None), want) < 1e-5, name
+
+
+def test_an_input_left_out_that_no_stand_in_replaces_is_refused_saying_why_and_the_advice_works(tmp_path) -> None:
+    """The refusal said "takes 2 input(s) (x, attention_mask); got 1": neither why nor what to do. Where neither
+    ones nor zeros give what the model computes without the mask, the call leaving it out is still refused."""
+    module = OptionalMaskOtherwise()
+    cb = _fit_with_masks(tmp_path, module)
+    assert all(leaf.absent_fill is None for leaf in read_manifest(cb.export_dir).signature.inputs)
     fused, x = load_fused(cb.export_dir), torch.randn(1, 50)
     with pytest.raises(ExportError, match="attention_mask left out, which every call the export was built from .* "
                                           "passed.* pass it as those calls did"):

@@ -43,10 +43,11 @@ from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, FXLightningError, ModelError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
+from fx_lightning.signature.absent import absent_fills
 from fx_lightning.signature.signature import ConstSpec, Observed, Signature, derive_signature
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
-           "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "without_labels",
+           "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "ABSENT_FILLED", "without_labels", "with_absent_fills",
            "STEP_INPUTS", "EXAMPLE_INPUTS_USED", "EXAMPLE_INPUTS_DICT"]
 
 OBSERVED_CALLS = NoteKind("observed_calls", "the target's inputs as the LightningModule's own {stage} steps called it: "
@@ -62,6 +63,10 @@ LABELS_LEFT_OUT = NoteKind("labels_left_out", "the target's calls carry {labels}
                                               "computes in forward); it runs without them and gives the same other "
                                               "outputs on every call, so the artifact is built for the call a server "
                                               "makes, without {labels}")
+ABSENT_FILLED = NoteKind("absent_filled", "{inputs} may be left out: every call observed passed it, and the model "
+                                          "gave the same outputs with it left out (forward's default, None) as with "
+                                          "the constant stand-in in its place, on every call, so the artifact puts "
+                                          "that in its place ({fills})")
 EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the example inputs instead")
 
 
@@ -285,6 +290,23 @@ def _outputs_kept(without: Any, with_them: Any) -> bool:
         if not isinstance(other, torch.Tensor) or other.shape != value.shape or not torch.equal(other, value):
             return False
     return True
+
+
+def with_absent_fills(signature: Signature, reference: nn.Module,
+                      steps: Sequence[ObservedStep]) -> Tuple[Signature, List[Note]]:
+    """``signature`` with a stand-in for each optional argument (default None) a caller may leave out, proven on
+    the observed calls (:func:`~fx_lightning.signature.absent.absent_fills`), and the note saying so."""
+    try:
+        parameters = inspect.signature(reference.forward).parameters
+    except (TypeError, ValueError):  # forward's signature unknown: no default to compare with
+        return signature, []
+    optional = {name for name, p in parameters.items() if p.default is None}
+    filled = absent_fills(signature, [s.target for s in steps], lambda c: run_seeded(reference, c, 0), optional)
+    fills = {leaf.name: "ones" if leaf.absent_fill == 1 else "zeros" for leaf in filled.inputs
+             if leaf.absent_fill is not None}
+    if not fills:
+        return signature, []
+    return filled, [ABSENT_FILLED(inputs=", ".join(fills), fills="; ".join(f"{k}: {v}" for k, v in fills.items()))]
 
 
 def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations],

@@ -39,6 +39,9 @@ _COMPARE: Dict[type, Callable[[int, int], bool]] = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
     ast.GtE: operator.ge,
 }
+# The functions torch.export's guards call on sizes (``torch.sym_max(1, s0 // 20)``), by the name a condition uses.
+_SYM_FUNCTIONS = {"sym_max": "max", "sym_min": "min"}
+_FUNCTIONS: Dict[str, Callable[..., int]] = {"max": max, "min": min}
 
 
 def conditions_from_guards(program: Any, module: nn.Module, call: Call) -> Tuple[List[str], List[str]]:
@@ -82,6 +85,11 @@ def _condition(guard: str, named: Dict[str, object], leaves: Sequence[torch.Tens
                     return ast.copy_location(ast.Name(f"size{leaf}_{node.slice.value}", ast.Load()), node)
             return self.generic_visit(node)
 
+        def visit_Attribute(self, node: ast.Attribute) -> Any:  # torch.sym_max -> max
+            if isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr in _SYM_FUNCTIONS:
+                return ast.copy_location(ast.Name(_SYM_FUNCTIONS[node.attr], ast.Load()), node)
+            return self.generic_visit(node)
+
     rewritten = Sizes().visit(tree)
     text = ast.unparse(rewritten)
     return text if _evaluable(rewritten.body) else None
@@ -118,6 +126,9 @@ def _evaluable(node: ast.AST) -> bool:
         return all(_evaluable(v) for v in node.values)
     if isinstance(node, ast.Compare):
         return all(type(op) in _COMPARE for op in node.ops) and all(_evaluable(v) for v in [node.left, *node.comparators])
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords and \
+            bool(node.args) and all(_evaluable(a) for a in node.args)
     return False
 
 
@@ -142,6 +153,8 @@ def _value(node: ast.AST, sizes: Dict[str, int]) -> Any:
                 return False
             left = right
         return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return _FUNCTIONS[node.func.id](*(_value(a, sizes) for a in node.args))
     raise ValueError(f"not a size condition: {ast.dump(node)}")
 
 
@@ -151,7 +164,7 @@ def _parsed(condition: str) -> Tuple[ast.expr, Tuple[Tuple[str, int, int], ...]]
     body = ast.parse(condition, mode="eval").body
     if not _evaluable(body):  # a manifest edited by hand: nothing it says can be checked
         raise ValueError(f"not a size condition: {condition!r}")
-    names = sorted({node.id for node in ast.walk(body) if isinstance(node, ast.Name)})
+    names = sorted({node.id for node in ast.walk(body) if isinstance(node, ast.Name) and node.id.startswith("size")})
     return body, tuple((name, *map(int, name[len("size"):].split("_"))) for name in names)  # type: ignore[misc]
 
 
@@ -172,6 +185,8 @@ def describe_condition(condition: str, names: Sequence[str]) -> str:
 
     class Named(ast.NodeTransformer):
         def visit_Name(self, node: ast.Name) -> Any:
+            if not node.id.startswith("size"):
+                return node
             leaf, _, dim = node.id[len("size"):].partition("_")
             return ast.Name(f"{names[int(leaf)]}.shape[{dim}]", ast.Load())
 

@@ -60,6 +60,9 @@ class LeafSpec:
     stochastic: bool = False  # an output that changes from run to run (a sample drawn in forward)
     groups: Tuple[Optional[str], ...] = ()  # a name per variable dimension: equal names were equal in every call
     unread: bool = False  # an input the captured graph never reads: a caller may leave it out (zeros stand in)
+    # What stands in for an argument a caller leaves out (forward's default None), proven by experiment to give what
+    # the model computes without it: a mask of ones (:mod:`~fx_lightning.signature.absent`). None: it must be given.
+    absent_fill: Optional[float] = None
 
     @property
     def sample_axis(self) -> Optional[int]:
@@ -90,7 +93,8 @@ class LeafSpec:
         flags = {"stochastic": self.stochastic, "unread": self.unread}  # written only when set
         return {"name": self.name, "path": self.path, "steps": [list(s) for s in self.steps], "dtype": self.dtype,
                 "shape": self.shape, "example_shape": self.example_shape,
-                "sizes_seen": [[d.low, d.high] for d in self.dims], **{key: True for key, on in flags.items() if on}}
+                "sizes_seen": [[d.low, d.high] for d in self.dims], **{key: True for key, on in flags.items() if on},
+                **({"absent_fill": self.absent_fill} if self.absent_fill is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LeafSpec":
@@ -103,7 +107,8 @@ class LeafSpec:
             groups.append(token if kind is DimKind.variable else None)
         return cls(str(data["name"]), str(data.get("path", data["name"])),
                    tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
-                   bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)))
+                   bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)),
+                   float(data["absent_fill"]) if data.get("absent_fill") is not None else None)
 
 
 @dataclass(frozen=True)

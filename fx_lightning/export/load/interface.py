@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -23,9 +23,10 @@ from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
+from fx_lightning.signature.absent import leaf_steps, stand_in
 from fx_lightning.signature.conditions import condition_holds, failed_condition
 from fx_lightning.signature.item_list import given_length, run_in_pieces
-from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
+from fx_lightning.signature.signature import LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
 
 __all__ = ["ArtifactInterface", "FromLeaves", "nest_outputs", "for_sizes"]
 
@@ -114,15 +115,7 @@ class ArtifactInterface(nn.Module):
                 isinstance(v, torch.Tensor) for v in kwargs.values()):
             return tuple(kwargs[n] for n in self.names)
         if not self.signature.flat:
-            if kwargs:
-                raise ExportError(f"{self.what}: takes its inputs positionally ({', '.join(self.names)}); got keyword "
-                                  f"arguments {', '.join(kwargs)}")
-            if len(args) != len(self.names):  # a runtime may answer for the first ones: refuse, naming them
-                raise ExportError(f"{self.what}: takes {len(self.names)} input(s) ({', '.join(self.names)}); got "
-                                  f"{len(args)}" + (_NEVER_OBSERVED.format(first=len(self.names) + 1)
-                                                    if len(args) > len(self.names) else
-                                                    _ALWAYS_OBSERVED.format(missing=", ".join(self.names[len(args):]))))
-            return args
+            return self._positional(args, kwargs)
         if self.inputs_alone and not kwargs and len(args) == len(self.names) and all(isinstance(a, torch.Tensor)
                                                                                    for a in args):
             return args
@@ -131,7 +124,7 @@ class ArtifactInterface(nn.Module):
         for const in self.signature.constants:  # baked into the graph: another value would be ignored silently
             built = const.text if const.text is not None else repr(const.value)
             try:
-                given = value_at(call, _steps(const))
+                given = value_at(call, leaf_steps(const))
             except (KeyError, IndexError, AttributeError, TypeError):
                 if const.default is None:
                     continue  # left out: the artifact computes with the value the calls had, forward's default
@@ -146,16 +139,38 @@ class ArtifactInterface(nn.Module):
         values: List[Any] = []
         for leaf in self.signature.inputs:
             try:
-                values.append(value_at(call, _steps(leaf)))
+                values.append(value_at(call, leaf_steps(leaf)))
             except (KeyError, IndexError, AttributeError, TypeError) as exc:
-                if not leaf.unread:
+                if not leaf.unread and leaf.absent_fill is None:
                     wanted = ", ".join(f"{x.name} ({x.path})" for x in self.signature.inputs if not x.unread)
                     raise ExportError(f"{self.what}: cannot find its inputs in the arguments given "
                                       f"({type(exc).__name__}: {exc}); it takes {wanted}: by name, in that order, or "
                                       "as the original arguments") from None
                 values.append(None)
-        return tuple(self._stand_in(leaf, values) if leaf.unread and values[i] is None else values[i]
+        return tuple(values[i] if values[i] is not None or not (leaf.unread or leaf.absent_fill is not None) else
+                     stand_in(self.signature, leaf, values, leaf.absent_fill or 0.0)
                      for i, leaf in enumerate(self.signature.inputs))
+
+    def _positional(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+        """The inputs of an artifact that takes forward's arguments as they are, given by position or by name; one
+        left out (or None) gets its proven stand-in (:mod:`~fx_lightning.signature.absent`), else is refused."""
+        names = self.names
+        if len(args) > len(names):  # a runtime may answer for the first ones: refuse, naming them
+            raise ExportError(f"{self.what}: takes {len(names)} input(s) ({', '.join(names)}); got {len(args)}"
+                              + _NEVER_OBSERVED.format(first=len(names) + 1))
+        unknown = [k for k in kwargs if k not in names[len(args):]]
+        if unknown:
+            raise ExportError(f"{self.what}: takes its inputs by position or by name ({', '.join(names)}); got "
+                              f"keyword argument(s) {', '.join(unknown)}"
+                              + (" given by position too" if set(unknown) & set(names) else ""))
+        values = [*args, *(kwargs.get(name) for name in names[len(args):])]
+        missing = [leaf.name for leaf, value in zip(self.signature.inputs, values)
+                   if value is None and leaf.absent_fill is None]
+        if missing:
+            raise ExportError(f"{self.what}: takes {len(names)} input(s) ({', '.join(names)}); got "
+                              f"{len(names) - len(missing)}" + _ALWAYS_OBSERVED.format(missing=", ".join(missing)))
+        return tuple(stand_in(self.signature, leaf, values, leaf.absent_fill or 0.0) if value is None else value
+                     for leaf, value in zip(self.signature.inputs, values))
 
     def _as_observed(self, call: Call) -> Call:
         """``call`` with each argument of forward written as the observed calls wrote it (by position or by name):
@@ -176,23 +191,12 @@ class ArtifactInterface(nn.Module):
                 args.append(kwargs.pop(name))
         return Call(tuple(args), kwargs)
 
-    def _stand_in(self, leaf: LeafSpec, values: Sequence[Any]) -> torch.Tensor:
-        """Zeros for an input the graph never reads (a forecaster's future targets, None at predict time), sized as
-        the inputs given say: the sample axis and the sizes that varied with them, else the example's."""
-        given = {g: t.shape[d] for spec, t in zip(self.signature.inputs, values) if isinstance(t, torch.Tensor)
-                 for d, g in enumerate(spec.groups or ()) if g is not None}
-        rows = next((t.shape[spec.sample_axis] for spec, t in zip(self.signature.inputs, values)
-                     if isinstance(t, torch.Tensor) and spec.sample_axis is not None), None)
-        shape = [rows if dim.kind is DimKind.sample and rows is not None else given.get(group, dim.size)
-                 for dim, group in zip(leaf.dims, leaf.groups or (None,) * len(leaf.dims))]
-        return torch.zeros(shape, dtype=getattr(torch, leaf.dtype))
-
     def _refuse_unknown(self, call: Call) -> None:
         """An argument, key, field or item the artifact was not built from (a ``labels=`` keyword, a fifth tensor of a
         list built for two) would be ignored without a word: refused, naming it. A ``None`` where nothing was passed
         is what leaving it out means, and is taken."""
-        known = {_normal(_steps(leaf)) for leaf in self.signature.inputs}
-        known |= {_normal(_steps(c)) for c in self.signature.constants}
+        known = {_normal(leaf_steps(leaf)) for leaf in self.signature.inputs}
+        known |= {_normal(leaf_steps(c)) for c in self.signature.constants}
         tree = tree_of_call(call)
         given = [tuple(path) for path in tree.leaf_paths()]
         given += [tuple(path) for path, value in tree.constants() if value is not None]
@@ -231,14 +235,10 @@ def _normal(path: Tuple[Step, ...]) -> Tuple[Step, ...]:
     return tuple(("key" if kind == "attr" else str(kind), key) for kind, key in path)
 
 
-def _steps(leaf: Union[LeafSpec, ConstSpec]) -> Tuple[Step, ...]:
-    return tuple((str(kind), key) for kind, key in leaf.steps)
-
-
 def nest_outputs(out: Any, specs: Sequence[LeafSpec]) -> Any:
     """``out`` nested as ``specs`` record the outputs, when a runtime returned them flat (a tensor, or a tuple of
     them); as it is when it already has their nesting."""
-    steps = [_steps(s) for s in specs]
+    steps = [leaf_steps(s) for s in specs]
     if not steps or all(len(s) == 0 for s in steps):
         return out
     leaves = flat_tensors(out)
@@ -263,7 +263,7 @@ class FromLeaves(nn.Module):
         self.signature = signature
 
     def forward(self, *leaves: Any) -> Any:
-        call = _nested([(_steps(leaf), value) for leaf, value in zip(self.signature.inputs, leaves)], objects=True)
+        call = _nested([(leaf_steps(leaf), value) for leaf, value in zip(self.signature.inputs, leaves)], objects=True)
         call = call if isinstance(call, Call) else Call((call,))
         return self.module(*call.args, **call.kwargs)
 
