@@ -340,6 +340,47 @@ def test_the_artifact_answers_the_call_a_server_makes_without_labels(tmp_path) -
         load_fused(cb.export_dir)(input_ids=ids, attention_mask=mask, labels=torch.zeros(3, dtype=torch.long))
 
 
+class PositionalLabels(pl.LightningModule):
+    """Hugging Face's image classifiers as their users write the module: ``forward(pixel_values, labels=None)``
+    returns the loss with the logits when labels are given, and the steps pass them by position, ``self(x, y)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+    def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        logits = self.fc(torch.relu(self.bn(self.conv(pixel_values))).mean((2, 3)))
+        return {"logits": logits, **({"loss": F.cross_entropy(logits, labels)} if labels is not None else {})}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0], batch[1])["loss"]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0], batch[1])["loss"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_labels_passed_by_position_are_left_out_of_the_served_call(tmp_path) -> None:
+    """transformers' ResNetForImageClassification: every inference call without labels was refused ("takes 2
+    input(s) (pixel_values, labels); got 1"), since only labels passed by name were shown to be left out."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3, 16, 16), torch.randint(0, 4, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, model = FXFuseCallback(), PositionalLabels()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert [leaf.path for leaf in cb.outcome.manifest.signature.inputs] == ["pixel_values"]
+    reference = H.fp64_copy(model)
+    for name in cb.outcome.manifest.formats:
+        fused = load_fused(cb.export_dir, name)
+        for x in (torch.randn(1, 3, 16, 16), torch.randn(3, 3, 16, 16)):
+            got = fused(x)
+            assert set(got) == {"logits"} and H.rel_err(got["logits"], reference(x.double())["logits"]) < 1e-5, name
+        with pytest.raises(ExportError, match="labels given; the artifact's call leaves it out .* call it without"):
+            fused(x, torch.zeros(3, dtype=torch.long))
+
+
 class Forecaster(nn.Module):
     """darts' models take past and future targets; most never read the future ones (None at predict time)."""
 

@@ -248,17 +248,19 @@ _LABEL_NAMES = ("labels", "label", "targets", "target", "y")
 def without_labels(found: TargetSteps, reference: nn.Module) -> TargetSteps:
     """The calls without the labels they carry, where that is proven by experiment on every call: the target runs
     without them and every output it still gives equals the one it gave with them (a text classifier's logits, its
-    loss left out). The artifact is then built for the call a server makes. Only for a target called directly
-    (not through the whole model, whose forward would pass them again)."""
+    loss left out). Labels by name are left out; labels by position (``self(x, y)``, forward's ``labels=None``) are
+    left out when they are the last positional arguments. The artifact is then built for the call a server makes.
+    Only for a target called directly (not through the whole model, whose forward would pass them again)."""
     if found.through_whole or not found.steps:
         return found
     first = found.steps[0]
     names = [k for k, v in first.target.kwargs.items() if isinstance(v, torch.Tensor) and _is_labels(k, v, first.labels)]
-    if not names:
+    keep = _positional_labels_kept(first, reference)
+    if not names and keep == len(first.target.args):
         return found
     steps = []
     for step in found.steps:
-        kept = Call(step.target.args, {k: v for k, v in step.target.kwargs.items() if k not in names})
+        kept = Call(step.target.args[:keep], {k: v for k, v in step.target.kwargs.items() if k not in names})
         try:
             with_them, without = run_seeded(reference, step.target, 0), run_seeded(reference, kept, 0)
         except Exception:  # noqa: BLE001 - it needs them: the call stays as observed
@@ -266,8 +268,25 @@ def without_labels(found: TargetSteps, reference: nn.Module) -> TargetSteps:
         if not _outputs_kept(without, with_them):
             return found
         steps.append(dataclasses.replace(step, target=kept))
-    labels = ", ".join(names)
+    positional = (forward_parameter_names(reference) or [])[keep:len(first.target.args)]
+    labels = ", ".join([*positional, *names])
     return dataclasses.replace(found, steps=steps, notes=[*found.notes, LABELS_LEFT_OUT(labels=labels)])
+
+
+def _positional_labels_kept(first: ObservedStep, reference: nn.Module) -> int:
+    """How many positional arguments stay when the trailing ones that are the batch's labels (tensors equal to a
+    label of the batch, passed where forward's parameter defaults to None) are left out."""
+    try:
+        parameters = [p for p in inspect.signature(reference.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return len(first.target.args)
+    keep = len(first.target.args)
+    while keep > 1 and keep <= len(parameters) and parameters[keep - 1].default is None and \
+            isinstance(first.target.args[keep - 1], torch.Tensor) and first.labels and \
+            _is_labels(parameters[keep - 1].name, first.target.args[keep - 1], first.labels):
+        keep -= 1
+    return keep
 
 
 def _is_labels(name: str, value: torch.Tensor, labels: Tuple[torch.Tensor, ...]) -> bool:
