@@ -1342,10 +1342,11 @@ class OptionalMaskOtherwise(OptionalMask):
         return self.head(torch.relu(self.bn(self.conv(x.unsqueeze(1)))).amax(-1))
 
 
-def _fit_with_masks(tmp_path: Any, module: pl.LightningModule) -> FXFuseCallback:
+def _fit_with_masks(tmp_path: Any, module: pl.LightningModule, padded: bool = True) -> FXFuseCallback:
     torch.manual_seed(0)
     mask = torch.ones(16, 40, dtype=torch.long)
-    mask[::2, 30:] = 0
+    if padded:
+        mask[::2, 30:] = 0
     data = torch.utils.data.TensorDataset(torch.randn(16, 40), mask, torch.randint(0, 3, (16,)))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     cb = FXFuseCallback()
@@ -1370,6 +1371,20 @@ def test_an_input_every_call_passed_left_out_gets_the_stand_in_proven_to_mean_le
             assert H.rel_err(fused(x), want) < 1e-5, name
             assert H.rel_err(fused(x=x), want) < 1e-5, name
             assert H.rel_err(fused(x, attention_mask=None), want) < 1e-5, name
+
+
+def test_a_mask_of_ones_in_every_training_call_is_kept_never_taken_for_labels(tmp_path) -> None:
+    """GPT-2 trained on unpadded batches: the mask (an integer item of the batch, all ones) was taken for labels, since
+    the model gave the same outputs without it, and left out of the artifact: served calls with a padded mask were
+    refused. Labels are left out only where the model returns more with them (the loss)."""
+    module = OptionalMask()
+    cb = _fit_with_masks(tmp_path, module, padded=False)
+    assert [leaf.path for leaf in cb.outcome.manifest.signature.inputs] == ["x", "attention_mask"]
+    x, mask = torch.randn(2, 50), torch.ones(2, 50, dtype=torch.long)
+    mask[1, 20:] = 0
+    fused, reference = load_fused(cb.export_dir), H.fp64_copy(module)
+    assert H.rel_err(fused(x, mask), reference(x.double(), mask)) < 1e-5
+    assert H.rel_err(fused(x), reference(x.double())) < 1e-5
 
 
 def test_an_input_left_out_that_no_stand_in_replaces_is_refused_saying_why_and_the_advice_works(tmp_path) -> None:

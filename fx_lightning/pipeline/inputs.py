@@ -296,10 +296,12 @@ def _is_labels(name: str, value: torch.Tensor, labels: Tuple[torch.Tensor, ...])
 
 
 def _outputs_kept(without: Any, with_them: Any) -> bool:
-    """Whether every tensor of ``without`` is, at the same place, the tensor of ``with_them`` (equal values)."""
+    """Whether every tensor of ``without`` is, at the same place, the tensor of ``with_them`` (equal values), and
+    ``with_them`` has more: the loss computed from the labels. An input whose absence changes nothing (a mask of
+    ones, equal to some integer item of the batch) is not labels: the artifact keeps it."""
     tree = tree_of(without)
     paths = tree.leaf_paths()
-    if not paths:
+    if not paths or len(tree_of(with_them).leaf_paths()) <= len(paths):
         return False
     for path, value in zip(paths, tree.leaves(without)):
         try:
