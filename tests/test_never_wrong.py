@@ -339,7 +339,7 @@ def test_other_ranks_get_the_export_path_only_after_rank_zero_wrote_it(tmp_path,
 
 # ------------------------------------------------------------------------------------------- items 8 and 9
 
-from typing import NamedTuple  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 import fx_lightning  # noqa: E402
 from test_third_party import Pair, Prediction, RecordHead  # noqa: E402
@@ -612,3 +612,84 @@ def _fit_with_callback(tmp_path, model: nn.Module, inputs: torch.Tensor, batch_s
     cb, module = FXFuseCallback(), Steps()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
     return cb, module
+
+
+class KeyCache:
+    """A cache object as transformers returns one beside the logits (``DynamicCache``): public tensor fields."""
+
+    def __init__(self, keys: torch.Tensor, step: int) -> None:
+        self.keys, self.step = keys, step
+
+
+class WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.out = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.bn(self.lin(x))
+        return self.out(h), KeyCache(h * 2, 1)
+
+
+class AffineFlow(nn.Module):
+    """zuko's flows: a distribution whose tensors sit in its transforms, not in its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 6))
+
+    def forward(self, c: torch.Tensor) -> torch.distributions.Distribution:
+        loc, s = self.net(c).chunk(2, -1)
+        base = torch.distributions.Independent(torch.distributions.Normal(torch.zeros_like(loc), torch.ones_like(loc)), 1)
+        return torch.distributions.TransformedDistribution(
+            base, [torch.distributions.AffineTransform(loc, F.softplus(s) + 1e-3, event_dim=1)])
+
+
+def _fit_returning(tmp_path, model: nn.Module, loss: Any, inputs: torch.Tensor):
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
+
+    class Steps(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return self.model(x)
+
+        def training_step(self, batch, batch_idx):
+            return loss(self(batch[0]))
+
+        def validation_step(self, batch, batch_idx):
+            self(batch[0])
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs), batch_size=8)
+    cb, module = FXFuseCallback(), Steps()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    return cb, module
+
+
+def test_an_object_of_the_outputs_comes_back_as_its_class(tmp_path) -> None:
+    """transformers' T5 returns its cache as an object of tensor fields: it came back as a dict of them."""
+    import lightning_helpers as H
+    from fx_lightning import load_fused
+
+    cb, module = _fit_returning(tmp_path, WithCache(), lambda out: out[0].pow(2).mean(), torch.randn(32, 8))
+    reference = H.fp64_copy(module.model)
+    for name in read_manifest(cb.export_dir).formats:
+        x = torch.randn(3, 8)
+        logits, cache = load_fused(cb.export_dir, format=name)(x)
+        want_logits, want_cache = reference(x.double())
+        assert type(cache) is KeyCache and cache.step == 1 and set(vars(cache)) == {"keys", "step"}, name
+        assert H.rel_err(logits, want_logits) < 1e-5 and H.rel_err(cache.keys, want_cache.keys) < 1e-5, name
+
+
+def test_a_distribution_an_artifact_cannot_build_again_is_refused_before_training(tmp_path) -> None:
+    """zuko's flow: a TransformedDistribution (its tensors in an AffineTransform) came back as {} without a word."""
+    from fx_lightning.errors import FXLightningError
+
+    torch.manual_seed(0)
+    with pytest.raises(FXLightningError, match=r"output is a torch.distributions.transformed_distribution."
+                                               r"TransformedDistribution, a distribution an artifact cannot build"):
+        _fit_returning(tmp_path, AffineFlow(), lambda d: -d.log_prob(torch.zeros(8, 3)).mean(), torch.randn(32, 2))

@@ -29,7 +29,8 @@ from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, fi
                                                shapes_text, stochastic_outputs)
 
 __all__ = ["DimKind", "DimSpec", "LeafSpec", "ConstSpec", "SampleAxis", "Signature", "Observed", "derive_signature",
-           "shape_problem", "static_sizes", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at"]
+           "shape_problem", "static_sizes", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at",
+           "unreturnable_output"]
 
 
 class DimKind(str, Enum):
@@ -296,6 +297,9 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     # call's value: scvi-tools' LossOutput, measured wrong), unless it was the call's number of samples every time.
     counted, count_dim = _sample_counts([tree_of(o) for o in outputs], [[tuple(t.shape) for t in ls] for ls in leaves])
     out_tree = tree_of(outputs[0]).counting_samples(counted)
+    unreturnable = unreturnable_output(out_tree)
+    if unreturnable is not None:  # it would come back as a dict of its fields: a changed structure, never silently
+        raise ValueError(unreturnable)
     out_leaves = [out_tree.leaves(o) if tree_of(o).counting_samples(counted).same_structure(out_tree) else None
                   for o in outputs]
     if any(o is None for o in out_leaves):
@@ -392,6 +396,8 @@ def describe_outputs(tree: Tree) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
+    if tree.kind == "obj" and _object_description(tree) is not None:  # rebuilt with its class, its fields set
+        return {"kind": "object", "class": _object_description(tree), "keys": keys, "items": items}
     if tree.kind == "dist" and tree.cls is not None:  # rebuilt from its parameters (torch's own classes import)
         name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
         if class_at(name) is tree.cls:
@@ -401,6 +407,47 @@ def describe_outputs(tree: Tree) -> JsonObject:
                     "event_dims": len(tree.template.event_shape), **extra}
     ordered = {"ordered": True} if tree.kind == "map" and tree.cls is collections.OrderedDict else {}
     return {"kind": "dict", "keys": keys, "items": items, **ordered}
+
+
+def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]:
+    """Why an artifact could not give back an object of the outputs as the model returns it (None: it can): a
+    distribution it cannot build again from its parameters (zuko's flows, a TransformedDistribution: its tensors
+    are in its transforms), an object whose class does not import by name or whose attributes are not all recorded
+    (private ones, values JSON cannot hold), tensors in private attributes."""
+    where = "output" + path_text(path)
+    name = f"{tree.cls.__module__}.{tree.cls.__qualname__}" if tree.cls is not None else "object"
+    if tree.kind == "const" and tree.hidden:
+        return f"{where} is a {name} that keeps its tensors in private attributes: an artifact cannot give them back"
+    if tree.kind == "dist" and (not tree.leaf_paths() or tree.cls is None
+                                or class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}") is not tree.cls):
+        return (f"{where} is a {name}, a distribution an artifact cannot build again from its parameters (its "
+                "tensors are not all arguments of its class, or the class does not import by name): it would come "
+                "back as a dict of them. Fuse the module that computes its parameters (target), or return them")
+    if tree.kind == "obj" and not dataclasses.is_dataclass(tree.cls) and _object_description(tree) is None:
+        return (f"{where} is a {name}, which an artifact cannot give back as one (its class does not import by name, "
+                "or it has attributes that are private or hold values JSON cannot: a dtype, a device, a class): it "
+                "would come back as a dict of its fields")
+    for step, child in tree.children:
+        problem = unreturnable_output(child, (*path, step))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _object_description(tree: Tree) -> Optional[str]:
+    """The ``module:qualname`` of a plain object's class, when the object is its recorded fields alone (every
+    attribute public, each a tensor, a container of them or a JSON value) and the class imports by that name."""
+    if tree.cls is None or tree.template is None:
+        return None
+    name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
+    try:
+        attributes = set(vars(tree.template))
+    except TypeError:
+        return None
+    keys = {key for (_, key), _child in tree.children}
+    plain_values = all(child.kind != "const" or child.template is None or isinstance(child.template, (int, float, bool, str))
+                       for _, child in tree.children)
+    return name if attributes == keys and plain_values and class_at(name) is tree.cls else None
 
 
 def _distribution_from_fields(cls: Optional[type], params: Mapping[str, torch.Tensor], event_dims: int) -> Any:
@@ -458,6 +505,13 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
                 return cls(**params, validate_args=False)  # type: ignore[misc]
             except (TypeError, KeyError, ValueError):  # a constructor of its own (scvi's Normal takes mu)
                 return _distribution_from_fields(cls, params, int(node.get("event_dims", 0)))
+        if kind == "object":
+            cls = class_at(str(node["class"]))
+            if cls is not None:  # the object as the model returned it: its class, its fields (nothing else)
+                obj = cls.__new__(cls)
+                for key, value in zip(node.get("keys") or [], items):
+                    object.__setattr__(obj, str(key), value)
+                return obj
         if kind == "list":
             return list(items)
         if kind == "tuple":
