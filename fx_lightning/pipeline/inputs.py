@@ -40,11 +40,11 @@ from fx_lightning.common.batches import (
 from fx_lightning.common.calls import (Call, as_call, forward_parameter_names, plain, run_seeded, tree_of,
                                        value_at)
 from fx_lightning.config import FuseConfig
-from fx_lightning.errors import ConfigError, FXLightningError, ModelError, first_line
+from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
 from fx_lightning.signature.absent import absent_fills
-from fx_lightning.signature.signature import ConstSpec, Observed, Signature, derive_signature
+from fx_lightning.signature.signature import ConstSpec, Observed, Signature, UnreturnableOutput, derive_signature
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
            "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "ABSENT_FILLED", "without_labels", "with_absent_fills",
@@ -339,6 +339,8 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
         signature = derive_signature([Observed(s.target, s.samples) for s in steps],
                                      lambda c: run_seeded(reference, c, 0), rerun=lambda c: run_seeded(reference, c, 1),
                                      extra_shapes=shapes, root_names=forward_parameter_names(reference), probe=probe)
+    except UnreturnableOutput as exc:  # decided by the model's code, not its weights: the preflight stops on it
+        raise ExportError(str(exc)) from exc
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc

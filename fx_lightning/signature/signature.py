@@ -30,7 +30,7 @@ from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, fi
 
 __all__ = ["DimKind", "DimSpec", "LeafSpec", "ConstSpec", "SampleAxis", "Signature", "Observed", "derive_signature",
            "shape_problem", "static_sizes", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at",
-           "unreturnable_output"]
+           "unreturnable_output", "UnreturnableOutput"]
 
 
 class DimKind(str, Enum):
@@ -299,7 +299,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     out_tree = tree_of(outputs[0]).counting_samples(counted)
     unreturnable = unreturnable_output(out_tree)
     if unreturnable is not None:  # it would come back as a dict of its fields: a changed structure, never silently
-        raise ValueError(unreturnable)
+        raise UnreturnableOutput(unreturnable)
     out_leaves = [out_tree.leaves(o) if tree_of(o).counting_samples(counted).same_structure(out_tree) else None
                   for o in outputs]
     if any(o is None for o in out_leaves):
@@ -407,6 +407,11 @@ def describe_outputs(tree: Tree) -> JsonObject:
                     "event_dims": len(tree.template.event_shape), **extra}
     ordered = {"ordered": True} if tree.kind == "map" and tree.cls is collections.OrderedDict else {}
     return {"kind": "dict", "keys": keys, "items": items, **ordered}
+
+
+class UnreturnableOutput(ValueError):
+    """An output an artifact cannot give back as the model returns it (:func:`unreturnable_output`): the model's code
+    decides it, not its weights, so it is known before training."""
 
 
 def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]:
