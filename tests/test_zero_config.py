@@ -1399,3 +1399,51 @@ def test_an_input_left_out_that_no_stand_in_replaces_is_refused_saying_why_and_t
         fused(x)
     ones = torch.ones(1, 50, dtype=torch.long)  # the advice taken: the mask passed, as the steps' calls did
     assert H.rel_err(fused(x, ones), H.fp64_copy(module)(x.double(), ones)) < 1e-5
+
+
+class Denoiser(pl.LightningModule):
+    """diffusers' UNet2DModel as a DDPM's steps call it: one timestep per sample in training, one for all in the
+    sampling loop (an int or a 0-d tensor, which the model repeats for every sample); ``repeats`` False: a model
+    that takes one per sample only."""
+
+    def __init__(self, repeats: bool = True) -> None:
+        super().__init__()
+        self.repeats = repeats
+        self.temb, self.conv, self.bn = nn.Embedding(100, 8), nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.out = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x: torch.Tensor, t: Any) -> torch.Tensor:
+        if self.repeats:
+            t = torch.as_tensor(t, device=x.device).reshape(-1).expand(x.shape[0])
+        return self.out(torch.relu(self.bn(self.conv(x)) + self.temb(t)[:, :, None, None]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, t = batch[0], torch.randint(0, 100, (batch[0].shape[0],))
+        noise = torch.randn_like(x)
+        return F.mse_loss(self(x + noise, t), noise)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), 1e-3)
+
+
+@pytest.mark.parametrize("repeats", [True, False])
+def test_one_timestep_for_every_sample_is_taken_where_the_model_repeats_it(tmp_path, repeats: bool) -> None:
+    """diffusers: trained with a timestep per sample, the sampling loop's call with one timestep (an int, a 0-d
+    tensor) was refused ("1 input tensors given, the artifact takes 2"). It is taken where the model gave the same
+    outputs with one value as with it repeated; a model that takes one per sample only refuses it as before."""
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 3, 8, 8)), batch_size=8)
+    cb, model = FXFuseCallback(), Denoiser(repeats)
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader)
+    assert [leaf.one_for_all for leaf in cb.outcome.manifest.signature.inputs] == [False, repeats]
+    reference = H.fp64_copy(model)
+    x = torch.randn(2, 3, 8, 8)
+    for name in cb.outcome.manifest.formats:
+        fused = load_fused(cb.export_dir, name)
+        assert H.rel_err(fused(x, torch.tensor([5, 6])), reference(x.double(), torch.tensor([5, 6]))) < 1e-5, name
+        for t in (5, torch.tensor(5)):
+            if repeats:
+                assert H.rel_err(fused(x, t), reference(x.double(), t)) < 1e-5, (name, t)
+            else:
+                with pytest.raises(ExportError):
+                    fused(x, t)

@@ -43,11 +43,11 @@ from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
-from fx_lightning.signature.absent import absent_fills
+from fx_lightning.signature.absent import absent_fills, one_value_for_all
 from fx_lightning.signature.signature import ConstSpec, Observed, Signature, UnreturnableOutput, derive_signature
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
-           "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "ABSENT_FILLED", "without_labels", "with_absent_fills",
+           "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "ABSENT_FILLED", "ONE_FOR_ALL", "without_labels", "with_stand_ins",
            "STEP_INPUTS", "EXAMPLE_INPUTS_USED", "EXAMPLE_INPUTS_DICT"]
 
 OBSERVED_CALLS = NoteKind("observed_calls", "the target's inputs as the LightningModule's own {stage} steps called it: "
@@ -67,6 +67,9 @@ ABSENT_FILLED = NoteKind("absent_filled", "{inputs} may be left out: every call 
                                           "gave the same outputs with it left out (forward's default, None) as with "
                                           "the constant stand-in in its place, on every call, so the artifact puts "
                                           "that in its place ({fills})")
+ONE_FOR_ALL = NoteKind("one_for_all", "{inputs} may be given as one value for every sample (an int or a 0-d tensor): "
+                                      "the model gave the same outputs with the first value alone as with it repeated "
+                                      "for every sample, on the calls observed")
 EXAMPLE_INPUTS_USED = NoteKind("example_inputs_used", "no data batches: used the example inputs instead")
 
 
@@ -313,21 +316,25 @@ def _outputs_kept(without: Any, with_them: Any) -> bool:
     return True
 
 
-def with_absent_fills(signature: Signature, reference: nn.Module,
+def with_stand_ins(signature: Signature, reference: nn.Module,
                       steps: Sequence[ObservedStep]) -> Tuple[Signature, List[Note]]:
-    """``signature`` with a stand-in for each optional argument (default None) a caller may leave out, proven on
-    the observed calls (:func:`~fx_lightning.signature.absent.absent_fills`), and the note saying so."""
+    """``signature`` with a stand-in for each optional argument (default None) a caller may leave out, and each
+    per-sample input a caller may give as one value, proven on the observed calls (:mod:`~fx_lightning.signature.absent`),
+    and the notes saying so."""
     try:
         parameters = inspect.signature(reference.forward).parameters
     except (TypeError, ValueError):  # forward's signature unknown: no default to compare with
         return signature, []
     optional = {name for name, p in parameters.items() if p.default is None}
-    filled = absent_fills(signature, [s.target for s in steps], lambda c: run_seeded(reference, c, 0), optional)
+    calls, run = [s.target for s in steps], (lambda c: run_seeded(reference, c, 0))
+    filled = one_value_for_all(absent_fills(signature, calls, run, optional), calls[:2], run)
     fills = {leaf.name: "ones" if leaf.absent_fill == 1 else "zeros" for leaf in filled.inputs
              if leaf.absent_fill is not None}
-    if not fills:
-        return signature, []
-    return filled, [ABSENT_FILLED(inputs=", ".join(fills), fills="; ".join(f"{k}: {v}" for k, v in fills.items()))]
+    alone = [leaf.name for leaf in filled.inputs if leaf.one_for_all]
+    notes = [ABSENT_FILLED(inputs=", ".join(fills), fills="; ".join(f"{k}: {v}" for k, v in fills.items()))] \
+        if fills else []
+    notes += [ONE_FOR_ALL(inputs=", ".join(alone))] if alone else []
+    return filled, notes
 
 
 def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations],

@@ -45,7 +45,7 @@ from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, calibration_steps, signature_for, target_steps,
-                                         with_absent_fills, without_labels)
+                                         with_stand_ins, without_labels)
 from fx_lightning.pipeline.records import Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
 from fx_lightning.signature.signature import Signature
@@ -131,7 +131,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             signature = signature_for(reference, found.steps, observed, config.trace.probe_sizes)
             signature.left_out = [name.strip() for n in found.notes if n.kind is LABELS_LEFT_OUT
                                   for name in str(n["labels"]).split(",")]
-            signature, absent_notes = with_absent_fills(signature, reference, found.steps)
+            signature, absent_notes = with_stand_ins(signature, reference, found.steps)
             found = dataclasses.replace(found, notes=[*found.notes, *absent_notes])
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:

@@ -1,4 +1,5 @@
-"""An input a caller leaves out: what stands in for it, sized from the inputs given, and proven by experiment.
+"""What stands in for an input a caller leaves out or gives as one value, sized from the inputs given, and proven by
+experiment.
 
 Every call the steps made passed an ``attention_mask`` whose default is None (Wav2Vec2, BERT), and a served call
 leaves it out. The artifact was built with it, so something must stand in: :func:`absent_fills` tries, on every
@@ -7,6 +8,10 @@ nothing masked; then zeros: one token type). Only a constant that gives the same
 call is recorded (``LeafSpec.absent_fill``); the artifact then puts it in place of the missing argument
 (:func:`stand_in`, the same sizing the experiment used). Otherwise the argument stays required and a call leaving it
 out is refused by name.
+
+A per-sample input given as one value for every sample (a diffusion model's timestep, ``(B,)`` in training, an int
+or a 0-d tensor in the sampling loop) is taken where :func:`one_value_for_all` shows, on the observed calls, that the
+model gives the same outputs with that value alone as with it repeated for every sample (``LeafSpec.one_for_all``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from fx_lightning.parity.compare import compare_outputs, structure_mismatch
 from fx_lightning.signature.sample_axis import Runner
 from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature
 
-__all__ = ["stand_in", "absent_fills", "leaf_steps"]
+__all__ = ["stand_in", "absent_fills", "leaf_steps", "one_value_for_all", "repeated_for_all"]
 
 # Tried in order: a mask with nothing masked, then one token type (BERT's token_type_ids).
 _FILLS = (1.0, 0.0)
@@ -58,6 +63,53 @@ def absent_fills(signature: Signature, calls: Sequence[Call], run: Runner, optio
         return signature
     return dataclasses.replace(signature, inputs=[dataclasses.replace(leaf, absent_fill=fills.get(leaf.name))
                                                   for leaf in signature.inputs])
+
+
+def one_value_for_all(signature: Signature, calls: Sequence[Call], run: Runner) -> Signature:
+    """``signature`` with ``one_for_all`` set on each whole-argument input whose one dimension is the sample axis and
+    for which, on every call in ``calls``, the model gives the same outputs when its first value is passed alone (a
+    0-d tensor, and a Python number) as when that value is repeated for every sample."""
+    if not signature.batched or not calls:
+        return signature
+    found = {leaf.name for leaf in signature.inputs if len(leaf.dims) == 1 and leaf.sample_axis == 0
+             and len(leaf.steps) == 1 and all(_alone_as_repeated(leaf, call, run) for call in calls)}
+    if not found:
+        return signature
+    return dataclasses.replace(signature, inputs=[dataclasses.replace(leaf, one_for_all=leaf.name in found)
+                                                  for leaf in signature.inputs])
+
+
+def repeated_for_all(leaf: LeafSpec, value: Any, rows: Optional[int]) -> Any:
+    """``value`` repeated for ``rows`` samples where ``leaf`` takes one value for all and ``value`` is one (a number,
+    a 0-d tensor); else ``value`` as it is."""
+    if not leaf.one_for_all or rows is None or not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                    or isinstance(value, torch.Tensor) and value.dim() == 0):
+        return value
+    dtype = getattr(torch, leaf.dtype)
+    number = value.item() if isinstance(value, torch.Tensor) else value
+    if not dtype.is_floating_point and float(number) != int(number):
+        return value  # a fraction for an integer input: refused by the checks that follow, not rounded
+    device = value.device if isinstance(value, torch.Tensor) else None
+    return torch.full((rows,), number, dtype=dtype, device=device)
+
+
+def _alone_as_repeated(leaf: LeafSpec, call: Call, run: Runner) -> bool:
+    try:
+        given = value_at(call, leaf_steps(leaf))
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return False
+    if not isinstance(given, torch.Tensor) or given.dim() != 1 or given.shape[0] < 2:
+        return False
+    first = given[0]
+    repeated = first.expand(given.shape[0]).clone()
+    try:
+        want = run(_replaced(call, leaf, repeated))
+        alone = [run(_replaced(call, leaf, first.clone())), run(_replaced(call, leaf, first.item()))]
+    except Exception:  # noqa: BLE001 - the model takes one value per sample only
+        return False
+    want_leaves = tree_of(want).leaves(want)
+    return bool(want_leaves) and all(structure_mismatch(tree_of(a).leaves(a), want_leaves) is None and
+                                     compare_outputs(tree_of(a).leaves(a), want_leaves).passed for a in alone)
 
 
 def _argument_name(signature: Signature, leaf: LeafSpec) -> Optional[str]:
@@ -98,7 +150,7 @@ def leaf_steps(leaf: Union[LeafSpec, ConstSpec]) -> Tuple[Tuple[str, Any], ...]:
     return tuple((str(kind), key) for kind, key in leaf.steps)
 
 
-def _replaced(call: Call, leaf: LeafSpec, value: Optional[torch.Tensor]) -> Call:
+def _replaced(call: Call, leaf: LeafSpec, value: Any) -> Call:
     """``call`` with ``leaf``'s argument set to ``value``; None leaves a keyword argument out (and passes forward's
     default, None, by position)."""
     kind, key = leaf_steps(leaf)[0]

@@ -64,6 +64,9 @@ class LeafSpec:
     # What stands in for an argument a caller leaves out (forward's default None), proven by experiment to give what
     # the model computes without it: a mask of ones (:mod:`~fx_lightning.signature.absent`). None: it must be given.
     absent_fill: Optional[float] = None
+    # A per-sample input (its one dimension the sample axis) that a caller may give as one value for every sample (a
+    # diffusion model's timestep: an int or a 0-d tensor in the sampling loop), proven by experiment to mean that.
+    one_for_all: bool = False
 
     @property
     def sample_axis(self) -> Optional[int]:
@@ -95,7 +98,8 @@ class LeafSpec:
         return {"name": self.name, "path": self.path, "steps": [list(s) for s in self.steps], "dtype": self.dtype,
                 "shape": self.shape, "example_shape": self.example_shape,
                 "sizes_seen": [[d.low, d.high] for d in self.dims], **{key: True for key, on in flags.items() if on},
-                **({"absent_fill": self.absent_fill} if self.absent_fill is not None else {})}
+                **({"absent_fill": self.absent_fill} if self.absent_fill is not None else {}),
+                **({"one_for_all": True} if self.one_for_all else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LeafSpec":
@@ -109,7 +113,8 @@ class LeafSpec:
         return cls(str(data["name"]), str(data.get("path", data["name"])),
                    tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
                    bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)),
-                   float(data["absent_fill"]) if data.get("absent_fill") is not None else None)
+                   float(data["absent_fill"]) if data.get("absent_fill") is not None else None,
+                   bool(data.get("one_for_all", False)))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature.absent import leaf_steps, stand_in
+from fx_lightning.signature.absent import leaf_steps, repeated_for_all, stand_in
 from fx_lightning.signature.conditions import condition_holds, failed_condition
 from fx_lightning.signature.item_list import given_length, run_in_pieces
 from fx_lightning.signature.signature import LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
@@ -55,6 +55,7 @@ class ArtifactInterface(nn.Module):
         self._fits = [(len(leaf.dims), [(d, size) for d, size in enumerate(static_sizes(leaf, built[i] if built is not None else None))
                                         if size is not None], leaf.sample_axis)
                       for i, leaf in enumerate(signature.inputs)]
+        self._one_for_all = any(leaf.one_for_all for leaf in signature.inputs)
         self._one_tensor_out = (signature.output_tree or {}).get("kind") == "tensor"
         set_eval(self)  # not .eval(): torch.export's unlifted module refuses it
 
@@ -78,6 +79,8 @@ class ArtifactInterface(nn.Module):
                                       "or more items")
                 return run_in_pieces(items, call, lambda piece: self.forward(*piece.args, **piece.kwargs))
         call_args = self._arguments(args, kwargs)
+        if self._one_for_all:
+            call_args = self._repeated(call_args)
         tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
         if not self._fit(tensors):
             problem = shape_problem(self.signature.inputs, tensors, self.built) or failed_condition(
@@ -93,6 +96,13 @@ class ArtifactInterface(nn.Module):
             if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
                 return rebuild_outputs(tree, leaves, self.signature.samples_in(tensors))
         return nest_outputs(out, self.signature.outputs)
+
+    def _repeated(self, values: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """``values`` with one value given for every sample (a timestep) repeated for the call's samples."""
+        rows = next((t.shape[spec.sample_axis] for spec, t in zip(self.signature.inputs, values)
+                     if isinstance(t, torch.Tensor) and spec.sample_axis is not None and t.dim() > spec.sample_axis),
+                    None)
+        return tuple(repeated_for_all(leaf, value, rows) for leaf, value in zip(self.signature.inputs, values))
 
     def _fit(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` fit the signature (:func:`shape_problem` says why not, more slowly)."""
