@@ -871,6 +871,41 @@ def test_a_module_symbolic_tracing_cannot_follow_is_kept_whole_and_the_rest_fuse
         assert H.rel_err(got, want) < 1e-5, shape
 
 
+class ColumnsByFlag(nn.Module):
+    """tabnet's EmbeddingGenerator: a Python branch on the values of a tensor it holds (no tracer follows it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.continuous = torch.tensor([True, False, True, True])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, j:j + 1] if flag else x[:, j:j + 1].round() for j, flag in enumerate(self.continuous)], 1)
+
+
+class TabNetLike(H.CrossEntropySteps):
+    """tabnet's FeatTransformer builds a module inside forward (``nn.ReLU()(x)``): the refusal's advice was
+    ``trace.leaf_modules: ['<unregistered>']``, which no one can apply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.columns, self.lin, self.bn, self.out = ColumnsByFlag(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.ReLU()(self.bn(self.lin(self.columns(x)))))
+
+
+def test_a_module_made_inside_forward_is_traced_inline(tmp_path) -> None:
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, model = FXFuseCallback(), TabNetLike()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert cb.outcome.result.report.batchnorms_folded == 1
+    reference = H.fp64_copy(model)
+    for x in (torch.randn(1, 4), torch.randn(5, 4)):
+        assert H.rel_err(load_fused(cb.export_dir)(x), reference(x.double())) < 1e-5
+
+
 class Refined(pl.LightningModule):
     """torchvision's RAFT: ``forward(..., num_flow_updates=4)``, validated (and served by its predict) with 8."""
 

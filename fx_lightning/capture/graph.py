@@ -221,8 +221,8 @@ class FXLeafTracer(fx.Tracer):
     def call_module(self, m: nn.Module, forward: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
             name = self.path_of_module(m)
-        except NameError:
-            name = "<unregistered>"
+        except NameError:  # made inside forward (tabnet's nn.ReLU()(x)): not one of the model's, its code inlined
+            return forward(*args, **kwargs)
         self._module_stack.append((name, type(m).__qualname__))
         if looks_like_batchnorm(m) and not self.is_leaf_module(m, name):
             self.traced_through[name] = type(m).__qualname__
