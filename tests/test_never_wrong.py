@@ -614,11 +614,19 @@ def _fit_with_callback(tmp_path, model: nn.Module, inputs: torch.Tensor, batch_s
     return cb, module
 
 
+class KeyLayer:
+    """transformers' DynamicLayer: tensors, a flag, the dtype and the device."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys, self.is_initialized, self.dtype, self.device = keys, True, keys.dtype, keys.device
+
+
 class KeyCache:
-    """A cache object as transformers returns one beside the logits (``DynamicCache``): public tensor fields."""
+    """A cache object as transformers returns one beside the logits (``DynamicCache``): public fields, a list of
+    layer objects among them."""
 
     def __init__(self, keys: torch.Tensor, step: int) -> None:
-        self.keys, self.step = keys, step
+        self.layers, self.step, self.replicate = [KeyLayer(keys)], step, None
 
 
 class WithCache(nn.Module):
@@ -676,13 +684,18 @@ def test_an_object_of_the_outputs_comes_back_as_its_class(tmp_path) -> None:
     from fx_lightning import load_fused
 
     cb, module = _fit_returning(tmp_path, WithCache(), lambda out: out[0].pow(2).mean(), torch.randn(32, 8))
+    assert set(read_manifest(cb.export_dir).formats) >= {"pt2", "graph_module"}  # the dtype kept out of the graph
     reference = H.fp64_copy(module.model)
     for name in read_manifest(cb.export_dir).formats:
         x = torch.randn(3, 8)
         logits, cache = load_fused(cb.export_dir, format=name)(x)
         want_logits, want_cache = reference(x.double())
-        assert type(cache) is KeyCache and cache.step == 1 and set(vars(cache)) == {"keys", "step"}, name
-        assert H.rel_err(logits, want_logits) < 1e-5 and H.rel_err(cache.keys, want_cache.keys) < 1e-5, name
+        assert type(cache) is KeyCache and cache.step == 1 and cache.replicate is None, name
+        layer = cache.layers[0]
+        assert type(layer) is KeyLayer and set(vars(layer)) == {"keys", "is_initialized", "dtype", "device"}, name
+        assert (layer.dtype, layer.device, layer.is_initialized) == (torch.float32, torch.device("cpu"), True), name
+        assert H.rel_err(logits, want_logits) < 1e-5, name
+        assert H.rel_err(layer.keys, want_cache.layers[0].keys) < 1e-5, name
 
 
 def test_a_distribution_an_artifact_cannot_build_again_is_refused_before_training(tmp_path) -> None:

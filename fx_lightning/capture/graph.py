@@ -326,6 +326,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
         error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
     call_torch_functions_by_name(graph)
+    _no_dtypes_out(graph)
     name = working.__class__.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     # torch.fx's Tracer.trace leaves the tracer in a reference cycle (its patched __call__/__getattr__
@@ -341,6 +342,19 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
                for path, cls in tracer.traced_through.items() if not _has_batch_norm_call(gm, path)]
     opaque = [f"{path} ({cls})" for path, cls in tracer.opaque_batchnorms.items()]
     return Capture(gm, "fx", inlined_batchnorms=inlined, opaque_batchnorms=opaque)
+
+
+def _no_dtypes_out(graph: fx.Graph) -> None:
+    """A dtype or device among the outputs (a cache's ``dtype = keys.dtype``, read from a Proxy while tracing) as
+    None: torch.export refuses them there, and the outputs' description restores them on load."""
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def plain(arg: Any) -> Any:
+        return None if isinstance(arg, fx.Node) and arg.op == "call_function" and arg.target is getattr and \
+            len(arg.args) == 2 and arg.args[1] in ("dtype", "device") else arg
+
+    output.args = tuple(fx.node.map_aggregate(output.args, plain))  # type: ignore[arg-type]
+    graph.lint()  # no dead-code pass: it would drop in-place calls whose results go unused
 
 
 # Modules and functions the automatic route keeps whole, at most (each retry traces the model again).

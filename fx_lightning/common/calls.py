@@ -176,6 +176,8 @@ class Tree:
         if self.kind == "tensor":
             return next(it)
         if self.kind == "const":
+            if plain and isinstance(self.template, (torch.dtype, torch.device)):
+                return None  # torch.export refuses them among outputs; the outputs' description keeps them
             return samples if self.counts_samples and samples is not None else self.template
         parts = [(step, child._rebuild(it, plain, samples)) for step, child in self.children]
         if self.kind == "call":

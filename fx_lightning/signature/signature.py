@@ -386,6 +386,10 @@ def describe_outputs(tree: Tree) -> JsonObject:
         if isinstance(value, (dict, list, tuple)) and not value:  # an empty container: itself, not None
             return {"kind": "dict", "keys": [], "items": []} if isinstance(value, dict) else \
                 {"kind": "list" if isinstance(value, list) else "tuple", "items": []}
+        if isinstance(value, torch.dtype):  # a cache's dtype (transformers' DynamicLayer): restored by name
+            return {"kind": "const", "value": None, "dtype": dtype_name(value)}
+        if isinstance(value, torch.device):
+            return {"kind": "const", "value": None, "device": str(value)}
         return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
     items = [describe_outputs(child) for _, child in tree.children]
     keys = [key for (_, key), _child in tree.children]
@@ -423,7 +427,7 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
     """Why an artifact could not give back an object of the outputs as the model returns it (None: it can): a
     distribution it cannot build again from its parameters (zuko's flows, a TransformedDistribution: its tensors
     are in its transforms), an object whose class does not import by name or whose attributes are not all recorded
-    (private ones, values JSON cannot hold), tensors in private attributes."""
+    (private ones, values JSON cannot hold besides a dtype and a device), tensors in private attributes."""
     where = "output" + path_text(path)
     name = f"{tree.cls.__module__}.{tree.cls.__qualname__}" if tree.cls is not None else "object"
     if tree.kind == "const" and tree.hidden:
@@ -435,7 +439,7 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
                 "back as a dict of them. Fuse the module that computes its parameters (target), or return them")
     if tree.kind == "obj" and not dataclasses.is_dataclass(tree.cls) and _object_description(tree) is None:
         return (f"{where} is a {name}, which an artifact cannot give back as one (its class does not import by name, "
-                "or it has attributes that are private or hold values JSON cannot: a dtype, a device, a class): it "
+                "or it has attributes that are private or hold values JSON cannot, such as a class): it "
                 "would come back as a dict of its fields")
     for step, child in tree.children:
         problem = unreturnable_output(child, (*path, step))
@@ -455,7 +459,8 @@ def _object_description(tree: Tree) -> Optional[str]:
     except TypeError:
         return None
     keys = {key for (_, key), _child in tree.children}
-    plain_values = all(child.kind != "const" or child.template is None or isinstance(child.template, (int, float, bool, str))
+    plain_values = all(child.kind != "const" or child.template is None or
+                       isinstance(child.template, (int, float, bool, str, torch.dtype, torch.device))
                        for _, child in tree.children)
     return name if attributes == keys and plain_values and class_at(name) is tree.cls else None
 
@@ -496,6 +501,10 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
         if kind == "tensor":
             return next(it)
         if kind == "const":
+            if "dtype" in node:
+                return getattr(torch, str(node["dtype"]))
+            if "device" in node:
+                return torch.device(str(node["device"]))
             return samples if node.get("samples") and samples is not None else node.get("value")
         items = [build(child) for child in node.get("items") or []]
         if kind in ("namedtuple", "dataclass"):
