@@ -626,7 +626,7 @@ class KeyCache:
     layer objects among them."""
 
     def __init__(self, keys: torch.Tensor, step: int) -> None:
-        self.layers, self.step, self.replicate = [KeyLayer(keys)], step, None
+        self.layers, self.step, self.replicate, self.is_updated = [KeyLayer(keys)], step, None, {0: True}
 
 
 class WithCache(nn.Module):
@@ -691,6 +691,7 @@ def test_an_object_of_the_outputs_comes_back_as_its_class(tmp_path) -> None:
         logits, cache = load_fused(cb.export_dir, format=name)(x)
         want_logits, want_cache = reference(x.double())
         assert type(cache) is KeyCache and cache.step == 1 and cache.replicate is None, name
+        assert cache.is_updated == {0: True}, name
         layer = cache.layers[0]
         assert type(layer) is KeyLayer and set(vars(layer)) == {"keys", "is_initialized", "dtype", "device"}, name
         assert (layer.dtype, layer.device, layer.is_initialized) == (torch.float32, torch.device("cpu"), True), name

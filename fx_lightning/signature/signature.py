@@ -12,6 +12,7 @@ sample axis), the server's batching, the Triton dims and ``bench``.
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 from dataclasses import dataclass, field
@@ -386,6 +387,9 @@ def describe_outputs(tree: Tree) -> JsonObject:
         if isinstance(value, (dict, list, tuple)) and not value:  # an empty container: itself, not None
             return {"kind": "dict", "keys": [], "items": []} if isinstance(value, dict) else \
                 {"kind": "list" if isinstance(value, list) else "tuple", "items": []}
+        literal = _literal(value)
+        if literal is not None:  # a container of plain values (transformers' is_updated {0: True}): as Python writes it
+            return {"kind": "const", "value": None, "literal": literal}
         if isinstance(value, torch.dtype):  # a cache's dtype (transformers' DynamicLayer): restored by name
             return {"kind": "const", "value": None, "dtype": dtype_name(value)}
         if isinstance(value, torch.device):
@@ -448,6 +452,18 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
     return None
 
 
+def _literal(value: Any) -> Optional[str]:
+    """``value`` as a Python literal that reads back equal (a dict, list, tuple or set of plain values), else None."""
+    if not isinstance(value, (dict, list, tuple, set)) or not value:
+        return None
+    try:
+        text = repr(value)
+        back = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    return text if type(back) is type(value) and back == value else None
+
+
 def _object_description(tree: Tree) -> Optional[str]:
     """The ``module:qualname`` of a plain object's class, when the object is its recorded fields alone (every
     attribute public, each a tensor, a container of them or a JSON value) and the class imports by that name."""
@@ -459,7 +475,7 @@ def _object_description(tree: Tree) -> Optional[str]:
     except TypeError:
         return None
     keys = {key for (_, key), _child in tree.children}
-    plain_values = all(child.kind != "const" or child.template is None or
+    plain_values = all(child.kind != "const" or child.template is None or _literal(child.template) is not None or
                        isinstance(child.template, (int, float, bool, str, torch.dtype, torch.device))
                        for _, child in tree.children)
     return name if attributes == keys and plain_values and class_at(name) is tree.cls else None
@@ -501,6 +517,8 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
         if kind == "tensor":
             return next(it)
         if kind == "const":
+            if "literal" in node:  # literals only: never code
+                return ast.literal_eval(str(node["literal"]))
             if "dtype" in node:
                 return getattr(torch, str(node["dtype"]))
             if "device" in node:
