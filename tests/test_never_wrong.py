@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
-
 import torch
 from torch import nn
 
@@ -708,3 +708,30 @@ def test_a_distribution_an_artifact_cannot_build_again_is_refused_before_trainin
                                                r"distributions.transformed_distribution.TransformedDistribution, a "
                                                r"distribution an artifact cannot build"):
         _fit_returning(tmp_path, AffineFlow(), lambda d: -d.log_prob(torch.zeros(8, 3)).mean(), torch.randn(32, 2))
+
+
+def test_a_distribution_refused_names_the_target_that_works_and_it_does(tmp_path) -> None:
+    """The refusal's advice (test_advice's convention): the submodule it names, set as target, exports and is right."""
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback, load_fused
+    from fx_lightning.errors import FXLightningError
+
+    with pytest.raises(FXLightningError, match=r"set target: model.net \(") as raised:
+        _fit_returning(tmp_path / "a", AffineFlow(), lambda d: -d.log_prob(torch.zeros(8, 3)).mean(), torch.randn(32, 2))
+    target = re.search(r"set target: (\S+) \(", str(raised.value)).group(1)
+    flow = AffineFlow()
+
+    class Steps(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = flow
+
+        def training_step(self, batch, batch_idx):
+            return -self.model(batch[0]).log_prob(torch.zeros(8, 3)).mean()
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 2)), batch_size=8)
+    cb = FXFuseCallback(target=target)
+    H.make_trainer(tmp_path / "b", [cb], max_epochs=1).fit(Steps(), loader)
+    c = torch.randn(5, 2)
+    assert H.rel_err(load_fused(cb.export_dir)(c), H.fp64_copy(flow.net)(c.double())) < 1e-5

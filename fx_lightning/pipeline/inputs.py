@@ -19,7 +19,7 @@ import inspect
 import itertools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -44,7 +44,8 @@ from fx_lightning.errors import ConfigError, ExportError, FXLightningError, Mode
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
 from fx_lightning.signature.absent import absent_fills, one_value_for_all
-from fx_lightning.signature.signature import ConstSpec, Observed, Signature, UnreturnableOutput, derive_signature
+from fx_lightning.signature.signature import (ConstSpec, Observed, Signature, UnreturnableOutput, derive_signature,
+                                             unreturnable_output)
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
            "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "ABSENT_FILLED", "ONE_FOR_ALL", "without_labels", "with_stand_ins",
@@ -337,17 +338,42 @@ def with_stand_ins(signature: Signature, reference: nn.Module,
     return filled, notes
 
 
+def _returnable_target(reference: nn.Module, call: Call, path: str) -> str:
+    """The advice for a target whose outputs an artifact cannot give back: the largest submodule (by parameters)
+    whose outputs it can, seen by running the target once on ``call`` (a flow's conditioner network, say)."""
+    outputs: Dict[str, Any] = {}
+    names = {id(m): name for name, m in reference.named_modules() if name}
+    hooks = [m.register_forward_hook(lambda m, _args, out: outputs.setdefault(names[id(m)], out))
+             for m in reference.modules() if id(m) in names]
+    try:
+        run_seeded(reference, call, 0)
+    except Exception:  # noqa: BLE001 - ran before; no advice from a second run
+        outputs = {}
+    finally:
+        for hook in hooks:
+            hook.remove()
+    sizes = {name: sum(p.numel() for p in reference.get_submodule(name).parameters()) for name in outputs}
+    good = [name for name, out in outputs.items() if sizes[name] and unreturnable_output(tree_of(out)) is None]
+    if not good:
+        return ("nothing to set: no submodule with weights returns only what an artifact gives back (tensors in "
+                "tuples, lists, dicts, named tuples, dataclasses, torch's distributions built from their parameters)")
+    best = max(good, key=lambda name: (sizes[name], -name.count(".")))
+    return (f"set target: {f'{path}.{best}' if path else best} ({sizes[best]} parameters, the largest submodule whose outputs an artifact gives "
+            "back): the artifact is then that module, called as the model calls it")
+
+
 def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations],
-                  probe: bool = False) -> Signature:
+                  probe: bool = False, path: str = "") -> Signature:
     """The signature of the target's calls: ``reference`` run on them (and once more with another seed, for the
-    outputs that are drawn at random), the shapes of more observed calls as evidence of what varies."""
+    outputs that are drawn at random), the shapes of more observed calls as evidence of what varies. ``path``: the
+    target's, for advice naming another target."""
     shapes = list(observed.shapes) if observed is not None else []
     try:
         signature = derive_signature([Observed(s.target, s.samples) for s in steps],
                                      lambda c: run_seeded(reference, c, 0), rerun=lambda c: run_seeded(reference, c, 1),
                                      extra_shapes=shapes, root_names=forward_parameter_names(reference), probe=probe)
     except UnreturnableOutput as exc:  # decided by the model's code, not its weights: the preflight stops on it
-        raise ExportError(str(exc)) from exc
+        raise ExportError(str(exc), fix=_returnable_target(reference, steps[0].target, path)) from exc
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc

@@ -128,7 +128,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             found = target_steps(config, source, reference_whole, reference, path)
             require_inputs(bool(found.steps), "capture, parity and export", key="parity.data")
             found = without_labels(found, reference)
-            signature = signature_for(reference, found.steps, observed, config.trace.probe_sizes)
+            signature = signature_for(reference, found.steps, observed, config.trace.probe_sizes, path)
             signature.left_out = [name.strip() for n in found.notes if n.kind is LABELS_LEFT_OUT
                                   for name in str(n["labels"]).split(",")]
             signature, absent_notes = with_stand_ins(signature, reference, found.steps)
