@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fx_lightning.common.batches import model_device_dtype
-from fx_lightning.common.calls import Call, tree_of_call
+from fx_lightning.common.calls import Call, run_seeded, tree_of_call
 from fx_lightning.capture.graph import eval_copy
 from fx_lightning.config import FuseConfig, ParityConfig
 from fx_lightning.pipeline.engine import FuseResult, fuse
@@ -37,7 +37,7 @@ from fx_lightning.errors import (
     TraceError,
     require_inputs,
 )
-from fx_lightning.export.load.interface import for_sizes
+from fx_lightning.export.load.interface import ArtifactInterface, for_sizes
 from fx_lightning.export.write.input_contract import resolve_input_contract
 from fx_lightning.export.manifest import Preprocess
 from fx_lightning.common.notes import NoteKind
@@ -48,6 +48,7 @@ from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, calibration_steps, si
                                          with_stand_ins, without_labels)
 from fx_lightning.pipeline.records import Fused, ObservedStep, Source
 from fx_lightning.pipeline.targets import load_buffers, own_rng, resolve_target, whole_model_with
+from fx_lightning.signature.padding import padding_proven
 from fx_lightning.signature.signature import Signature
 from fx_lightning.variants import enabled_variants
 
@@ -157,6 +158,10 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
         if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf
             signature = dataclasses.replace(signature, flat=True)
             signature = signature.with_unread(_unread_inputs(result.graph_module, signature))
+        if signature.conditions and result.static_shapes is None:  # sizes refused: served padded where proven
+            signature = padding_proven(signature, found.steps[0].target, lambda c: run_seeded(reference, c, 0),
+                                       lambda s: ArtifactInterface(result.graph_module, s, what="the fused model",
+                                                                   as_the_module=True))
         with in_step(Step.parity_input):
             calibration, calibration_notes = calibration_steps(config, source, reference_whole, reference, path,
                                                                found, calibration_batch_count(config))

@@ -194,6 +194,9 @@ class Signature:
     # Conditions on the input leaves' sizes (torch.export's guards on a branch the model takes on a size:
     # :mod:`~fx_lightning.signature.conditions`): a call that fails one is refused by name.
     conditions: List[str] = field(default_factory=list)
+    # Groups of input sizes (``LeafSpec.groups``) a call failing a condition may be zero-padded along, its outputs
+    # cropped back, proven by experiment (:mod:`~fx_lightning.signature.padding`: ConvTasNet's lengths).
+    padded: List[str] = field(default_factory=list)
 
     def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
         """The number of samples of a call with these input leaves, for the outputs that count them."""
@@ -251,7 +254,8 @@ class Signature:
                 **({"left_out": list(self.left_out)} if self.left_out else {}),
                 **({"arguments": list(self.arguments)} if self.arguments else {}),
                 **({"item_list": dict(self.items.to_dict())} if self.items is not None else {}),
-                **({"conditions": list(self.conditions)} if self.conditions else {})}
+                **({"conditions": list(self.conditions)} if self.conditions else {}),
+                **({"padded": list(self.padded)} if self.padded else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -267,7 +271,8 @@ class Signature:
                    left_out=[str(n) for n in data.get("left_out") or []],
                    arguments=[str(n) for n in data.get("arguments") or []],
                    items=ItemList.from_dict(data["item_list"]) if data.get("item_list") else None,
-                   conditions=[str(c) for c in data.get("conditions") or []])
+                   conditions=[str(c) for c in data.get("conditions") or []],
+                   padded=[str(g) for g in data.get("padded") or []])
 
 
 # ------------------------------------------------------------------------------------------ derivation

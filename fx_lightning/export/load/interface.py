@@ -26,6 +26,7 @@ from fx_lightning.formats.batching import BatchPieces
 from fx_lightning.signature.absent import leaf_steps, repeated_for_all, stand_in
 from fx_lightning.signature.conditions import condition_holds, failed_condition
 from fx_lightning.signature.item_list import given_length, run_in_pieces
+from fx_lightning.signature.padding import crop_outputs, pad_inputs, padded_sizes
 from fx_lightning.signature.signature import LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
 
 __all__ = ["ArtifactInterface", "FromLeaves", "nest_outputs", "for_sizes"]
@@ -83,10 +84,20 @@ class ArtifactInterface(nn.Module):
             call_args = self._repeated(call_args)
         tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
         if not self._fit(tensors):
+            sizes = padded_sizes(self.signature, tensors) if self.signature.padded and self.built is None and \
+                shape_problem(self.signature.inputs, tensors, self.built) is None else None
+            if sizes is not None:  # padded to a size the conditions take, as the model pads, and cropped back
+                padded = pad_inputs(self.signature, list(call_args), sizes) if len(tensors) == len(call_args) else None
+                if padded is not None:
+                    return crop_outputs(self.signature, self._run(padded, self.signature.samples_in(padded)), sizes)
             problem = shape_problem(self.signature.inputs, tensors, self.built) or failed_condition(
                 self.signature.conditions, tensors, self.names)
             if problem is not None:
                 raise ExportError(f"{self.what}: {problem}")
+        return self._run(call_args, self.signature.samples_in(tensors))
+
+    def _run(self, call_args: Sequence[Any], samples: Optional[int]) -> Any:
+        """The runtime on ``call_args`` (which fit), its outputs nested as the signature records them."""
         out = self.module(*call_args)
         if self._one_tensor_out and isinstance(out, torch.Tensor):
             return out
@@ -94,7 +105,7 @@ class ArtifactInterface(nn.Module):
         if tree is not None:
             leaves = flat_tensors(out)
             if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
-                return rebuild_outputs(tree, leaves, self.signature.samples_in(tensors))
+                return rebuild_outputs(tree, leaves, samples)
         return nest_outputs(out, self.signature.outputs)
 
     def _repeated(self, values: Tuple[Any, ...]) -> Tuple[Any, ...]:
