@@ -1482,3 +1482,29 @@ def test_one_timestep_for_every_sample_is_taken_where_the_model_repeats_it(tmp_p
             else:
                 with pytest.raises(ExportError):
                     fused(x, t)
+
+
+def test_a_server_takes_the_calls_load_fused_takes_a_mask_left_out_and_one_timestep(tmp_path) -> None:
+    """The server's contract required every input by name ("missing ['attention_mask']") and one array per sample
+    ("expected a nested list" for a timestep): it takes what load_fused takes, the stand-ins made the same way."""
+    import json
+
+    from fx_lightning.serve.contract import Contract
+
+    masked = OptionalMask()
+    cb = _fit_with_masks(tmp_path / "mask", masked)
+    contract = Contract.of(read_manifest(cb.export_dir))
+    x = torch.randn(3, 23)
+    decoded = contract.decode(json.dumps({"inputs": {"x": x.tolist()}}).encode(), "application/json")
+    got = load_fused(cb.export_dir)(*[torch.from_numpy(a) for a in decoded.arrays])
+    assert H.rel_err(got, H.fp64_copy(masked)(x.double())) < 1e-5
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 3, 8, 8)), batch_size=8)
+    cb, denoiser = FXFuseCallback(), Denoiser()
+    H.make_trainer(tmp_path / "t", [cb], max_epochs=1).fit(denoiser, loader)
+    contract = Contract.of(read_manifest(cb.export_dir))
+    x = torch.randn(2, 3, 8, 8)
+    decoded = contract.decode(json.dumps({"inputs": {"x": x.tolist(), "t": 7}}).encode(), "application/json")
+    got = load_fused(cb.export_dir)(*[torch.from_numpy(a) for a in decoded.arrays])
+    assert H.rel_err(got, H.fp64_copy(denoiser)(x.double(), 7)) < 1e-5

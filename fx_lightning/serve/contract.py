@@ -28,6 +28,7 @@ import numpy as np
 from fx_lightning.common.dtypes import DTYPES
 
 from fx_lightning.export.manifest import Manifest, Preprocess, is_tensor
+from fx_lightning.signature.absent import stand_in
 from fx_lightning.signature.signature import LeafSpec
 
 __all__ = ["DEFAULT_MAX_REQUEST_BATCH", "DEFAULT_MAX_BODY_MB", "BadRequest", "Contract", "Decoded", "JSON_TYPE",
@@ -181,22 +182,31 @@ class Contract:
         else:
             raise BadRequest(422, f"inputs: expected a list (one array per input) or an object keyed by input "
                                   f"name, got a JSON {type(given).__name__}")
-        arrays = [self._json_array(spec, value) for spec, value in zip(self.inputs, values)]
+        arrays = [None if value is None and spec.absent_fill is not None else self._json_array(spec, value)
+                  for spec, value in zip(self.inputs, values)]
         top_k = _top_k(data.get("top_k"), "top_k")
         return self.checked(arrays, query_top_k if top_k is None else top_k)
 
     def by_name(self, given: Mapping[str, Any]) -> List[Any]:
         """The values of ``given`` (keyed by input name) in the inputs' order; a 422 naming unknown and missing keys."""
         names = [s.name for s in self.inputs]
-        unknown, missing = sorted(set(given) - set(names)), [n for n in names if n not in given]
+        optional = {s.name for s in self.inputs if s.absent_fill is not None}  # a stand-in is proven: may be left out
+        unknown = sorted(set(given) - set(names))
+        missing = [n for n in names if n not in given and n not in optional]
         if unknown or missing:
-            raise BadRequest(422, f"inputs: expected the keys {names}; "
+            raise BadRequest(422, f"inputs: expected the keys {names}"
+                                  + (f" ({', '.join(sorted(optional))} may be left out)" if optional else "") + "; "
                                   + "; ".join(p for p in (f"unknown {unknown}" if unknown else "",
                                                            f"missing {missing}" if missing else "") if p))
-        return [given[n] for n in names]
+        return [given.get(n) for n in names]
 
     def _json_array(self, spec: LeafSpec, value: Any) -> np.ndarray:
         where = f"input {spec.name!r}"
+        if spec.one_for_all and isinstance(value, (int, float)) and not isinstance(value, bool):
+            want = _NUMPY_DTYPES[spec.dtype]
+            if want.kind in "iu" and float(value) != int(value):
+                raise BadRequest(422, f"{where}: expected {spec.dtype} integers, got {value!r}")
+            return np.asarray(value).astype(want)  # one value for every sample
         if not isinstance(value, list):
             raise BadRequest(422, f"{where}: expected a nested list of shape {self.shape_text(spec)}, got a JSON "
                                   f"{type(value).__name__}")
@@ -316,13 +326,15 @@ class Contract:
         sample = hwc if self.preprocess.layout == "NHWC" else hwc.transpose(2, 0, 1)
         return Decoded([np.ascontiguousarray(sample)[None]], single=True, top_k=top_k)
 
-    def checked(self, arrays: List[np.ndarray], top_k: Optional[int] = None) -> Decoded:
+    def checked(self, arrays: List[Optional[np.ndarray]], top_k: Optional[int] = None) -> Decoded:
         """The arrays (one per input, in order) checked: rank, shape, batch size and finiteness of each; one sample
         gets its batch axis. Raises :class:`BadRequest`."""
         if not self.batched:
-            return self._checked_whole(arrays, top_k)
+            return self._checked_whole(self._stand_ins(arrays, None), top_k)
         single = None
         for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
+            if array is None or spec.one_for_all and array.ndim == 0:
+                continue  # left out, or one value for every sample: made below, once the batch size is known
             sizes = self.request_sizes(spec)
             rank = len(sizes) + 1
             if array.ndim not in (rank, rank - 1):
@@ -338,16 +350,29 @@ class Contract:
                                       f"{list(array.shape)}")
             _refuse_non_finite(spec, batched)
             arrays[i] = batched
-        sizes = {int(a.shape[0]) for a in arrays}
+        sizes = {int(a.shape[0]) for spec, a in zip(self.inputs, arrays)
+                 if a is not None and not (spec.one_for_all and a.ndim == 0)}
         if len(sizes) != 1:
             raise BadRequest(422, f"inputs: batch sizes differ across inputs: {sorted(sizes)}")
         size = sizes.pop()
+        arrays[:] = self._stand_ins(arrays, size)
         if size < 1:
             raise BadRequest(422, "inputs: batch of 0 samples")
         if size > self.max_request_batch:
             raise BadRequest(413, f"batch of {size} samples exceeds the limit of {self.max_request_batch} per "
                                   "request (--max-request-batch)")
         return Decoded(arrays, bool(single), top_k)
+
+    def _stand_ins(self, arrays: List[Optional[np.ndarray]], size: Optional[int]) -> List[np.ndarray]:
+        """``arrays`` with the proven stand-in (:mod:`~fx_lightning.signature.absent`) for each input left out and
+        one value given for every sample repeated for the ``size`` samples."""
+        out = list(arrays)
+        for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
+            if array is None:
+                out[i] = stand_in(self.inputs, spec, arrays, spec.absent_fill or 0.0).numpy()
+            elif spec.one_for_all and array.ndim == 0 and size is not None:
+                out[i] = np.full((size,), array, dtype=_NUMPY_DTYPES[spec.dtype])
+        return out  # type: ignore[return-value]
 
     def _checked_whole(self, arrays: List[np.ndarray], top_k: Optional[int]) -> Decoded:
         """An export without a sample axis: each array is the whole input, of its rank and fixed sizes."""

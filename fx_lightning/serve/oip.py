@@ -79,10 +79,10 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
     if offset != len(binary):
         raise BadRequest(400, f"the binary section holds {len(binary)} bytes, the inputs' binary_data_size add up "
                               f"to {offset}")
-    missing = [n for n in by_name if n not in given]
+    missing = [s.name for s in contract.inputs if s.name not in given and s.absent_fill is None]
     if missing:
         raise BadRequest(400, f"inputs: missing {missing}; the model's inputs are {list(by_name)}")
-    decoded = contract.checked([given[s.name] for s in contract.inputs])
+    decoded = contract.checked([given.get(s.name) for s in contract.inputs])  # None: its proven stand-in
     request_id = data.get("id")
     return InferRequest(decoded, _wanted(data, [t.name for t in model.outputs]),
                         str(request_id) if request_id is not None else None)

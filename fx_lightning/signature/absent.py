@@ -32,14 +32,15 @@ __all__ = ["stand_in", "absent_fills", "leaf_steps", "one_value_for_all", "repea
 _FILLS = (1.0, 0.0)
 
 
-def stand_in(signature: Signature, leaf: LeafSpec, values: Sequence[Any], fill: float = 0.0) -> torch.Tensor:
-    """``fill`` in the shape ``leaf`` takes on a call whose other inputs are ``values`` (aligned with
-    ``signature.inputs``, None where missing): the sample axis and the sizes that varied with those inputs from them,
-    the other sizes the example's."""
-    given = {g: t.shape[d] for spec, t in zip(signature.inputs, values) if isinstance(t, torch.Tensor)
-             for d, g in enumerate(spec.groups or ()) if g is not None}
-    rows = next((t.shape[spec.sample_axis] for spec, t in zip(signature.inputs, values)
-                 if isinstance(t, torch.Tensor) and spec.sample_axis is not None), None)
+def stand_in(inputs: Sequence[LeafSpec], leaf: LeafSpec, values: Sequence[Any], fill: float = 0.0) -> torch.Tensor:
+    """``fill`` in the shape ``leaf`` takes on a call whose inputs are ``values`` (aligned with ``inputs``, the
+    signature's; None where missing; tensors or arrays): the sample axis and the sizes that varied with those
+    inputs from them, the other sizes the example's."""
+    given = {g: t.shape[d] for spec, t in zip(inputs, values) if t is not None and hasattr(t, "shape")
+             for d, g in enumerate(spec.groups or ()) if g is not None and d < len(t.shape)}
+    rows = next((t.shape[spec.sample_axis] for spec, t in zip(inputs, values)
+                 if t is not None and hasattr(t, "shape") and spec.sample_axis is not None
+                 and spec.sample_axis < len(t.shape)), None)
     shape = [rows if dim.kind is DimKind.sample and rows is not None else given.get(group, dim.size)
              for dim, group in zip(leaf.dims, leaf.groups or (None,) * len(leaf.dims))]
     return torch.full(shape, fill, dtype=getattr(torch, leaf.dtype))
@@ -133,7 +134,7 @@ def _same_without(signature: Signature, index: int, call: Call, run: Runner, fil
     except (KeyError, IndexError, AttributeError, TypeError):
         return False
     given, values[index] = values[index], None
-    filled = stand_in(signature, leaf, values, fill)
+    filled = stand_in(signature.inputs, leaf, values, fill)
     if not isinstance(given, torch.Tensor) or filled.shape != given.shape:
         return False  # the stand-in would not have the size this call's argument had
     filled = filled.to(given.device)

@@ -169,7 +169,7 @@ class ArtifactInterface(nn.Module):
                                       "as the original arguments") from None
                 values.append(None)
         return tuple(values[i] if values[i] is not None or not (leaf.unread or leaf.absent_fill is not None) else
-                     stand_in(self.signature, leaf, values, leaf.absent_fill or 0.0)
+                     stand_in(self.signature.inputs, leaf, values, leaf.absent_fill or 0.0)
                      for i, leaf in enumerate(self.signature.inputs))
 
     def _argument_named(self, path: Tuple[Step, ...]) -> Optional[str]:
@@ -209,7 +209,7 @@ class ArtifactInterface(nn.Module):
         if missing:
             raise ExportError(f"{self.what}: takes {len(names)} input(s) ({', '.join(names)}); got "
                               f"{len(names) - len(missing)}" + _ALWAYS_OBSERVED.format(missing=", ".join(missing)))
-        return tuple(stand_in(self.signature, leaf, values, leaf.absent_fill or 0.0) if value is None else value
+        return tuple(stand_in(self.signature.inputs, leaf, values, leaf.absent_fill or 0.0) if value is None else value
                      for leaf, value in zip(self.signature.inputs, values))
 
     def _as_observed(self, call: Call) -> Call:
