@@ -54,7 +54,7 @@ class GatedNet(nn.Module):
 
 
 def test_fx_trace_failure_advice_leaf_modules_works():
-    """capture/graph.py _explain_fx_failure: 'torch.fx could not trace module ...: keep that module opaque:
+    """capture/fx_failure.py explain_fx_failure: 'torch.fx could not trace module ...: keep that module opaque:
     trace.leaf_modules: [<path>]': the path it names, set as given, captures the model."""
     model = randomize_batchnorms(GatedNet())
     with pytest.raises(TraceError) as raised:
@@ -80,7 +80,7 @@ class ShapeZeros(nn.Module):
 
 
 def test_fx_trace_failure_advice_trace_mode_export_works():
-    """capture/graph.py _explain_fx_failure: 'trace.mode: export (or auto, the default, with example inputs)'."""
+    """capture/fx_failure.py explain_fx_failure: 'trace.mode: export (or auto, the default, with example inputs)'."""
     model = randomize_batchnorms(ShapeZeros())
     x = torch.randn(3, 3, 6, 6)
     with pytest.raises(TraceError) as raised:
@@ -107,7 +107,7 @@ class CallsFunction(nn.Module):
 
 
 def test_fx_trace_failure_advice_autowrap_functions_works():
-    """capture/graph.py _explain_fx_failure: 'move the offending code into a free function and list it in
+    """capture/fx_failure.py explain_fx_failure: 'move the offending code into a free function and list it in
     trace.autowrap_functions (['pkg.module:function'])'."""
     model = randomize_batchnorms(CallsFunction())
     with pytest.raises(TraceError) as raised:
@@ -132,7 +132,7 @@ class FlagArgument(nn.Module):
 
 
 def test_fx_trace_failure_advice_concrete_args_works():
-    """capture/graph.py _explain_fx_failure: 'on a flag argument, pin it with trace.concrete_args'."""
+    """capture/fx_failure.py explain_fx_failure: 'on a flag argument, pin it with trace.concrete_args'."""
     model = randomize_batchnorms(FlagArgument())
     with pytest.raises(TraceError) as raised:
         fuse(model, {"trace": {"mode": "fx"}})

@@ -185,7 +185,7 @@ def _users_line_reading_a_missing_argument() -> None:
 def test_the_users_line_in_a_capture_error_is_never_inside_the_package():
     """After the package was laid out in folders, the filter of its own frames took fx_lightning/capture/ for the
     package, so an error raised in fx_lightning/common/ was named as the user's line."""
-    from fx_lightning.capture.graph import _user_frame, _user_frames
+    from fx_lightning.capture.fx_failure import user_frame as _user_frame, user_frames as _user_frames
 
     with pytest.raises(KeyError) as info:
         _users_line_reading_a_missing_argument()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import traceback
 import types
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from fx_lightning.common.calls import Call, as_call, no_distribution_validation,
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
+from fx_lightning.capture.fx_failure import explain_fx_failure, is_tracer_code, is_users_file, user_frame
 from fx_lightning.capture.kept_whole import call_torch_functions_by_name
 from fx_lightning.signature.conditions import conditions_from_guards, one_row_condition
 from fx_lightning.capture.faithful import raise_if_unfaithful
@@ -72,10 +72,6 @@ SIZE_CONDITIONS = NoteKind("size_conditions", "the model branches on its input s
 KEPT_WHOLE = NoteKind("kept_whole", "kept whole (run as one call, not traced into, unfused): {kept}")
 PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
                                           "of their fields (torch.export carries no record class it does not know)")
-
-# With the separator: a bare prefix would also match site-packages/torchvision, torchmetrics...
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fx_lightning/, not capture/
 
 
 def set_eval(module: nn.Module) -> None:
@@ -321,7 +317,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
         with no_distribution_validation():
             graph = tracer.trace(working, concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
-        error = _explain_fx_failure(working, tracer, exc)
+        error = explain_fx_failure(working, tracer, exc)
         error.keep_functions = _failing_functions(exc)  # type: ignore[attr-defined]
         error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
@@ -399,23 +395,17 @@ def _failing_functions(exc: BaseException) -> List[types.FunctionType]:
     (torch_geometric's ``global_add_pool`` around the ``scatter`` that reads a tensor's value: fx patches only the
     names the traced code calls, so ``scatter`` kept whole still fails)."""
     frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
-    users = [i for i, frame in enumerate(frames) if _is_users(frame.f_code.co_filename)]
+    users = [i for i, frame in enumerate(frames) if is_users_file(frame.f_code.co_filename)]
     if not users:
         return []
     inner = users[-1]
     found: List[types.FunctionType] = []
     for frame in [*frames[inner:inner + 2], *(frames[i] for i in reversed(users[:-1]))]:
         fn = frame.f_globals.get(frame.f_code.co_name)
-        if isinstance(fn, types.FunctionType) and fn.__code__ is frame.f_code and not _is_tracer_code(frame) \
+        if isinstance(fn, types.FunctionType) and fn.__code__ is frame.f_code and not is_tracer_code(frame) \
                 and fn not in found:
             found.append(fn)
     return found
-
-
-def _is_tracer_code(frame: Any) -> bool:
-    """torch.fx's and this package's own frames (its patched calls, proxies): never what is kept whole."""
-    filename = os.path.abspath(frame.f_code.co_filename)
-    return filename.startswith((os.path.join(_TORCH_DIR, "fx") + os.sep, _PKG_DIR)) or "<" in filename
 
 
 def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[type]:
@@ -429,16 +419,6 @@ def _failing_module_class(root: nn.Module, tracer: FXLeafTracer) -> Optional[typ
     except AttributeError:
         return None
     return type(module) if type(module) is not type(root) else None
-
-
-def _user_frames(exc: BaseException) -> List[Any]:
-    """The traceback's frames outside torch and this package (the user's code), outermost first."""
-    return [frame for frame, _ in traceback.walk_tb(exc.__traceback__) if _is_users(frame.f_code.co_filename)]
-
-
-def _is_users(filename: str) -> bool:
-    """Code outside torch and this package, and not generated (``<string>``, ``<eval_with_key>``)."""
-    return not (os.path.abspath(filename).startswith((_TORCH_DIR, _PKG_DIR)) or "<" in filename)
 
 
 def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
@@ -520,7 +500,7 @@ def _exported(working: nn.Module, target: nn.Module, call: Call, dims: Any, chec
             if attempt == 0 and "not a known type" in str(exc) and target is working:
                 target = PlainOutputs(working)  # a named tuple or dataclass output: the same fields, made plain
                 continue
-            frame = _user_frame(cause)
+            frame = user_frame(cause)
             raise TraceError(
                 f"torch.export could not capture {type(working).__qualname__}: {first_line(cause, with_type=True)}"
                 + (f"\n  at {frame}" if frame else "")
@@ -560,52 +540,3 @@ def _static_what(signature: Optional[Signature], leaves: Sequence[Any]) -> str:
 # ---------------------------------------------------------------------------------- error explanation
 
 
-def _explain_fx_failure(root: nn.Module, tracer: FXLeafTracer, exc: BaseException) -> TraceError:
-    stack = [(p, c) for p, c in (tracer.failed_in or []) if p]  # the root's own frame has no path
-    if stack:
-        path, cls = stack[-1]
-        where = f"module '{path}' ({cls})"
-    else:
-        path, cls = "", type(root).__qualname__
-        where = f"the root module ({cls})"
-    frame = _user_frame(exc)
-    message = first_line(exc, with_type=True)
-    lines = [f"torch.fx could not trace {where}: {message}"]
-    if frame:
-        lines.append(f"  at {frame}")
-    lines.append("  Fixes that apply:")
-    lines.append(
-        "  - trace.mode: export (or auto, the default, with example inputs): torch.export follows code that "
-        "depends on shapes, such as `if x.shape[0] > 1` or torch.zeros(x.shape[0], ...)"
-    )
-    if "control flow" in message or "iterate" in message or "bool" in message.lower():
-        lines.append(
-            "  - a Python branch on a traced value: on a shape, torch.export captures it (above); on tensor "
-            "values, no tracer can, so move it into a leaf module or an autowrapped function; on a flag "
-            "argument, pin it with trace.concrete_args"
-        )
-    if stack:  # a leaf at the root would keep the whole model opaque: nothing would be fused
-        lines.append(
-            f"  - keep that module opaque: trace.leaf_modules: ['{_class_path(root, path)}'] (it stays unfused inside)"
-        )
-    lines.append(
-        "  - move the offending code into a free function and list it in trace.autowrap_functions "
-        "(['pkg.module:function'])"
-    )
-    return TraceError("\n".join(lines))
-
-
-def _class_path(root: nn.Module, path: str) -> str:
-    try:
-        mod = root.get_submodule(path)
-    except AttributeError:
-        return path
-    return f"{type(mod).__module__}.{type(mod).__qualname__}"
-
-
-def _user_frame(exc: BaseException) -> Optional[str]:
-    """The innermost traceback frame outside torch and this package: the user's source line."""
-    found = [fs for fs in traceback.extract_tb(exc.__traceback__) if _is_users(fs.filename)]
-    if not found:
-        return None
-    return f"{found[-1].filename}:{found[-1].lineno} in {found[-1].name}: {(found[-1].line or '').strip()}"

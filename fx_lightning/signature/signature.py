@@ -12,8 +12,6 @@ sample axis), the server's batching, the Triton dims and ``bench``.
 
 from __future__ import annotations
 
-import ast
-import collections
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
@@ -21,11 +19,12 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tup
 
 import torch
 
-from fx_lightning.common.imports import import_object
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call
 from fx_lightning.signature.constants import unread_constant
 from fx_lightning.signature.item_list import ItemList, find_item_list
+from fx_lightning.signature.outputs import (UnreturnableOutput, class_at, describe_outputs, rebuild_outputs,
+                                            unreturnable_output)
 from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, find_sample_axis, probe_sizes,
                                                shapes_text, stochastic_outputs)
 
@@ -308,9 +307,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     # call's value: scvi-tools' LossOutput, measured wrong), unless it was the call's number of samples every time.
     counted, count_dim = _sample_counts([tree_of(o) for o in outputs], [[tuple(t.shape) for t in ls] for ls in leaves])
     out_tree = tree_of(outputs[0]).counting_samples(counted)
-    unreturnable = unreturnable_output(out_tree)
-    if unreturnable is not None:  # it would come back as a dict of its fields: a changed structure, never silently
-        raise UnreturnableOutput(unreturnable)
+    _refuse_unreturnable(out_tree)
     out_leaves = [out_tree.leaves(o) if tree_of(o).counting_samples(counted).same_structure(out_tree) else None
                   for o in outputs]
     if any(o is None for o in out_leaves):
@@ -361,6 +358,14 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
                      [probe.call] if probe.call is not None else [], counted, count_dim, items=items)
 
 
+def _refuse_unreturnable(tree: Tree) -> None:
+    """Raise :class:`UnreturnableOutput` for an output that would come back as a dict of its fields: a changed
+    structure, never given silently."""
+    problem = unreturnable_output(tree)
+    if problem is not None:
+        raise UnreturnableOutput(problem)
+
+
 def _sample_counts(trees: Sequence[Tree], shapes: Sequence[Sequence[Tuple[int, ...]]]
                    ) -> Tuple[List[Tuple[Any, ...]], Optional[Tuple[int, int]]]:
     """The int constants of the outputs that differ from call to call, each call's equal to the size of one input
@@ -376,191 +381,6 @@ def _sample_counts(trees: Sequence[Tree], shapes: Sequence[Sequence[Tuple[int, .
             if all(len(s[leaf]) > dim and s[leaf][dim] == c[i][1] for s, c in zip(shapes, consts) for i in varying):
                 return [consts[0][i][0] for i in varying], (leaf, dim)
     return [], None
-
-
-def describe_outputs(tree: Tree) -> JsonObject:
-    """The containers of an output as JSON, so a process without the training code rebuilds them: ``tensor``;
-    ``tuple``/``list`` with ``items``; ``namedtuple`` and ``dataclass`` with their ``class`` (``module:qualname``),
-    ``fields`` and whether the class can be imported by that name (``importable``: else a named tuple with the same
-    fields stands in); ``dict`` with ``keys`` (mappings, other objects, distributions: as torch.export gives them)."""
-    if tree.kind == "tensor":
-        return {"kind": "tensor"}
-    if tree.kind == "const":
-        if tree.counts_samples:
-            return {"kind": "const", "value": None, "samples": True}
-        value = tree.template
-        if isinstance(value, (dict, list, tuple)) and not value:  # an empty container: itself, not None
-            return {"kind": "dict", "keys": [], "items": []} if isinstance(value, dict) else \
-                {"kind": "list" if isinstance(value, list) else "tuple", "items": []}
-        literal = _literal(value)
-        if literal is not None:  # a container of plain values (transformers' is_updated {0: True}): as Python writes it
-            return {"kind": "const", "value": None, "literal": literal}
-        if isinstance(value, torch.dtype):  # a cache's dtype (transformers' DynamicLayer): restored by name
-            return {"kind": "const", "value": None, "dtype": dtype_name(value)}
-        if isinstance(value, torch.device):
-            return {"kind": "const", "value": None, "device": str(value)}
-        return {"kind": "const", "value": value if isinstance(value, (int, float, bool, str)) else None}
-    items = [describe_outputs(child) for _, child in tree.children]
-    keys = [key for (_, key), _child in tree.children]
-    fields = getattr(tree.cls, "_fields", None) if tree.kind == "seq" else None
-    # A dataclass that is also a mapping (Hugging Face's ModelOutput) comes back as its class where it imports (its
-    # attributes and keys both work), else as the mapping it is.
-    record = tree.cls is not None and (fields is not None or (tree.kind == "obj" and dataclasses.is_dataclass(tree.cls))
-                                       or (tree.kind == "map" and dataclasses.is_dataclass(tree.cls)
-                                           and class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}") is tree.cls))
-    if record:
-        name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
-        return {"kind": "namedtuple" if fields is not None else "dataclass", "class": name,
-                "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
-    if tree.kind == "seq":
-        return {"kind": "list" if tree.cls is list else "tuple", "items": items}
-    if tree.kind == "obj" and _object_description(tree) is not None:  # rebuilt with its class, its fields set
-        return {"kind": "object", "class": _object_description(tree), "keys": keys, "items": items}
-    if tree.kind == "dist" and tree.cls is not None:  # rebuilt from its parameters (torch's own classes import)
-        name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
-        if class_at(name) is tree.cls:
-            extra = {"reinterpreted_batch_ndims": int(tree.template.reinterpreted_batch_ndims)} \
-                if isinstance(tree.template, torch.distributions.Independent) else {}
-            return {"kind": "distribution", "class": name, "keys": keys, "items": items,
-                    "event_dims": len(tree.template.event_shape), **extra}
-    ordered = {"ordered": True} if tree.kind == "map" and tree.cls is collections.OrderedDict else {}
-    return {"kind": "dict", "keys": keys, "items": items, **ordered}
-
-
-class UnreturnableOutput(ValueError):
-    """An output an artifact cannot give back as the model returns it (:func:`unreturnable_output`): the model's code
-    decides it, not its weights, so it is known before training."""
-
-
-def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]:
-    """Why an artifact could not give back an object of the outputs as the model returns it (None: it can): a
-    distribution it cannot build again from its parameters (zuko's flows, a TransformedDistribution: its tensors
-    are in its transforms), an object whose class does not import by name or whose attributes are not all recorded
-    (private ones, values JSON cannot hold besides a dtype and a device), tensors in private attributes."""
-    where = "output" + path_text(path)
-    name = f"{tree.cls.__module__}.{tree.cls.__qualname__}" if tree.cls is not None else "object"
-    if tree.kind == "const" and tree.hidden:
-        return f"{where} is a {name} that keeps its tensors in private attributes: an artifact cannot give them back"
-    if tree.kind == "dist" and (not tree.leaf_paths() or tree.cls is None
-                                or class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}") is not tree.cls):
-        return (f"{where} is a {name}, a distribution an artifact cannot build again from its parameters (its "
-                "tensors are not all arguments of its class, or the class does not import by name): it would come "
-                "back as a dict of them. Fuse the module that computes its parameters (target), or return them")
-    if tree.kind == "obj" and not dataclasses.is_dataclass(tree.cls) and _object_description(tree) is None:
-        return (f"{where} is a {name}, which an artifact cannot give back as one (its class does not import by name, "
-                "or it has attributes that are private or hold values JSON cannot, such as a class): it "
-                "would come back as a dict of its fields")
-    for step, child in tree.children:
-        problem = unreturnable_output(child, (*path, step))
-        if problem is not None:
-            return problem
-    return None
-
-
-def _literal(value: Any) -> Optional[str]:
-    """``value`` as a Python literal that reads back equal (a dict, list, tuple or set of plain values), else None."""
-    if not isinstance(value, (dict, list, tuple, set)) or not value:
-        return None
-    try:
-        text = repr(value)
-        back = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return None
-    return text if type(back) is type(value) and back == value else None
-
-
-def _object_description(tree: Tree) -> Optional[str]:
-    """The ``module:qualname`` of a plain object's class, when the object is its recorded fields alone (every
-    attribute public, each a tensor, a container of them or a JSON value) and the class imports by that name."""
-    if tree.cls is None or tree.template is None:
-        return None
-    name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
-    try:
-        attributes = set(vars(tree.template))
-    except TypeError:
-        return None
-    keys = {key for (_, key), _child in tree.children}
-    plain_values = all(child.kind != "const" or child.template is None or _literal(child.template) is not None or
-                       isinstance(child.template, (int, float, bool, str, torch.dtype, torch.device))
-                       for _, child in tree.children)
-    return name if attributes == keys and plain_values and class_at(name) is tree.cls else None
-
-
-def _distribution_from_fields(cls: Optional[type], params: Mapping[str, torch.Tensor], event_dims: int) -> Any:
-    """A distribution of ``cls`` with ``params`` as its fields, past a constructor that takes other names; its
-    shapes from the parameters' (the last ``event_dims`` are the event's). The parameters as a dict without a class."""
-    tensors = [v for v in params.values() if isinstance(v, torch.Tensor)]
-    if cls is None or not tensors:
-        return params
-    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-    split = len(shape) - event_dims
-    obj = cls.__new__(cls)
-    torch.distributions.Distribution.__init__(obj, shape[:split], shape[split:], validate_args=False)
-    for key, value in params.items():
-        object.__setattr__(obj, key, value)
-    return obj
-
-
-def class_at(name: str) -> Optional[type]:
-    """The class ``module:qualname`` names, when it can be imported by that name (not one defined in a function)."""
-    if "<locals>" in name:
-        return None
-    try:
-        value = import_object(name)
-    except Exception:  # noqa: BLE001 - not importable here
-        return None
-    return value if isinstance(value, type) else None
-
-
-def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], samples: Optional[int] = None) -> Any:
-    """The outputs with their containers as ``description`` records them, from their tensors in order (and the
-    call's number of ``samples`` for a constant that counts them)."""
-    it = iter(leaves)
-
-    def build(node: Mapping[str, Any]) -> Any:
-        kind = node["kind"]
-        if kind == "tensor":
-            return next(it)
-        if kind == "const":
-            if "literal" in node:  # literals only: never code
-                return ast.literal_eval(str(node["literal"]))
-            if "dtype" in node:
-                return getattr(torch, str(node["dtype"]))
-            if "device" in node:
-                return torch.device(str(node["device"]))
-            return samples if node.get("samples") and samples is not None else node.get("value")
-        items = [build(child) for child in node.get("items") or []]
-        if kind in ("namedtuple", "dataclass"):
-            cls = class_at(str(node["class"])) if node.get("importable") else None
-            fields = [str(f) for f in node["fields"]]
-            if cls is not None:
-                return cls(*items) if kind == "namedtuple" else cls(**dict(zip(fields, items)))
-            stand_in = collections.namedtuple(str(node["class"]).rpartition(".")[2].rpartition(":")[2], fields)
-            return stand_in(*items)
-        if kind == "distribution":
-            params = dict(zip(node.get("keys") or [], items))
-            cls = class_at(str(node["class"]))
-            try:
-                if "reinterpreted_batch_ndims" in node:
-                    return torch.distributions.Independent(params["base_dist"], int(node["reinterpreted_batch_ndims"]),
-                                                           validate_args=False)
-                return cls(**params, validate_args=False)  # type: ignore[misc]
-            except (TypeError, KeyError, ValueError):  # a constructor of its own (scvi's Normal takes mu)
-                return _distribution_from_fields(cls, params, int(node.get("event_dims", 0)))
-        if kind == "object":
-            cls = class_at(str(node["class"]))
-            if cls is not None:  # the object as the model returned it: its class, its fields (nothing else)
-                obj = cls.__new__(cls)
-                for key, value in zip(node.get("keys") or [], items):
-                    object.__setattr__(obj, str(key), value)
-                return obj
-        if kind == "list":
-            return list(items)
-        if kind == "tuple":
-            return tuple(items)
-        return (collections.OrderedDict if node.get("ordered") else dict)(zip(node.get("keys") or [], items))
-
-    return build(description)
 
 
 def _leaf(name: str, path: str, steps: Sequence[Any], example: torch.Tensor, sizes: Sequence[Tuple[int, ...]],
