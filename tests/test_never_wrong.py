@@ -771,3 +771,22 @@ def test_a_distribution_refused_names_the_target_that_works_and_it_does(tmp_path
     H.make_trainer(tmp_path / "b", [cb], max_epochs=1).fit(Steps(), loader)
     c = torch.randn(5, 2)
     assert H.rel_err(load_fused(cb.export_dir)(c), H.fp64_copy(flow.net)(c.double())) < 1e-5
+
+
+class WithDtype(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.bn(self.conv(x))
+        return y, y.dtype
+
+
+def test_a_dtype_among_plain_outputs_stays_a_dtype() -> None:
+    """Review: the dtype kept out of the graph's outputs (for torch.export) came back as None from a fused model
+    whose outputs are not rebuilt from their recorded tree."""
+    model = randomize_batchnorms(WithDtype()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    out = fx_lightning.fuse(model, example_inputs=(x,)).module(x)
+    assert out[1] is torch.float32

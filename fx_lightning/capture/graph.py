@@ -20,7 +20,7 @@ from torch import nn
 
 from fx_lightning.common.imports import import_object
 from fx_lightning.common.batches import PlainOutputs
-from fx_lightning.common.calls import Call, as_call, no_distribution_validation, tree_of_call
+from fx_lightning.common.calls import Call, FlatCall, as_call, no_distribution_validation, tree_of_call
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
@@ -322,7 +322,8 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
         error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
     call_torch_functions_by_name(graph)
-    _no_dtypes_out(graph)
+    if isinstance(working, FlatCall):  # its outputs are rebuilt from their recorded tree, dtypes included
+        _no_dtypes_out(graph)
     name = working.__class__.__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     # torch.fx's Tracer.trace leaves the tracer in a reference cycle (its patched __call__/__getattr__

@@ -176,8 +176,6 @@ class Tree:
         if self.kind == "tensor":
             return next(it)
         if self.kind == "const":
-            if plain and isinstance(self.template, (torch.dtype, torch.device)):
-                return None  # torch.export refuses them among outputs; the outputs' description keeps them
             return samples if self.counts_samples and samples is not None else self.template
         parts = [(step, child._rebuild(it, plain, samples)) for step, child in self.children]
         if self.kind == "call":
@@ -461,7 +459,7 @@ class FlatCall(nn.Module):
 
     def call_with(self, leaves: Sequence[Any]) -> Any:
         call = self.inputs.rebuild(leaves)
-        return plain(call.run(self.module))
+        return _without_dtypes(plain(call.run(self.module)))
 
     @classmethod
     def make(cls, module: nn.Module, inputs: Tree, names: Sequence[str]) -> "FlatCall":
@@ -476,6 +474,18 @@ class FlatCall(nn.Module):
     def __reduce_ex__(self, protocol: Any) -> Any:  # the generated subclass is not importable: pickle the base
         state = self.__dict__.copy()
         return (_rebuild_flat_call, (state,))
+
+
+def _without_dtypes(value: Any) -> Any:
+    """Plain outputs with each dtype or device (a cache's fields) as None: torch.export refuses them among outputs,
+    and what rebuilds the outputs behind a FlatCall (its recorded tree, the manifest's description) restores them."""
+    if isinstance(value, (torch.dtype, torch.device)):
+        return None
+    if isinstance(value, (tuple, list)):
+        return type(value)(_without_dtypes(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _without_dtypes(v) for k, v in value.items()}
+    return value
 
 
 def _rebuild_flat_call(state: Dict[str, Any]) -> FlatCall:
