@@ -549,7 +549,8 @@ def test_a_condition_in_a_manifest_is_never_run_as_code() -> None:
     x = torch.zeros(2, 3, 16)
     assert condition_holds("size0_2 % 8 == 0 and size0_1 >= 3", [x])
     assert not condition_holds("(size0_2 // 3) == 4", [x])
-    for text in ("__import__('os').system('true')", "size0_2.bit_length() > 0", "[size0_2][0] == 16"):
+    for text in ("__import__('os').system('true')", "size0_2.bit_length() > 0", "[size0_2][0] == 16",
+                 "max(size0_2) > 3"):
         with pytest.raises(ValueError, match="not a size condition"):
             condition_holds(text, [x])
 
@@ -790,3 +791,20 @@ def test_a_dtype_among_plain_outputs_stays_a_dtype() -> None:
     x = torch.randn(2, 3, 8, 8)
     out = fx_lightning.fuse(model, example_inputs=(x,)).module(x)
     assert out[1] is torch.float32
+
+
+def test_an_output_tree_in_a_manifest_is_read_never_run_and_a_bad_one_is_named() -> None:
+    """Review: a constant's dtype was read with getattr(torch, text) (any attribute), a device or a literal that
+    cannot be read raised an unnamed error, and an object whose class does not import came back as a dict."""
+    from fx_lightning.errors import ExportError
+    from fx_lightning.signature.outputs import rebuild_outputs
+
+    assert rebuild_outputs({"kind": "const", "literal": "{0: True}"}, []) == {0: True}
+    assert rebuild_outputs({"kind": "const", "dtype": "bfloat16"}, []) is torch.bfloat16
+    for node, words in (({"kind": "const", "dtype": "nn"}, "dtype 'nn' cannot be read"),
+                        ({"kind": "const", "literal": "__import__('os')"}, "literal"),
+                        ({"kind": "const", "device": "nowhere:7"}, "device 'nowhere:7' cannot be read"),
+                        ({"kind": "object", "class": "no_such_package.cache:Cache", "keys": ["k"],
+                          "items": [{"kind": "tensor"}]}, "cannot be imported here")):
+        with pytest.raises(ExportError, match=words):
+            rebuild_outputs(node, [torch.zeros(1)])

@@ -1487,7 +1487,10 @@ def test_one_timestep_for_every_sample_is_taken_where_the_model_repeats_it(tmp_p
 def test_a_server_takes_the_calls_load_fused_takes_a_mask_left_out_and_one_timestep(tmp_path) -> None:
     """The server's contract required every input by name ("missing ['attention_mask']") and one array per sample
     ("expected a nested list" for a timestep): it takes what load_fused takes, the stand-ins made the same way."""
+    import io
     import json
+
+    import numpy as np
 
     from fx_lightning.serve.contract import Contract
 
@@ -1498,6 +1501,11 @@ def test_a_server_takes_the_calls_load_fused_takes_a_mask_left_out_and_one_times
     decoded = contract.decode(json.dumps({"inputs": {"x": x.tolist()}}).encode(), "application/json")
     got = load_fused(cb.export_dir)(*[torch.from_numpy(a) for a in decoded.arrays])
     assert H.rel_err(got, H.fp64_copy(masked)(x.double())) < 1e-5
+    buffer = io.BytesIO()
+    np.savez(buffer, x=x.numpy())  # npz by name, the mask left out
+    decoded = contract.decode(buffer.getvalue(), "application/x-npz")
+    assert H.rel_err(load_fused(cb.export_dir)(*[torch.from_numpy(a) for a in decoded.arrays]),
+                     H.fp64_copy(masked)(x.double())) < 1e-5
 
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 3, 8, 8)), batch_size=8)
@@ -1508,3 +1516,9 @@ def test_a_server_takes_the_calls_load_fused_takes_a_mask_left_out_and_one_times
     decoded = contract.decode(json.dumps({"inputs": {"x": x.tolist(), "t": 7}}).encode(), "application/json")
     got = load_fused(cb.export_dir)(*[torch.from_numpy(a) for a in decoded.arrays])
     assert H.rel_err(got, H.fp64_copy(denoiser)(x.double(), 7)) < 1e-5
+    from fx_lightning.serve.contract import BadRequest
+
+    for bad in ("7.5", str(2 ** 70)):  # one value for every sample is checked as any value is
+        with pytest.raises(BadRequest, match="input 't'"):
+            contract.decode(('{"inputs": {"x": %s, "t": %s}}' % (json.dumps(x.tolist()), bad)).encode(),
+                            "application/json")

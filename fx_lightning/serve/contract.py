@@ -203,10 +203,7 @@ class Contract:
     def _json_array(self, spec: LeafSpec, value: Any) -> np.ndarray:
         where = f"input {spec.name!r}"
         if spec.one_for_all and isinstance(value, (int, float)) and not isinstance(value, bool):
-            want = _NUMPY_DTYPES[spec.dtype]
-            if want.kind in "iu" and float(value) != int(value):
-                raise BadRequest(422, f"{where}: expected {spec.dtype} integers, got {value!r}")
-            return np.asarray(value).astype(want)  # one value for every sample
+            return self._json_array(spec, [value]).reshape(())  # one value for every sample, checked as any value
         if not isinstance(value, list):
             raise BadRequest(422, f"{where}: expected a nested list of shape {self.shape_text(spec)}, got a JSON "
                                   f"{type(value).__name__}")
@@ -241,7 +238,7 @@ class Contract:
                                           f"({info.min}..{info.max})")
         return raw.astype(want, copy=False)
 
-    def _from_numpy(self, body: bytes, media: str) -> List[np.ndarray]:
+    def _from_numpy(self, body: bytes, media: str) -> List[Optional[np.ndarray]]:
         """The arrays of an ``.npy`` or ``.npz`` body; each header is read first, and an array larger than the
         contract allows is refused before it is allocated or decompressed."""
         names = [s.name for s in self.inputs]
@@ -254,12 +251,17 @@ class Contract:
             else:
                 with zipfile.ZipFile(io.BytesIO(body)) as archive:
                     members = {n[:-4] if n.endswith(".npy") else n: n for n in archive.namelist()}
-                    order = names if set(names) <= set(members) else [f"arr_{i}" for i in range(len(names))]
-                    if not set(order) <= set(members) or len(members) != len(names):
+                    required = {s.name for s in self.inputs if s.absent_fill is None}
+                    by_name = required <= set(members) <= set(names)  # by name, those with a stand-in optional
+                    order = names if by_name else [f"arr_{i}" for i in range(len(names))]
+                    if not by_name and (not set(order) <= set(members) or len(members) != len(names)):
                         raise BadRequest(422, f"npz: expected the arrays {names} (or arr_0..arr_{len(names) - 1}), "
                                               f"got {sorted(members)}")
-                    arrays = []
+                    arrays: List[Optional[np.ndarray]] = []
                     for key, spec in zip(order, self.inputs):
+                        if key not in members:  # left out: its proven stand-in, made once the batch is known
+                            arrays.append(None)
+                            continue
                         with archive.open(members[key]) as member:
                             arrays.append(self._npy(member, spec))
         except BadRequest:
@@ -334,6 +336,8 @@ class Contract:
         single = None
         for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
             if array is None or spec.one_for_all and array.ndim == 0:
+                if array is not None:
+                    _refuse_non_finite(spec, array.reshape(1))
                 continue  # left out, or one value for every sample: made below, once the batch size is known
             sizes = self.request_sizes(spec)
             rank = len(sizes) + 1

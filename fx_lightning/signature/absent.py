@@ -43,7 +43,8 @@ def stand_in(inputs: Sequence[LeafSpec], leaf: LeafSpec, values: Sequence[Any], 
                  and spec.sample_axis < len(t.shape)), None)
     shape = [rows if dim.kind is DimKind.sample and rows is not None else given.get(group, dim.size)
              for dim, group in zip(leaf.dims, leaf.groups or (None,) * len(leaf.dims))]
-    return torch.full(shape, fill, dtype=getattr(torch, leaf.dtype))
+    device = next((t.device for t in values if isinstance(t, torch.Tensor)), None)  # beside the inputs given
+    return torch.full(shape, fill, dtype=getattr(torch, leaf.dtype), device=device)
 
 
 def absent_fills(signature: Signature, calls: Sequence[Call], run: Runner, optional: Collection[str]) -> Signature:
@@ -80,9 +81,9 @@ def one_value_for_all(signature: Signature, calls: Sequence[Call], run: Runner) 
                                                   for leaf in signature.inputs])
 
 
-def repeated_for_all(leaf: LeafSpec, value: Any, rows: Optional[int]) -> Any:
+def repeated_for_all(leaf: LeafSpec, value: Any, rows: Optional[int], device: Optional[torch.device] = None) -> Any:
     """``value`` repeated for ``rows`` samples where ``leaf`` takes one value for all and ``value`` is one (a number,
-    a 0-d tensor); else ``value`` as it is."""
+    a 0-d tensor), on ``device`` (the other inputs'); else ``value`` as it is."""
     if not leaf.one_for_all or rows is None or not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                                     or isinstance(value, torch.Tensor) and value.dim() == 0):
         return value
@@ -90,7 +91,6 @@ def repeated_for_all(leaf: LeafSpec, value: Any, rows: Optional[int]) -> Any:
     number = value.item() if isinstance(value, torch.Tensor) else value
     if not dtype.is_floating_point and float(number) != int(number):
         return value  # a fraction for an integer input: refused by the checks that follow, not rounded
-    device = value.device if isinstance(value, torch.Tensor) else None
     return torch.full((rows,), number, dtype=dtype, device=device)
 
 

@@ -128,7 +128,7 @@ def _evaluable(node: ast.AST) -> bool:
         return all(type(op) in _COMPARE for op in node.ops) and all(_evaluable(v) for v in [node.left, *node.comparators])
     if isinstance(node, ast.Call):
         return isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords and \
-            bool(node.args) and all(_evaluable(a) for a in node.args)
+            len(node.args) >= 2 and all(_evaluable(a) for a in node.args)
     return False
 
 

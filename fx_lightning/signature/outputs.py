@@ -14,6 +14,7 @@ import torch
 from fx_lightning.common.calls import Tree, path_text
 from fx_lightning.common.imports import import_object
 from fx_lightning.common.json_views import JsonObject, dtype_name
+from fx_lightning.errors import ExportError
 
 __all__ = ["describe_outputs", "rebuild_outputs", "class_at", "unreturnable_output", "UnreturnableOutput"]
 
@@ -97,6 +98,25 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
     return None
 
 
+def _const(node: Mapping[str, Any]) -> Any:
+    """A constant the manifest records by its text: a Python literal (read with ``ast.literal_eval``, never run), a
+    torch dtype or a device. Raises ExportError naming the text when it is none of those."""
+    try:
+        if "literal" in node:
+            return ast.literal_eval(str(node["literal"]))
+        if "dtype" in node:
+            dtype = getattr(torch, str(node["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError("not a torch dtype")
+            return dtype
+        return torch.device(str(node["device"]))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError, RuntimeError) as exc:
+        key = next(k for k in ("literal", "dtype", "device") if k in node)
+        raise ExportError(f"manifest output_tree: a constant's {key} {str(node[key])[:80]!r} cannot be read "
+                          f"({type(exc).__name__}: {exc}); it takes a Python literal, a torch dtype's name or a "
+                          "device") from None
+
+
 def _literal(value: Any) -> Optional[str]:
     """``value`` as a Python literal that reads back equal (a dict, list, tuple or set of plain values), else None."""
     if not isinstance(value, (dict, list, tuple, set)) or not value:
@@ -121,6 +141,7 @@ def _object_description(tree: Tree) -> Optional[str]:
         return None
     keys = {key for (_, key), _child in tree.children}
     plain_values = all(child.kind != "const" or child.template is None or _literal(child.template) is not None or
+                       isinstance(child.template, (dict, list, tuple)) and not child.template or
                        isinstance(child.template, (int, float, bool, str, torch.dtype, torch.device))
                        for _, child in tree.children)
     return name if attributes == keys and plain_values and class_at(name) is tree.cls else None
@@ -162,12 +183,8 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
         if kind == "tensor":
             return next(it)
         if kind == "const":
-            if "literal" in node:  # literals only: never code
-                return ast.literal_eval(str(node["literal"]))
-            if "dtype" in node:
-                return getattr(torch, str(node["dtype"]))
-            if "device" in node:
-                return torch.device(str(node["device"]))
+            if "literal" in node or "dtype" in node or "device" in node:
+                return _const(node)
             return samples if node.get("samples") and samples is not None else node.get("value")
         items = [build(child) for child in node.get("items") or []]
         if kind in ("namedtuple", "dataclass"):
@@ -189,11 +206,16 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
                 return _distribution_from_fields(cls, params, int(node.get("event_dims", 0)))
         if kind == "object":
             cls = class_at(str(node["class"]))
-            if cls is not None:  # the object as the model returned it: its class, its fields (nothing else)
-                obj = cls.__new__(cls)
-                for key, value in zip(node.get("keys") or [], items):
-                    object.__setattr__(obj, str(key), value)
-                return obj
+            if cls is None:  # a dict of its fields would be another structure: never without a word
+                raise ExportError(f"the outputs hold a {node['class']} (recorded in the manifest's output_tree), "
+                                  "and that class cannot be imported here: install the package that defines it")
+            obj = cls.__new__(cls)  # the object as the model returned it: its class, its fields (nothing else)
+            tensors = [v for v in items if isinstance(v, torch.Tensor)]
+            for key, value in zip(node.get("keys") or [], items):
+                if isinstance(value, torch.device) and tensors:  # where its tensors are now, not at export
+                    value = tensors[0].device
+                object.__setattr__(obj, str(key), value)
+            return obj
         if kind == "list":
             return list(items)
         if kind == "tuple":

@@ -43,26 +43,29 @@ def _members(signature: Signature, group: str) -> List[Tuple[int, int]]:
 
 
 def padded_sizes(signature: Signature, tensors: Sequence[torch.Tensor]) -> Optional[List[Tuple[str, int, int]]]:
-    """For a call that fails a condition: (group, size given, size to pad to) for each proven group, the smallest
-    sizes that meet every condition; None where no such padding is proven or found."""
+    """For a call that fails a condition: (group, size given, size to pad to), the smallest size that meets every
+    condition, for the one proven group the failed conditions read; None where padding is not proven for it, the
+    failed conditions read another size or two groups, or the group's sizes differ in this call."""
     if not signature.padded:
         return None
     shapes = [list(t.shape) for t in tensors]
-    plan = []
-    for group in signature.padded:
-        members = _members(signature, group)
-        if not members or any(len(shapes[i]) <= d for i, d in members):
-            return None
-        given = shapes[members[0][0]][members[0][1]]
-        plan.append((group, given, members))
-    for extra in range(_SEARCH + 1):  # one offset for every group (a single group in the cases seen)
+    failed = [c for c in signature.conditions if not condition_holds(c, tensors)]
+    groups = {_group(signature, leaf, dim) for c in failed for leaf, dim in condition_sizes(c)}
+    if len(groups) != 1 or not groups <= set(signature.padded):
+        return None
+    group = groups.pop()
+    members = _members(signature, group)
+    if not members or any(len(shapes[i]) <= d for i, d in members) or \
+            len({shapes[i][d] for i, d in members}) != 1:  # padded together, they must have one size
+        return None
+    given = shapes[members[0][0]][members[0][1]]
+    for extra in range(1, _SEARCH + 1):
         trial = [list(s) for s in shapes]
-        for _, given, members in plan:
-            for i, d in members:
-                trial[i][d] = given + extra
+        for i, d in members:
+            trial[i][d] = given + extra
         sized = [types.SimpleNamespace(shape=s) for s in trial]  # the conditions read sizes only
         if all(condition_holds(c, sized) for c in signature.conditions):
-            return [(group, given, given + extra) for group, given, _ in plan] if extra else None
+            return [(group, given, given + extra)]
     return None
 
 
@@ -112,11 +115,22 @@ def padding_proven(signature: Signature, call: Call, run: Runner,
         trial = dataclasses.replace(signature, padded=[group])
         members = _members(signature, group)
         size = leaves[members[0][0]].shape[members[0][1]]
-        refused = [s for s in range(size - 1, max(size // 2, 1), -1)
-                   if not all(condition_holds(c, _resized(leaves, members, s)) for c in signature.conditions)][:2]
+        refused = _refused_sizes(signature, leaves, members, size)
         if refused and all(_same(tree, leaves, members, s, run, artifact(trial)) for s in refused):
             proven.append(group)
     return dataclasses.replace(signature, padded=proven) if proven else signature
+
+
+def _refused_sizes(signature: Signature, leaves: Sequence[torch.Tensor], members: Sequence[Tuple[int, int]],
+                   size: int) -> List[int]:
+    """Sizes below ``size`` the conditions refuse, to prove padding on: the two nearest (the smallest pads) and the
+    one just above the next size they take (the largest pad)."""
+    refused: List[int] = []
+    for s in range(size - 1, max(size // 2, 1), -1):
+        if all(condition_holds(c, _resized(leaves, members, s)) for c in signature.conditions):
+            break  # a size they take: the one above it needs the largest pad
+        refused.append(s)
+    return sorted(set(refused[:2] + refused[-1:]), reverse=True)
 
 
 def _resized(leaves: Sequence[torch.Tensor], members: Sequence[Tuple[int, int]], size: int) -> List[torch.Tensor]:

@@ -113,7 +113,8 @@ class ArtifactInterface(nn.Module):
         rows = next((t.shape[spec.sample_axis] for spec, t in zip(self.signature.inputs, values)
                      if isinstance(t, torch.Tensor) and spec.sample_axis is not None and t.dim() > spec.sample_axis),
                     None)
-        return tuple(repeated_for_all(leaf, value, rows) for leaf, value in zip(self.signature.inputs, values))
+        device = next((t.device for t in values if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        return tuple(repeated_for_all(leaf, value, rows, device) for leaf, value in zip(self.signature.inputs, values))
 
     def _fit(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` fit the signature (:func:`shape_problem` says why not, more slowly)."""
