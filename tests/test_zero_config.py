@@ -172,6 +172,47 @@ def test_the_called_submodule_holding_the_trained_parameters_is_the_target(tmp_p
     assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model.model)(x.double())) < 1e-5
 
 
+class LossAroundModel(pl.LightningModule):
+    """sentence-transformers: the steps call a loss built around the model (``MultipleNegativesRankingLoss(model)``),
+    which calls the model inside; the loss holds no weights of its own."""
+
+    class InBatchNegatives(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            ea, eb = self.model(a), self.model(b)
+            return F.cross_entropy(ea @ eb.T / 0.05, torch.arange(len(a)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        self.loss_fn = self.InBatchNegatives(self.model)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss_fn(*batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss_fn(*batch))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), 1e-3)
+
+
+def test_a_loss_built_around_the_model_is_not_taken_for_the_model(tmp_path) -> None:
+    """Refused before ("more than one holds trained parameters"), advising target: loss_fn, which exports the loss."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x + 0.1 * torch.randn(64, 8)), batch_size=16)
+    cb, module = FXFuseCallback(), LossAroundModel()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    assert cb.outcome.manifest.provenance.target == "model"
+    for rows in (1, 5):
+        a = torch.randn(rows, 8)
+        assert H.rel_err(load_fused(cb.export_dir)(a), H.fp64_copy(module.model)(a.double())) < 1e-5
+
+
 class FittedAtEpochEnd(nn.Module):
     """anomalib's PaDiM: in training it returns embeddings; in eval it scores them against statistics fitted at the
     end of the epoch (empty before: its eval forward raises on the untrained model)."""

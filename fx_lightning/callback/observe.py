@@ -258,10 +258,11 @@ class CallRecorder:
 
     def _trained_one(self, called: List[str]) -> str:
         """Of the submodules the steps call, the one that holds the trained parameters (a batch transform or a loss
-        holds none). Raises ConfigError naming each with its count when several do: which one is the model is then
+        holds none; a loss that holds the model and no weights of its own is not it). Raises ConfigError naming each with its count when several do: which one is the model is then
         not observable."""
         counts = {name: _trained(self.watched[name]) for name in called}
         trained = sorted((n for n in called if counts[n] > 0), key=lambda n: -counts[n])
+        trained = [n for n in trained if not any(_wraps(self.watched[n], self.watched[m]) for m in trained if m != n)]
         if len(called) == 1 or len(trained) == 1:
             return trained[0] if trained else called[0]
         listed = ", ".join(f"{n} ({counts[n]:,} trained parameters)" for n in (trained or called))
@@ -269,6 +270,15 @@ class CallRecorder:
             f"target: null, and the LightningModule's steps never call its forward: they call the submodules "
             f"{listed} directly, and more than one holds trained parameters.",
             fix=f"set target to the one to fuse (e.g. target: {(trained or called)[0]})")
+
+
+def _wraps(outer: nn.Module, inner: nn.Module) -> bool:
+    """Whether ``outer`` holds ``inner`` and no trained weights of its own (a loss built around the model,
+    sentence-transformers' ``MultipleNegativesRankingLoss(model)``): the model is ``inner``."""
+    if outer is inner or not any(m is inner for m in outer.modules()):
+        return False
+    own = {id(p) for p in outer.parameters() if p.requires_grad}
+    return own == {id(p) for p in inner.parameters() if p.requires_grad}
 
 
 def _trained(module: nn.Module) -> int:
