@@ -422,6 +422,48 @@ def test_labels_passed_by_position_are_left_out_of_the_served_call(tmp_path) -> 
             fused(x, torch.zeros(3, dtype=torch.long))
 
 
+class ReturnLoss(pl.LightningModule):
+    """transformers' CLIP as its users train it: ``model(**batch, return_loss=True)`` in every step; the loss only
+    when the flag is set (and labels given)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None,
+                return_loss: Optional[bool] = None) -> Dict[str, torch.Tensor]:
+        out = {"logits": self.f(x)}
+        if return_loss:
+            out["loss"] = F.cross_entropy(out["logits"], y)
+        return out
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0], batch[1], return_loss=True)["loss"]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0], batch[1], return_loss=True)["loss"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), 1e-3)
+
+
+def test_a_flag_asking_for_the_loss_is_left_out_with_the_labels(tmp_path) -> None:
+    """CLIP: every call without return_loss (its predict and zero-shot calls) was refused: the artifact was built
+    with return_loss=True."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, model = FXFuseCallback(), ReturnLoss()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    reference = H.fp64_copy(model)
+    for rows in (1, 5):
+        x = torch.randn(rows, 8)
+        got = load_fused(cb.export_dir)(x)
+        assert set(got) == {"logits"} and H.rel_err(got["logits"], reference(x.double())["logits"]) < 1e-5
+    with pytest.raises(ExportError, match="return_loss given; the artifact's call leaves it out"):
+        load_fused(cb.export_dir)(x, return_loss=True)
+
+
 class Forecaster(nn.Module):
     """darts' models take past and future targets; most never read the future ones (None at predict time)."""
 

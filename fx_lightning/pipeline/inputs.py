@@ -260,21 +260,44 @@ def without_labels(found: TargetSteps, reference: nn.Module) -> TargetSteps:
     first = found.steps[0]
     names = [k for k, v in first.target.kwargs.items() if isinstance(v, torch.Tensor) and _is_labels(k, v, first.labels)]
     keep = _positional_labels_kept(first, reference)
-    if not names and keep == len(first.target.args):
-        return found
-    steps = []
-    for step in found.steps:
+    flags = _loss_flags(first.target, reference)
+    for left in ([*names, *flags], names) if flags else (names,):  # a flag asking for the loss goes with the labels
+        if not left and keep == len(first.target.args):
+            continue
+        steps = _calls_without(found.steps, reference, keep, left)
+        if steps is not None:
+            positional = (forward_parameter_names(reference) or [])[keep:len(first.target.args)]
+            labels = ", ".join([*positional, *left])
+            return dataclasses.replace(found, steps=steps, notes=[*found.notes, LABELS_LEFT_OUT(labels=labels)])
+    return found
+
+
+def _calls_without(steps: Sequence[ObservedStep], reference: nn.Module, keep: int,
+                   names: Sequence[str]) -> Optional[List[ObservedStep]]:
+    """``steps`` with their calls cut to the first ``keep`` positional arguments and without the keywords ``names``,
+    where on every call the model runs so and gives the same outputs, and more with them (the loss); else None."""
+    out = []
+    for step in steps:
         kept = Call(step.target.args[:keep], {k: v for k, v in step.target.kwargs.items() if k not in names})
         try:
             with_them, without = run_seeded(reference, step.target, 0), run_seeded(reference, kept, 0)
         except Exception:  # noqa: BLE001 - it needs them: the call stays as observed
-            return found
+            return None
         if not _outputs_kept(without, with_them):
-            return found
-        steps.append(dataclasses.replace(step, target=kept))
-    positional = (forward_parameter_names(reference) or [])[keep:len(first.target.args)]
-    labels = ", ".join([*positional, *names])
-    return dataclasses.replace(found, steps=steps, notes=[*found.notes, LABELS_LEFT_OUT(labels=labels)])
+            return None
+        out.append(dataclasses.replace(step, target=kept))
+    return out
+
+
+def _loss_flags(call: Call, reference: nn.Module) -> List[str]:
+    """Keyword flags the call sets to True where forward's default is None or False (CLIP's ``return_loss``):
+    left out with the labels, where the model then gives the same outputs but the loss."""
+    try:
+        parameters = inspect.signature(reference.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [k for k, v in call.kwargs.items() if v is True and k in parameters
+            and parameters[k].default in (None, False)]
 
 
 def _positional_labels_kept(first: ObservedStep, reference: nn.Module) -> int:
