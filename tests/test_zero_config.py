@@ -1505,6 +1505,46 @@ def test_a_mask_of_ones_in_every_training_call_is_kept_never_taken_for_labels(tm
     assert H.rel_err(fused(x), reference(x.double())) < 1e-5
 
 
+class WithLengths(H.CrossEntropySteps):
+    """torchaudio's speech models: ``forward(waveforms, lengths=None)``, None meaning every sample is whole; the steps
+    pass the padded batch's lengths in every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv1d(1, 8, 5, padding=2), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x.unsqueeze(1))))
+        if lengths is None:
+            return self.head(h.mean(-1))
+        keep = (torch.arange(x.shape[-1])[None, :] < lengths[:, None]).to(h.dtype)[:, None, :]
+        return self.head((h * keep).sum(-1) / keep.sum(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0], batch[1]), batch[2])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0], batch[1])
+
+
+def test_lengths_left_out_mean_whole_samples_where_proven(tmp_path) -> None:
+    """torchaudio's wav2vec2 trained on padded batches with their lengths: model(waveform), its inference call, was
+    refused. The length of the waveforms for every sample gives what the model gives without lengths on every
+    observed call, so that stands in."""
+    torch.manual_seed(0)
+    lengths = torch.full((16,), 40)
+    lengths[::2] = 30
+    data = torch.utils.data.TensorDataset(torch.randn(16, 40), lengths, torch.randint(0, 3, (16,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    cb, module = FXFuseCallback(), WithLengths()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    inputs = cb.outcome.manifest.signature.inputs
+    assert inputs[1].absent_size_of is not None and inputs[1].absent_size_of == inputs[0].groups[1]
+    reference = H.fp64_copy(module)
+    for x in (torch.randn(1, 50), torch.randn(3, 23)):
+        assert H.rel_err(load_fused(cb.export_dir)(x), reference(x.double())) < 1e-5
+
+
 def test_an_input_left_out_that_no_stand_in_replaces_is_refused_saying_why_and_the_advice_works(tmp_path) -> None:
     """The refusal said "takes 2 input(s) (x, attention_mask); got 1": neither why nor what to do. Where neither
     ones nor zeros give what the model computes without the mask, the call leaving it out is still refused."""

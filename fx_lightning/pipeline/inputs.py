@@ -352,8 +352,8 @@ def with_stand_ins(signature: Signature, reference: nn.Module,
     optional = {name for name, p in parameters.items() if p.default is None}
     calls, run = [s.target for s in steps], (lambda c: run_seeded(reference, c, 0))
     filled = one_value_for_all(absent_fills(signature, calls, run, optional), calls[:2], run)
-    fills = {leaf.name: "ones" if leaf.absent_fill == 1 else "zeros" for leaf in filled.inputs
-             if leaf.absent_fill is not None}
+    fills = {leaf.name: f"the size of {leaf.absent_size_of} for every sample" if leaf.absent_size_of is not None
+             else "ones" if leaf.absent_fill == 1 else "zeros" for leaf in filled.inputs if leaf.optional}
     alone = [leaf.name for leaf in filled.inputs if leaf.one_for_all]
     notes = [ABSENT_FILLED(inputs=", ".join(fills), fills="; ".join(f"{k}: {v}" for k, v in fills.items()))] \
         if fills else []

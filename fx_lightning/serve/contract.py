@@ -182,7 +182,7 @@ class Contract:
         else:
             raise BadRequest(422, f"inputs: expected a list (one array per input) or an object keyed by input "
                                   f"name, got a JSON {type(given).__name__}")
-        arrays = [None if value is None and spec.absent_fill is not None else self._json_array(spec, value)
+        arrays = [None if value is None and spec.optional else self._json_array(spec, value)
                   for spec, value in zip(self.inputs, values)]
         top_k = _top_k(data.get("top_k"), "top_k")
         return self.checked(arrays, query_top_k if top_k is None else top_k)
@@ -190,7 +190,7 @@ class Contract:
     def by_name(self, given: Mapping[str, Any]) -> List[Any]:
         """The values of ``given`` (keyed by input name) in the inputs' order; a 422 naming unknown and missing keys."""
         names = [s.name for s in self.inputs]
-        optional = {s.name for s in self.inputs if s.absent_fill is not None}  # a stand-in is proven: may be left out
+        optional = {s.name for s in self.inputs if s.optional}  # a stand-in is proven: may be left out
         unknown = sorted(set(given) - set(names))
         missing = [n for n in names if n not in given and n not in optional]
         if unknown or missing:
@@ -251,7 +251,7 @@ class Contract:
             else:
                 with zipfile.ZipFile(io.BytesIO(body)) as archive:
                     members = {n[:-4] if n.endswith(".npy") else n: n for n in archive.namelist()}
-                    required = {s.name for s in self.inputs if s.absent_fill is None}
+                    required = {s.name for s in self.inputs if not s.optional}
                     by_name = required <= set(members) <= set(names)  # by name, those with a stand-in optional
                     order = names if by_name else [f"arr_{i}" for i in range(len(names))]
                     if not by_name and (not set(order) <= set(members) or len(members) != len(names)):
@@ -373,7 +373,7 @@ class Contract:
         out = list(arrays)
         for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
             if array is None:
-                out[i] = stand_in(self.inputs, spec, arrays, spec.absent_fill or 0.0).numpy()
+                out[i] = stand_in(self.inputs, spec, arrays).numpy()
             elif spec.one_for_all and array.ndim == 0 and size is not None:
                 out[i] = np.full((size,), array, dtype=_NUMPY_DTYPES[spec.dtype])
         return out  # type: ignore[return-value]

@@ -79,7 +79,7 @@ def decode_infer(contract: Contract, model: TritonModel, body: bytes, header_len
     if offset != len(binary):
         raise BadRequest(400, f"the binary section holds {len(binary)} bytes, the inputs' binary_data_size add up "
                               f"to {offset}")
-    missing = [s.name for s in contract.inputs if s.name not in given and s.absent_fill is None]
+    missing = [s.name for s in contract.inputs if s.name not in given and not s.optional]
     if missing:
         raise BadRequest(400, f"inputs: missing {missing}; the model's inputs are {list(by_name)}")
     decoded = contract.checked([given.get(s.name) for s in contract.inputs])  # None: its proven stand-in

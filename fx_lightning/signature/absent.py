@@ -32,10 +32,11 @@ __all__ = ["stand_in", "absent_fills", "leaf_steps", "one_value_for_all", "repea
 _FILLS = (1.0, 0.0)
 
 
-def stand_in(inputs: Sequence[LeafSpec], leaf: LeafSpec, values: Sequence[Any], fill: float = 0.0) -> torch.Tensor:
-    """``fill`` in the shape ``leaf`` takes on a call whose inputs are ``values`` (aligned with ``inputs``, the
-    signature's; None where missing; tensors or arrays): the sample axis and the sizes that varied with those
-    inputs from them, the other sizes the example's."""
+def stand_in(inputs: Sequence[LeafSpec], leaf: LeafSpec, values: Sequence[Any]) -> torch.Tensor:
+    """What stands in for ``leaf`` on a call whose inputs are ``values`` (aligned with ``inputs``, the signature's;
+    None where missing; tensors or arrays): its ``absent_fill`` (zeros for an unread input), or the size of the group
+    ``absent_size_of`` names, in the shape it takes there: the sample axis and the sizes that varied with those
+    inputs from them, the other sizes the example's; on the device of the tensors given."""
     given = {g: t.shape[d] for spec, t in zip(inputs, values) if t is not None and hasattr(t, "shape")
              for d, g in enumerate(spec.groups or ()) if g is not None and d < len(t.shape)}
     rows = next((t.shape[spec.sample_axis] for spec, t in zip(inputs, values)
@@ -43,6 +44,7 @@ def stand_in(inputs: Sequence[LeafSpec], leaf: LeafSpec, values: Sequence[Any], 
                  and spec.sample_axis < len(t.shape)), None)
     shape = [rows if dim.kind is DimKind.sample and rows is not None else given.get(group, dim.size)
              for dim, group in zip(leaf.dims, leaf.groups or (None,) * len(leaf.dims))]
+    fill = given.get(leaf.absent_size_of, 0) if leaf.absent_size_of is not None else leaf.absent_fill or 0.0
     device = next((t.device for t in values if isinstance(t, torch.Tensor)), None)  # beside the inputs given
     return torch.full(shape, fill, dtype=getattr(torch, leaf.dtype), device=device)
 
@@ -58,13 +60,25 @@ def absent_fills(signature: Signature, calls: Sequence[Call], run: Runner, optio
         name = _argument_name(signature, leaf)
         if name is None or name not in optional or leaf.unread:
             continue
-        fill = next((f for f in _FILLS if all(_same_without(signature, index, call, run, f) for call in calls)), None)
-        if fill is not None:
-            fills[leaf.name] = fill
+        trials = [dataclasses.replace(leaf, absent_fill=f) for f in _FILLS]
+        trials += [dataclasses.replace(leaf, absent_size_of=g) for g in _sizes_of_others(signature, index)]
+        found = next((t for t in trials if all(_same_without(signature, t, index, call, run) for call in calls)), None)
+        if found is not None:
+            fills[leaf.name] = found
     if not fills:
         return signature
-    return dataclasses.replace(signature, inputs=[dataclasses.replace(leaf, absent_fill=fills.get(leaf.name))
-                                                  for leaf in signature.inputs])
+    return dataclasses.replace(signature, inputs=[fills.get(leaf.name, leaf) for leaf in signature.inputs])
+
+
+def _sizes_of_others(signature: Signature, index: int) -> List[str]:
+    """The groups of the other inputs' variable dimensions (a waveform's length): candidates for the value every
+    sample of a one-dimensional per-sample input takes when none is padded (lengths)."""
+    leaf = signature.inputs[index]
+    if len(leaf.dims) != 1 or leaf.sample_axis != 0 or getattr(torch, leaf.dtype).is_floating_point:
+        return []
+    return list(dict.fromkeys(g for i, spec in enumerate(signature.inputs) if i != index
+                              for d, g in zip(spec.dims, spec.groups or ()) if g is not None
+                              and d.kind is DimKind.variable))
 
 
 def one_value_for_all(signature: Signature, calls: Sequence[Call], run: Runner) -> Signature:
@@ -125,16 +139,15 @@ def _argument_name(signature: Signature, leaf: LeafSpec) -> Optional[str]:
     return None
 
 
-def _same_without(signature: Signature, index: int, call: Call, run: Runner, fill: float) -> bool:
-    """Whether ``run`` gives the same outputs on ``call`` with input ``index`` left out as with ``fill`` in its
-    place, sized by :func:`stand_in`."""
-    leaf = signature.inputs[index]
+def _same_without(signature: Signature, leaf: LeafSpec, index: int, call: Call, run: Runner) -> bool:
+    """Whether ``run`` gives the same outputs on ``call`` with input ``index`` left out as with ``leaf``'s stand-in
+    (:func:`stand_in`) in its place."""
     try:
         values: List[Any] = [value_at(call, leaf_steps(spec)) for spec in signature.inputs]
     except (KeyError, IndexError, AttributeError, TypeError):
         return False
     given, values[index] = values[index], None
-    filled = stand_in(signature.inputs, leaf, values, fill)
+    filled = stand_in(signature.inputs, leaf, values)
     if not isinstance(given, torch.Tensor) or filled.shape != given.shape:
         return False  # the stand-in would not have the size this call's argument had
     filled = filled.to(given.device)

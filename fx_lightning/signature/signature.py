@@ -64,9 +64,17 @@ class LeafSpec:
     # What stands in for an argument a caller leaves out (forward's default None), proven by experiment to give what
     # the model computes without it: a mask of ones (:mod:`~fx_lightning.signature.absent`). None: it must be given.
     absent_fill: Optional[float] = None
+    # Or the size of this variable dimension of the inputs given (a group of ``groups``) stands in for every value: the
+    # lengths of a batch without padding (torchaudio's wav2vec2 ``lengths``, None meaning every sample is whole).
+    absent_size_of: Optional[str] = None
     # A per-sample input (its one dimension the sample axis) that a caller may give as one value for every sample (a
     # diffusion model's timestep: an int or a 0-d tensor in the sampling loop), proven by experiment to mean that.
     one_for_all: bool = False
+
+    @property
+    def optional(self) -> bool:
+        """Whether a caller may leave this input out: a stand-in was proven (:mod:`~fx_lightning.signature.absent`)."""
+        return self.absent_fill is not None or self.absent_size_of is not None
 
     @property
     def sample_axis(self) -> Optional[int]:
@@ -99,6 +107,7 @@ class LeafSpec:
                 "shape": self.shape, "example_shape": self.example_shape,
                 "sizes_seen": [[d.low, d.high] for d in self.dims], **{key: True for key, on in flags.items() if on},
                 **({"absent_fill": self.absent_fill} if self.absent_fill is not None else {}),
+                **({"absent_size_of": self.absent_size_of} if self.absent_size_of is not None else {}),
                 **({"one_for_all": True} if self.one_for_all else {})}
 
     @classmethod
@@ -113,8 +122,9 @@ class LeafSpec:
         return cls(str(data["name"]), str(data.get("path", data["name"])),
                    tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
                    bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)),
-                   float(data["absent_fill"]) if data.get("absent_fill") is not None else None,
-                   bool(data.get("one_for_all", False)))
+                   absent_fill=float(data["absent_fill"]) if data.get("absent_fill") is not None else None,
+                   absent_size_of=str(data["absent_size_of"]) if data.get("absent_size_of") is not None else None,
+                   one_for_all=bool(data.get("one_for_all", False)))
 
 
 @dataclass(frozen=True)

@@ -163,14 +163,14 @@ class ArtifactInterface(nn.Module):
             try:
                 values.append(value_at(call, leaf_steps(leaf)))
             except (KeyError, IndexError, AttributeError, TypeError) as exc:
-                if not leaf.unread and leaf.absent_fill is None:
+                if not leaf.unread and not leaf.optional:
                     wanted = ", ".join(f"{x.name} ({x.path})" for x in self.signature.inputs if not x.unread)
                     raise ExportError(f"{self.what}: cannot find its inputs in the arguments given "
                                       f"({type(exc).__name__}: {exc}); it takes {wanted}: by name, in that order, or "
                                       "as the original arguments") from None
                 values.append(None)
-        return tuple(values[i] if values[i] is not None or not (leaf.unread or leaf.absent_fill is not None) else
-                     stand_in(self.signature.inputs, leaf, values, leaf.absent_fill or 0.0)
+        return tuple(values[i] if values[i] is not None or not (leaf.unread or leaf.optional) else
+                     stand_in(self.signature.inputs, leaf, values)
                      for i, leaf in enumerate(self.signature.inputs))
 
     def _argument_named(self, path: Tuple[Step, ...]) -> Optional[str]:
@@ -206,11 +206,11 @@ class ArtifactInterface(nn.Module):
                               + (" given by position too" if set(unknown) & set(names) else ""))
         values = [*args, *(kwargs.get(name) for name in names[len(args):])]
         missing = [leaf.name for leaf, value in zip(self.signature.inputs, values)
-                   if value is None and leaf.absent_fill is None]
+                   if value is None and not leaf.optional]
         if missing:
             raise ExportError(f"{self.what}: takes {len(names)} input(s) ({', '.join(names)}); got "
                               f"{len(names) - len(missing)}" + _ALWAYS_OBSERVED.format(missing=", ".join(missing)))
-        return tuple(stand_in(self.signature.inputs, leaf, values, leaf.absent_fill or 0.0) if value is None else value
+        return tuple(stand_in(self.signature.inputs, leaf, values) if value is None else value
                      for leaf, value in zip(self.signature.inputs, values))
 
     def _as_observed(self, call: Call) -> Call:
