@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import re
 
@@ -808,3 +809,31 @@ def test_an_output_tree_in_a_manifest_is_read_never_run_and_a_bad_one_is_named()
                           "items": [{"kind": "tensor"}]}, "cannot be imported here")):
         with pytest.raises(ExportError, match=words):
             rebuild_outputs(node, [torch.zeros(1)])
+
+
+class Features(collections.UserDict):
+    """transformers' BatchEncoding: a mapping of its own class."""
+
+
+class ReturnsFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> Features:
+        return Features(embedding=self.f(x), scale=2)
+
+
+def test_a_mapping_of_its_own_class_comes_back_as_that_class(tmp_path) -> None:
+    """It came back as a plain dict (changed structure)."""
+    import lightning_helpers as H
+    from fx_lightning import load_fused
+
+    cb, module = _fit_returning(tmp_path, ReturnsFeatures(), lambda out: out["embedding"].pow(2).mean(),
+                                torch.randn(32, 8))
+    reference = H.fp64_copy(module.model)
+    for name in read_manifest(cb.export_dir).formats:
+        x = torch.randn(3, 8)
+        got = load_fused(cb.export_dir, format=name)(x)
+        assert type(got) is Features and got["scale"] == 2, name
+        assert H.rel_err(got["embedding"], reference(x.double())["embedding"]) < 1e-5, name

@@ -108,6 +108,10 @@ class Tree:
     template: Any = None
     hidden: bool = False  # a constant whose object holds tensors where they cannot be read (private attributes)
     counts_samples: bool = False  # a constant equal to the call's number of samples in every call observed
+    # A mapping of another class than dict (transformers' BatchEncoding), and whether ``origin(dict)`` gives it back
+    # with the same state: an artifact then returns that class, else the output is refused.
+    origin: Optional[type] = None
+    origin_rebuilds: bool = False
 
     # ------------------------------------------------------------------------------------------ leaves
 
@@ -332,6 +336,22 @@ def _rebuilt_distribution(tree: Tree, params: Dict[str, Any]) -> Any:
         return obj
 
 
+def _mapping_rebuilds(value: Mapping[Any, Any]) -> bool:
+    """Whether ``type(value)(dict(value))`` is ``value`` again: its class, its keys in order, and the same other
+    state (a UserDict's attributes besides its ``data``)."""
+    try:
+        again = type(value)(dict(value))
+    except Exception:  # noqa: BLE001 - a constructor of other arguments: not rebuilt so
+        return False
+    if type(again) is not type(value) or list(again.keys()) != list(value.keys()):
+        return False
+    try:
+        mine, theirs = vars(value), vars(again)
+    except TypeError:  # no instance state beside the items
+        return True
+    return mine.keys() == theirs.keys() and all(k == "data" or _same_constant(mine[k], theirs[k]) for k in mine)
+
+
 def _object_fields(value: Any) -> Optional[List[Tuple[str, Any]]]:
     """The fields of a dataclass, or of an object whose attributes hold tensors (a library's batch type); None
     when ``value`` holds no tensor."""
@@ -386,7 +406,9 @@ def tree_of(value: Any, depth: int = 0) -> Tree:
         # (a dataclass that is a mapping, Hugging Face's ModelOutput, keeps its class for the outputs' description)
         cls = type(value) if dataclasses.is_dataclass(value) else \
             collections.OrderedDict if type(value) is collections.OrderedDict else dict
-        return Tree("map", cls, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()])
+        origin = type(value) if type(value) not in (dict, collections.OrderedDict) and cls is not type(value) else None
+        return Tree("map", cls, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()], origin=origin,
+                    origin_rebuilds=origin is not None and _mapping_rebuilds(value))
     if isinstance(value, torch.distributions.Distribution):
         return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in _distribution_params(value)],
                     template=value)

@@ -55,6 +55,8 @@ def describe_outputs(tree: Tree) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
+    if tree.kind == "map" and tree.origin is not None and _mapping_class(tree) is not None:  # its class again
+        return {"kind": "mapping", "class": _mapping_class(tree), "keys": keys, "items": items}
     if tree.kind == "obj" and _object_description(tree) is not None:  # rebuilt with its class, its fields set
         return {"kind": "object", "class": _object_description(tree), "keys": keys, "items": items}
     if tree.kind == "dist" and tree.cls is not None:  # rebuilt from its parameters (torch's own classes import)
@@ -87,6 +89,11 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
         return (f"{where} is a {name}, a distribution an artifact cannot build again from its parameters (its "
                 "tensors are not all arguments of its class, or the class does not import by name): it would come "
                 "back as a dict of them. Fuse the module that computes its parameters (target), or return them")
+    if tree.kind == "map" and tree.origin is not None and _mapping_class(tree) is None:
+        origin = f"{tree.origin.__module__}.{tree.origin.__qualname__}"
+        return (f"{where} is a {origin}, a mapping an artifact cannot give back as one (its class does not import by "
+                "name, or built again from its items it is not the same: other state beside them): it would come back "
+                "as a dict")
     if tree.kind == "obj" and not dataclasses.is_dataclass(tree.cls) and _object_description(tree) is None:
         return (f"{where} is a {name}, which an artifact cannot give back as one (its class does not import by name, "
                 "or it has attributes that are private or hold values JSON cannot, such as a class): it "
@@ -96,6 +103,15 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
         if problem is not None:
             return problem
     return None
+
+
+def _mapping_class(tree: Tree) -> Optional[str]:
+    """The ``module:qualname`` of a mapping's own class (not dict), when it imports by that name and gives the
+    mapping back from its items (``Tree.origin_rebuilds``)."""
+    if tree.origin is None or not tree.origin_rebuilds:
+        return None
+    name = f"{tree.origin.__module__}:{tree.origin.__qualname__}"
+    return name if class_at(name) is tree.origin else None
 
 
 def _const(node: Mapping[str, Any]) -> Any:
@@ -204,6 +220,12 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
                 return cls(**params, validate_args=False)  # type: ignore[misc]
             except (TypeError, KeyError, ValueError):  # a constructor of its own (scvi's Normal takes mu)
                 return _distribution_from_fields(cls, params, int(node.get("event_dims", 0)))
+        if kind == "mapping":
+            cls = class_at(str(node["class"]))
+            if cls is None:
+                raise ExportError(f"the outputs hold a {node['class']} (recorded in the manifest's output_tree), "
+                                  "and that class cannot be imported here: install the package that defines it")
+            return cls(dict(zip(node.get("keys") or [], items)))
         if kind == "object":
             cls = class_at(str(node["class"]))
             if cls is None:  # a dict of its fields would be another structure: never without a word
