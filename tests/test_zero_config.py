@@ -1645,3 +1645,44 @@ def test_a_server_takes_the_calls_load_fused_takes_a_mask_left_out_and_one_times
         with pytest.raises(BadRequest, match="input 't'"):
             contract.decode(('{"inputs": {"x": %s, "t": %s}}' % (json.dumps(x.tolist()), bad)).encode(),
                             "application/json")
+
+
+class AddsToFeatures(pl.LightningModule):
+    """sentence-transformers' modules: forward adds its embedding to the features mapping it is given and returns
+    that mapping; the steps pass a dict, ``encode`` a BatchEncoding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, features: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        features.update({"sentence_embedding": self.f(features["x"])})
+        return features
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self({"x": batch[0]})["sentence_embedding"].pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self({"x": batch[0]})
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), 1e-3)
+
+
+def test_a_model_returning_the_mapping_it_was_given_returns_the_callers(tmp_path) -> None:
+    """The artifact returned a plain dict where the model returns the caller's own mapping (a BatchEncoding)."""
+    import collections
+
+    class Encoding(collections.UserDict):
+        pass
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8)), batch_size=8)
+    cb, module = FXFuseCallback(), AddsToFeatures()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    reference = H.fp64_copy(module)
+    for given in (Encoding(x=torch.randn(3, 8)), {"x": torch.randn(1, 8)}):
+        want = reference({"x": given["x"].double()})["sentence_embedding"]
+        got = load_fused(cb.export_dir)(given)
+        assert got is given and set(got) == {"x", "sentence_embedding"}
+        assert H.rel_err(got["sentence_embedding"], want) < 1e-5

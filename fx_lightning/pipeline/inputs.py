@@ -14,12 +14,13 @@ Where none works, the error says what was tried and how ``parity.input`` is writ
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import itertools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -385,6 +386,27 @@ def _returnable_target(reference: nn.Module, call: Call, path: str) -> str:
             "back): the artifact is then that module, called as the model calls it")
 
 
+def _returned_argument(reference: nn.Module, call: Call) -> Optional[Tuple[str, Any]]:
+    """The mapping argument the target returns itself, updated in place (a copy of it is given, and that very copy
+    comes back), by its step; None when it returns none of its arguments."""
+    steps = [("arg", i) for i in range(len(call.args))] + [("kwarg", k) for k in call.kwargs]
+    for kind, key in steps:
+        given = value_at(call, ((kind, key),))
+        if not isinstance(given, MutableMapping):
+            continue
+        mine = copy.copy(given)
+        args = tuple(mine if (kind, key) == ("arg", i) else a for i, a in enumerate(call.args))
+        kwargs = {k: mine if (kind, key) == ("kwarg", k) else v for k, v in call.kwargs.items()}
+        try:
+            with torch.no_grad():
+                returned = reference(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - ran before on the recorded call; no finding from a second run
+            return None
+        if returned is mine:
+            return (kind, key)
+    return None
+
+
 def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed: Optional[Observations],
                   probe: bool = False, path: str = "") -> Signature:
     """The signature of the target's calls: ``reference`` run on them (and once more with another seed, for the
@@ -408,6 +430,7 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
         return signature
     names = forward_parameter_names(reference) or []
     signature.constants = [_with_default(c, parameters, names) for c in signature.constants]
+    signature.returns_argument = _returned_argument(reference, steps[0].target)
     signature.arguments = [p.name if p.kind is p.POSITIONAL_OR_KEYWORD else "" for p in parameters.values()
                            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return signature

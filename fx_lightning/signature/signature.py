@@ -206,6 +206,9 @@ class Signature:
     # Groups of input sizes (``LeafSpec.groups``) a call failing a condition may be zero-padded along, its outputs
     # cropped back, proven by experiment (:mod:`~fx_lightning.signature.padding`: ConvTasNet's lengths).
     padded: List[str] = field(default_factory=list)
+    # The argument (a step: ("arg", 0), ("kwarg", "features")) the model returns, updated in place (sentence-transformers
+    # adds its embeddings to the features mapping it is given): the caller's own mapping is updated and returned.
+    returns_argument: Optional[Tuple[str, Any]] = None
 
     def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
         """The number of samples of a call with these input leaves, for the outputs that count them."""
@@ -264,7 +267,8 @@ class Signature:
                 **({"arguments": list(self.arguments)} if self.arguments else {}),
                 **({"item_list": dict(self.items.to_dict())} if self.items is not None else {}),
                 **({"conditions": list(self.conditions)} if self.conditions else {}),
-                **({"padded": list(self.padded)} if self.padded else {})}
+                **({"padded": list(self.padded)} if self.padded else {}),
+                **({"returns_argument": list(self.returns_argument)} if self.returns_argument else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -281,7 +285,9 @@ class Signature:
                    arguments=[str(n) for n in data.get("arguments") or []],
                    items=ItemList.from_dict(data["item_list"]) if data.get("item_list") else None,
                    conditions=[str(c) for c in data.get("conditions") or []],
-                   padded=[str(g) for g in data.get("padded") or []])
+                   padded=[str(g) for g in data.get("padded") or []],
+                   returns_argument=(str(data["returns_argument"][0]), data["returns_argument"][1])
+                   if data.get("returns_argument") else None)
 
 
 # ------------------------------------------------------------------------------------------ derivation

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -94,7 +94,17 @@ class ArtifactInterface(nn.Module):
                 self.signature.conditions, tensors, self.names)
             if problem is not None:
                 raise ExportError(f"{self.what}: {problem}")
-        return self._run(call_args, self.signature.samples_in(tensors))
+        out = self._run(call_args, self.signature.samples_in(tensors))
+        returned = self.signature.returns_argument
+        if returned is not None and isinstance(out, Mapping):  # as the model: the caller's mapping, updated
+            try:
+                given = value_at(self._as_observed(Call(args, kwargs)), (returned,))
+            except (KeyError, IndexError, AttributeError, TypeError):
+                return out
+            if isinstance(given, MutableMapping):
+                given.update(out)
+                return given
+        return out
 
     def _run(self, call_args: Sequence[Any], samples: Optional[int]) -> Any:
         """The runtime on ``call_args`` (which fit), its outputs nested as the signature records them."""
