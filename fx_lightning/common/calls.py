@@ -339,8 +339,9 @@ def _rebuilt_distribution(tree: Tree, params: Dict[str, Any]) -> Any:
 def _mapping_rebuilds(value: Mapping[Any, Any]) -> bool:
     """Whether ``type(value)(dict(value))`` is ``value`` again: its class, its keys in order, and the same other
     state (a UserDict's attributes besides its ``data``)."""
+    cls = type(value)
     try:
-        again = type(value)(dict(value))
+        again = cls(dict(value))
     except Exception:  # noqa: BLE001 - a constructor of other arguments: not rebuilt so
         return False
     if type(again) is not type(value) or list(again.keys()) != list(value.keys()):
@@ -503,8 +504,10 @@ def _without_dtypes(value: Any) -> Any:
     and what rebuilds the outputs behind a FlatCall (its recorded tree, the manifest's description) restores them."""
     if isinstance(value, (torch.dtype, torch.device)):
         return None
-    if isinstance(value, (tuple, list)):
-        return type(value)(_without_dtypes(v) for v in value)
+    if isinstance(value, tuple):  # plain() gives plain tuples and lists only
+        return tuple(_without_dtypes(v) for v in value)
+    if isinstance(value, list):
+        return [_without_dtypes(v) for v in value]
     if isinstance(value, dict):
         return {k: _without_dtypes(v) for k, v in value.items()}
     return value
