@@ -1545,6 +1545,39 @@ def test_lengths_left_out_mean_whole_samples_where_proven(tmp_path) -> None:
         assert H.rel_err(load_fused(cb.export_dir)(x), reference(x.double())) < 1e-5
 
 
+class ReturnsLengths(WithLengths):
+    """torchaudio's wav2vec2: ``forward(waveforms, lengths=None)`` returns ``(x, lengths)``, None in place of the
+    lengths when none were given."""
+
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> Any:  # type: ignore[override]
+        return super().forward(x, lengths), (lengths - 1 if lengths is not None else None)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0], batch[1])[0], batch[2])
+
+
+def test_an_output_the_model_gives_as_none_without_an_input_is_none_when_it_is_left_out(tmp_path) -> None:
+    """torchaudio's wav2vec2: no stand-in was taken for lengths, since without them the model returns (x, None)
+    and with them (x, lengths): model(waveform), the tutorial's inference call, was refused."""
+    torch.manual_seed(0)
+    lengths = torch.full((16,), 40)
+    lengths[::2] = 30
+    data = torch.utils.data.TensorDataset(torch.randn(16, 40), lengths, torch.randint(0, 3, (16,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    cb, module = FXFuseCallback(), ReturnsLengths()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
+    reference = H.fp64_copy(module)
+    for name in cb.outcome.manifest.formats:
+        fused = load_fused(cb.export_dir, name)
+        x = torch.randn(3, 23)
+        got, want = fused(x), reference(x.double())
+        assert type(got) is tuple and got[1] is None and want[1] is None, name
+        assert H.rel_err(got[0], want[0]) < 1e-5, name
+        given = torch.tensor([23, 10, 5])
+        got, want = fused(x, given), reference(x.double(), given)
+        assert torch.equal(got[1], want[1]) and H.rel_err(got[0], want[0]) < 1e-5, name
+
+
 def test_an_input_left_out_that_no_stand_in_replaces_is_refused_saying_why_and_the_advice_works(tmp_path) -> None:
     """The refusal said "takes 2 input(s) (x, attention_mask); got 1": neither why nor what to do. Where neither
     ones nor zeros give what the model computes without the mask, the call leaving it out is still refused."""

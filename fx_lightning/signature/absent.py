@@ -16,8 +16,9 @@ model gives the same outputs with that value alone as with it repeated for every
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, List, MutableMapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -26,7 +27,7 @@ from fx_lightning.parity.compare import compare_outputs, structure_mismatch
 from fx_lightning.signature.sample_axis import Runner
 from fx_lightning.signature.signature import ConstSpec, DimKind, LeafSpec, Signature
 
-__all__ = ["stand_in", "absent_fills", "leaf_steps", "one_value_for_all", "repeated_for_all"]
+__all__ = ["stand_in", "absent_fills", "leaf_steps", "one_value_for_all", "repeated_for_all", "with_none_at"]
 
 # Tried in order: a mask with nothing masked, then one token type (BERT's token_type_ids).
 _FILLS = (1.0, 0.0)
@@ -62,9 +63,11 @@ def absent_fills(signature: Signature, calls: Sequence[Call], run: Runner, optio
             continue
         trials = [dataclasses.replace(leaf, absent_fill=f) for f in _FILLS]
         trials += [dataclasses.replace(leaf, absent_size_of=g) for g in _sizes_of_others(signature, index)]
-        found = next((t for t in trials if all(_same_without(signature, t, index, call, run) for call in calls)), None)
-        if found is not None:
-            fills[leaf.name] = found
+        for trial in trials:
+            drops = [_same_without(signature, trial, index, call, run) for call in calls]
+            if all(d is not None for d in drops) and len(set(drops)) == 1:  # the same outputs left None in each
+                fills[leaf.name] = dataclasses.replace(trial, absent_drops=drops[0])
+                break
     if not fills:
         return signature
     return dataclasses.replace(signature, inputs=[fills.get(leaf.name, leaf) for leaf in signature.inputs])
@@ -139,24 +142,70 @@ def _argument_name(signature: Signature, leaf: LeafSpec) -> Optional[str]:
     return None
 
 
-def _same_without(signature: Signature, leaf: LeafSpec, index: int, call: Call, run: Runner) -> bool:
+def _same_without(signature: Signature, leaf: LeafSpec, index: int, call: Call,
+                  run: Runner) -> Optional[Tuple[int, ...]]:
     """Whether ``run`` gives the same outputs on ``call`` with input ``index`` left out as with ``leaf``'s stand-in
-    (:func:`stand_in`) in its place."""
+    (:func:`stand_in`) in its place: None where not; else the outputs (by leaf index) that are None without it and a
+    tensor with it (the lengths a speech model returns only when given lengths), every other one equal."""
     try:
         values: List[Any] = [value_at(call, leaf_steps(spec)) for spec in signature.inputs]
     except (KeyError, IndexError, AttributeError, TypeError):
-        return False
+        return None
     given, values[index] = values[index], None
     filled = stand_in(signature.inputs, leaf, values)
     if not isinstance(given, torch.Tensor) or filled.shape != given.shape:
-        return False  # the stand-in would not have the size this call's argument had
+        return None  # the stand-in would not have the size this call's argument had
     filled = filled.to(given.device)
     try:
         without, with_fill = run(_replaced(call, leaf, None)), run(_replaced(call, leaf, filled))
     except Exception:  # noqa: BLE001 - the model needs it (or a value of another kind): it stays required
-        return False
-    got, want = tree_of(with_fill).leaves(with_fill), tree_of(without).leaves(without)
-    return bool(want) and structure_mismatch(got, want) is None and compare_outputs(got, want).passed
+        return None
+    paths, got = tree_of(with_fill).leaf_paths(), tree_of(with_fill).leaves(with_fill)
+    kept, drops, want = [], [], []
+    for i, path in enumerate(paths):
+        try:
+            other = value_at(without, path)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            return None
+        if other is None:
+            drops.append(i)
+        elif isinstance(other, torch.Tensor):
+            kept.append(got[i])
+            want.append(other)
+        else:
+            return None
+    if not want or len(tree_of(without).leaf_paths()) != len(want):  # nothing compared, or more without it
+        return None
+    if structure_mismatch(kept, want) is not None or not compare_outputs(kept, want).passed:
+        return None
+    return tuple(drops)
+
+
+def with_none_at(value: Any, paths: Sequence[Tuple[Tuple[str, Any], ...]]) -> Any:
+    """``value`` (outputs in their containers) with None at each of ``paths``: what the model returns without an
+    input whose stand-in gave those outputs (:attr:`LeafSpec.absent_drops`)."""
+    for path in paths:
+        value = _set_at(value, list(path))
+    return value
+
+
+def _set_at(value: Any, path: List[Tuple[str, Any]]) -> Any:
+    if not path:
+        return None
+    (kind, key), rest = path[0], path[1:]
+    if isinstance(value, tuple):
+        items = list(value)
+        items[key] = _set_at(items[key], rest)
+        return value._make(items) if hasattr(value, "_make") else tuple(items)
+    if isinstance(value, list):
+        return [_set_at(v, rest) if i == key else v for i, v in enumerate(value)]
+    if kind == "key" and isinstance(value, MutableMapping):
+        out = copy.copy(value)
+        out[key] = _set_at(value[key], rest)
+        return out
+    out = copy.copy(value)  # an object's field (a dataclass, a ModelOutput)
+    object.__setattr__(out, key, _set_at(getattr(value, key), rest))
+    return out
 
 
 def leaf_steps(leaf: Union[LeafSpec, ConstSpec]) -> Tuple[Tuple[str, Any], ...]:

@@ -67,6 +67,9 @@ class LeafSpec:
     # Or the size of this variable dimension of the inputs given (a group of ``groups``) stands in for every value: the
     # lengths of a batch without padding (torchaudio's wav2vec2 ``lengths``, None meaning every sample is whole).
     absent_size_of: Optional[str] = None
+    # The outputs (indices into the signature's outputs) the model gives as None when this input is left out
+    # (torchaudio's wav2vec2 returns ``(x, None)`` without lengths): None in a call that leaves it out.
+    absent_drops: Tuple[int, ...] = ()
     # A per-sample input (its one dimension the sample axis) that a caller may give as one value for every sample (a
     # diffusion model's timestep: an int or a 0-d tensor in the sampling loop), proven by experiment to mean that.
     one_for_all: bool = False
@@ -108,6 +111,7 @@ class LeafSpec:
                 "sizes_seen": [[d.low, d.high] for d in self.dims], **{key: True for key, on in flags.items() if on},
                 **({"absent_fill": self.absent_fill} if self.absent_fill is not None else {}),
                 **({"absent_size_of": self.absent_size_of} if self.absent_size_of is not None else {}),
+                **({"absent_drops": list(self.absent_drops)} if self.absent_drops else {}),
                 **({"one_for_all": True} if self.one_for_all else {})}
 
     @classmethod
@@ -124,6 +128,7 @@ class LeafSpec:
                    bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)),
                    absent_fill=float(data["absent_fill"]) if data.get("absent_fill") is not None else None,
                    absent_size_of=str(data["absent_size_of"]) if data.get("absent_size_of") is not None else None,
+                   absent_drops=tuple(int(i) for i in data.get("absent_drops") or ()),
                    one_for_all=bool(data.get("one_for_all", False)))
 
 

@@ -23,7 +23,7 @@ from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.batching import BatchPieces
-from fx_lightning.signature.absent import leaf_steps, repeated_for_all, stand_in
+from fx_lightning.signature.absent import leaf_steps, repeated_for_all, stand_in, with_none_at
 from fx_lightning.signature.conditions import condition_holds, failed_condition
 from fx_lightning.signature.item_list import given_length, run_in_pieces
 from fx_lightning.signature.padding import crop_outputs, pad_inputs, padded_sizes
@@ -57,6 +57,7 @@ class ArtifactInterface(nn.Module):
                                         if size is not None], leaf.sample_axis)
                       for i, leaf in enumerate(signature.inputs)]
         self._one_for_all = any(leaf.one_for_all for leaf in signature.inputs)
+        self._drops = any(leaf.absent_drops for leaf in signature.inputs)
         self._one_tensor_out = (signature.output_tree or {}).get("kind") == "tensor"
         set_eval(self)  # not .eval(): torch.export's unlifted module refuses it
 
@@ -95,6 +96,9 @@ class ArtifactInterface(nn.Module):
             if problem is not None:
                 raise ExportError(f"{self.what}: {problem}")
         out = self._run(call_args, self.signature.samples_in(tensors))
+        if self._drops:  # the outputs the model gives as None without an input left out
+            paths = self._dropped(args, kwargs)
+            out = with_none_at(out, paths) if paths else out
         returned = self.signature.returns_argument
         if returned is not None and isinstance(out, Mapping):  # as the model: the caller's mapping, updated
             try:
@@ -117,6 +121,22 @@ class ArtifactInterface(nn.Module):
             if len(leaves) == len(self.signature.outputs):  # the containers as recorded (named tuples included)
                 return rebuild_outputs(tree, leaves, samples)
         return nest_outputs(out, self.signature.outputs)
+
+    def _dropped(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> List[Tuple[Tuple[str, Any], ...]]:
+        """The paths of the outputs that are None in this call: those of each input it leaves out whose absence the
+        model answers with None there (:attr:`~fx_lightning.signature.signature.LeafSpec.absent_drops`)."""
+        call = self._as_observed(Call(args, kwargs))
+        paths = []
+        for leaf in self.signature.inputs:
+            if not leaf.absent_drops:
+                continue
+            try:
+                given = value_at(call, leaf_steps(leaf))
+            except (KeyError, IndexError, AttributeError, TypeError):
+                given = None
+            if given is None:
+                paths += [leaf_steps(self.signature.outputs[i]) for i in leaf.absent_drops]
+        return paths
 
     def _repeated(self, values: Tuple[Any, ...]) -> Tuple[Any, ...]:
         """``values`` with one value given for every sample (a timestep) repeated for the call's samples."""
