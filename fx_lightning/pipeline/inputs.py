@@ -365,7 +365,7 @@ def with_stand_ins(signature: Signature, reference: nn.Module,
 def _returnable_target(reference: nn.Module, call: Call, path: str) -> str:
     """The advice for a target whose outputs an artifact cannot give back: the largest submodule (by parameters)
     whose outputs it can, seen by running the target once on ``call`` (a flow's conditioner network, say)."""
-    outputs: Dict[str, Any] = {}
+    outputs: Dict[str, object] = {}
     names = {id(m): name for name, m in reference.named_modules() if name}
     hooks = [m.register_forward_hook(lambda m, _args, out: outputs.setdefault(names[id(m)], out))
              for m in reference.modules() if id(m) in names]
