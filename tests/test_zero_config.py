@@ -1505,26 +1505,13 @@ def test_a_mask_of_ones_in_every_training_call_is_kept_never_taken_for_labels(tm
     assert H.rel_err(fused(x), reference(x.double())) < 1e-5
 
 
-class WithLengths(H.CrossEntropySteps):
+class WithLengths(OptionalMask):
     """torchaudio's speech models: ``forward(waveforms, lengths=None)``, None meaning every sample is whole; the steps
     pass the padded batch's lengths in every call."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.bn, self.head = nn.Conv1d(1, 8, 5, padding=2), nn.BatchNorm1d(8), nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = torch.relu(self.bn(self.conv(x.unsqueeze(1))))
-        if lengths is None:
-            return self.head(h.mean(-1))
-        keep = (torch.arange(x.shape[-1])[None, :] < lengths[:, None]).to(h.dtype)[:, None, :]
-        return self.head((h * keep).sum(-1) / keep.sum(-1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return F.cross_entropy(self(batch[0], batch[1]), batch[2])
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self(batch[0], batch[1])
+    def forward(self, x: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:  # type: ignore[override]
+        mask = None if lengths is None else (torch.arange(x.shape[-1])[None, :] < lengths[:, None])
+        return super().forward(x, mask)
 
 
 def test_lengths_left_out_mean_whole_samples_where_proven(tmp_path) -> None:

@@ -58,7 +58,7 @@ def absent_fills(signature: Signature, calls: Sequence[Call], run: Runner, optio
         return signature
     fills: Dict[str, float] = {}
     for index, leaf in enumerate(signature.inputs):
-        name = _argument_name(signature, leaf)
+        name = signature.argument_name(leaf.steps[0]) if len(leaf.steps) == 1 else None  # a whole argument
         if name is None or name not in optional or leaf.unread:
             continue
         trials = [dataclasses.replace(leaf, absent_fill=f) for f in _FILLS]
@@ -128,18 +128,6 @@ def _alone_as_repeated(leaf: LeafSpec, call: Call, run: Runner) -> bool:
     want_leaves = tree_of(want).leaves(want)
     return bool(want_leaves) and all(structure_mismatch(tree_of(a).leaves(a), want_leaves) is None and
                                      compare_outputs(tree_of(a).leaves(a), want_leaves).passed for a in alone)
-
-
-def _argument_name(signature: Signature, leaf: LeafSpec) -> Optional[str]:
-    """The name of forward's argument ``leaf`` is, when it is a whole argument (not a field or item of one)."""
-    if len(leaf.steps) != 1:
-        return None
-    kind, key = leaf.steps[0]
-    if kind == "kwarg":
-        return str(key)
-    if kind == "arg" and isinstance(key, int) and key < len(signature.arguments):
-        return signature.arguments[key] or None
-    return None
 
 
 def _same_without(signature: Signature, leaf: LeafSpec, index: int, call: Call,

@@ -55,10 +55,10 @@ def describe_outputs(tree: Tree) -> JsonObject:
                 "importable": class_at(name) is tree.cls, "fields": [str(k) for k in (fields or keys)], "items": items}
     if tree.kind == "seq":
         return {"kind": "list" if tree.cls is list else "tuple", "items": items}
-    if tree.kind == "map" and tree.origin is not None and _mapping_class(tree) is not None:  # its class again
-        return {"kind": "mapping", "class": _mapping_class(tree), "keys": keys, "items": items}
-    if tree.kind == "obj" and _object_description(tree) is not None:  # rebuilt with its class, its fields set
-        return {"kind": "object", "class": _object_description(tree), "keys": keys, "items": items}
+    own_class = _mapping_class(tree) if tree.kind == "map" else _object_description(tree) if tree.kind == "obj" else None
+    if own_class is not None:  # a mapping built again from its items, an object with its fields set: its class
+        return {"kind": "mapping" if tree.kind == "map" else "object", "class": own_class, "keys": keys,
+                "items": items}
     if tree.kind == "dist" and tree.cls is not None:  # rebuilt from its parameters (torch's own classes import)
         name = f"{tree.cls.__module__}:{tree.cls.__qualname__}"
         if class_at(name) is tree.cls:

@@ -215,6 +215,16 @@ class Signature:
     # adds its embeddings to the features mapping it is given): the caller's own mapping is updated and returned.
     returns_argument: Optional[Tuple[str, Any]] = None
 
+    def argument_name(self, step: Tuple[str, Any]) -> Optional[str]:
+        """The name of forward's argument a call's first step is (by name, or by position through ``arguments``);
+        None for one taken by position only or not known."""
+        kind, key = step
+        if kind == "kwarg":
+            return str(key)
+        if kind == "arg" and isinstance(key, int) and key < len(self.arguments):
+            return self.arguments[key] or None
+        return None
+
     def samples_in(self, leaves: Sequence[Any]) -> Optional[int]:
         """The number of samples of a call with these input leaves, for the outputs that count them."""
         if self.count_dim is None or len(leaves) <= self.count_dim[0]:

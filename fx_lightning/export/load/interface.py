@@ -203,14 +203,6 @@ class ArtifactInterface(nn.Module):
                      stand_in(self.signature.inputs, leaf, values)
                      for i, leaf in enumerate(self.signature.inputs))
 
-    def _argument_named(self, path: Tuple[Step, ...]) -> Optional[str]:
-        """The name of forward's argument at ``path`` (a whole argument, by name or by position)."""
-        kind, key = path[0]
-        if kind == "kwarg":
-            return str(key)
-        names = self.signature.arguments
-        return names[key] if kind == "arg" and isinstance(key, int) and key < len(names) else None
-
     def _refuse_left_out(self, given: Sequence[Optional[str]]) -> None:
         """Refuse arguments the artifact's call leaves out (labels): the advice to export from calls that pass them
         cannot work, since every call did and they were left out."""
@@ -224,7 +216,9 @@ class ArtifactInterface(nn.Module):
         """The inputs of an artifact that takes forward's arguments as they are, given by position or by name; one
         left out (or None) gets its proven stand-in (:mod:`~fx_lightning.signature.absent`), else is refused."""
         names = self.names
-        self._refuse_left_out([*(self._argument_named((("arg", i),)) for i in range(len(names), len(args))),
+        if not kwargs and len(args) == len(names) and all(a is not None for a in args):  # every input, in order
+            return args
+        self._refuse_left_out([*(self.signature.argument_name(("arg", i)) for i in range(len(names), len(args))),
                                *kwargs])
         if len(args) > len(names):  # a runtime may answer for the first ones: refuse, naming them
             raise ExportError(f"{self.what}: takes {len(names)} input(s) ({', '.join(names)}); got {len(args)}"
@@ -272,7 +266,7 @@ class ArtifactInterface(nn.Module):
         given = [tuple(path) for path in tree.leaf_paths()]
         given += [tuple(path) for path, value in tree.constants() if value is not None]
         unknown = [path for path in given if _normal(path) not in known]
-        self._refuse_left_out([self._argument_named(p) for p in unknown if len(p) == 1])
+        self._refuse_left_out([self.signature.argument_name(p[0]) for p in unknown if len(p) == 1])
         if unknown:
             wanted = ", ".join(leaf.path for leaf in self.signature.inputs)
             raise ExportError(f"{self.what}: {', '.join(path_text(p) for p in unknown)} given, which the artifact was "
