@@ -300,6 +300,10 @@ class ExportConfig:
     labels: Optional[List[str]] = None
     # The export logged into an MLflow run (and registry) when the Trainer has an MLFlowLogger.
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # Calls no observed call made, one argument away from them (forward's default where the calls passed another
+    # value; a bool flag's other value: rev=True), each captured, proven and exported beside the artifact
+    # (forms/<argument>=<value>): load_fused sends each call to its form.
+    call_forms: bool = True
 
     def check(self) -> None:
         """Formats listed (when enabled) and once each; batch sizes positive (and distinct); opset in range."""

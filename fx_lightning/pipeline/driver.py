@@ -39,6 +39,7 @@ from fx_lightning.parity.gate import ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
 from fx_lightning.pipeline.export_step import export
+from fx_lightning.pipeline.forms_step import fuse_forms
 from fx_lightning.pipeline.records import Batches, Exported, Fused, Source
 from fx_lightning.pipeline.steps import (
     Step,
@@ -328,9 +329,10 @@ def _write(config: FuseConfig, fused: Fused, source: Source, parity: Optional[Pa
         # The manifest's provenance: the caller's, with the target and the weights this process fused.
         provenance = dataclasses.replace(destination.provenance, target=fused.target,
                                          weights=source.weights or destination.provenance.weights)
+        forms = fuse_forms(config, fused, source, final=mode is Mode.final, progress=progress)
         with progress.step("export", str(destination.directory)) as end:
             exported = export(fused, config, parity, destination.directory, provenance,
-                              rehearsal=mode is Mode.rehearsal, progress=progress)
+                              rehearsal=mode is Mode.rehearsal, progress=progress, forms=forms)
             end.result = f"{len(exported.manifest.formats) if exported.manifest else 0} artifact(s)"
         return exported, None
     except Exception as exc:  # noqa: BLE001 - carried to every rank by the export broadcast

@@ -33,7 +33,9 @@ from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
 from fx_lightning.export.progress import Progress
-from fx_lightning.pipeline.records import Exported, Fused
+from fx_lightning.pipeline.records import Exported, Fused, FusedForms
+from fx_lightning.pipeline.forms_step import FORM_EXPORTED, FORM_NOT_EXPORTED, how_called
+from fx_lightning.signature.forms import CallForm
 from fx_lightning.pipeline.steps import Step, gate_variant, in_step, other_sizes
 from fx_lightning.common.provenance import Provenance
 from fx_lightning.common.rows import with_rows
@@ -70,13 +72,16 @@ NOTHING_SELECTED = NoteKind("nothing_selected", "export.select: fastest: no arti
 
 
 def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], directory: Path,
-           provenance: Provenance, *, rehearsal: bool, progress: Progress) -> Exported:
+           provenance: Provenance, *, rehearsal: bool, progress: Progress, forms: Optional[FusedForms] = None
+           ) -> Exported:
     """Write the fused model: every format (each loaded back and checked), the variants and the selection, all in
     one staging directory renamed to ``directory`` (made absolute) at the end, so the export appears complete or
     not at all. ``rehearsal`` (the preflight): as the end of fit will (a format that cannot be written is skipped
     with a note under ``export.on_format_failure: skip``), except that a variant or the selection that cannot run
     is an error, a variant's gate is measured but not required, and the selection times each artifact once.
-    ``progress``: where each part (a format, a variant, the timing, the sweep) says it started and ended."""
+    ``progress``: where each part (a format, a variant, the timing, the sweep) says it started and ended. ``forms``:
+    the call forms proven (:func:`~fx_lightning.pipeline.forms_step.fuse_forms`), each exported as one of its own
+    under ``forms/<argument>=<value>`` and listed in the signature; one that cannot be written is left out, noted."""
     require_inputs(fused.example_inputs is not None, "the exporter to write the fused model with",
                    key=f"export to {directory}")
     directory = Path(os.path.abspath(directory))
@@ -96,10 +101,34 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
         manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal, progress=progress)
         if config.export.select is Selection.fastest:
             manifest = select_artifact(staging, manifest, fused, config, rehearsal=rehearsal, progress=progress)
+        manifest = _export_forms(staging, manifest, forms, provenance, rehearsal=rehearsal, progress=progress)
         finish_export(staging, manifest, directory, progress)
     steps = [Step.export.value] + ([Step.variants.value] if manifest.variants else []) + (
         [Step.selection.value] if config.export.select is Selection.fastest else [])
     return Exported(directory, manifest, export_notes(manifest, rehearsal), steps)
+
+
+def _export_forms(staging: Path, manifest: Manifest, forms: Optional[FusedForms], provenance: Provenance, *,
+                  rehearsal: bool, progress: Progress) -> Manifest:
+    """Each proven call form exported under ``forms/<argument>=<value>`` (an export of its own, with its manifest)
+    and listed in the signature, so load_fused sends its calls there; one that cannot be written is noted."""
+    written: List[CallForm] = []
+    if forms is None:
+        return manifest
+    manifest.notes += forms.notes
+    for made in forms.made:
+        form = dataclasses.replace(made.form, directory=f"forms/{made.form.slug}")
+        try:
+            export(made.fused, made.config, made.parity, staging / form.directory, provenance, rehearsal=rehearsal,
+                   progress=progress)
+        except FXLightningError as exc:
+            manifest.notes.append(FORM_NOT_EXPORTED(form=form.name, reason=first_line(exc), how=how_called(form)))
+            continue
+        written.append(form)
+        manifest.notes.append(FORM_EXPORTED(form=form.name, directory=form.directory, how=how_called(form)))
+    if written and manifest.signature is not None:
+        manifest.signature = dataclasses.replace(manifest.signature, forms=written)
+    return manifest
 
 
 def _fixed(fused: Fused) -> Optional[str]:

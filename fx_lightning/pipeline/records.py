@@ -12,14 +12,17 @@ import torch
 from torch import nn
 
 from fx_lightning.common.calls import Call
+from fx_lightning.config import FuseConfig
 from fx_lightning.pipeline.engine import FuseResult
 from fx_lightning.export.write.input_contract import InputContract
 from fx_lightning.export.manifest import Manifest
 from fx_lightning.common.notes import Note
 from fx_lightning.common.provenance import WeightsInfo
+from fx_lightning.parity.report import ParityReport
+from fx_lightning.signature.forms import CallForm
 from fx_lightning.signature.signature import Signature
 
-__all__ = ["Batches", "ObservedStep", "Observations", "Source", "Fused", "Exported"]
+__all__ = ["Batches", "ObservedStep", "Observations", "Source", "Fused", "FusedForm", "FusedForms", "Exported"]
 
 
 @dataclass
@@ -105,6 +108,25 @@ class Fused:
         """A call of the target as the fused graph takes it (one tensor per leaf, for a flat interface)."""
         interface = self.result.interface
         return interface.leaves_of(call).args if interface is not None else call.args
+
+
+@dataclass
+class FusedForm:
+    """A call form (:mod:`~fx_lightning.signature.forms`) fused and proven on the observed calls given that form,
+    with the config it is exported with (its own formats, no variants or selection)."""
+
+    form: CallForm
+    fused: Fused
+    parity: Optional[ParityReport]
+    config: FuseConfig
+
+
+@dataclass
+class FusedForms:
+    """The call forms proven (``made``) and why the others were left out (``notes``)."""
+
+    made: List[FusedForm] = field(default_factory=list)
+    notes: List[Note] = field(default_factory=list)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call
 from fx_lightning.signature.constants import unread_constant
+from fx_lightning.signature.forms import CallForm
 from fx_lightning.signature.item_list import ItemList, find_item_list
 from fx_lightning.signature.outputs import (UnreturnableOutput, class_at, describe_outputs, rebuild_outputs,
                                             unreturnable_output)
@@ -214,6 +215,8 @@ class Signature:
     # The argument (a step: ("arg", 0), ("kwarg", "features")) the model returns, updated in place (sentence-transformers
     # adds its embeddings to the features mapping it is given): the caller's own mapping is updated and returned.
     returns_argument: Optional[Tuple[str, Any]] = None
+    # Other forms of the call, each exported beside the artifact as one of its own (:mod:`.forms`: ``rev=True``).
+    forms: List[CallForm] = field(default_factory=list)
 
     def argument_name(self, step: Tuple[str, Any]) -> Optional[str]:
         """The name of forward's argument a call's first step is (by name, or by position through ``arguments``);
@@ -283,7 +286,8 @@ class Signature:
                 **({"item_list": dict(self.items.to_dict())} if self.items is not None else {}),
                 **({"conditions": list(self.conditions)} if self.conditions else {}),
                 **({"padded": list(self.padded)} if self.padded else {}),
-                **({"returns_argument": list(self.returns_argument)} if self.returns_argument else {})}
+                **({"returns_argument": list(self.returns_argument)} if self.returns_argument else {}),
+                **({"forms": [f.to_dict() for f in self.forms]} if self.forms else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -302,7 +306,8 @@ class Signature:
                    conditions=[str(c) for c in data.get("conditions") or []],
                    padded=[str(g) for g in data.get("padded") or []],
                    returns_argument=(str(data["returns_argument"][0]), data["returns_argument"][1])
-                   if data.get("returns_argument") else None)
+                   if data.get("returns_argument") else None,
+                   forms=[CallForm.from_dict(f) for f in data.get("forms") or []])
 
 
 # ------------------------------------------------------------------------------------------ derivation

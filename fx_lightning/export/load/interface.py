@@ -227,7 +227,9 @@ class ArtifactInterface(nn.Module):
         if unknown:
             raise ExportError(f"{self.what}: takes its inputs by position or by name ({', '.join(names)}); got "
                               f"keyword argument(s) {', '.join(unknown)}"
-                              + (" given by position too" if set(unknown) & set(names) else ""))
+                              + (" given by position too" if set(unknown) & set(names) else
+                                 ", which no call the export was built from passed (the artifact computes as the "
+                                 "model does without it: leave it out only if that is the call you want)"))
         values = [*args, *(kwargs.get(name) for name in names[len(args):])]
         missing = [leaf.name for leaf, value in zip(self.signature.inputs, values)
                    if value is None and not leaf.optional]

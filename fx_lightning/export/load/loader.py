@@ -14,6 +14,7 @@ from fx_lightning.config import Strategy
 from fx_lightning.errors import ExportError
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.formats.batching import with_pieces
+from fx_lightning.export.load.forms import WithForms
 from fx_lightning.export.load.interface import ArtifactInterface
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
@@ -130,7 +131,13 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
         if manifest.signature is not None:  # every call checked as the signature says, before a runtime sees it
             module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact",
                                        as_the_module=as_the_module)
-        return CompiledForServing(module) if compile else module
+        module = CompiledForServing(module) if compile else module
+        if as_the_module and signature.forms:  # called as the model: each call form by its own artifact
+            kind = entry.format_name or chosen
+            module = WithForms(module, signature.forms, root, lambda path: load_fused(
+                path, kind if kind in read_manifest(path).formats else None, verify=verify, device=device,
+                compile=compile))
+        return module
     except ExportError:
         raise
     except Exception as exc:  # noqa: BLE001 - a file that passed (or skipped) verification still failed

@@ -1,0 +1,51 @@
+"""An artifact with its call forms (:mod:`~fx_lightning.signature.forms`): each call goes to the form it is (a call
+passing ``rev=True`` to the ``rev=True`` form's own artifact), every other call to the artifact itself. Which form
+a call is, is read from the call alone (the argument's value, given or left out), never tried."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+from torch import nn
+
+from fx_lightning.common.calls import Call
+from fx_lightning.signature.forms import CallForm
+
+__all__ = ["WithForms"]
+
+
+class WithForms(nn.Module):
+    """``module`` (the artifact behind its interface) and its ``forms``, each loaded from ``root / form.directory``
+    by ``load`` the first time a call takes it."""
+
+    def __init__(self, module: nn.Module, forms: List[CallForm], root: Path,
+                 load: Callable[[Path], nn.Module]) -> None:
+        super().__init__()
+        self.module = module
+        self.forms = list(forms)
+        self._root = root
+        self._load = load
+        self._loaded: Dict[int, nn.Module] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the artifact's own attributes (its signature, a session) through the wrapper
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def form_of(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """The module that takes this call: a form's artifact, else the artifact itself."""
+        call = Call(args, kwargs)
+        for i, form in enumerate(self.forms):
+            if form.takes(call):
+                if i not in self._loaded:
+                    self._loaded[i] = self._load(self._root / form.directory)
+                return self._loaded[i]
+        return self.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.form_of(*args, **kwargs)(*args, **kwargs)

@@ -1,0 +1,91 @@
+"""The call forms step (:mod:`~fx_lightning.signature.forms`): each form's calls are the observed calls with one
+argument changed; they are fused and proven as the artifact's were (:func:`.steps.fuse_target`, :func:`.steps.measure`,
+:func:`.steps.judge`), and those that pass are exported beside it by the export step.
+
+A form never stops anything: one that cannot be captured, disagrees with the model or cannot be written is left
+out with a note saying why, and its calls are refused by name as before. The preflight makes the same forms."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+from fx_lightning.config import FuseConfig, Selection, Strategy
+from fx_lightning.common.notes import Note, NoteKind
+from fx_lightning.errors import first_line
+from fx_lightning.export.progress import Progress
+from fx_lightning.pipeline.records import Fused, FusedForm, FusedForms, Observations, ObservedStep, Source
+from fx_lightning.pipeline.steps import fuse_target, judge, measure
+from fx_lightning.signature.forms import MAX_FORMS, CallForm, call_forms
+
+__all__ = ["fuse_forms", "form_config", "FORM_EXPORTED", "FORM_NOT_EXPORTED", "FORMS_NOT_MADE"]
+
+FORM_EXPORTED = NoteKind("call_form_exported", "call form {form} exported to {directory}: load_fused sends the calls "
+                                               "that {how} to it (proven on the observed calls given {form})")
+FORM_NOT_EXPORTED = NoteKind("call_form_not_exported", "call form {form} not exported ({reason}): the calls that "
+                                                       "{how} are refused by name")
+FORMS_NOT_MADE = NoteKind("call_forms_not_made", "call forms {forms} not made: at most {limit} are (set "
+                                                 "export.call_forms: false for none)")
+
+
+def how_called(form: CallForm) -> str:
+    """Which calls a form takes, in words."""
+    given = f"pass {form.name}"
+    return f"{given} or leave {form.argument} out" if form.default else given
+
+
+def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool, progress: Progress) -> FusedForms:
+    """The call forms of ``fused``'s target that no observed call made, each fused and proven on the observed
+    calls given that form; ``final``: a form whose parity failed is left out (the preflight measures it only)."""
+    observed = source.observed
+    if not config.export.call_forms or observed is None:  # no observed calls: no values to vary from
+        return FusedForms()
+    calls = [s.target for s in [*observed.steps, *observed.calibration]]
+    forms = call_forms(fused.reference, calls)
+    notes: List[Note] = []
+    if len(forms) > MAX_FORMS:
+        notes.append(FORMS_NOT_MADE(forms=", ".join(f.name for f in forms[MAX_FORMS:]), limit=MAX_FORMS))
+    made: List[FusedForm] = []
+    own_config = form_config(config)
+    for form in forms[:MAX_FORMS]:
+        with progress.step(f"call form {form.name}") as end:
+            try:
+                form_fused = fuse_target(_with_form(source, fused, form), own_config)
+                parity = judge(measure(form_fused, own_config), own_config)
+            except Exception as exc:  # noqa: BLE001 - the form is left out, saying why; the artifact stands
+                notes.append(FORM_NOT_EXPORTED(form=form.name, reason=first_line(exc), how=how_called(form)))
+                end.result = "left out"
+                continue
+            if final and parity is not None and not parity.passed:
+                reason = "parity failed: " + "; ".join(str(f) for f in parity.failures)
+                notes.append(FORM_NOT_EXPORTED(form=form.name, reason=reason, how=how_called(form)))
+                end.result = "left out (parity failed)"
+                continue
+            made.append(FusedForm(form, form_fused, parity, own_config))
+            end.result = "proven"
+    return FusedForms(made, notes)
+
+
+def form_config(config: FuseConfig) -> FuseConfig:
+    """The config a form is exported with: the artifact's formats and passes, no lossy variants, no selection, no
+    forms of its own and nothing logged to MLflow (the artifact's export does)."""
+    passes = config.passes
+    for key in ("quantize_int8", "cast_bf16"):
+        if hasattr(passes, key):
+            passes = dataclasses.replace(passes, **{key: dataclasses.replace(getattr(passes, key), enabled=False)})
+    export = dataclasses.replace(config.export, select=Selection.preference, select_strategy=Strategy.min_latency,
+                                 latency_budget_ms=None, call_forms=False,
+                                 mlflow=dataclasses.replace(config.export.mlflow, enabled=False))
+    return dataclasses.replace(config, passes=passes, export=export)
+
+
+def _with_form(source: Source, fused: Fused, form: CallForm) -> Source:
+    """``source`` whose observed calls are the target's calls parity used (at the weights fused) given ``form``,
+    compared on the target alone (the whole model's call passes the value the steps gave)."""
+    observed = source.observed
+    assert observed is not None
+    steps = [ObservedStep(form.applied(s.target), None, s.samples, s.labels) for s in fused.steps]
+    calibration = [ObservedStep(form.applied(s.target), None, s.samples, s.labels) for s in observed.calibration]
+    calls = Observations(fused.target, steps, list(observed.shapes), calibration, observed.stage)
+    return dataclasses.replace(source, observed=calls, notes=[],
+                               batches=dataclasses.replace(source.batches, notes=[]))

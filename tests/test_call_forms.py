@@ -1,0 +1,166 @@
+"""Call forms (issue 37, held-out RAFT and FrEIA): the served call is one argument away from every observed call
+(forward's default where the steps passed another value; the other value of a bool flag such as ``rev=True``). Each
+form is captured, proven on the observed inputs against the model called that way, and exported beside the
+artifact; ``load_fused`` sends each call to its form. Before, such calls were refused by name."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_helpers as H
+from fx_lightning import FXFuseCallback, load_fused
+from fx_lightning.common.calls import Call
+from fx_lightning.errors import ExportError
+from fx_lightning.export.manifest import read_manifest
+from fx_lightning.signature.forms import CallForm, call_forms
+
+
+def _loaders() -> Any:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 4, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8), torch.utils.data.DataLoader(data, batch_size=8)
+
+
+class Refining(pl.LightningModule):
+    """RAFT: forward's default is 2 refinement steps; training and validation pass 6 (the predict call a user
+    writes leaves it out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+        self.step = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, steps: int = 2) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(steps):
+            h = torch.tanh(self.step(h)) + h
+        return self.out(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch[0], steps=6), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.mse_loss(self(batch[0], steps=6), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Invertible(pl.LightningModule):
+    """FrEIA's ``SequenceINN``: trained and validated forward only (``rev`` never passed); sampling calls
+    ``inn(z, rev=True)``, the inverse. ``broken``: the inverse raises (a form that cannot be captured)."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.broken = broken
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor, c: Optional[torch.Tensor] = None, rev: bool = False) -> torch.Tensor:
+        if rev:
+            if self.broken:
+                raise NotImplementedError("no inverse")
+            scale = (self.bn.running_var + self.bn.eps).sqrt() / self.bn.weight
+            h = (x - self.bn.bias) * scale + self.bn.running_mean
+            return torch.linalg.solve(self.lin.weight, (h - self.lin.bias).T).T
+        return self.bn(self.lin(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_forwards_default_left_out_is_served_by_its_own_form(tmp_path) -> None:
+    """Every observed call passed steps=6: the call leaving steps out (forward's default 2) was refused by name.
+    Now the steps=2 form answers it, and steps=6 is still the artifact's own."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = Refining()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *_loaders())
+    forms = cb.outcome.manifest.signature.forms
+    assert [(f.argument, f.value, f.default, f.directory) for f in forms] == [("steps", 2, True, "forms/steps=2")]
+    assert read_manifest(cb.export_dir / "forms" / "steps=2").signature.constants[0].value == 2
+    assert any(n.kind.name == "call_form_exported" for n in cb.outcome.notes)
+    reference, x = H.fp64_copy(model), torch.randn(3, 4)
+    for fmt in ("pt2", "graph_module"):
+        fused = load_fused(cb.export_dir, fmt)
+        for kwargs in ({}, {"steps": 2}, {"steps": 6}):
+            got, want = fused(x, **kwargs), reference(x.double(), **kwargs)
+            assert got.shape == want.shape == (3, 4) and H.rel_err(got, want) < 1e-5, (fmt, kwargs)
+        got = fused(x, 2)  # by position, as forward takes it
+        assert H.rel_err(got, reference(x.double())) < 1e-5
+        with pytest.raises(ExportError, match=r"steps is 3; the artifact was built with steps=6"):
+            fused(x, steps=3)  # no observed call and no form: refused by name, as before
+
+
+def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path) -> None:
+    """``rev=True`` (never passed: every call computed the forward transform) was refused by name; now its form,
+    proven on the observed inputs against the model's own inverse, answers it, by name and by position."""
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = Invertible()
+    H.make_trainer(tmp_path, [cb], max_epochs=2).fit(model, *_loaders())
+    assert [f.name for f in cb.outcome.manifest.signature.forms] == ["rev=True"]
+    reference, x = H.fp64_copy(model), torch.randn(5, 4)
+    for fmt in ("pt2", "graph_module"):
+        fused = load_fused(cb.export_dir, fmt)
+        z = fused(x)
+        assert H.rel_err(z, reference(x.double())) < 1e-5
+        for back in (fused(z, rev=True), fused(z, None, True)):
+            want = reference(z.double(), rev=True)
+            assert back.shape == want.shape == (5, 4) and H.rel_err(back, want) < 1e-5, fmt
+            assert H.rel_err(back, x) < 1e-3  # the inverse of the forward: x again
+
+
+def test_a_form_that_cannot_be_made_is_left_out_saying_why_and_never_stops_training(tmp_path) -> None:
+    """The inverse raises on every call: the form is left out with a note (in the preflight too, which must not stop
+    the training), the artifact stands, and ``rev=True`` is refused by name."""
+    cb = FXFuseCallback(export={"formats": ["graph_module"]})
+    model = Invertible(broken=True)
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *_loaders())
+    assert cb.outcome.failure is None and not cb.outcome.manifest.signature.forms
+    (note,) = [n for n in cb.outcome.notes if n.kind.name == "call_form_not_exported"]
+    assert "rev=True" in str(note) and "no inverse" in str(note), str(note)
+    fused, x = load_fused(cb.export_dir), torch.randn(3, 4)
+    assert H.rel_err(fused(x), H.fp64_copy(model)(x.double())) < 1e-5
+    with pytest.raises(ExportError, match=r"keyword argument\(s\) rev, which no call the export was built from "):
+        fused(x, rev=True)
+
+
+def test_call_forms_off_makes_none(tmp_path) -> None:
+    cb = FXFuseCallback(export={"formats": ["graph_module"], "call_forms": False})
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(Invertible(), *_loaders())
+    assert not cb.outcome.manifest.signature.forms and not (cb.export_dir / "forms").exists()
+    with pytest.raises(ExportError, match=r"keyword argument\(s\) rev, which no call"):
+        load_fused(cb.export_dir)(torch.randn(3, 4), rev=True)
+
+
+def test_forms_are_read_from_forwards_signature_and_the_calls() -> None:
+    """Only forward's own defaults: another value the calls all had (its default is a form), a bool the calls all
+    left at one value (the other value is a form); a value that varies across the calls, or an int at its
+    default, is no form."""
+
+    class M(nn.Module):
+        def forward(self, x: Any, k: int = 3, flag: bool = True, mode: str = "a", varies: int = 1,
+                    *, keyword: bool = False) -> Any:
+            return x
+
+    calls = [Call((1, 5), {"mode": "a", "varies": 1}), Call((2, 5), {"varies": 2})]
+    forms = call_forms(M(), calls)
+    assert [(f.argument, f.position, f.value, f.default) for f in forms] == [
+        ("k", 1, 3, True), ("flag", 2, False, False), ("keyword", -1, True, False)]
+    k, flag, keyword = forms
+    assert k.takes(Call((1,))) and k.takes(Call((1, 3))) and not k.takes(Call((1, 5)))
+    assert flag.takes(Call((1,), {"flag": False})) and not flag.takes(Call((1,))) and not flag.takes(Call((1, 3, 0)))
+    assert keyword.applied(Call((1,))) == Call((1,), {"keyword": True}) and k.applied(Call((1, 5))) == Call((1, 3))
+    assert CallForm.from_dict(flag.to_dict()) == flag
