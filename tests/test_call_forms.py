@@ -152,15 +152,72 @@ def test_forms_are_read_from_forwards_signature_and_the_calls() -> None:
 
     class M(nn.Module):
         def forward(self, x: Any, k: int = 3, flag: bool = True, mode: str = "a", varies: int = 1,
-                    *, keyword: bool = False) -> Any:
+                    mask: Any = None, never: Any = None, stood_in: Any = None, *, keyword: bool = False) -> Any:
             return x
 
-    calls = [Call((1, 5), {"mode": "a", "varies": 1}), Call((2, 5), {"varies": 2})]
-    forms = call_forms(M(), calls)
+    calls = [Call((1, 5), {"mode": "a", "varies": 1, "mask": 0, "stood_in": 0}),
+             Call((2, 5), {"varies": 2, "mask": 1, "stood_in": 0})]
+    forms = call_forms(M(), calls, covered={"stood_in"})
     assert [(f.argument, f.position, f.value, f.default) for f in forms] == [
-        ("k", 1, 3, True), ("flag", 2, False, False), ("keyword", -1, True, False)]
-    k, flag, keyword = forms
+        ("k", 1, 3, True), ("flag", 2, False, False), ("mask", 5, None, True), ("keyword", -1, True, False)]
+    k, flag, mask, keyword = forms
+    assert mask.takes(Call((1,))) and mask.takes(Call((1,), {"mask": None})) and not mask.takes(Call((1,), {"mask": 0}))
+    assert mask.applied(calls[0]) == Call((1, 5), {"mode": "a", "varies": 1, "stood_in": 0})
     assert k.takes(Call((1,))) and k.takes(Call((1, 3))) and not k.takes(Call((1, 5)))
     assert flag.takes(Call((1,), {"flag": False})) and not flag.takes(Call((1,))) and not flag.takes(Call((1, 3, 0)))
     assert keyword.applied(Call((1,))) == Call((1,), {"keyword": True}) and k.applied(Call((1, 5))) == Call((1, 3))
     assert CallForm.from_dict(flag.to_dict()) == flag
+
+
+class ActorCritic(pl.LightningModule):
+    """Lightning's fabric PPO example: training passes the actions the rollout took; the rollout's own call
+    ``agent(obs)`` leaves ``action`` out and samples one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        self.actor = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor, action: Optional[torch.Tensor] = None) -> Any:
+        logits = self.actor(x)
+        dist = torch.distributions.Categorical(logits=logits)
+        if action is None:
+            action = dist.sample()
+        return action, dist.log_prob(action), dist.entropy(), self.critic(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        obs, actions, returns = batch
+        _, logprob, entropy, value = self(obs, actions)
+        return -(logprob * returns).mean() - 0.01 * entropy.mean() + F.mse_loss(value.squeeze(-1), returns)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        obs, actions, returns = batch
+        self.log("val_loss", F.mse_loss(self(obs, actions)[3].squeeze(-1), returns))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_an_optional_input_every_call_passed_left_out_is_served_by_its_own_form(tmp_path) -> None:
+    """The rollout call ``agent(obs)`` (never observed: training always passes the actions) was refused by name.
+    Its form samples the action as the model does: with the same seed, the same actions and the same values."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g),
+                                          torch.randn(32, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
+    model = ActorCritic()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert [f.name for f in cb.outcome.manifest.signature.forms] == ["action=None"]
+    reference, obs, actions = H.fp64_copy(model), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    for fmt in ("pt2", "graph_module"):
+        fused = load_fused(cb.export_dir, fmt)
+        got, want = fused(obs, actions), reference(obs.double(), actions)  # the training call: the artifact's own
+        assert all(H.rel_err(a, b) < 1e-5 for a, b in zip(got[1:], want[1:])) and torch.equal(got[0], want[0])
+        torch.manual_seed(7)
+        got = fused(obs)
+        torch.manual_seed(7)
+        want = reference(obs.double())
+        assert type(got) is tuple and len(got) == 4 and got[0].dtype == torch.int64 and got[0].shape == (5,)
+        assert torch.equal(got[0], want[0]), fmt  # the same draw
+        assert all(g.shape == w.shape and H.rel_err(g, w) < 1e-5 for g, w in zip(got[1:], want[1:])), fmt

@@ -16,6 +16,7 @@ from fx_lightning.errors import first_line
 from fx_lightning.export.progress import Progress
 from fx_lightning.pipeline.records import Fused, FusedForm, FusedForms, Observations, ObservedStep, Source
 from fx_lightning.pipeline.steps import fuse_target, judge, measure
+from fx_lightning.signature.absent import leaf_steps
 from fx_lightning.signature.forms import MAX_FORMS, CallForm, call_forms
 
 __all__ = ["fuse_forms", "form_config", "FORM_EXPORTED", "FORM_NOT_EXPORTED", "FORMS_NOT_MADE"]
@@ -41,7 +42,10 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
     if not config.export.call_forms or observed is None:  # no observed calls: no values to vary from
         return FusedForms()
     calls = [s.target for s in [*observed.steps, *observed.calibration]]
-    forms = call_forms(fused.reference, calls)
+    signature = fused.signature
+    covered = {signature.argument_name(leaf_steps(leaf)[0]) for leaf in signature.inputs
+               if (leaf.optional or leaf.unread) and leaf_steps(leaf)} | set(signature.left_out)
+    forms = call_forms(fused.reference, calls, {name for name in covered if name})
     notes: List[Note] = []
     if len(forms) > MAX_FORMS:
         notes.append(FORMS_NOT_MADE(forms=", ".join(f.name for f in forms[MAX_FORMS:]), limit=MAX_FORMS))

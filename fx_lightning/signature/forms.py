@@ -9,15 +9,17 @@ inverse). Each such form is the observed calls with that one argument changed: c
 against the model called the same way, and exported under ``forms/<argument>=<value>`` with its own manifest;
 :class:`~fx_lightning.export.load.forms.WithForms` sends each call to the form it is.
 
-Only forms forward's own signature names are made: forward's default where the calls had another value, and the
-other value of a bool whose default is a bool. Nothing else is guessed (an int's other values are unbounded)."""
+Only forms forward's own signature names are made: forward's default where the calls had another value (a flag, a
+count; ``None`` for an optional input every call passed that no stand-in replaces: the PPO rollout's ``agent(obs)``
+samples the action its training calls passed), and the other value of a bool whose default is a bool. Nothing else
+is guessed (an int's other values are unbounded)."""
 
 from __future__ import annotations
 
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
@@ -25,7 +27,7 @@ from fx_lightning.common.calls import Call
 
 __all__ = ["CallForm", "call_forms", "MAX_FORMS"]
 
-Scalar = Union[bool, int, float, str]
+Scalar = Union[bool, int, float, str, None]
 _SCALARS = (bool, int, float, str)
 _MISSING = object()
 # Each form is a capture, a parity run and an export of its own, at the end of fit and in the preflight.
@@ -34,7 +36,8 @@ MAX_FORMS = 4
 
 @dataclass(frozen=True)
 class CallForm:
-    """forward's ``argument`` (at ``position`` among forward's parameters; -1: keyword only) given ``value``.
+    """forward's ``argument`` (at ``position`` among forward's parameters; -1: keyword only) given ``value`` (None:
+    left out, an optional input's default).
     ``default``: the value is forward's default, so a call leaving the argument out is this form too.
     ``directory``: the form's export, relative to the artifact's (set when it is written)."""
 
@@ -67,10 +70,17 @@ class CallForm:
         given = self.given(call)
         if given is _MISSING:
             return self.default
+        if self.value is None:
+            return given is None
         return type(given) is type(self.value) and given == self.value
 
     def applied(self, call: Call) -> Call:
-        """``call`` with the argument given this value, where the call gave it (by position or by name)."""
+        """``call`` with the argument given this value, where the call gave it (by position or by name); None: left
+        out (None in its place where an argument after it is given by position)."""
+        if self.value is None and self.argument in call.kwargs:
+            return Call(tuple(call.args), {k: v for k, v in call.kwargs.items() if k != self.argument})
+        if self.value is None and self.position == len(call.args) - 1:
+            return Call(tuple(call.args[:-1]), dict(call.kwargs))
         if self.argument not in call.kwargs and 0 <= self.position < len(call.args):
             args = list(call.args)
             args[self.position] = self.value
@@ -84,26 +94,33 @@ class CallForm:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CallForm":
         value = data["value"]
-        if type(value) not in _SCALARS:
+        if value is not None and type(value) not in _SCALARS:
             raise ValueError(f"call form value {value!r}: a bool, int, float or str")
         return cls(str(data["argument"]), int(data["position"]), value, bool(data["default"]),
                    str(data.get("directory") or ""))
 
 
-def call_forms(module: nn.Module, calls: Sequence[Call]) -> List[CallForm]:
+def call_forms(module: nn.Module, calls: Sequence[Call], covered: Collection[str] = ()) -> List[CallForm]:
     """The forms of ``module``'s forward that no call in ``calls`` made, each one argument away from them: forward's
-    default for a Python constant the calls gave another value (the same in every call), and the other value of a
-    bool whose default is a bool and which every call left at one value."""
+    default for a Python constant the calls gave another value (the same in every call), an optional input (default
+    None) every call passed left out, unless the artifact already takes it left out (``covered``: a stand-in, labels
+    left out), and the other value of a bool whose default is a bool and which every call left at one value."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):  # a builtin or C forward: nothing to read
         return []
     forms: List[CallForm] = []
     for position, p in enumerate(parameters):
-        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or type(p.default) not in _SCALARS:
-            continue
         index = position if p.kind is p.POSITIONAL_OR_KEYWORD else -1
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            continue
         probe = CallForm(p.name, index, p.default, True)
+        if p.default is None:
+            if calls and p.name not in covered and all(probe.given(call) not in (_MISSING, None) for call in calls):
+                forms.append(probe)  # passed by every call: leaving it out is another call
+            continue
+        if type(p.default) not in _SCALARS:
+            continue
         values = [probe.given(call) for call in calls]
         values = [p.default if v is _MISSING else v for v in values]
         observed = _one_value(values)
