@@ -1293,13 +1293,19 @@ def test_a_flag_that_changes_only_the_outputs_containers_is_read(tmp_path) -> No
     flag as unread: the artifact answered ``fused(x)`` with the tuple where the model returns its output object."""
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
-    cb, module = FXFuseCallback(export={"formats": ["pt2"]}), ReturnDictFlag()
-    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
-    fused, x = load_fused(cb.export_dir), torch.randn(3, 8)
-    with pytest.raises(ExportError, match="return_dict left out, which the model takes as True"):
-        fused(x)
-    got, want = fused(x, return_dict=False), H.fp64_copy(module)(x.double(), return_dict=False)
-    assert type(got) is tuple and len(got) == 2 and all(H.rel_err(g, w) < 1e-5 for g, w in zip(got, want))
+    for call_forms in (False, True):
+        cb, module = FXFuseCallback(export={"formats": ["pt2"], "call_forms": call_forms}), ReturnDictFlag()
+        H.make_trainer(tmp_path / str(call_forms), [cb], max_epochs=1).fit(module, loader, loader)
+        fused, x, reference = load_fused(cb.export_dir), torch.randn(3, 8), H.fp64_copy(module)
+        got, want = fused(x, return_dict=False), reference(x.double(), return_dict=False)
+        assert type(got) is tuple and len(got) == 2 and all(H.rel_err(g, w) < 1e-5 for g, w in zip(got, want))
+        if not call_forms:
+            with pytest.raises(ExportError, match="return_dict left out, which the model takes as True"):
+                fused(x)
+            continue
+        got, want = fused(x), reference(x.double())  # the default: its call form, the model's output object
+        assert type(got) is ClassifierOutput and H.rel_err(got.logits, want.logits) < 1e-5
+        assert H.rel_err(got.hidden, want.hidden) < 1e-5
 
 
 class PackedGRU(H.CrossEntropySteps):
@@ -1460,14 +1466,15 @@ class OptionalMaskOtherwise(OptionalMask):
         return self.head(torch.relu(self.bn(self.conv(x.unsqueeze(1)))).amax(-1))
 
 
-def _fit_with_masks(tmp_path: Any, module: pl.LightningModule, padded: bool = True) -> FXFuseCallback:
+def _fit_with_masks(tmp_path: Any, module: pl.LightningModule, padded: bool = True,
+                    call_forms: bool = True) -> FXFuseCallback:
     torch.manual_seed(0)
     mask = torch.ones(16, 40, dtype=torch.long)
     if padded:
         mask[::2, 30:] = 0
     data = torch.utils.data.TensorDataset(torch.randn(16, 40), mask, torch.randint(0, 3, (16,)))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
-    cb = FXFuseCallback()
+    cb = FXFuseCallback(export={"call_forms": call_forms})
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(module, loader, loader)
     return cb
 
@@ -1567,16 +1574,22 @@ def test_an_output_the_model_gives_as_none_without_an_input_is_none_when_it_is_l
 
 def test_an_input_left_out_that_no_stand_in_replaces_is_refused_saying_why_and_the_advice_works(tmp_path) -> None:
     """The refusal said "takes 2 input(s) (x, attention_mask); got 1": neither why nor what to do. Where neither
-    ones nor zeros give what the model computes without the mask, the call leaving it out is still refused."""
-    module = OptionalMaskOtherwise()
-    cb = _fit_with_masks(tmp_path, module)
-    assert all(leaf.absent_fill is None for leaf in read_manifest(cb.export_dir).signature.inputs)
-    fused, x = load_fused(cb.export_dir), torch.randn(1, 50)
-    with pytest.raises(ExportError, match="attention_mask left out, which every call the export was built from .* "
-                                          "passed.* pass it as those calls did"):
-        fused(x)
-    ones = torch.ones(1, 50, dtype=torch.long)  # the advice taken: the mask passed, as the steps' calls did
-    assert H.rel_err(fused(x, ones), H.fp64_copy(module)(x.double(), ones)) < 1e-5
+    ones nor zeros give what the model computes without the mask, the call leaving it out is refused without call
+    forms; with them (the default) its own form, the model without the mask, answers it."""
+    for call_forms in (False, True):
+        module = OptionalMaskOtherwise()
+        cb = _fit_with_masks(tmp_path / str(call_forms), module, call_forms=call_forms)
+        assert all(leaf.absent_fill is None for leaf in read_manifest(cb.export_dir).signature.inputs)
+        fused, x, reference = load_fused(cb.export_dir), torch.randn(1, 50), H.fp64_copy(module)
+        ones = torch.ones(1, 50, dtype=torch.long)  # the advice taken: the mask passed, as the steps' calls did
+        assert H.rel_err(fused(x, ones), reference(x.double(), ones)) < 1e-5
+        if call_forms:
+            assert [f.name for f in cb.outcome.manifest.signature.forms] == ["attention_mask=None"]
+            assert H.rel_err(fused(x), reference(x.double())) < 1e-5
+            continue
+        with pytest.raises(ExportError, match="attention_mask left out, which every call the export was built from "
+                                              ".* passed.* pass it as those calls did"):
+            fused(x)
 
 
 class Denoiser(pl.LightningModule):
