@@ -15,6 +15,7 @@ from torch import nn
 
 import lightning_helpers as H
 from fx_lightning import FXFuseCallback, load_fused
+from fx_lightning.cli import main as cli_main
 from fx_lightning.common.calls import Call
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import read_manifest
@@ -104,13 +105,16 @@ def test_forwards_default_left_out_is_served_by_its_own_form(tmp_path) -> None:
             fused(x, steps=3)  # no observed call and no form: refused by name, as before
 
 
-def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path) -> None:
+def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys) -> None:
     """``rev=True`` (never passed: every call computed the forward transform) was refused by name; now its form,
     proven on the observed inputs against the model's own inverse, answers it, by name and by position."""
     cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
     model = Invertible()
     H.make_trainer(tmp_path, [cb], max_epochs=2).fit(model, *_loaders())
     assert [f.name for f in cb.outcome.manifest.signature.forms] == ["rev=True"]
+    assert cli_main(["inspect", str(cb.export_dir)]) == 0  # what a user sees: the form and where it is
+    shown = [line for line in capsys.readouterr().out.splitlines() if "call form" in line]
+    assert len(shown) == 1 and "rev=True: " in shown[0], shown
     reference, x = H.fp64_copy(model), torch.randn(5, 4)
     for fmt in ("pt2", "graph_module"):
         fused = load_fused(cb.export_dir, fmt)
