@@ -225,3 +225,50 @@ def test_an_optional_input_every_call_passed_left_out_is_served_by_its_own_form(
         assert type(got) is tuple and len(got) == 4 and got[0].dtype == torch.int64 and got[0].shape == (5,)
         assert torch.equal(got[0], want[0]), fmt  # the same draw
         assert all(g.shape == w.shape and H.rel_err(g, w) < 1e-5 for g, w in zip(got[1:], want[1:])), fmt
+
+
+class CharLSTM(pl.LightningModule):
+    """A char-RNN as tutorials write it: trained on whole sequences (``hidden`` never passed); generation feeds each
+    step the state the previous call returned, ``model(x_t, hidden)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.lstm = nn.Embedding(30, 16), nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.norm, self.head = nn.BatchNorm1d(32), nn.Linear(32, 30)
+
+    def forward(self, x: torch.Tensor, hidden: Optional[Any] = None) -> Any:
+        out, hidden = self.lstm(self.embed(x), hidden)
+        return self.head(self.norm(out.transpose(1, 2)).transpose(1, 2)), hidden
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0])[0].reshape(-1, 30), batch[1].reshape(-1))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.cross_entropy(self(batch[0])[0].reshape(-1, 30), batch[1].reshape(-1)))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_state_no_call_passed_is_fed_the_models_own_output_in_its_own_form(tmp_path) -> None:
+    """The generation step ``model(x_t, hidden)`` was refused by name (no call passed ``hidden``). The one output
+    that runs in its place, the LSTM's ``(h, c)``, is fed back on the observed calls: that form answers the
+    recurrent calls, at other batch sizes and one token at a time."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 30, (32, 12), generator=g),
+                                          torch.randint(0, 30, (32, 12), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, model = FXFuseCallback(), CharLSTM()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    (form,) = cb.outcome.manifest.signature.forms
+    assert (form.argument, form.feedback, form.directory) == ("hidden", 1, "forms/hidden=output1")
+    reference, fused = H.fp64_copy(model), load_fused(cb.export_dir)
+    for batch in (1, 3):
+        x = torch.randint(0, 30, (batch, 7))
+        got, want = fused(x), reference(x)
+        for _ in range(3):  # greedy generation, one token at a time, each step fed the state it returned
+            assert type(got[1]) is tuple and len(got[1]) == 2 and got[1][0].shape == (2, batch, 32)
+            assert H.rel_err(got[0], want[0]) < 1e-5 and all(H.rel_err(a, b) < 1e-5 for a, b in zip(got[1], want[1]))
+            step = want[0][:, -1:].argmax(-1)
+            got, want = fused(step, got[1]), reference(step, want[1])
+        assert got[0].shape == (batch, 1, 30) and H.rel_err(got[0], want[0]) < 1e-5

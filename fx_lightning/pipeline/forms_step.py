@@ -11,6 +11,7 @@ import dataclasses
 from typing import List
 
 from fx_lightning.config import FuseConfig, Selection, Strategy
+from fx_lightning.common.calls import run_seeded
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.errors import first_line
 from fx_lightning.export.progress import Progress
@@ -22,7 +23,7 @@ from fx_lightning.signature.forms import MAX_FORMS, CallForm, call_forms
 __all__ = ["fuse_forms", "form_config", "FORM_EXPORTED", "FORM_NOT_EXPORTED", "FORMS_NOT_MADE"]
 
 FORM_EXPORTED = NoteKind("call_form_exported", "call form {form} exported to {directory}: load_fused sends the calls "
-                                               "that {how} to it (proven on the observed calls given {form})")
+                                               "that {how} to it (proven on the observed calls so given)")
 FORM_NOT_EXPORTED = NoteKind("call_form_not_exported", "call form {form} not exported ({reason}): the calls that "
                                                        "{how} are refused by name")
 FORMS_NOT_MADE = NoteKind("call_forms_not_made", "call forms {forms} not made: at most {limit} are (set "
@@ -31,6 +32,8 @@ FORMS_NOT_MADE = NoteKind("call_forms_not_made", "call forms {forms} not made: a
 
 def how_called(form: CallForm) -> str:
     """Which calls a form takes, in words."""
+    if form.feedback is not None:
+        return f"pass {form.argument} (the model's output {form.feedback} of a previous call, as a recurrent step does)"
     given = f"pass {form.name}"
     return f"{given} or leave {form.argument} out" if form.default else given
 
@@ -45,7 +48,8 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
     signature = fused.signature
     covered = {signature.argument_name(leaf_steps(leaf)[0]) for leaf in signature.inputs
                if (leaf.optional or leaf.unread) and leaf_steps(leaf)} | set(signature.left_out)
-    forms = call_forms(fused.reference, calls, {name for name in covered if name})
+    forms = call_forms(fused.reference, calls, {name for name in covered if name},
+                       run=lambda call: run_seeded(fused.reference, call), example=fused.steps[0].target)
     notes: List[Note] = []
     if len(forms) > MAX_FORMS:
         notes.append(FORMS_NOT_MADE(forms=", ".join(f.name for f in forms[MAX_FORMS:]), limit=MAX_FORMS))
@@ -88,8 +92,10 @@ def _with_form(source: Source, fused: Fused, form: CallForm) -> Source:
     compared on the target alone (the whole model's call passes the value the steps gave)."""
     observed = source.observed
     assert observed is not None
-    steps = [ObservedStep(form.applied(s.target), None, s.samples, s.labels) for s in fused.steps]
-    calibration = [ObservedStep(form.applied(s.target), None, s.samples, s.labels) for s in observed.calibration]
-    calls = Observations(fused.target, steps, list(observed.shapes), calibration, observed.stage)
+    fed = form.feedback is not None  # the argument given the model's own output on the same call
+    steps = [ObservedStep(form.applied(s.target, run_seeded(fused.reference, s.target) if fed else None), None,
+                          s.samples, s.labels) for s in fused.steps]
+    # No calibration calls: a form has no lossy variants to calibrate.
+    calls = Observations(fused.target, steps, list(observed.shapes) if not fed else [], [], observed.stage)
     return dataclasses.replace(source, observed=calls, notes=[],
                                batches=dataclasses.replace(source.batches, notes=[]))

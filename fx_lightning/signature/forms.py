@@ -11,21 +11,24 @@ against the model called the same way, and exported under ``forms/<argument>=<va
 
 Only forms forward's own signature names are made: forward's default where the calls had another value (a flag, a
 count; ``None`` for an optional input every call passed that no stand-in replaces: the PPO rollout's ``agent(obs)``
-samples the action its training calls passed), and the other value of a bool whose default is a bool. Nothing else
-is guessed (an int's other values are unbounded)."""
+samples the action its training calls passed), the other value of a bool whose default is a bool, and an optional
+input no call passed fed the model's own output (a char-RNN's generation step ``model(x_t, hidden)`` passes the
+``hidden`` the previous call returned): where exactly one of the outputs runs in its place and changes the outputs.
+Nothing else is guessed (an int's other values are unbounded)."""
 
 from __future__ import annotations
 
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from fx_lightning.common.calls import Call
 
-__all__ = ["CallForm", "call_forms", "MAX_FORMS"]
+__all__ = ["CallForm", "call_forms", "fed_output", "MAX_FORMS"]
 
 Scalar = Union[bool, int, float, str, None]
 _SCALARS = (bool, int, float, str)
@@ -39,22 +42,28 @@ class CallForm:
     """forward's ``argument`` (at ``position`` among forward's parameters; -1: keyword only) given ``value`` (None:
     left out, an optional input's default).
     ``default``: the value is forward's default, so a call leaving the argument out is this form too.
-    ``directory``: the form's export, relative to the artifact's (set when it is written)."""
+    ``directory``: the form's export, relative to the artifact's (set when it is written). ``feedback``: the
+    argument is given the model's own output at this top-level position of its outputs on the same call (the form
+    takes any value given: a recurrent state)."""
 
     argument: str
     position: int
     value: Scalar
     default: bool
     directory: str = ""
+    feedback: Optional[Union[int, str]] = None
 
     @property
     def name(self) -> str:
+        if self.feedback is not None:
+            return f"{self.argument}=<output {self.feedback}>"
         return f"{self.argument}={self.value!r}"
 
     @property
     def slug(self) -> str:
         """The name as a directory name (letters, digits, ``=._-``)."""
-        return re.sub(r"[^A-Za-z0-9=._-]", "_", self.name)
+        name = f"{self.argument}=output{self.feedback}" if self.feedback is not None else self.name
+        return re.sub(r"[^A-Za-z0-9=._-]", "_", name)
 
     def given(self, call: Call) -> Any:
         """The value ``call`` gives the argument (by name or position), else ``_MISSING``."""
@@ -70,13 +79,18 @@ class CallForm:
         given = self.given(call)
         if given is _MISSING:
             return self.default
+        if self.feedback is not None:
+            return given is not None
         if self.value is None:
             return given is None
         return type(given) is type(self.value) and given == self.value
 
-    def applied(self, call: Call) -> Call:
+    def applied(self, call: Call, outputs: Any = None) -> Call:
         """``call`` with the argument given this value, where the call gave it (by position or by name); None: left
-        out (None in its place where an argument after it is given by position)."""
+        out (None in its place where an argument after it is given by position). A feedback form gives it the
+        output of ``outputs`` (the model's on ``call``) at its position."""
+        if self.feedback is not None:
+            return Call(tuple(call.args), {**call.kwargs, self.argument: outputs[self.feedback]})
         if self.value is None and self.argument in call.kwargs:
             return Call(tuple(call.args), {k: v for k, v in call.kwargs.items() if k != self.argument})
         if self.value is None and self.position == len(call.args) - 1:
@@ -89,22 +103,26 @@ class CallForm:
 
     def to_dict(self) -> Dict[str, object]:
         return {"argument": self.argument, "position": self.position, "value": self.value, "default": self.default,
-                "directory": self.directory}
+                "directory": self.directory, **({"feedback": self.feedback} if self.feedback is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CallForm":
         value = data["value"]
         if value is not None and type(value) not in _SCALARS:
             raise ValueError(f"call form value {value!r}: a bool, int, float or str")
+        feedback = data.get("feedback")
         return cls(str(data["argument"]), int(data["position"]), value, bool(data["default"]),
-                   str(data.get("directory") or ""))
+                   str(data.get("directory") or ""), feedback if isinstance(feedback, (int, str)) else None)
 
 
-def call_forms(module: nn.Module, calls: Sequence[Call], covered: Collection[str] = ()) -> List[CallForm]:
+def call_forms(module: nn.Module, calls: Sequence[Call], covered: Collection[str] = (),
+               run: Optional[Callable[[Call], Any]] = None, example: Optional[Call] = None) -> List[CallForm]:
     """The forms of ``module``'s forward that no call in ``calls`` made, each one argument away from them: forward's
     default for a Python constant the calls gave another value (the same in every call), an optional input (default
     None) every call passed left out, unless the artifact already takes it left out (``covered``: a stand-in, labels
-    left out), and the other value of a bool whose default is a bool and which every call left at one value."""
+    left out), the other value of a bool whose default is a bool and which every call left at one value, and an
+    optional input no call passed fed the one output that runs in its place (``run``: the model on a call, tried on
+    ``example``, by default the first call)."""
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):  # a builtin or C forward: nothing to read
@@ -116,8 +134,12 @@ def call_forms(module: nn.Module, calls: Sequence[Call], covered: Collection[str
             continue
         probe = CallForm(p.name, index, p.default, True)
         if p.default is None:
-            if calls and p.name not in covered and all(probe.given(call) not in (_MISSING, None) for call in calls):
+            given = [probe.given(call) not in (_MISSING, None) for call in calls]
+            if calls and p.name not in covered and all(given):
                 forms.append(probe)  # passed by every call: leaving it out is another call
+            elif calls and run is not None and not any(given):
+                fed = fed_output(probe, example if example is not None else calls[0], run)
+                forms += [CallForm(p.name, index, None, False, feedback=fed)] if fed is not None else []
             continue
         if type(p.default) not in _SCALARS:
             continue
@@ -131,6 +153,41 @@ def call_forms(module: nn.Module, calls: Sequence[Call], covered: Collection[str
         elif type(p.default) is bool:
             forms.append(CallForm(p.name, index, not p.default, False))
     return forms
+
+
+def fed_output(form: CallForm, call: Call, run: Callable[[Call], Any]) -> Optional[Union[int, str]]:
+    """The one top-level output of the model on ``call`` (a tensor, or a tuple of them: an LSTM's ``(h, c)``) that,
+    given as ``form``'s argument, runs and changes the outputs; None where none or several do (never a guess)."""
+    try:
+        outputs = run(call)
+    except Exception:  # noqa: BLE001 - the model's own code: no form
+        return None
+    keys = list(outputs) if isinstance(outputs, Mapping) else (
+        list(range(len(outputs))) if isinstance(outputs, (tuple, list)) else [])
+    found = []
+    for key in keys:
+        value = outputs[key]
+        if not (isinstance(value, torch.Tensor) or isinstance(value, tuple) and value
+                and all(isinstance(v, torch.Tensor) for v in value)):
+            continue
+        try:
+            fed = run(Call(tuple(call.args), {**call.kwargs, form.argument: value}))
+        except Exception:  # noqa: BLE001 - this output is not what the argument takes
+            continue
+        if not _same(fed, outputs):
+            found.append(key)
+    return found[0] if len(found) == 1 else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two outputs are equal, tensor for tensor (containers by their items)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _one_value(values: Sequence[Any]) -> Any:
