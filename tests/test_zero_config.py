@@ -1719,3 +1719,46 @@ def test_a_model_returning_the_mapping_it_was_given_returns_the_callers(tmp_path
         got = load_fused(cb.export_dir)(given)
         assert got is given and set(got) == {"x", "sentence_embedding"}
         assert H.rel_err(got["sentence_embedding"], want) < 1e-5
+
+
+class SharedEncoderPair(pl.LightningModule):
+    """RAFT runs both images through one encoder (``torch.cat`` on the batch, then ``chunk(2)``), and checks the
+    width in Python (which stops symbolic tracing): torch.export guards the halves' size against 1, and batch 1,
+    the usual optical-flow call, was refused as a branch of the model though the graph computes it exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, image1: torch.Tensor, image2: torch.Tensor) -> torch.Tensor:
+        if image1.shape[-1] % 8 != 0:
+            raise ValueError("the width must be a multiple of 8")
+        f1, f2 = torch.chunk(self.enc(torch.cat([image1, image2], dim=0)), 2, dim=0)
+        return (f1 * f2).sum(1, keepdim=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch[0], batch[1]), batch[2])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.mse_loss(self(batch[0], batch[1]), batch[2]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_guard_against_one_row_that_the_graph_computes_exactly_takes_one_row(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(*(torch.randn(8, c, 16, 16, generator=g) for c in (3, 3, 1)))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), SharedEncoderPair()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert any(c.endswith("or size0_0 == 1") for c in cb.outcome.manifest.signature.conditions)
+    reference = H.fp64_copy(model)
+    for fmt in ("pt2", "graph_module"):
+        fused = load_fused(cb.export_dir, fmt)
+        for n in (1, 3):
+            a, b = torch.randn(n, 3, 16, 16), torch.randn(n, 3, 16, 16)
+            got, want = fused(a, b), reference(a.double(), b.double())
+            assert got.shape == want.shape == (n, 1, 16, 16) and H.rel_err(got, want) < 1e-5, (fmt, n)
+    with pytest.raises(ExportError, match=r"takes only sizes where image1.shape\[3\] % 8 == 0"):
+        fused(torch.randn(1, 3, 16, 20), torch.randn(1, 3, 16, 20))  # the width's own condition stands

@@ -26,10 +26,11 @@ from fx_lightning.errors import TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.capture.fx_failure import explain_fx_failure, is_tracer_code, is_users_file, user_frame
 from fx_lightning.capture.kept_whole import call_torch_functions_by_name
-from fx_lightning.signature.conditions import conditions_from_guards, one_row_condition
+from fx_lightning.signature.conditions import conditions_from_guards, one_row_conditions
 from fx_lightning.capture.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
-from fx_lightning.passes.graph_utils import is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm
+from fx_lightning.passes.graph_utils import (is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm,
+                                             plain_graph_module)
 from fx_lightning.signature.program import ExportFailed, capture_dims, export_program, specialised
 from fx_lightning.common.rows import rows_of, with_rows
 from fx_lightning.signature.signature import DimKind, Signature
@@ -479,7 +480,7 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
             result.notes.append(STATIC_BATCH_CAPTURE(what=_static_what(signature, leaves), reason=reason))
             result.static_shapes = [list(t.shape) for t in leaves]
         else:
-            conditions += one_row_condition(result.graph_module, working, call, signature)
+            conditions = one_row_conditions(_unguarded(result.graph_module), working, call, signature, conditions)
             if conditions:
                 result.conditions = conditions
                 result.notes.append(SIZE_CONDITIONS(conditions="; ".join(conditions)))
@@ -488,6 +489,21 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         raise TraceError(f"torch.export could not capture {type(working).__qualname__} with the sizes that vary "
                          "dynamic, and a capture fixed to the example's sizes would take no other")
     raise first
+
+
+def _unguarded(graph: nn.Module) -> Any:
+    """``graph`` (an unlifted torch.export module) called as the model is, without torch.export's own checks of the
+    sizes (its ``_guards_fn``): what the graph computes at a size its guards refuse, for the experiment to judge."""
+    try:
+        plain = plain_graph_module(graph)
+    except TraceError:
+        return graph
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        call = Call(args, kwargs)
+        return plain(*tree_of_call(call).leaves(call))
+
+    return run
 
 
 def _exported(working: nn.Module, target: nn.Module, call: Call, dims: Any, check: Sequence[Call]) -> Any:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from fx_lightning.signature.signature import Signature
 
 __all__ = ["conditions_from_guards", "condition_holds", "condition_sizes", "describe_condition", "failed_condition",
-           "one_row_condition"]
+           "one_row_condition", "one_row_conditions"]
 
 _BINARY: Dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
@@ -202,6 +202,35 @@ def failed_condition(conditions: Sequence[str], tensors: Sequence[Any], names: S
             return (f"{sizes}; the artifact takes only sizes where {describe_condition(condition, names)} (the model "
                     "branches on that size, and the captured graph holds the branch taken in the calls observed)")
     return None
+
+
+def one_row_conditions(graph: nn.Module, working: nn.Module, call: Call, signature: Optional["Signature"],
+                       conditions: Sequence[str]) -> List[str]:
+    """``conditions`` as one row of ``call`` shows them. torch.export takes a dynamic size to be 2 or more, so a
+    branch the model takes on a batch of one (``if x.shape[0] == 1``) is not in the graph and not guarded: where the
+    graph gives other values than the model on one row, the sample axis must not be 1 (a condition added). Where
+    it gives the model's own, the guards one row fails only said so (RAFT runs both images through one encoder,
+    ``torch.cat`` then ``chunk``: torch.export guards the halves' size against 1): they take one row."""
+    added = one_row_condition(graph, working, call, signature)
+    if added or signature is None or not signature.batched or not conditions:
+        return [*conditions, *added]
+    axes = signature.input_axes()
+    first = next((i for i, a in enumerate(axes) if a is not None), None)
+    tree = tree_of_call(call)
+    leaves = tree.leaves(call)
+    if first is None or len(leaves) != len(axes) or rows_of(leaves, axes) in (None, 1):
+        return list(conditions)
+    one = take_rows(leaves, axes, 0, 1)
+    if all(condition_holds(c, one) for c in conditions):
+        return list(conditions)
+    try:  # the graph ran one row without error to give one_row_condition nothing to add: the values decide
+        same = compare_outputs([g.reshape(-1) for g in flat_tensors(run_seeded(graph, tree.rebuild(one)))],
+                               [e.reshape(-1) for e in flat_tensors(run_seeded(working, tree.rebuild(one)))]).passed
+    except Exception:  # noqa: BLE001 - either side fails one row: the guards stand
+        return list(conditions)
+    if not same:
+        return list(conditions)
+    return [c if condition_holds(c, one) else f"({c}) or size{first}_{axes[first]} == 1" for c in conditions]
 
 
 def one_row_condition(graph: nn.Module, working: nn.Module, call: Call, signature: Optional["Signature"]) -> List[str]:
