@@ -19,7 +19,7 @@ from fx_lightning.cli import main as cli_main
 from fx_lightning.common.calls import Call
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import read_manifest
-from fx_lightning.signature.forms import CallForm, call_forms
+from fx_lightning.signature.forms import CallForm, call_forms, own_defaults
 
 
 def _loaders() -> Any:
@@ -111,7 +111,8 @@ def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys) ->
     cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
     model = Invertible()
     H.make_trainer(tmp_path, [cb], max_epochs=2).fit(model, *_loaders())
-    assert [f.name for f in cb.outcome.manifest.signature.forms] == ["rev=True"]
+    forms = cb.outcome.manifest.signature.forms
+    assert [(f.name, f.directory) for f in forms] == [("rev=False", ""), ("rev=True", "forms/rev=True")]
     assert cli_main(["inspect", str(cb.export_dir)]) == 0  # what a user sees: the form and where it is
     shown = [line for line in capsys.readouterr().out.splitlines() if "call form" in line]
     assert len(shown) == 1 and "rev=True: " in shown[0], shown
@@ -120,6 +121,7 @@ def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys) ->
         fused = load_fused(cb.export_dir, fmt)
         z = fused(x)
         assert H.rel_err(z, reference(x.double())) < 1e-5
+        assert H.rel_err(fused(x, rev=False), reference(x.double())) < 1e-5  # the default given: the artifact's
         for back in (fused(z, rev=True), fused(z, None, True)):
             want = reference(z.double(), rev=True)
             assert back.shape == want.shape == (5, 4) and H.rel_err(back, want) < 1e-5, fmt
@@ -132,7 +134,7 @@ def test_a_form_that_cannot_be_made_is_left_out_saying_why_and_never_stops_train
     cb = FXFuseCallback(export={"formats": ["graph_module"]})
     model = Invertible(broken=True)
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *_loaders())
-    assert cb.outcome.failure is None and not cb.outcome.manifest.signature.forms
+    assert cb.outcome.failure is None and not [f for f in cb.outcome.manifest.signature.forms if f.directory]
     (note,) = [n for n in cb.outcome.notes if n.kind.name == "call_form_not_exported"]
     assert "rev=True" in str(note) and "no inverse" in str(note), str(note)
     fused, x = load_fused(cb.export_dir), torch.randn(3, 4)
@@ -161,10 +163,13 @@ def test_forms_are_read_from_forwards_signature_and_the_calls() -> None:
 
     calls = [Call((1, 5), {"mode": "a", "varies": 1, "mask": 0, "stood_in": 0}),
              Call((2, 5), {"varies": 2, "mask": 1, "stood_in": 0})]
-    forms = call_forms(M(), calls, covered={"stood_in"})
-    assert [(f.argument, f.position, f.value, f.default) for f in forms] == [
-        ("k", 1, 3, True), ("flag", 2, False, False), ("mask", 5, None, True), ("keyword", -1, True, False)]
-    k, flag, mask, keyword = forms
+    forms = call_forms(M(), calls, calls[:1], covered={"stood_in"})
+    assert [(f.argument, f.position, f.value, f.default) for f in forms] == [  # varies: 2 in a call beside 1
+        ("k", 1, 3, True), ("flag", 2, False, False), ("varies", 4, 2, False), ("mask", 5, None, True),
+        ("keyword", -1, True, False)]
+    k, flag, _, mask, keyword = forms
+    assert [f.name for f in call_forms(M(), calls) if f.argument == "varies"] == []  # the artifact's own vary
+    assert [(f.argument, f.value) for f in own_defaults(M(), calls)] == [("flag", True), ("keyword", False)]
     assert mask.takes(Call((1,))) and mask.takes(Call((1,), {"mask": None})) and not mask.takes(Call((1,), {"mask": 0}))
     assert mask.applied(calls[0]) == Call((1, 5), {"mode": "a", "varies": 1, "stood_in": 0})
     assert k.takes(Call((1,))) and k.takes(Call((1, 3))) and not k.takes(Call((1, 5)))

@@ -1018,23 +1018,28 @@ class Refined(pl.LightningModule):
 @pytest.mark.parametrize("validation_steps", [6, None])
 def test_an_argument_left_out_means_forwards_default_never_the_value_observed(tmp_path, validation_steps) -> None:
     """Validated with steps=6, the artifact called without steps computed 6 steps where the model computes its
-    default 2 (held out: RAFT's final flow off by 120%). Leaving it out is refused, and the advice works both ways."""
+    default 2 (held out: RAFT's final flow off by 120%). Without call forms leaving it out is refused, and the
+    advice works both ways; with them (the default) the steps=2 form, which the training calls made, answers it."""
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
-    cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
-    model = Refined(validation_steps)
-    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
-    reference, x = H.fp64_copy(model), torch.randn(3, 4)
-    for fmt in ("pt2", "graph_module"):
-        fused = load_fused(cb.export_dir, fmt)
-        if validation_steps is None:  # the steps left it out: so may the caller, and it is the default
-            got, want = fused(x), reference(x.double())
-        else:
-            with pytest.raises(ExportError, match=r"steps left out, which the model takes as 2 \(forward's default\); "
-                                                  r"the artifact was built with steps=6 .*: pass steps=6"):
-                fused(x)
+    for call_forms in (False, True):
+        cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"], "call_forms": call_forms})
+        model = Refined(validation_steps)
+        H.make_trainer(tmp_path / str(call_forms), [cb], max_epochs=1).fit(model, loader, loader)
+        reference, x = H.fp64_copy(model), torch.randn(3, 4)
+        for fmt in ("pt2", "graph_module"):
+            fused = load_fused(cb.export_dir, fmt)
+            if validation_steps is None or call_forms:  # left out: forward's default, the artifact's or its form's
+                got, want = fused(x), reference(x.double())
+                assert got.shape == want.shape == (3, 1) and H.rel_err(got, want) < 1e-5, fmt
+            if validation_steps is None:
+                continue
+            if not call_forms:
+                with pytest.raises(ExportError, match=r"steps left out, which the model takes as 2 \(forward's "
+                                                      r"default\); the artifact was built with steps=6 .*: pass steps=6"):
+                    fused(x)
             got, want = fused(x, steps=6), reference(x.double(), steps=6)  # the advice: the call it computes
-        assert got.shape == want.shape == (3, 1) and H.rel_err(got, want) < 1e-5, fmt
+            assert got.shape == want.shape == (3, 1) and H.rel_err(got, want) < 1e-5, fmt
 
 
 class EmbeddedBackbone(H.CrossEntropySteps):

@@ -92,7 +92,7 @@ def _summary_table(root: Path, manifest: Any) -> Any:
         for failure in parity.failures:
             summary.add_row("  FAIL", str(failure))
     summary.add_row("dynamic batch", str(manifest.dynamic_batch))
-    for form in manifest.signature.forms if manifest.signature is not None else []:
+    for form in [f for f in manifest.signature.forms if f.directory] if manifest.signature is not None else []:
         summary.add_row("call form", f"{form.name}{' (or left out)' if form.default else ''}: {root / form.directory}")
     return summary
 

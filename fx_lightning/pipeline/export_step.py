@@ -126,8 +126,8 @@ def _export_forms(staging: Path, manifest: Manifest, forms: Optional[FusedForms]
             continue
         written.append(form)
         manifest.notes.append(FORM_EXPORTED(form=form.name, directory=form.directory, how=how_called(form)))
-    if written and manifest.signature is not None:
-        manifest.signature = dataclasses.replace(manifest.signature, forms=written)
+    if (written or forms.defaults) and manifest.signature is not None:  # the defaults: the artifact's own forms
+        manifest.signature = dataclasses.replace(manifest.signature, forms=[*forms.defaults, *written])
     return manifest
 
 

@@ -18,7 +18,7 @@ from fx_lightning.export.progress import Progress
 from fx_lightning.pipeline.records import Fused, FusedForm, FusedForms, Observations, ObservedStep, Source
 from fx_lightning.pipeline.steps import fuse_target, judge, measure
 from fx_lightning.signature.absent import leaf_steps
-from fx_lightning.signature.forms import MAX_FORMS, CallForm, call_forms
+from fx_lightning.signature.forms import MAX_FORMS, CallForm, call_forms, own_defaults
 
 __all__ = ["fuse_forms", "form_config", "FORM_EXPORTED", "FORM_NOT_EXPORTED", "FORMS_NOT_MADE"]
 
@@ -48,8 +48,9 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
     signature = fused.signature
     covered = {signature.argument_name(leaf_steps(leaf)[0]) for leaf in signature.inputs
                if (leaf.optional or leaf.unread) and leaf_steps(leaf)} | set(signature.left_out)
-    forms = call_forms(fused.reference, calls, {name for name in covered if name},
-                       run=lambda call: run_seeded(fused.reference, call), example=fused.steps[0].target)
+    built = [s.target for s in fused.steps]
+    forms = call_forms(fused.reference, calls, built, {name for name in covered if name},
+                       run=lambda call: run_seeded(fused.reference, call))
     notes: List[Note] = []
     if len(forms) > MAX_FORMS:
         notes.append(FORMS_NOT_MADE(forms=", ".join(f.name for f in forms[MAX_FORMS:]), limit=MAX_FORMS))
@@ -71,7 +72,7 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
                 continue
             made.append(FusedForm(form, form_fused, parity, own_config))
             end.result = "proven"
-    return FusedForms(made, notes)
+    return FusedForms(made, notes, own_defaults(fused.reference, built))
 
 
 def form_config(config: FuseConfig) -> FuseConfig:

@@ -123,10 +123,12 @@ class FusedForm:
 
 @dataclass
 class FusedForms:
-    """The call forms proven (``made``) and why the others were left out (``notes``)."""
+    """The call forms proven (``made``), why the others were left out (``notes``), and forward's defaults the
+    artifact's own calls left out (``defaults``: a call giving one explicitly is the artifact's own call)."""
 
     made: List[FusedForm] = field(default_factory=list)
     notes: List[Note] = field(default_factory=list)
+    defaults: List[CallForm] = field(default_factory=list)
 
 
 @dataclass

@@ -28,11 +28,11 @@ from torch import nn
 
 from fx_lightning.common.calls import Call
 
-__all__ = ["CallForm", "call_forms", "fed_output", "MAX_FORMS"]
+__all__ = ["MISSING", "CallForm", "call_forms", "own_defaults", "fed_output", "MAX_FORMS"]
 
 Scalar = Union[bool, int, float, str, None]
 _SCALARS = (bool, int, float, str)
-_MISSING = object()
+MISSING = object()  # an argument a call does not give
 # Each form is a capture, a parity run and an export of its own, at the end of fit and in the preflight.
 MAX_FORMS = 4
 
@@ -66,18 +66,18 @@ class CallForm:
         return re.sub(r"[^A-Za-z0-9=._-]", "_", name)
 
     def given(self, call: Call) -> Any:
-        """The value ``call`` gives the argument (by name or position), else ``_MISSING``."""
+        """The value ``call`` gives the argument (by name or position), else ``MISSING``."""
         if self.argument in call.kwargs:
             return call.kwargs[self.argument]
         if 0 <= self.position < len(call.args):
             return call.args[self.position]
-        return _MISSING
+        return MISSING
 
     def takes(self, call: Call) -> bool:
         """Whether ``call`` is this form: it gives the argument this value (a bool as a bool), or leaves it out
         where this value is forward's default."""
         given = self.given(call)
-        if given is _MISSING:
+        if given is MISSING:
             return self.default
         if self.feedback is not None:
             return given is not None
@@ -101,6 +101,14 @@ class CallForm:
             return Call(tuple(args), dict(call.kwargs))
         return Call(tuple(call.args), {**call.kwargs, self.argument: self.value})
 
+    def without(self, call: Call) -> Call:
+        """``call`` with the argument left out (by name, or as the last positional argument), where it can be."""
+        if self.argument in call.kwargs:
+            return Call(tuple(call.args), {k: v for k, v in call.kwargs.items() if k != self.argument})
+        if self.position >= 0 and self.position == len(call.args) - 1:
+            return Call(tuple(call.args[:-1]), dict(call.kwargs))
+        return call
+
     def to_dict(self) -> Dict[str, object]:
         return {"argument": self.argument, "position": self.position, "value": self.value, "default": self.default,
                 "directory": self.directory, **({"feedback": self.feedback} if self.feedback is not None else {})}
@@ -115,44 +123,56 @@ class CallForm:
                    str(data.get("directory") or ""), feedback if isinstance(feedback, (int, str)) else None)
 
 
-def call_forms(module: nn.Module, calls: Sequence[Call], covered: Collection[str] = (),
-               run: Optional[Callable[[Call], Any]] = None, example: Optional[Call] = None) -> List[CallForm]:
-    """The forms of ``module``'s forward that no call in ``calls`` made, each one argument away from them: forward's
-    default for a Python constant the calls gave another value (the same in every call), an optional input (default
-    None) every call passed left out, unless the artifact already takes it left out (``covered``: a stand-in, labels
-    left out), the other value of a bool whose default is a bool and which every call left at one value, and an
-    optional input no call passed fed the one output that runs in its place (``run``: the model on a call, tried on
-    ``example``, by default the first call)."""
-    try:
-        parameters = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C forward: nothing to read
-        return []
+def call_forms(module: nn.Module, calls: Sequence[Call], built: Sequence[Call] = (), covered: Collection[str] = (),
+               run: Optional[Callable[[Call], Any]] = None) -> List[CallForm]:
+    """The forms of ``module``'s forward other than the artifact's own (``built``: the calls it is built from, by
+    default ``calls``), each one argument away from them, as ``calls`` (every call observed: training's too) and
+    forward's signature show them: a Python constant's value in another observed call and forward's default for it
+    (RAFT's training leaves ``num_flow_updates`` out, its validation passes 4), the other value of a bool whose
+    default is a bool, an optional input (default None) every call passed left out unless the artifact already
+    takes it left out (``covered``: a stand-in, labels left out), and an optional input no call passed fed the one
+    output that runs in its place (``run``: the model on a call, tried on the first built call)."""
+    built = list(built) or list(calls)
     forms: List[CallForm] = []
-    for position, p in enumerate(parameters):
-        index = position if p.kind is p.POSITIONAL_OR_KEYWORD else -1
-        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            continue
+    for p, index in _parameters(module):
         probe = CallForm(p.name, index, p.default, True)
         if p.default is None:
-            given = [probe.given(call) not in (_MISSING, None) for call in calls]
+            given = [probe.given(call) not in (MISSING, None) for call in calls]
             if calls and p.name not in covered and all(given):
                 forms.append(probe)  # passed by every call: leaving it out is another call
-            elif calls and run is not None and not any(given):
-                fed = fed_output(probe, example if example is not None else calls[0], run)
+            elif built and run is not None and not any(given):
+                fed = fed_output(probe, built[0], run)
                 forms += [CallForm(p.name, index, None, False, feedback=fed)] if fed is not None else []
             continue
         if type(p.default) not in _SCALARS:
             continue
-        values = [probe.given(call) for call in calls]
-        values = [p.default if v is _MISSING else v for v in values]
-        observed = _one_value(values)
-        if observed is _MISSING:
+        own = _one_value([p.default if v is MISSING else v for v in (probe.given(call) for call in built)])
+        if own is MISSING:  # the artifact's own calls vary: not one value to vary from
             continue
-        if not (type(observed) is type(p.default) and observed == p.default):
-            forms.append(probe)  # the calls had another value: a call leaving it out means the default
-        elif type(p.default) is bool:
-            forms.append(CallForm(p.name, index, not p.default, False))
+        others = [p.default, *(p.default if v is MISSING else v for v in (probe.given(c) for c in calls))]
+        others += [not p.default] if type(p.default) is bool else []
+        for value in dict.fromkeys((type(v), v) for v in others if type(v) in _SCALARS):
+            if value != (type(own), own) and value[1] == value[1]:  # not the artifact's own value (nor a NaN)
+                forms.append(CallForm(p.name, index, value[1], value == (type(p.default), p.default)))
     return forms
+
+
+def own_defaults(module: nn.Module, built: Sequence[Call]) -> List[CallForm]:
+    """forward's Python-constant defaults no call in ``built`` passed: the artifact computes with them, so a call
+    giving one explicitly (``rev=False``) is the artifact's own call (these forms have no directory)."""
+    return [CallForm(p.name, index, p.default, True) for p, index in _parameters(module)
+            if type(p.default) in _SCALARS and all(CallForm(p.name, index, None, True).given(c) is MISSING
+                                                   for c in built)]
+
+
+def _parameters(module: nn.Module) -> List[Any]:
+    """forward's parameters that a call may give by name (each with its position; -1: keyword only)."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to read
+        return []
+    return [(p, position if p.kind is p.POSITIONAL_OR_KEYWORD else -1) for position, p in enumerate(parameters)
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def fed_output(form: CallForm, call: Call, run: Callable[[Call], Any]) -> Optional[Union[int, str]]:
@@ -191,9 +211,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _one_value(values: Sequence[Any]) -> Any:
-    """The one scalar every value is (equal and of one type), else ``_MISSING``."""
-    first: Optional[Any] = values[0] if values else _MISSING
-    if first is _MISSING or type(first) not in _SCALARS:
-        return _MISSING
+    """The one scalar every value is (equal and of one type), else ``MISSING``."""
+    first: Optional[Any] = values[0] if values else MISSING
+    if first is MISSING or type(first) not in _SCALARS:
+        return MISSING
     same = all(type(v) is type(first) and v == first for v in values)
-    return first if same else _MISSING
+    return first if same else MISSING

@@ -1,6 +1,7 @@
 """An artifact with its call forms (:mod:`~fx_lightning.signature.forms`): each call goes to the form it is (a call
 passing ``rev=True`` to the ``rev=True`` form's own artifact), every other call to the artifact itself. Which form
-a call is, is read from the call alone (the argument's value, given or left out), never tried."""
+a call is, is read from the call alone (the argument's value, given or left out), never tried. The forms without a
+directory are forward's defaults no observed call passed: given explicitly, they are left out of the call."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Callable, Dict, List
 from torch import nn
 
 from fx_lightning.common.calls import Call
-from fx_lightning.signature.forms import CallForm
+from fx_lightning.signature.forms import MISSING, CallForm
 
 __all__ = ["WithForms"]
 
@@ -37,15 +38,18 @@ class WithForms(nn.Module):
                 raise
             return getattr(inner, name)
 
-    def form_of(self, *args: Any, **kwargs: Any) -> nn.Module:
-        """The module that takes this call: a form's artifact, else the artifact itself."""
-        call = Call(args, kwargs)
+    def form_of(self, call: Call) -> nn.Module:
+        """The module that takes ``call``: a form's artifact, else the artifact itself."""
         for i, form in enumerate(self.forms):
-            if form.takes(call):
+            if form.directory and form.takes(call):
                 if i not in self._loaded:
                     self._loaded[i] = self._load(self._root / form.directory)
                 return self._loaded[i]
         return self.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.form_of(*args, **kwargs)(*args, **kwargs)
+        call = Call(args, kwargs)
+        for form in self.forms:  # forward's default given explicitly (rev=False) where no call passed it: left out
+            if not form.directory and form.given(call) is not MISSING and form.takes(call):
+                call = form.without(call)
+        return self.form_of(call)(*call.args, **call.kwargs)
