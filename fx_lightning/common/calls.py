@@ -50,6 +50,7 @@ __all__ = [
     "forward_parameter_names",
     "no_distribution_validation",
     "run_seeded",
+    "distribution_params",
     "Interface",
     "map_leaves",
 ]
@@ -310,7 +311,7 @@ def run_seeded(fn: Callable[..., Any], call: Call, seed: int = 0) -> Any:
 # ------------------------------------------------------------------------------------------- structure
 
 
-def _distribution_params(value: Any) -> List[Tuple[str, Any]]:
+def distribution_params(value: Any) -> List[Tuple[str, Any]]:
     """A distribution's own parameters: those of ``arg_constraints`` it was built with (a lazily derived one,
     such as ``probs`` of a distribution built from ``logits``, is left out), or its base distribution."""
     if isinstance(value, torch.distributions.Independent):
@@ -411,7 +412,7 @@ def tree_of(value: Any, depth: int = 0) -> Tree:
         return Tree("map", cls, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()], origin=origin,
                     origin_rebuilds=origin is not None and _mapping_rebuilds(value))
     if isinstance(value, torch.distributions.Distribution):
-        return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in _distribution_params(value)],
+        return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in distribution_params(value)],
                     template=value)
     if isinstance(value, nn.Module):
         return Tree("const", template=value)

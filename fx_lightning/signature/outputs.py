@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from fx_lightning.common.calls import Tree, path_text
+from fx_lightning.common.calls import Tree, distribution_params, path_text
 from fx_lightning.common.imports import import_object
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.errors import ExportError
@@ -85,7 +85,8 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
     if tree.kind == "const" and tree.hidden:
         return f"{where} is a {name} that keeps its tensors in private attributes: an artifact cannot give them back"
     if tree.kind == "dist" and (not tree.leaf_paths() or tree.cls is None
-                                or class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}") is not tree.cls):
+                                or class_at(f"{tree.cls.__module__}:{tree.cls.__qualname__}") is not tree.cls
+                                or not _distribution_rebuilds(tree)):
         return (f"{where} is a {name}, a distribution an artifact cannot build again from its parameters (its "
                 "tensors are not all arguments of its class, or the class does not import by name): it would come "
                 "back as a dict of them. Fuse the module that computes its parameters (target), or return them")
@@ -103,6 +104,36 @@ def unreturnable_output(tree: Tree, path: Tuple[Any, ...] = ()) -> Optional[str]
         if problem is not None:
             return problem
     return None
+
+
+def _distribution_rebuilds(tree: Tree) -> bool:
+    """Whether the distribution built again from its recorded parameters, as :func:`rebuild_outputs` builds it, gives
+    the model's own mean and variance (each one the model's gives). gpytorch's MultivariateNormal keeps its covariance
+    in a private lazy attribute: built again from its ``loc`` alone, its variance raised AttributeError."""
+    original = tree.template
+    if tree.cls is torch.distributions.Independent or original is None:
+        return True  # built from its base distribution, checked on its own
+    params = dict(distribution_params(original))
+    try:
+        try:
+            again = tree.cls(**params, validate_args=False)  # type: ignore[misc]
+        except (TypeError, KeyError, ValueError):
+            again = _distribution_from_fields(tree.cls, params, len(original.event_shape))
+    except Exception:  # noqa: BLE001 - not built again at all
+        return False
+    for statistic in ("mean", "variance"):
+        try:
+            want = getattr(original, statistic)
+        except Exception:  # noqa: BLE001 - the model's own does not give it: nothing to give back
+            continue
+        try:
+            got = getattr(again, statistic)
+        except Exception:  # noqa: BLE001 - the model's gives it, the one built again does not
+            return False
+        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and got.shape == want.shape
+                and bool(torch.equal(got.nan_to_num(), want.nan_to_num()))):
+            return False
+    return True
 
 
 def _mapping_class(tree: Tree) -> Optional[str]:
