@@ -3,9 +3,10 @@ artifacts that follow it. Each test here is a way to a wrong answer that the pac
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -408,3 +409,43 @@ def test_an_axis_only_an_unread_input_follows_is_no_sample_axis() -> None:
     signature = _signature(GraphPool(), calls, counts)
     assert not signature.sample.proven
     assert "the outputs follow something else than these inputs' rows" in signature.sample.how, signature.sample.how
+
+
+class _Store(collections.abc.MutableMapping):
+    """A mapping of its own (torchrl's TensorDict): not built again from a dict (it needs its batch size)."""
+
+    def __init__(self, data: Dict[str, Any], batch: int, shared: bool = False) -> None:
+        self._data, self.batch, self.shared = data, batch, shared
+
+    def __copy__(self) -> "_Store":
+        return _Store(self._data if self.shared else dict(self._data), self.batch, self.shared)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._data[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def test_a_mapping_of_its_own_class_in_a_call_is_copied_as_that_class() -> None:
+    """torchrl's SAC (held-out check 7): the recorded call's TensorDict was copied as a dict, and the actor, given
+    the dict on the replay, raised (reported as a forward that needs what training fills)."""
+    from fx_lightning.common.calls import map_leaves
+
+    store = _Store({"observation": torch.randn(3, 5)}, batch=3)
+    again = map_leaves(lambda t: t * 2, Call((store,)))
+    assert type(again.args[0]) is _Store and again.args[0].batch == 3
+    assert torch.equal(again.args[0]["observation"], store["observation"] * 2)
+    shared = _Store({"observation": torch.randn(3, 5)}, batch=3, shared=True)  # a copy sharing its store
+    original = shared["observation"]
+    again = map_leaves(lambda t: t * 2, shared)
+    assert shared["observation"] is original and type(again) is dict  # never changes the call it copies

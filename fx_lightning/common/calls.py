@@ -193,6 +193,10 @@ class Tree:
             return self.cls._make(items) if hasattr(self.cls, "_make") else self.cls(items)  # type: ignore[union-attr]
         if self.kind == "map" and not plain and self.cls is collections.OrderedDict:
             return collections.OrderedDict((key, v) for (_, key), v in parts)
+        if self.kind == "map" and not plain and self.origin is not None:
+            again = _own_mapping(self, parts)
+            if again is not None:
+                return again
         if self.kind == "map" or plain:
             return {key: v for (_, key), v in parts}
         if self.kind == "dist":
@@ -337,6 +341,29 @@ def _rebuilt_distribution(tree: Tree, params: Dict[str, Any]) -> Any:
         return obj
 
 
+def _own_mapping(tree: Tree, parts: Sequence[Tuple[Step, Any]]) -> Any:
+    """A mapping of its own class again (a call's ``BatchEncoding``, torchrl's ``TensorDict``, which the model reads
+    as such: a dict in its place raised in the actor), with these items: built from them where that gives it back
+    (``Tree.origin_rebuilds``), else a copy of the original with its items replaced; None where neither works."""
+    items = {key: v for (_, key), v in parts}
+    try:
+        if tree.origin_rebuilds and tree.origin is not None:
+            return tree.origin(items)
+        if tree.template is None:
+            return None
+        before = dict(tree.template.items())
+        again = copy.copy(tree.template)
+        for key, v in items.items():
+            again[key] = v
+        if any(tree.template[k] is not v for k, v in before.items()):  # the copy shares its store: undone, refused
+            for k, v in before.items():
+                tree.template[k] = v
+            return None
+        return again if type(again) is tree.origin and list(again.keys()) == list(items) else None
+    except Exception:  # noqa: BLE001 - the class's own code refuses: a dict, as before
+        return None
+
+
 def _mapping_rebuilds(value: Mapping[Any, Any]) -> bool:
     """Whether ``type(value)(dict(value))`` is ``value`` again: its class, its keys in order, and the same other
     state (a UserDict's attributes besides its ``data``)."""
@@ -410,7 +437,8 @@ def tree_of(value: Any, depth: int = 0) -> Tree:
             collections.OrderedDict if type(value) is collections.OrderedDict else dict
         origin = type(value) if type(value) not in (dict, collections.OrderedDict) and cls is not type(value) else None
         return Tree("map", cls, [(("key", k), tree_of(v, depth + 1)) for k, v in value.items()], origin=origin,
-                    origin_rebuilds=origin is not None and _mapping_rebuilds(value))
+                    origin_rebuilds=origin is not None and _mapping_rebuilds(value),
+                    template=value if origin is not None else None)
     if isinstance(value, torch.distributions.Distribution):
         return Tree("dist", type(value), [(("attr", k), tree_of(v, depth + 1)) for k, v in distribution_params(value)],
                     template=value)
