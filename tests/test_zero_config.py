@@ -1767,3 +1767,61 @@ def test_a_guard_against_one_row_that_the_graph_computes_exactly_takes_one_row(t
             assert got.shape == want.shape == (n, 1, 16, 16) and H.rel_err(got, want) < 1e-5, (fmt, n)
     with pytest.raises(ExportError, match=r"takes only sizes where image1.shape\[3\] % 8 == 0"):
         fused(torch.randn(1, 3, 16, 20), torch.randn(1, 3, 16, 20))  # the width's own condition stands
+
+
+def integrate(func: nn.Module, y0: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """torchdiffeq's ``odeint``, reduced: it asserts its arguments' types, which symbolic tracing cannot follow, and
+    its number of steps is read from the times' values (adaptive), which torch.export cannot capture."""
+    assert isinstance(t, torch.Tensor), "t must be a torch.Tensor"
+    assert isinstance(y0, torch.Tensor), "y0 must be either a torch.Tensor or a tuple"
+    steps = int((t[-1] - t[0]).item() * 3)
+    h, dt = y0, (t[-1] - t[0]) / steps
+    for i in range(steps):
+        h = h + dt * func(t[0] + i * dt, h)
+    return h
+
+
+class ODEFunc(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm, self.conv = nn.GroupNorm(2, dim), nn.Conv2d(dim, dim, 3, padding=1)
+
+    def forward(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(x))) * (1 + t)
+
+
+class ODEBlock(nn.Module):
+    """torchdiffeq's example: the integration times, a plain tensor attribute, reassigned in forward."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.odefunc = ODEFunc(dim)
+        self.integration_time = torch.tensor([0.0, 1.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.integration_time = self.integration_time.type_as(x)
+        return integrate(self.odefunc, x, self.integration_time)
+
+
+class ODENet(H.CrossEntropySteps):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.block = ODEBlock(4)
+        self.head = nn.Linear(4, H.NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.stem(x)).mean((2, 3)))
+
+
+def test_a_function_given_a_module_is_kept_whole_with_the_module_and_its_attributes_intact(tmp_path) -> None:
+    """torchdiffeq's ODE-Net (held-out check 7): the preflight stopped training. Kept whole, ``odeint`` gets the ODE
+    function as an argument: the cleanup deleted that module's own layers (only a called module's were kept), and
+    tracing left a Proxy in ``integration_time`` (assigned in forward), on which the check run afterwards failed."""
+    cb, model = FXFuseCallback(export={"formats": ["graph_module"]}), ODENet()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, *H.loaders())
+    assert isinstance(model.block.integration_time, torch.Tensor)  # the user's module: never a Proxy
+    assert any("integrate" in str(n) for n in cb.outcome.notes + cb.outcome.result.report.notes)
+    assert cb.outcome.result.report.batchnorms_folded == 1
+    x = torch.randn(3, 3, 10, 12)
+    assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model)(x.double())) < 1e-5

@@ -7,12 +7,13 @@ graph. ``auto`` tries fx first, then export when example inputs are known.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import traceback
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -315,7 +316,7 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
     tracer = FXLeafTracer(leaf_types, functions, modules)
     concrete = dict(trace.concrete_args) or None
     try:
-        with no_distribution_validation():
+        with no_distribution_validation(), _attributes_kept(working):
             graph = tracer.trace(working, concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
         error = explain_fx_failure(working, tracer, exc)
@@ -340,6 +341,24 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
                for path, cls in tracer.traced_through.items() if not _has_batch_norm_call(gm, path)]
     opaque = [f"{path} ({cls})" for path, cls in tracer.opaque_batchnorms.items()]
     return Capture(gm, "fx", inlined_batchnorms=inlined, opaque_batchnorms=opaque)
+
+
+@contextlib.contextmanager
+def _attributes_kept(root: nn.Module) -> Iterator[None]:
+    """The modules' own attributes as they were before tracing: a forward that assigns one
+    (torchdiffeq's ODE block: ``self.integration_time = self.integration_time.type_as(x)``) leaves a Proxy there
+    while tracing, and the module run after it (the check against the eager model) then fails on that Proxy."""
+    before = [(module, dict(vars(module))) for module in root.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes in before:
+            for key, value in list(vars(module).items()):
+                if isinstance(value, fx.Proxy):
+                    if key in attributes:
+                        object.__setattr__(module, key, attributes[key])
+                    else:
+                        delattr(module, key)
 
 
 def _no_dtypes_out(graph: fx.Graph) -> None:

@@ -6,7 +6,7 @@ import torch.fx as fx
 from torch import nn
 
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
-from fx_lightning.passes.graph_utils import delete_unused_attributes, module_of
+from fx_lightning.passes.graph_utils import delete_unused_attributes, delete_unused_submodules, module_of
 
 __all__ = ["remove_identity", "eliminate_dead_code"]
 
@@ -22,7 +22,7 @@ def remove_identity(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) 
             continue
         result.remove_identity(gm, node, "Identity called without a graph value", module=str(node.target))
     if result.changed:
-        gm.delete_all_unused_submodules()
+        delete_unused_submodules(gm)
     return result
 
 

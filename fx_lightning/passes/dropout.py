@@ -10,7 +10,7 @@ from torch import nn
 from dataclasses import dataclass
 
 from fx_lightning.passes.base import PassContext, PassOptions, PassResult, builtin_pass
-from fx_lightning.passes.graph_utils import module_of, node_arg
+from fx_lightning.passes.graph_utils import delete_unused_submodules, module_of, node_arg
 
 __all__ = ["RemoveDropoutOptions", "remove_dropout", "is_dropout_node"]
 
@@ -74,5 +74,5 @@ def remove_dropout(gm: fx.GraphModule, options: RemoveDropoutOptions, ctx: PassC
             continue
         result.remove_identity(gm, node, "input is not a graph value", op=what)
     if result.changed:
-        gm.delete_all_unused_submodules()
+        delete_unused_submodules(gm)
     return result

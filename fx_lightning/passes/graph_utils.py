@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -14,6 +14,7 @@ from torch import nn
 from fx_lightning.errors import TraceError
 
 __all__ = [
+    "delete_unused_submodules",
     "aten_ops",
     "is_batchnorm_like",
     "is_known_batchnorm",
@@ -230,7 +231,7 @@ def delete_unused_attributes(gm: fx.GraphModule) -> int:
     """
     before = _numel(gm)
     used_attrs = get_attr_targets(gm)
-    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"} | _modules_read(gm)
 
     # Ancestors of anything read or called must stay (they hold it).
     ancestors = set().union(*map(_ancestors, used_attrs | called))
@@ -246,12 +247,44 @@ def delete_unused_attributes(gm: fx.GraphModule) -> int:
             owner, leaf = owner_of(gm, full)
             owner._parameters.pop(leaf, None)
             owner._buffers.pop(leaf, None)
-    gm.delete_all_unused_submodules()
+    delete_unused_submodules(gm)
     # Containers left empty (e.g. a BatchNorm whose parameters were all dropped) go too.
     for name, mod in sorted(gm.named_modules(), key=lambda kv: -kv[0].count(".")):
         if name and not needed(name) and not any(True for _ in mod.parameters()) and not any(True for _ in mod.buffers()) and not list(mod.children()):
             delattr(*owner_of(gm, name))
     return before - _numel(gm)
+
+
+def _modules_read(gm: fx.GraphModule) -> Set[str]:
+    """The modules get_attr nodes read as values (a module passed to a function kept whole: torchdiffeq's
+    ``odeint(self.odefunc, ...)``): everything inside them is used, as inside a called module."""
+    read: Set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                gm.get_submodule(str(node.target))
+            except AttributeError:
+                continue
+            read.add(str(node.target))
+    return read
+
+
+def delete_unused_submodules(gm: fx.GraphModule) -> None:
+    """``GraphModule.delete_all_unused_submodules``, keeping what is inside a module a get_attr node reads (torch's
+    keeps what is inside a called module only, and deleted the layers of torchdiffeq's ODE function)."""
+    used: Set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+            parts = node.target.split(".")
+            used.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for root in {str(n.target) for n in gm.graph.nodes if n.op == "call_module"} | _modules_read(gm):
+        try:
+            module = gm.get_submodule(root)
+        except AttributeError:
+            continue
+        used.update(f"{root}.{name}" for name, _ in module.named_modules() if name)
+    for name in [name for name, _ in gm.named_modules() if name and name not in used]:
+        gm.delete_submodule(name)
 
 
 def _numel(module: nn.Module) -> int:
