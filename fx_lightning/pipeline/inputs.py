@@ -325,18 +325,25 @@ def _is_labels(name: str, value: torch.Tensor, labels: Tuple[torch.Tensor, ...])
 
 def _outputs_kept(without: Any, with_them: Any) -> bool:
     """Whether every tensor of ``without`` is, at the same place, the tensor of ``with_them`` (equal values), and
-    ``with_them`` has more: the loss computed from the labels. An input whose absence changes nothing (a mask of
-    ones, equal to some integer item of the batch) is not labels: the artifact keeps it."""
+    ``with_them`` has more: the loss computed from the labels. Named outputs compare by name, and those the model
+    gives only without the labels are its inference call's own (BART returns its cache where no labels turned it
+    off). An input whose absence changes nothing (a mask of ones, equal to some integer item of the batch) is not
+    labels: the artifact keeps it."""
     tree = tree_of(without)
     paths = tree.leaf_paths()
-    if not paths or len(tree_of(with_them).leaf_paths()) <= len(paths):
+    given = tree_of(with_them).leaf_paths()
+    values = tree.leaves(without)
+    if tree.kind == "map" and tree_of(with_them).kind == "map":  # by name: only the outputs both calls give
+        values = [v for p, v in zip(paths, values) if p in given]
+        paths = [p for p in paths if p in given]
+    if not paths or len(given) <= len(paths):
         return False
-    for path, value in zip(paths, tree.leaves(without)):
+    for path, value in zip(paths, values):
         try:
-            other = value_at(plain(with_them), path)
+            theirs = value_at(plain(with_them), path)
         except (KeyError, IndexError, AttributeError, TypeError):
             return False
-        if not isinstance(other, torch.Tensor) or other.shape != value.shape or not torch.equal(other, value):
+        if not isinstance(theirs, torch.Tensor) or theirs.shape != value.shape or not torch.equal(theirs, value):
             return False
     return True
 
