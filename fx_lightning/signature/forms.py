@@ -28,7 +28,7 @@ from torch import nn
 
 from fx_lightning.common.calls import Call
 
-__all__ = ["MISSING", "CallForm", "call_forms", "own_defaults", "fed_output", "MAX_FORMS"]
+__all__ = ["MISSING", "DECODER_FROM_LABELS", "decoder_maker", "CallForm", "call_forms", "own_defaults", "fed_output", "MAX_FORMS"]
 
 Scalar = Union[bool, int, float, str, None]
 _SCALARS = (bool, int, float, str)
@@ -44,7 +44,9 @@ class CallForm:
     ``default``: the value is forward's default, so a call leaving the argument out is this form too.
     ``directory``: the form's export, relative to the artifact's (set when it is written). ``feedback``: the
     argument is given the model's own output at this top-level position of its outputs on the same call (the form
-    takes any value given: a recurrent state)."""
+    takes any value given: a recurrent state). ``replaces``: the argument is given in place of this one, as the
+    model's own ``prepare_decoder_input_ids_from_labels`` makes it (a seq2seq model trained with ``labels`` is
+    served ``decoder_input_ids``: generation's call)."""
 
     argument: str
     position: int
@@ -52,9 +54,12 @@ class CallForm:
     default: bool
     directory: str = ""
     feedback: Optional[Union[int, str]] = None
+    replaces: Optional[str] = None
 
     @property
     def name(self) -> str:
+        if self.replaces is not None:
+            return f"{self.argument}=<from {self.replaces}>"
         if self.feedback is not None:
             return f"{self.argument}=<output {self.feedback}>"
         return f"{self.argument}={self.value!r}"
@@ -62,7 +67,8 @@ class CallForm:
     @property
     def slug(self) -> str:
         """The name as a directory name (letters, digits, ``=._-``)."""
-        name = f"{self.argument}=output{self.feedback}" if self.feedback is not None else self.name
+        name = f"{self.argument}=from_{self.replaces}" if self.replaces is not None else \
+            f"{self.argument}=output{self.feedback}" if self.feedback is not None else self.name
         return re.sub(r"[^A-Za-z0-9=._-]", "_", name)
 
     def given(self, call: Call) -> Any:
@@ -79,6 +85,8 @@ class CallForm:
         given = self.given(call)
         if given is MISSING:
             return self.default
+        if self.replaces is not None:
+            return given is not None and call.kwargs.get(self.replaces) is None
         if self.feedback is not None:
             return given is not None
         if self.value is None:
@@ -89,6 +97,9 @@ class CallForm:
         """``call`` with the argument given this value, where the call gave it (by position or by name); None: left
         out (None in its place where an argument after it is given by position). A feedback form gives it the
         output of ``outputs`` (the model's on ``call``) at its position."""
+        if self.replaces is not None:  # ``outputs``: the value made from the argument it replaces
+            kwargs = {k: v for k, v in call.kwargs.items() if k != self.replaces}
+            return Call(tuple(call.args), {**kwargs, self.argument: outputs})
         if self.feedback is not None:
             return Call(tuple(call.args), {**call.kwargs, self.argument: outputs[self.feedback]})
         if self.value is None and self.argument in call.kwargs:
@@ -111,7 +122,8 @@ class CallForm:
 
     def to_dict(self) -> Dict[str, object]:
         return {"argument": self.argument, "position": self.position, "value": self.value, "default": self.default,
-                "directory": self.directory, **({"feedback": self.feedback} if self.feedback is not None else {})}
+                "directory": self.directory, **({"feedback": self.feedback} if self.feedback is not None else {}),
+                **({"replaces": self.replaces} if self.replaces is not None else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CallForm":
@@ -120,7 +132,8 @@ class CallForm:
             raise ValueError(f"call form value {value!r}: a bool, int, float or str")
         feedback = data.get("feedback")
         return cls(str(data["argument"]), int(data["position"]), value, bool(data["default"]),
-                   str(data.get("directory") or ""), feedback if isinstance(feedback, (int, str)) else None)
+                   str(data.get("directory") or ""), feedback if isinstance(feedback, (int, str)) else None,
+                   str(data["replaces"]) if data.get("replaces") else None)
 
 
 def call_forms(module: nn.Module, calls: Sequence[Call], built: Sequence[Call] = (), covered: Collection[str] = (),
@@ -141,6 +154,9 @@ def call_forms(module: nn.Module, calls: Sequence[Call], built: Sequence[Call] =
             if calls and p.name not in covered and all(given):
                 forms.append(probe)  # passed by every call: leaving it out is another call
             elif built and run is not None and not any(given):
+                if decoder_inputs_from_labels(module, probe, built[0], run):
+                    forms.append(CallForm(p.name, index, None, False, replaces="labels"))
+                    continue
                 fed = fed_output(probe, built[0], run)
                 forms += [CallForm(p.name, index, None, False, feedback=fed)] if fed is not None else []
             continue
@@ -173,6 +189,37 @@ def _parameters(module: nn.Module) -> List[Any]:
         return []
     return [(p, position if p.kind is p.POSITIONAL_OR_KEYWORD else -1) for position, p in enumerate(parameters)
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+# A seq2seq model's own method making its decoder's inputs from the labels (transformers' T5, BART, Whisper...).
+DECODER_FROM_LABELS = "prepare_decoder_input_ids_from_labels"
+
+
+def decoder_maker(module: nn.Module) -> Optional[Callable[..., Any]]:
+    """The model's :data:`DECODER_FROM_LABELS`: its own, else that of the one submodule that has it (a
+    LightningModule around a T5)."""
+    found = [m for m in module.modules() if callable(getattr(m, DECODER_FROM_LABELS, None))]
+    own = getattr(module, DECODER_FROM_LABELS, None)
+    return own if callable(own) else getattr(found[0], DECODER_FROM_LABELS) if len(found) == 1 else None
+
+
+def decoder_inputs_from_labels(module: nn.Module, form: CallForm, call: Call, run: Callable[[Call], Any]) -> bool:
+    """Whether ``form``'s argument (never passed) is what ``call``'s ``labels`` stand for: the model's own
+    :data:`DECODER_FROM_LABELS` makes it from them, and the model given it without the labels gives the named
+    outputs of the labelled call (the loss aside)."""
+    make = decoder_maker(module)
+    if form.argument != "decoder_input_ids" or make is None or call.kwargs.get("labels") is None:
+        return False
+    try:
+        with_labels = run(call)
+        without = run(CallForm(form.argument, form.position, None, False, replaces="labels").applied(
+            call, make(labels=call.kwargs["labels"])))
+    except Exception:  # noqa: BLE001 - the model's own code: no form
+        return False
+    if not (isinstance(with_labels, Mapping) and isinstance(without, Mapping)):
+        return False
+    both = [k for k in with_labels if k in without and isinstance(with_labels[k], torch.Tensor)]
+    return bool(both) and len(both) < len(with_labels) and all(_same(without[k], with_labels[k]) for k in both)
 
 
 def fed_output(form: CallForm, call: Call, run: Callable[[Call], Any]) -> Optional[Union[int, str]]:
