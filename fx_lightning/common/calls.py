@@ -33,6 +33,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from fx_lightning.common.mappings import own_mapping
+
 __all__ = [
     "Call",
     "as_call",
@@ -194,7 +196,7 @@ class Tree:
         if self.kind == "map" and not plain and self.cls is collections.OrderedDict:
             return collections.OrderedDict((key, v) for (_, key), v in parts)
         if self.kind == "map" and not plain and self.origin is not None:
-            again = _own_mapping(self, parts)
+            again = own_mapping(self.origin, self.origin_rebuilds, self.template, {key: v for (_, key), v in parts})
             if again is not None:
                 return again
         if self.kind == "map" or plain:
@@ -339,29 +341,6 @@ def _rebuilt_distribution(tree: Tree, params: Dict[str, Any]) -> Any:
         for key, v in params.items():
             object.__setattr__(obj, key, v)
         return obj
-
-
-def _own_mapping(tree: Tree, parts: Sequence[Tuple[Step, Any]]) -> Any:
-    """A mapping of its own class again (a call's ``BatchEncoding``, torchrl's ``TensorDict``, which the model reads
-    as such: a dict in its place raised in the actor), with these items: built from them where that gives it back
-    (``Tree.origin_rebuilds``), else a copy of the original with its items replaced; None where neither works."""
-    items = {key: v for (_, key), v in parts}
-    try:
-        if tree.origin_rebuilds and tree.origin is not None:
-            return tree.origin(items)
-        if tree.template is None:
-            return None
-        before = dict(tree.template.items())
-        again = copy.copy(tree.template)
-        for key, v in items.items():
-            again[key] = v
-        if any(tree.template[k] is not v for k, v in before.items()):  # the copy shares its store: undone, refused
-            for k, v in before.items():
-                tree.template[k] = v
-            return None
-        return again if type(again) is tree.origin and list(again.keys()) == list(items) else None
-    except Exception:  # noqa: BLE001 - the class's own code refuses: a dict, as before
-        return None
 
 
 def _mapping_rebuilds(value: Mapping[Any, Any]) -> bool:
