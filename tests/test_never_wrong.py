@@ -899,3 +899,46 @@ def test_a_distribution_whose_state_is_not_its_parameters_is_refused_before_trai
                                                r"test_never_wrong.LazyCovarianceNormal, a distribution an artifact "
                                                r"cannot build again"):
         _fit_returning(tmp_path, LazyGP(), lambda d: (d.mean.pow(2) + d.variance).mean(), torch.randn(32, 2))
+
+
+class TwiceCalledGP(nn.Module):
+    """gpytorch's SVGP calls its kernel twice, on inputs of other shapes; the output is refused (see LazyGP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.Tanh()
+        self.net = nn.Sequential(nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.act(self.net[0](self.act(x)))  # act on 2, then on 8 features
+        return LazyCovarianceNormal(self.net[1](h), torch.diag_embed(F.softplus(h[:, :3])))
+
+
+def test_the_target_advice_sees_a_submodule_called_twice_and_names_an_index_that_works(tmp_path) -> None:
+    """gpytorch (held-out check 7, rerun): the advice said "nothing to set" although the feature extractor returns
+    tensors. Its forward hook returned the first output recorded, which replaced the output of the second call of a
+    module called twice, and the run failed; and torchrl's advice ``target: actor.module.0.module`` was refused as
+    not a dotted attribute path."""
+    from fx_lightning import FXFuseCallback, load_fused
+    from fx_lightning.errors import FXLightningError
+
+    torch.manual_seed(0)
+    with pytest.raises(FXLightningError, match=r"set target: model\.net\.0 \(") as raised:
+        _fit_returning(tmp_path / "a", TwiceCalledGP(), lambda d: (d.mean.pow(2) + d.variance).mean(),
+                       torch.randn(32, 2))
+    target = re.search(r"set target: (\S+) \(", str(raised.value)).group(1)
+    model = TwiceCalledGP()
+
+    class Steps(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch[0]).mean.pow(2).mean()
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 2)), batch_size=8)
+    cb = FXFuseCallback(target=target)
+    H.make_trainer(tmp_path / "b", [cb], max_epochs=1).fit(Steps(), loader)
+    x = torch.randn(5, 2)
+    assert H.rel_err(load_fused(cb.export_dir)(x), H.fp64_copy(model.net[0])(x.double())) < 1e-5

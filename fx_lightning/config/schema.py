@@ -341,7 +341,7 @@ class ExportConfig:
             raise ValueError(f"onnx_opset: must be between 7 and 30 or null, got {self.onnx_opset}.")
 
 
-_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|[0-9]+))*$")  # "model.0.conv": an index
 
 
 @dataclass
@@ -365,7 +365,7 @@ class FuseConfig:
         nested sections check themselves (the loader calls every node's ``check()``)."""
         if self.target and not _DOTTED.match(self.target):
             raise ValueError(
-                f"target: {self.target!r} is not a dotted attribute path (e.g. 'backbone' or 'model.encoder'); "
+                f"target: {self.target!r} is not a dotted attribute path (e.g. 'backbone', 'model.encoder' or 'net.0'); "
                 "use null for the default (backbone if present, else the whole module), or '' for the whole module."
             )
         if self.device == "auto":

@@ -374,8 +374,11 @@ def _returnable_target(reference: nn.Module, call: Call, path: str) -> str:
     whose outputs it can, seen by running the target once on ``call`` (a flow's conditioner network, say)."""
     outputs: Dict[str, object] = {}
     names = {id(m): name for name, m in reference.named_modules() if name}
-    hooks = [m.register_forward_hook(lambda m, _args, out: outputs.setdefault(names[id(m)], out))
-             for m in reference.modules() if id(m) in names]
+
+    def record(module: nn.Module, _args: Any, out: Any) -> None:  # None: a hook returning a value replaces the output
+        outputs.setdefault(names[id(module)], out)
+
+    hooks = [m.register_forward_hook(record) for m in reference.modules() if id(m) in names]
     try:
         run_seeded(reference, call, 0)
     except Exception:  # noqa: BLE001 - ran before; no advice from a second run
