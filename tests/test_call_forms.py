@@ -316,7 +316,28 @@ class TinySeq2Seq(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def test_a_seq2seq_model_trained_on_labels_is_served_the_decoders_inputs_in_its_own_form(tmp_path) -> None:
+class Seq2SeqSteps(pl.LightningModule):
+    """Whisper's fine-tuning as its users write it: ``forward(self, **batch)`` passes the batch on to the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinySeq2Seq()
+
+    def forward(self, **batch: Any) -> Any:
+        return self.model(**batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(input_ids=batch[0], labels=batch[1])["loss"]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(input_ids=batch[0], labels=batch[1])["loss"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("steps", [TinySeq2Seq, Seq2SeqSteps], ids=["model", "keywords"])
+def test_a_seq2seq_model_trained_on_labels_is_served_the_decoders_inputs_in_its_own_form(tmp_path, steps) -> None:
     """T5 and Whisper (held-out checks 5 and 7): every call passed labels, so the generation call
     ``model(input_ids, decoder_input_ids=...)`` was refused by name. The model's own
     ``prepare_decoder_input_ids_from_labels`` makes the decoder's inputs of the observed calls, shown to give the
@@ -325,7 +346,7 @@ def test_a_seq2seq_model_trained_on_labels_is_served_the_decoders_inputs_in_its_
     data = torch.utils.data.TensorDataset(torch.randint(1, 20, (32, 9), generator=g),
                                           torch.randint(1, 20, (32, 6), generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=8)
-    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), TinySeq2Seq()
+    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), steps()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
     forms = [f for f in cb.outcome.manifest.signature.forms if f.replaces]
     assert [(f.argument, f.directory) for f in forms] == [("decoder_input_ids", "forms/decoder_input_ids=from_labels")]
@@ -334,9 +355,10 @@ def test_a_seq2seq_model_trained_on_labels_is_served_the_decoders_inputs_in_its_
     ids = torch.randint(1, 20, (2, 7))
     decoder = torch.zeros(2, 1, dtype=torch.long)
     for _ in range(3):  # greedy decoding
-        got, want = fused(ids, decoder_input_ids=decoder), reference(ids, decoder_input_ids=decoder)
+        got = fused(input_ids=ids, decoder_input_ids=decoder)
+        want = reference(input_ids=ids, decoder_input_ids=decoder)
         assert type(got) is dict and list(got) == ["logits"] and H.rel_err(got["logits"], want["logits"]) < 1e-5
         decoder = torch.cat([decoder, want["logits"][:, -1:].argmax(-1)], 1)
     labels = torch.randint(1, 20, (2, 5))  # the labelled call: the artifact's own
-    got, want = fused(ids, labels=labels), reference(ids, labels=labels)
+    got, want = fused(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
     assert H.rel_err(got["loss"], want["loss"]) < 1e-5 and H.rel_err(got["logits"], want["logits"]) < 1e-5

@@ -170,7 +170,19 @@ def call_forms(module: nn.Module, calls: Sequence[Call], built: Sequence[Call] =
         for value in dict.fromkeys((type(v), v) for v in others if type(v) in _SCALARS):
             if value != (type(own), own) and value[1] == value[1]:  # not the artifact's own value (nor a NaN)
                 forms.append(CallForm(p.name, index, value[1], value == (type(p.default), p.default)))
+    decoder = CallForm("decoder_input_ids", -1, None, False, replaces="labels")
+    if built and run is not None and _passes_keywords(module) and not any(f.replaces for f in forms) and \
+            all(decoder.given(c) is MISSING for c in calls) and decoder_inputs_from_labels(module, decoder, built[0], run):
+        forms.append(decoder)  # forward(**batch) passes them on to the seq2seq model (a LightningModule around it)
     return forms
+
+
+def _passes_keywords(module: nn.Module) -> bool:
+    """Whether forward takes any keyword (``forward(self, **batch)``)."""
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
 
 
 def own_defaults(module: nn.Module, built: Sequence[Call]) -> List[CallForm]:
