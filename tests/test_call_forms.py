@@ -101,8 +101,9 @@ def test_forwards_default_left_out_is_served_by_its_own_form(tmp_path) -> None:
             assert got.shape == want.shape == (3, 4) and H.rel_err(got, want) < 1e-5, (fmt, kwargs)
         got = fused(x, 2)  # by position, as forward takes it
         assert H.rel_err(got, reference(x.double())) < 1e-5
-        with pytest.raises(ExportError, match=r"steps is 3; the artifact was built with steps=6"):
-            fused(x, steps=3)  # no observed call and no form: refused by name, as before
+        with pytest.raises(ExportError, match=r"steps is 3; the artifact was built with steps=6 .*; the export's call "
+                                              r"forms take: steps=2 \(or left out\)"):
+            fused(x, steps=3)  # no observed call and no form: refused by name, naming the forms there are
 
 
 def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List
 from torch import nn
 
 from fx_lightning.common.calls import Call
+from fx_lightning.errors import ExportError
 from fx_lightning.signature.forms import MISSING, CallForm
 
 __all__ = ["WithForms"]
@@ -52,4 +53,11 @@ class WithForms(nn.Module):
         for form in self.forms:  # forward's default given explicitly (rev=False) where no call passed it: left out
             if not form.directory and form.given(call) is not MISSING and form.takes(call):
                 call = form.without(call)
-        return self.form_of(call)(*call.args, **call.kwargs)
+        module = self.form_of(call)
+        if module is not self.module or not any(f.directory for f in self.forms):
+            return module(*call.args, **call.kwargs)
+        try:
+            return module(*call.args, **call.kwargs)
+        except ExportError as exc:  # refused by the artifact: say which other calls the export takes
+            others = ", ".join(f"{f.name}{' (or left out)' if f.default else ''}" for f in self.forms if f.directory)
+            raise ExportError(f"{exc.message}; the export's call forms take: {others}") from None
