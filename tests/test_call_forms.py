@@ -106,14 +106,14 @@ def test_forwards_default_left_out_is_served_by_its_own_form(tmp_path) -> None:
             fused(x, steps=3)  # no observed call and no form: refused by name, naming the forms there are
 
 
-def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys) -> None:
+def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys, monkeypatch) -> None:
     """``rev=True`` (never passed: every call computed the forward transform) was refused by name; now its form,
     proven on the observed inputs against the model's own inverse, answers it, by name and by position."""
     cb = FXFuseCallback(export={"formats": ["pt2", "graph_module"]})
     model = Invertible()
     H.make_trainer(tmp_path, [cb], max_epochs=2).fit(model, *_loaders())
     forms = cb.outcome.manifest.signature.forms
-    assert [(f.name, f.directory) for f in forms] == [("rev=False", ""), ("rev=True", "forms/rev=True")]
+    assert [(f.name, f.directory) for f in forms] == [("c=None", ""), ("rev=False", ""), ("rev=True", "forms/rev=True")]
     assert cli_main(["inspect", str(cb.export_dir)]) == 0  # what a user sees: the form and where it is
     shown = [line for line in capsys.readouterr().out.splitlines() if "call form" in line]
     assert len(shown) == 1 and "rev=True: " in shown[0], shown
@@ -123,10 +123,14 @@ def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys) ->
         z = fused(x)
         assert H.rel_err(z, reference(x.double())) < 1e-5
         assert H.rel_err(fused(x, rev=False), reference(x.double())) < 1e-5  # the default given: the artifact's
+        assert H.rel_err(fused(x, None, False), reference(x.double())) < 1e-5  # both defaults, by position
         for back in (fused(z, rev=True), fused(z, None, True)):
             want = reference(z.double(), rev=True)
             assert back.shape == want.shape == (5, 4) and H.rel_err(back, want) < 1e-5, fmt
             assert H.rel_err(back, x) < 1e-3  # the inverse of the forward: x again
+    monkeypatch.setattr(torch, "compile", lambda module: module)  # compile=True's wrapper, without compiling
+    compiled = load_fused(cb.export_dir, compile=True)
+    assert H.rel_err(compiled(z, rev=True), reference(z.double(), rev=True)) < 1e-5
 
 
 def test_a_form_that_cannot_be_made_is_left_out_saying_why_and_never_stops_training(tmp_path) -> None:
@@ -162,17 +166,21 @@ def test_forms_are_read_from_forwards_signature_and_the_calls() -> None:
                     mask: Any = None, never: Any = None, stood_in: Any = None, *, keyword: bool = False) -> Any:
             return x
 
-    calls = [Call((1, 5), {"mode": "a", "varies": 1, "mask": 0, "stood_in": 0}),
-             Call((2, 5), {"varies": 2, "mask": 1, "stood_in": 0})]
+    mask = torch.ones(2, 3)
+    calls = [Call((1, 5), {"mode": "a", "varies": 1, "mask": mask, "stood_in": mask}),
+             Call((2, 5), {"varies": 2, "mask": mask, "stood_in": mask})]
     forms = call_forms(M(), calls, calls[:1], covered={"stood_in"})
-    assert [(f.argument, f.position, f.value, f.default) for f in forms] == [  # varies: 2 in a call beside 1
-        ("k", 1, 3, True), ("flag", 2, False, False), ("varies", 4, 2, False), ("mask", 5, None, True),
-        ("keyword", -1, True, False)]
-    k, flag, _, mask, keyword = forms
-    assert [f.name for f in call_forms(M(), calls) if f.argument == "varies"] == []  # the artifact's own vary
-    assert [(f.argument, f.value) for f in own_defaults(M(), calls)] == [("flag", True), ("keyword", False)]
+    assert [(f.argument, f.position, f.value, f.default) for f in forms] == [  # varies: only forward's default
+        ("k", 1, 3, True), ("flag", 2, False, False), ("mask", 5, None, True), ("keyword", -1, True, False)]
+    k, flag, mask, keyword = forms
+    assert not [f for f in call_forms(M(), calls, calls[:1], run=lambda c: 1 / 0) if f.argument == "never"]
+    assert "mask" not in [f.argument for f in call_forms(M(), [Call((1,), {"mask": 0})])]  # a constant: no form
+    import numpy as np
+    assert "mask" not in [f.argument for f in call_forms(M(), [Call((1,), {"mask": np.arange(3)})])]  # no ==
+    assert [(f.argument, f.value) for f in own_defaults(M(), calls)] == [
+        ("flag", True), ("never", None), ("keyword", False)]
     assert mask.takes(Call((1,))) and mask.takes(Call((1,), {"mask": None})) and not mask.takes(Call((1,), {"mask": 0}))
-    assert mask.applied(calls[0]) == Call((1, 5), {"mode": "a", "varies": 1, "stood_in": 0})
+    assert set(mask.applied(calls[0]).kwargs) == {"mode", "varies", "stood_in"}
     assert k.takes(Call((1,))) and k.takes(Call((1, 3))) and not k.takes(Call((1, 5)))
     assert flag.takes(Call((1,), {"flag": False})) and not flag.takes(Call((1,))) and not flag.takes(Call((1, 3, 0)))
     assert keyword.applied(Call((1,))) == Call((1,), {"keyword": True}) and k.applied(Call((1, 5))) == Call((1, 3))
@@ -266,12 +274,13 @@ def test_a_state_no_call_passed_is_fed_the_models_own_output_in_its_own_form(tmp
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     cb, model = FXFuseCallback(), CharLSTM()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
-    (form,) = cb.outcome.manifest.signature.forms
+    (form,) = [f for f in cb.outcome.manifest.signature.forms if f.directory]
     assert (form.argument, form.feedback, form.directory) == ("hidden", 1, "forms/hidden=output1")
     reference, fused = H.fp64_copy(model), load_fused(cb.export_dir)
     for batch in (1, 3):
         x = torch.randint(0, 30, (batch, 7))
-        got, want = fused(x), reference(x)
+        got, want = fused(x, None), reference(x)  # a generation loop's first step: hidden = None
+        assert H.rel_err(got[0], want[0]) < 1e-5 and H.rel_err(fused(x, hidden=None)[0], want[0]) < 1e-5
         for _ in range(3):  # greedy generation, one token at a time, each step fed the state it returned
             assert type(got[1]) is tuple and len(got[1]) == 2 and got[1][0].shape == (2, batch, 32)
             assert H.rel_err(got[0], want[0]) < 1e-5 and all(H.rel_err(a, b) < 1e-5 for a, b in zip(got[1], want[1]))

@@ -193,6 +193,10 @@ def test_a_discrete_output_may_flip_as_often_as_the_fused_models_own_against_fp6
     fmt = dataclasses.replace(FORMATS["pt2"], load=lambda root, entry, device: _Labels(labels, 20))  # 10 of 200
     with pytest.raises(ExportError, match="95.0000%"):
         check_roundtrip(tmp_path, fmt, FormatEntry("model.pt2", device="cpu"), reference, False)
+    flippy = dataclasses.replace(reference, fused_agreement=0.4)  # a fused model flipping more excuses 2% at most
+    assert flippy.discrete_agreement(0.999) == pytest.approx(0.979)
+    with pytest.raises(ExportError, match="95.0000%"):
+        check_roundtrip(tmp_path, fmt, FormatEntry("model.pt2", device="cpu"), flippy, False)
 
 
 def test_a_round_trip_on_zero_examples_fails(tmp_path):

@@ -445,7 +445,9 @@ def test_a_mapping_of_its_own_class_in_a_call_is_copied_as_that_class() -> None:
     again = map_leaves(lambda t: t * 2, Call((store,)))
     assert type(again.args[0]) is _Store and again.args[0].batch == 3
     assert torch.equal(again.args[0]["observation"], store["observation"] * 2)
-    shared = _Store({"observation": torch.randn(3, 5)}, batch=3, shared=True)  # a copy sharing its store
+    shared = _Store({"observation": torch.randn(3, 5)}, batch=3, shared=True)  # its copy would share its store
     original = shared["observation"]
     again = map_leaves(lambda t: t * 2, shared)
-    assert shared["observation"] is original and type(again) is dict  # never changes the call it copies
+    assert shared["observation"] is original and list(shared) == ["observation"]  # never changes the call it copies
+    assert type(again) is _Store and again._data is not shared._data
+    assert torch.equal(again["observation"], original * 2)

@@ -18,14 +18,12 @@ def own_mapping(origin: Optional[type], rebuilds: bool, template: Any, items: Di
             return origin(items)
         if template is None:
             return None
-        before = dict(template.items())
-        again = copy.copy(template)
+        # A deep copy sharing only the values (tensors): nothing of the caller's mapping is written to or kept.
+        again = copy.deepcopy(template, memo={id(v): v for v in template.values()})
+        for key in [k for k in again.keys() if k not in items]:
+            del again[key]
         for key, value in items.items():
             again[key] = value
-        if any(template[k] is not v for k, v in before.items()):  # the copy shares its store: undone, refused
-            for k, v in before.items():
-                template[k] = v
-            return None
         return again if type(again) is origin and list(again.keys()) == list(items) else None
     except Exception:  # noqa: BLE001 - the class's own code refuses: a dict, as before
         return None

@@ -28,6 +28,8 @@ FORM_EXPORTED = NoteKind("call_form_exported", "call form {form} exported to {di
                                                "that {how} to it (proven on the observed calls so given)")
 FORM_NOT_EXPORTED = NoteKind("call_form_not_exported", "call form {form} not exported ({reason}): the calls that "
                                                        "{how} are refused by name")
+FORMS_NOT_LOOKED_FOR = NoteKind("call_forms_not_looked_for", "call forms not looked for ({reason}): calls other than "
+                                                             "the observed ones are refused by name")
 FORMS_NOT_MADE = NoteKind("call_forms_not_made", "call forms {forms} not made: at most {limit} are (set "
                                                  "export.call_forms: false for none)")
 
@@ -53,8 +55,11 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
     covered = {signature.argument_name(leaf_steps(leaf)[0]) for leaf in signature.inputs
                if (leaf.optional or leaf.unread) and leaf_steps(leaf)} | set(signature.left_out)
     built = [s.target for s in fused.steps]
-    forms = call_forms(fused.reference, calls, built, {name for name in covered if name},
-                       run=lambda call: run_seeded(fused.reference, call))
+    try:
+        forms = call_forms(fused.reference, calls, built, {name for name in covered if name},
+                           run=lambda call: run_seeded(fused.reference, call))
+    except Exception as exc:  # noqa: BLE001 - looking for forms never stops the artifact
+        return FusedForms([], [FORMS_NOT_LOOKED_FOR(reason=first_line(exc))])
     notes: List[Note] = []
     if len(forms) > MAX_FORMS:
         notes.append(FORMS_NOT_MADE(forms=", ".join(f.name for f in forms[MAX_FORMS:]), limit=MAX_FORMS))
@@ -112,7 +117,7 @@ def _with_form(source: Source, fused: Fused, form: CallForm) -> Source:
     assert observed is not None
     steps = [ObservedStep(form.applied(s.target, _made_value(fused, form, s.target)), None, s.samples, s.labels)
              for s in fused.steps]
-    fed = form.feedback is not None or form.replaces is not None
+    fed = form.feedback is not None or form.replaces is not None or form.value is None  # the inputs change
     # No calibration calls: a form has no lossy variants to calibrate.
     calls = Observations(fused.target, steps, list(observed.shapes) if not fed else [], [], observed.stage)
     return dataclasses.replace(source, observed=calls, notes=[],

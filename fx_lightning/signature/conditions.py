@@ -230,7 +230,10 @@ def one_row_conditions(graph: nn.Module, working: nn.Module, call: Call, signatu
         return list(conditions)
     if not same:
         return list(conditions)
-    return [c if condition_holds(c, one) else f"({c}) or size{first}_{axes[first]} == 1" for c in conditions]
+    # Only a condition on sample axes alone is shown not to matter at one row (the other sizes were the call's).
+    on_samples = [c for c in conditions if all(axes[leaf] == dim for leaf, dim in condition_sizes(c))]
+    return [f"({c}) or size{first}_{axes[first]} == 1" if c in on_samples and not condition_holds(c, one) else c
+            for c in conditions]
 
 
 def one_row_condition(graph: nn.Module, working: nn.Module, call: Call, signature: Optional["Signature"]) -> List[str]:

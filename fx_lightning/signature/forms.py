@@ -151,32 +151,37 @@ def call_forms(module: nn.Module, calls: Sequence[Call], built: Sequence[Call] =
         run = _first_run_once(run, built[0])
     for p, index in _parameters(module):
         probe = CallForm(p.name, index, p.default, True)
+        values = [probe.given(call) for call in calls]
         if p.default is None:
-            given = [probe.given(call) not in (MISSING, None) for call in calls]
-            if calls and p.name not in covered and all(given):
-                forms.append(probe)  # passed by every call: leaving it out is another call
-            elif built and run is not None and not any(given):
-                if decoder_inputs_from_labels(module, probe, built[0], run):
-                    forms.append(CallForm(p.name, index, None, False, replaces="labels"))
-                    continue
-                fed = fed_output(probe, built[0], run)
-                forms += [CallForm(p.name, index, None, False, feedback=fed)] if fed is not None else []
+            if calls and p.name not in covered and all(isinstance(v, torch.Tensor) for v in values):
+                forms.append(probe)  # an input every call passed: leaving it out is another call
+            elif built and run is not None and all(v is MISSING or v is None for v in values):
+                forms += _made_by_the_model(module, probe, built[0], run)
             continue
         if type(p.default) not in _SCALARS:
             continue
         own = _one_value([p.default if v is MISSING else v for v in (probe.given(call) for call in built)])
         if own is MISSING:  # the artifact's own calls vary: not one value to vary from
             continue
-        others = [p.default, *(p.default if v is MISSING else v for v in (probe.given(c) for c in calls))]
-        others += [not p.default] if type(p.default) is bool else []
-        for value in dict.fromkeys((type(v), v) for v in others if type(v) in _SCALARS):
-            if value != (type(own), own) and value[1] == value[1]:  # not the artifact's own value (nor a NaN)
-                forms.append(CallForm(p.name, index, value[1], value == (type(p.default), p.default)))
+        others = [p.default] + ([not p.default] if type(p.default) is bool else [])  # never a guess between
+        for value in others:
+            if not (type(value) is type(own) and value == own) and value == value:  # another value (not a NaN)
+                forms.append(CallForm(p.name, index, value, type(value) is type(p.default) and value == p.default))
     decoder = CallForm("decoder_input_ids", -1, None, False, replaces="labels")
     if built and run is not None and _passes_keywords(module) and not any(f.replaces for f in forms) and \
             all(decoder.given(c) is MISSING for c in calls) and decoder_inputs_from_labels(module, decoder, built[0], run):
         forms.append(decoder)  # forward(**batch) passes them on to the seq2seq model (a LightningModule around it)
-    return forms
+    # The forms the model itself makes an argument for (generation's calls) first: at most MAX_FORMS are made.
+    return sorted(forms, key=lambda f: f.replaces is None and f.feedback is None)
+
+
+def _made_by_the_model(module: nn.Module, form: CallForm, call: Call, run: Callable[[Call], Any]) -> List[CallForm]:
+    """The form of an optional argument no call passed whose value the model makes: its decoder's inputs from the
+    labels, else its own output fed back (a recurrent state); none where it makes none."""
+    if decoder_inputs_from_labels(module, form, call, run):
+        return [CallForm(form.argument, form.position, None, False, replaces="labels")]
+    fed = fed_output(form, call, run)
+    return [CallForm(form.argument, form.position, None, False, feedback=fed)] if fed is not None else []
 
 
 def _passes_keywords(module: nn.Module) -> bool:
@@ -188,11 +193,12 @@ def _passes_keywords(module: nn.Module) -> bool:
 
 
 def own_defaults(module: nn.Module, built: Sequence[Call]) -> List[CallForm]:
-    """forward's Python-constant defaults no call in ``built`` passed: the artifact computes with them, so a call
-    giving one explicitly (``rev=False``) is the artifact's own call (these forms have no directory)."""
+    """forward's Python-constant and None defaults no call in ``built`` passed: the artifact computes with them, so a
+    call giving one explicitly (``rev=False``; ``hidden=None``, a generation loop's first step) is the artifact's own
+    call (these forms have no directory)."""
     return [CallForm(p.name, index, p.default, True) for p, index in _parameters(module)
-            if type(p.default) in _SCALARS and all(CallForm(p.name, index, None, True).given(c) is MISSING
-                                                   for c in built)]
+            if (p.default is None or type(p.default) in _SCALARS)
+            and all(CallForm(p.name, index, None, True).given(c) is MISSING for c in built)]
 
 
 def _parameters(module: nn.Module) -> List[Any]:

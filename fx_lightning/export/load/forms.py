@@ -50,7 +50,8 @@ class WithForms(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = Call(args, kwargs)
-        for form in self.forms:  # forward's default given explicitly (rev=False) where no call passed it: left out
+        # forward's default given explicitly (rev=False) where no call passed it: left out, the last argument first
+        for form in sorted(self.forms, key=lambda f: -f.position):
             if not form.directory and form.given(call) is not MISSING and form.takes(call):
                 call = form.without(call)
         module = self.form_of(call)
@@ -58,6 +59,8 @@ class WithForms(nn.Module):
             return module(*call.args, **call.kwargs)
         try:
             return module(*call.args, **call.kwargs)
-        except ExportError as exc:  # refused by the artifact: say which other calls the export takes
+        except ExportError as exc:  # refused for an argument a form takes: say which other calls the export takes
+            if not any(f.argument in exc.message for f in self.forms if f.directory):
+                raise
             others = ", ".join(f"{f.name}{' (or left out)' if f.default else ''}" for f in self.forms if f.directory)
             raise ExportError(f"{exc.message}; the export's call forms take: {others}") from None

@@ -155,14 +155,14 @@ class CompiledForServing(nn.Module):
         self.compiled = torch.compile(module)
         self.eval()
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch._inductor import config as inductor_config
 
         # Freezing is skipped with gradients on. It is set around the call (compiling happens in the first
         # call, and again for a new shape) rather than as torch.compile(options=...): with the options an
         # int8 (pt2e) graph fails to compile (onednn.qconv_prepack has no fake-tensor kernel; torch 2.14).
         with torch.no_grad(), inductor_config.patch(freezing=True):
-            return self.compiled(*args)
+            return self.compiled(*args, **kwargs)
 
 
 def _device(device: Any, entry: FormatEntry) -> torch.device:
