@@ -93,6 +93,7 @@ def test_forwards_default_left_out_is_served_by_its_own_form(tmp_path) -> None:
     assert [(f.argument, f.value, f.default, f.directory) for f in forms] == [("steps", 2, True, "forms/steps=2")]
     assert read_manifest(cb.export_dir / "forms" / "steps=2").signature.constants[0].value == 2
     assert any(n.kind.name == "call_form_exported" for n in cb.outcome.notes)
+    assert [t.depth for t in cb.outcome.times if t.name == "export of call form steps=2"] == [1]  # its own line
     reference, x = H.fp64_copy(model), torch.randn(3, 4)
     for fmt in ("pt2", "graph_module"):
         fused = load_fused(cb.export_dir, fmt)

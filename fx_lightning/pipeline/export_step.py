@@ -119,8 +119,9 @@ def _export_forms(staging: Path, manifest: Manifest, forms: Optional[FusedForms]
     for made in forms.made:
         form = dataclasses.replace(made.form, directory=f"forms/{made.form.slug}")
         try:
-            export(made.fused, made.config, made.parity, staging / form.directory, provenance, rehearsal=rehearsal,
-                   progress=progress)
+            with progress.step(f"export of call form {form.name}"):  # its parts nested under its name
+                export(made.fused, made.config, made.parity, staging / form.directory, provenance,
+                       rehearsal=rehearsal, progress=progress)
         except FXLightningError as exc:
             manifest.notes.append(FORM_NOT_EXPORTED(form=form.name, reason=first_line(exc), how=how_called(form)))
             continue
