@@ -93,7 +93,7 @@ def _summary_table(root: Path, manifest: Any) -> Any:
             summary.add_row("  FAIL", str(failure))
     summary.add_row("dynamic batch", str(manifest.dynamic_batch))
     for form in [f for f in manifest.signature.forms if f.directory] if manifest.signature is not None else []:
-        summary.add_row("call form", f"{form.name}{' (or left out)' if form.default else ''}: {root / form.directory}")
+        summary.add_row("call form", f"{form.label}: {root / form.directory}")
     return summary
 
 

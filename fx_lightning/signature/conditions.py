@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from fx_lightning.signature.signature import Signature
 
 __all__ = ["conditions_from_guards", "condition_holds", "condition_sizes", "describe_condition", "failed_condition",
-           "one_row_condition", "one_row_conditions"]
+           "one_row_conditions"]
 
 _BINARY: Dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
@@ -206,58 +206,35 @@ def failed_condition(conditions: Sequence[str], tensors: Sequence[Any], names: S
 
 def one_row_conditions(graph: nn.Module, working: nn.Module, call: Call, signature: Optional["Signature"],
                        conditions: Sequence[str]) -> List[str]:
-    """``conditions`` as one row of ``call`` shows them. torch.export takes a dynamic size to be 2 or more, so a
-    branch the model takes on a batch of one (``if x.shape[0] == 1``) is not in the graph and not guarded: where the
-    graph gives other values than the model on one row, the sample axis must not be 1 (a condition added). Where
-    it gives the model's own, the guards one row fails only said so (RAFT runs both images through one encoder,
-    ``torch.cat`` then ``chunk``: torch.export guards the halves' size against 1): they take one row."""
-    added = one_row_condition(graph, working, call, signature)
-    if added or signature is None or not signature.batched or not conditions:
-        return [*conditions, *added]
-    axes = signature.input_axes()
-    first = next((i for i, a in enumerate(axes) if a is not None), None)
+    """``conditions`` as one row of ``call`` shows them, the graph and the model run on it once. torch.export takes a
+    dynamic size to be 2 or more, so a branch the model takes on a batch of one (``if x.shape[0] == 1``) is not in
+    the graph and not guarded: where the graph fails or gives other values than the model on one row, the sample
+    axis must not be 1 (a condition added). Where it gives the model's own, the guards on sample axes one row fails
+    only said so (RAFT runs both images through one encoder, ``torch.cat`` then ``chunk``: torch.export guards the
+    halves' size against 1): they take one row."""
+    if signature is None or not signature.batched:
+        return list(conditions)
     tree = tree_of_call(call)
     leaves = tree.leaves(call)
+    axes = signature.input_axes()
+    first = next((i for i, a in enumerate(axes) if a is not None), None)
     if first is None or len(leaves) != len(axes) or rows_of(leaves, axes) in (None, 1):
         return list(conditions)
     one = take_rows(leaves, axes, 0, 1)
-    if all(condition_holds(c, one) for c in conditions):
+    not_one = f"size{first}_{axes[first]} != 1"
+    try:
+        expected = flat_tensors(run_seeded(working, tree.rebuild(one)))
+    except Exception:  # noqa: BLE001 - the model itself does not run one row: nothing to guard
         return list(conditions)
-    try:  # the graph ran one row without error to give one_row_condition nothing to add: the values decide
-        same = compare_outputs([g.reshape(-1) for g in flat_tensors(run_seeded(graph, tree.rebuild(one)))],
-                               [e.reshape(-1) for e in flat_tensors(run_seeded(working, tree.rebuild(one)))]).passed
-    except Exception:  # noqa: BLE001 - either side fails one row: the guards stand
-        return list(conditions)
-    if not same:
-        return list(conditions)
+    try:
+        got = flat_tensors(run_seeded(graph, tree.rebuild(one)))
+    except Exception:  # noqa: BLE001 - the graph does not: refused by name instead of by the runtime
+        return [*conditions, not_one]
+    if len(got) != len(expected) or any(g.numel() != e.numel() for g, e in zip(got, expected)):
+        return list(conditions)  # another structure at one row (a squeeze): the interface rebuilds it
+    if not compare_outputs([g.reshape(-1) for g in got], [e.reshape(-1) for e in expected]).passed:
+        return [*conditions, not_one]
     # Only a condition on sample axes alone is shown not to matter at one row (the other sizes were the call's).
     on_samples = [c for c in conditions if all(axes[leaf] == dim for leaf, dim in condition_sizes(c))]
-    return [f"({c}) or size{first}_{axes[first]} == 1" if c in on_samples and not condition_holds(c, one) else c
+    return [f"({c}) or {not_one.replace('!=', '==')}" if c in on_samples and not condition_holds(c, one) else c
             for c in conditions]
-
-
-def one_row_condition(graph: nn.Module, working: nn.Module, call: Call, signature: Optional["Signature"]) -> List[str]:
-    """The condition that the sample axis is not 1, where the graph gives other values than the model on one row:
-    torch.export takes a dynamic size to be 2 or more, so a branch the model takes on a batch of one (``if
-    x.shape[0] == 1``) is not in the graph and not guarded. [] where the model runs one row as the graph does."""
-    if signature is None or not signature.batched:
-        return []
-    tree = tree_of_call(call)
-    leaves = tree.leaves(call)
-    axes = signature.input_axes()
-    first = next((i for i, a in enumerate(axes) if a is not None), None)
-    if first is None or len(leaves) != len(axes) or rows_of(leaves, axes) in (None, 1):
-        return []
-    one = tree.rebuild(take_rows(leaves, axes, 0, 1))
-    try:
-        expected = flat_tensors(run_seeded(working, one))
-    except Exception:  # noqa: BLE001 - the model itself does not run one row: nothing to guard
-        return []
-    try:
-        got = flat_tensors(run_seeded(graph, one))
-    except Exception:  # noqa: BLE001 - the graph does not: refused by name instead of by the runtime
-        return [f"size{first}_{axes[first]} != 1"]
-    if len(got) != len(expected) or any(g.numel() != e.numel() for g, e in zip(got, expected)):
-        return []  # another structure at one row (a squeeze): the interface rebuilds it, values compared elsewhere
-    same = compare_outputs([g.reshape(-1) for g in got], [e.reshape(-1) for e in expected]).passed
-    return [] if same else [f"size{first}_{axes[first]} != 1"]

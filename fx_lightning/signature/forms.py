@@ -65,6 +65,11 @@ class CallForm:
         return f"{self.argument}={self.value!r}"
 
     @property
+    def label(self) -> str:
+        """The name, saying where leaving the argument out is this form too."""
+        return f"{self.name} (or left out)" if self.default else self.name
+
+    @property
     def slug(self) -> str:
         """The name as a directory name (letters, digits, ``=._-``)."""
         name = f"{self.argument}=from_{self.replaces}" if self.replaces is not None else \
@@ -102,10 +107,8 @@ class CallForm:
             return Call(tuple(call.args), {**kwargs, self.argument: outputs})
         if self.feedback is not None:
             return Call(tuple(call.args), {**call.kwargs, self.argument: outputs[self.feedback]})
-        if self.value is None and self.argument in call.kwargs:
-            return Call(tuple(call.args), {k: v for k, v in call.kwargs.items() if k != self.argument})
-        if self.value is None and self.position == len(call.args) - 1:
-            return Call(tuple(call.args[:-1]), dict(call.kwargs))
+        if self.value is None and (self.argument in call.kwargs or self.position == len(call.args) - 1):
+            return self.without(call)
         if self.argument not in call.kwargs and 0 <= self.position < len(call.args):
             args = list(call.args)
             args[self.position] = self.value

@@ -113,12 +113,8 @@ def _distribution_rebuilds(tree: Tree) -> bool:
     original = tree.template
     if tree.cls is torch.distributions.Independent or original is None:
         return True  # built from its base distribution, checked on its own
-    params = dict(distribution_params(original))
     try:
-        try:
-            again = tree.cls(**params, validate_args=False)  # type: ignore[misc]
-        except (TypeError, KeyError, ValueError):
-            again = _distribution_from_fields(tree.cls, params, len(original.event_shape))
+        again = _distribution_of(tree.cls, dict(distribution_params(original)), len(original.event_shape))
     except Exception:  # noqa: BLE001 - not built again at all
         return False
     for statistic in ("mean", "variance"):
@@ -194,6 +190,15 @@ def _object_description(tree: Tree) -> Optional[str]:
     return name if attributes == keys and plain_values and class_at(name) is tree.cls else None
 
 
+def _distribution_of(cls: Optional[type], params: Mapping[str, Any], event_dims: int) -> Any:
+    """A distribution of ``cls`` built from ``params``: by its constructor, else past a constructor of its own (scvi's
+    Normal takes ``mu``) with them as its fields. The one way outputs are built again, and checked to be."""
+    try:
+        return cls(**params, validate_args=False)  # type: ignore[misc]
+    except (TypeError, KeyError, ValueError):
+        return _distribution_from_fields(cls, params, event_dims)
+
+
 def _distribution_from_fields(cls: Optional[type], params: Mapping[str, torch.Tensor], event_dims: int) -> Any:
     """A distribution of ``cls`` with ``params`` as its fields, past a constructor that takes other names; its
     shapes from the parameters' (the last ``event_dims`` are the event's). The parameters as a dict without a class."""
@@ -244,13 +249,10 @@ def rebuild_outputs(description: Mapping[str, Any], leaves: Sequence[Any], sampl
         if kind == "distribution":
             params = dict(zip(node.get("keys") or [], items))
             cls = class_at(str(node["class"]))
-            try:
-                if "reinterpreted_batch_ndims" in node:
-                    return torch.distributions.Independent(params["base_dist"], int(node["reinterpreted_batch_ndims"]),
-                                                           validate_args=False)
-                return cls(**params, validate_args=False)  # type: ignore[misc]
-            except (TypeError, KeyError, ValueError):  # a constructor of its own (scvi's Normal takes mu)
-                return _distribution_from_fields(cls, params, int(node.get("event_dims", 0)))
+            if "reinterpreted_batch_ndims" in node and "base_dist" in params:
+                return torch.distributions.Independent(params["base_dist"], int(node["reinterpreted_batch_ndims"]),
+                                                       validate_args=False)
+            return _distribution_of(cls, params, int(node.get("event_dims", 0)))
         if kind == "mapping":
             cls = class_at(str(node["class"]))
             if cls is None:

@@ -62,5 +62,5 @@ class WithForms(nn.Module):
         except ExportError as exc:  # refused for an argument a form takes: say which other calls the export takes
             if not any(f.argument in exc.message for f in self.forms if f.directory):
                 raise
-            others = ", ".join(f"{f.name}{' (or left out)' if f.default else ''}" for f in self.forms if f.directory)
+            others = ", ".join(f.label for f in self.forms if f.directory)
             raise ExportError(f"{exc.message}; the export's call forms take: {others}") from None
