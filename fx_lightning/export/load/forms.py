@@ -26,6 +26,9 @@ class WithForms(nn.Module):
         super().__init__()
         self.module = module
         self.forms = list(forms)
+        # Worked out once (every call reads them): the defaults to leave out, the last argument first; the exported.
+        self._defaults = sorted((f for f in forms if not f.directory), key=lambda f: -f.position)
+        self._exported = [(i, f) for i, f in enumerate(forms) if f.directory]
         self._root = root
         self._load = load
         self._loaded: Dict[int, nn.Module] = {}
@@ -41,8 +44,8 @@ class WithForms(nn.Module):
 
     def form_of(self, call: Call) -> nn.Module:
         """The module that takes ``call``: a form's artifact, else the artifact itself."""
-        for i, form in enumerate(self.forms):
-            if form.directory and form.takes(call):
+        for i, form in self._exported:
+            if form.takes(call):
                 if i not in self._loaded:
                     self._loaded[i] = self._load(self._root / form.directory)
                 return self._loaded[i]
@@ -51,16 +54,16 @@ class WithForms(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = Call(args, kwargs)
         # forward's default given explicitly (rev=False) where no call passed it: left out, the last argument first
-        for form in sorted(self.forms, key=lambda f: -f.position):
-            if not form.directory and form.given(call) is not MISSING and form.takes(call):
+        for form in self._defaults:
+            if form.given(call) is not MISSING and form.takes(call):
                 call = form.without(call)
         module = self.form_of(call)
-        if module is not self.module or not any(f.directory for f in self.forms):
+        if module is not self.module or not self._exported:
             return module(*call.args, **call.kwargs)
         try:
             return module(*call.args, **call.kwargs)
         except ExportError as exc:  # refused for an argument a form takes: say which other calls the export takes
-            if not any(f.argument in exc.message for f in self.forms if f.directory):
+            if not any(f.argument in exc.message for _, f in self._exported):
                 raise
-            others = ", ".join(f.label for f in self.forms if f.directory)
+            others = ", ".join(f.label for _, f in self._exported)
             raise ExportError(f"{exc.message}; the export's call forms take: {others}") from None
