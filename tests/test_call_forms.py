@@ -5,7 +5,11 @@ artifact; ``load_fused`` sends each call to its form. Before, such calls were re
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import gc
+import pickle
+import weakref
+from pathlib import Path
+from typing import Any, List, Optional
 
 import pytest
 import lightning.pytorch as pl
@@ -19,6 +23,8 @@ from fx_lightning.cli import main as cli_main
 from fx_lightning.common.calls import Call
 from fx_lightning.errors import ExportError
 from fx_lightning.export.manifest import read_manifest
+from fx_lightning.pipeline import export_step as forms_step_export, forms_step
+from fx_lightning.pipeline.steps import fuse_target
 from fx_lightning.signature.forms import CallForm, call_forms, own_defaults
 
 
@@ -102,9 +108,14 @@ def test_forwards_default_left_out_is_served_by_its_own_form(tmp_path) -> None:
             assert got.shape == want.shape == (3, 4) and H.rel_err(got, want) < 1e-5, (fmt, kwargs)
         got = fused(x, 2)  # by position, as forward takes it
         assert H.rel_err(got, reference(x.double())) < 1e-5
+        # The form is loaded with the artifact, a submodule of it (.to() moves it; its first call waits for no load)
+        assert any(m is fused.form_of(Call((x,), {})) for m in fused.exported.modules())
         with pytest.raises(ExportError, match=r"steps is 3; the artifact was built with steps=6 .*; the export's call "
                                               r"forms take: steps=2 \(or left out\)"):
             fused(x, steps=3)  # no observed call and no form: refused by name, naming the forms there are
+    again = pickle.loads(pickle.dumps(load_fused(cb.export_dir, "graph_module")))  # a worker process's copy
+    for kwargs in ({}, {"steps": 6}):
+        assert H.rel_err(again(x, **kwargs), reference(x.double(), **kwargs)) < 1e-5, kwargs
 
 
 def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys, monkeypatch) -> None:
@@ -147,6 +158,44 @@ def test_a_form_that_cannot_be_made_is_left_out_saying_why_and_never_stops_train
     assert H.rel_err(fused(x), H.fp64_copy(model)(x.double())) < 1e-5
     with pytest.raises(ExportError, match=r"keyword argument\(s\) rev, which no call the export was built from "):
         fused(x, rev=True)
+
+
+class RefiningBackwards(Refining):
+    """Two forms: forward's default ``steps`` (trained and validated with 6) and ``backwards=True`` (never passed)."""
+
+    def forward(self, x: torch.Tensor, steps: int = 2, backwards: bool = False) -> torch.Tensor:
+        out = super().forward(x, steps)
+        return out.flip(-1) if backwards else out
+
+
+def test_each_form_is_fused_after_the_artifact_and_let_go_before_the_next(tmp_path, monkeypatch) -> None:
+    """Forms were all fused (a model copy each, up to four) before the artifact's own export and held through it:
+    now each is fused as its export begins, after the artifact's, and freed before the next is fused."""
+    fused_forms: List[weakref.ref] = []
+    order: List[str] = []
+
+    def fuse_and_watch(source: Any, config: Any) -> Any:
+        gc.collect()
+        assert all(ref() is None for ref in fused_forms), "a form's fused copy outlived its export"
+        order.append("form fused")
+        result = fuse_target(source, config)
+        fused_forms.append(weakref.ref(result))
+        return result
+
+    monkeypatch.setattr(forms_step, "fuse_target", fuse_and_watch)
+    real_write = forms_step_export.write_formats
+
+    def write_and_say(staging: Path, *args: Any, **kwargs: Any) -> Any:
+        order.append("forms' formats" if "forms" in staging.parts else "artifact's formats")
+        return real_write(staging, *args, **kwargs)
+
+    monkeypatch.setattr(forms_step_export, "write_formats", write_and_say)
+    cb = FXFuseCallback(export={"formats": ["graph_module"]})
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(RefiningBackwards(), *_loaders())
+    assert [f.directory for f in cb.outcome.manifest.signature.forms if f.directory] == [
+        "forms/steps=2", "forms/backwards=True"]
+    each_export = ["artifact's formats", "form fused", "forms' formats", "form fused", "forms' formats"]
+    assert order == each_export * 2, order  # the preflight's, then the end of fit's
 
 
 def test_call_forms_off_makes_none(tmp_path) -> None:

@@ -116,7 +116,10 @@ def _export_forms(staging: Path, manifest: Manifest, forms: Optional[FusedForms]
     if forms is None:
         return manifest
     manifest.notes += forms.notes
-    for made in forms.made:
+    for made in forms.made:  # each form fused as it is asked for, exported, then let go before the next
+        if isinstance(made, Note):
+            manifest.notes.append(made)
+            continue
         form = dataclasses.replace(made.form, directory=f"forms/{made.form.slug}")
         try:
             with progress.step(f"export of call form {form.name}"):  # its parts nested under its name
@@ -125,6 +128,8 @@ def _export_forms(staging: Path, manifest: Manifest, forms: Optional[FusedForms]
         except FXLightningError as exc:
             manifest.notes.append(FORM_NOT_EXPORTED(form=form.name, reason=first_line(exc), how=how_called(form)))
             continue
+        finally:
+            del made
         written.append(form)
         manifest.notes.append(FORM_EXPORTED(form=form.name, directory=form.directory, how=how_called(form)))
     if (written or forms.defaults) and manifest.signature is not None:  # the defaults: the artifact's own forms

@@ -8,7 +8,7 @@ out with a note saying why, and its calls are refused by name as before. The pre
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List
+from typing import Any, List, Union
 
 import torch
 
@@ -46,7 +46,8 @@ def how_called(form: CallForm) -> str:
 
 def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool, progress: Progress) -> FusedForms:
     """The call forms of ``fused``'s target that no observed call made, each fused and proven on the observed
-    calls given that form; ``final``: a form whose parity failed is left out (the preflight measures it only)."""
+    calls given that form; ``final``: a form whose parity failed is left out (the preflight measures it only).
+    ``made`` fuses each form as the export asks for it, after the artifact's own: one fused copy at a time."""
     observed = source.observed
     if not config.export.call_forms or observed is None:  # no observed calls: no values to vary from
         return FusedForms()
@@ -63,25 +64,27 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
     notes: List[Note] = []
     if len(forms) > MAX_FORMS:
         notes.append(FORMS_NOT_MADE(forms=", ".join(f.name for f in forms[MAX_FORMS:]), limit=MAX_FORMS))
-    made: List[FusedForm] = []
     own_config = form_config(config)
-    for form in forms[:MAX_FORMS]:
-        with progress.step(f"call form {form.name}") as end:
-            try:
-                form_fused = fuse_target(_with_form(source, fused, form), own_config)
-                parity = judge(measure(form_fused, own_config), own_config)
-            except Exception as exc:  # noqa: BLE001 - the form is left out, saying why; the artifact stands
-                notes.append(FORM_NOT_EXPORTED(form=form.name, reason=first_line(exc), how=how_called(form)))
-                end.result = "left out"
-                continue
-            if final and parity is not None and not parity.passed:
-                reason = "parity failed: " + "; ".join(str(f) for f in parity.failures)
-                notes.append(FORM_NOT_EXPORTED(form=form.name, reason=reason, how=how_called(form)))
-                end.result = "left out (parity failed)"
-                continue
-            made.append(FusedForm(form, form_fused, parity, own_config))
-            end.result = "proven"
+    made = (_fuse_form(form, fused, source, own_config, final=final, progress=progress) for form in forms[:MAX_FORMS])
     return FusedForms(made, notes, own_defaults(fused.reference, built))
+
+
+def _fuse_form(form: CallForm, fused: Fused, source: Source, config: FuseConfig, *, final: bool,
+               progress: Progress) -> Union[FusedForm, Note]:
+    """``form`` fused and proven on the observed calls given that form, or the note saying why it is left out."""
+    with progress.step(f"call form {form.name}") as end:
+        try:
+            form_fused = fuse_target(_with_form(source, fused, form), config)
+            parity = judge(measure(form_fused, config), config)
+        except Exception as exc:  # noqa: BLE001 - the form is left out, saying why; the artifact stands
+            end.result = "left out"
+            return FORM_NOT_EXPORTED(form=form.name, reason=first_line(exc), how=how_called(form))
+        if final and parity is not None and not parity.passed:
+            end.result = "left out (parity failed)"
+            reason = "parity failed: " + "; ".join(str(f) for f in parity.failures)
+            return FORM_NOT_EXPORTED(form=form.name, reason=reason, how=how_called(form))
+        end.result = "proven"
+        return FusedForm(form, form_fused, parity, config)
 
 
 def _made_value(fused: Fused, form: CallForm, call: Call) -> Any:

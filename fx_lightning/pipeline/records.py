@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -123,10 +123,11 @@ class FusedForm:
 
 @dataclass
 class FusedForms:
-    """The call forms proven (``made``), why the others were left out (``notes``), and forward's defaults the
+    """The call forms (``made``: each fused and proven, or the note why it is left out, made as it is asked for so
+    one form's fused copy is held at a time), why others were not made (``notes``), and forward's defaults the
     artifact's own calls left out (``defaults``: a call giving one explicitly is the artifact's own call)."""
 
-    made: List[FusedForm] = field(default_factory=list)
+    made: Iterable[Union[FusedForm, Note]] = ()
     notes: List[Note] = field(default_factory=list)
     defaults: List[CallForm] = field(default_factory=list)
 

@@ -5,8 +5,7 @@ directory are forward's defaults no observed call passed: given explicitly, they
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, List
 
 from torch import nn
 
@@ -18,20 +17,19 @@ __all__ = ["WithForms"]
 
 
 class WithForms(nn.Module):
-    """``module`` (the artifact behind its interface) and its ``forms``, each loaded from ``root / form.directory``
-    by ``load`` the first time a call takes it."""
+    """``module`` (the artifact behind its interface) and its ``forms``; ``exported``: the artifact of each form with
+    a directory, in order, loaded with the artifact (submodules: ``.to()`` moves them, and a form's first call does
+    not wait for a load)."""
 
-    def __init__(self, module: nn.Module, forms: List[CallForm], root: Path,
-                 load: Callable[[Path], nn.Module]) -> None:
+    def __init__(self, module: nn.Module, forms: List[CallForm], exported: List[nn.Module]) -> None:
         super().__init__()
         self.module = module
         self.forms = list(forms)
         # Worked out once (every call reads them): the defaults to leave out, the last argument first; the exported.
         self._defaults = sorted((f for f in forms if not f.directory), key=lambda f: -f.position)
-        self._exported = [(i, f) for i, f in enumerate(forms) if f.directory]
-        self._root = root
-        self._load = load
-        self._loaded: Dict[int, nn.Module] = {}
+        self._exported = [f for f in forms if f.directory]
+        assert len(exported) == len(self._exported), "one artifact per exported form"
+        self.exported = nn.ModuleList(exported)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -44,12 +42,7 @@ class WithForms(nn.Module):
 
     def form_of(self, call: Call) -> nn.Module:
         """The module that takes ``call``: a form's artifact, else the artifact itself."""
-        for i, form in self._exported:
-            if form.takes(call):
-                if i not in self._loaded:
-                    self._loaded[i] = self._load(self._root / form.directory)
-                return self._loaded[i]
-        return self.module
+        return next((self.exported[i] for i, form in enumerate(self._exported) if form.takes(call)), self.module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = Call(args, kwargs)
@@ -63,7 +56,7 @@ class WithForms(nn.Module):
         try:
             return module(*call.args, **call.kwargs)
         except ExportError as exc:  # refused for an argument a form takes: say which other calls the export takes
-            if not any(f.argument in exc.message for _, f in self._exported):
+            if not any(f.argument in exc.message for f in self._exported):
                 raise
-            others = ", ".join(f.label for _, f in self._exported)
+            others = ", ".join(f.label for f in self._exported)
             raise ExportError(f"{exc.message}; the export's call forms take: {others}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from fx_lightning.export.load.forms import WithForms
 from fx_lightning.export.load.interface import ArtifactInterface
 from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
+from fx_lightning.signature.forms import CallForm
 from fx_lightning.signature.signature import DimKind
 
 __all__ = ["load_fused", "load_artifact", "selection_for", "runtime_for", "preferred_format", "CompiledForServing"]
@@ -133,10 +134,8 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
                                        as_the_module=as_the_module)
         module = CompiledForServing(module) if compile else module
         if as_the_module and signature.forms:  # called as the model: each call form by its own artifact
-            kind = entry.format_name or chosen
-            module = WithForms(module, signature.forms, root, lambda path: load_fused(
-                path, kind if kind in read_manifest(path).formats else None, verify=verify, device=device,
-                compile=compile))
+            module = WithForms(module, signature.forms, _form_artifacts(
+                root, signature.forms, entry.format_name or chosen, verify=verify, device=device, compile=compile))
         return module
     except ExportError:
         raise
@@ -144,6 +143,16 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
         raise ExportError(
             f"{root / entry.path}: could not load format {chosen!r}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _form_artifacts(root: Path, forms: List[CallForm], kind: str, **load: Any) -> List[nn.Module]:
+    """Each exported call form's artifact, in the artifact's format ``kind`` where the form wrote it (else the
+    form's own choice), loaded as :func:`load_fused` is given ``load``."""
+    loaded = []
+    for form in (f for f in forms if f.directory):
+        path = root / form.directory
+        loaded.append(load_fused(path, kind if kind in read_manifest(path).formats else None, **load))
+    return loaded
 
 
 class CompiledForServing(nn.Module):
