@@ -9,6 +9,7 @@ import gc
 import pickle
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, List, Optional
 
 import pytest
@@ -353,12 +354,15 @@ class TinySeq2Seq(pl.LightningModule):
         shifted[:, 1:] = labels[:, :-1].clamp(min=0)
         return shifted
 
+    def decoder_inputs(self, labels: torch.Tensor) -> torch.Tensor:
+        return self.prepare_decoder_input_ids_from_labels(labels)
+
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 decoder_input_ids: Optional[torch.Tensor] = None) -> Any:
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError("You have to specify either decoder_input_ids or labels")
-            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+            decoder_input_ids = self.decoder_inputs(labels)
         memory = self.encoder(self.embed(input_ids)).mean(1, keepdim=True)
         out, _ = self.decoder(self.embed(decoder_input_ids) + memory)
         logits = self.head(out)
@@ -374,6 +378,28 @@ class TinySeq2Seq(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def shift_tokens_right(input_ids: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """transformers' function beside Whisper's and BART's classes (their forward shifts labels with it)."""
+    shifted = input_ids.new_zeros(input_ids.shape)
+    shifted[:, 1:] = input_ids[:, :-1].clone()
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+class ShiftedSeq2Seq(TinySeq2Seq):
+    """Whisper: no ``prepare_decoder_input_ids_from_labels``; forward shifts the labels with the function declared
+    beside its class, with its config's pad and start ids."""
+
+    prepare_decoder_input_ids_from_labels = None  # type: ignore[assignment]  # Whisper has none
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(pad_token_id=0, decoder_start_token_id=3)
+
+    def decoder_inputs(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
 
 class Seq2SeqSteps(pl.LightningModule):
@@ -396,11 +422,12 @@ class Seq2SeqSteps(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-@pytest.mark.parametrize("steps", [TinySeq2Seq, Seq2SeqSteps], ids=["model", "keywords"])
+@pytest.mark.parametrize("steps", [TinySeq2Seq, Seq2SeqSteps, ShiftedSeq2Seq], ids=["model", "keywords", "shift"])
 def test_a_seq2seq_model_trained_on_labels_is_served_the_decoders_inputs_in_its_own_form(tmp_path, steps) -> None:
-    """T5 and Whisper (held-out checks 5 and 7): every call passed labels, so the generation call
+    """T5, BART and Whisper (held-out checks 5 and 7): every call passed labels, so the generation call
     ``model(input_ids, decoder_input_ids=...)`` was refused by name. The model's own
-    ``prepare_decoder_input_ids_from_labels`` makes the decoder's inputs of the observed calls, shown to give the
+    ``prepare_decoder_input_ids_from_labels`` (Whisper has none: the ``shift_tokens_right`` beside its class, with its
+    config's ids) makes the decoder's inputs of the observed calls, shown to give the
     labelled call's logits: that form answers generation's calls, one token at a time too."""
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(1, 20, (32, 9), generator=g),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -220,10 +221,35 @@ DECODER_FROM_LABELS = "prepare_decoder_input_ids_from_labels"
 
 def decoder_maker(module: nn.Module) -> Optional[Callable[..., Any]]:
     """The model's :data:`DECODER_FROM_LABELS`: its own, else that of the one submodule that has it (a
-    LightningModule around a T5)."""
+    LightningModule around a T5), else the shift its forward applies to labels where transformers declares it as a
+    function beside the model's class (Whisper: ``shift_tokens_right(labels, pad, start)`` with its config's ids).
+    A candidate only: :func:`decoder_inputs_from_labels` proves it on the calls."""
     found = [m for m in module.modules() if callable(getattr(m, DECODER_FROM_LABELS, None))]
     own = getattr(module, DECODER_FROM_LABELS, None)
-    return own if callable(own) else getattr(found[0], DECODER_FROM_LABELS) if len(found) == 1 else None
+    if callable(own):
+        return own
+    if found:
+        return getattr(found[0], DECODER_FROM_LABELS) if len(found) == 1 else None
+    shifts = {_config_shift(m) for m in module.modules()} - {None}
+    if len(shifts) != 1:
+        return None
+    shift, pad, start = shifts.pop()
+    return lambda labels: shift(labels, pad, start)
+
+
+def _config_shift(module: nn.Module) -> Optional[tuple]:
+    """``(shift_tokens_right, pad_token_id, decoder_start_token_id)`` where the module of ``module``'s class defines
+    that function (input_ids, pad_token_id, decoder_start_token_id) and its config has both ids, else None."""
+    shift = getattr(sys.modules.get(type(module).__module__), "shift_tokens_right", None)
+    config = getattr(module, "config", None)
+    pad, start = getattr(config, "pad_token_id", None), getattr(config, "decoder_start_token_id", None)
+    if not (callable(shift) and isinstance(pad, int) and isinstance(start, int)):
+        return None
+    try:
+        names = list(inspect.signature(shift).parameters)
+    except (TypeError, ValueError):
+        return None
+    return (shift, pad, start) if names == ["input_ids", "pad_token_id", "decoder_start_token_id"] else None
 
 
 def decoder_inputs_from_labels(module: nn.Module, form: CallForm, call: Call, run: Callable[[Call], Any]) -> bool:
