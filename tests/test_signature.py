@@ -451,3 +451,30 @@ def test_a_mapping_of_its_own_class_in_a_call_is_copied_as_that_class() -> None:
     assert shared["observation"] is original and list(shared) == ["observation"]  # never changes the call it copies
     assert type(again) is _Store and again._data is not shared._data
     assert torch.equal(again["observation"], original * 2)
+
+
+EDGE_TYPES = [("user", "rates", "item"), ("item", "rated_by", "user")]
+
+
+class HeteroSum(nn.Module):
+    """torch_geometric's ``to_hetero`` models take dicts keyed by edge types: tuples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x_dict: Dict[Any, torch.Tensor]) -> torch.Tensor:
+        return self.linear(x_dict[EDGE_TYPES[0]]) + 2 * self.linear(x_dict[EDGE_TYPES[1]])
+
+
+def test_a_dict_keyed_by_tuples_survives_the_manifest(tmp_path: Path) -> None:
+    """Held-out check 8 (torch_geometric's to_hetero SAGE): JSON gave the keys back as lists, and every call the
+    loaded artifact took failed with ``TypeError: unhashable type: 'list'``."""
+    model = HeteroSum().eval()
+    _fuse_and_export(model, tmp_path / "e", example_inputs=({k: torch.randn(5, 4) for k in EDGE_TYPES},))
+    steps = [leaf.steps for leaf in read_manifest(tmp_path / "e").signature.inputs]
+    assert steps == [(("arg", 0), ("key", key)) for key in EDGE_TYPES], steps
+    x = {k: torch.randn(3, 4) for k in EDGE_TYPES}
+    want = copy.deepcopy(model).double()({k: v.double() for k, v in x.items()})
+    for fmt in ("pt2", "graph_module"):
+        assert rel_err(load_fused(tmp_path / "e", fmt)(x), want) < 1e-5, fmt

@@ -125,12 +125,22 @@ class LeafSpec:
             dims.append(DimSpec(kind, size, int(low), int(high)))
             groups.append(token if kind is DimKind.variable else None)
         return cls(str(data["name"]), str(data.get("path", data["name"])),
-                   tuple((str(k), v) for k, v in data.get("steps") or []), str(data["dtype"]), tuple(dims),
+                   steps_from_json(data.get("steps")), str(data["dtype"]), tuple(dims),
                    bool(data.get("stochastic", False)), tuple(groups), bool(data.get("unread", False)),
                    absent_fill=float(data["absent_fill"]) if data.get("absent_fill") is not None else None,
                    absent_size_of=str(data["absent_size_of"]) if data.get("absent_size_of") is not None else None,
                    absent_drops=tuple(int(i) for i in data.get("absent_drops") or ()),
                    one_for_all=bool(data.get("one_for_all", False)))
+
+
+def steps_from_json(steps: Optional[Sequence[Sequence[Any]]]) -> Tuple[Tuple[str, Any], ...]:
+    """Steps as JSON gave them back: a key JSON wrote as a list was a tuple (a dict key is never a list: a
+    heterogeneous graph's edge types, ``("user", "rates", "item")``)."""
+    return tuple((str(kind), _hashable(key)) for kind, key in steps or [])
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
 
 
 @dataclass(frozen=True)
@@ -172,7 +182,7 @@ class ConstSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ConstSpec":
         text, unread, default = (None if data.get(k) is None else str(data[k]) for k in ("repr", "unread", "default"))
-        return cls(str(data["path"]), tuple((str(k), v) for k, v in data.get("steps") or []), data.get("value"),
+        return cls(str(data["path"]), steps_from_json(data.get("steps")), data.get("value"),
                    text, unread, default)
 
 
