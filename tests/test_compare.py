@@ -86,3 +86,17 @@ def test_an_artifacts_tolerance_grows_with_the_fused_models_own_error() -> None:
     got = want * (1 + 5e-5)
     assert not compare_outputs(got, want).passed
     assert compare_outputs(got, want, own_error=1e-5).passed
+
+
+def test_a_float_output_at_0_and_1_in_the_reference_only_is_judged_by_value() -> None:
+    """Held-out check 8 (a NeRF's opacity, the sum of the ray weights): exactly 1 or 0 in fp64, within 2e-7 of it in
+    fp32. It was taken for a thresholded output and judged by agreement (0% of the elements equal), so every format
+    was refused after training. A thresholded output gives 0 and 1 at any precision: one that does not is judged by
+    its relative error, and a discrete one is still judged by agreement."""
+    want = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64).float()  # cast to the artifact's dtype, as checked
+    got = torch.tensor([1 - 6e-8, 0.0, 1 - 1.2e-7, 1.0], dtype=torch.float32)
+    result = compare_outputs(got, want, min_agreement=0.999)
+    assert result.failure is None and result.relative_error < 2e-7, result
+    assert compare_outputs(got * 0.9, want, min_agreement=0.999).failure is not None  # off by 10%: refused
+    flipped = torch.tensor([1.0, 0.0, 0.0, 1.0])  # a thresholded output that flips one element
+    assert "agrees with the reference on 75.0000%" in compare_outputs(flipped, want, min_agreement=0.999).failure

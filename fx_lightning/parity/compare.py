@@ -26,6 +26,7 @@ __all__ = [
     "structure_mismatch",
     "relative_error",
     "is_discrete",
+    "judged_discrete",
     "agreement",
 ]
 
@@ -110,6 +111,13 @@ def is_discrete(t: torch.Tensor) -> bool:
     return t.numel() > 0 and bool(((t == 0) | (t == 1)).all())
 
 
+def judged_discrete(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether an output is judged by agreement: discrete in the reference and in the output judged. A floating
+    output the reference has at 0 and 1 only, but the judged output not, is continuous (a NeRF's opacity, exactly
+    1 in fp64, 1 - 6e-8 in fp32): a thresholded output gives 0 and 1 at any precision."""
+    return is_discrete(want) and is_discrete(got)
+
+
 def agreement(got: torch.Tensor, want: torch.Tensor) -> float:
     """The fraction of elements of ``got`` equal to ``want``'s (1 for empty tensors)."""
     equal, total = agreement_parts(got.detach().cpu(), want.detach().cpu())
@@ -148,7 +156,7 @@ def compare_outputs(
     worst, allowed, failure = 0.0, 0.0, None
     pairs: List[Tuple[torch.Tensor, torch.Tensor]] = list(zip(flat_tensors(got), flat_tensors(want)))
     for i, (g, w) in enumerate(pairs):
-        if min_agreement is not None and is_discrete(w):
+        if min_agreement is not None and judged_discrete(g, w):
             share = agreement(g, w)
             if share < min_agreement and failure is None:
                 failure = f"output {i} (discrete) agrees with the reference on {share:.4%} of its elements " \

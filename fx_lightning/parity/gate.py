@@ -31,7 +31,7 @@ from fx_lightning.common.batches import (
 from fx_lightning.common.calls import as_call, no_distribution_validation
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import Note, NoteKind
-from fx_lightning.parity.compare import is_discrete, structure_mismatch
+from fx_lightning.parity.compare import judged_discrete, structure_mismatch
 from fx_lightning.parity.options import ParityConfig, load_parity
 from fx_lightning.common.tolerance import LOW_PRECISION_FACTOR
 from fx_lightning.parity.report import OutputError, ParityReport
@@ -176,7 +176,7 @@ class _Measurement:
             for i, (r, c) in enumerate(zip(refs, cands)):
                 if i in self.stochastic:
                     continue  # drawn at random: its structure was compared above
-                if is_discrete(r):  # labels, masks, thresholded scores: judged by agreement
+                if judged_discrete(c, r):  # labels, masks, thresholded scores: judged by agreement
                     self.discrete.update(c.detach(), r.detach())
                     continue
                 valued.append(i)
