@@ -23,7 +23,7 @@ import enum
 import os
 import subprocess
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import lightning.pytorch as pl
@@ -379,6 +379,80 @@ def test_the_artifact_answers_the_call_a_server_makes_without_labels(tmp_path) -
     # A call with labels (as the validation step makes it) is refused, and the advice is the call above.
     with pytest.raises(ExportError, match="labels given; the artifact's call leaves it out .* call it without labels"):
         load_fused(cb.export_dir)(input_ids=ids, attention_mask=mask, labels=torch.zeros(3, dtype=torch.long))
+
+
+class CausalLMLit(TextLit):
+    """A causal LM as transformers trains one: ``labels`` are the ``input_ids`` themselves (the loss shifts them)."""
+
+    def forward(self, **inputs: torch.Tensor) -> Dict[str, torch.Tensor]:  # type: ignore[override]
+        logits = self.classify(self.norm(self.embed(inputs["input_ids"]).transpose(1, 2)).transpose(1, 2))
+        out = {"logits": logits * inputs["attention_mask"].unsqueeze(-1)}
+        if "labels" in inputs:
+            out["loss"] = F.cross_entropy(logits[:, :-1].flatten(0, 1), inputs["labels"][:, 1:].flatten() % 4)
+        return out
+
+
+def test_a_causal_lms_labels_equal_to_its_input_ids_are_left_out_and_the_input_ids_kept(tmp_path) -> None:
+    """Held-out check 8 (Mixtral, trained as Lightning's transformers examples do): the labels are the input_ids,
+    so both keywords were taken for labels, the call without either failed, and the artifact kept ``labels`` as an
+    input: the generation call without labels was refused (KeyError: 'labels')."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (32, 10), generator=g)
+    data = [{"input_ids": i, "attention_mask": torch.ones(10).long(), "labels": i.clone()} for i in ids]
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), CausalLMLit()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert [leaf.path for leaf in cb.outcome.manifest.signature.inputs] == ["input_ids", "attention_mask"]
+    reference = copy.deepcopy(model).double().eval()
+    x, mask = torch.randint(0, 50, (1, 7)), torch.ones(1, 7, dtype=torch.long)
+    for fmt in ("pt2", "graph_module"):
+        got = load_fused(cb.export_dir, fmt)(input_ids=x, attention_mask=mask)
+        want = reference(input_ids=x, attention_mask=mask)["logits"]
+        assert set(got) == {"logits"} and H.rel_err(got["logits"], want) < 1e-5, fmt
+
+
+class SetPredictionLit(pl.LightningModule):
+    """DETR fine-tuned as its tutorial does: the steps call the model with ``labels``, a list of per-image dicts of
+    boxes (a tensor cannot hold them), and its loss matches predictions to them in Python, which no tracer follows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 5 * 4)
+
+    def forward(self, pixel_values: torch.Tensor, labels: Optional[List[Dict[str, torch.Tensor]]] = None) -> Any:
+        boxes = self.head(self.bn(self.conv(pixel_values)).relu().mean((2, 3))).view(-1, 5, 4).sigmoid()
+        if labels is None:
+            return {"pred_boxes": boxes}
+        matched = [b[torch.cdist(b, t["boxes"]).argmin(0).tolist()] for b, t in zip(boxes, labels)]
+        loss = sum(float(t["boxes"].shape[0] > 0) * (m - t["boxes"]).abs().sum() for m, t in zip(matched, labels))
+        return {"loss": loss / len(labels), "pred_boxes": boxes}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(pixel_values=batch["pixel_values"], labels=batch["labels"])["loss"]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(pixel_values=batch["pixel_values"], labels=batch["labels"])["loss"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_labels_a_tensor_cannot_hold_are_left_out_by_name(tmp_path) -> None:
+    """Held-out check 8 (DETR): ``labels`` a list of per-image dicts was never taken for labels (only tensors were):
+    the artifact was built for the labelled call, whose Python matching no tracer follows, and the preflight
+    stopped the training. Left out, proven as tensor labels are, the artifact takes ``pixel_values`` alone."""
+    g = torch.Generator().manual_seed(0)
+    items = [(torch.randn(3, 16, 16, generator=g), torch.rand(1 + i % 3, 4, generator=g)) for i in range(16)]
+    loader = torch.utils.data.DataLoader(items, batch_size=4, collate_fn=lambda b: {
+        "pixel_values": torch.stack([i[0] for i in b]), "labels": [{"boxes": i[1]} for i in b]})
+    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), SetPredictionLit()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert any(n.kind.name == "labels_left_out" for n in cb.outcome.notes)
+    assert [leaf.path for leaf in cb.outcome.manifest.signature.inputs] == ["pixel_values"]
+    reference, x = copy.deepcopy(model).double().eval(), torch.randn(1, 3, 20, 20)
+    got = load_fused(cb.export_dir)(pixel_values=x)
+    want = reference(pixel_values=x.double())["pred_boxes"]
+    assert set(got) == {"pred_boxes"} and H.rel_err(got["pred_boxes"], want) < 1e-5
 
 
 class PositionalLabels(pl.LightningModule):

@@ -32,6 +32,7 @@ from fx_lightning.common.batches import (
     describe_call,
     example_call,
     extract_input,
+    flat_tensors,
     label_candidates,
     identity_rule,
     model_device_dtype,
@@ -259,11 +260,14 @@ def without_labels(found: TargetSteps, reference: nn.Module) -> TargetSteps:
     if found.through_whole or not found.steps:
         return found
     first = found.steps[0]
-    names = [k for k, v in first.target.kwargs.items() if isinstance(v, torch.Tensor) and _is_labels(k, v, first.labels)]
+    names = [k for k, v in first.target.kwargs.items() if _is_labels(k, v, first.labels)]
+    # A causal LM's labels are its input_ids: of the keywords equal to the labels, those named so go first.
+    named = [k for k in names if k in _LABEL_NAMES]
     keep = _positional_labels_kept(first, reference)
     flags = _loss_flags(first.target, reference)
-    for left in ([*names, *flags], names) if flags else (names,):  # a flag asking for the loss goes with the labels
-        if not left and keep == len(first.target.args):
+    tries = [named, names] if named and named != names else [names]
+    for left in [group for labels in tries for group in ([*labels, *flags], labels)] if flags else tries:
+        if not left and keep == len(first.target.args):  # a flag asking for the loss goes with the labels
             continue
         steps = _calls_without(found.steps, reference, keep, left)
         if steps is not None:
@@ -317,10 +321,12 @@ def _positional_labels_kept(first: ObservedStep, reference: nn.Module) -> int:
     return keep
 
 
-def _is_labels(name: str, value: torch.Tensor, labels: Tuple[torch.Tensor, ...]) -> bool:
-    if labels:
+def _is_labels(name: str, value: Any, labels: Tuple[torch.Tensor, ...]) -> bool:
+    """Whether a keyword's ``value`` is the batch's ``labels``: a tensor equal to one of them, else (no labels known,
+    or targets a tensor cannot hold: a detector's list of per-image dicts) named as labels are."""
+    if isinstance(value, torch.Tensor) and labels:
         return any(value.shape == t.shape and bool(torch.equal(value.detach().cpu(), t.detach().cpu())) for t in labels)
-    return name in _LABEL_NAMES
+    return name in _LABEL_NAMES and (isinstance(value, torch.Tensor) or bool(flat_tensors(value)))
 
 
 def _outputs_kept(without: Any, with_them: Any) -> bool:
