@@ -229,7 +229,7 @@ def test_keeping_whole_stops_when_the_failure_is_at_a_module_already_kept(monkey
 
     tries = []
 
-    def failing(working, trace, kept_whole=()):
+    def failing(working, trace, kept_whole=(), call=None):
         tries.append(tuple(kept_whole))
         if len(tries) > 50:
             raise AssertionError("the kept-whole loop does not end")

@@ -1940,3 +1940,93 @@ def test_labels_are_left_out_where_the_model_without_them_returns_more_of_its_ow
         got, want = load_fused(cb.export_dir, fmt)(x), reference(x.double())
         assert type(got) is dict and list(got) == ["logits", "cache"], fmt
         assert all(H.rel_err(got[k], want[k]) < 1e-5 for k in want), fmt
+
+
+class ScanMixer(nn.Module):
+    """transformers' MambaMixer slow path: unpacks the input's shape and scans over time in Python."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inp, self.cell, self.out = nn.Linear(width, width), nn.Linear(2 * width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        h, state, outs = self.inp(x), torch.zeros(batch, width), []
+        for i in range(length):
+            state = torch.tanh(self.cell(torch.cat([state, h[:, i]], -1)))
+            outs.append(state)
+        return self.out(torch.stack(outs, 1))
+
+
+class ScanLM(pl.LightningModule):
+    """A Mamba causal LM as its users fine-tune it: ``forward(input_ids, labels=None)`` returns the loss with the
+    labels, every batch of one length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.norm = nn.Embedding(20, 16), ScanMixer(16), nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        logits = self.head(self.norm(self.mix(self.embed(input_ids)).transpose(1, 2)).transpose(1, 2))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return out
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch, labels=batch)["loss"]
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self(batch, labels=batch)["loss"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_scan_over_time_is_kept_whole_so_every_length_is_served(tmp_path) -> None:
+    """Held-out check 8 (transformers' Mamba): symbolic tracing traced the ``labels=None`` branch as if labels were
+    given, so keeping the scan whole never gave a faithful graph, and torch.export's graph fixed the length (16, the
+    only one trained) in every format: every other length was refused. A parameter the call leaves out is traced
+    as its default: the scan kept whole, the rest fused, every length served."""
+    loader = torch.utils.data.DataLoader(torch.randint(0, 20, (32, 16), generator=torch.Generator().manual_seed(0)),
+                                         batch_size=8)
+    cb, model = FXFuseCallback(), ScanLM()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert any(n.kind.name == "kept_whole" and "ScanMixer" in str(n) for n in cb.outcome.result.report.notes)
+    assert cb.outcome.result.report.batchnorms_folded == 1  # the BatchNorm behind the transposes, outside the scan
+    reference, fused = copy.deepcopy(model).double().eval(), load_fused(cb.export_dir)
+    for batch, length in ((1, 5), (3, 27)):
+        x = torch.randint(0, 20, (batch, length))
+        got, want = fused(x), reference(x)
+        assert set(got) == {"logits"} and got["logits"].shape == (batch, length, 20)
+        assert H.rel_err(got["logits"], want["logits"]) < 1e-5, (batch, length)
+
+
+class RootScan(ScanLM):
+    """The scan in the LightningModule's own forward: nothing around it to keep it whole in."""
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        state, outs = torch.zeros(h.shape[0], 16), []
+        for i in range(h.shape[1]):
+            state = torch.tanh(self.mix.cell(torch.cat([state, h[:, i]], -1)))
+            outs.append(state)
+        logits = self.head(torch.stack(outs, 1))
+        return {"logits": logits, **({"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+                                     if labels is not None else {})}
+
+
+def test_a_length_shown_to_vary_that_no_capture_keeps_dynamic_is_fixed_with_a_note(tmp_path) -> None:
+    """The length was shown to vary by experiment, and no capture keeps it dynamic: every artifact takes the length
+    seen, and says so (it was fixed again without a word), refusing others by name."""
+    loader = torch.utils.data.DataLoader(torch.randint(0, 20, (32, 16), generator=torch.Generator().manual_seed(0)),
+                                         batch_size=8)
+    cb, model = FXFuseCallback(), RootScan()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    (note,) = [n for n in cb.outcome.notes if n.kind.name == "probed_fixed_in_capture"]
+    assert "input_ids dim 1 (16)" in str(note), str(note)
+    fused, x = load_fused(cb.export_dir), torch.randint(0, 20, (3, 16))
+    assert H.rel_err(fused(x)["logits"], copy.deepcopy(model).double().eval()(x)["logits"]) < 1e-5
+    with pytest.raises(ExportError, match=r"input_ids\) dim 1 is 5; the artifact was built for 16 there"):
+        fused(torch.randint(0, 20, (1, 5)))

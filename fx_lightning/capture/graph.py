@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import traceback
 import types
@@ -260,7 +261,7 @@ def capture(
     if mode is TraceMode.export:
         return _capture_export(working, dynamic_samples, call, signature, check)
     try:
-        result = _capture_fx(working, trace)
+        result = _capture_fx(working, trace, call=call)
         raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         if result.opaque_batchnorms and mode is TraceMode.auto and call is not None:
             return _prefer_export(result, working, dynamic_samples, call, signature, check)
@@ -305,16 +306,18 @@ def _prefer_export(fx_result: Capture, working: nn.Module, dynamic_samples: bool
     return result
 
 
-def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, ...] = ()) -> Capture:
+def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, ...] = (),
+                call: Optional[Call] = None) -> Capture:
     """Symbolic tracing with the configured leaves and wrapped functions, and ``kept_whole`` (module classes and
-    functions the automatic route adds)."""
+    functions the automatic route adds). forward's parameters ``call`` leaves out are their defaults (a
+    ``labels=None`` branch is traced as the call runs it, not as if labels were given)."""
     leaf_types = tuple(import_object(p) for p in trace.leaf_modules) + tuple(k for k in kept_whole
                                                                               if isinstance(k, type))
     functions = tuple(import_object(p) for p in trace.autowrap_functions) + tuple(k for k in kept_whole
                                                                                   if not isinstance(k, type))
     modules = tuple(__import__(m, fromlist=["_"]) for m in trace.autowrap_modules)
     tracer = FXLeafTracer(leaf_types, functions, modules)
-    concrete = dict(trace.concrete_args) or None
+    concrete = {**_left_out_defaults(working, call), **dict(trace.concrete_args)} or None
     try:
         with no_distribution_validation(), _attributes_kept(working):
             graph = tracer.trace(working, concrete_args=concrete)
@@ -378,6 +381,21 @@ def _no_dtypes_out(graph: fx.Graph) -> None:
 MAX_KEPT_WHOLE = 8
 
 
+def _left_out_defaults(module: nn.Module, call: Optional[Call]) -> Dict[str, Any]:
+    """forward's parameters with a default that ``call`` does not give, by name: their defaults (what leaving them
+    out means, and the only value the artifact's call gives them)."""
+    if call is None or isinstance(module, FlatCall):
+        return {}
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    by_position, by_name = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    return {p.name: p.default for i, p in enumerate(parameters) if p.kind in (by_position, by_name)
+            and p.default is not p.empty and p.name not in call.kwargs
+            and not (p.kind is by_position and i < len(call.args))}
+
+
 def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call, check: Sequence[Call],
                               error: TraceError) -> Optional[Capture]:
     """Symbolic tracing once more, keeping whole what it could not follow: the module class or the module-level
@@ -398,7 +416,7 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
             return None
         kept.append(more)
         try:
-            result = _capture_fx(working, trace, tuple(kept))
+            result = _capture_fx(working, trace, tuple(kept), call)
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         except TraceError as exc:
             error = exc

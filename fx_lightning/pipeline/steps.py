@@ -35,12 +35,13 @@ from fx_lightning.errors import (
     FXLightningError,
     PassError,
     TraceError,
+    first_line,
     require_inputs,
 )
 from fx_lightning.export.load.interface import ArtifactInterface, for_sizes
 from fx_lightning.export.write.input_contract import resolve_input_contract
 from fx_lightning.export.manifest import Preprocess
-from fx_lightning.common.notes import NoteKind
+from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.parity.gate import ParityState, judge_parity, measure_parity
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline import raw_input
@@ -91,6 +92,9 @@ class Step(str, Enum):
 _STEP_ERRORS = {Step.capture: TraceError, Step.passes: PassError, Step.export: ExportError,
                 Step.variants: ExportError, Step.selection: ExportError}
 
+PROBED_FIXED_IN_CAPTURE = NoteKind("probed_fixed_in_capture", "sizes shown to vary by experiment ({dims}) could not "
+                                   "stay dynamic in the capture ({reason}): every artifact takes the sizes seen and "
+                                   "refuses others by name")
 PARITY_DISABLED = NoteKind("parity_disabled", "parity check disabled (parity.enabled: false): the fused model was "
                                               "not verified")
 
@@ -134,17 +138,22 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                                   for name in str(n["labels"]).split(",")]
             signature, absent_notes = with_stand_ins(signature, reference, found.steps)
             found = dataclasses.replace(found, notes=[*found.notes, *absent_notes])
+        capture_notes: List[Note] = []
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
+                retry: Optional[str] = None  # why the sizes shown to vary by experiment are fixed again
                 try:
                     result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
                                   check_inputs=other_sizes(found.steps) + signature.examples)
-                    retry = result.static_shapes is not None and signature.probed  # sizes shown to vary, not kept
-                except TraceError:
+                    if result.static_shapes is not None and signature.probed:
+                        retry = "the capture fixed them"
+                except TraceError as exc:
                     if not signature.probed:
                         raise
-                    retry = True
-                if retry:  # the sizes only shown to vary by experiment fixed again, the sample axis kept dynamic
+                    retry = first_line(exc)
+                if retry is not None:  # the sizes only shown to vary by experiment fixed again, samples kept dynamic
+                    probed = signature.probed_dims()
+                    capture_notes.append(PROBED_FIXED_IN_CAPTURE(dims=probed, reason=retry))
                     signature = signature.fixing_probed()
                     result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
                                   check_inputs=other_sizes(found.steps))
@@ -167,7 +176,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                                                                found, calibration_batch_count(config))
     # The source's contract, else the config's alone (without Lightning nothing is searched).
     contract = source.contract if source.contract is not None else resolve_input_contract(config.export)
-    notes = [*source.notes, *source.batches.notes, *found.notes, *calibration_notes, *contract.notes]
+    notes = [*source.notes, *source.batches.notes, *found.notes, *capture_notes, *calibration_notes,
+             *contract.notes]
     if not config.parity.enabled:
         notes.append(PARITY_DISABLED())
     candidate = _candidate(result, signature)

@@ -265,7 +265,12 @@ class Signature:
     @property
     def probed(self) -> bool:
         """Whether a size is variable only by experiment (one size observed)."""
-        return any(d.kind is DimKind.variable and d.low == d.high for leaf in self.inputs for d in leaf.dims)
+        return bool(self.probed_dims())
+
+    def probed_dims(self) -> str:
+        """The sizes variable only by experiment, in words (``input_ids dim 1 (16)``); "" when there are none."""
+        return ", ".join(f"{leaf.path} dim {i} ({d.size})" for leaf in self.inputs for i, d in enumerate(leaf.dims)
+                         if d.kind is DimKind.variable and d.low == d.high)
 
     @property
     def batched(self) -> bool:
