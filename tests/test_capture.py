@@ -218,6 +218,34 @@ def test_when_both_captures_fail_the_advice_does_not_name_the_mode_just_tried():
     assert "trace.autowrap_functions" in str(raised.value)  # the fixes that remain are still said
 
 
+class InnerValueBranch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.sum() > 0 else -x
+
+
+class ValueBranches(ValueBranch):
+    """A branch on values in a submodule and another in the root's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = InnerValueBranch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.inner(x))
+
+
+def test_advice_to_keep_whole_what_was_kept_whole_and_still_failed_is_not_given():
+    """Held-out check 8 (e3nn): the refusal advised trace.leaf_modules for the module symbolic tracing failed in,
+    which the automatic route had kept whole, tracing then failing again: advice shown not to work. It now says
+    what was kept whole and where tracing failed next."""
+    with pytest.raises(TraceError, match="Neither capture mode worked") as raised:
+        fuse(ValueBranches(), example_inputs=torch.randn(2, 3, 4, 4))
+    message = str(raised.value)
+    assert "keep that module opaque" not in message and "InnerValueBranch']" not in message, message
+    assert f"Kept whole, tracing still failed ({__name__}.InnerValueBranch): torch.fx could not trace the root " \
+           "module" in message, message
+
+
 def test_keeping_whole_stops_when_the_failure_is_at_a_module_already_kept(monkeypatch):
     """A failure reported at a module already kept whole (fx cannot make a node of the arguments of its call: a
     library's batch object) was taken out of the list and put back, forever: the preflight hung (torch_geometric's
@@ -240,7 +268,7 @@ def test_keeping_whole_stops_when_the_failure_is_at_a_module_already_kept(monkey
     monkeypatch.setattr(graph, "_capture_fx", failing)
     first = TraceError("first failure")
     first.keep_functions, first.keep_module = [], Kept
-    assert graph._capture_fx_keeping_whole(nn.Linear(2, 2), None, None, (), first) is None
+    assert graph._capture_fx_keeping_whole(nn.Linear(2, 2), None, None, (), first)[0] is None
     assert tries == [(Kept,)]
 
 

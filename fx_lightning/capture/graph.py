@@ -277,10 +277,10 @@ def capture(
         try:
             result = _capture_export(working, dynamic_samples, call, signature, check)
         except TraceError as export_error:
-            result = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
+            result, tried = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
             if result is None:
                 raise TraceError(
-                    f"Neither capture mode worked.\n[fx] {_without_export_advice(fx_error)}\n[export] {export_error}"
+                    f"Neither capture mode worked.\n[fx] {_advice_left(fx_error, tried)}\n[export] {export_error}"
                 ) from export_error.__cause__
             result.notes.insert(0, CAPTURED_KEEPING_WHOLE(export=first_line(export_error)))
             return result
@@ -289,9 +289,15 @@ def capture(
         return result
 
 
-def _without_export_advice(fx_error: TraceError) -> str:
-    """The fx failure's message less its advice to capture with torch.export, which has just failed too."""
-    return "\n".join(line for line in str(fx_error).splitlines() if not line.startswith("  - trace.mode: export"))
+def _advice_left(fx_error: TraceError, tried: "KeptWholeTries") -> str:
+    """The fx failure's message less the advice just shown not to work: capturing with torch.export, and keeping
+    the failing module or function whole where the automatic route kept them whole and tracing still failed."""
+    shown = ("  - trace.mode: export",) + (("  - keep that module opaque", "  - move the offending code")
+                                          if tried.kept else ())
+    lines = [line for line in str(fx_error).splitlines() if not line.startswith(shown)]
+    if tried.kept:
+        lines.append(f"  Kept whole, tracing still failed ({', '.join(tried.kept)}): {tried.last}")
+    return "\n".join(lines)
 
 
 def _prefer_export(fx_result: Capture, working: nn.Module, dynamic_samples: bool, call: Call,
@@ -396,14 +402,23 @@ def _left_out_defaults(module: nn.Module, call: Optional[Call]) -> Dict[str, Any
             and not (p.kind is by_position and i < len(call.args))}
 
 
+@dataclass
+class KeptWholeTries:
+    """What :func:`_capture_fx_keeping_whole` kept whole (qualified names) and the last failure, in words."""
+
+    kept: List[str] = field(default_factory=list)
+    last: str = ""
+
+
 def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call, check: Sequence[Call],
-                              error: TraceError) -> Optional[Capture]:
+                              error: TraceError) -> Tuple[Optional[Capture], KeptWholeTries]:
     """Symbolic tracing once more, keeping whole what it could not follow: the module class or the module-level
     function its failure was in (its own code runs as one call, unfused: BatchNorms inside a module kept whole are
     counted as left). When torch.export cannot capture the model either (a value read in Python, say), this is the
-    graph the passes can still work on. None: nothing more to keep whole, or it still fails."""
+    graph the passes can still work on. None: nothing more to keep whole, or it still fails (what was tried)."""
     kept: List[Any] = []
     given_up: List[Any] = []
+    tries = KeptWholeTries()
     for _ in range(MAX_KEPT_WHOLE):  # tries, not kept entries: a swap below keeps the count the same
         module = getattr(error, "keep_module", None)
         functions = getattr(error, "keep_functions", None) or []
@@ -413,18 +428,20 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
         fresh = [f for f in functions if f not in given_up]
         more = fresh[0] if fresh else module
         if more is None or more in kept:  # it fails at a module already kept whole (its call's arguments)
-            return None
+            return None, tries
         kept.append(more)
+        tries.kept.append(f"{more.__module__}.{more.__qualname__}")
         try:
             result = _capture_fx(working, trace, tuple(kept), call)
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         except TraceError as exc:
             error = exc
+            tries.last = first_line(exc)
             continue
         names = ", ".join(f"{k.__module__}.{k.__qualname__}" for k in kept)
         result.notes.append(KEPT_WHOLE(kept=names))
-        return result
-    return None
+        return result, tries
+    return None, tries
 
 
 def _failing_functions(exc: BaseException) -> List[types.FunctionType]:
