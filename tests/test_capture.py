@@ -244,6 +244,7 @@ def test_advice_to_keep_whole_what_was_kept_whole_and_still_failed_is_not_given(
     assert "keep that module opaque" not in message and "InnerValueBranch']" not in message, message
     assert f"Kept whole, tracing still failed ({__name__}.InnerValueBranch): torch.fx could not trace the root " \
            "module" in message, message
+    assert "wrap it in a leaf module" not in message and raised.value.fix.startswith("no setting is known"), message
 
 
 def test_keeping_whole_stops_when_the_failure_is_at_a_module_already_kept(monkeypatch):

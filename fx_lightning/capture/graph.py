@@ -279,8 +279,12 @@ def capture(
         except TraceError as export_error:
             result, tried = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
             if result is None:
+                export_part = str(export_error)
+                if tried.kept:  # wrapping in a leaf module is what was just tried
+                    export_part = export_part.replace(_EXPORT_FIXES, "")
                 raise TraceError(
-                    f"Neither capture mode worked.\n[fx] {_advice_left(fx_error, tried)}\n[export] {export_error}"
+                    f"Neither capture mode worked.\n[fx] {_advice_left(fx_error, tried)}\n[export] {export_part}",
+                    fix=_NOTHING_TO_SET if tried.kept else None,
                 ) from export_error.__cause__
             result.notes.insert(0, CAPTURED_KEEPING_WHOLE(export=first_line(export_error)))
             return result
@@ -295,9 +299,17 @@ def _advice_left(fx_error: TraceError, tried: "KeptWholeTries") -> str:
     shown = ("  - trace.mode: export",) + (("  - keep that module opaque", "  - move the offending code")
                                           if tried.kept else ())
     lines = [line for line in str(fx_error).splitlines() if not line.startswith(shown)]
+    if lines and lines[-1] == "  Fixes that apply:":  # none left
+        lines.pop()
     if tried.kept:
         lines.append(f"  Kept whole, tracing still failed ({', '.join(tried.kept)}): {tried.last}")
     return "\n".join(lines)
+
+
+_EXPORT_FIXES = "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
+# Where keeping whole was tried and failed, no setting is known to work: advice that cannot work is not given.
+_NOTHING_TO_SET = ("no setting is known to capture it (keeping whole what tracing failed in was tried): the model's "
+                   "code must change where it fails (above), or fx-lightning cannot export this model")
 
 
 def _prefer_export(fx_result: Capture, working: nn.Module, dynamic_samples: bool, call: Call,
@@ -576,7 +588,7 @@ def _exported(working: nn.Module, target: nn.Module, call: Call, dims: Any, chec
                 f"torch.export could not capture {type(working).__qualname__}: {first_line(cause, with_type=True)}"
                 + (f"\n  at {frame}" if frame else "")
                 + "".join(f"\n  tried {a}" for a in exc.attempts[1:])
-                + "\n  Fixes: make the failing code shape-generic, or wrap it in a leaf module and use trace.mode: fx."
+                + _EXPORT_FIXES
             ) from cause
     raise AssertionError("unreachable")
 
