@@ -2030,3 +2030,72 @@ def test_a_length_shown_to_vary_that_no_capture_keeps_dynamic_is_fixed_with_a_no
     assert H.rel_err(fused(x)["logits"], copy.deepcopy(model).double().eval()(x)["logits"]) < 1e-5
     with pytest.raises(ExportError, match=r"input_ids\) dim 1 is 5; the artifact was built for 16 there"):
         fused(torch.randint(0, 20, (1, 5)))
+
+
+class PointCloud:
+    """A library's batch object (torch_geometric's ``Batch``): tensors in fields, with methods of its own."""
+
+    def __init__(self, pos: torch.Tensor, batch: torch.Tensor) -> None:
+        self.pos, self.batch = pos, batch
+
+    def __contains__(self, key: str) -> bool:
+        return getattr(self, key, None) is not None
+
+
+class RadiusFilter(nn.Module):
+    """e3nn's network: item assignment (no symbolic tracing) and a branch on values (no torch.export)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 8)
+
+    def forward(self, data: PointCloud) -> torch.Tensor:
+        radius = data.pos.norm(dim=1, keepdim=True)
+        weight = torch.ones_like(radius)
+        weight[radius > 1.5] = 0
+        h = self.embed(data.pos) * weight
+        if bool((radius > 3).any()):
+            h = h * 0.5
+        count = int(data.batch.max()) + 1
+        return h.new_zeros(count, 8).index_add(0, data.batch, h)
+
+
+class PointClassifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.head = RadiusFilter(), nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    def forward(self, data: PointCloud) -> torch.Tensor:
+        return self.head(self.net(data))
+
+    def training_step(self, data: PointCloud, batch_idx: int) -> torch.Tensor:
+        return self(data).pow(2).mean()
+
+    def validation_step(self, data: PointCloud, batch_idx: int) -> None:
+        self.log("val_loss", self(data).pow(2).mean(), batch_size=1)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _clouds(seed: int, graphs: int, nodes: int) -> PointCloud:
+    g = torch.Generator().manual_seed(seed)
+    return PointCloud(torch.randn(graphs * nodes, 3, generator=g), torch.arange(graphs).repeat_interleave(nodes))
+
+
+def test_a_module_kept_whole_takes_the_librarys_batch_object(tmp_path) -> None:
+    """Held-out check 8 (e3nn's network, given torch_geometric's Batch): no capture follows it, and keeping it
+    whole failed too, torch.fx making no graph node of the batch object passed to it (``NotImplementedError:
+    argument of type DataBatch``): the preflight stopped the training. The graph now passes the object's tensors and
+    rebuilds it for the module kept whole; the head's BatchNorm folds, and the artifact takes the object."""
+    loader = torch.utils.data.DataLoader([_clouds(s, 4, 6) for s in range(8)], batch_size=None)
+    cb, model = FXFuseCallback(), PointClassifier()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    assert any(n.kind.name == "kept_whole" and "RadiusFilter" in str(n) for n in cb.outcome.result.report.notes)
+    assert cb.outcome.result.report.batchnorms_folded == 1
+    reference, fused = copy.deepcopy(model).double().eval(), load_fused(cb.export_dir)
+    for seed, graphs, nodes in ((20, 1, 5), (21, 3, 9)):
+        data = _clouds(seed, graphs, nodes)
+        want = reference(PointCloud(data.pos.double(), data.batch))
+        got = fused(data)
+        assert got.shape == want.shape == (graphs, 3) and H.rel_err(got, want) < 1e-5, (graphs, nodes)

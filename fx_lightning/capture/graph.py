@@ -27,7 +27,7 @@ from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.capture.fx_failure import explain_fx_failure, is_tracer_code, is_users_file, user_frame
-from fx_lightning.capture.kept_whole import call_torch_functions_by_name
+from fx_lightning.capture.kept_whole import ArgumentOf, call_torch_functions_by_name, object_argument
 from fx_lightning.signature.conditions import conditions_from_guards, one_row_conditions
 from fx_lightning.capture.faithful import raise_if_unfaithful
 from fx_lightning.passes.base import RemainingBatchNorm
@@ -194,9 +194,10 @@ class FXLeafTracer(fx.Tracer):
         self.traced_through: Dict[str, str] = {}  # path -> class of BatchNorm-like modules inlined
         self.opaque_batchnorms: Dict[str, str] = {}  # path -> class of BatchNorms that could not be traced into
         self._traceable: Dict[type, bool] = {}
+        self._arguments: List[str] = []  # the root's attributes holding rebuilt arguments' structures
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if is_known_batchnorm(m) or (self.leaf_types and isinstance(m, self.leaf_types)):
+        if is_known_batchnorm(m) or isinstance(m, (ArgumentOf, *self.leaf_types)):
             return True
         if is_batchnorm_like(m) or looks_like_batchnorm(m):
             # Traced through, so the F.batch_norm in its forward (if any) becomes visible, when that forward
@@ -206,6 +207,21 @@ class FXLeafTracer(fx.Tracer):
             self.opaque_batchnorms[module_qualified_name] = type(m).__qualname__
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def create_arg(self, a: Any) -> Any:
+        """A library's object holding tensors (torch_geometric's ``Batch``) passed to a module kept whole: torch.fx
+        makes no node of it, so the graph passes its tensors to an :class:`ArgumentOf` that rebuilds it."""
+        try:
+            return super().create_arg(a)
+        except NotImplementedError:
+            tree = object_argument(a)
+            if tree is None:
+                raise
+            name = f"fx_lightning_argument_{len(self._arguments)}"
+            self._arguments.append(name)
+            self.root.add_module(name, ArgumentOf(tree))
+            leaves = tuple(super(FXLeafTracer, self).create_arg(leaf) for leaf in tree.leaves(a))
+            return self.create_node("call_module", name, leaves, {})
 
     def _traces_alone(self, m: nn.Module) -> bool:
         cls = type(m)

@@ -1,4 +1,4 @@
-"""Library functions the capture keeps whole, called by name in the graph.
+"""Library functions the capture keeps whole, called by name in the graph, and the objects modules kept whole take.
 
 torch.fx writes a kept-whole function of torch's own namespace into the generated code as
 ``wrap("torch.nn.utils.rnn.pack_padded_sequence")``, a dotted name its own unpickler cannot find (KeyError when
@@ -8,13 +8,18 @@ round-trips, with the function's qualified name as its first argument.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.fx as fx
+from torch import nn
 from torch.fx.node import _get_qualified_name
 
-__all__ = ["call_by_name", "call_torch_functions_by_name"]
+from fx_lightning.common.calls import Tree, set_field, tree_of, value_at
+
+__all__ = ["call_by_name", "call_torch_functions_by_name", "ArgumentOf", "object_argument"]
 
 
 def call_by_name(qualified_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -42,3 +47,35 @@ def call_torch_functions_by_name(graph: fx.Graph) -> int:
             node.target = call_by_name
             changed += 1
     return changed
+
+
+class ArgumentOf(nn.Module):
+    """An argument of a module kept whole (a library's batch object: torch_geometric's ``Batch``) made again from
+    its tensors: torch.fx makes no graph node of such an object, so the graph passes its tensors to this module,
+    which rebuilds it (a module: torch.fx's unpickler, retracing the graph, keeps it one call)."""
+
+    def __init__(self, structure: Tree) -> None:
+        super().__init__()
+        self.structure = structure
+
+    def forward(self, *leaves: Any) -> Any:
+        return self.structure.rebuild(leaves)
+
+
+def object_argument(value: Any) -> Optional[Tree]:
+    """The structure of ``value`` with its tensors taken out (templates hold no tensor or proxy: the graph keeps it),
+    where it is an object holding tensors in fields; else None."""
+    tree = tree_of(value)
+    return _without_tensors(tree, value) if tree.kind == "obj" else None
+
+
+def _without_tensors(tree: Tree, value: Any) -> Tree:
+    if tree.kind in ("tensor", "const"):
+        return tree
+    children = [(step, _without_tensors(child, value_at(value, (step,)))) for step, child in tree.children]
+    template = tree.template
+    if tree.kind == "obj" and template is not None:
+        template = copy.copy(template)
+        for (_, key), _child in tree.children:
+            set_field(template, key, None)
+    return dataclasses.replace(tree, children=children, template=template)

@@ -55,6 +55,7 @@ __all__ = [
     "distribution_params",
     "Interface",
     "map_leaves",
+    "set_field",
 ]
 
 
@@ -205,7 +206,7 @@ class Tree:
             return _rebuilt_distribution(self, {key: v for (_, key), v in parts})
         obj = copy.copy(self.template)  # keeps the fields that hold no tensor; init=False fields, slots, frozen
         for (_, key), v in parts:
-            _set_field(obj, key, v)
+            set_field(obj, key, v)
         return obj
 
     # ------------------------------------------------------------------------------------------ names
@@ -225,7 +226,7 @@ class Tree:
         return names
 
 
-def _set_field(obj: Any, key: str, value: Any) -> None:
+def set_field(obj: Any, key: str, value: Any) -> None:
     """``obj.key = value`` as the class does it (a batch type may keep its fields in a store of its own), else past
     a frozen dataclass's guard."""
     try:
