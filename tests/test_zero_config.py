@@ -2026,6 +2026,8 @@ def test_a_length_shown_to_vary_that_no_capture_keeps_dynamic_is_fixed_with_a_no
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
     (note,) = [n for n in cb.outcome.notes if n.kind.name == "probed_fixed_in_capture"]
     assert "input_ids dim 1 (16)" in str(note) and "Constraints violated" in str(note), str(note)
+    assert [n for n in cb.outcome.manifest.signature.notes if "shown to vary" in n] == [
+        "sizes shown to vary by a call with them resized, fixed again (no capture kept them dynamic): input_ids dim 1"]
     fused, x = load_fused(cb.export_dir), torch.randint(0, 20, (3, 16))
     assert H.rel_err(fused(x)["logits"], copy.deepcopy(model).double().eval()(x)["logits"]) < 1e-5
     with pytest.raises(ExportError, match=r"input_ids\) dim 1 is 5; the artifact was built for 16 there"):

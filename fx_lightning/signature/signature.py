@@ -186,6 +186,10 @@ class ConstSpec:
                    text, unread, default)
 
 
+SHOWN_TO_VARY = "sizes that did not vary shown to vary by a call with them resized: "
+FIXED_AGAIN = "sizes shown to vary by a call with them resized, fixed again (no capture kept them dynamic): "
+
+
 @dataclass
 class Signature:
     """How the artifact is called. ``flat``: it takes one tensor per input leaf, by name, rebuilt into the
@@ -259,8 +263,9 @@ class Signature:
                            zip(dims, leaf.groups or (None,) * len(dims)))
             return dataclasses.replace(leaf, dims=dims, groups=groups)
 
+        notes = [n.replace(SHOWN_TO_VARY, FIXED_AGAIN) for n in self.notes]
         return dataclasses.replace(self, inputs=[fixed(x) for x in self.inputs], outputs=[fixed(x) for x in self.outputs],
-                                   examples=[])
+                                   examples=[], notes=notes)
 
     @property
     def probed(self) -> bool:
@@ -395,7 +400,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
                                               tree_of(outputs[0])))  # type: ignore[arg-type]
                  for path, value in tree.constants()]
     if probe.inputs:
-        notes.append("sizes that did not vary shown to vary by a call with them resized: " + ", ".join(
+        notes.append(SHOWN_TO_VARY + ", ".join(
             f"{in_specs[i].name} dim {d}" for group in probe.inputs for i, d in group))
     items, why_not = find_item_list(same[0].call, outputs[0], run)
     if items is not None or why_not is not None:
