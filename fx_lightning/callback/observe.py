@@ -28,7 +28,7 @@ from torch import nn
 from fx_lightning.common.batches import detached, label_candidates, loader_sample_counts
 from fx_lightning.common.calls import Call, map_leaves, tree_of_call
 from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, SOURCE_ORDER, SOURCE_STAGES, first_loader
-from fx_lightning.capture.graph import is_compiled_module
+from fx_lightning.capture.working_copy import is_compiled_module
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import NoteKind

@@ -34,7 +34,7 @@ from fx_lightning.callback.observe import CallRecorder
 from fx_lightning.callback.ranks import StrategyCollectives
 from fx_lightning.callback.trainer_data import checkpoint_callbacks, export_directory, parity_batches
 from fx_lightning.callback.transforms import input_contract
-from fx_lightning.capture.graph import plain_state_dict, strip_compiled
+from fx_lightning.capture.working_copy import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line, require_inputs
 from fx_lightning.formats import FORMATS

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 
 from fx_lightning.common.batches import loader_sample_counts, model_device_dtype
 from fx_lightning.callback.namespaces import lightning_classes
-from fx_lightning.capture.graph import plain_state_dict, strip_compiled
+from fx_lightning.capture.working_copy import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, ParityConfig, ParityData, WeightsSource
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import NoteKind

@@ -8,13 +8,12 @@ graph. ``auto`` tries fx first, then export when example inputs are known.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import math
 import traceback
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -30,6 +29,7 @@ from fx_lightning.capture.fx_failure import explain_fx_failure, is_tracer_code, 
 from fx_lightning.capture.kept_whole import ArgumentOf, call_torch_functions_by_name, object_argument
 from fx_lightning.signature.conditions import conditions_from_guards, one_row_conditions
 from fx_lightning.capture.faithful import raise_if_unfaithful
+from fx_lightning.capture.working_copy import eval_copy, set_eval
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import (is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm,
                                              plain_graph_module)
@@ -40,11 +40,6 @@ from fx_lightning.signature.signature import DimKind, Signature
 __all__ = [
     "Capture",
     "capture",
-    "eval_copy",
-    "set_eval",
-    "strip_compiled",
-    "is_compiled_module",
-    "plain_state_dict",
     "is_batchnorm_like",
     "FXLeafTracer",
     "CAPTURE_FELL_BACK",
@@ -75,90 +70,6 @@ SIZE_CONDITIONS = NoteKind("size_conditions", "the model branches on its input s
 KEPT_WHOLE = NoteKind("kept_whole", "kept whole (run as one call, not traced into, unfused): {kept}")
 PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
                                           "of their fields (torch.export carries no record class it does not know)")
-
-
-def set_eval(module: nn.Module) -> None:
-    """``module.eval()``; torch.export's unlifted modules refuse ``eval()``, so set the flags directly
-    (their graphs are already specialised to eval)."""
-    try:
-        module.eval()
-    except NotImplementedError:
-        for m in module.modules():
-            m.training = False
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
-
-
-def is_compiled_module(module: nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile``d (a wrapper, or a LightningModule passed to fit() compiled)."""
-    return _is_compiled(module) or getattr(module, "_compiler_ctx", None) is not None
-
-
-# Methods Lightning replaces with dynamo-compiled versions on the instance of a LightningModule passed to
-# fit() compiled (lightning.pytorch.utilities.compile.from_compiled, which records them in _compiler_ctx).
-_LIGHTNING_COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
-
-
-def strip_compiled(module: nn.Module) -> nn.Module:
-    """``module`` with every ``torch.compile`` wrapper (``OptimizedModule``) replaced by the module it wraps and
-    Lightning's compiled instance methods dropped, in place (callers pass copies): tracing, hooks and parity
-    must see the eager modules, not dynamo's (whose hooks do not run, and whose wrapped ``forward`` of a copied
-    LightningModule would still call the original)."""
-    while _is_compiled(module):
-        module = module._orig_mod
-    for parent in list(module.modules()):
-        for name, child in list(parent._modules.items()):
-            if child is not None and _is_compiled(child):
-                while _is_compiled(child):
-                    child = child._orig_mod
-                parent._modules[name] = child
-    for m in module.modules():
-        if getattr(m, "_compiler_ctx", None) is not None:
-            for method in _LIGHTNING_COMPILED_METHODS:
-                m.__dict__.pop(method, None)
-            m._compiler_ctx = None
-    return module
-
-
-def plain_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """A state dict without the ``_orig_mod.`` segments that ``torch.compile``d submodules add to its keys
-    (Lightning #17415, #20233), so it loads into the uncompiled module."""
-    return {k.replace("._orig_mod.", ".").removeprefix("_orig_mod."): v for k, v in state_dict.items()}
-
-
-def eval_copy(module: nn.Module, device: Optional[torch.device] = None) -> nn.Module:
-    """A deep copy in eval mode with gradients off and ``torch.compile`` wrappers removed, moved to ``device``
-    when given; the input keeps its weights, buffers and flags."""
-    memo = _detached_memo(module)
-    working = strip_compiled(copy.deepcopy(module, memo))
-    memo.clear()  # it holds every object of the copy: the copy must be freed by reference counting alone
-    if device is not None:
-        working.to(device)
-    working.eval()
-    working.requires_grad_(False)
-    return working
-
-
-def _detached_memo(module: nn.Module) -> Dict[int, Any]:
-    """A deepcopy memo mapping each tensor with autograd history that a module keeps as an attribute (Lightning's GAN
-    tutorial keeps ``self.generated_imgs = self(z)``) to a detached copy: deepcopy refuses such tensors."""
-    memo: Dict[int, Any] = {}
-    for m in module.modules():
-        for name, value in vars(m).items():
-            if name not in ("_parameters", "_buffers", "_modules"):
-                _detach_into(memo, value, 0)
-    return memo
-
-
-def _detach_into(memo: Dict[int, Any], value: Any, depth: int) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.grad_fn is not None and id(value) not in memo:
-            memo[id(value)] = value.detach().clone()
-    elif depth < 4 and isinstance(value, (list, tuple, dict)):
-        for item in value.values() if isinstance(value, dict) else value:
-            _detach_into(memo, item, depth + 1)
 
 
 @dataclass
@@ -415,7 +326,7 @@ def _no_dtypes_out(graph: fx.Graph) -> None:
 MAX_KEPT_WHOLE = 8
 
 
-def _left_out_defaults(module: nn.Module, call: Optional[Call]) -> Dict[str, Any]:
+def _left_out_defaults(module: nn.Module, call: Optional[Call]) -> Mapping[str, object]:
     """forward's parameters with a default that ``call`` does not give, by name: their defaults (what leaving them
     out means, and the only value the artifact's call gives them)."""
     if call is None or isinstance(module, FlatCall):

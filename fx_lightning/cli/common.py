@@ -97,7 +97,7 @@ def _without_compile_prefixes(checkpoint: str, unsafe: bool) -> Any:
 
     import torch
 
-    from fx_lightning.capture.graph import plain_state_dict
+    from fx_lightning.capture.working_copy import plain_state_dict
 
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=not unsafe)
     ckpt["state_dict"] = plain_state_dict(ckpt["state_dict"])

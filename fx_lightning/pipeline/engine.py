@@ -14,7 +14,8 @@ from torch import nn
 
 from fx_lightning.common.batches import detached, example_call, model_device_dtype
 from fx_lightning.common.calls import Call, Interface, run_seeded
-from fx_lightning.capture.graph import capture, eval_copy, set_eval
+from fx_lightning.capture.graph import capture
+from fx_lightning.capture.working_copy import eval_copy, set_eval
 from fx_lightning.config import ConfigLike, FuseConfig, load_config
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.parity.compare import compare_outputs

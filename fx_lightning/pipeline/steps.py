@@ -27,7 +27,7 @@ from torch import nn
 
 from fx_lightning.common.batches import model_device_dtype
 from fx_lightning.common.calls import Call, run_seeded, tree_of_call
-from fx_lightning.capture.graph import eval_copy
+from fx_lightning.capture.working_copy import eval_copy
 from fx_lightning.config import FuseConfig, ParityConfig
 from fx_lightning.pipeline.engine import FuseResult, fuse
 from fx_lightning.errors import (

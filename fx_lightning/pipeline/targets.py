@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fx_lightning.capture.graph import set_eval
+from fx_lightning.capture.working_copy import set_eval
 from fx_lightning.errors import ConfigError, ExportError
 
 __all__ = [

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, MutableMapping, Optional, Sequence,
 import torch
 from torch import nn
 
-from fx_lightning.capture.graph import set_eval
+from fx_lightning.capture.working_copy import set_eval
 from fx_lightning.common.batches import flat_tensors
 from fx_lightning.common.calls import Call, Step, path_text, tree_of_call, value_at
 from fx_lightning.errors import ExportError
