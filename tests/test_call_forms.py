@@ -117,6 +117,14 @@ def test_forwards_default_left_out_is_served_by_its_own_form(tmp_path) -> None:
     again = pickle.loads(pickle.dumps(load_fused(cb.export_dir, "graph_module")))  # a worker process's copy
     for kwargs in ({}, {"steps": 6}):
         assert H.rel_err(again(x, **kwargs), reference(x.double(), **kwargs)) < 1e-5, kwargs
+    # A form whose files fail their check is left out, named: the artifact's own calls are still answered.
+    for artifact in (cb.export_dir / "forms" / "steps=2").glob("*.pt2"):
+        artifact.write_bytes(b"damaged")
+    with pytest.warns(UserWarning, match=r"call form steps=2 \(or left out\) .* could not be loaded"):
+        damaged = load_fused(cb.export_dir, "pt2")
+    assert H.rel_err(damaged(x, steps=6), reference(x.double(), 6)) < 1e-5
+    with pytest.raises(ExportError, match="steps"):
+        damaged(x)
 
 
 def test_a_bool_flags_other_value_is_served_by_its_own_form(tmp_path, capsys, monkeypatch) -> None:

@@ -100,3 +100,11 @@ def test_a_float_output_at_0_and_1_in_the_reference_only_is_judged_by_value() ->
     assert compare_outputs(got * 0.9, want, min_agreement=0.999).failure is not None  # off by 10%: refused
     flipped = torch.tensor([1.0, 0.0, 0.0, 1.0])  # a thresholded output that flips one element
     assert "agrees with the reference on 75.0000%" in compare_outputs(flipped, want, min_agreement=0.999).failure
+
+
+def test_a_lossy_output_at_0_and_1_in_the_reference_keeps_the_agreement() -> None:
+    """Judged by value, an output at 0 and 1 in the reference only would pass anything within a lossy tolerance
+    (as large as the output itself): there it is judged by agreement, as before (review of the ninth session)."""
+    want = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    failure = compare_outputs(torch.full((2, 2), 0.5), want, rtol=1.0, min_agreement=0.99).failure
+    assert failure is not None and "agrees with the reference on 0.0000%" in failure

@@ -2035,10 +2035,16 @@ def test_a_length_shown_to_vary_that_no_capture_keeps_dynamic_is_fixed_with_a_no
 
 
 class PointCloud:
-    """A library's batch object (torch_geometric's ``Batch``): tensors in fields, with methods of its own."""
+    """A library's batch object (torch_geometric's ``Batch``): tensors in fields, methods of its own, and a count
+    it caches in a private attribute when it is made."""
 
     def __init__(self, pos: torch.Tensor, batch: torch.Tensor) -> None:
         self.pos, self.batch = pos, batch
+        self._num_graphs = int(batch.max()) + 1
+
+    @property
+    def num_graphs(self) -> int:
+        return self._num_graphs if hasattr(self, "_num_graphs") else int(self.batch.max()) + 1
 
     def __contains__(self, key: str) -> bool:
         return getattr(self, key, None) is not None
@@ -2058,8 +2064,7 @@ class RadiusFilter(nn.Module):
         h = self.embed(data.pos) * weight
         if bool((radius > 3).any()):
             h = h * 0.5
-        count = int(data.batch.max()) + 1
-        return h.new_zeros(count, 8).index_add(0, data.batch, h)
+        return h.new_zeros(data.num_graphs, 8).index_add(0, data.batch, h)
 
 
 class PointClassifier(pl.LightningModule):
@@ -2089,7 +2094,8 @@ def test_a_module_kept_whole_takes_the_librarys_batch_object(tmp_path) -> None:
     """Held-out check 8 (e3nn's network, given torch_geometric's Batch): no capture follows it, and keeping it
     whole failed too, torch.fx making no graph node of the batch object passed to it (``NotImplementedError:
     argument of type DataBatch``): the preflight stopped the training. The graph now passes the object's tensors and
-    rebuilds it for the module kept whole; the head's BatchNorm folds, and the artifact takes the object."""
+    rebuilds it for the module kept whole, without the count the traced example cached (every call had 4 graphs:
+    kept, it would answer 4 rows for 1); the head's BatchNorm folds, and the artifact takes the object."""
     loader = torch.utils.data.DataLoader([_clouds(s, 4, 6) for s in range(8)], batch_size=None)
     cb, model = FXFuseCallback(), PointClassifier()
     H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
@@ -2101,3 +2107,31 @@ def test_a_module_kept_whole_takes_the_librarys_batch_object(tmp_path) -> None:
         want = reference(PointCloud(data.pos.double(), data.batch))
         got = fused(data)
         assert got.shape == want.shape == (graphs, 3) and H.rel_err(got, want) < 1e-5, (graphs, nodes)
+
+
+class CountedPool(nn.Module):
+    """A torch_geometric model sized by the batch's own count: ``zeros(data.num_graphs, ...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 8)
+
+    def forward(self, data: PointCloud) -> torch.Tensor:
+        h = self.embed(data.pos)
+        return h.new_zeros(data.num_graphs, 8).index_add(0, data.batch, h)
+
+
+def test_an_objects_cached_count_is_never_built_in(tmp_path) -> None:
+    """Review of the ninth session: the batch object was rebuilt from a copy of the recorded one, whose private
+    ``_num_graphs`` (torch_geometric's ``Batch`` caches it) the model read through ``num_graphs``. Every call had 4
+    graphs: the artifact answered 4 rows for 1 and for 3 graphs, in every format, a changed output structure."""
+    loader = torch.utils.data.DataLoader([_clouds(s, 4, 6) for s in range(8)], batch_size=None)
+    cb, model = FXFuseCallback(export={"formats": ["pt2", "graph_module"]}), PointClassifier()
+    model.net = CountedPool()
+    H.make_trainer(tmp_path, [cb], max_epochs=1).fit(model, loader, loader)
+    reference = copy.deepcopy(model).double().eval()
+    for fmt in ("pt2", "graph_module"):
+        for seed, graphs, nodes in ((20, 1, 5), (21, 3, 9)):
+            data = _clouds(seed, graphs, nodes)
+            got, want = load_fused(cb.export_dir, fmt)(data), reference(PointCloud(data.pos.double(), data.batch))
+            assert got.shape == want.shape == (graphs, 3) and H.rel_err(got, want) < 1e-5, (fmt, graphs)

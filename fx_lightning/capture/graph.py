@@ -106,6 +106,7 @@ class FXLeafTracer(fx.Tracer):
         self.opaque_batchnorms: Dict[str, str] = {}  # path -> class of BatchNorms that could not be traced into
         self._traceable: Dict[type, bool] = {}
         self._arguments: List[str] = []  # the root's attributes holding rebuilt arguments' structures
+        self._leaf_calls = 0  # inside the call of a module kept whole (its node's arguments are being made)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if is_known_batchnorm(m) or isinstance(m, (ArgumentOf, *self.leaf_types)):
@@ -125,7 +126,7 @@ class FXLeafTracer(fx.Tracer):
         try:
             return super().create_arg(a)
         except NotImplementedError:
-            tree = object_argument(a)
+            tree = object_argument(a) if self._leaf_calls else None  # a leaf's argument, not a parameter's default
             if tree is None:
                 raise
             name = f"fx_lightning_argument_{len(self._arguments)}"
@@ -152,6 +153,8 @@ class FXLeafTracer(fx.Tracer):
         self._module_stack.append((name, type(m).__qualname__))
         if looks_like_batchnorm(m) and not self.is_leaf_module(m, name):
             self.traced_through[name] = type(m).__qualname__
+        leaf = self.is_leaf_module(m, name)
+        self._leaf_calls += leaf
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -159,6 +162,7 @@ class FXLeafTracer(fx.Tracer):
                 self.failed_in = list(self._module_stack)
             raise
         finally:
+            self._leaf_calls -= leaf
             self._module_stack.pop()
 
 
@@ -223,8 +227,8 @@ def capture(
 def _advice_left(fx_error: TraceError, tried: "KeptWholeTries") -> str:
     """The fx failure's message less the advice just shown not to work: capturing with torch.export, and keeping
     the failing module or function whole where the automatic route kept them whole and tracing still failed."""
-    shown = ("  - trace.mode: export",) + (("  - keep that module opaque", "  - move the offending code")
-                                          if tried.kept else ())
+    shown = ("  - trace.mode: export",) + (("  - keep that module opaque", "  - move the offending code",
+                                           "  - a Python branch on a traced value") if tried.kept else ())
     lines = [line for line in str(fx_error).splitlines() if not line.startswith(shown)]
     if lines and lines[-1] == "  Fixes that apply:":  # none left
         lines.pop()
@@ -266,16 +270,15 @@ def _capture_fx(working: nn.Module, trace: TraceConfig, kept_whole: Tuple[Any, .
     try:
         with no_distribution_validation(), _attributes_kept(working):
             graph = tracer.trace(working, concrete_args=concrete)
+        call_torch_functions_by_name(graph)
+        if isinstance(working, FlatCall):  # its outputs are rebuilt from their recorded tree, dtypes included
+            _no_dtypes_out(graph)
+        gm = fx.GraphModule(tracer.root, graph, working.__class__.__name__)  # its code generated: it may fail too
     except Exception as exc:  # noqa: BLE001 - any trace failure becomes one explained error
         error = explain_fx_failure(working, tracer, exc)
         error.keep_functions = _failing_functions(exc)  # type: ignore[attr-defined]
         error.keep_module = _failing_module_class(working, tracer)  # type: ignore[attr-defined]
         raise error from exc
-    call_torch_functions_by_name(graph)
-    if isinstance(working, FlatCall):  # its outputs are rebuilt from their recorded tree, dtypes included
-        _no_dtypes_out(graph)
-    name = working.__class__.__name__
-    gm = fx.GraphModule(tracer.root, graph, name)
     # torch.fx's Tracer.trace leaves the tracer in a reference cycle (its patched __call__/__getattr__
     # closures), and the tracer holds the working copy (root, tensor_attrs): the whole copy would
     # stay alive until the cyclic GC runs, so every fused weight would sit beside its unfused
@@ -328,7 +331,7 @@ MAX_KEPT_WHOLE = 8
 
 def _left_out_defaults(module: nn.Module, call: Optional[Call]) -> Mapping[str, object]:
     """forward's parameters with a default that ``call`` does not give, by name: their defaults (what leaving them
-    out means, and the only value the artifact's call gives them)."""
+    out means, and the only value the artifact's call gives them), where the default is None or a scalar."""
     if call is None or isinstance(module, FlatCall):
         return {}
     try:
@@ -337,8 +340,13 @@ def _left_out_defaults(module: nn.Module, call: Optional[Call]) -> Mapping[str, 
         return {}
     by_position, by_name = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
     return {p.name: p.default for i, p in enumerate(parameters) if p.kind in (by_position, by_name)
-            and p.default is not p.empty and p.name not in call.kwargs
+            and (p.default is None or type(p.default) in _PINNED) and p.name not in call.kwargs
             and not (p.kind is by_position and i < len(call.args))}
+
+
+# Defaults torch.fx takes as concrete arguments as they are (a container is flattened, an object is not a value
+# its generated code can hold): the others stay arguments, traced as before. Positional-only parameters too.
+_PINNED = (bool, int, float, str)
 
 
 @dataclass

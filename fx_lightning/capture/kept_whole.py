@@ -8,16 +8,17 @@ round-trips, with the function's qualified name as its first argument.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.node import _get_qualified_name
 
-from fx_lightning.common.calls import Tree, set_field, tree_of, value_at
+from fx_lightning.common.calls import Tree, tree_of, value_at
+from fx_lightning.common.objects import fresh_copy, set_field
 
 __all__ = ["call_by_name", "call_torch_functions_by_name", "ArgumentOf", "object_argument"]
 
@@ -63,10 +64,14 @@ class ArgumentOf(nn.Module):
 
 
 def object_argument(value: Any) -> Optional[Tree]:
-    """The structure of ``value`` with its tensors taken out (templates hold no tensor or proxy: the graph keeps it),
-    where it is an object holding tensors in fields; else None."""
+    """The structure of ``value`` with its tensors taken out (the graph keeps it: no tensor or proxy may stay in it),
+    where it is an object holding tensors in fields; else None. The traced example's private state is left out
+    (:func:`~fx_lightning.common.calls.fresh_copy`)."""
     tree = tree_of(value)
-    return _without_tensors(tree, value) if tree.kind == "obj" else None
+    if tree.kind != "obj":
+        return None
+    stripped = _without_tensors(tree, value)
+    return None if _holds_traced(stripped) else stripped
 
 
 def _without_tensors(tree: Tree, value: Any) -> Tree:
@@ -75,7 +80,28 @@ def _without_tensors(tree: Tree, value: Any) -> Tree:
     children = [(step, _without_tensors(child, value_at(value, (step,)))) for step, child in tree.children]
     template = tree.template
     if tree.kind == "obj" and template is not None:
-        template = copy.copy(template)
+        template = fresh_copy(template)  # without the traced example's private state (a cached count)
         for (_, key), _child in tree.children:
             set_field(template, key, None)
     return dataclasses.replace(tree, children=children, template=template)
+
+
+def _holds_traced(tree: Tree) -> bool:
+    """Whether a tensor or a proxy is left in a template (a mapping of its own class, a distribution, private
+    attributes): the graph could not keep it."""
+    held = [tree.template] if tree.kind != "tensor" else []
+    if tree.kind == "obj" and tree.template is not None and hasattr(tree.template, "__dict__"):
+        held = list(vars(tree.template).values())
+    return any(_has_tensor(v) for v in held) or any(_holds_traced(child) for _, child in tree.children)
+
+
+def _has_tensor(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, (torch.Tensor, fx.Proxy)):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(value, Mapping):  # a library's own store of fields too (torch_geometric's)
+        return any(_has_tensor(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v, depth + 1) for v in value)
+    return False

@@ -33,6 +33,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fx_lightning.common.objects import fresh_copy, set_field
 from fx_lightning.common.mappings import own_mapping
 
 __all__ = [
@@ -55,7 +56,6 @@ __all__ = [
     "distribution_params",
     "Interface",
     "map_leaves",
-    "set_field",
 ]
 
 
@@ -204,7 +204,7 @@ class Tree:
             return {key: v for (_, key), v in parts}
         if self.kind == "dist":
             return _rebuilt_distribution(self, {key: v for (_, key), v in parts})
-        obj = copy.copy(self.template)  # keeps the fields that hold no tensor; init=False fields, slots, frozen
+        obj = fresh_copy(self.template)  # keeps the fields that hold no tensor; init=False fields, slots, frozen
         for (_, key), v in parts:
             set_field(obj, key, v)
         return obj
@@ -224,15 +224,6 @@ class Tree:
                 name = f"{base}_{n}"
             names.append(name)
         return names
-
-
-def set_field(obj: Any, key: str, value: Any) -> None:
-    """``obj.key = value`` as the class does it (a batch type may keep its fields in a store of its own), else past
-    a frozen dataclass's guard."""
-    try:
-        setattr(obj, key, value)
-    except (AttributeError, TypeError, dataclasses.FrozenInstanceError):
-        object.__setattr__(obj, key, value)
 
 
 def _same_constant(a: Any, b: Any) -> bool:

@@ -60,7 +60,7 @@ def fuse_forms(config: FuseConfig, fused: Fused, source: Source, *, final: bool,
         forms = call_forms(fused.reference, calls, built, {name for name in covered if name},
                            run=lambda call: run_seeded(fused.reference, call))
     except Exception as exc:  # noqa: BLE001 - looking for forms never stops the artifact
-        return FusedForms([], [FORMS_NOT_LOOKED_FOR(reason=first_line(exc))])
+        return FusedForms(iter(()), [FORMS_NOT_LOOKED_FOR(reason=first_line(exc))])
     notes: List[Note] = []
     if len(forms) > MAX_FORMS:
         notes.append(FORMS_NOT_MADE(forms=", ".join(f.name for f in forms[MAX_FORMS:]), limit=MAX_FORMS))

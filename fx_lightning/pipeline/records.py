@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -127,7 +127,7 @@ class FusedForms:
     one form's fused copy is held at a time), why others were not made (``notes``), and forward's defaults the
     artifact's own calls left out (``defaults``: a call giving one explicitly is the artifact's own call)."""
 
-    made: Iterable[Union[FusedForm, Note]] = ()
+    made: Iterator[Union[FusedForm, Note]] = field(default_factory=lambda: iter(()))  # read once, by the export
     notes: List[Note] = field(default_factory=list)
     defaults: List[CallForm] = field(default_factory=list)
 

@@ -146,7 +146,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                     result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
                                   check_inputs=other_sizes(found.steps) + signature.examples)
                     if result.static_shapes is not None and signature.probed:
-                        retry = "the capture fixed them"
+                        retry = next((str(n["reason"]) for n in result.report.notes
+                                      if n.kind.name == "static_batch_capture"), "the capture fixed them")
                 except TraceError as exc:
                     if not signature.probed:
                         raise

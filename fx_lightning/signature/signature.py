@@ -274,7 +274,7 @@ class Signature:
 
     def probed_dims(self) -> str:
         """The sizes variable only by experiment, in words (``input_ids dim 1 (16)``); "" when there are none."""
-        return ", ".join(f"{leaf.path} dim {i} ({d.size})" for leaf in self.inputs for i, d in enumerate(leaf.dims)
+        return ", ".join(f"{leaf.name} dim {i} ({d.size})" for leaf in self.inputs for i, d in enumerate(leaf.dims)
                          if d.kind is DimKind.variable and d.low == d.high)
 
     @property

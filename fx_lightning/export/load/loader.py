@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from fx_lightning.common.imports import missing_modules
 from fx_lightning.config import Strategy
-from fx_lightning.errors import ExportError
+from fx_lightning.errors import ExportError, first_line
 from fx_lightning.formats.base import FormatEntry
 from fx_lightning.formats.batching import with_pieces
 from fx_lightning.export.load.forms import WithForms
@@ -134,8 +135,8 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
                                        as_the_module=as_the_module)
         module = CompiledForServing(module) if compile else module
         if as_the_module and signature.forms:  # called as the model: each call form by its own artifact
-            module = WithForms(module, signature.forms, _form_artifacts(
-                root, signature.forms, entry.format_name or chosen, verify=verify, device=device, compile=compile))
+            module = _with_forms(module, root, signature.forms, entry.format_name or chosen, verify=verify,
+                                 device=device, compile=compile)
         return module
     except ExportError:
         raise
@@ -145,14 +146,21 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
         ) from exc
 
 
-def _form_artifacts(root: Path, forms: List[CallForm], kind: str, **load: Any) -> List[nn.Module]:
-    """Each exported call form's artifact, in the artifact's format ``kind`` where the form wrote it (else the
-    form's own choice), loaded as :func:`load_fused` is given ``load``."""
-    loaded = []
+def _with_forms(module: nn.Module, root: Path, forms: List[CallForm], kind: str, **load: Any) -> nn.Module:
+    """``module`` with each exported call form's artifact, in the artifact's format ``kind`` where the form wrote
+    it (else the form's own choice), loaded as :func:`load_fused` is given ``load``. A form that cannot be loaded is
+    left out with a warning naming it: its calls are refused by name, the artifact's own are answered."""
+    kept, loaded = [f for f in forms if not f.directory], []
     for form in (f for f in forms if f.directory):
         path = root / form.directory
-        loaded.append(load_fused(path, kind if kind in read_manifest(path).formats else None, **load))
-    return loaded
+        try:
+            loaded.append(load_fused(path, kind if kind in read_manifest(path).formats else None, **load))
+        except ExportError as exc:
+            warnings.warn(f"call form {form.label} ({path}) could not be loaded, so its calls are refused by name: "
+                          f"{first_line(exc)}", stacklevel=3)
+            continue
+        kept.append(form)
+    return WithForms(module, kept, loaded)
 
 
 class CompiledForServing(nn.Module):
