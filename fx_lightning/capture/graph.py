@@ -105,7 +105,7 @@ class FXLeafTracer(fx.Tracer):
         self.traced_through: Dict[str, str] = {}  # path -> class of BatchNorm-like modules inlined
         self.opaque_batchnorms: Dict[str, str] = {}  # path -> class of BatchNorms that could not be traced into
         self._traceable: Dict[type, bool] = {}
-        self._arguments: List[str] = []  # the root's attributes holding rebuilt arguments' structures
+        self._arguments = 0  # the root's ArgumentOf modules made so far (their names)
         self._leaf_calls = 0  # inside the call of a module kept whole (its node's arguments are being made)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -129,8 +129,8 @@ class FXLeafTracer(fx.Tracer):
             tree = object_argument(a) if self._leaf_calls else None  # a leaf's argument, not a parameter's default
             if tree is None:
                 raise
-            name = f"fx_lightning_argument_{len(self._arguments)}"
-            self._arguments.append(name)
+            name = f"fx_lightning_argument_{self._arguments}"
+            self._arguments += 1
             self.root.add_module(name, ArgumentOf(tree))
             leaves = tuple(super(FXLeafTracer, self).create_arg(leaf) for leaf in tree.leaves(a))
             return self.create_node("call_module", name, leaves, {})
@@ -151,9 +151,9 @@ class FXLeafTracer(fx.Tracer):
         except NameError:  # made inside forward (tabnet's nn.ReLU()(x)): not one of the model's, its code inlined
             return forward(*args, **kwargs)
         self._module_stack.append((name, type(m).__qualname__))
-        if looks_like_batchnorm(m) and not self.is_leaf_module(m, name):
-            self.traced_through[name] = type(m).__qualname__
         leaf = self.is_leaf_module(m, name)
+        if looks_like_batchnorm(m) and not leaf:
+            self.traced_through[name] = type(m).__qualname__
         self._leaf_calls += leaf
         try:
             return super().call_module(m, forward, args, kwargs)
@@ -377,7 +377,7 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
         if more is None or more in kept:  # it fails at a module already kept whole (its call's arguments)
             return None, tries
         kept.append(more)
-        tries.kept.append(f"{more.__module__}.{more.__qualname__}")
+        tries.kept.append(_qualified(more))
         try:
             result = _capture_fx(working, trace, tuple(kept), call)
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
@@ -385,10 +385,13 @@ def _capture_fx_keeping_whole(working: nn.Module, trace: TraceConfig, call: Call
             error = exc
             tries.last = first_line(exc)
             continue
-        names = ", ".join(f"{k.__module__}.{k.__qualname__}" for k in kept)
-        result.notes.append(KEPT_WHOLE(kept=names))
+        result.notes.append(KEPT_WHOLE(kept=", ".join(_qualified(k) for k in kept)))
         return result, tries
     return None, tries
+
+
+def _qualified(kept: Any) -> str:
+    return f"{kept.__module__}.{kept.__qualname__}"
 
 
 def _failing_functions(exc: BaseException) -> List[types.FunctionType]:

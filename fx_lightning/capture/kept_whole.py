@@ -66,7 +66,7 @@ class ArgumentOf(nn.Module):
 def object_argument(value: Any) -> Optional[Tree]:
     """The structure of ``value`` with its tensors taken out (the graph keeps it: no tensor or proxy may stay in it),
     where it is an object holding tensors in fields; else None. The traced example's private state is left out
-    (:func:`~fx_lightning.common.calls.fresh_copy`)."""
+    (:func:`~fx_lightning.common.objects.fresh_copy`)."""
     tree = tree_of(value)
     if tree.kind != "obj":
         return None

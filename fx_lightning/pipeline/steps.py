@@ -151,8 +151,7 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                 except TraceError as exc:
                     if not signature.probed:
                         raise
-                    retry = next((line[len("[export] "):] for line in str(exc).splitlines()  # torch.export's why
-                                  if line.startswith("[export] ")), first_line(exc))
+                    retry = first_line(exc.__cause__ or exc, with_type=True)  # torch.export's own error
                 if retry is not None:  # the sizes only shown to vary by experiment fixed again, samples kept dynamic
                     probed = signature.probed_dims()
                     capture_notes.append(PROBED_FIXED_IN_CAPTURE(dims=probed, reason=retry))
