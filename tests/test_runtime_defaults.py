@@ -216,3 +216,75 @@ def test_the_finalists_are_artifacts_not_settings(export_dir, tmp_path, monkeypa
     picked = _select(root, finalists=2)
     assert set(alone) == set(shared), alone
     assert (picked.format, picked.runtime) == ("openvino", RUNTIME_DEFAULTS)
+
+
+def _fake_processes(monkeypatch: pytest.MonkeyPatch, ms: Dict[Tuple[Candidate, str], List[float]]) -> List[int]:
+    """The shared bench reports each candidate's first process figure; its own-process timings report, in the k-th
+    of the finalists' processes, ``ms[(candidate, traffic)][k]`` for every call. Returns the processes' count per
+    wave of finalists."""
+    from fx_lightning.export.select import selection
+
+    waves: List[int] = []
+
+    def interleaved(models: Dict[Candidate, Any], inputs: Sequence[Any], batch_sizes: Sequence[int], rounds: int,
+                    warmup: int, progress: Any = None, axes: Any = None) -> Tuple[Dict[Any, Any], List[Any]]:
+        return {(c, b): {t: [ms[(c, t)][0] / 1e3] * rounds for t in ("idle", "back_to_back")}
+                for c in models for b in batch_sizes if (c, "idle") in ms}, []
+
+    def own(root: Path, manifest: Any, candidates: Dict[Candidate, Sequence[int]], rounds: int, warmup: int,
+            threads: int, progress: Any = None) -> Any:
+        k = len(waves)
+        waves.append(len(candidates))
+        return {c: ({(b, t): [ms[(c, t)][k] / 1e3] * rounds for b in sizes for t in ("idle", "back_to_back")}, "")
+                for c, sizes in candidates.items()}
+
+    monkeypatch.setattr(selection, "time_interleaved", interleaved)
+    monkeypatch.setattr(selection, "time_in_own_processes", own)
+    return waves
+
+
+# Zen 4 (family 25 model 17), mobilenet_v3_large, 2 threads, the export's finalists alone: after idle gaps ONNX
+# Runtime with spinning threads ran 4.53 ms and OpenVINO bf16 with its defaults 4.61 ms, one process each; back to
+# back 3.98 against 3.21. The idle pick went to ONNX Runtime, which then ran 4.98 ms against OpenVINO's defaults'
+# 4.51 in benchmarks/peer_defaults.py: one process's median had decided a tie.
+ZEN4_IDLE_TIE = {(("onnx", ""), "idle"): [7.0, 7.1, 7.2], (("onnx", ""), "back_to_back"): [6.8, 6.8, 6.8],
+                 (("onnx", "spinning"), "idle"): [4.53, 4.40, 4.98], (("onnx", "spinning"), "back_to_back"): [3.98] * 3,
+                 (("onnx", RUNTIME_DEFAULTS), "idle"): [4.9, 5.0, 5.1],
+                 (("onnx", RUNTIME_DEFAULTS), "back_to_back"): [4.51] * 3,
+                 (("openvino", ""), "idle"): [5.42, 5.5, 5.6], (("openvino", ""), "back_to_back"): [4.7] * 3,
+                 (("openvino", RUNTIME_DEFAULTS), "idle"): [4.61, 4.85, 4.50],
+                 (("openvino", RUNTIME_DEFAULTS), "back_to_back"): [3.21] * 3}
+
+
+def test_a_tie_within_the_processes_noise_goes_to_the_faster_in_the_other_traffic(export_dir, tmp_path, monkeypatch):
+    root = _copy(export_dir, tmp_path)
+    waves = _fake_processes(monkeypatch, ZEN4_IDLE_TIE)
+    table = bench_export(root, batch_sizes=[1], rounds=3, warmup=0, own_process_finalists=2)
+    from fx_lightning.export.select.selection import FINALIST_PROCESSES
+
+    assert len(waves) == FINALIST_PROCESSES >= 3  # every finalist timed in several fresh processes
+    timing = next(t for t in table.timings if (t.artifact, t.runtime, t.traffic) == ("onnx", "spinning", "idle"))
+    assert timing.process_medians_ms == pytest.approx([4.53, 4.40, 4.98]) and timing.median_ms == pytest.approx(4.53)
+    assert timing.spread() == pytest.approx((4.40, 4.98))
+    picked = select_fastest(table, 1, "idle")
+    assert picked is not None and (picked.format, picked.runtime) == ("openvino", RUNTIME_DEFAULTS), picked
+    assert "4.50-4.85 ms, tied with onnx [spinning] 4.53 ms" in picked.why
+    assert "the fastest in the other traffics (3.21 ms against 3.98 for onnx [spinning])" in picked.why
+    record_selection(root, table, picked)  # the processes' medians survive the manifest, and the pick with them
+    manifest = read_manifest(root)
+    assert manifest.bench is not None and manifest.bench.timings == table.timings
+    assert (manifest.selected.format, manifest.selected.runtime) == ("openvino", RUNTIME_DEFAULTS)
+
+
+def test_no_tie_where_the_processes_medians_do_not_overlap(export_dir, tmp_path, monkeypatch):
+    """The reverse: OpenVINO's defaults are faster back to back, but every one of their processes was slower after
+    idle gaps than every one of ONNX Runtime's: the idle pick stays the fastest."""
+    root = _copy(export_dir, tmp_path)
+    apart = {**ZEN4_IDLE_TIE, (("openvino", RUNTIME_DEFAULTS), "idle"): [5.0, 5.1, 5.2]}
+    _fake_processes(monkeypatch, apart)
+    table = bench_export(root, batch_sizes=[1], rounds=3, warmup=0, own_process_finalists=2)
+    picked = select_fastest(table, 1, "idle")
+    assert picked is not None and (picked.format, picked.runtime) == ("onnx", "spinning")
+    assert "openvino" not in picked.why
+    back_to_back = select_fastest(table, 1, "back_to_back")
+    assert back_to_back is not None and (back_to_back.format, back_to_back.runtime) == ("openvino", RUNTIME_DEFAULTS)

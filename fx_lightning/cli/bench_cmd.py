@@ -132,7 +132,8 @@ def _progress(console: Any) -> Iterator[Callable[[str, int, int], None]]:
 
 
 def _table(table: Any, size: int, traffic: str, iters: int, baseline: Optional[str]) -> Any:
-    columns = ("model", "check", "median ms", "p90 ms", "samples/s") + ((f"speed-up vs {baseline}",) if baseline else ())
+    columns = (("model", "check", "median ms", "p90 ms", "processes' medians ms", "samples/s")
+               + ((f"speed-up vs {baseline}",) if baseline else ()))
     out = titled_table(f"latency, batch {size}, {traffic.replace('_', ' ')} traffic, {iters} iterations "
                        f"({table.threads} threads, {table.isa})", *columns, right=columns[2:])
     base = table.median(baseline, size, traffic) if baseline else None
@@ -140,7 +141,10 @@ def _table(table: Any, size: int, traffic: str, iters: int, baseline: Optional[s
                     key=lambda t: t.median_ms):
         check = table.checks.get(t.artifact)
         verdict = "-" if check is None else (f"ok {check.relative_error or 0:.1e}" if check.passed else "FAILED")
-        row = [t.artifact + (f" [{t.runtime}]" if t.runtime else ""), verdict, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}", f"{1e3 * size / t.median_ms:,.0f}"]
+        spread = t.spread()
+        noise = f"{spread[0]:.3f}-{spread[1]:.3f} ({len(t.process_medians_ms)})" if spread else "-"
+        row = [t.artifact + (f" [{t.runtime}]" if t.runtime else ""), verdict, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}",
+               noise, f"{1e3 * size / t.median_ms:,.0f}"]
         if baseline:
             row.append(f"{base / t.median_ms:.2f}x" if base else "-")
         out.add_row(*row)

@@ -15,7 +15,7 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -103,6 +103,13 @@ class Timing:
     traffic: str = "idle"  # Traffic: each call after an idle gap, or right after the previous one
     runtime: str = ""  # the runtime settings it ran with (a name from its Format's runtime_choices; "": as written)
     process: str = "shared"  # "shared": timed beside the other artifacts in one process; "own": alone in one
+    # Own: each process's median, one per fresh process it was timed in (median_ms is their median). Their spread
+    # is the timing's noise: a process's thread placement and memory layout move its median more than its calls do.
+    process_medians_ms: List[float] = field(default_factory=list)
+
+    def spread(self) -> Optional[Tuple[float, float]]:
+        """The lowest and highest of its processes' medians, or None when it was timed in fewer than two."""
+        return (min(self.process_medians_ms), max(self.process_medians_ms)) if len(self.process_medians_ms) > 1 else None
 
 
 @dataclass

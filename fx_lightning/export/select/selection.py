@@ -6,9 +6,10 @@ check batch, and the fastest that passed recorded in the manifest for each batch
 Each artifact is timed with the runtime settings it was written with and with each of its format's
 ``runtime_choices`` (ONNX Runtime's threads spinning between runs, say; ONNX Runtime's and OpenVINO's own defaults,
 :data:`~fx_lightning.formats.base.RUNTIME_DEFAULTS`), after an idle gap and back to back, interleaved (timing.py);
-the finalists are then timed again each in a process of its own, as a server runs them, each with every one of its
-runtime settings: the pick is never slower than the runtime's own defaults on the same file, beyond the noise of
-those timings. The table keeps medians and the 90th percentile. An artifact that fails its check on ``check.pt``
+the finalists are then timed again each in processes of its own (:data:`FINALIST_PROCESSES` fresh ones), as a
+server runs them, each with every one of its runtime settings: the pick is never slower than the runtime's own
+defaults on the same file, beyond the noise of those timings, which the table records (each process's median) and
+the pick's ``why`` states where it decided a tie. The table keeps medians and the 90th percentile. An artifact that fails its check on ``check.pt``
 (:func:`~fx_lightning.export.check.check_artifact`, a lossy variant's gate included) is never selected.
 """
 
@@ -40,20 +41,25 @@ from fx_lightning.export.manifest import (
 )
 from fx_lightning.export.select.sweep import SweepSettings, sweep_module
 from fx_lightning.export.progress import Progress
-from fx_lightning.export.select.timing import IDLE_GAP_S, Tick, sweep_in_own_processes, time_interleaved, time_in_own_processes
+from fx_lightning.export.select.timing import (IDLE_GAP_S, Candidate, OwnSamples, Tick, sweep_in_own_processes,
+                                              time_interleaved, time_in_own_processes)
 from fx_lightning.export.check import Reference, check_artifact, read_check_file
 from fx_lightning.common.machine import cpu_info
 from fx_lightning.parity.report import ArtifactCheck
 
 __all__ = ["Timing", "BenchTable", "bench_export", "check_entry", "select_fastest", "select_max_throughput",
-           "select_by_strategy", "select_all", "record_selection", "with_selection", "sweep_candidates", "IDLE_GAP_S",
-           "FINALIST_WITHIN", "FINALIST_ROUNDS", "SWEPT_PER_TRAFFIC"]
+           "select_by_strategy", "select_all", "tied_with", "record_selection", "with_selection", "sweep_candidates", "IDLE_GAP_S",
+           "FINALIST_WITHIN", "FINALIST_ROUNDS", "FINALIST_PROCESSES", "SWEPT_PER_TRAFFIC"]
 
 # Passing artifacts within this factor of the fastest (at most ``own_process_finalists`` per batch size and
-# traffic) are the finalists, timed each in a process of its own for FINALIST_ROUNDS rounds: a shared bench slows
+# traffic) are the finalists, timed each in processes of its own for FINALIST_ROUNDS rounds each: a shared bench slows
 # some runtimes and its medians wander, so near ties are decided alone (figures: docs/performance.md).
 FINALIST_WITHIN = 1.6
-FINALIST_ROUNDS = 30
+FINALIST_ROUNDS = 20
+# Each finalist is timed in this many fresh processes (one after another, the finalists taking turns in each): one
+# process's median is one draw of its thread placement and memory layout, which moved a median by up to 1.6x between
+# processes of one artifact (mobilenet_v3_large after idle gaps, Zen 4). Their spread is the noise the pick reports.
+FINALIST_PROCESSES = 3
 # At most this many artifacts per traffic get the throughput sweep (each costs seconds per batch size).
 SWEPT_PER_TRAFFIC = 3
 
@@ -85,8 +91,8 @@ def bench_export(
     ``baselines`` (name -> eager module, e.g. ``{"eager": unfused}``) at each batch size, in both traffics,
     interleaved; check every artifact on ``check.pt``. ``own_process_finalists``: at most that many of the fastest
     passing artifacts at each batch size and traffic (within :data:`FINALIST_WITHIN` of the fastest) are then timed
-    again, each in a process of its own, for :data:`FINALIST_ROUNDS` rounds; those timings replace theirs
-    (``process: "own"``). ``manifest``: the export's manifest when it is not on disk yet (an export being written),
+    again, each in :data:`FINALIST_PROCESSES` processes of its own, for :data:`FINALIST_ROUNDS` rounds in each;
+    those timings replace theirs (``process: "own"``, with each process's median). ``manifest``: the export's manifest when it is not on disk yet (an export being written),
     else it is read from ``root``. ``sweep``: then the throughput sweep (export/select/sweep.py) of the passing
     artifacts that could have the most throughput (:func:`sweep_candidates`), in both traffics, each in a process of
     its own when ``own_process_finalists`` is set. ``steps``: where the loading, the timing, the finalists and the
@@ -213,18 +219,30 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
                     chosen.setdefault((t.artifact, t.runtime), set()).add(b)
     if len(chosen) < 2:
         return
-    timed = time_in_own_processes(root, manifest.to_dict(), {c: sorted(sizes) for c, sizes in chosen.items()},
-                                  FINALIST_ROUNDS, warmup, table.threads, progress=progress)
-    for (artifact, runtime), (samples, why) in timed.items():
-        if samples is None:
-            table.failures.append(TimingFailure(artifact, min(chosen[(artifact, runtime)]),
-                                                f"not timed in a process of its own ({why}); its shared-process "
-                                                "timing stands"))
-            continue
-        for i, t in enumerate(table.timings):
-            ts = samples.get((t.batch_size, t.traffic))
-            if (t.artifact, t.runtime) == (artifact, runtime) and ts:
-                table.timings[i] = dataclasses.replace(t, **_figures(ts), process="own")
+    kept: Dict[Candidate, List[OwnSamples]] = {c: [] for c in chosen}
+    for _ in range(FINALIST_PROCESSES):
+        timed = time_in_own_processes(root, manifest.to_dict(), {c: sorted(sizes) for c, sizes in chosen.items()},
+                                      FINALIST_ROUNDS, warmup, table.threads, progress=progress)
+        for (artifact, runtime), (samples, why) in timed.items():
+            if samples is not None:
+                kept[(artifact, runtime)].append(samples)
+            elif not kept[(artifact, runtime)]:  # failed in its first process: its shared timing stands
+                table.failures.append(TimingFailure(artifact, min(chosen[(artifact, runtime)]),
+                                                    f"not timed in a process of its own ({why}); its shared-process "
+                                                    "timing stands"))
+        chosen = {c: sizes for c, sizes in chosen.items() if kept[c]}
+    for i, t in enumerate(table.timings):
+        per_process = [ts for samples in kept.get((t.artifact, t.runtime), []) for ts in [samples.get((t.batch_size, t.traffic))] if ts]
+        if per_process:
+            table.timings[i] = dataclasses.replace(t, **_own_figures(per_process), process="own")
+
+
+def _own_figures(per_process: Sequence[Sequence[float]]) -> Dict[str, Any]:
+    """A finalist's figures from its calls' seconds in each of its processes: the median of the processes' medians
+    (a slow process counts once, however many calls it made), the 90th percentile of all calls, and each median."""
+    medians = [1e3 * statistics.median(ts) for ts in per_process]
+    pooled = _figures([x for ts in per_process for x in ts])
+    return {**pooled, "median_ms": statistics.median(medians), "process_medians_ms": medians}
 
 
 def _figures(ts: Sequence[float]) -> Dict[str, Union[float, int]]:
@@ -256,17 +274,53 @@ def _random_inputs(manifest: Manifest) -> List[torch.Tensor]:
 
 def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") -> Optional[Selected]:
     """The fastest artifact (with the runtime settings that made it so) at ``batch_size`` under ``traffic`` whose
-    check passed (baselines are not artifacts), or None."""
+    check passed (baselines are not artifacts), or None. Where others tie with the fastest within the noise of
+    their processes (:func:`tied_with`), the one of them fastest in the other traffics at ``batch_size`` is picked:
+    this traffic cannot tell them apart, the others can."""
     traffic = Traffic(traffic).value
     rows = _passing_timings(table, batch_size, traffic)
     if not rows:
         return None
-    best = min(rows, key=lambda t: (t.median_ms, t.artifact, t.runtime))  # the same median: by name, for one answer
+    fastest = min(rows, key=lambda t: (t.median_ms, t.artifact, t.runtime))  # the same median: by name, for one answer
+    tied = [t for t in rows if t is fastest or tied_with(t, fastest)]
+    best = min(tied, key=lambda t: (_elsewhere_ms(table, t), t.median_ms, t.artifact, t.runtime))
     median = best.median_ms
     return Selected(best.artifact, batch_size, median,
                     f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
                     f"{table.threads} threads, {table.isa}{_how_timed(best.runtime, best.process)}) of the artifacts "
-                    "that passed their check", traffic, best.runtime)
+                    f"that passed their check{_tie_note(table, best, fastest, tied)}", traffic, best.runtime)
+
+
+def tied_with(timing: Timing, fastest: Timing) -> bool:
+    """Whether ``timing`` cannot be told apart from ``fastest``: each was timed in several processes and the lowest
+    of its processes' medians is at most the highest of the fastest's."""
+    mine, theirs = timing.spread(), fastest.spread()
+    return mine is not None and theirs is not None and mine[0] <= theirs[1]
+
+
+def _elsewhere_ms(table: BenchTable, timing: Timing) -> float:
+    """The sum of ``timing``'s candidate's medians in the other traffics at its batch size (inf where one is missing)."""
+    others = [t.median_ms for t in table.timings if (t.artifact, t.runtime, t.batch_size) ==
+              (timing.artifact, timing.runtime, timing.batch_size) and t.traffic != timing.traffic]
+    return sum(others) if len(others) == len(Traffic) - 1 else float("inf")
+
+
+def _tie_note(table: BenchTable, best: Timing, fastest: Timing, tied: List[Timing]) -> str:
+    """What the ``why`` says of a pick made among ties: the noise, and what decided."""
+    if len(tied) < 2:
+        return ""
+    low, high = best.spread() or (best.median_ms, best.median_ms)
+    others = ", ".join(f"{_name(t)} {t.median_ms:.2f} ms" for t in tied if t is not best)
+    note = (f"; its processes' medians spanned {low:.2f}-{high:.2f} ms, tied with {others} (processes' medians "
+            "overlapping)")
+    if best is fastest:
+        return note + ", and it was the fastest of them in the other traffics too"
+    return note + (f"; of the tied, the fastest in the other traffics ({_elsewhere_ms(table, best):.2f} ms against "
+                   f"{_elsewhere_ms(table, fastest):.2f} for {_name(fastest)})")
+
+
+def _name(t: Timing) -> str:
+    return t.artifact + (f" [{t.runtime}]" if t.runtime else "")
 
 
 def _how_timed(runtime: str, process: str) -> str:

@@ -42,7 +42,7 @@ from fx_lightning.export.manifest import Manifest, Sweep, SweepPoint, TimingFail
 from fx_lightning.export.select.sweep import IDLE_GAP_S, SweepSettings, module_runner, sweep_steps, timed_call
 from fx_lightning.common.rows import with_rows
 
-__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "Tick", "TURNS", "WorkerRequest", "Turn", "Answer",
+__all__ = ["IDLE_GAP_S", "Candidate", "Samples", "OwnSamples", "Tick", "TURNS", "WorkerRequest", "Turn", "Answer",
            "time_interleaved", "time_in_own_processes", "sweep_in_own_processes"]
 
 OWN_PROCESS_TIMEOUT_S = 600.0
