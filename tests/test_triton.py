@@ -490,3 +490,35 @@ def test_a_condition_on_a_size_the_config_leaves_free_is_refused(tmp_path):
     assert signature.conditions == ["size0_2 % 8 == 0"]
     with pytest.raises(ExportError, match=r"takes only sizes where x.shape\[2\] % 8 == 0 .* a Triton config cannot"):
         write_triton_repository(outcome.export_dir, tmp_path / "repo")
+
+
+def test_an_input_with_a_proven_stand_in_is_optional_in_the_python_backends_config_and_left_out_it_is_filled(tmp_path):
+    """The Triton configs required every input, so a request leaving out Wav2Vec2's attention_mask (which
+    ``load_fused`` and ``fx-lightning serve`` take, a mask of ones proven to mean leaving it out) was refused by
+    Triton. The Python-backend model now marks it ``optional: true`` and fills the stand-in; the native backends'
+    artifacts need every input, so their configs keep it required and say so."""
+    import lightning_helpers as H
+    from fx_lightning.serve.triton import VERSION
+    from fx_lightning.serve.triton_config import config_json
+    from fx_lightning.serve.triton_python import ExportRunner
+    from test_zero_config import OptionalMask, _fit_with_masks
+
+    module = OptionalMask()
+    cb = _fit_with_masks(tmp_path / "fit", module, call_forms=False)
+    repo = write_triton_repository(cb.export_dir, tmp_path / "triton")
+    selection = next(m for m in repo.models if m.backend == "python" and m.selection)
+    config = parse_config(selection.directory)
+    assert [(i.name, i.optional) for i in config.input] == [("x", False), ("attention_mask", True)]
+    assert [i.get("optional", False) for i in config_json(selection)["input"]] == [False, True]
+    for native in (m for m in repo.models if m.backend != "python"):
+        assert not any(i.optional for i in parse_config(native.directory).input), native.entry
+        assert any("attention_mask required here" in n for n in native.notes), native.notes
+    # What Triton hands the Python backend for requests without the mask: None in its place.
+    runner = ExportRunner(selection.directory / VERSION / "export", None, selection.max_batch_size)
+    reference = H.fp64_copy(module)
+    a, b, c = torch.randn(2, 23), torch.randn(3, 23), torch.randn(1, 31)
+    mask = torch.ones(1, 31, dtype=torch.long)
+    mask[0, 20:] = 0
+    answers = runner.run([[a, None], [b, None], [c, mask]])
+    for (got,), want in zip(answers, (reference(a.double()), reference(b.double()), reference(c.double(), mask))):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-5

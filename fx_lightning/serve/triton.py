@@ -281,6 +281,10 @@ def _plan_model(root: Path, manifest: Manifest, entry_name: str, entry: FormatEn
     )
     if note and why_not is None and batching:
         model.notes.append(note)
+    left_out = [leaf.name for leaf in signature.inputs if leaf.optional]
+    if left_out:  # the stand-in is made by fx-lightning's loader, which a native backend does not run
+        model.notes.append(f"{', '.join(left_out)} required here (the artifact takes every input); the Python-backend "
+                           "model and fx-lightning serve take requests that leave it out")
     if why_not:
         model.notes.append(f"max_batch_size 0 (dims are full shapes, Triton does not batch requests): {why_not}")
     # The runtime settings the selection recorded for the artifact (its runtime's own defaults when they won).

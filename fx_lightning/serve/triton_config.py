@@ -68,6 +68,9 @@ class TritonModel:
     selection: bool = False  # serves the export's selection (``entry`` is what this machine picks), not one entry
     # The export's name of a tensor the artifact names differently (OpenVINO names outputs after their operation).
     export_names: Dict[str, str] = field(default_factory=dict)
+    # Inputs a request may leave out (``optional: true``): a stand-in was proven to mean leaving them out, and the
+    # model fills it in (the Python backend and fx-lightning serve; a native backend's artifact needs every input).
+    optional_inputs: List[str] = field(default_factory=list)
 
     @property
     def batching(self) -> bool:
@@ -149,7 +152,8 @@ def contract_model(name: str, contract: Contract, entry: str, backend: str, dire
                        max_batch_size=max_batch_size if batching else 0, inputs=inputs, outputs=outputs,
                        instances=instances, dynamic_batching=batching and dynamic_batching,
                        preferred_batch_sizes=list(preferred_batch_sizes) if batching else [],
-                       max_queue_delay_us=max_queue_delay_us)
+                       max_queue_delay_us=max_queue_delay_us,
+                       optional_inputs=[s.name for s in contract.inputs if s.optional])
 
 
 def config_json(model: TritonModel) -> Dict[str, object]:
@@ -163,6 +167,8 @@ def config_json(model: TritonModel) -> Dict[str, object]:
             out["reshape"] = {"shape": list(reshape)}
         if labels:
             out["label_filename"] = labels
+        if t.name in model.optional_inputs:
+            out["optional"] = True
         return out
 
     config: Dict[str, object] = {
@@ -204,6 +210,8 @@ def _tensor_text(model: TritonModel, tensor: LeafSpec) -> str:
         lines.append(f"    reshape: {{ shape: {_list_text(reshape)} }}")
     if labels:
         lines.append(f"    label_filename: {_quote(labels)}")
+    if tensor.name in model.optional_inputs:
+        lines.append("    optional: true")
     return "\n".join(lines + ["  }"])
 
 

@@ -23,6 +23,8 @@ from fx_lightning.export.manifest import Manifest, read_manifest
 from fx_lightning.common.rows import concat_rows, same_shape_groups, split_rows
 from fx_lightning.serve.artifact import ServeOptions, load_checked
 from fx_lightning.serve.contract import Contract
+from fx_lightning.signature.absent import stand_in
+from fx_lightning.signature.signature import LeafSpec
 
 __all__ = ["MODEL_PY", "ENTRY_PARAMETER", "STRATEGY_PARAMETER", "ExportRunner", "python_copies",
            "selection_options"]
@@ -53,8 +55,8 @@ class TritonPythonModel:
                                    parameters.get(STRATEGY_PARAMETER))
 
     def execute(self, requests):
-        calls = [[from_dlpack(pb_utils.get_input_tensor_by_name(r, name).to_dlpack())
-                  for name in self.runner.input_names] for r in requests]
+        given = [[pb_utils.get_input_tensor_by_name(r, name) for name in self.runner.input_names] for r in requests]
+        calls = [[None if t is None else from_dlpack(t.to_dlpack()) for t in call] for call in given]  # None: left out
         try:
             answers = self.runner.run(calls)
         except Exception as exc:  # every request of the batch gets the error, and the model keeps serving
@@ -76,11 +78,15 @@ class ExportRunner:
         contract = Contract.of(read_manifest(folder))
         self.batched = contract.batched and max_batch_size > 0
         self.module, self.status = load_checked(folder, selection_options(entry, max_batch_size, strategy))
+        self.inputs = list(contract.inputs)
         self.input_names = [s.name for s in contract.inputs]
         self.output_names = [o.name for o in contract.outputs]
 
-    def run(self, calls: Sequence[Sequence[torch.Tensor]]) -> List[List[torch.Tensor]]:
-        """Each call's outputs (one tensor per output, in order)."""
+    def run(self, calls: Sequence[Sequence[Optional[torch.Tensor]]]) -> List[List[torch.Tensor]]:
+        """Each call's outputs (one tensor per output, in order). None: an input the request left out, which the
+        config marks optional: its proven stand-in, made for that call (before calls are joined)."""
+        calls = [[t if t is not None else self._stand_in(spec, call) for spec, t in zip(self.inputs, call)]
+                 for call in calls]
         with torch.no_grad():
             if not self.batched:
                 return [self._outputs(call) for call in calls]
@@ -90,6 +96,11 @@ class ExportRunner:
                 for i, rows in zip(places, split_rows(outputs, [int(calls[i][0].shape[0]) for i in places])):
                     answers[i] = rows
             return answers
+
+    def _stand_in(self, spec: LeafSpec, call: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        if not spec.optional:  # Triton refuses a request without a required input: a caller of run() left it out
+            raise ExportError(f"input {spec.name!r} was left out, and no stand-in is proven for it")
+        return stand_in(self.inputs, spec, call)
 
     def _outputs(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         out = self.module(*args)
