@@ -234,15 +234,16 @@ def _time_finalists_alone(root: Path, manifest: Manifest, table: BenchTable, fin
     for i, t in enumerate(table.timings):
         per_process = [ts for samples in kept.get((t.artifact, t.runtime), []) for ts in [samples.get((t.batch_size, t.traffic))] if ts]
         if per_process:
-            table.timings[i] = dataclasses.replace(t, **_own_figures(per_process), process="own")
+            table.timings[i] = _timed_alone(t, per_process)
 
 
-def _own_figures(per_process: Sequence[Sequence[float]]) -> Dict[str, Any]:
-    """A finalist's figures from its calls' seconds in each of its processes: the median of the processes' medians
+def _timed_alone(timing: Timing, per_process: Sequence[Sequence[float]]) -> Timing:
+    """A finalist's timing from its calls' seconds in each of its processes: the median of the processes' medians
     (a slow process counts once, however many calls it made), the 90th percentile of all calls, and each median."""
     medians = [1e3 * statistics.median(ts) for ts in per_process]
     pooled = _figures([x for ts in per_process for x in ts])
-    return {**pooled, "median_ms": statistics.median(medians), "process_medians_ms": medians}
+    return dataclasses.replace(timing, **{**pooled, "median_ms": statistics.median(medians)},
+                               process_medians_ms=medians, process="own")
 
 
 def _figures(ts: Sequence[float]) -> Dict[str, Union[float, int]]:
