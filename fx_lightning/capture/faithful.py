@@ -5,7 +5,7 @@ change. Used by :mod:`fx_lightning.capture.graph` on every graph it returns."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -34,26 +34,35 @@ def raise_if_unfaithful(graph_module: fx.GraphModule, mode: str, working: nn.Mod
             problem = _difference(got, expected)
         if problem is None:
             continue
-        where = _first_divergence(graph_module, working, inputs) if mode == "fx" else None
+        where, module = _first_divergence(graph_module, working, inputs) if mode == "fx" else (None, None)
         which = "on the example inputs" if index == 0 else \
             f"on observed call {index + 1} ({describe_call(inputs)})"
         raise TraceError(
             f"the {mode} capture of {type(working).__qualname__} is unfaithful: {which} {problem}"
             + (f"\n  first difference at {where}" if where else "")
-            + (_FX_UNFAITHFUL_FIXES if mode == "fx" else _EXPORT_UNFAITHFUL_FIXES)
+            + (_fx_fixes(working, module) if mode == "fx" else _EXPORT_UNFAITHFUL_FIXES)
         )
 
 
-_FX_UNFAITHFUL_FIXES = (
-    "\n  Python code that depends on shapes or types can be recorded wrongly by symbolic tracing. Fixes:"
-    "\n  - trace.mode: export (or auto, the default, which falls back to it)"
-    "\n  - keep the module that differs opaque: trace.leaf_modules: ['pkg.module:Class']"
-)
 _EXPORT_UNFAITHFUL_FIXES = (
     "\n  torch.export specialised the graph to something the example inputs do not meet. Fixes:"
-    "\n  - trace.mode: fx, with the offending module kept opaque: trace.leaf_modules: ['pkg.module:Class']"
+    "\n  - trace.mode: fx, with the module that differs kept opaque: trace.leaf_modules: ['<its class as "
+    "package.module:Class>']"
     "\n  - export.dynamic_batch: false, when the model fixes its batch size"
 )
+
+
+def _fx_fixes(working: nn.Module, module: Optional[str]) -> str:
+    """The fixes of an unfaithful symbolic trace: the export route, and keeping opaque the module where the outputs
+    first differ, named by its importable class path where it has one."""
+    keep = "\n  - keep the module that differs opaque: trace.leaf_modules: ['<its class as package.module:Class>']"
+    if module is not None:
+        cls = type(working.get_submodule(module))
+        if "<locals>" not in cls.__qualname__:  # a class defined in a function cannot be imported by name
+            keep = (f"\n  - keep '{module}' opaque (its outputs are the first that differ): "
+                    f"trace.leaf_modules: ['{cls.__module__}:{cls.__qualname__}']")
+    return ("\n  Python code that depends on shapes or types can be recorded wrongly by symbolic tracing. Fixes:"
+            "\n  - trace.mode: export (or auto, the default, which falls back to it)" + keep)
 
 
 def _difference(got: Any, expected: Any) -> Optional[str]:
@@ -63,9 +72,13 @@ def _difference(got: Any, expected: Any) -> Optional[str]:
     return None if comparison.passed else comparison.describe().replace("the reference", "the model")
 
 
-def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> Optional[str]:
-    """The first module call of the graph whose output differs from (or raises unlike) the eager module's."""
-    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+def _first_divergence(gm: fx.GraphModule, working: nn.Module,
+                      inputs: Call) -> Tuple[Optional[str], Optional[str]]:
+    """Where the graph first goes wrong: the first module whose output differs from the eager module's (and that
+    module's name), or the first node that raises (no module); (None, None) when neither is found. A module traced
+    through is compared at its scope's last node (the one its forward returned, where that is one value)."""
+    outputs = _module_outputs(gm)
+    targets = set(outputs.values())
     eager: Dict[str, List[torch.Tensor]] = {}
     def record(name: str, _m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
         eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
@@ -77,23 +90,39 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module, inputs: Call) -> O
     finally:
         for h in handles:
             h.remove()
-    found: List[str] = []
+    found: List[Tuple[str, Optional[str]]] = []
 
     class Watch(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             try:
                 out = super().run_node(n)
             except Exception as exc:
-                found.append(f"node {n.name} ({n.op} {n.target}): it raises {first_line(exc, with_type=True)}")
+                found.append((f"node {n.name} ({n.op} {n.target}): it raises {first_line(exc, with_type=True)}",
+                              None))
                 raise
-            if n.op == "call_module" and not found and str(n.target) in eager:
-                problem = _difference(flat_tensors(out), eager[str(n.target)])
+            module = outputs.get(n.name)
+            if module in eager and not found and len(flat_tensors(out)) == len(eager[module]):
+                problem = _difference(flat_tensors(out), eager[module])
                 if problem is not None:
-                    found.append(f"module '{n.target}' ({n.name}): {problem.replace('the captured graph', 'it')}")
+                    found.append((f"module '{module}' ({n.name}): {problem.replace('the captured graph', 'it')}",
+                                  module))
             return out
 
     try:
         run_seeded(lambda *args, **kwargs: Watch(gm).run(*args, **kwargs), inputs)
     except Exception:  # noqa: BLE001 - recorded in `found`
         pass
-    return found[0] if found else None
+    return found[0] if found else (None, None)
+
+
+def _module_outputs(gm: fx.GraphModule) -> Dict[str, str]:
+    """node name -> the module whose output it is: each call_module node, and the last node of each module traced
+    through (its ``nn_module_stack`` scope); where a node ends several, the innermost."""
+    last: Dict[str, str] = {}
+    for n in gm.graph.nodes:
+        for scope in [*(n.meta.get("nn_module_stack") or {}), *([str(n.target)] if n.op == "call_module" else [])]:
+            last[scope] = n.name
+    ends: Dict[str, str] = {}
+    for module, node in sorted(last.items(), key=lambda item: len(item[0])):  # outer first: the inner overwrite
+        ends[node] = module
+    return ends
