@@ -4,6 +4,7 @@ refused with the status and a message naming what was expected and what came."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from typing import List
@@ -14,6 +15,7 @@ import pytest
 from fx_lightning.export.manifest import Manifest, Preprocess
 from fx_lightning.serve.contract import BadRequest, Contract, top_k_labels
 from fx_lightning.serve.triton_config import stated_leaf
+from fx_lightning.signature.signature import DimKind, DimSpec, LeafSpec
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -130,3 +132,16 @@ def test_top_k_is_softmax_ranked() -> None:
     assert [[r["label"] for r in row] for row in rows] == [["y", "z"], ["x", "y"]]
     expected = np.exp(2.0) / np.exp([0.0, 2.0, 1.0]).sum()
     assert abs(rows[0][0]["probability"] - expected) / expected < 1e-12
+
+
+def test_a_bfloat16_input_left_out_gets_its_stand_in_as_float32_like_the_inputs_given() -> None:
+    """A bfloat16 model's optional mask, proven to be all ones when left out: numpy has no bfloat16, so the stand-in
+    travels as float32 (the worker casts it for the model), as a bfloat16 input sent in the request does. It raised
+    TypeError (numpy() of a bfloat16 tensor) on every request leaving the mask out."""
+    sample = DimSpec(DimKind.sample, 2, 1, 8)
+    x = LeafSpec("x", "x", (), "bfloat16", (sample, DimSpec(DimKind.fixed, 4, 4, 4)))
+    mask = dataclasses.replace(x, name="mask", path="mask", absent_fill=1.0)
+    contract = Contract([x, mask])
+    decoded = contract.decode(json.dumps({"inputs": {"x": np.ones((3, 4)).tolist()}}).encode(), "application/json")
+    assert [a.dtype for a in decoded.arrays] == [np.float32, np.float32]
+    assert np.array_equal(decoded.arrays[1], np.ones((3, 4), np.float32))

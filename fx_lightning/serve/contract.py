@@ -372,8 +372,9 @@ class Contract:
         one value given for every sample repeated for the ``size`` samples."""
         out = list(arrays)
         for i, (spec, array) in enumerate(zip(self.inputs, arrays)):
-            if array is None:
-                out[i] = stand_in(self.inputs, spec, arrays).numpy()
+            if array is None:  # bfloat16 travels as float32 (numpy has none), as the inputs given do
+                filled = stand_in(self.inputs, spec, arrays)
+                out[i] = filled.float().numpy() if spec.dtype == "bfloat16" else filled.numpy()
             elif spec.one_for_all and array.ndim == 0 and size is not None:
                 out[i] = np.full((size,), array, dtype=_NUMPY_DTYPES[spec.dtype])
         return out  # type: ignore[return-value]
