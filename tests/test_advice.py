@@ -237,6 +237,43 @@ def test_unfaithful_fx_capture_advice_leaf_modules_works():
     assert_matches(model, result.graph_module, x)
 
 
+
+class TypeCheckedScale(nn.Module):
+    """The wrongly recorded branch feeds a module called whole: the first output that differs is the BatchNorm's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            x = x * 2
+        return self.bn(x)
+
+
+class TypeCheckedScaleNet(TypeCheckedNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = TypeCheckedScale()
+
+
+def test_unfaithful_fx_capture_advice_names_the_module_whose_code_was_recorded_not_the_one_called_whole():
+    """The BatchNorm called whole inside the module runs its own code: its output differs because its input does, so
+    the advice keeps the module around it opaque (keeping nn.BatchNorm2d opaque changes nothing), and that works."""
+    model = randomize_batchnorms(TypeCheckedScaleNet())
+    x = torch.randn(2, 3, 4, 4)
+    with pytest.raises(TraceError, match="is unfaithful") as raised:
+        fuse(model, {"trace": {"mode": "fx"}}, example_inputs=x)
+    assert "first difference at module 'norm.bn'" in str(raised.value)
+    advice = re.search(r"keep 'norm' opaque .*: trace\.leaf_modules: (\[.*\])", str(raised.value))
+    assert advice is not None, str(raised.value)
+    leaf_modules = ast.literal_eval(advice.group(1))
+    assert leaf_modules == [f"{TypeCheckedScale.__module__}:TypeCheckedScale"]
+    result = fuse(model, {"trace": {"mode": "fx", "leaf_modules": leaf_modules}}, example_inputs=x)
+    assert result.report.capture_mode == "fx"
+    assert_matches(model, result.graph_module, x)
+
+
 # ------------------------------------------------------------------------------------------ configuration
 
 

@@ -74,9 +74,10 @@ def _difference(got: Any, expected: Any) -> Optional[str]:
 
 def _first_divergence(gm: fx.GraphModule, working: nn.Module,
                       inputs: Call) -> Tuple[Optional[str], Optional[str]]:
-    """Where the graph first goes wrong: the first module whose output differs from the eager module's (and that
-    module's name), or the first node that raises (no module); (None, None) when neither is found. A module traced
-    through is compared at its scope's last node (the one its forward returned, where that is one value)."""
+    """Where the graph first goes wrong: the first module whose output differs from the eager module's, and the
+    module whose code was recorded wrongly there (:func:`_recorded_around`); or the first node that raises (no
+    module); (None, None) when neither is found. A module traced through is compared at its scope's last node (the
+    one its forward returned, where that is one value)."""
     outputs = _module_outputs(gm)
     targets = set(outputs.values())
     eager: Dict[str, List[torch.Tensor]] = {}
@@ -105,7 +106,7 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module,
                 problem = _difference(flat_tensors(out), eager[module])
                 if problem is not None:
                     found.append((f"module '{module}' ({n.name}): {problem.replace('the captured graph', 'it')}",
-                                  module))
+                                  _recorded_around(n)))
             return out
 
     try:
@@ -126,3 +127,13 @@ def _module_outputs(gm: fx.GraphModule) -> Dict[str, str]:
     for module, node in sorted(last.items(), key=lambda item: len(item[0])):  # outer first: the inner overwrite
         ends[node] = module
     return ends
+
+
+def _recorded_around(node: fx.Node) -> Optional[str]:
+    """The innermost module traced through whose code computed ``node``: a module called whole (call_module) runs
+    its own code, so where its output differs its inputs did, and the code recorded wrongly is around it. None at
+    the top level (the root's own forward)."""
+    scopes = [s for s in (node.meta.get("nn_module_stack") or {}) if s]
+    if node.op == "call_module":
+        scopes = [s for s in scopes if s != str(node.target)]
+    return scopes[-1] if scopes else None
