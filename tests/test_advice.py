@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fusion_helpers import count_batchnorms, randomize_batchnorms, reference_fp64, rel_err
@@ -591,6 +592,72 @@ def test_target_null_with_steps_calling_submodules_advice_works(tmp_path):
                         export={"enabled": False})
     assert found.group(1) == "encoder" and cb.result is not None
     assert_matches(model.encoder, cb.result.graph_module, torch.randn(5, 3, 8, 8))
+
+
+def _scored_through_a_method_lit(own_forward: bool):
+    """pykeen's LCWALitModule and normflows' README: the steps reach the model through another method than its
+    forward (``self.model.score(x)``), and the only module they call is a loss holding no parameters (pykeen), or
+    none at all (normflows, a functional loss); the LightningModule's forward, where it has one, scores too."""
+    import lightning_helpers as H
+
+    class Scorer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = H.TinyBackbone(8), nn.Linear(8, H.NUM_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.score(x)
+
+        def score(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x))
+
+    class Lit(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Scorer()
+            self.loss = nn.CrossEntropyLoss()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.loss(self.model.score(x), y) if own_forward else F.cross_entropy(self.model.score(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.training_step(batch, batch_idx))
+
+    if own_forward:
+        Lit.forward = lambda self, x: self.model.score(x)  # type: ignore[assignment, method-assign]
+    else:
+        import lightning.pytorch as pl
+
+        Lit.forward = pl.LightningModule.forward  # type: ignore[method-assign]  # none of its own: Lightning's raises
+    return Lit()
+
+
+@pytest.mark.parametrize("own_forward", [True, False], ids=["forward-never-called", "no-forward"])
+def test_steps_reaching_the_model_through_another_method_are_refused_with_advice_that_works(tmp_path, own_forward):
+    """callback/observe.py _refuse_untrained_calls: the loss (0 parameters) was fused and said to hold the trained
+    parameters (pykeen), or the missing forward failed after training (normflows). Now refused before training,
+    naming where the parameters are, and the setting the error gives works."""
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
+
+    # Lightning's default sanity check runs validation first: what the steps call is then known before training.
+    trainer = H.make_trainer(tmp_path / "refused", [FXFuseCallback(export={"enabled": False})], num_sanity_val_steps=2)
+    with pytest.raises(ConfigError) as raised:
+        trainer.fit(_scored_through_a_method_lit(own_forward), *H.loaders())
+    message = str(raised.value)
+    assert "before the first optimizer step; nothing was trained" in message, message
+    assert ("hold none of its trained parameters; those are in model (" if own_forward else
+            "they call no submodule's forward either; its trained parameters are in model (") in message, message
+    found = re.search(r"target: ('')?([\w.]*), parity\.input: (\S+?)\.?$", message, re.MULTILINE)
+    assert found, message
+    target, item = (found.group(2) or ""), found.group(3)
+    assert (target, item) == (("", "0") if own_forward else ("model", "0"))
+    model, cb, _ = _fit(tmp_path, "fixed", model=_scored_through_a_method_lit(own_forward), target=target,
+                        parity={"input": int(item)}, export={"enabled": False})
+    assert cb.result is not None and cb.error is None
+    x = torch.randn(5, 3, 8, 8)
+    assert_matches(model if own_forward else model.model, cb.result.graph_module, x)
 
 
 def test_backbone_only_note_advice_target_whole_works(tmp_path):

@@ -133,9 +133,11 @@ def test_pass_that_breaks_the_graph(tmp_path: Path) -> None:
 
 
 def test_parity_failure(tmp_path: Path) -> None:
+    """A parity failure after training (the preflight off: with it, outputs all drawn at random are refused before
+    training, tests/test_callback.py) leaves the model and every checkpoint as they were."""
     model = H.LitClassifier(backbone=H.NoisyBackbone())
     snap = Snapshot(tmp_path / "ckpts")
-    fuse_cb = FXFuseCallback()
+    fuse_cb = FXFuseCallback(preflight="off")
     with pytest.raises(ParityError, match="parity FAILED"):
         fit(tmp_path, model, fuse_cb, snap)
     assert fuse_cb.parity_report is not None and not fuse_cb.parity_report.passed

@@ -23,7 +23,7 @@ from fx_lightning import ExportError, load_fused
 from fx_lightning.config import load_config
 from fx_lightning.export import read_manifest
 from fx_lightning.export.manifest import ArtifactCheck
-from fx_lightning.export.select.selection import BenchTable, Timing, bench_export, select_fastest
+from fx_lightning.export.select.selection import BenchTable, Timing, bench_export, select_fastest, tied_with
 from fx_lightning.parity.gate import GATE_MISSED
 from fx_lightning.pipeline import Batches, fuse_verify_export
 from fx_lightning.pipeline.export_step import SELECTED, VARIANT_MISSED, VARIANT_PASSED
@@ -124,7 +124,9 @@ def test_the_fastest_artifact_that_passed_is_selected_and_loaded_by_default(serv
     at = [t for t in table.timings if t.batch_size == selected.batch_size and t.traffic == selected.traffic
           and t.artifact in passed]
     fastest = min(at, key=lambda t: t.median_ms)
-    assert (selected.format, selected.runtime) == (fastest.artifact, fastest.runtime)
+    picked = next(t for t in at if (t.artifact, t.runtime) == (selected.format, selected.runtime))
+    # The fastest, or one its processes' medians cannot tell from it (a tie, decided by the other traffic and said).
+    assert picked is fastest or (tied_with(picked, fastest) and "tied with" in selected.why), selected.why
     assert any(t.artifact == "eager" for t in table.timings)  # timed against the unfused model
     assert any(n.kind == SELECTED for n in served["outcome"].notes)
     default = load_fused(served["dir"])

@@ -32,7 +32,8 @@ from fx_lightning.capture.working_copy import is_compiled_module
 from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import NoteKind
-from fx_lightning.pipeline import Observations, ObservedStep, calibration_batch_count, resolve_target
+from fx_lightning.pipeline import (Observations, ObservedStep, calibration_batch_count, has_own_forward,
+                                   resolve_target)
 
 __all__ = ["CallRecorder", "TARGET_CALLED_BY_STEPS", "BACKBONE_ONLY", "NOT_OBSERVED"]
 
@@ -102,7 +103,8 @@ class CallRecorder:
         # Watched: the target, and the LightningModule's children when it is the default target (its steps may
         # call a submodule instead of its forward).
         self.watched: Dict[str, nn.Module] = {self.path: self.target}
-        if self.target is pl_module and config.target is None:
+        self.by_default = config.target is None
+        if self.target is pl_module and self.by_default:
             self.watched.update(dict(pl_module.named_children()))
         # The default target ``backbone``: the children holding trained parameters that the LightningModule's
         # forward runs beside it (an input embedding, a head): the artifact leaves them out, and a note says so.
@@ -113,6 +115,8 @@ class CallRecorder:
         self.logs: Dict[str, _Log] = {name: _Log() for name in self.watched}
         self.step: Optional[_Step] = None
         self.root_called = False
+        self.input_hint: Optional[str] = None  # how parity.input would name a batch's first item (for advice)
+        self.seen: Set[str] = set()  # the stages whose steps began
         self.handles: List[Any] = []
         self.off: Optional[str] = None
         if any(is_compiled_module(m) for m in (pl_module, self.target)):
@@ -129,6 +133,9 @@ class CallRecorder:
                 log.kept["validation"] = []
         samples = loader_sample_counts(loader, batch_idx + 1)[batch_idx] if loader is not None else None
         self.step = _Step(stage, samples, _labels(batch))
+        self.seen.add(stage)
+        if self.input_hint is None:
+            self.input_hint = _input_hint(batch)
         self._hook()
 
     def end(self) -> None:
@@ -240,10 +247,14 @@ class CallRecorder:
         if found is not None or self.target is not self.root or self.root_called:
             return found
         called = sorted(name for name, log in self.logs.items() if name != self.path and any(log.kept.values()))
+        # Validation may still call what training did not (a detector's forward): refused only once it was seen.
+        final = "validation" in self.seen or "validation" not in self.stages
         if not called:
+            if self.by_default and final and not has_own_forward(self.root):  # used through its other methods
+                self._refuse_untrained_calls([], {})
             return None
-        name = self._trained_one(called)
-        return self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(
+        name = self._trained_one(called, final)
+        return None if name is None else self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(
             called=", ".join(called), target=name)])
 
     def _backbone_only(self) -> List[Any]:
@@ -256,13 +267,19 @@ class CallRecorder:
         around = ", ".join(f"{n} ({_trained(self.beside[n]):,} trained parameters)" for n in sorted(self.ran_beside))
         return [BACKBONE_ONLY(around=around)]
 
-    def _trained_one(self, called: List[str]) -> str:
+    def _trained_one(self, called: List[str], final: bool) -> Optional[str]:
         """Of the submodules the steps call, the one that holds the trained parameters (a batch transform or a loss
-        holds none; a loss that holds the model and no weights of its own is not it). Raises ConfigError naming each with its count when several do: which one is the model is then
-        not observable."""
+        holds none; a loss that holds the model and no weights of its own is not it). Raises ConfigError naming each
+        with its count when several do: which one is the model is then not observable; and, once ``final`` (the
+        validation steps seen), when none does while other children do (:meth:`_refuse_untrained_calls`); None
+        until then."""
         counts = {name: _trained(self.watched[name]) for name in called}
         trained = sorted((n for n in called if counts[n] > 0), key=lambda n: -counts[n])
         trained = [n for n in trained if not any(_wraps(self.watched[n], self.watched[m]) for m in trained if m != n)]
+        if not trained and any(_trained(c) for n, c in self.root.named_children() if n not in called):
+            if not final:
+                return None
+            self._refuse_untrained_calls(called, counts)
         if len(called) == 1 or len(trained) == 1:
             return trained[0] if trained else called[0]
         listed = ", ".join(f"{n} ({counts[n]:,} trained parameters)" for n in (trained or called))
@@ -270,6 +287,32 @@ class CallRecorder:
             f"target: null, and the LightningModule's steps never call its forward: they call the submodules "
             f"{listed} directly, and more than one holds trained parameters.",
             fix=f"set target to the one to fuse (e.g. target: {(trained or called)[0]})")
+
+
+    def _refuse_untrained_calls(self, called: List[str], counts: Dict[str, int]) -> None:
+        """Where no module the steps call holds trained parameters but the LightningModule's children do (the steps
+        reach them through other methods: ``model.score(x)``, ``flow.forward_kld(x)``), no call of the model was
+        observed: a ConfigError saying so, with the setting that makes one (the LightningModule's own forward when
+        it has one, else the child holding the most trained parameters, fed ``parity.input``). Where no child holds
+        trained parameters, nothing is refused (the one called module is the model)."""
+        holders = {n: _trained(c) for n, c in self.root.named_children() if n not in called and _trained(c)}
+        if not holders:
+            return
+        item = self.input_hint or "<the batch item forward takes: a key, an index or '*'>"
+        held = ", ".join(f"{n} ({c:,})" for n, c in sorted(holders.items(), key=lambda kv: -kv[1]))
+        listed = ", ".join(f"{n} ({counts[n]:,} trained parameters)" for n in called)
+        calls = (f"they call {listed} directly, which hold none of its trained parameters; those are in {held}"
+                 if called else f"they call no submodule's forward either; its trained parameters are in {held}")
+        if has_own_forward(self.root):
+            fix = (f"export the LightningModule's forward, fed the batches' item it takes: target: '', "
+                   f"parity.input: {item}")
+        else:
+            fix = (f"the LightningModule has no forward: fuse the module holding the parameters, fed the batches' "
+                   f"item its forward takes: target: {next(iter(sorted(holders, key=lambda n: -holders[n])))}, "
+                   f"parity.input: {item}")
+        raise ConfigError(
+            f"target: null, and the LightningModule's steps never call its forward: {calls}, which the steps use "
+            "through other methods than forward, so no call of the model was observed.", fix=fix)
 
 
 def _wraps(outer: nn.Module, inner: nn.Module) -> bool:
@@ -293,6 +336,18 @@ def _kept(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
 
 def _shapes(call: Call) -> List[Tuple[int, ...]]:
     return [tuple(t.shape) for t in tree_of_call(call).leaves(call)]
+
+
+def _input_hint(batch: Any) -> Optional[str]:
+    """How ``parity.input`` names the batch's first input: ``'*'`` (the batch is a tensor), ``0`` (a tuple or list),
+    or the first key holding a tensor (a dict); None for other batches."""
+    if isinstance(batch, torch.Tensor):
+        return "'*'"
+    if isinstance(batch, (tuple, list)) and batch:
+        return "0"
+    if isinstance(batch, dict):
+        return next((str(k) for k, v in batch.items() if isinstance(k, str) and isinstance(v, torch.Tensor)), None)
+    return None
 
 
 def _labels(batch: Any) -> Tuple[torch.Tensor, ...]:

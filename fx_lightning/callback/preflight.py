@@ -81,7 +81,9 @@ FIXES: Dict[Step, str] = {
                        "or give the LightningModule an example_input_array",
     Step.capture: "see the fixes listed above (trace.mode, trace.leaf_modules, trace.autowrap_functions)",
     Step.passes: "fix the pass named above, or disable it under passes",
-    Step.parity: "check parity.input and the model's outputs (the gate itself is applied after training only)",
+    Step.parity: "check parity.input and the model's outputs; outputs all drawn at random are refused at any "
+                 "weights (parity.on_failure: warn trains and exports nothing); the gate's thresholds are applied "
+                 "after training only",
     Step.export: "drop the failing format from export.formats, or fix what the error names",
     Step.variants: "install what the variant needs (" + ", ".join(
         f"pip install 'fx-lightning[{v.extra}]' for passes.{v.key}" for v in VARIANTS.values() if v.extra)

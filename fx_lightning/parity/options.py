@@ -53,7 +53,8 @@ class ParityConfig(GateThresholds):
     max_batches: int = 8
     data: ParityData = ParityData.auto
     # How to take the model input out of a batch: null = automatic (tensor; first item of a tuple/list;
-    # dict key x/input/inputs/image/images), a dict key, an integer index, or "pkg.module:function".
+    # dict key x/input/inputs/image/images), a dict key, an integer index, or "pkg.module:function". The
+    # LightningModule's forward input; where it has no forward, the target's.
     input: Optional[str] = None
     # Gate: max|fused - ref| / max|ref| over all batches.
     rtol: float = GATE_RTOL

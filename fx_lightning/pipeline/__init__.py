@@ -23,6 +23,7 @@ from fx_lightning.pipeline.records import Batches, Exported, Fused, Observations
 from fx_lightning.pipeline.export_step import FORMAT_NOT_EXPORTED, VARIANT_FAILED
 from fx_lightning.pipeline.steps import Step, calibration_batch_count, in_step
 from fx_lightning.pipeline.targets import (
+    has_own_forward,
     own_rng,
     resolve_device,
     resolve_target,
@@ -33,6 +34,7 @@ __all__ = [
     "FORMAT_NOT_EXPORTED",
     "VARIANT_FAILED",
     "LOCAL",
+    "has_own_forward",
     "Batches",
     "Collectives",
     "Destination",

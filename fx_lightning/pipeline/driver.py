@@ -35,7 +35,7 @@ from fx_lightning.export.manifest import Manifest
 from fx_lightning.export.progress import Progress, StepTime, log_lines, quiet_libraries, times_text
 from fx_lightning.export.write.report_html import REPORT_NAME
 from fx_lightning.common.notes import Note, NoteKind
-from fx_lightning.parity.gate import ParityState, merge_parity_states
+from fx_lightning.parity.gate import ALL_STOCHASTIC, ParityState, merge_parity_states
 from fx_lightning.parity.report import ParityReport
 from fx_lightning.pipeline.collectives import LOCAL, Collectives
 from fx_lightning.pipeline.export_step import export
@@ -259,6 +259,9 @@ def _run(config: FuseConfig, source: Union[Source, Exception, None], destination
         outcome.failure = _parity_failure(outcome, config)
         outcome.notes.append(PARITY_FAILED())
         return outcome
+    if mode is Mode.rehearsal and _fails_whatever_the_weights(outcome.parity, config):
+        outcome.failure = _parity_failure(outcome, config)  # what the end of fit would raise, raised before it
+        return outcome
     if not config.export.enabled or destination.dry_run:
         return outcome
     if destination.directory is None:
@@ -360,6 +363,14 @@ def _failure_of(collectives: Collectives, failed: List[ErrorInfo], local: Option
     if local is not None and first.rank == collectives.rank:
         return Failure.of(local, where)
     return Failure(first.rebuild(), where, first.type_name, remote=True)
+
+
+def _fails_whatever_the_weights(parity: Optional[ParityReport], config: FuseConfig) -> bool:
+    """Whether the rehearsal's parity shows a failure training cannot change, which the end of fit raises: every
+    output drawn at random in eval mode (a guide sampling its posterior) leaves nothing to compare at any weights.
+    The gate's thresholds are not judged here: the untrained model's errors say nothing of the trained one's."""
+    return (parity is not None and config.parity.on_failure is OnError["raise"]
+            and any(f.kind == ALL_STOCHASTIC for f in parity.failures))
 
 
 def _parity_failure(outcome: Outcome, config: FuseConfig) -> Optional[Failure]:

@@ -45,6 +45,7 @@ from fx_lightning.config import FuseConfig
 from fx_lightning.errors import ConfigError, ExportError, FXLightningError, ModelError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
+from fx_lightning.pipeline.targets import has_own_forward
 from fx_lightning.signature.absent import absent_fills, one_value_for_all
 from fx_lightning.signature.signature import (ConstSpec, Observed, Signature, UnreturnableOutput, derive_signature,
                                              unreturnable_output)
@@ -99,7 +100,7 @@ def target_steps(config: FuseConfig, source: Source, whole: nn.Module, target: n
     try:
         steps = [_batch_step(whole, target, path, batch, rule, samples[i] if i < len(samples) else None)
                  for i, batch in enumerate(data)]
-        return TargetSteps(steps, bool(path), data_source, notes)
+        return TargetSteps(steps, bool(path) and has_own_forward(whole), data_source, notes)
     except Exception as exc:  # noqa: BLE001 - the batch is not forward's input: ask the module's own step
         if config.parity.input is not None or rule is identity_rule:
             raise
@@ -147,7 +148,7 @@ def _batch_step(whole: nn.Module, target: nn.Module, path: str, batch: Any, rule
     device, dtype = model_device_dtype(whole)
     call = as_call(to_model(extract_input(batch, rule), device, dtype))
     labels = label_candidates(batch) if rule is not identity_rule else ()
-    if not path:
+    if not path or not has_own_forward(whole):  # no forward around the target: the input is the target's own
         return ObservedStep(call, None, samples, labels)
     return ObservedStep(target_calls(whole, target, call)[0], call, samples, labels)
 

@@ -17,6 +17,7 @@ from fx_lightning.errors import ConfigError, ExportError
 
 __all__ = [
     "resolve_target",
+    "has_own_forward",
     "whole_model_with",
     "resolve_device",
     "own_rng",
@@ -52,6 +53,13 @@ def resolve_target(module: nn.Module, target: Optional[str]) -> Tuple[str, nn.Mo
             )
         walked.append(part)
     return target, current
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` defines a forward (a LightningModule that only trains its submodules, calling their other
+    methods, has none: Lightning's forward calls nn.Module's, which raises)."""
+    name = getattr(type(module).forward, "__qualname__", "")
+    return name not in ("Module._forward_unimplemented", "LightningModule.forward")
 
 
 def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
