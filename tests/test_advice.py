@@ -221,22 +221,27 @@ def test_unfaithful_fx_capture_advice_trace_mode_export_works():
         assert_matches(model, result.graph_module, x)
 
 
-def test_unfaithful_fx_capture_advice_leaf_modules_works():
-    """capture/faithful.py: 'the fx capture of ... is unfaithful ... keep 'norm' opaque (its outputs are the first
-    that differ): trace.leaf_modules: ['test_advice:TypeCheckedNorm']': the class the error names, set as it says,
-    makes the symbolic trace faithful."""
-    model = randomize_batchnorms(TypeCheckedNet())
+def _leaf_advice_applied(model: nn.Module, kept: type, first_difference: str) -> None:
+    """fx capture of ``model`` is refused as unfaithful, its first difference at ``first_difference``; the advice
+    names module 'norm' of class ``kept`` to keep opaque, and set as worded it makes the symbolic trace faithful."""
     x = torch.randn(2, 3, 4, 4)
     with pytest.raises(TraceError, match="is unfaithful") as raised:
         fuse(model, {"trace": {"mode": "fx"}}, example_inputs=x)
+    assert f"first difference at module '{first_difference}'" in str(raised.value)
     advice = re.search(r"keep 'norm' opaque .*: trace\.leaf_modules: (\[.*\])", str(raised.value))
     assert advice is not None, str(raised.value)
     leaf_modules = ast.literal_eval(advice.group(1))
-    assert leaf_modules == [f"{TypeCheckedNorm.__module__}:TypeCheckedNorm"]
+    assert leaf_modules == [f"{kept.__module__}:{kept.__qualname__}"]
     result = fuse(model, {"trace": {"mode": "fx", "leaf_modules": leaf_modules}}, example_inputs=x)
     assert result.report.capture_mode == "fx"
     assert_matches(model, result.graph_module, x)
 
+
+def test_unfaithful_fx_capture_advice_leaf_modules_works():
+    """capture/faithful.py: 'the fx capture of ... is unfaithful ... keep 'norm' opaque (its outputs are the first
+    that differ): trace.leaf_modules: ['test_advice:TypeCheckedNorm']': the class the error names, set as it says,
+    makes the symbolic trace faithful."""
+    _leaf_advice_applied(randomize_batchnorms(TypeCheckedNet()), TypeCheckedNorm, "norm")
 
 
 class TypeCheckedScale(nn.Module):
@@ -261,18 +266,7 @@ class TypeCheckedScaleNet(TypeCheckedNet):
 def test_unfaithful_fx_capture_advice_names_the_module_whose_code_was_recorded_not_the_one_called_whole():
     """The BatchNorm called whole inside the module runs its own code: its output differs because its input does, so
     the advice keeps the module around it opaque (keeping nn.BatchNorm2d opaque changes nothing), and that works."""
-    model = randomize_batchnorms(TypeCheckedScaleNet())
-    x = torch.randn(2, 3, 4, 4)
-    with pytest.raises(TraceError, match="is unfaithful") as raised:
-        fuse(model, {"trace": {"mode": "fx"}}, example_inputs=x)
-    assert "first difference at module 'norm.bn'" in str(raised.value)
-    advice = re.search(r"keep 'norm' opaque .*: trace\.leaf_modules: (\[.*\])", str(raised.value))
-    assert advice is not None, str(raised.value)
-    leaf_modules = ast.literal_eval(advice.group(1))
-    assert leaf_modules == [f"{TypeCheckedScale.__module__}:TypeCheckedScale"]
-    result = fuse(model, {"trace": {"mode": "fx", "leaf_modules": leaf_modules}}, example_inputs=x)
-    assert result.report.capture_mode == "fx"
-    assert_matches(model, result.graph_module, x)
+    _leaf_advice_applied(randomize_batchnorms(TypeCheckedScaleNet()), TypeCheckedScale, "norm.bn")
 
 
 # ------------------------------------------------------------------------------------------ configuration
