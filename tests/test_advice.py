@@ -221,14 +221,14 @@ def test_unfaithful_fx_capture_advice_trace_mode_export_works():
         assert_matches(model, result.graph_module, x)
 
 
-def _leaf_advice_applied(model: nn.Module, kept: type, first_difference: str) -> None:
+def _leaf_advice_applied(model: nn.Module, kept: type, first_difference: str, name: str = "norm") -> None:
     """fx capture of ``model`` is refused as unfaithful, its first difference at ``first_difference``; the advice
-    names module 'norm' of class ``kept`` to keep opaque, and set as worded it makes the symbolic trace faithful."""
+    names module ``name`` of class ``kept`` to keep opaque, and set as worded it makes the symbolic trace faithful."""
     x = torch.randn(2, 3, 4, 4)
     with pytest.raises(TraceError, match="is unfaithful") as raised:
         fuse(model, {"trace": {"mode": "fx"}}, example_inputs=x)
     assert f"first difference at module '{first_difference}'" in str(raised.value)
-    advice = re.search(r"keep 'norm' opaque .*: trace\.leaf_modules: (\[.*\])", str(raised.value))
+    advice = re.search(rf"keep '{name}' opaque .*: trace\.leaf_modules: (\[.*\])", str(raised.value))
     assert advice is not None, str(raised.value)
     leaf_modules = ast.literal_eval(advice.group(1))
     assert leaf_modules == [f"{kept.__module__}:{kept.__qualname__}"]
@@ -267,6 +267,39 @@ def test_unfaithful_fx_capture_advice_names_the_module_whose_code_was_recorded_n
     """The BatchNorm called whole inside the module runs its own code: its output differs because its input does, so
     the advice keeps the module around it opaque (keeping nn.BatchNorm2d opaque changes nothing), and that works."""
     _leaf_advice_applied(randomize_batchnorms(TypeCheckedScaleNet()), TypeCheckedScale, "norm.bn")
+
+
+class ReusedReluBlock(nn.Module):
+    """torchvision's BasicBlock pattern: one ReLU module called twice, its second call ending the block (torch names
+    that scope ``block.relu@1``), with a branch symbolic tracing records wrongly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + x
+        if not isinstance(out, torch.Tensor):
+            out = out * 2
+        return self.relu(out)
+
+
+class ReusedReluNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.block = nn.Conv2d(3, 4, 1), ReusedReluBlock()
+        self.tail = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.block(self.stem(x))) + 1
+
+
+def test_unfaithful_fx_capture_advice_is_not_misled_by_a_module_called_twice():
+    """The block's last node is its ReLU's second call, which an eager hook cannot tell from the first: the advice
+    named the module after it ('tail'), which did not help. Now the block is compared there and named."""
+    _leaf_advice_applied(randomize_batchnorms(ReusedReluNet()), ReusedReluBlock, "block", name="block")
 
 
 # ------------------------------------------------------------------------------------------ configuration
@@ -627,31 +660,36 @@ def _scored_through_a_method_lit(own_forward: bool):
     return Lit()
 
 
-@pytest.mark.parametrize("own_forward", [True, False], ids=["forward-never-called", "no-forward"])
-def test_steps_reaching_the_model_through_another_method_are_refused_with_advice_that_works(tmp_path, own_forward):
-    """callback/observe.py _refuse_untrained_calls: the loss (0 parameters) was fused and said to hold the trained
-    parameters (pykeen), or the missing forward failed after training (normflows). Now refused before training,
-    naming where the parameters are, and the setting the error gives works."""
+def test_steps_reaching_the_model_through_another_method_fuse_the_modules_own_forward(tmp_path):
+    """pykeen: the steps call a loss holding no weights and reach the model through ``score``: the loss was fused
+    and said to hold the trained parameters. Now the LightningModule's own forward is fused, on the batches' input
+    as when nothing is observed, and matches the trained module."""
+    model, cb, _ = _fit(tmp_path, "fused", model=_scored_through_a_method_lit(True), export={"enabled": False})
+    assert cb.result is not None and cb.error is None
+    assert not any(n.kind.name == "target_called_by_steps" for n in cb.outcome.notes)
+    assert_matches(model, cb.result.graph_module, torch.randn(5, 3, 8, 8))
+
+
+def test_steps_reaching_the_model_through_another_method_without_a_forward_are_refused_with_advice_that_works(
+        tmp_path):
+    """normflows: no forward, the steps call ``self.model.forward_kld(x)``: the missing forward failed after
+    training. Now refused before training (validation seen in Lightning's sanity check), naming where the weights
+    are, and the setting the error gives works (parity.input feeds the target where there is no forward)."""
     import lightning_helpers as H
     from fx_lightning import FXFuseCallback
 
-    # Lightning's default sanity check runs validation first: what the steps call is then known before training.
     trainer = H.make_trainer(tmp_path / "refused", [FXFuseCallback(export={"enabled": False})], num_sanity_val_steps=2)
     with pytest.raises(ConfigError) as raised:
-        trainer.fit(_scored_through_a_method_lit(own_forward), *H.loaders())
+        trainer.fit(_scored_through_a_method_lit(False), *H.loaders())
     message = str(raised.value)
     assert "before the first optimizer step; nothing was trained" in message, message
-    assert ("hold none of its trained parameters; those are in model (" if own_forward else
-            "they call no submodule's forward either; its trained parameters are in model (") in message, message
-    found = re.search(r"target: ('')?([\w.]*), parity\.input: (\S+?)\.?$", message, re.MULTILINE)
-    assert found, message
-    target, item = (found.group(2) or ""), found.group(3)
-    assert (target, item) == (("", "0") if own_forward else ("model", "0"))
-    model, cb, _ = _fit(tmp_path, "fixed", model=_scored_through_a_method_lit(own_forward), target=target,
-                        parity={"input": int(item)}, export={"enabled": False})
+    assert "the LightningModule has no forward; they call no submodule: its weights are in model (" in message
+    found = re.search(r"target: ([\w.]+), parity\.input: (\S+?)\.?$", message, re.MULTILINE)
+    assert found and found.groups() == ("model", "0"), message
+    model, cb, _ = _fit(tmp_path, "fixed", model=_scored_through_a_method_lit(False), target=found.group(1),
+                        parity={"input": int(found.group(2))}, export={"enabled": False})
     assert cb.result is not None and cb.error is None
-    x = torch.randn(5, 3, 8, 8)
-    assert_matches(model if own_forward else model.model, cb.result.graph_module, x)
+    assert_matches(model.model, cb.result.graph_module, torch.randn(5, 3, 8, 8))
 
 
 def test_backbone_only_note_advice_target_whole_works(tmp_path):

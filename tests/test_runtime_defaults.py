@@ -288,3 +288,19 @@ def test_no_tie_where_the_processes_medians_do_not_overlap(export_dir, tmp_path,
     assert "openvino" not in picked.why
     back_to_back = select_fastest(table, 1, "back_to_back")
     assert back_to_back is not None and (back_to_back.format, back_to_back.runtime) == ("openvino", RUNTIME_DEFAULTS)
+
+
+def test_a_tie_with_nothing_timed_in_the_other_traffic_keeps_the_fastest_and_says_so():
+    """Nothing in the other traffic to decide a tie by: the fastest here is kept, and its why does not claim it was
+    the fastest elsewhere too (it said so with no timing there)."""
+    from fx_lightning.export.manifest import BenchTable, Timing
+    from fx_lightning.parity.report import ArtifactCheck
+
+    table = BenchTable(threads=2, isa="AVX512", machine="x86_64", torch="2.14.1", timings=[
+        Timing("onnx", 1, 4.5, 5.0, 60, "idle", "spinning", "own", [4.4, 4.5, 4.9]),
+        Timing("openvino", 1, 4.6, 5.1, 60, "idle", RUNTIME_DEFAULTS, "own", [4.5, 4.6, 4.8])],
+        checks={name: ArtifactCheck(passed=True) for name in ("onnx", "openvino")})
+    picked = select_fastest(table, 1, "idle")
+    assert picked is not None and (picked.format, picked.runtime) == ("onnx", "spinning")
+    assert "tied with openvino" in picked.why and "none was timed in the other traffics" in picked.why
+    assert "fastest of them in the other traffics too" not in picked.why

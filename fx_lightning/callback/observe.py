@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from fx_lightning.common.batches import detached, label_candidates, loader_sample_counts
+from fx_lightning.common.batches import INPUT_KEYS, LABEL_KEYS, detached, label_candidates, loader_sample_counts
 from fx_lightning.common.calls import Call, map_leaves, tree_of_call
 from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, SOURCE_ORDER, SOURCE_STAGES, first_loader
 from fx_lightning.capture.working_copy import is_compiled_module
@@ -247,14 +247,18 @@ class CallRecorder:
         if found is not None or self.target is not self.root or self.root_called:
             return found
         called = sorted(name for name, log in self.logs.items() if name != self.path and any(log.kept.values()))
-        # Validation may still call what training did not (a detector's forward): refused only once it was seen.
-        final = "validation" in self.seen or "validation" not in self.stages
-        if not called:
-            if self.by_default and final and not has_own_forward(self.root):  # used through its other methods
-                self._refuse_untrained_calls([], {})
+        weighted = [n for n in called if _weights(self.watched[n])]  # a loss or a batch transform holds none
+        if not weighted and self.by_default and any(_weights(c) for c in self.root.children()):
+            # The steps reach the model through its other methods (model.score(x)): none of its calls was seen.
+            # With a forward of its own the LightningModule is fused on the batches' input, as when nothing is
+            # observed; without one, refused once nothing more can be seen (validation may still call a child).
+            if not has_own_forward(self.root) and ("validation" in self.seen or self.step is None):
+                self._refuse_unobserved_model(called)
             return None
-        name = self._trained_one(called, final)
-        return None if name is None else self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(
+        if not called:
+            return None
+        name = self._trained_one(called)
+        return self.logs[name].observations(name, self.stages, [TARGET_CALLED_BY_STEPS(
             called=", ".join(called), target=name)])
 
     def _backbone_only(self) -> List[Any]:
@@ -267,19 +271,15 @@ class CallRecorder:
         around = ", ".join(f"{n} ({_trained(self.beside[n]):,} trained parameters)" for n in sorted(self.ran_beside))
         return [BACKBONE_ONLY(around=around)]
 
-    def _trained_one(self, called: List[str], final: bool) -> Optional[str]:
+    def _trained_one(self, called: List[str]) -> str:
         """Of the submodules the steps call, the one that holds the trained parameters (a batch transform or a loss
         holds none; a loss that holds the model and no weights of its own is not it). Raises ConfigError naming each
-        with its count when several do: which one is the model is then not observable; and, once ``final`` (the
-        validation steps seen), when none does while other children do (:meth:`_refuse_untrained_calls`); None
-        until then."""
+        with its count when several do: which one is the model is then not observable."""
         counts = {name: _trained(self.watched[name]) for name in called}
         trained = sorted((n for n in called if counts[n] > 0), key=lambda n: -counts[n])
         trained = [n for n in trained if not any(_wraps(self.watched[n], self.watched[m]) for m in trained if m != n)]
-        if not trained and any(_trained(c) for n, c in self.root.named_children() if n not in called):
-            if not final:
-                return None
-            self._refuse_untrained_calls(called, counts)
+        if not trained:  # frozen: the one holding weights (a frozen feature extractor, an EMA copy)
+            called = [n for n in called if _weights(self.watched[n])] or called
         if len(called) == 1 or len(trained) == 1:
             return trained[0] if trained else called[0]
         listed = ", ".join(f"{n} ({counts[n]:,} trained parameters)" for n in (trained or called))
@@ -289,30 +289,21 @@ class CallRecorder:
             fix=f"set target to the one to fuse (e.g. target: {(trained or called)[0]})")
 
 
-    def _refuse_untrained_calls(self, called: List[str], counts: Dict[str, int]) -> None:
-        """Where no module the steps call holds trained parameters but the LightningModule's children do (the steps
-        reach them through other methods: ``model.score(x)``, ``flow.forward_kld(x)``), no call of the model was
-        observed: a ConfigError saying so, with the setting that makes one (the LightningModule's own forward when
-        it has one, else the child holding the most trained parameters, fed ``parity.input``). Where no child holds
-        trained parameters, nothing is refused (the one called module is the model)."""
-        holders = {n: _trained(c) for n, c in self.root.named_children() if n not in called and _trained(c)}
-        if not holders:
-            return
-        item = self.input_hint or "<the batch item forward takes: a key, an index or '*'>"
-        held = ", ".join(f"{n} ({c:,})" for n, c in sorted(holders.items(), key=lambda kv: -kv[1]))
-        listed = ", ".join(f"{n} ({counts[n]:,} trained parameters)" for n in called)
-        calls = (f"they call {listed} directly, which hold none of its trained parameters; those are in {held}"
-                 if called else f"they call no submodule's forward either; its trained parameters are in {held}")
-        if has_own_forward(self.root):
-            fix = (f"export the LightningModule's forward, fed the batches' item it takes: target: '', "
-                   f"parity.input: {item}")
-        else:
-            fix = (f"the LightningModule has no forward: fuse the module holding the parameters, fed the batches' "
-                   f"item its forward takes: target: {next(iter(sorted(holders, key=lambda n: -holders[n])))}, "
-                   f"parity.input: {item}")
+    def _refuse_unobserved_model(self, called: List[str]) -> None:
+        """The LightningModule has no forward and its steps called no module holding weights (only a loss or a
+        transform, or nothing): they reach the model through its other methods (``flow.forward_kld(x)``), so no
+        call of it was observed. A ConfigError naming where the weights are, with the setting that makes a call:
+        the child holding the most, fed ``parity.input``."""
+        holders = {n: sum(p.numel() for p in c.parameters()) for n, c in self.root.named_children() if _weights(c)}
+        held = ", ".join(f"{n} ({c:,} parameters)" for n, c in sorted(holders.items(), key=lambda kv: -kv[1]))
+        first = max(holders, key=lambda n: holders[n])
+        item = self.input_hint or "<the batch item its forward takes: a key, an index or '*'>"
+        calls = f"they call {', '.join(called)}, which hold no weights" if called else "they call no submodule"
         raise ConfigError(
-            f"target: null, and the LightningModule's steps never call its forward: {calls}, which the steps use "
-            "through other methods than forward, so no call of the model was observed.", fix=fix)
+            f"target: null, and the LightningModule has no forward; {calls}: its weights are in {held}, which the "
+            "steps use through other methods than forward, so no call of the model was observed.",
+            fix=f"fuse the module holding them, fed the batches' item its forward takes: target: {first}, "
+                f"parity.input: {item}")
 
 
 def _wraps(outer: nn.Module, inner: nn.Module) -> bool:
@@ -322,6 +313,11 @@ def _wraps(outer: nn.Module, inner: nn.Module) -> bool:
         return False
     own = {id(p) for p in outer.parameters() if p.requires_grad}
     return own == {id(p) for p in inner.parameters() if p.requires_grad}
+
+
+def _weights(module: nn.Module) -> bool:
+    """Whether the module holds parameters, trained or frozen."""
+    return any(True for _ in module.parameters())
 
 
 def _trained(module: nn.Module) -> int:
@@ -345,8 +341,9 @@ def _input_hint(batch: Any) -> Optional[str]:
         return "'*'"
     if isinstance(batch, (tuple, list)) and batch:
         return "0"
-    if isinstance(batch, dict):
-        return next((str(k) for k, v in batch.items() if isinstance(k, str) and isinstance(v, torch.Tensor)), None)
+    if isinstance(batch, dict):  # the automatic rule's keys first (x, input, image...), never a label's
+        keys = [k for k, v in batch.items() if isinstance(k, str) and isinstance(v, torch.Tensor)]
+        return next((k for k in INPUT_KEYS if k in keys), next((k for k in keys if k not in LABEL_KEYS), None))
     return None
 
 

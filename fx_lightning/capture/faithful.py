@@ -5,6 +5,7 @@ change. Used by :mod:`fx_lightning.capture.graph` on every graph it returns."""
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,10 +57,10 @@ def _fx_fixes(working: nn.Module, module: Optional[str]) -> str:
     """The fixes of an unfaithful symbolic trace: the export route, and keeping opaque the module where the outputs
     first differ, named by its importable class path where it has one."""
     keep = "\n  - keep the module that differs opaque: trace.leaf_modules: ['<its class as package.module:Class>']"
-    if module is not None:
-        cls = type(working.get_submodule(module))
+    cls = _submodule_class(working, module)
+    if cls is not None:
         if "<locals>" not in cls.__qualname__:  # a class defined in a function cannot be imported by name
-            keep = (f"\n  - keep '{module}' opaque (its outputs are the first that differ): "
+            keep = (f"\n  - keep '{module}' opaque (the outputs first differ in its code): "
                     f"trace.leaf_modules: ['{cls.__module__}:{cls.__qualname__}']")
     return ("\n  Python code that depends on shapes or types can be recorded wrongly by symbolic tracing. Fixes:"
             "\n  - trace.mode: export (or auto, the default, which falls back to it)" + keep)
@@ -72,6 +73,13 @@ def _difference(got: Any, expected: Any) -> Optional[str]:
     return None if comparison.passed else comparison.describe().replace("the reference", "the model")
 
 
+def _submodule_class(working: nn.Module, module: Optional[str]) -> Optional[type]:
+    try:
+        return type(working.get_submodule(module)) if module else None
+    except AttributeError:  # a scope name that is not a submodule's path: no class to name
+        return None
+
+
 def _first_divergence(gm: fx.GraphModule, working: nn.Module,
                       inputs: Call) -> Tuple[Optional[str], Optional[str]]:
     """Where the graph first goes wrong: the first module whose output differs from the eager module's, and the
@@ -79,9 +87,11 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module,
     module); (None, None) when neither is found. A module traced through is compared at its scope's last node (the
     one its forward returned, where that is one value)."""
     outputs = _module_outputs(gm)
-    targets = set(outputs.values())
+    targets = {m for ends in outputs.values() for m in ends}
     eager: Dict[str, List[torch.Tensor]] = {}
+    calls: Dict[str, int] = {}
     def record(name: str, _m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output stays the module's
+        calls[name] = calls.get(name, 0) + 1
         eager.setdefault(name, [t.detach().clone() for t in flat_tensors(out)])  # in-place ops come later
 
     handles = [sub.register_forward_hook(functools.partial(record, name)) for name, sub in working.named_modules()
@@ -91,6 +101,8 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module,
     finally:
         for h in handles:
             h.remove()
+    for name in [n for n, count in calls.items() if count > 1]:  # called at several sites: which output is which?
+        del eager[name]
     found: List[Tuple[str, Optional[str]]] = []
 
     class Watch(fx.Interpreter):
@@ -101,8 +113,8 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module,
                 found.append((f"node {n.name} ({n.op} {n.target}): it raises {first_line(exc, with_type=True)}",
                               None))
                 raise
-            module = outputs.get(n.name)
-            if module in eager and not found and len(flat_tensors(out)) == len(eager[module]):
+            module = next((m for m in outputs.get(n.name, ()) if m in eager), None)
+            if module is not None and not found and len(flat_tensors(out)) == len(eager[module]):
                 problem = _difference(flat_tensors(out), eager[module])
                 if problem is not None:
                     found.append((f"module '{module}' ({n.name}): {problem.replace('the captured graph', 'it')}",
@@ -116,24 +128,32 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module,
     return found[0] if found else (None, None)
 
 
-def _module_outputs(gm: fx.GraphModule) -> Dict[str, str]:
-    """node name -> the module whose output it is: each call_module node, and the last node of each module traced
-    through (its ``nn_module_stack`` scope); where a node ends several, the innermost."""
+def _module_outputs(gm: fx.GraphModule) -> Dict[str, List[str]]:
+    """node name -> the modules whose output it is, innermost first: each call_module node, and the last node of
+    each module traced through (its ``nn_module_stack`` scope). A module called at several sites (torch names its
+    later calls ``name@1``...) is left out: its calls cannot be told apart."""
     last: Dict[str, str] = {}
     for n in gm.graph.nodes:
         for scope in [*(n.meta.get("nn_module_stack") or {}), *([str(n.target)] if n.op == "call_module" else [])]:
             last[scope] = n.name
-    ends: Dict[str, str] = {}
-    for module, node in sorted(last.items(), key=lambda item: len(item[0])):  # outer first: the inner overwrite
-        ends[node] = module
+    repeated = {_scope_module(s) for s in last if s != _scope_module(s)}
+    ends: Dict[str, List[str]] = {}
+    for module, node in sorted(last.items(), key=lambda item: -len(item[0])):  # inner first
+        if module not in repeated and module == _scope_module(module):
+            ends.setdefault(node, []).append(module)
     return ends
+
+
+def _scope_module(scope: str) -> str:
+    """The module path of an ``nn_module_stack`` key (``block.relu@1``: the second call of ``block.relu``)."""
+    return re.sub(r"@\d+$", "", scope)
 
 
 def _recorded_around(node: fx.Node) -> Optional[str]:
     """The innermost module traced through whose code computed ``node``: a module called whole (call_module) runs
     its own code, so where its output differs its inputs did, and the code recorded wrongly is around it. None at
     the top level (the root's own forward)."""
-    scopes = [s for s in (node.meta.get("nn_module_stack") or {}) if s]
+    scopes = [_scope_module(s) for s in (node.meta.get("nn_module_stack") or {}) if s]
     if node.op == "call_module":
         scopes = [s for s in scopes if s != str(node.target)]
     return scopes[-1] if scopes else None

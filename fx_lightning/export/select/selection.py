@@ -315,6 +315,8 @@ def _tie_note(table: BenchTable, best: Timing, fastest: Timing, tied: List[Timin
     note = (f"; its processes' medians spanned {low:.2f}-{high:.2f} ms, tied with {others} (processes' medians "
             "overlapping)")
     if best is fastest:
+        if _elsewhere_ms(table, best) == float("inf"):
+            return note + "; none was timed in the other traffics, so the fastest here is kept"
         return note + ", and it was the fastest of them in the other traffics too"
     return note + (f"; of the tied, the fastest in the other traffics ({_elsewhere_ms(table, best):.2f} ms against "
                    f"{_elsewhere_ms(table, fastest):.2f} for {_name(fastest)})")
