@@ -100,7 +100,7 @@ def target_steps(config: FuseConfig, source: Source, whole: nn.Module, target: n
     try:
         steps = [_batch_step(whole, target, path, batch, rule, samples[i] if i < len(samples) else None)
                  for i, batch in enumerate(data)]
-        return TargetSteps(steps, bool(path) and has_own_forward(whole), data_source, notes)
+        return TargetSteps(steps, bool(path) and not _feeds_target(whole, rule), data_source, notes)
     except Exception as exc:  # noqa: BLE001 - the batch is not forward's input: ask the module's own step
         if config.parity.input is not None or rule is identity_rule:
             raise
@@ -148,9 +148,16 @@ def _batch_step(whole: nn.Module, target: nn.Module, path: str, batch: Any, rule
     device, dtype = model_device_dtype(whole)
     call = as_call(to_model(extract_input(batch, rule), device, dtype))
     labels = label_candidates(batch) if rule is not identity_rule else ()
-    if not path or not has_own_forward(whole):  # no forward around the target: the input is the target's own
+    if not path or _feeds_target(whole, rule):
         return ObservedStep(call, None, samples, labels)
     return ObservedStep(target_calls(whole, target, call)[0], call, samples, labels)
+
+
+def _feeds_target(whole: nn.Module, rule: InputRule) -> bool:
+    """Whether a configured ``parity.input`` gives the target's input: where the LightningModule has no forward of
+    its own, nothing else can take it (the automatic rule never guesses so: the first item need not be the
+    target's input)."""
+    return rule is not None and rule is not identity_rule and not has_own_forward(whole)
 
 
 def target_calls(whole: nn.Module, target: nn.Module, call: Call) -> List[Call]:
