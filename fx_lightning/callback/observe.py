@@ -288,7 +288,6 @@ class CallRecorder:
             f"{listed} directly, and more than one holds trained parameters.",
             fix=f"set target to the one to fuse (e.g. target: {(trained or called)[0]})")
 
-
     def _refuse_unobserved_model(self, called: List[str]) -> None:
         """The LightningModule has no forward and its steps called no module holding weights (only a loss or a
         transform, or nothing): they reach the model through its other methods (``flow.forward_kld(x)``), so no

@@ -58,10 +58,9 @@ def _fx_fixes(working: nn.Module, module: Optional[str]) -> str:
     first differ, named by its importable class path where it has one."""
     keep = "\n  - keep the module that differs opaque: trace.leaf_modules: ['<its class as package.module:Class>']"
     cls = _submodule_class(working, module)
-    if cls is not None:
-        if "<locals>" not in cls.__qualname__:  # a class defined in a function cannot be imported by name
-            keep = (f"\n  - keep '{module}' opaque (the outputs first differ in its code): "
-                    f"trace.leaf_modules: ['{cls.__module__}:{cls.__qualname__}']")
+    if cls is not None and "<locals>" not in cls.__qualname__:  # a class made in a function has no import path
+        keep = (f"\n  - keep '{module}' opaque (the outputs first differ in its code): "
+                f"trace.leaf_modules: ['{cls.__module__}:{cls.__qualname__}']")
     return ("\n  Python code that depends on shapes or types can be recorded wrongly by symbolic tracing. Fixes:"
             "\n  - trace.mode: export (or auto, the default, which falls back to it)" + keep)
 
@@ -130,17 +129,15 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module,
 
 def _module_outputs(gm: fx.GraphModule) -> Dict[str, List[str]]:
     """node name -> the modules whose output it is, innermost first: each call_module node, and the last node of
-    each module traced through (its ``nn_module_stack`` scope). A module called at several sites (torch names its
-    later calls ``name@1``...) is left out: its calls cannot be told apart."""
+    each module traced through (its ``nn_module_stack`` scope). A later call's scope (``name@1``) names no module,
+    so nothing is hooked for it; a module called at several sites is left out by its eager call count."""
     last: Dict[str, str] = {}
     for n in gm.graph.nodes:
         for scope in [*(n.meta.get("nn_module_stack") or {}), *([str(n.target)] if n.op == "call_module" else [])]:
             last[scope] = n.name
-    repeated = {_scope_module(s) for s in last if s != _scope_module(s)}
     ends: Dict[str, List[str]] = {}
     for module, node in sorted(last.items(), key=lambda item: -len(item[0])):  # inner first
-        if module not in repeated and module == _scope_module(module):
-            ends.setdefault(node, []).append(module)
+        ends.setdefault(node, []).append(module)
     return ends
 
 

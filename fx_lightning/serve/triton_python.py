@@ -79,8 +79,11 @@ class ExportRunner:
         self.batched = contract.batched and max_batch_size > 0
         self.module, self.status = load_checked(folder, selection_options(entry, max_batch_size, strategy))
         self.inputs = list(contract.inputs)
-        self.input_names = [s.name for s in contract.inputs]
         self.output_names = [o.name for o in contract.outputs]
+
+    @property
+    def input_names(self) -> List[str]:
+        return [s.name for s in self.inputs]
 
     def run(self, calls: Sequence[Sequence[Optional[torch.Tensor]]]) -> List[List[torch.Tensor]]:
         """Each call's outputs (one tensor per output, in order). None: an input the request left out, which the
