@@ -621,7 +621,7 @@ def test_target_null_with_steps_calling_submodules_advice_works(tmp_path):
     assert_matches(model.encoder, cb.result.graph_module, torch.randn(5, 3, 8, 8))
 
 
-def _scored_through_a_method_lit(own_forward: bool):
+def _scored_through_a_method_lit(own_forward: bool, library_base: bool = False):
     """pykeen's LCWALitModule and normflows' README: the steps reach the model through another method than its
     forward (``self.model.score(x)``), and the only module they call is a loss holding no parameters (pykeen), or
     none at all (normflows, a functional loss); the LightningModule's forward, where it has one, scores too."""
@@ -653,11 +653,19 @@ def _scored_through_a_method_lit(own_forward: bool):
 
     if own_forward:
         Lit.forward = lambda self, x: self.model.score(x)  # type: ignore[assignment, method-assign]
+    elif library_base:
+        Lit.forward = _LibraryBase.forward  # type: ignore[method-assign]  # a base class's that only raises
     else:
         import lightning.pytorch as pl
 
         Lit.forward = pl.LightningModule.forward  # type: ignore[method-assign]  # none of its own: Lightning's raises
     return Lit()
+
+
+class _LibraryBase:
+    def forward(self, *args, **kwargs):
+        """Subclasses implement forward (a library's base LightningModule)."""
+        raise NotImplementedError("forward is implemented by subclasses")
 
 
 def test_steps_reaching_the_model_through_another_method_fuse_the_modules_own_forward(tmp_path):
@@ -670,24 +678,26 @@ def test_steps_reaching_the_model_through_another_method_fuse_the_modules_own_fo
     assert_matches(model, cb.result.graph_module, torch.randn(5, 3, 8, 8))
 
 
+@pytest.mark.parametrize("library_base", [False, True], ids=["lightning-forward", "base-class-raises"])
 def test_steps_reaching_the_model_through_another_method_without_a_forward_are_refused_with_advice_that_works(
-        tmp_path):
+        tmp_path, library_base):
     """normflows: no forward, the steps call ``self.model.forward_kld(x)``: the missing forward failed after
     training. Now refused before training (validation seen in Lightning's sanity check), naming where the weights
-    are, and the setting the error gives works (parity.input feeds the target where there is no forward)."""
+    are, and the setting the error gives works (parity.input feeds the target where there is no forward). A library
+    base class whose forward only raises NotImplementedError has none either (it was taken for one)."""
     import lightning_helpers as H
     from fx_lightning import FXFuseCallback
 
     trainer = H.make_trainer(tmp_path / "refused", [FXFuseCallback(export={"enabled": False})], num_sanity_val_steps=2)
     with pytest.raises(ConfigError) as raised:
-        trainer.fit(_scored_through_a_method_lit(False), *H.loaders())
+        trainer.fit(_scored_through_a_method_lit(False, library_base), *H.loaders())
     message = str(raised.value)
     assert "before the first optimizer step; nothing was trained" in message, message
     assert "the LightningModule has no forward; they call no submodule: its weights are in model (" in message
     found = re.search(r"target: ([\w.]+), parity\.input: (\S+?)\.?$", message, re.MULTILINE)
     assert found and found.groups() == ("model", "0"), message
-    model, cb, _ = _fit(tmp_path, "fixed", model=_scored_through_a_method_lit(False), target=found.group(1),
-                        parity={"input": int(found.group(2))}, export={"enabled": False})
+    model, cb, _ = _fit(tmp_path, "fixed", model=_scored_through_a_method_lit(False, library_base),
+                        target=found.group(1), parity={"input": int(found.group(2))}, export={"enabled": False})
     assert cb.result is not None and cb.error is None
     assert_matches(model.model, cb.result.graph_module, torch.randn(5, 3, 8, 8))
 

@@ -3,9 +3,12 @@ the model-level helpers every step shares. None of them changes the model they a
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
+import inspect
 import itertools
+import textwrap
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -57,9 +60,31 @@ def resolve_target(module: nn.Module, target: Optional[str]) -> Tuple[str, nn.Mo
 
 def has_own_forward(module: nn.Module) -> bool:
     """Whether ``module`` defines a forward (a LightningModule that only trains its submodules, calling their other
-    methods, has none: Lightning's forward calls nn.Module's, which raises)."""
-    name = getattr(type(module).forward, "__qualname__", "")
-    return name not in ("Module._forward_unimplemented", "LightningModule.forward")
+    methods, has none: Lightning's forward calls nn.Module's, which raises; nor does a library base class whose
+    forward only raises NotImplementedError, read from its source)."""
+    forward = type(module).forward
+    name = getattr(forward, "__qualname__", "")
+    if name in ("Module._forward_unimplemented", "LightningModule.forward"):
+        return False
+    return not _only_raises_not_implemented(forward)
+
+
+def _only_raises_not_implemented(function: Any) -> bool:
+    """Whether ``function``'s body, past its docstring, is one ``raise NotImplementedError``; False where its
+    source cannot be read (then it is taken for a forward: calling it says the rest)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    definition = tree.body[0] if tree.body else None
+    if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = [statement for statement in definition.body
+            if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    raised = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+    return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
 
 
 def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
