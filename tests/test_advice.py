@@ -702,6 +702,27 @@ def test_steps_reaching_the_model_through_another_method_without_a_forward_are_r
     assert_matches(model.model, cb.result.graph_module, torch.randn(5, 3, 8, 8))
 
 
+def test_steps_reaching_the_model_through_another_method_before_validation_is_seen_are_left_to_the_end_of_fit(
+        tmp_path):
+    """Without Lightning's sanity check the preflight runs before any validation step, which may still call a
+    submodule holding weights: it says that (it spoke of state training fills, from the missing forward's error),
+    and the end of fit refuses with the same advice (validation then seen, calling no such submodule): an error
+    after training dropped its own advice."""
+    import warnings
+
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
+
+    trainer = H.make_trainer(tmp_path, [FXFuseCallback(export={"enabled": False})], num_sanity_val_steps=0)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ConfigError) as raised:
+        warnings.simplefilter("always")
+        trainer.fit(_scored_through_a_method_lit(False), *H.loaders())
+    lines = [str(w.message) for w in caught if "preflight (" in str(w.message)]
+    assert lines and "not proven: the LightningModule has no forward and its training steps called no submodule " \
+        "holding weights" in lines[0] and "memory bank" not in lines[0], lines
+    assert "target: model, parity.input: 0" in str(raised.value) and trainer.global_step > 0
+
+
 def test_backbone_only_note_advice_target_whole_works(tmp_path):
     """callback/observe.py BACKBONE_ONLY (a note, not a refusal): "target: null fused backbone ..., but its forward
     also runs head ... around it, which the artifact leaves out: set target: '' to export the whole forward"."""

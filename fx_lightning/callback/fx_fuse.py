@@ -226,10 +226,11 @@ class FXFuseCallback(Callback):
 
     def _fail(self, trainer: "pl.Trainer", failure: Failure) -> None:
         """Raise (on_error=raise) or warn (on_error=warn) with the cause and where the checkpoints are."""
+        fix = failure.error.fix  # the error's own advice (a stage's is worded for the preflight)
         error = failure.error.add_context(
             headline=f"FXFuseCallback failed after training{failure.where} "
                      f"({failure.type_name or type(failure.error).__name__}):",
-            after=[checkpoint_message(trainer)])
+            after=([f"  Fix: {fix}."] if fix else []) + [checkpoint_message(trainer)])
         self.error = error
         self._raise_if_asked(failure)
         # Every rank warns (not rank zero only): each rank's log must say why nothing was exported.

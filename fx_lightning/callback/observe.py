@@ -30,7 +30,7 @@ from fx_lightning.common.calls import Call, map_leaves, tree_of_call
 from fx_lightning.callback.trainer_data import NO_VALIDATION_DATA, SOURCE_ORDER, SOURCE_STAGES, first_loader
 from fx_lightning.capture.working_copy import is_compiled_module
 from fx_lightning.config import FuseConfig
-from fx_lightning.errors import ConfigError
+from fx_lightning.errors import ConfigError, ModelError
 from fx_lightning.common.notes import NoteKind
 from fx_lightning.pipeline import (Observations, ObservedStep, calibration_batch_count, has_own_forward,
                                    resolve_target)
@@ -252,8 +252,13 @@ class CallRecorder:
             # The steps reach the model through its other methods (model.score(x)): none of its calls was seen.
             # With a forward of its own the LightningModule is fused on the batches' input, as when nothing is
             # observed; without one, refused once nothing more can be seen (validation may still call a child).
-            if not has_own_forward(self.root) and ("validation" in self.seen or self.step is None):
-                self._refuse_unobserved_model(called)
+            if not has_own_forward(self.root):
+                if "validation" in self.seen or self.step is None:
+                    self._refuse_unobserved_model(called)
+                raise ModelError(  # the preflight before validation was seen: what it calls decides, at the end
+                    "the LightningModule has no forward and its training steps called no submodule holding weights "
+                    "(they reach the model through its other methods): what its validation steps call decides the "
+                    "target, at the end of fit")
             return None
         if not called:
             return None

@@ -133,15 +133,24 @@ def check_before_fit(
             shutil.rmtree(staging, ignore_errors=True)
     if outcome.failure is not None and outcome.failure.type_name != ModelError.__name__:
         return None, outcome.failure  # first: the device may be what failed, and is not resolved again below
-    seconds, resolved = time.perf_counter() - start, resolve_device(config.device, trainer.strategy.root_device)
-    device = str(resolved) if resolved is not None else None
+    seconds = time.perf_counter() - start
     if outcome.failure is not None:
         # The untrained model cannot run (training fills what it needs): what needs no model run is proven.
-        return PreflightReport(config.preflight.value, seconds, device, _checks(config),
-                               f"the pipeline's steps: {first_line(outcome.failure.error)}"), None
+        return _unproven(trainer, config, f"the pipeline's steps: {first_line(outcome.failure.error)}", seconds), None
     steps = outcome.steps if config.preflight is Preflight.full else [s for s in outcome.steps if s != Step.passes]
     predicted = [str(n) for n in outcome.notes if n.kind in (FORMAT_NOT_EXPORTED, VARIANT_FAILED)]
-    return PreflightReport(config.preflight.value, seconds, device, steps, predicted=predicted), None
+    return PreflightReport(config.preflight.value, seconds, _device_name(trainer, config), steps,
+                           predicted=predicted), None
+
+
+def _unproven(trainer: "pl.Trainer", config: FuseConfig, why: str, seconds: float = 0.0) -> PreflightReport:
+    """The report where the pipeline cannot be proven before training: what needs no model run was (at fit start)."""
+    return PreflightReport(config.preflight.value, seconds, _device_name(trainer, config), _checks(config), why)
+
+
+def _device_name(trainer: "pl.Trainer", config: FuseConfig) -> Optional[str]:
+    resolved = resolve_device(config.device, trainer.strategy.root_device)
+    return str(resolved) if resolved is not None else None
 
 
 def rehearsal_due(trainer: "pl.Trainer", recorder: CallRecorder) -> bool:
@@ -159,6 +168,8 @@ def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: Fus
         observed, error = None, None
         try:
             observed = recorder.observations()
+        except ModelError as exc:  # decided by calls not seen yet (validation's): at the end of fit
+            return _unproven(trainer, config, first_line(exc)), None
         except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised by the caller
             error = exc
             if isinstance(exc, FXLightningError):
