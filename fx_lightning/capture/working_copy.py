@@ -78,11 +78,12 @@ def eval_copy(module: nn.Module, device: Optional[torch.device] = None) -> nn.Mo
 
 def _detached_memo(module: nn.Module) -> Dict[int, Any]:
     """A deepcopy memo mapping each tensor with autograd history that a module keeps as an attribute (Lightning's GAN
-    tutorial keeps ``self.generated_imgs = self(z)``) to a detached copy: deepcopy refuses such tensors."""
+    tutorial keeps ``self.generated_imgs = self(z)``) or as a buffer (snntorch's neurons keep their membrane
+    potential, computed in the last training step) to a detached copy: deepcopy refuses such tensors."""
     memo: Dict[int, Any] = {}
     for m in module.modules():
         for name, value in vars(m).items():
-            if name not in ("_parameters", "_buffers", "_modules"):
+            if name not in ("_parameters", "_modules"):
                 _detach_into(memo, value, 0)
     return memo
 

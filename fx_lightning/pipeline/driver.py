@@ -47,7 +47,7 @@ from fx_lightning.pipeline.steps import (
     judge,
     measure,
 )
-from fx_lightning.pipeline.targets import refuse_protected, resolve_device
+from fx_lightning.pipeline.targets import deterministic_inside, refuse_protected, resolve_device
 from fx_lightning.common.provenance import Provenance
 
 __all__ = [
@@ -256,11 +256,11 @@ def _run(config: FuseConfig, source: Union[Source, Exception, None], destination
                       steps=list(verdict.steps))
     if mode is Mode.final and outcome.parity is not None and not outcome.parity.passed:
         # The same report everywhere: the same failure (or warning) on every rank, and nothing exported.
-        outcome.failure = _parity_failure(outcome, config)
+        outcome.failure = _parity_failure(outcome, config, fused)
         outcome.notes.append(PARITY_FAILED())
         return outcome
     if mode is Mode.rehearsal and _fails_whatever_the_weights(outcome.parity, config):
-        outcome.failure = _parity_failure(outcome, config)  # what the end of fit would raise, raised before it
+        outcome.failure = _parity_failure(outcome, config, fused)  # what the end of fit raises, raised before it
         return outcome
     if not config.export.enabled or destination.dry_run:
         return outcome
@@ -373,7 +373,21 @@ def _fails_whatever_the_weights(parity: Optional[ParityReport], config: FuseConf
             and any(f.kind == ALL_STOCHASTIC for f in parity.failures))
 
 
-def _parity_failure(outcome: Outcome, config: FuseConfig) -> Optional[Failure]:
+def _inner_target_fix(parity: ParityReport, fused: Fused) -> Optional[str]:
+    """Where every output is drawn at random, the advice to fuse the deterministic module inside that holds the
+    weights (:func:`deterministic_inside`), when there is one; else None (the stage's advice)."""
+    if not any(f.kind == ALL_STOCHASTIC for f in parity.failures) or not fused.steps:
+        return None
+    found = deterministic_inside(fused.reference, fused.steps[0].target)
+    if found is None:
+        return None
+    inner, held, total = found
+    return (f"set target: {'.'.join(filter(None, (fused.target, inner)))} (it holds {held:,} of the {total:,} "
+            "parameters, and its calls inside give the same outputs run after run: a model sampling around it "
+            "calls it as the artifact would be called)")
+
+
+def _parity_failure(outcome: Outcome, config: FuseConfig, fused: Fused) -> Optional[Failure]:
     """A failed gate under ``parity.on_failure``: the :class:`ParityError` to raise (``raise``), or None after a
     warning (``warn``). Either way nothing is exported."""
     assert outcome.parity is not None
@@ -383,6 +397,7 @@ def _parity_failure(outcome: Outcome, config: FuseConfig) -> Optional[Failure]:
         error = ParityError(message + " (set parity.on_failure: warn to only warn)", report=outcome.parity,
                             outcome=outcome)
         error.step = Step.parity.value
+        error.fix = _inner_target_fix(outcome.parity, fused)
         return Failure.of(error)
     warnings.warn(message, UserWarning, stacklevel=4)
     return None

@@ -47,8 +47,8 @@ from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.pipeline.records import Batches, Observations, ObservedStep, Source
 from fx_lightning.pipeline.targets import has_own_forward
 from fx_lightning.signature.absent import absent_fills, one_value_for_all
-from fx_lightning.signature.signature import (ConstSpec, Observed, Signature, UnreturnableOutput, derive_signature,
-                                             unreturnable_output)
+from fx_lightning.signature.signature import (ConstSpec, Observed, Signature, StateBetweenCalls, UnreturnableOutput,
+                                             derive_signature, unreturnable_output)
 
 __all__ = ["TargetSteps", "target_steps", "calibration_steps", "signature_for", "target_calls", "OBSERVED_CALLS",
            "CALIBRATED_ON_OBSERVED", "LABELS_LEFT_OUT", "ABSENT_FILLED", "ONE_FOR_ALL", "without_labels", "with_stand_ins",
@@ -437,12 +437,15 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
     outputs that are drawn at random), the shapes of more observed calls as evidence of what varies. ``path``: the
     target's, for advice naming another target."""
     shapes = list(observed.shapes) if observed is not None else []
+    buffers = {name: (id(b), b._version) for name, b in reference.named_buffers()}
     try:
         signature = derive_signature([Observed(s.target, s.samples) for s in steps],
                                      lambda c: run_seeded(reference, c, 0), rerun=lambda c: run_seeded(reference, c, 1),
                                      extra_shapes=shapes, root_names=forward_parameter_names(reference), probe=probe)
     except UnreturnableOutput as exc:  # decided by the model's code, not its weights: the preflight stops on it
         raise ExportError(str(exc), fix=_returnable_target(reference, steps[0].target, path)) from exc
+    except StateBetweenCalls as exc:  # likewise
+        raise ExportError(f"{exc}{_state_buffers(reference, buffers, path)}", fix=STATELESS_TARGET) from exc
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc
@@ -472,6 +475,19 @@ def _with_default(const: ConstSpec, parameters: Mapping[str, inspect.Parameter],
             const.matches(param.default):
         return const
     return dataclasses.replace(const, default=repr(param.default))
+
+
+# The advice for a target that answers from state its earlier calls left (tests/test_advice.py applies it).
+STATELESS_TARGET = ("fuse a module whose forward starts from a fresh state on every call: give the LightningModule a "
+                    "forward that does what the steps do with the model (reset its state, then run every step), "
+                    "call it in the steps as self(x), and set target: ''")
+
+
+def _state_buffers(reference: nn.Module, before: Dict[str, Tuple[int, int]], path: str) -> str:
+    """The buffers the calls replaced or wrote into (where the state is kept), as a clause of the message."""
+    changed = [".".join(filter(None, (path, name))) for name, b in reference.named_buffers()
+               if before.get(name) != (id(b), b._version)]
+    return f"; the calls changed the buffers {', '.join(changed[:4])}" if changed else ""
 
 
 def _eval_failure(exc: Exception) -> ModelError:

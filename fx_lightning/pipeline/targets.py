@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import functools
 import inspect
 import itertools
 import textwrap
@@ -16,11 +17,15 @@ import torch
 from torch import nn
 
 from fx_lightning.capture.working_copy import set_eval
+from fx_lightning.common.batches import detached
+from fx_lightning.common.calls import Call, run_seeded
+from fx_lightning.parity.compare import compare_outputs
 from fx_lightning.errors import ConfigError, ExportError
 
 __all__ = [
     "resolve_target",
     "has_own_forward",
+    "deterministic_inside",
     "whole_model_with",
     "resolve_device",
     "own_rng",
@@ -85,6 +90,39 @@ def _only_raises_not_implemented(function: Any) -> bool:
         return False
     raised = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
     return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
+
+
+def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str, int, int]]:
+    """Where every output of ``reference`` is drawn at random (a diffusion model's training loss, around its
+    denoiser): the module it calls on ``call`` that holds most of its parameters and whose outputs, run again on what
+    it received with another seed, are the same. ``(path inside reference, its parameters, reference's)``, the
+    outermost such module; None: there is none."""
+    total = sum(p.numel() for p in reference.parameters())
+    held = {name: sum(p.numel() for p in m.parameters()) for name, m in reference.named_modules() if name}
+    received: Dict[str, Call] = {}
+
+    def record(name: str, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        received.setdefault(name, Call(detached(args), detached(kwargs)))
+
+    handles = [reference.get_submodule(name).register_forward_pre_hook(functools.partial(record, name),
+                                                                       with_kwargs=True)
+               for name, count in held.items() if 2 * count > total]
+    try:
+        run_seeded(reference, call, 0)
+    except Exception:  # noqa: BLE001 - the advice is left out; the error being reported says what failed
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name in sorted(received, key=lambda n: (-held[n], n.count("."))):
+        module = reference.get_submodule(name)
+        try:
+            same = compare_outputs(run_seeded(module, received[name], 1), run_seeded(module, received[name], 0)).passed
+        except Exception:  # noqa: BLE001 - not a module that runs alone on what it received
+            continue
+        if same:
+            return name, held[name], total
+    return None
 
 
 def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:

@@ -21,6 +21,7 @@ import torch
 
 from fx_lightning.common.json_views import JsonObject, dtype_name
 from fx_lightning.common.calls import Call, Tree, path_text, tree_of, tree_of_call
+from fx_lightning.parity.compare import compare_outputs
 from fx_lightning.signature.constants import unread_constant
 from fx_lightning.signature.forms import CallForm
 from fx_lightning.signature.item_list import ItemList, find_item_list
@@ -31,7 +32,7 @@ from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, fi
 
 __all__ = ["DimKind", "DimSpec", "LeafSpec", "ConstSpec", "SampleAxis", "Signature", "Observed", "derive_signature",
            "shape_problem", "static_sizes", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at",
-           "unreturnable_output", "UnreturnableOutput"]
+           "unreturnable_output", "UnreturnableOutput", "StateBetweenCalls"]
 
 
 class DimKind(str, Enum):
@@ -333,6 +334,28 @@ class Signature:
 # ------------------------------------------------------------------------------------------ derivation
 
 
+class StateBetweenCalls(ValueError):
+    """The model's outputs depend on its earlier calls (state it keeps and updates, a spiking neuron's membrane, a
+    cache): an artifact runs each call alone, so it cannot answer as the model does. The model's code decides it,
+    not its weights, so it is known before training."""
+
+
+def _refuse_state_between_calls(first: Observed, output: Any, run: Runner) -> None:
+    """Run the first call again, with the same seed, after the others ran: other outputs mean the model answers
+    from state its calls left (or from randomness no seed governs); raise :class:`StateBetweenCalls`."""
+    again = run(first.call)
+    tree, again_tree = tree_of(output), tree_of(again)
+    other = again_tree.leaves(again) if again_tree.same_structure(tree) else None
+    differs = [i for i, (a, b) in enumerate(zip(tree.leaves(output), other or []))
+               if a.shape != b.shape or not compare_outputs(b, a).passed]
+    if other is None or differs:
+        raise StateBetweenCalls(
+            "the same call, run again with the same seed after the others, gave other outputs ("
+            + (f"output {differs[0]}" if differs else "another structure") + "): the model answers from state its "
+            "earlier calls left (or from randomness no seed governs), which an artifact running each call alone "
+            "cannot keep")
+
+
 def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Sequence[Tuple[List[Tuple[int, ...]],
                      Optional[int]]] = (), root_names: Optional[Sequence[str]] = None, flat: bool = False,
                      rerun: Optional[Runner] = None, probe: bool = False) -> Signature:
@@ -372,6 +395,7 @@ def derive_signature(calls: Sequence[Observed], run: Runner, *, extra_shapes: Se
     shapes = [[tuple(t.shape) for t in ls] for ls in leaves] + [list(s) for s, _ in extra_shapes
                                                                 if len(s) == len(paths)]
     counts = [c.samples for c in same] + [n for s, n in extra_shapes if len(s) == len(paths)]
+    _refuse_state_between_calls(same[0], outputs[0], run)
     stochastic = stochastic_outputs(same[0], out_leaves[0], rerun) if rerun is not None else set()
     sample, in_axes, out_axes = find_sample_axis(leaves, out_leaves, shapes, counts, run, tree, stochastic)
     proven = sample.proven
