@@ -479,8 +479,10 @@ def _with_default(const: ConstSpec, parameters: Mapping[str, inspect.Parameter],
 
 # The advice for a target that answers from state its earlier calls left (tests/test_advice.py applies it).
 STATELESS_TARGET = ("fuse a module whose forward starts from a fresh state on every call: give the LightningModule a "
-                    "forward that does what the steps do with the model (reset its state, then run every step), "
-                    "call it in the steps as self(x), and set target: ''")
+                    "forward that does what the steps do with the model (reset the state of its own modules, then "
+                    "run every step; a reset through a registry of every instance, as snntorch's utils.reset, does "
+                    "not reach the copies fx-lightning runs: call each neuron's reset_mem()), call it in the steps "
+                    "as self(x), and set target: ''")
 
 
 def _state_buffers(reference: nn.Module, before: Dict[str, Tuple[int, int]], path: str) -> str:
