@@ -18,7 +18,7 @@ from torch import nn
 
 from fx_lightning.capture.working_copy import set_eval
 from fx_lightning.common.batches import detached
-from fx_lightning.common.calls import Call, run_seeded
+from fx_lightning.common.calls import Call, run_seeded, tree_of
 from fx_lightning.parity.compare import compare_outputs
 from fx_lightning.errors import ConfigError, ExportError
 
@@ -26,6 +26,8 @@ __all__ = [
     "resolve_target",
     "has_own_forward",
     "deterministic_inside",
+    "all_drawn_at_random",
+    "inner_calls",
     "whole_model_with",
     "resolve_device",
     "own_rng",
@@ -123,6 +125,38 @@ def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str
         if same:
             return name, held[name], total
     return None
+
+
+def all_drawn_at_random(module: nn.Module, call: Call) -> bool:
+    """Whether every tensor ``module`` returns on ``call`` changes with the seed, and only with it (a diffusion
+    model's training loss on a timestep and noise it draws): nothing deterministic an artifact could be checked on.
+    Outputs that change with the same seed come from state the calls leave, which the signature refuses."""
+    try:
+        first, again, other = (run_seeded(module, call, seed) for seed in (0, 0, 1))
+    except Exception:  # noqa: BLE001 - the pipeline's own steps report the model's failures
+        return False
+    leaves = [tree_of(out).leaves(out) for out in (first, again, other)]
+    if not leaves[0] or len({len(ls) for ls in leaves}) != 1:
+        return False
+    return all(a.shape == b.shape and compare_outputs(b, a).passed for a, b in zip(leaves[0], leaves[1])) and all(
+        a.shape != c.shape or not compare_outputs(c, a).passed for a, c in zip(leaves[0], leaves[2]))
+
+
+def inner_calls(outer: nn.Module, inner: nn.Module, calls: Sequence[Call]) -> List[Call]:
+    """What ``inner`` received, first, on each of ``outer``'s ``calls`` (run as parity runs them: seed 0)."""
+    received: List[Call] = []
+
+    def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if len(received) == index:
+            received.append(Call(detached(args), detached(kwargs)))
+
+    handle = inner.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        for index, call in enumerate(calls):
+            run_seeded(outer, call, 0)
+    finally:
+        handle.remove()
+    return received
 
 
 def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
