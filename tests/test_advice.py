@@ -1669,7 +1669,7 @@ def test_every_output_drawn_at_random_fuses_the_deterministic_module_inside(tmp_
     model, cb, _ = _fit(tmp_path, "zero-config", model=_diffusion_lit(), export={"enabled": False})
     assert cb.result is not None and cb.error is None and cb.outcome.target == "diffusion.model"
     assert cb.result.report.batchnorms_folded == 1
-    assert "every output of diffusion is drawn at random" in cb.summary and "fused diffusion.model inside it" in \
+    assert "every output of diffusion is a loss drawn at random" in cb.summary and "fused diffusion.model inside it" in \
         cb.summary, cb.summary
     reference = H.fp64_copy(model.diffusion.model)
     for batch in (1, 5):
@@ -1713,3 +1713,105 @@ def test_a_crash_in_the_capture_stage_that_is_no_trace_failure_gives_no_advice_i
     message = _refused_fit(tmp_path, TraceError, model=Lit(), export={"enabled": False})
     assert "RuntimeError: this module cannot be copied" in message and "stage 'capture'" in message, message
     assert "Fix:" not in message, message
+
+
+def test_outputs_equal_to_themselves_are_no_state_even_when_infinite(tmp_path):
+    """Review of the state check: an output of -inf (a masked logit) is the same run after run, but as numbers
+    inf - inf is NaN, so the rerun was taken for state between calls and training was stopped. Equal infinities are
+    equal; the model fuses."""
+    import lightning_helpers as H
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = H.TinyBackbone(8)
+            self.head = nn.Linear(8, H.NUM_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.head(self.body(x))
+            return torch.cat([logits, torch.full_like(logits[:, :1], float("-inf"))], dim=1)  # a masked class
+
+    class Lit(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = Masked()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+    model, cb, _ = _fit(tmp_path, "fused", model=Lit(), export={"enabled": False})
+    assert cb.result is not None and cb.error is None
+    x = torch.randn(3, 3, 8, 8)
+    got, want = cb.result.graph_module(x), H.fp64_copy(model.backbone)(x.double())
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and H.rel_err(got[:, :-1], want[:, :-1]) < 1e-5
+
+
+class _Observed(nn.Module):
+    """An observer as quantisation-aware training keeps one: while ``enabled`` it writes a running value into a
+    buffer on every call (eval too), which moves the outputs; training switches it off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("enabled", torch.ones(()))
+        self.register_buffer("running", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(self.enabled):
+            self.running.add_(x.detach().abs().mean())
+        return x + self.running
+
+
+def test_state_written_in_place_is_left_to_the_end_of_fit_and_works_once_training_froze_it(tmp_path):
+    """Review of the state check: outputs that change between calls because a buffer is written in place (an
+    observer) are not proven to fail before training (training may switch it off, as here after the first epoch):
+    the preflight says so and training goes on; at the end of fit the frozen model fuses."""
+    import warnings
+
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
+
+    class Lit(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(H.TinyBackbone(8), _Observed(), nn.Linear(8, H.NUM_CLASSES))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+        def on_train_epoch_end(self) -> None:
+            self.backbone[1].enabled.fill_(0.0)  # observers frozen after the first epoch
+
+    model = Lit()
+    cb = FXFuseCallback(export={"enabled": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        H.make_trainer(tmp_path, [cb], enable_checkpointing=False).fit(model, *H.loaders())
+    lines = [str(w.message) for w in caught if "preflight (" in str(w.message)]
+    assert lines and "not proven" in lines[0] and "wrote into the buffers backbone.1.running" in lines[0], lines
+    assert cb.result is not None and cb.error is None
+    x = torch.randn(3, 3, 8, 8)
+    assert H.rel_err(cb.result.graph_module(x), H.fp64_copy(model.backbone)(x.double())) < 1e-5
+
+
+def test_a_sampled_prediction_is_not_taken_for_a_loss_and_the_model_inside_is_only_advised(tmp_path):
+    """Review of the inner target: only a target returning losses drawn at random (a diffusion model's training
+    loss) has the module inside fused in its place; a prediction sampled in eval (dropout kept on, MC dropout) is
+    what the user serves, so it stays refused before training, with the module inside as the advice."""
+    from fx_lightning import ParityError
+    import lightning_helpers as H
+
+    class AlwaysDropout(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(x, 0.5, training=True)
+
+    class Lit(H.CrossEntropySteps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(H.TinyBackbone(8), AlwaysDropout(), nn.Linear(8, H.NUM_CLASSES))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+    message = _refused_fit(tmp_path, ParityError, model=Lit(), export={"enabled": False})
+    assert "before the first optimizer step; nothing was trained" in message, message
+    assert "Fix: set target: backbone.0 (it holds" in message, message

@@ -168,13 +168,14 @@ def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: Fus
         observed, error = None, None
         try:
             observed = recorder.observations()
-        except ModelError as exc:  # decided by calls not seen yet (validation's): at the end of fit
-            return _unproven(trainer, config, first_line(exc)), None
         except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised by the caller
             error = exc
             if isinstance(exc, FXLightningError):
                 exc.step = exc.step or Step.target.value
         failure = exchange_failure(StrategyCollectives(trainer), error)
+        if failure is not None and failure.type_name == ModelError.__name__:
+            # decided by calls not seen yet (validation's): at the end of fit, on every rank alike
+            return _unproven(trainer, config, first_line(failure.error)), None
         if failure is not None:
             return None, failure
         return check_before_fit(trainer, pl_module, config, observed, progress)

@@ -33,6 +33,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fx_lightning.common.seeding import python_random_seeded
 from fx_lightning.common.objects import fresh_copy, set_field
 from fx_lightning.common.mappings import own_mapping
 
@@ -297,13 +298,15 @@ def run_seeded(fn: Callable[..., Any], call: Call, seed: int = 0) -> Any:
     untouched."""
     tensors = tree_of_call(call).leaves(call) + (list(fn.parameters()) if isinstance(fn, nn.Module) else [])
     devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), no_distribution_validation():
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), no_distribution_validation(), \
+            python_random_seeded(seed):
         # Only the streams forked above are seeded: torch.manual_seed would seed every CUDA device (or queue it
         # until CUDA starts) and change the draws of a training on a device this call does not use.
         torch.random.default_generator.manual_seed(seed)
         for device in devices:
             torch.cuda.default_generators[device].manual_seed(seed)
         return call.run(fn)
+
 
 
 # ------------------------------------------------------------------------------------------- structure

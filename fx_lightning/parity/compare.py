@@ -148,8 +148,8 @@ def compare_outputs(
     The tolerance of each output is ``rtol`` when given, else :func:`rounding_tolerance` of its dtype and
     ``own_error`` (the reference's own error, for artifacts judged against an fp64 copy). Non-floating outputs
     must be equal, unless ``min_agreement`` is given: then every discrete output (:func:`is_discrete`) must have
-    at least that fraction of its elements equal to the reference's. NaNs must be where the reference has them
-    (and are then ignored)."""
+    at least that fraction of its elements equal to the reference's. NaNs and infinities must be where the reference
+    has them, the same ones (and are then ignored)."""
     mismatch = structure_mismatch(got, want, nested=nested)
     if mismatch is not None:
         return Comparison(mismatch, float("inf"), rtol or 0.0)
@@ -166,13 +166,17 @@ def compare_outputs(
             continue
         tol = rtol if rtol is not None else rounding_tolerance(w.dtype, own_error) if w.is_floating_point() else 0.0
         if w.is_floating_point():
-            g_nan, w_nan = torch.isnan(g.detach().cpu()), torch.isnan(w.detach().cpu())
-            if not torch.equal(g_nan, w_nan):
-                failure = failure or f"output {i} has NaNs where the reference has none (or the reverse)"
+            # NaNs and infinities (a masked logit's -inf) where the reference has them, the same ones: then ignored
+            # (as numbers, inf - inf is NaN: a model would differ from itself).
+            g, w = g.detach(), w.detach()
+            special = ~torch.isfinite(w)
+            if not torch.equal(~torch.isfinite(g), special) or not torch.equal(
+                    torch.nan_to_num(g[special], nan=0.0), torch.nan_to_num(w[special], nan=0.0)):
+                failure = failure or f"output {i} has NaNs or infinities where the reference has none (or others)"
                 worst = float("inf")
                 continue
-            if bool(w_nan.any()):
-                g, w = torch.nan_to_num(g.detach().cpu(), nan=0.0), torch.nan_to_num(w.detach().cpu(), nan=0.0)
+            if bool(special.any()):
+                g, w = g.masked_fill(special, 0.0), w.masked_fill(special, 0.0)
         err = relative_error(g, w)
         if not err <= tol and failure is None:
             failure = f"output {i} differs from the reference by {err:.3g} (relative; allowed {tol:.1e})"

@@ -107,17 +107,18 @@ class ErrorInfo:
     type_name: str
     message: str
     step: Optional[str] = None
+    fix: Optional[str] = None  # the error's own advice ("": none works), so every rank gives the same
 
     @classmethod
     def of(cls, rank: int, exc: BaseException) -> "ErrorInfo":
         if isinstance(exc, FXLightningError):
-            return cls(rank, type(exc).__name__, exc.message, exc.step)
+            return cls(rank, type(exc).__name__, exc.message, exc.step, exc.fix)
         return cls(rank, type(exc).__name__, str(exc))
 
     def rebuild(self) -> FXLightningError:
         """The same fx_lightning error class when it is one of ours, else :class:`FXLightningError`."""
         error = ERROR_CLASSES.get(self.type_name, FXLightningError)(self.message)
-        error.step = self.step
+        error.step, error.fix = self.step, self.fix
         return error
 
 

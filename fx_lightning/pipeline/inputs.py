@@ -444,8 +444,13 @@ def signature_for(reference: nn.Module, steps: Sequence[ObservedStep], observed:
                                      extra_shapes=shapes, root_names=forward_parameter_names(reference), probe=probe)
     except UnreturnableOutput as exc:  # decided by the model's code, not its weights: the preflight stops on it
         raise ExportError(str(exc), fix=_returnable_target(reference, steps[0].target, path)) from exc
-    except StateBetweenCalls as exc:  # likewise
-        raise ExportError(f"{exc}{_state_buffers(reference, buffers, path)}", fix=STATELESS_TARGET) from exc
+    except StateBetweenCalls as exc:
+        replaced, written = _state_buffers(reference, buffers, path)
+        if not replaced:  # written in place only (an observer a flag turns off as training goes): not proven yet
+            raise ModelError(f"{exc}" + (f"; the calls wrote into the buffers {', '.join(written[:4])}"
+                                         if written else "")) from exc
+        raise ExportError(f"{exc}; the calls replaced the buffers {', '.join(replaced[:4])}",  # the code's doing
+                          fix=STATELESS_TARGET) from exc
     except ValueError as exc:
         raise ModelError(f"the target's calls cannot be described as one signature: {exc}; the calls: "
                          + "; ".join(describe_call(s.target) for s in steps[:3])) from exc
@@ -485,11 +490,15 @@ STATELESS_TARGET = ("fuse a module whose forward starts from a fresh state on ev
                     "as self(x), and set target: ''")
 
 
-def _state_buffers(reference: nn.Module, before: Dict[str, Tuple[int, int]], path: str) -> str:
-    """The buffers the calls replaced or wrote into (where the state is kept), as a clause of the message."""
-    changed = [".".join(filter(None, (path, name))) for name, b in reference.named_buffers()
-               if before.get(name) != (id(b), b._version)]
-    return f"; the calls changed the buffers {', '.join(changed[:4])}" if changed else ""
+def _state_buffers(reference: nn.Module, before: Dict[str, Tuple[int, int]],
+                   path: str) -> Tuple[List[str], List[str]]:
+    """The buffers the calls replaced with new tensors (a forward assigning ``self.mem = ...``: its code keeps state,
+    whatever the weights), and those they only wrote into."""
+    now = {name: (id(b), b._version) for name, b in reference.named_buffers()}
+    named = lambda names: [".".join(filter(None, (path, n))) for n in names]  # noqa: E731
+    replaced = [n for n, (i, _) in now.items() if n in before and before[n][0] != i]
+    written = [n for n, (i, v) in now.items() if n in before and before[n][0] == i and before[n][1] != v]
+    return named(replaced), named(written)
 
 
 def _eval_failure(exc: Exception) -> ModelError:

@@ -48,8 +48,8 @@ from fx_lightning.pipeline import raw_input
 from fx_lightning.pipeline.inputs import (LABELS_LEFT_OUT, TargetSteps, calibration_steps, signature_for, target_steps,
                                          with_stand_ins, without_labels)
 from fx_lightning.pipeline.records import Fused, ObservedStep, Source
-from fx_lightning.pipeline.targets import (all_drawn_at_random, deterministic_inside, inner_calls, load_buffers,
-                                          own_rng, resolve_target, whole_model_with)
+from fx_lightning.pipeline.targets import (deterministic_inside, inner_calls, load_buffers, own_rng,
+                                          random_losses_only, resolve_target, whole_model_with)
 from fx_lightning.signature.padding import padding_proven
 from fx_lightning.signature.signature import Signature
 from fx_lightning.variants import enabled_variants
@@ -96,8 +96,8 @@ _STEP_ERRORS = {Step.capture: TraceError, Step.passes: PassError, Step.export: E
 PROBED_FIXED_IN_CAPTURE = NoteKind("probed_fixed_in_capture", "sizes shown to vary by experiment ({dims}) could not "
                                    "stay dynamic in the capture ({reason}): every artifact takes the sizes seen and "
                                    "refuses others by name")
-INNER_TARGET = NoteKind("inner_target", "every output of {outer} is drawn at random (a training loss on noise it "
-                                       "draws): fused {inner} inside it, which holds {held} of its {total} parameters "
+INNER_TARGET = NoteKind("inner_target", "every output of {outer} is a loss drawn at random (on noise it draws): "
+                                       "fused {inner} inside it, which holds {held} of its {total} parameters "
                                        "and answers its calls there the same run after run (set target to choose)")
 PARITY_DISABLED = NoteKind("parity_disabled", "parity check disabled (parity.enabled: false): the fused model was "
                                               "not verified")
@@ -139,11 +139,11 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             found = target_steps(config, source, reference_whole, reference, path)
             require_inputs(bool(found.steps), "capture, parity and export", key="parity.data")
             found = without_labels(found, reference)
-            outer = None
-            if config.target is None:  # the default target: where all it returns is random, the model inside it
+            outer: Optional[Tuple[str, nn.Module, TargetSteps]] = None  # the default target, where it was left
+            if config.target is None:  # the default target: where all it returns is a random loss, the model inside
                 inside = _deterministic_inside_random(reference, path, found)
                 if inside is not None:
-                    outer, (path, found) = (path, reference), inside
+                    outer, (path, found) = (path, reference, found), inside
                     reference, observed = reference_whole.get_submodule(path), None
             signature = signature_for(reference, found.steps, observed, config.trace.probe_sizes, path)
             signature.left_out = [name.strip() for n in found.notes if n.kind is LABELS_LEFT_OUT
@@ -185,11 +185,13 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                                        lambda s: ArtifactInterface(result.graph_module, s, what="the fused model",
                                                                    as_the_module=True))
         with in_step(Step.parity_input):
-            calibration, calibration_notes = calibration_steps(
-                config, source, reference_whole, outer[1] if outer else reference, outer[0] if outer else path,
-                found, calibration_batch_count(config))
-            if outer is not None:  # the outer target's calls: what the model inside received on them
-                calibration = inner_calls(outer[1], reference, calibration)
+            if outer is None:
+                calibration, calibration_notes = calibration_steps(config, source, reference_whole, reference, path,
+                                                                   found, calibration_batch_count(config))
+            else:  # the outer target's calls, and what the model inside received on them
+                calibration, calibration_notes = calibration_steps(config, source, reference_whole, outer[1], outer[0],
+                                                                   outer[2], calibration_batch_count(config))
+                calibration = inner_calls(outer[1], reference, calibration) or [s.target for s in found.steps]
     # The source's contract, else the config's alone (without Lightning nothing is searched).
     contract = source.contract if source.contract is not None else resolve_input_contract(config.export)
     notes = [*source.notes, *source.batches.notes, *found.notes, *capture_notes, *calibration_notes,
@@ -211,18 +213,19 @@ def _deterministic_inside_random(reference: nn.Module, path: str,
     that holds most of its parameters and answers the same run after run (the denoiser, which sampling calls):
     its path and its calls, recorded while the target ran on its own. None: the target is kept."""
     first = found.steps[0].target
-    if not all_drawn_at_random(reference, first):
+    if not random_losses_only(reference, first):
         return None
     inside = deterministic_inside(reference, first)
     if inside is None:
         return None
     name, held, total = inside
     calls = inner_calls(reference, reference.get_submodule(name), [s.target for s in found.steps])
-    if len(calls) != len(found.steps):
+    if calls is None:
         return None
     inner = ".".join(filter(None, (path, name)))
     note = INNER_TARGET(outer=path or "<the LightningModule>", inner=inner, held=f"{held:,}", total=f"{total:,}")
-    steps = [dataclasses.replace(s, target=c, whole=None) for s, c in zip(found.steps, calls)]
+    # The outer calls' sample counts say nothing of the inner ones' (guidance doubles a batch): not evidence here.
+    steps = [dataclasses.replace(s, target=c, whole=None, samples=None) for s, c in zip(found.steps, calls)]
     return inner, dataclasses.replace(found, steps=steps, through_whole=False, notes=[*found.notes, note])
 
 

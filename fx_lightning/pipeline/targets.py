@@ -20,13 +20,14 @@ from fx_lightning.capture.working_copy import set_eval
 from fx_lightning.common.batches import detached
 from fx_lightning.common.calls import Call, run_seeded, tree_of
 from fx_lightning.parity.compare import compare_outputs
+from fx_lightning.signature.signature import same_values
 from fx_lightning.errors import ConfigError, ExportError
 
 __all__ = [
     "resolve_target",
     "has_own_forward",
     "deterministic_inside",
-    "all_drawn_at_random",
+    "random_losses_only",
     "inner_calls",
     "whole_model_with",
     "resolve_device",
@@ -96,14 +97,17 @@ def _only_raises_not_implemented(function: Any) -> bool:
 
 def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str, int, int]]:
     """Where every output of ``reference`` is drawn at random (a diffusion model's training loss, around its
-    denoiser): the module it calls on ``call`` that holds most of its parameters and whose outputs, run again on what
-    it received with another seed, are the same. ``(path inside reference, its parameters, reference's)``, the
-    outermost such module; None: there is none."""
+    denoiser): the module it calls once on ``call`` that holds most of its parameters and whose outputs, run again on
+    what it received with another seed, are the same. ``(path inside reference, its parameters, reference's)``, the
+    outermost such module; None: there is none (a module called twice, as with self-conditioning, is not one: which
+    call is the model's is not observable)."""
     total = sum(p.numel() for p in reference.parameters())
     held = {name: sum(p.numel() for p in m.parameters()) for name, m in reference.named_modules() if name}
     received: Dict[str, Call] = {}
+    calls: Dict[str, int] = {}
 
     def record(name: str, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        calls[name] = calls.get(name, 0) + 1
         received.setdefault(name, Call(detached(args), detached(kwargs)))
 
     handles = [reference.get_submodule(name).register_forward_pre_hook(functools.partial(record, name),
@@ -116,7 +120,7 @@ def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str
     finally:
         for handle in handles:
             handle.remove()
-    for name in sorted(received, key=lambda n: (-held[n], n.count("."))):
+    for name in sorted((n for n in received if calls[n] == 1), key=lambda n: (-held[n], n.count("."))):
         module = reference.get_submodule(name)
         try:
             same = compare_outputs(run_seeded(module, received[name], 1), run_seeded(module, received[name], 0)).passed
@@ -127,36 +131,45 @@ def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str
     return None
 
 
-def all_drawn_at_random(module: nn.Module, call: Call) -> bool:
-    """Whether every tensor ``module`` returns on ``call`` changes with the seed, and only with it (a diffusion
-    model's training loss on a timestep and noise it draws): nothing deterministic an artifact could be checked on.
-    Outputs that change with the same seed come from state the calls leave, which the signature refuses."""
+def random_losses_only(module: nn.Module, call: Call) -> bool:
+    """Whether ``module`` returns only losses (0-d float tensors) on ``call``, each changing with the seed and only
+    with it (a diffusion model's training loss on a timestep and noise it draws): nothing deterministic an artifact
+    could be checked on, and nothing a user serves. Outputs that change with the same seed come from state the calls
+    leave, which the signature refuses; a sampled prediction (MC dropout) is not a loss, and stays refused."""
     try:
-        first, again, other = (run_seeded(module, call, seed) for seed in (0, 0, 1))
+        first = run_seeded(module, call, 0)
+        leaves = [tree_of(first).leaves(first)]
+        if not leaves[0] or not all(t.dim() == 0 and t.is_floating_point() for t in leaves[0]):
+            return False  # one run decides it for every model that returns more than losses
+        for seed in (0, 1):
+            out = run_seeded(module, call, seed)
+            leaves.append(tree_of(out).leaves(out))
     except Exception:  # noqa: BLE001 - the pipeline's own steps report the model's failures
         return False
-    leaves = [tree_of(out).leaves(out) for out in (first, again, other)]
-    if not leaves[0] or len({len(ls) for ls in leaves}) != 1:
+    if len({len(ls) for ls in leaves}) != 1:
         return False
-    return all(a.shape == b.shape and compare_outputs(b, a).passed for a, b in zip(leaves[0], leaves[1])) and all(
-        a.shape != c.shape or not compare_outputs(c, a).passed for a, c in zip(leaves[0], leaves[2]))
+    return all(same_values(a, b) for a, b in zip(leaves[0], leaves[1])) and \
+        not any(same_values(a, c) for a, c in zip(leaves[0], leaves[2]))
 
 
-def inner_calls(outer: nn.Module, inner: nn.Module, calls: Sequence[Call]) -> List[Call]:
-    """What ``inner`` received, first, on each of ``outer``'s ``calls`` (run as parity runs them: seed 0)."""
-    received: List[Call] = []
+def inner_calls(outer: nn.Module, inner: nn.Module, calls: Sequence[Call]) -> Optional[List[Call]]:
+    """What ``inner`` received on each of ``outer``'s ``calls`` (run as parity runs them: seed 0); None unless it
+    was called once on each."""
+    received: List[List[Call]] = []
 
     def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if len(received) == index:
-            received.append(Call(detached(args), detached(kwargs)))
+        received[-1].append(Call(detached(args), detached(kwargs)))
 
     handle = inner.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        for index, call in enumerate(calls):
+        for call in calls:
+            received.append([])
             run_seeded(outer, call, 0)
+    except Exception:  # noqa: BLE001 - then there is no inner target to take
+        return None
     finally:
         handle.remove()
-    return received
+    return [r[0] for r in received] if all(len(r) == 1 for r in received) else None
 
 
 def whole_model_with(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
