@@ -185,13 +185,11 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                                        lambda s: ArtifactInterface(result.graph_module, s, what="the fused model",
                                                                    as_the_module=True))
         with in_step(Step.parity_input):
-            if outer is None:
-                calibration, calibration_notes = calibration_steps(config, source, reference_whole, reference, path,
-                                                                   found, calibration_batch_count(config))
-            else:  # the outer target's calls, and what the model inside received on them
-                calibration, calibration_notes = calibration_steps(config, source, reference_whole, outer[1], outer[0],
-                                                                   outer[2], calibration_batch_count(config))
-                calibration = inner_calls(outer[1], reference, calibration) or [s.target for s in found.steps]
+            at_path, at, steps = outer if outer is not None else (path, reference, found)  # the outer one's calls
+            calibration, calibration_notes = calibration_steps(config, source, reference_whole, at, at_path, steps,
+                                                               calibration_batch_count(config))
+            if outer is not None:  # what the model inside received on them
+                calibration = inner_calls(at, reference, calibration) or [s.target for s in found.steps]
     # The source's contract, else the config's alone (without Lightning nothing is searched).
     contract = source.contract if source.contract is not None else resolve_input_contract(config.export)
     notes = [*source.notes, *source.batches.notes, *found.notes, *capture_notes, *calibration_notes,
@@ -210,7 +208,7 @@ def _deterministic_inside_random(reference: nn.Module, path: str,
                                  found: TargetSteps) -> Optional[Tuple[str, TargetSteps]]:
     """Where every output of the default target is drawn at random (denoising-diffusion-pytorch's
     ``GaussianDiffusion``: its forward is the training loss, on a timestep and noise it draws), the module inside it
-    that holds most of its parameters and answers the same run after run (the denoiser, which sampling calls):
+    that holds nearly all its parameters and answers the same run after run (the denoiser, which sampling calls):
     its path and its calls, recorded while the target ran on its own. None: the target is kept."""
     first = found.steps[0].target
     if not random_losses_only(reference, first):

@@ -95,10 +95,16 @@ def _only_raises_not_implemented(function: Any) -> bool:
     return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
 
 
+# The share of a target's parameters a module inside it must hold to be the model inside: nearly all, so that the
+# target around it trains almost nothing of its own (a diffusion wrapper around its denoiser), and one layer of a
+# network that draws noise itself is never taken for it.
+INNER_SHARE = 0.9
+
+
 def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str, int, int]]:
     """Where every output of ``reference`` is drawn at random (a diffusion model's training loss, around its
-    denoiser): the module it calls once on ``call`` that holds most of its parameters and whose outputs, run again on
-    what it received with another seed, are the same. ``(path inside reference, its parameters, reference's)``, the
+    denoiser): the module it calls once on ``call`` that holds nearly all its parameters (:data:`INNER_SHARE`) and
+    whose outputs, run again on what it received with another seed, are the same. ``(path inside reference, its parameters, reference's)``, the
     outermost such module; None: there is none (a module called twice, as with self-conditioning, is not one: which
     call is the model's is not observable)."""
     total = sum(p.numel() for p in reference.parameters())
@@ -112,7 +118,7 @@ def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str
 
     handles = [reference.get_submodule(name).register_forward_pre_hook(functools.partial(record, name),
                                                                        with_kwargs=True)
-               for name, count in held.items() if 2 * count > total]
+               for name, count in held.items() if count >= INNER_SHARE * total]
     try:
         run_seeded(reference, call, 0)
     except Exception:  # noqa: BLE001 - the advice is left out; the error being reported says what failed
