@@ -69,7 +69,16 @@ def test_nans_must_sit_where_the_reference_has_them() -> None:
     assert compare_outputs(want.clone(), want).passed
     moved = torch.tensor([float("nan"), 2.0, 3.0])
     result = compare_outputs(moved, want)
-    assert not result.passed and "NaNs where the reference has none" in result.describe()
+    assert not result.passed and "NaNs or infinities where the reference has none" in result.describe()
+
+
+def test_infinities_equal_to_the_references_are_equal() -> None:
+    """A masked logit's -inf equals itself (as numbers inf - inf is NaN: a model differed from itself); an infinity
+    of the other sign, or where the reference has a number, does not."""
+    want = torch.tensor([1.0, float("-inf"), 3.0])
+    assert compare_outputs(want.clone(), want).passed
+    assert not compare_outputs(torch.tensor([1.0, float("inf"), 3.0]), want).passed
+    assert not compare_outputs(torch.tensor([float("-inf"), 2.0, 3.0]), want).passed
 
 
 def test_integer_outputs_must_be_equal() -> None:
