@@ -31,7 +31,7 @@ from fx_lightning.common.batches import (
 from fx_lightning.common.calls import as_call, no_distribution_validation
 from fx_lightning.errors import ConfigError
 from fx_lightning.common.notes import Note, NoteKind
-from fx_lightning.parity.compare import judged_discrete, structure_mismatch
+from fx_lightning.parity.compare import judged_discrete, shared_specials_zeroed, structure_mismatch
 from fx_lightning.parity.options import ParityConfig, load_parity
 from fx_lightning.common.tolerance import LOW_PRECISION_FACTOR
 from fx_lightning.parity.report import OutputError, ParityReport
@@ -181,7 +181,7 @@ class _Measurement:
                     continue
                 valued.append(i)
                 # .contiguous(): torchmetrics' MAE uses .view(-1), which fails on channels_last.
-                c64, r64 = _shared_specials_zeroed(c.detach().double().contiguous(), r.detach().double().contiguous())
+                c64, r64 = shared_specials_zeroed(c.detach().double().contiguous(), r.detach().double().contiguous())
                 for metric in self.outputs.values():
                     metric.update(c64, r64)
                 self._per_output(i).update(c64, r64)
@@ -190,7 +190,7 @@ class _Measurement:
                 exact = flat_tensors(precise(*to_model(args, None, torch.float64),
                                              **to_model(kwargs, None, torch.float64)))
                 for i in valued:
-                    self.own_error.update(*_shared_specials_zeroed(refs[i].double(), exact[i].double()))
+                    self.own_error.update(*shared_specials_zeroed(refs[i].double(), exact[i].double()))
         return not self.state.failures
 
     def _per_output(self, i: int) -> Metric:
@@ -204,7 +204,7 @@ class _Measurement:
     def compare_whole(self, reference_out: Any, candidate_out: Any) -> None:
         for r, c in zip(flat_tensors(reference_out), flat_tensors(candidate_out)):
             if r.shape == c.shape:
-                self.whole_error.update(*_shared_specials_zeroed(c.double(), r.double()))
+                self.whole_error.update(*shared_specials_zeroed(c.double(), r.double()))
 
     def compare_classes(self, reference_out: Any, candidate_out: Any, candidates: Sequence[torch.Tensor]) -> None:
         """Top-1 agreement and accuracy, when the first output looks like class scores. The labels are the first of
@@ -532,12 +532,3 @@ def _gate(report: ParityReport, name: str, op: str, threshold: float, key: str) 
 def _note_once(notes: List[Note], note: Note) -> None:
     if note not in notes:
         notes.append(note)
-
-
-def _shared_specials_zeroed(got: torch.Tensor, want: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Both with 0 where both hold the same infinity or NaN (a masked logit's -inf: as numbers inf - inf is NaN, and
-    the error of an output equal to the reference would be NaN); other NaNs and infinities are left to fail."""
-    if not got.is_floating_point() or got.shape != want.shape or bool(torch.isfinite(want).all()):
-        return got, want
-    shared = ~torch.isfinite(want) & ((got == want) | (torch.isnan(got) & torch.isnan(want)))
-    return got.masked_fill(shared, 0.0), want.masked_fill(shared, 0.0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import functools
 import inspect
 import itertools
 import textwrap
@@ -20,7 +19,6 @@ from fx_lightning.capture.working_copy import set_eval
 from fx_lightning.common.batches import detached
 from fx_lightning.common.calls import Call, run_seeded, tree_of
 from fx_lightning.parity.compare import compare_outputs
-from fx_lightning.signature.signature import same_values
 from fx_lightning.errors import ConfigError, ExportError
 
 __all__ = [
@@ -104,32 +102,20 @@ INNER_SHARE = 0.9
 def deterministic_inside(reference: nn.Module, call: Call) -> Optional[Tuple[str, int, int]]:
     """Where every output of ``reference`` is drawn at random (a diffusion model's training loss, around its
     denoiser): the module it calls once on ``call`` that holds nearly all its parameters (:data:`INNER_SHARE`) and
-    whose outputs, run again on what it received with another seed, are the same. ``(path inside reference, its parameters, reference's)``, the
-    outermost such module; None: there is none (a module called twice, as with self-conditioning, is not one: which
-    call is the model's is not observable)."""
+    whose outputs, run again on what it received with another seed, are the same. ``(path inside reference, its
+    parameters, reference's)``, the outermost such module; None: there is none (a module called twice, as with
+    self-conditioning, is not one: which call is the model's is not observable)."""
     total = sum(p.numel() for p in reference.parameters())
-    held = {name: sum(p.numel() for p in m.parameters()) for name, m in reference.named_modules() if name}
-    received: Dict[str, Call] = {}
-    calls: Dict[str, int] = {}
-
-    def record(name: str, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        calls[name] = calls.get(name, 0) + 1
-        received.setdefault(name, Call(detached(args), detached(kwargs)))
-
-    handles = [reference.get_submodule(name).register_forward_pre_hook(functools.partial(record, name),
-                                                                       with_kwargs=True)
-               for name, count in held.items() if count >= INNER_SHARE * total]
-    try:
-        run_seeded(reference, call, 0)
-    except Exception:  # noqa: BLE001 - the advice is left out; the error being reported says what failed
+    if not total:
         return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    for name in sorted((n for n in received if calls[n] == 1), key=lambda n: (-held[n], n.count("."))):
+    held = {name: sum(p.numel() for p in m.parameters()) for name, m in reference.named_modules() if name}
+    for name in sorted((n for n, count in held.items() if count >= INNER_SHARE * total),
+                       key=lambda n: (-held[n], n.count("."))):
         module = reference.get_submodule(name)
+        received = inner_calls(reference, module, [call])
         try:
-            same = compare_outputs(run_seeded(module, received[name], 1), run_seeded(module, received[name], 0)).passed
+            same = received is not None and compare_outputs(run_seeded(module, received[0], 1),
+                                                            run_seeded(module, received[0], 0)).passed
         except Exception:  # noqa: BLE001 - not a module that runs alone on what it received
             continue
         if same:
@@ -154,8 +140,8 @@ def random_losses_only(module: nn.Module, call: Call) -> bool:
         return False
     if len({len(ls) for ls in leaves}) != 1:
         return False
-    return all(same_values(a, b) for a, b in zip(leaves[0], leaves[1])) and \
-        not any(same_values(a, c) for a, c in zip(leaves[0], leaves[2]))
+    return all(compare_outputs(b, a).passed for a, b in zip(leaves[0], leaves[1])) and \
+        not any(compare_outputs(c, a).passed for a, c in zip(leaves[0], leaves[2]))
 
 
 def inner_calls(outer: nn.Module, inner: nn.Module, calls: Sequence[Call]) -> Optional[List[Call]]:

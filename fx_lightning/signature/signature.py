@@ -32,7 +32,7 @@ from fx_lightning.signature.sample_axis import (Observed, Runner, SampleAxis, fi
 
 __all__ = ["DimKind", "DimSpec", "LeafSpec", "ConstSpec", "SampleAxis", "Signature", "Observed", "derive_signature",
            "shape_problem", "static_sizes", "with_raw_input", "describe_outputs", "rebuild_outputs", "class_at",
-           "unreturnable_output", "UnreturnableOutput", "StateBetweenCalls", "same_values"]
+           "unreturnable_output", "UnreturnableOutput", "StateBetweenCalls"]
 
 
 class DimKind(str, Enum):
@@ -334,16 +334,10 @@ class Signature:
 # ------------------------------------------------------------------------------------------ derivation
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same tensor twice, within float rounding (shape, dtype, NaNs and infinities where they are, the rest as
-    parity compares)."""
-    return compare_outputs(b, a).passed
-
-
 class StateBetweenCalls(ValueError):
     """The model's outputs depend on its earlier calls (state it keeps and updates, a spiking neuron's membrane, a
-    cache): an artifact runs each call alone, so it cannot answer as the model does. The model's code decides it,
-    not its weights, so it is known before training."""
+    cache): an artifact runs each call alone, so it cannot answer as the model does. Where the calls replace a
+    buffer the model's code decides it, whatever the weights; written in place, a flag may (an observer)."""
 
 
 def _refuse_state_between_calls(first: Observed, output: Any, run: Runner) -> None:
@@ -352,7 +346,7 @@ def _refuse_state_between_calls(first: Observed, output: Any, run: Runner) -> No
     again = run(first.call)
     tree, again_tree = tree_of(output), tree_of(again)
     other = again_tree.leaves(again) if again_tree.same_structure(tree) else None
-    differs = [i for i, (a, b) in enumerate(zip(tree.leaves(output), other or [])) if not same_values(a, b)]
+    differs = [i for i, (a, b) in enumerate(zip(tree.leaves(output), other or [])) if not compare_outputs(b, a).passed]
     if other is None or differs:
         raise StateBetweenCalls(
             "the same call, run again with the same seed after the others, gave other outputs ("
