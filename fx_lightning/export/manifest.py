@@ -178,6 +178,9 @@ class BenchTable:
     sweeps: List[Sweep] = field(default_factory=list)  # the throughput sweep of the artifacts that could win it
     not_swept: Dict[str, str] = field(default_factory=dict)  # "artifact, traffic" -> why it was not swept
     cpu: str = ""  # the CPU that timed them (model and flags); "" in exports written before it was recorded
+    # Candidates tied at a batch size and traffic, timed again together in more processes (their ``process_medians_ms``
+    # those processes'): the timing that decided the tie (export/select/selection.py).
+    tie_breaks: List[Timing] = field(default_factory=list)
 
     def median(self, artifact: str, batch_size: int, traffic: str = "idle", runtime: str = "") -> Optional[float]:
         return next((t.median_ms for t in self.timings if (t.artifact, t.batch_size, t.traffic, t.runtime)
@@ -193,7 +196,8 @@ class BenchTable:
                    {k: ArtifactCheck.from_dict(c) for k, c in (data.get("checks") or {}).items()},
                    [TimingFailure(**fields_from(TimingFailure, f)) for f in data.get("failures") or []],
                    [Sweep.from_dict(w) for w in data.get("sweeps") or []],
-                   {str(k): str(v) for k, v in (data.get("not_swept") or {}).items()}, str(data.get("cpu", "")))
+                   {str(k): str(v) for k, v in (data.get("not_swept") or {}).items()}, str(data.get("cpu", "")),
+                   [Timing(**fields_from(Timing, t)) for t in data.get("tie_breaks") or []])
 
 
 @dataclass
