@@ -662,6 +662,26 @@ def _scored_through_a_method_lit(own_forward: bool, library_base: bool = False):
     return Lit()
 
 
+@pytest.mark.parametrize("without", ["no-loader", "limit-val-batches-0"])
+def test_steps_reaching_the_model_through_another_method_with_no_validation_ahead_are_refused_before_training(
+        tmp_path, without):
+    """No validation loader, or ``limit_val_batches=0``: no validation step will run to call a submodule holding
+    weights, so what the training steps called is all there is, and the end of fit would refuse; the preflight
+    said "not proven" and let the whole training run first. Now refused before the first optimizer step, with the
+    advice the test above shows working."""
+    import lightning_helpers as H
+    from fx_lightning import FXFuseCallback
+
+    train, val = H.loaders()
+    options = {"limit_val_batches": 0} if without == "limit-val-batches-0" else {}
+    trainer = H.make_trainer(tmp_path, [FXFuseCallback(export={"enabled": False})], **options)
+    with pytest.raises(ConfigError) as raised:
+        trainer.fit(_scored_through_a_method_lit(False), train, *([val] if options else []))
+    message = str(raised.value)
+    assert "before the first optimizer step; nothing was trained" in message and trainer.global_step == 0, message
+    assert "target: model, parity.input: 0" in message, message
+
+
 class _LibraryBase:
     def forward(self, *args, **kwargs):
         """Subclasses implement forward (a library's base LightningModule)."""
@@ -1683,6 +1703,31 @@ def test_every_output_drawn_at_random_fuses_the_deterministic_module_inside(tmp_
     assert found and found.group(1) == "diffusion.model" and found.group(2) == found.group(3), message
     _, cb, _ = _fit(tmp_path, "fixed", model=_diffusion_lit(), target=found.group(1), export={"enabled": False})
     assert cb.result is not None and cb.error is None
+
+
+def test_the_module_inside_is_calibrated_and_gated_on_the_calls_the_wrapper_made(tmp_path):
+    """The inner target with a lossy variant: int8 is calibrated on the denoiser's own calls (an image and a
+    timestep, made by the wrapper inside the training steps) and judged on those of validation, not on the
+    wrapper's batches (an image alone, which the denoiser cannot take); kept only where its gate passed, and then
+    within that gate of the fp64 denoiser."""
+    import torch.nn.functional as F
+
+    import lightning_helpers as H
+    from fx_lightning import load_fused
+    from fx_lightning.export import read_manifest
+
+    model, cb, _ = _fit(tmp_path, "int8", model=_diffusion_lit(), export={"formats": ["pt2"]},
+                        passes={"quantize_int8": {"enabled": True, "min_cosine": 0.9}})
+    assert cb.error is None and cb.outcome.target == "diffusion.model", cb.summary
+    outcomes = read_manifest(cb.export_dir).variants["int8"]
+    assert [o.entry for o in outcomes] == ["pt2-int8"], outcomes
+    outcome = outcomes[0]
+    assert outcome.error is None and outcome.skipped is None and outcome.gate is not None, outcome
+    if outcome.kept:
+        reference = H.fp64_copy(model.diffusion.model)
+        x, t = torch.randn(5, 3, 8, 8), torch.randint(0, 10, (5,))
+        out, ref = load_fused(cb.export_dir, "pt2-int8")(x, t), reference(x.double(), t)
+        assert F.cosine_similarity(out.double().flatten(1), ref.flatten(1)).min() >= 0.9
 
 
 def test_a_crash_in_the_capture_stage_that_is_no_trace_failure_gives_no_advice_it_cannot_keep(tmp_path):

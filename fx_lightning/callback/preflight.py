@@ -32,7 +32,8 @@ from fx_lightning.callback.mlflow_logging import check_mlflow, mlflow_wanted
 from fx_lightning.callback.namespaces import lightning_classes
 from fx_lightning.callback.observe import CallRecorder
 from fx_lightning.callback.ranks import StrategyCollectives
-from fx_lightning.callback.trainer_data import checkpoint_callbacks, export_directory, parity_batches
+from fx_lightning.callback.trainer_data import (checkpoint_callbacks, export_directory, parity_batches,
+                                               validation_will_run)
 from fx_lightning.callback.transforms import input_contract
 from fx_lightning.capture.working_copy import plain_state_dict, strip_compiled
 from fx_lightning.config import FuseConfig, Preflight, WeightsSource
@@ -167,7 +168,7 @@ def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: Fus
     with recorder.paused():
         observed, error = None, None
         try:
-            observed = recorder.observations()
+            observed = recorder.observations(validation_ahead=validation_will_run(trainer))
         except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised by the caller
             error = exc
             if isinstance(exc, FXLightningError):

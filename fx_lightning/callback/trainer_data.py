@@ -30,6 +30,7 @@ __all__ = [
     "choose_batches",
     "parity_batches",
     "trainer_loaders",
+    "validation_will_run",
     "export_directory",
     "pick_weights",
     "checkpoint_callbacks",
@@ -115,6 +116,14 @@ def trainer_loaders(trainer: "pl.Trainer") -> Dict[str, Callable[[], Any]]:
         return loader if loader is not None else _loader_from_source(trainer.fit_loop)
 
     return {"val": val, "train": train}
+
+
+def validation_will_run(trainer: "pl.Trainer") -> bool:
+    """Whether fit will run validation steps: a validation loader, and a ``limit_val_batches`` that reads one."""
+    limit = getattr(trainer, "limit_val_batches", None)
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit == 0:
+        return False
+    return trainer_loaders(trainer)["val"]() is not None
 
 
 def _loader_from_source(loop: Any) -> Any:

@@ -389,7 +389,17 @@ def _tie_note(decided: Timing, tied: List[Timing], again: List[Timing]) -> str:
     still = [t for t in again if t is not decided and tied_with(t, decided)]
     return (note + f"; timed again together in {len(decided.process_medians_ms)} fresh processes of {rounds} rounds "
             f"each: {figures} (its processes' medians {low:.2f}-{high:.2f} ms)"
-            + ("; still within that noise of " + ", ".join(_name(t) for t in still) if still else ""))
+            + ("; still within that noise of " + ", ".join(_name(t) for t in still) + _paired(decided, still)
+               if still else ""))
+
+
+def _paired(decided: Timing, others: List[Timing]) -> str:
+    """How often ``decided`` was the faster in the processes timed side by side (the k-th process of each candidate
+    ran in the same wave, taking turns: a slow wave slows all of them), against each of ``others``."""
+    mine = decided.process_medians_ms
+    counts = [f"{_name(t)} {sum(a < b for a, b in zip(mine, t.process_medians_ms))} of {len(mine)}"
+              for t in others if len(t.process_medians_ms) == len(mine)]
+    return f"; the faster in the same wave of processes against {', '.join(counts)}" if counts else ""
 
 
 def _name(t: Timing) -> str:
