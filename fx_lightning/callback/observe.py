@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -235,11 +235,12 @@ class CallRecorder:
         log = self.logs[self.path]
         return self.off is None and stage in self.stages[:1] and bool(log.kept[stage])
 
-    def observations(self, validation_ahead: bool = True) -> Optional[Observations]:
+    def observations(self, validation_ahead: Callable[[], bool] = lambda: True) -> Optional[Observations]:
         """What was observed (None: nothing, observation was off, or ``parity.data: example``), of the first stage
         ``parity.data`` names that was seen. Raises ConfigError when the LightningModule is the default target, its
         forward was never called, and its steps called several submodules. ``validation_ahead``: whether validation
-        steps may still run (asked during a step: the preflight); when none will, what was seen is all there is."""
+        steps may still run (asked during a step, the preflight, and only where it decides: it may build the
+        validation loader); when none will, what was seen is all there is."""
         if self.off is not None or not self.stages:
             return None
         if self.step is not None:  # asked during a step (the preflight before the first optimizer step): its calls
@@ -254,7 +255,7 @@ class CallRecorder:
             # With a forward of its own the LightningModule is fused on the batches' input, as when nothing is
             # observed; without one, refused once nothing more can be seen (validation may still call a child).
             if not has_own_forward(self.root):
-                if "validation" in self.seen or self.step is None or not validation_ahead:
+                if "validation" in self.seen or self.step is None or not validation_ahead():
                     self._refuse_unobserved_model(called)
                 raise ModelError(  # the preflight before validation was seen: what it calls decides, at the end
                     "the LightningModule has no forward and its training steps called no submodule holding weights "

@@ -168,7 +168,7 @@ def rehearse(trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: Fus
     with recorder.paused():
         observed, error = None, None
         try:
-            observed = recorder.observations(validation_ahead=validation_will_run(trainer))
+            observed = recorder.observations(validation_ahead=lambda: validation_will_run(trainer))
         except Exception as exc:  # noqa: BLE001 - exchanged with the other ranks, raised by the caller
             error = exc
             if isinstance(exc, FXLightningError):

@@ -120,10 +120,7 @@ def trainer_loaders(trainer: "pl.Trainer") -> Dict[str, Callable[[], Any]]:
 
 def validation_will_run(trainer: "pl.Trainer") -> bool:
     """Whether fit will run validation steps: a validation loader, and a ``limit_val_batches`` that reads one."""
-    limit = getattr(trainer, "limit_val_batches", None)
-    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit == 0:
-        return False
-    return trainer_loaders(trainer)["val"]() is not None
+    return getattr(trainer, "limit_val_batches", None) != 0 and trainer_loaders(trainer)["val"]() is not None
 
 
 def _loader_from_source(loop: Any) -> Any:

@@ -334,13 +334,12 @@ def select_fastest(table: BenchTable, batch_size: int, traffic: Any = "idle") ->
     if not tied:
         return None
     again = _timed_again(table, tied)
-    decided = min(again or tied, key=_order)
-    best = next(t for t in tied if (t.artifact, t.runtime) == (decided.artifact, decided.runtime))
-    median = decided.median_ms
+    best = min(again or tied, key=_order)
+    median = best.median_ms
     return Selected(best.artifact, batch_size, median,
                     f"fastest at batch {batch_size}, {traffic.replace('_', ' ')} traffic ({median:.2f} ms median, "
                     f"{table.threads} threads, {table.isa}{_how_timed(best.runtime, best.process)}) of the artifacts "
-                    f"that passed their check{_tie_note(decided, tied, again)}", traffic, best.runtime)
+                    f"that passed their check{_tie_note(best, tied, again)}", traffic, best.runtime)
 
 
 def _order(t: Timing) -> Tuple[float, str, str]:
