@@ -69,11 +69,12 @@ class TinyBackbone(nn.Module):
 
 
 class DataDependentBackbone(TinyBackbone):
-    """A branch on tensor values: neither torch.fx nor torch.export can capture it."""
+    """A branch on the input's values whose two ways compute differently, both taken by the observed calls: torch.fx
+    cannot follow it, and no one graph torch.export captures answers both ways."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        if out.sum() > 0:
+        if x[0, 0, 0, 0] > 0.3:  # the two validation batches take both ways
             return out * 2
         return out
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from fusion_helpers import count_batchnorms, randomize_batchnorms, reference_fp64, rel_err
 from fx_lightning import ConfigError, ExportError, TraceError, fuse
+from fx_lightning.common.calls import Call
 
 TOL = 1e-5
 
@@ -170,15 +171,36 @@ def test_export_mode_without_example_inputs_advice_works():
     assert_matches(model, result.graph_module, x)
 
 
+class InputGate(nn.Module):
+    """A branch on the input's values, its two ways computing differently."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return y * 2
+        return y
+
+
+class InputGatedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+        self.gate = InputGate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x, self.bn(self.conv(x)))
+
+
 def test_export_capture_failure_advice_leaf_module_and_fx_works():
-    """capture/graph.py _exported: 'torch.export could not capture ...: Fixes: make the failing code shape-generic,
-    or wrap it in a leaf module and use trace.mode: fx'."""
-    model = randomize_batchnorms(GatedNet())
-    x = torch.randn(2, 3, 6, 6)
+    """capture/graph.py _settled: 'the model branches on tensor values at ...: the observed calls take both ways ...
+    so no one graph answers both ways. Fixes: make the failing code shape-generic, or wrap it in a leaf module and
+    use trace.mode: fx' (torch.export captures one way of the branch; the calls take both, computing differently)."""
+    model = randomize_batchnorms(InputGatedNet())
+    x = torch.rand(2, 3, 6, 6)  # x and -x take both ways
     with pytest.raises(TraceError) as raised:
-        fuse(model, {"trace": {"mode": "export"}}, example_inputs=x)
+        fuse(model, {"trace": {"mode": "export"}}, example_inputs=x, check_inputs=[Call((-x,))])
+    assert "if x.sum() > 0" in str(raised.value) and "no one graph answers both ways" in str(raised.value)
     assert "wrap it in a leaf module and use trace.mode: fx" in str(raised.value)
-    result = fuse(model, {"trace": {"mode": "fx", "leaf_modules": ["test_advice:ValueGate"]}}, example_inputs=x)
+    result = fuse(model, {"trace": {"mode": "fx", "leaf_modules": ["test_advice:InputGate"]}}, example_inputs=x)
     assert count_batchnorms(result.graph_module) == 0
     for sign in (1, -1):
         assert_matches(model, result.graph_module, sign * torch.rand(2, 3, 5, 5))

@@ -148,13 +148,16 @@ def test_missing_target_fails_before_training(tmp_path: Path) -> None:
 
 def test_untraceable_backbone_fails_before_training_with_hints(tmp_path: Path) -> None:
     model = H.LitClassifier(backbone=H.DataDependentBackbone())
-    trainer = H.make_trainer(tmp_path, [FXFuseCallback()])
+    # the sanity check's two validation batches take both ways of the branch: the preflight sees them
+    trainer = H.make_trainer(tmp_path, [FXFuseCallback()], num_sanity_val_steps=2)
     with pytest.raises(TraceError) as info:
         trainer.fit(model, *H.loaders())
     message = str(info.value)
     H.assert_stopped_before_training(message, model, "capture")
-    # a branch on values: no tracer can capture it; the module is the whole target, so no leaf_modules hint
+    # a branch on values taking both ways, computing differently: no one graph answers both; the module is the whole
+    # target, so no leaf_modules hint
     assert "on tensor values, no tracer can" in message and "trace.autowrap_functions" in message
+    assert "if x[0, 0, 0, 0] > 0.3" in message and "no one graph answers both ways" in message
 
 
 def test_untraceable_backbone_with_on_error_warn_trains_and_skips(tmp_path: Path) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import pytest
 import torch
 from torch import nn
 
 from fusion_helpers import assert_exact, count_batchnorms, fingerprint, randomize_batchnorms
 from fx_lightning import TraceError, fuse
+from fx_lightning.common.calls import Call
 from fx_lightning.capture.graph import CAPTURE_FELL_BACK
 from pool_library import global_pool
 
@@ -195,8 +198,9 @@ def test_the_users_line_in_a_capture_error_is_never_inside_the_package():
 
 
 class ValueBranch(nn.Module):
-    """A Python branch on a tensor's values: no tracer can capture it (torch.fx: a proxy's bool; torch.export: a
-    data-dependent guard), and nothing below the root can be kept whole instead."""
+    """A Python branch on a tensor's values whose ways compute differently: torch.fx cannot follow it, torch.export
+    captures one way (the example's), so calls taking both ways leave no capture, and nothing below the root can be
+    kept whole instead."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -204,16 +208,22 @@ class ValueBranch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn(self.conv(x))
-        if y.sum() > 0:
+        if x.sum() > 0:
             return y
         return -y
+
+
+def _both_ways() -> Dict[str, Any]:
+    """fuse()'s arguments with calls taking both ways of the branch on ``x.sum()``."""
+    x = torch.rand(2, 3, 4, 4)
+    return dict(example_inputs=x, check_inputs=[Call((-x,))])
 
 
 def test_when_both_captures_fail_the_advice_does_not_name_the_mode_just_tried():
     """auto tries torch.export after symbolic tracing: advising ``trace.mode: export`` then is advice shown not to
     work."""
     with pytest.raises(TraceError, match="Neither capture mode worked") as raised:
-        fuse(ValueBranch(), example_inputs=torch.randn(2, 3, 4, 4))
+        fuse(ValueBranch(), **_both_ways())
     assert "trace.mode: export" not in str(raised.value)
     assert "trace.autowrap_functions" in str(raised.value)  # the fixes that remain are still said
 
@@ -239,7 +249,7 @@ def test_advice_to_keep_whole_what_was_kept_whole_and_still_failed_is_not_given(
     which the automatic route had kept whole, tracing then failing again: advice shown not to work. It now says
     what was kept whole and where tracing failed next."""
     with pytest.raises(TraceError, match="Neither capture mode worked") as raised:
-        fuse(ValueBranches(), example_inputs=torch.randn(2, 3, 4, 4))
+        fuse(ValueBranches(), **_both_ways())
     message = str(raised.value)
     assert "keep that module opaque" not in message and "InnerValueBranch']" not in message, message
     assert f"Kept whole, tracing still failed ({__name__}.InnerValueBranch): torch.fx could not trace the root " \

@@ -32,7 +32,7 @@ def raise_if_unfaithful(graph_module: fx.GraphModule, mode: str, working: nn.Mod
         except Exception as exc:  # noqa: BLE001 - a graph that raises is the clearest sign of a wrong trace
             problem = f"the captured graph raises {first_line(exc, with_type=True)}"
         else:
-            problem = _difference(got, expected)
+            problem = difference_from_model(got, expected)
         if problem is None:
             continue
         where, module = _first_divergence(graph_module, working, inputs) if mode == "fx" else (None, None)
@@ -65,7 +65,7 @@ def _fx_fixes(working: nn.Module, module: Optional[str]) -> str:
             "\n  - trace.mode: export (or auto, the default, which falls back to it)" + keep)
 
 
-def _difference(got: Any, expected: Any) -> Optional[str]:
+def difference_from_model(got: Any, expected: Any) -> Optional[str]:
     """How the captured graph's outputs differ from the model's (None: within float rounding, the same kernels
     having run; structure included: count, nesting, shapes, dtypes)."""
     comparison = compare_outputs(got, expected)
@@ -114,7 +114,7 @@ def _first_divergence(gm: fx.GraphModule, working: nn.Module,
                 raise
             module = next((m for m in outputs.get(n.name, ()) if m in eager), None)
             if module is not None and not found and len(flat_tensors(out)) == len(eager[module]):
-                problem = _difference(flat_tensors(out), eager[module])
+                problem = difference_from_model(flat_tensors(out), eager[module])
                 if problem is not None:
                     found.append((f"module '{module}' ({n.name}): {problem.replace('the captured graph', 'it')}",
                                   _recorded_around(n)))

@@ -21,14 +21,14 @@ from torch import nn
 
 from fx_lightning.common.imports import import_object
 from fx_lightning.common.batches import PlainOutputs
-from fx_lightning.common.calls import Call, FlatCall, as_call, no_distribution_validation, tree_of_call
+from fx_lightning.common.calls import Call, FlatCall, as_call, no_distribution_validation, run_seeded, tree_of_call
 from fx_lightning.config import TraceConfig, TraceMode
-from fx_lightning.errors import TraceError, first_line
+from fx_lightning.errors import ExportError, TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
 from fx_lightning.capture.fx_failure import explain_fx_failure, is_tracer_code, is_users_file, user_frame
 from fx_lightning.capture.kept_whole import ArgumentOf, call_torch_functions_by_name, object_argument
 from fx_lightning.signature.conditions import conditions_from_guards, one_row_conditions
-from fx_lightning.capture.faithful import raise_if_unfaithful
+from fx_lightning.capture.faithful import difference_from_model, raise_if_unfaithful
 from fx_lightning.capture.working_copy import eval_copy, set_eval
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import (is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm,
@@ -36,6 +36,7 @@ from fx_lightning.passes.graph_utils import (is_batchnorm_like, is_known_batchno
 from fx_lightning.signature.program import ExportFailed, capture_dims, export_program, specialised
 from fx_lightning.common.rows import rows_of, with_rows
 from fx_lightning.signature.signature import DimKind, Signature
+from fx_lightning.signature.value_guards import ValueBranches, settle_value_branches
 
 __all__ = [
     "Capture",
@@ -60,13 +61,19 @@ CAPTURE_PREFERRED_EXPORT = NoteKind("capture_preferred_export", "captured with t
                                                                 "would have stayed")
 CAPTURED_WITH_EXPORT = NoteKind("captured_with_export", "captured with torch.export (ATen-level graph)")
 STATIC_BATCH_CAPTURE = NoteKind("static_batch_capture", "captured for {what} only: with those sizes dynamic, {reason}")
-CAPTURED_ROUTE = NoteKind("captured_route", "torch.export needed its {route} route (data-dependent sizes)")
+CAPTURED_ROUTE = NoteKind("captured_route", "torch.export needed its {route} route (data-dependent code)")
 CAPTURED_KEEPING_WHOLE = NoteKind("captured_keeping_whole", "neither capture followed the whole model (torch.export: "
                                                             "{export}); symbolic tracing kept whole what it could not "
                                                             "follow")
 SIZE_CONDITIONS = NoteKind("size_conditions", "the model branches on its input sizes: torch.export guards the branch "
                            "taken with {conditions} (sizes of the input leaves by position), so every artifact takes "
                            "only sizes that meet them and refuses others by name")
+VALUE_BRANCHES_PROVEN = NoteKind("value_branches_proven", "the model branches on tensor values ({sites}); captured the "
+                                 "way the example takes, and shown to give the model's outputs on the {calls} observed "
+                                 "call(s) that take the other way, so every artifact serves both")
+VALUE_BRANCHES_GUARDED = NoteKind("value_branches_guarded", "the model branches on tensor values ({sites}); every "
+                                  "observed call took one way, so the artifacts compute that way only and refuse a "
+                                  "call taking the other by name (the guard program value_guards.pt2 runs first)")
 KEPT_WHOLE = NoteKind("kept_whole", "kept whole (run as one call, not traced into, unfused): {kept}")
 PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
                                           "of their fields (torch.export carries no record class it does not know)")
@@ -85,6 +92,8 @@ class Capture:
     static_shapes: Optional[List[List[int]]] = None
     # torch.export's guards on the sizes the capture takes, over the input leaves (signature/conditions.py).
     conditions: List[str] = field(default_factory=list)
+    # Branches on tensor values captured the example's way, and how each was settled (signature/value_guards.py).
+    value_branches: Optional[ValueBranches] = None
 
 
 class FXLeafTracer(fx.Tracer):
@@ -175,6 +184,7 @@ def capture(
     signature: Optional[Signature] = None,
     check: Sequence[Call] = (),
     dynamic_samples: bool = True,
+    observed: Sequence[Call] = (),
 ) -> Capture:
     """Capture ``module`` as a GraphModule. ``module`` itself is never changed.
 
@@ -182,7 +192,8 @@ def capture(
     the observed calls showed (which dimensions vary); ``check``: other calls the captured graph must run as the
     model does (the sizes the signature says vary). ``already_copied``: the caller passes a working copy it owns
     (saves one deep copy). ``dynamic_samples`` (``export.dynamic_batch``): a torch.export capture marks the sample
-    axis dynamic.
+    axis dynamic. ``observed``: every call observed, on which a branch on tensor values is decided
+    (:mod:`~fx_lightning.signature.value_guards`).
     """
     working = module if already_copied else eval_copy(module)
     working.eval()
@@ -190,12 +201,12 @@ def capture(
         else example_inputs
     mode = TraceMode(trace.mode)
     if mode is TraceMode.export:
-        return _capture_export(working, dynamic_samples, call, signature, check)
+        return _capture_export(working, dynamic_samples, call, signature, check, observed)
     try:
         result = _capture_fx(working, trace, call=call)
         raise_if_unfaithful(result.graph_module, result.mode, working, call, check)
         if result.opaque_batchnorms and mode is TraceMode.auto and call is not None:
-            return _prefer_export(result, working, dynamic_samples, call, signature, check)
+            return _prefer_export(result, working, dynamic_samples, call, signature, check, observed)
         return result
     except TraceError as fx_error:
         if mode is TraceMode.fx:
@@ -206,7 +217,7 @@ def capture(
                 "fallback could not run: pass example_inputs=(tensor, ...) to fuse()."
             ) from fx_error.__cause__
         try:
-            result = _capture_export(working, dynamic_samples, call, signature, check)
+            result = _capture_export(working, dynamic_samples, call, signature, check, observed)
         except TraceError as export_error:
             result, tried = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
             if result is None:
@@ -244,10 +255,10 @@ _NOTHING_TO_SET = ("no setting is known to capture it (keeping whole what tracin
 
 
 def _prefer_export(fx_result: Capture, working: nn.Module, dynamic_samples: bool, call: Call,
-                   signature: Optional[Signature], check: Sequence[Call]) -> Capture:
+                   signature: Optional[Signature], check: Sequence[Call], observed: Sequence[Call] = ()) -> Capture:
     """Symbolic tracing had to keep some BatchNorms whole; torch.export traces their forward, so they fold."""
     try:
-        result = _capture_export(working, dynamic_samples, call, signature, check)
+        result = _capture_export(working, dynamic_samples, call, signature, check, observed)
     except TraceError:
         return fx_result
     names = ", ".join(fx_result.opaque_batchnorms[:3]) + (" ..." if len(fx_result.opaque_batchnorms) > 3 else "")
@@ -436,7 +447,7 @@ def _has_batch_norm_call(gm: fx.GraphModule, path: str) -> bool:
 
 
 def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Call], signature: Optional[Signature],
-                    check: Sequence[Call]) -> Capture:
+                    check: Sequence[Call], observed: Sequence[Call] = ()) -> Capture:
     """torch.export (:func:`fx_lightning.signature.program.export_program`: non-strict, then the routes data-dependent code
     needs) with the sample axis and the sizes that vary dynamic, checked against the eager module on the example
     and the ``check`` calls. A model that fixes a size is captured for the example's sizes, with a note naming the
@@ -471,6 +482,8 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         if made.route != "non-strict":
             result.notes.append(CAPTURED_ROUTE(route=made.route))
         try:
+            if made.values_observed:
+                result.value_branches = _settled(result, working, [plan_call, call, *check, *observed])
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check if made.dynamic else ())
         except TraceError as exc:
             first = first or exc
@@ -493,6 +506,20 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         raise TraceError(f"torch.export could not capture {type(working).__qualname__} with the sizes that vary "
                          "dynamic, and a capture fixed to the example's sizes would take no other")
     raise first
+
+
+def _settled(result: Capture, working: nn.Module, calls: Sequence[Call]) -> Optional[ValueBranches]:
+    """The capture's branches on tensor values decided on the observed calls, said in a note."""
+    try:
+        settled = settle_value_branches(result.graph_module, working, calls, run_seeded, difference_from_model,
+                                        lambda c: tree_of_call(c).leaves(c))
+    except ExportError as exc:
+        raise TraceError(str(exc) + _EXPORT_FIXES) from exc
+    if settled is not None:
+        note = VALUE_BRANCHES_GUARDED(sites="; ".join(settled.sites)) if settled.guards is not None else \
+            VALUE_BRANCHES_PROVEN(sites="; ".join(settled.sites), calls=settled.other_way)
+        result.notes.append(note)
+    return settled
 
 
 def _unguarded(graph: nn.Module) -> Any:

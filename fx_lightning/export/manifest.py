@@ -424,9 +424,10 @@ def _refuse_disagreeing_views(manifest: Manifest, path: Path) -> None:
                           f"its signature's inputs ({', '.join(leaves)}) disagree")
 
 
-def verify_files(root: Path, manifest: Manifest, fmt: Optional[str] = None) -> None:
-    """Check size and sha256 of the manifest's files (those of ``fmt`` only, when given)."""
-    names = sorted(manifest.files) if fmt is None else manifest.formats[fmt].files
+def verify_files(root: Path, manifest: Manifest, fmt: Optional[str] = None, *,
+                 names: Optional[Sequence[str]] = None) -> None:
+    """Check size and sha256 of the manifest's files (those of ``fmt`` only, or ``names``, when given)."""
+    names = list(names) if names is not None else sorted(manifest.files) if fmt is None else manifest.formats[fmt].files
     if not names:
         raise ExportError(f"{root / MANIFEST_NAME}: corrupt manifest: no files listed for format {fmt!r}.")
     for name in names:

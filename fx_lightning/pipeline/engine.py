@@ -34,6 +34,7 @@ from fx_lightning.passes.batchnorm import unfused_batchnorm_reasons
 from fx_lightning.passes.graph_utils import is_batchnorm_like, looks_like_batchnorm
 from fx_lightning.capture.fuse_report import FuseReport, GraphStats, PassReport, batchnorms_in_leaves, graph_stats
 from fx_lightning.signature.signature import Signature
+from fx_lightning.signature.value_guards import Guarded, ValueBranches
 
 __all__ = ["FuseResult", "fuse", "NO_EXAMPLE_INPUTS", "FLAT_INTERFACE"]
 
@@ -59,11 +60,20 @@ class FuseResult:
     static_shapes: Optional[List[List[int]]] = None
     # Conditions on the input sizes torch.export's guards put on the capture (signature/conditions.py).
     conditions: List[str] = field(default_factory=list)
+    # Branches on tensor values captured the example's way (signature/value_guards.py): a guard program where kept.
+    value_branches: Optional[ValueBranches] = None
+
+    @property
+    def guarded(self) -> nn.Module:
+        """The fused graph behind its value guards, where it has any (a call taking another way is refused)."""
+        guards = self.value_branches.guards if self.value_branches is not None else None
+        return self.graph_module if guards is None else \
+            Guarded(self.graph_module, guards.module(), self.value_branches.kept, "the fused model")
 
     @property
     def module(self) -> nn.Module:
         """The fused model, called as the original is."""
-        return self.interface.structured(self.graph_module) if self.interface is not None else self.graph_module
+        return self.interface.structured(self.guarded) if self.interface is not None else self.guarded
 
 
 def fuse(
@@ -73,6 +83,7 @@ def fuse(
     example_inputs: Union[torch.Tensor, Sequence[Any], Call, None] = None,
     signature: Optional[Signature] = None,
     check_inputs: Sequence[Call] = (),
+    observed_inputs: Sequence[Call] = (),
 ) -> FuseResult:
     """Trace an eval-mode copy of ``module``, fold its BatchNorms and run the configured passes.
 
@@ -80,7 +91,7 @@ def fuse(
     :class:`~fx_lightning.common.calls.Call` with keyword arguments) lets the passes see shapes (needed to fold Linear +
     BatchNorm1d) and enables the ``torch.export`` capture fallback. ``signature`` (what observed calls showed:
     which dimensions vary) and ``check_inputs`` (more calls, of other sizes) make the capture take every size the
-    calls took. The result's ``graph_module`` is in eval mode, on the input's device and dtype.
+    calls took; ``observed_inputs`` (every call observed) decide a branch on tensor values. The result's ``graph_module`` is in eval mode, on the input's device and dtype.
 
     Example::
 
@@ -107,7 +118,8 @@ def fuse(
     captured = capture(interface.module if interface is not None else working, cfg.trace,
                        interface.call if interface is not None else None, already_copied=True, signature=signature,
                        check=[interface.leaves_of(c) for c in check_inputs] if interface is not None else (),
-                       dynamic_samples=cfg.export.dynamic_batch)
+                       dynamic_samples=cfg.export.dynamic_batch,
+                       observed=[interface.leaves_of(c) for c in observed_inputs] if interface is not None else ())
     if interface is not None:
         inputs = interface.call.args
         if interface.flat:
@@ -137,7 +149,8 @@ def fuse(
     if inputs is None and captured.mode == "fx":
         report.notes.append(NO_EXAMPLE_INPUTS())
     set_eval(gm)
-    return FuseResult(gm, report, cfg, inputs, interface, captured.static_shapes, captured.conditions)
+    return FuseResult(gm, report, cfg, inputs, interface, captured.static_shapes, captured.conditions,
+                      captured.value_branches)
 
 
 def _module_passes_unfaithful(original: nn.Module, working: nn.Module, runs: List[Any], inputs: Optional[tuple],

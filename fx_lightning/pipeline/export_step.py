@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 
+import torch
+
 from fx_lightning.config import FuseConfig, ParityConfig, Selection
 from fx_lightning.errors import ExportError, FXLightningError, first_line, require_inputs
+from fx_lightning.export.files import file_infos
 from fx_lightning.export.manifest import Manifest, VariantOutcome
 from fx_lightning.export.write.prologue import behind_prologue
 from fx_lightning.export.select.selection import bench_export, select_by_strategy, with_selection
@@ -39,6 +42,7 @@ from fx_lightning.signature.forms import CallForm
 from fx_lightning.pipeline.steps import Step, gate_variant, in_step, other_sizes
 from fx_lightning.common.provenance import Provenance
 from fx_lightning.common.rows import with_rows
+from fx_lightning.signature.value_guards import GUARDS_FILE
 from fx_lightning.variants import MadeVariant, Variant, VariantContext, VariantOptions, enabled_variants
 
 __all__ = [
@@ -97,6 +101,7 @@ def export(fused: Fused, config: FuseConfig, parity: Optional[ParityReport], dir
     with in_step(Step.export), export_errors(directory), staging_directory(directory) as staging:
         manifest = write_formats(staging, ctx, config, report=fused.result.report, parity=parity,
                                  provenance=provenance, progress=progress)
+        manifest = _with_value_guards(staging, manifest, fused)
         manifest = raw_input.with_contract(manifest, fused.contract)
         manifest = add_variants(staging, manifest, fused, config, rehearsal=rehearsal, progress=progress)
         if config.export.select is Selection.fastest:
@@ -134,6 +139,17 @@ def _export_forms(staging: Path, manifest: Manifest, forms: Optional[FusedForms]
         manifest.notes.append(FORM_EXPORTED(form=form.name, directory=form.directory, how=how_called(form)))
     if (written or forms.defaults) and manifest.signature is not None:  # the defaults: the artifact's own forms
         manifest.signature = dataclasses.replace(manifest.signature, forms=[*forms.defaults, *written])
+    return manifest
+
+
+def _with_value_guards(staging: Path, manifest: Manifest, fused: Fused) -> Manifest:
+    """The guard program of the branches on tensor values every observed call took one way, written beside the
+    artifacts and listed in the manifest: every artifact's interface runs it first (signature.value_guards)."""
+    branches = fused.result.value_branches
+    if branches is None or branches.guards is None:
+        return manifest
+    torch.export.save(branches.guards, str(staging / GUARDS_FILE))
+    manifest.files.update(file_infos(staging, [GUARDS_FILE]))
     return manifest
 
 

@@ -156,7 +156,8 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                 retry: Optional[str] = None  # why the sizes shown to vary by experiment are fixed again
                 try:
                     result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
-                                  check_inputs=other_sizes(found.steps) + signature.examples)
+                                  check_inputs=other_sizes(found.steps) + signature.examples,
+                                  observed_inputs=[s.target for s in found.steps])
                     if result.static_shapes is not None and signature.probed:
                         retry = next((str(n["reason"]) for n in result.report.notes
                                       if n.kind.name == "static_batch_capture"), "the capture fixed them")
@@ -169,12 +170,14 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                     capture_notes.append(PROBED_FIXED_IN_CAPTURE(dims=probed, reason=retry))
                     signature = signature.fixing_probed()
                     result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
-                                  check_inputs=other_sizes(found.steps))
+                                  check_inputs=other_sizes(found.steps), observed_inputs=[s.target for s in found.steps])
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
         if result.conditions:  # the branch the capture holds: other sizes are refused by name
             signature = dataclasses.replace(signature, conditions=list(result.conditions))
+        if result.value_branches is not None and result.value_branches.guards is not None:  # refused by name
+            signature = dataclasses.replace(signature, value_guards=list(result.value_branches.kept))
         if result.interface is not None and signature.count_dim is not None:  # counted per call, not the first's
             result.interface = result.interface.counting_samples(signature.sample_count_outputs, signature.count_dim)
         if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf
@@ -230,7 +233,7 @@ def _deterministic_inside_random(reference: nn.Module, path: str,
 def _candidate(result: FuseResult, signature: Signature) -> nn.Module:
     """The fused model as parity runs it, called as the original is: a graph fixed to its capture's sizes runs
     another number of samples as pieces of its own along a proven sample axis, and refuses other sizes by name."""
-    graph: nn.Module = result.graph_module
+    graph: nn.Module = result.guarded
     if result.static_shapes is not None:
         graph = for_sizes(graph, signature, result.static_shapes, "the fused model (captured for these sizes only)")
     return result.interface.structured(graph) if result.interface is not None else graph

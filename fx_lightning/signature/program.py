@@ -12,7 +12,11 @@ It tries, in order, stopping at the first program that runs on every call it is 
    dynamic attempt specialised: an intermediate size that is 1 at the example (a ResNet trunk's 1x1 at 32x32) or
    above 1 makes torch.export guard on it, so no one example covers both; the program is then checked on the calls
    of other sizes like any other;
-5. with ``allow_static``: the same program for the example's sizes only, saying why the dynamic one failed.
+5. non-strict with the example's tensor values propagated (torch's ``fake_tensor_propagate_real_tensors``, what its
+   ``draft_export`` does), when an attempt failed on a branch on tensor values (``if not mask.any():``): the branch
+   the example takes is captured, guarded by runtime assertions in the graph that
+   :mod:`~fx_lightning.signature.value_guards` then proves needless or keeps;
+6. with ``allow_static``: the same program for the example's sizes only, saying why the dynamic one failed.
 
 The module is ours (a working copy or a fused GraphModule): its BatchNorms' ``forward`` is swapped for the length of
 the call only.
@@ -34,7 +38,7 @@ from fx_lightning.errors import first_line
 from fx_lightning.signature.signature import DimKind, Signature
 
 __all__ = ["Program", "ExportAttempt", "export_program", "signature_dims", "capture_dims", "ExportFailed",
-           "eval_batchnorm_kernels", "nested_dynamic_shapes"]
+           "eval_batchnorm_kernels", "nested_dynamic_shapes", "ASSERTION_FAILED"]
 
 # A leaf's dimensions -> what torch.export should make of them (a Dim, Dim.AUTO, Dim.DYNAMIC); None: static.
 LeafDims = Optional[Dict[int, Any]]
@@ -58,6 +62,7 @@ class ExportAttempt:
     strict: bool
     batchnorm_kernel: bool
     size_oblivious: bool = False
+    values_observed: bool = False
     error: Optional[BaseException] = None
 
     @property
@@ -65,7 +70,8 @@ class ExportAttempt:
         """How torch.export ran: ``non-strict`` alone is its plain route."""
         return ("strict" if self.strict else "non-strict") + \
             (", BatchNorm as its inference kernel" if self.batchnorm_kernel else "") + \
-            (", sizes size-oblivious" if self.size_oblivious else "")
+            (", sizes size-oblivious" if self.size_oblivious else "") + \
+            (", the example's tensor values propagated" if self.values_observed else "")
 
     def __str__(self) -> str:
         what = "dynamic" if self.dynamic else "static"
@@ -85,6 +91,11 @@ class Program:
     @property
     def route(self) -> str:
         return self.attempts[-1].route
+
+    @property
+    def values_observed(self) -> bool:
+        """Whether a branch on tensor values was captured the way the example took it (guarded by assertions)."""
+        return self.attempts[-1].values_observed
 
     @property
     def static_reason(self) -> Optional[str]:
@@ -245,23 +256,25 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
     groups = ([True] if dynamic else []) + ([False] if allow_static or not dynamic else [])
     for is_dynamic in groups:
         shapes = nested_dynamic_shapes(module, call, leaf_dims) if is_dynamic else None  # type: ignore[arg-type]
-        for strict, kernel, oblivious in _ROUTES:
+        for strict, kernel, oblivious, values in _ROUTES:
             earlier = [a for a in attempts if a.dynamic == is_dynamic]
             if kernel and not (batchnorms and any("batch_norm" in str(a.error) for a in earlier)):
                 continue  # the kernel route answers a BatchNorm's question about a data-dependent row count only
             if oblivious and not is_dynamic:
                 continue  # a static program has no size to reason about
-            attempt = ExportAttempt(is_dynamic, strict, kernel, oblivious)
+            if values and not any(_branch_on_values(a.error) for a in earlier):
+                continue  # only a branch on tensor values needs the example's values
+            attempt = ExportAttempt(is_dynamic, strict, kernel, oblivious, values)
             attempts.append(attempt)
             try:
                 with eval_batchnorm_kernels(module) if kernel else contextlib.nullcontext(0), _quiet(), \
-                        _size_oblivious(oblivious):
+                        _size_oblivious(oblivious), _values_observed(values):
                     with torch.no_grad(), no_distribution_validation():
                         made_on = _fresh(call if is_dynamic or static_call is None else static_call)
                         program = torch.export.export(module, made_on.args, made_on.kwargs or None, strict=strict,
                                                       dynamic_shapes=shapes)
                 if is_dynamic:
-                    _check_runs(program, check)
+                    _check_runs(program, check, values)
             except Exception as exc:  # noqa: BLE001 - recorded; another route may work
                 attempt.error = exc
                 if not _data_dependent(exc):
@@ -278,9 +291,45 @@ def _fresh(call: Call) -> Call:
     return tree.rebuild([t.detach() for t in tree.leaves(call)])
 
 
-# (strict, BatchNorm as its inference kernel, sizes size-oblivious), in the order tried.
-_ROUTES = ((False, False, False), (True, False, False), (True, True, False), (False, True, False),
-           (False, False, True), (False, True, True))
+# (strict, BatchNorm as its inference kernel, sizes size-oblivious, the example's tensor values), in the order tried.
+_ROUTES = ((False, False, False, False), (True, False, False, False), (True, True, False, False),
+           (False, True, False, False), (False, False, True, False), (False, True, True, False),
+           (False, False, False, True), (False, True, False, True))
+
+
+def _branch_on_values(exc: Optional[BaseException]) -> bool:
+    """Whether an attempt failed on a Python branch on a tensor's values (not on a size torch.export can reason
+    about): non-strict export cannot guard on the data-dependent value, strict export on the branch."""
+    text = f"{type(exc).__name__} {exc}" if exc is not None else ""
+    return "Could not guard on data-dependent expression" in text or "Data-dependent branching" in text
+
+
+@contextlib.contextmanager
+def _values_observed(on: bool) -> Iterator[None]:
+    """torch.export with the example's real tensors beside the fake ones: a branch on a data-dependent value takes
+    the example's way and leaves a runtime assertion (``_assert_scalar``) in the graph. torch 2.14's real-tensor
+    check also compares each output's storage offset with ``!=``, which guards a symbolic offset (a ``chunk`` of a
+    dynamic size) to the example's value and so fixes every size: that one comparison is left out here (the sizes
+    and dtypes are still compared)."""
+    if not on:
+        yield
+        return
+    import torch._functorch.config as functorch_config
+    import torch._subclasses.fake_utils as fake_utils
+
+    checked = fake_utils._check_fake_real_tensors
+
+    def without_offsets(real_out: torch.Tensor, fake_out: Any, context: str = "", sizes: bool = True,
+                        strides: bool = False, storage_offset: bool = True, requires_grad: bool = True) -> None:
+        torch._prims_common.compare_tensor_meta(real_out, fake_out, check_sizes=sizes, check_strides=strides,
+                                                allow_rhs_unbacked=True)
+
+    fake_utils._check_fake_real_tensors = without_offsets
+    try:
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            yield
+    finally:
+        fake_utils._check_fake_real_tensors = checked
 
 
 def _size_oblivious(on: bool) -> Any:
@@ -292,11 +341,21 @@ def _size_oblivious(on: bool) -> Any:
     return fx_config.patch(backed_size_oblivious=True)
 
 
-def _check_runs(program: "torch.export.ExportedProgram", calls: Sequence[Call]) -> None:
-    """The program runs on each call (other sizes of its dynamic dimensions)."""
+def _check_runs(program: "torch.export.ExportedProgram", calls: Sequence[Call], values: bool = False) -> None:
+    """The program runs on each call (other sizes of its dynamic dimensions). With the example's values captured, a
+    call taking the other way of a branch on values fails the branch's assertion: that is for
+    :mod:`~fx_lightning.signature.value_guards` to judge, not a failure of the sizes."""
     if not calls:
         return
     module = program.module()
     with torch.no_grad():
         for call in calls:
-            call.run(module)
+            try:
+                call.run(module)
+            except RuntimeError as exc:
+                if not (values and ASSERTION_FAILED in str(exc)):
+                    raise
+
+
+# How a runtime assertion of torch.export's graph fails (``torch.ops.aten._assert_scalar``).
+ASSERTION_FAILED = "Runtime assertion failed for expression"

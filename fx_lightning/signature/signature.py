@@ -232,6 +232,9 @@ class Signature:
     returns_argument: Optional[Tuple[str, Any]] = None
     # Other forms of the call, each exported beside the artifact as one of its own (:mod:`.forms`: ``rev=True``).
     forms: List[CallForm] = field(default_factory=list)
+    # The model's branches on tensor values every observed call took one way (:mod:`.value_guards`): the export's guard
+    # program (``value_guards.pt2``) refuses a call taking another way before any runtime runs.
+    value_guards: List[str] = field(default_factory=list)
 
     def argument_name(self, step: Tuple[str, Any]) -> Optional[str]:
         """The name of forward's argument a call's first step is (by name, or by position through ``arguments``);
@@ -308,7 +311,8 @@ class Signature:
                 **({"conditions": list(self.conditions)} if self.conditions else {}),
                 **({"padded": list(self.padded)} if self.padded else {}),
                 **({"returns_argument": list(self.returns_argument)} if self.returns_argument else {}),
-                **({"forms": [f.to_dict() for f in self.forms]} if self.forms else {})}
+                **({"forms": [f.to_dict() for f in self.forms]} if self.forms else {}),
+                **({"value_guards": list(self.value_guards)} if self.value_guards else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Signature":
@@ -328,7 +332,8 @@ class Signature:
                    padded=[str(g) for g in data.get("padded") or []],
                    returns_argument=(str(data["returns_argument"][0]), data["returns_argument"][1])
                    if data.get("returns_argument") else None,
-                   forms=[CallForm.from_dict(f) for f in data.get("forms") or []])
+                   forms=[CallForm.from_dict(f) for f in data.get("forms") or []],
+                   value_guards=[str(g) for g in data.get("value_guards") or []])
 
 
 # ------------------------------------------------------------------------------------------ derivation

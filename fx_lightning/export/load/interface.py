@@ -28,6 +28,7 @@ from fx_lightning.signature.conditions import condition_holds, failed_condition
 from fx_lightning.signature.item_list import given_length, run_in_pieces
 from fx_lightning.signature.padding import crop_outputs, pad_inputs, padded_sizes
 from fx_lightning.signature.signature import LeafSpec, Signature, rebuild_outputs, shape_problem, static_sizes
+from fx_lightning.signature.value_guards import refusal
 
 __all__ = ["ArtifactInterface", "FromLeaves", "nest_outputs", "for_sizes"]
 
@@ -40,9 +41,10 @@ class ArtifactInterface(nn.Module):
     (its check, the selection's timing, a server)."""
 
     def __init__(self, module: nn.Module, signature: Signature, built: Optional[List[List[int]]] = None,
-                 what: str = "artifact", as_the_module: bool = False) -> None:
+                 what: str = "artifact", as_the_module: bool = False, guards: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.module = module
+        self.guards = guards  # the value guards' program (signature.value_guards), run on every call first
         self.signature = signature
         self.built = built
         self.what = what
@@ -84,6 +86,11 @@ class ArtifactInterface(nn.Module):
         if self._one_for_all:
             call_args = self._repeated(call_args)
         tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
+        if self.guards is not None:
+            try:
+                self.guards(*call_args)
+            except Exception as exc:  # noqa: BLE001 - a call the guards cannot even read is refused too
+                raise refusal(self.what, self.signature.value_guards, exc) from None
         if not self._fit(tensors):
             sizes = padded_sizes(self.signature, tensors) if self.signature.padded and self.built is None and \
                 shape_problem(self.signature.inputs, tensors, self.built) is None else None

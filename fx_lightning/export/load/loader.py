@@ -21,6 +21,7 @@ from fx_lightning.formats import FORMATS
 from fx_lightning.export.manifest import MANIFEST_NAME, Manifest, Selected, read_manifest, verify_files
 from fx_lightning.signature.forms import CallForm
 from fx_lightning.signature.signature import DimKind
+from fx_lightning.signature.value_guards import GUARDS_FILE, load_guards
 
 __all__ = ["load_fused", "load_artifact", "selection_for", "runtime_for", "preferred_format", "CompiledForServing"]
 
@@ -131,8 +132,13 @@ def load_artifact(root: Path, manifest: Manifest, format: Optional[str] = None, 
         module = fmt.load(root, entry, target)
         module = with_pieces(module, entry.batch_sizes, signature, f"{chosen} artifact")
         if manifest.signature is not None:  # every call checked as the signature says, before a runtime sees it
+            guards = None
+            if signature.value_guards:  # the branches on values every observed call took one way
+                if verify:
+                    verify_files(root, manifest, names=[GUARDS_FILE])
+                guards = load_guards(root)
             module = ArtifactInterface(module, signature, entry.built_shapes, what=f"the {chosen} artifact",
-                                       as_the_module=as_the_module)
+                                       as_the_module=as_the_module, guards=guards)
         module = CompiledForServing(module) if compile else module
         if as_the_module and signature.forms:  # called as the model: each call form by its own artifact
             module = _with_forms(module, root, signature.forms, entry.format_name or chosen, verify=verify,

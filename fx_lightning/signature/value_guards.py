@@ -1,0 +1,207 @@
+"""Branches on tensor values (``if not padding_mask.any(): padding_mask = None``): no tracer follows them. torch.export,
+given the example's values (:func:`~fx_lightning.signature.program.export_program`'s last route), captures the way
+the example takes and leaves a runtime assertion in the graph for each such branch. Each is then decided by
+experiment on the observed calls, never assumed:
+
+- **needless**: every observed call that takes the other way gets the model's outputs from the graph without the
+  assertions (masking with a mask of no true entry is not masking): they are dropped and every call is served;
+- **kept**: no observed call took the other way. The assertions are cut out of the graph into a guard program of their
+  own (``value_guards.pt2``, listed in the manifest), which every artifact's interface runs before the runtime (ONNX
+  and OpenVINO drop assertions), so a call taking the other way is refused by name, never answered wrongly;
+- **refused**: an observed call takes the other way and the graph gives it other outputs: no one graph answers both
+  ways, and the capture says so, naming the line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence, Set
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fx_lightning.common.calls import Call, tree_of_call
+from fx_lightning.errors import ExportError, ModelError, first_line
+
+__all__ = ["GUARDS_FILE", "ValueBranches", "value_assertions", "branch_sites", "settle_value_branches",
+           "guard_program", "Guarded", "load_guards", "refusal"]
+
+GUARDS_FILE = "value_guards.pt2"
+_ASSERT = torch.ops.aten._assert_scalar.default
+# Where a data-dependent value enters the graph (a tensor's value read as a Python scalar).
+_VALUE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+@dataclass
+class ValueBranches:
+    """How the branches on tensor values of a capture were settled: ``sites`` (``file:line: code``), the observed
+    calls that took another way (``other_way``: each shown computed by the graph), and the guard program kept
+    (None: no guard needed)."""
+
+    sites: List[str]
+    other_way: int = 0
+    guards: Optional["torch.export.ExportedProgram"] = None
+    kept: List[str] = field(default_factory=list)
+
+
+def value_assertions(graph_module: fx.GraphModule) -> List[fx.Node]:
+    """The graph's runtime assertions on a value read from a tensor (not on sizes)."""
+    return [n for n in graph_module.graph.nodes
+            if n.op == "call_function" and n.target is _ASSERT and _reads_values(n)]
+
+
+def _reads_values(node: fx.Node) -> bool:
+    seen: Set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in _VALUE_READS:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _ancestors(nodes: Sequence[fx.Node]) -> Set[fx.Node]:
+    found: Set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(n.all_input_nodes)
+    return found
+
+
+def branch_sites(assertions: Sequence[fx.Node]) -> List[str]:
+    """Where in the user's code each branch is (``esm2.py:108: if not padding_mask.any():``), from the stack traces
+    torch.export kept on the nodes that read the values; one entry per line."""
+    from fx_lightning.capture.fx_failure import is_users_file
+
+    sites: List[str] = []
+    for node in assertions:
+        reads = [n for n in _ancestors([node]) if n.op == "call_function" and n.target in _VALUE_READS]
+        trace = next((str(n.meta.get("stack_trace") or "") for n in reads if n.meta.get("stack_trace")), "")
+        frames = [m for m in re.finditer(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
+                  if is_users_file(m.group(1))]
+        site = f"{Path(frames[-1].group(1)).name}:{frames[-1].group(2)}: {frames[-1].group(3).strip()}" if frames \
+            else f"an assertion of torch.export ({node.args[1] if len(node.args) > 1 else node.name})"
+        if site not in sites:
+            sites.append(site)
+    return sites
+
+
+def _strip(graph_module: fx.GraphModule, assertions: Sequence[fx.Node]) -> None:
+    """Remove ``assertions`` and what only they used (the value reads), in place."""
+    inputs = _ancestors(assertions) - set(assertions)
+    for node in assertions:
+        graph_module.graph.erase_node(node)
+    for node in reversed(list(graph_module.graph.nodes)):
+        if node in inputs and not node.users and node.op == "call_function":
+            graph_module.graph.erase_node(node)
+    graph_module.graph.lint()
+    graph_module.recompile()
+
+
+def _without_assertions(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the graph (weights shared) without its assertions on values: what it computes the other way."""
+    graph = fx.Graph()
+    out = graph.graph_copy(graph_module.graph, {})
+    graph.output(out)
+    graph._codegen = graph_module.graph._codegen  # the unlifted module's pytree inputs and outputs
+    copy = fx.GraphModule(graph_module, graph)
+    _strip(copy, value_assertions(copy))
+    return copy
+
+
+def _fails_assertion(module: nn.Module, call: Call, run: Callable[[nn.Module, Call], Any]) -> bool:
+    from fx_lightning.signature.program import ASSERTION_FAILED
+
+    try:
+        run(module, call)
+    except RuntimeError as exc:
+        if ASSERTION_FAILED in str(exc):
+            return True
+        raise
+    return False
+
+
+def settle_value_branches(graph_module: fx.GraphModule, model: nn.Module, calls: Sequence[Call],
+                          run: Callable[[nn.Module, Call], Any], difference: Callable[[Any, Any], Optional[str]],
+                          leaves_of: Callable[[Call], List[torch.Tensor]]) -> Optional[ValueBranches]:
+    """Decide the graph's branches on values on the observed ``calls`` (see the module's doc); the graph loses its
+    assertions in place. None: the graph has none. Raises ExportError where a call takes another way the graph
+    does not compute (ModelError where the values read depend on the weights: other weights may take one way
+    only). ``run`` runs a module on a call (seeded); ``difference`` says how outputs differ (None: not)."""
+    assertions = value_assertions(graph_module)
+    if not assertions:
+        return None
+    sites = branch_sites(assertions)
+    other_way = [c for c in calls if _fails_assertion(graph_module, c, run)]
+    unguarded = _without_assertions(graph_module)
+    for index, call in enumerate(other_way):
+        problem = difference(run(unguarded, call), run(model, call))
+        if problem is not None:  # the way a call takes may depend on the weights: not proven before training then
+            error = ModelError if any(n.op == "get_attr" for n in _ancestors(assertions)) else ExportError
+            raise error(
+                f"the model branches on tensor values at {'; '.join(sites)}: the observed calls take both ways "
+                f"({len(other_way)} of {len(calls)} the other way from the example's), and the graph captured on "
+                f"the example's way {problem} on one of them, so no one graph answers both ways")
+    guards = None if other_way else guard_program(graph_module, assertions, leaves_of(calls[0]))
+    _strip(graph_module, assertions)
+    return ValueBranches(sites, len(other_way), guards, kept=[] if other_way else sites)
+
+
+def guard_program(graph_module: fx.GraphModule, assertions: Sequence[fx.Node], leaves: Sequence[torch.Tensor]
+                  ) -> "torch.export.ExportedProgram":
+    """The assertions and what they read, as a program of their own over the call's flat tensor leaves (each size
+    kept dynamic unless what they read fixes it): it returns nothing and raises where a call takes another way."""
+    needed = _ancestors(assertions)
+    graph = fx.Graph()
+    env = {}
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+        elif node in needed:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(None)
+    sliced = fx.GraphModule(graph_module, graph, class_name="ValueGuards")
+    dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} or None for t in leaves)
+    with torch.no_grad():
+        return torch.export.export(sliced, tuple(leaves), dynamic_shapes=dims, strict=False)
+
+
+def refusal(what: str, sites: Sequence[str], exc: BaseException) -> ExportError:
+    """The error of a call a guard refuses."""
+    return ExportError(
+        f"{what}: this call takes another way at the model's branch on tensor values ({'; '.join(sites)}) than every "
+        f"call observed in training and validation took, and the artifact computes that way only "
+        f"({first_line(exc)}). Train or validate on calls that take it too, so that both ways are captured or shown "
+        "the same")
+
+
+class Guarded(nn.Module):
+    """``module`` behind its value guards: each call's tensor leaves are checked first, a call taking another way
+    refused by name (the fused model itself, as parity and the callback give it)."""
+
+    def __init__(self, module: nn.Module, guards: nn.Module, sites: Sequence[str], what: str) -> None:
+        super().__init__()
+        self.module, self.guards, self.sites, self.what = module, guards, list(sites), what
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call = Call(args, kwargs)
+        try:
+            self.guards(*[t for t in tree_of_call(call).leaves(call) if isinstance(t, torch.Tensor)])
+        except RuntimeError as exc:
+            raise refusal(self.what, self.sites, exc) from None
+        return self.module(*args, **kwargs)
+
+
+def load_guards(root: Path) -> nn.Module:
+    """The guard program an export keeps beside its artifacts."""
+    return torch.export.load(str(root / GUARDS_FILE)).module()
