@@ -207,6 +207,12 @@ def _python_model(manifest: Manifest, entry: Optional[str], directory: Path, opt
 def _refuse_conditions(where: str, signature: Any, entry: FormatEntry) -> None:
     """A condition on a size the config leaves free (a branch the model takes on it): Triton cannot check it, and
     the model would compute the captured side of the branch for every size."""
+    if signature.value_guards:  # a guard program on values: no Triton backend runs it before the model
+        raise ExportError(
+            f"{where}: the artifact computes one way of the model's branch on tensor values "
+            f"({'; '.join(signature.value_guards)}) and refuses calls taking the other by running its guard program "
+            f"(value_guards.pt2) first, which a Triton model cannot: serve it with fx-lightning serve or load it "
+            "with load_fused, which run it on every call")
     if entry.built_shapes:  # built for the example's sizes: every dim is fixed in the config
         return
     for condition in signature.conditions:
