@@ -491,6 +491,10 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         fixed_by_code = made.dynamic and signature is None and specialised(made.program, plan_dims)
         conditions, unreadable = conditions_from_guards(made.program, target, plan_call) if made.dynamic else ([], [])
         if (not made.dynamic or fixed_by_code or unreadable) and any(dims):
+            if made.values_observed:  # values and sizes both the example's: keeping whole what branches takes more
+                first = first or TraceError(f"torch.export captured {type(working).__qualname__} only at the "
+                                            "example's sizes with its branches on values taken its way")
+                continue
             reason = "torch.export fixed the batch size the model's code depends on" if fixed_by_code else \
                 f"torch.export guards the sizes with {unreadable[0]!r}, which cannot be checked on a call" \
                 if unreadable else made.static_reason or (first_line(first) if first is not None else "unknown")
