@@ -4,10 +4,12 @@ torch and this package), the module it was in, and the fixes that apply (:func:`
 from __future__ import annotations
 
 import os
+import re
 import traceback
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from fx_lightning.errors import TraceError, first_line
@@ -90,3 +92,20 @@ def user_frame(exc: BaseException) -> Optional[str]:
     if not found:
         return None
     return f"{found[-1].filename}:{found[-1].lineno} in {found[-1].name}: {(found[-1].line or '').strip()}"
+
+
+def branch_sites(assertions: Sequence[fx.Node]) -> List[str]:
+    """Where in the user's code each branch on tensor values is (``esm2.py:108: if not padding_mask.any():``), from
+    the stack traces torch.export kept on the nodes reading the values; one entry per line."""
+    from fx_lightning.signature.value_guards import value_reads
+
+    sites: List[str] = []
+    for node in assertions:
+        trace = next((str(n.meta.get("stack_trace") or "") for n in value_reads(node) if n.meta.get("stack_trace")), "")
+        frames = [m for m in re.finditer(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
+                  if is_users_file(m.group(1))]
+        site = f"{os.path.basename(frames[-1].group(1))}:{frames[-1].group(2)}: {frames[-1].group(3).strip()}" \
+            if frames else f"an assertion of torch.export ({node.args[1] if len(node.args) > 1 else node.name})"
+        if site not in sites:
+            sites.append(site)
+    return sites

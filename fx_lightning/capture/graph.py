@@ -25,7 +25,7 @@ from fx_lightning.common.calls import Call, FlatCall, as_call, no_distribution_v
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import ExportError, TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
-from fx_lightning.capture.fx_failure import explain_fx_failure, is_tracer_code, is_users_file, user_frame
+from fx_lightning.capture.fx_failure import branch_sites, explain_fx_failure, is_tracer_code, is_users_file, user_frame
 from fx_lightning.capture.kept_whole import ArgumentOf, call_torch_functions_by_name, object_argument
 from fx_lightning.signature.conditions import conditions_from_guards, one_row_conditions
 from fx_lightning.capture.faithful import difference_from_model, raise_if_unfaithful
@@ -516,7 +516,7 @@ def _settled(result: Capture, working: nn.Module, calls: Sequence[Call]) -> Opti
     """The capture's branches on tensor values decided on the observed calls, said in a note."""
     try:
         settled = settle_value_branches(result.graph_module, working, calls, run_seeded, difference_from_model,
-                                        lambda c: tree_of_call(c).leaves(c))
+                                        lambda c: tree_of_call(c).leaves(c), branch_sites)
     except ExportError as exc:
         raise TraceError(str(exc) + _EXPORT_FIXES) from exc
     if settled is not None:

@@ -64,6 +64,11 @@ class FuseResult:
     value_branches: Optional[ValueBranches] = None
 
     @property
+    def guarded_branches(self) -> List[str]:
+        """The branches on values every observed call took one way, which the guard program refuses the other way."""
+        return list(self.value_branches.kept) if self.value_branches is not None else []
+
+    @property
     def guarded(self) -> nn.Module:
         """The fused graph behind its value guards, where it has any (a call taking another way is refused)."""
         guards = self.value_branches.guards if self.value_branches is not None else None

@@ -151,13 +151,13 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
             signature, absent_notes = with_stand_ins(signature, reference, found.steps)
             found = dataclasses.replace(found, notes=[*found.notes, *absent_notes])
         capture_notes: List[Note] = []
+        calls = dict(example_inputs=found.steps[0].target, observed_inputs=[s.target for s in found.steps])
         with in_step(Step.capture):  # the engine's own errors name capture or passes themselves
             try:
                 retry: Optional[str] = None  # why the sizes shown to vary by experiment are fixed again
                 try:
-                    result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
-                                  check_inputs=other_sizes(found.steps) + signature.examples,
-                                  observed_inputs=[s.target for s in found.steps])
+                    result = fuse(reference, config, signature=signature,
+                                  check_inputs=other_sizes(found.steps) + signature.examples, **calls)
                     if result.static_shapes is not None and signature.probed:
                         retry = next((str(n["reason"]) for n in result.report.notes
                                       if n.kind.name == "static_batch_capture"), "the capture fixed them")
@@ -169,15 +169,13 @@ def fuse_target(source: Source, config: FuseConfig) -> Fused:
                     probed = signature.probed_dims()
                     capture_notes.append(PROBED_FIXED_IN_CAPTURE(dims=probed, reason=retry))
                     signature = signature.fixing_probed()
-                    result = fuse(reference, config, example_inputs=found.steps[0].target, signature=signature,
-                                  check_inputs=other_sizes(found.steps), observed_inputs=[s.target for s in found.steps])
+                    result = fuse(reference, config, signature=signature, check_inputs=other_sizes(found.steps), **calls)
             except PassError as exc:
                 exc.step = exc.step or Step.passes.value
                 raise
         if result.conditions:  # the branch the capture holds: other sizes are refused by name
             signature = dataclasses.replace(signature, conditions=list(result.conditions))
-        if result.value_branches is not None and result.value_branches.guards is not None:  # refused by name
-            signature = dataclasses.replace(signature, value_guards=list(result.value_branches.kept))
+        signature = dataclasses.replace(signature, value_guards=result.guarded_branches)  # the other way refused
         if result.interface is not None and signature.count_dim is not None:  # counted per call, not the first's
             result.interface = result.interface.counting_samples(signature.sample_count_outputs, signature.count_dim)
         if result.interface is not None and result.interface.flat:  # the artifact takes one tensor per leaf

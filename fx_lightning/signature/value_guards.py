@@ -14,7 +14,6 @@ experiment on the observed calls, never assumed:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Set
@@ -25,8 +24,9 @@ from torch import nn
 
 from fx_lightning.common.calls import Call, tree_of_call
 from fx_lightning.errors import ExportError, ModelError, first_line
+from fx_lightning.signature.program import export_program
 
-__all__ = ["GUARDS_FILE", "ValueBranches", "value_assertions", "branch_sites", "settle_value_branches",
+__all__ = ["GUARDS_FILE", "ValueBranches", "value_assertions", "value_reads", "settle_value_branches",
            "guard_program", "Guarded", "load_guards", "refusal"]
 
 GUARDS_FILE = "value_guards.pt2"
@@ -78,22 +78,9 @@ def _ancestors(nodes: Sequence[fx.Node]) -> Set[fx.Node]:
     return found
 
 
-def branch_sites(assertions: Sequence[fx.Node]) -> List[str]:
-    """Where in the user's code each branch is (``esm2.py:108: if not padding_mask.any():``), from the stack traces
-    torch.export kept on the nodes that read the values; one entry per line."""
-    from fx_lightning.capture.fx_failure import is_users_file
-
-    sites: List[str] = []
-    for node in assertions:
-        reads = [n for n in _ancestors([node]) if n.op == "call_function" and n.target in _VALUE_READS]
-        trace = next((str(n.meta.get("stack_trace") or "") for n in reads if n.meta.get("stack_trace")), "")
-        frames = [m for m in re.finditer(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
-                  if is_users_file(m.group(1))]
-        site = f"{Path(frames[-1].group(1)).name}:{frames[-1].group(2)}: {frames[-1].group(3).strip()}" if frames \
-            else f"an assertion of torch.export ({node.args[1] if len(node.args) > 1 else node.name})"
-        if site not in sites:
-            sites.append(site)
-    return sites
+def value_reads(assertion: fx.Node) -> List[fx.Node]:
+    """The nodes reading the tensor values ``assertion`` checks (their stack traces name the user's line)."""
+    return [n for n in _ancestors([assertion]) if n.op == "call_function" and n.target in _VALUE_READS]
 
 
 def _strip(graph_module: fx.GraphModule, assertions: Sequence[fx.Node]) -> None:
@@ -133,15 +120,17 @@ def _fails_assertion(module: nn.Module, call: Call, run: Callable[[nn.Module, Ca
 
 def settle_value_branches(graph_module: fx.GraphModule, model: nn.Module, calls: Sequence[Call],
                           run: Callable[[nn.Module, Call], Any], difference: Callable[[Any, Any], Optional[str]],
-                          leaves_of: Callable[[Call], List[torch.Tensor]]) -> Optional[ValueBranches]:
+                          leaves_of: Callable[[Call], List[torch.Tensor]],
+                          sites_of: Callable[[Sequence[fx.Node]], List[str]]) -> Optional[ValueBranches]:
     """Decide the graph's branches on values on the observed ``calls`` (see the module's doc); the graph loses its
     assertions in place. None: the graph has none. Raises ExportError where a call takes another way the graph
     does not compute (ModelError where the values read depend on the weights: other weights may take one way
-    only). ``run`` runs a module on a call (seeded); ``difference`` says how outputs differ (None: not)."""
+    only). ``run`` runs a module on a call (seeded); ``difference`` says how outputs differ (None: not);
+    ``sites_of`` names the lines of the assertions' branches."""
     assertions = value_assertions(graph_module)
     if not assertions:
         return None
-    sites = branch_sites(assertions)
+    sites = sites_of(assertions)
     other_way = [c for c in calls if _fails_assertion(graph_module, c, run)]
     unguarded = _without_assertions(graph_module)
     for index, call in enumerate(other_way):
@@ -171,9 +160,8 @@ def guard_program(graph_module: fx.GraphModule, assertions: Sequence[fx.Node], l
             env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(None)
     sliced = fx.GraphModule(graph_module, graph, class_name="ValueGuards")
-    dims = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} or None for t in leaves)
-    with torch.no_grad():
-        return torch.export.export(sliced, tuple(leaves), dynamic_shapes=dims, strict=False)
+    dims = [{d: torch.export.Dim.AUTO for d in range(t.dim())} or None for t in leaves]
+    return export_program(sliced, Call(tuple(leaves)), dims).program
 
 
 def refusal(what: str, sites: Sequence[str], exc: BaseException) -> ExportError:
