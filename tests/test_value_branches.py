@@ -180,3 +180,43 @@ def test_a_branch_on_values_the_weights_compute_does_not_stop_training(tmp_path:
         trainer.fit(lit, DataLoader(token_batches(6, 0, False), batch_size=None),
                     DataLoader(token_batches(4, 1, False), batch_size=None))
     assert lit.global_step == 6  # trained
+
+
+class TwoBranches(nn.Module):
+    """Two branches on values: padding (both ways alike) and a special token (the other way computes otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 8, padding_idx=PAD)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        padding_mask = tokens.eq(PAD)
+        if not padding_mask.any():
+            padding_mask = None
+        x = self.emb(tokens)
+        if padding_mask is not None:
+            x = x * (1 - padding_mask.unsqueeze(-1).type_as(x))
+        if tokens.eq(11).any():  # a special token
+            x = x * 2
+        return x
+
+
+def test_each_branch_on_values_is_decided_alone(tmp_path: Path) -> None:
+    """Observed calls took the padding branch both ways but never met the special token: the padding branch is
+    needless, the special token's stays guarded (one branch shown needless proves nothing about another)."""
+    from fx_lightning import fuse
+    from fx_lightning.common.calls import Call
+
+    model = TwoBranches().eval()
+    plain, padded = torch.randint(1, 11, (3, 7)), torch.randint(1, 11, (3, 7))
+    padded[0, -2:] = PAD
+    result = fuse(model, example_inputs=(plain,), observed_inputs=[Call((padded,))])
+    assert result.value_branches.other_way == 1 and len(result.value_branches.kept) == 1
+    assert "tokens.eq(11).any()" in result.value_branches.kept[0]
+    reference = H.fp64_copy(model)
+    for tokens in (torch.randint(1, 11, (1, 7)), padded):  # fuse() alone keeps only the batch dynamic
+        assert H.rel_err(result.module(tokens), reference(tokens)) < 1e-6
+    special = torch.randint(1, 11, (2, 7))
+    special[1, 1] = 11
+    with pytest.raises(ExportError, match=r"tokens\.eq\(11\)\.any\(\)"):
+        result.module(special)

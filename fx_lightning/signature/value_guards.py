@@ -14,9 +14,10 @@ experiment on the observed calls, never assumed:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.fx as fx
@@ -24,7 +25,7 @@ from torch import nn
 
 from fx_lightning.common.calls import Call, tree_of_call
 from fx_lightning.errors import ExportError, ModelError, first_line
-from fx_lightning.signature.program import export_program
+from fx_lightning.signature.program import ASSERTION_FAILED, export_program
 
 __all__ = ["GUARDS_FILE", "ValueBranches", "value_assertions", "value_reads", "settle_value_branches",
            "guard_program", "Guarded", "load_guards", "refusal"]
@@ -47,10 +48,36 @@ class ValueBranches:
     kept: List[str] = field(default_factory=list)
 
 
-def value_assertions(graph_module: fx.GraphModule) -> List[fx.Node]:
-    """The graph's runtime assertions on a value read from a tensor (not on sizes)."""
-    return [n for n in graph_module.graph.nodes
-            if n.op == "call_function" and n.target is _ASSERT and _reads_values(n)]
+def value_assertions(graph_module: fx.GraphModule, branches_only: bool = True) -> List[fx.Node]:
+    """The graph's runtime assertions on a value read from a tensor (not on sizes); ``branches_only``: less those
+    that hold for every value the tensor's dtype allows (torch's own range facts: a bool read is 0 or 1)."""
+    return [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is _ASSERT
+            and _reads_values(n) and not (branches_only and _always_holds(n))]
+
+
+def _always_holds(assertion: fx.Node) -> bool:
+    """Whether the assertion holds whatever its reads of bool tensors give (each tried at False and True): torch's
+    own range facts (``u0 >= 0``, ``u0 <= 1``), not a branch. Conditions reading anything else are never dropped."""
+    reads = value_reads(assertion)
+    if not reads or any(getattr(r.args[0].meta.get("val"), "dtype", None) is not torch.bool for r in reads):
+        return False
+
+    def evaluate(node: Any, given: Dict[fx.Node, bool]) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in given:
+            return given[node]
+        if node.op != "call_function":
+            raise LookupError(node.name)  # reads a size or a tensor: not decided by the reads alone
+        args = fx.node.map_aggregate(node.args, lambda a: evaluate(a, given))
+        kwargs = fx.node.map_aggregate(node.kwargs, lambda a: evaluate(a, given))
+        return node.target(*args, **kwargs)
+
+    try:
+        return all(bool(evaluate(assertion.args[0], dict(zip(reads, values))))
+                   for values in itertools.product((False, True), repeat=len(reads)))
+    except Exception:  # noqa: BLE001 - not decidable from the reads: kept as a branch
+        return False
 
 
 def _reads_values(node: fx.Node) -> bool:
@@ -102,20 +129,41 @@ def _without_assertions(graph_module: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     graph._codegen = graph_module.graph._codegen  # the unlifted module's pytree inputs and outputs
     copy = fx.GraphModule(graph_module, graph)
-    _strip(copy, value_assertions(copy))
+    _strip(copy, value_assertions(copy, branches_only=False))
     return copy
 
 
-def _fails_assertion(module: nn.Module, call: Call, run: Callable[[nn.Module, Call], Any]) -> bool:
-    from fx_lightning.signature.program import ASSERTION_FAILED
+def _slice(graph_module: fx.GraphModule, assertions: Sequence[fx.Node], keep: bool) -> fx.GraphModule:
+    """What ``assertions`` read, over the call's flat tensor leaves: asserting (``keep``: the guard program) or
+    returning each one's condition (to see which way a call takes, without raising)."""
+    needed = _ancestors(assertions) - (set() if keep else set(assertions))
+    graph = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+        elif node in needed:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(None if keep else tuple(env[a.args[0]] for a in assertions))
+    return fx.GraphModule(graph_module, graph, class_name="ValueGuards")
 
+
+def _takes(graph_module: fx.GraphModule, call: Call, run: Callable[[nn.Module, Call], Any]) -> bool:
+    """Whether the graph runs on ``call`` but for its assertions on values (a size it refuses: not for this)."""
     try:
-        run(module, call)
-    except RuntimeError as exc:
-        if ASSERTION_FAILED in str(exc):
-            return True
-        raise
-    return False
+        run(graph_module, call)
+    except Exception as exc:  # noqa: BLE001 - only the assertions' failure counts here
+        return ASSERTION_FAILED in str(exc)
+    return True
+
+
+def _ways(conditions: nn.Module, leaves: Sequence[torch.Tensor]) -> Optional[List[bool]]:
+    """Each assertion's condition on a call (True: the example's way); None where the call cannot be read."""
+    try:
+        with torch.no_grad():
+            return [bool(c) for c in conditions(*leaves)]
+    except Exception:  # noqa: BLE001 - a size the program refuses: judged elsewhere
+        return None
 
 
 def settle_value_branches(graph_module: fx.GraphModule, model: nn.Module, calls: Sequence[Call],
@@ -126,40 +174,40 @@ def settle_value_branches(graph_module: fx.GraphModule, model: nn.Module, calls:
     assertions in place. None: the graph has none. Raises ExportError where a call takes another way the graph
     does not compute (ModelError where the values read depend on the weights: other weights may take one way
     only). ``run`` runs a module on a call (seeded); ``difference`` says how outputs differ (None: not);
-    ``sites_of`` names the lines of the assertions' branches."""
+    ``sites_of`` names the lines of the assertions' branches. The first call is the one the graph was captured on.
+    """
     assertions = value_assertions(graph_module)
     if not assertions:
+        _strip(graph_module, value_assertions(graph_module, branches_only=False))
         return None
-    sites = sites_of(assertions)
-    other_way = [c for c in calls if _fails_assertion(graph_module, c, run)]
+    conditions = _slice(graph_module, assertions, keep=False)
+    ways = [(call, _ways(conditions, leaves_of(call))) for call in calls if _takes(graph_module, call, run)]
+    other_way = [call for call, way in ways if way is not None and not all(way)]
     unguarded = _without_assertions(graph_module)
-    for index, call in enumerate(other_way):
-        problem = difference(run(unguarded, call), run(model, call))
+    for call in other_way:
+        try:
+            problem = difference(run(unguarded, call), run(model, call))
+        except Exception as exc:  # noqa: BLE001 - the graph cannot even run that way
+            problem = f"raises {first_line(exc, with_type=True)}"
         if problem is not None:  # the way a call takes may depend on the weights: not proven before training then
             error = ModelError if any(n.op == "get_attr" for n in _ancestors(assertions)) else ExportError
             raise error(
-                f"the model branches on tensor values at {'; '.join(sites)}: the observed calls take both ways "
-                f"({len(other_way)} of {len(calls)} the other way from the example's), and the graph captured on "
-                f"the example's way {problem} on one of them, so no one graph answers both ways")
-    guards = None if other_way else guard_program(graph_module, assertions, leaves_of(calls[0]))
-    _strip(graph_module, assertions)
-    return ValueBranches(sites, len(other_way), guards, kept=[] if other_way else sites)
+                f"the model branches on tensor values at {'; '.join(sites_of(assertions))}: the observed calls take "
+                f"both ways ({len(other_way)} of {len(calls)} the other way from the example's), and the graph "
+                f"captured on the example's way {problem} on one of them, so no one graph answers both ways")
+    # An assertion every call met is kept: no call showed what the graph computes the other way.
+    kept = [a for i, a in enumerate(assertions) if all(way is None or way[i] for _, way in ways)]
+    guards = guard_program(graph_module, kept, leaves_of(calls[0])) if kept else None
+    branches = ValueBranches(sites_of(assertions), len(other_way), guards, kept=sites_of(kept) if kept else [])
+    _strip(graph_module, value_assertions(graph_module, branches_only=False))
+    return branches
 
 
 def guard_program(graph_module: fx.GraphModule, assertions: Sequence[fx.Node], leaves: Sequence[torch.Tensor]
                   ) -> "torch.export.ExportedProgram":
     """The assertions and what they read, as a program of their own over the call's flat tensor leaves (each size
     kept dynamic unless what they read fixes it): it returns nothing and raises where a call takes another way."""
-    needed = _ancestors(assertions)
-    graph = fx.Graph()
-    env = {}
-    for node in graph_module.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = graph.placeholder(node.name)
-        elif node in needed:
-            env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(None)
-    sliced = fx.GraphModule(graph_module, graph, class_name="ValueGuards")
+    sliced = _slice(graph_module, assertions, keep=True)
     dims = [{d: torch.export.Dim.AUTO for d in range(t.dim())} or None for t in leaves]
     return export_program(sliced, Call(tuple(leaves)), dims).program
 
