@@ -220,3 +220,39 @@ def test_each_branch_on_values_is_decided_alone(tmp_path: Path) -> None:
     special[1, 1] = 11
     with pytest.raises(ExportError, match=r"tokens\.eq\(11\)\.any\(\)"):
         result.module(special)
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+class GatedConv(nn.Module):
+    """A branch on values inside a submodule, which symbolic tracing can keep whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.gate = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.bn(self.conv(x)))
+
+
+def test_a_branch_keeping_whole_serves_both_ways_is_kept_whole_rather_than_guarded() -> None:
+    """Every observed call took one way of a branch in a submodule: torch.export's capture would compute that way only
+    and refuse the other, keeping the submodule whole serves both, so it is kept whole (the BatchNorm still folds)."""
+    from fx_lightning import fuse
+
+    model = H.randomize_batchnorms(GatedConv()).eval()
+    result = fuse(model, example_inputs=(torch.rand(2, 3, 6, 6),))
+    assert result.report.capture_mode == "fx" and H.count_batchnorms(result.graph_module) == 0
+    assert any(n.kind.name == "captured_keeping_whole" for n in result.report.notes)
+    reference, ways = H.fp64_copy(model), set()
+    for scale in (1, -1, 10, -10):
+        x = scale * torch.rand(3, 3, 7, 7)
+        with torch.no_grad():
+            ways.add(bool(model.bn(model.conv(x)).sum() > 0))
+        assert H.rel_err(result.module(x), reference(x.double())) < 1e-6
+    assert ways == {True, False}

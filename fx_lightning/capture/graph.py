@@ -230,6 +230,12 @@ def capture(
                 ) from export_error.__cause__
             result.notes.insert(0, CAPTURED_KEEPING_WHOLE(export=first_line(export_error)))
             return result
+        if result.value_branches is not None and result.value_branches.guards is not None:
+            whole, _ = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
+            if whole is not None:  # it serves both ways of the branches the export capture would refuse one way of
+                whole.notes.insert(0, CAPTURED_KEEPING_WHOLE(export="its capture computes one way of "
+                                                                    + "; ".join(result.value_branches.kept)))
+                return whole
         what = "gave a graph that differs from the model" if "unfaithful" in str(fx_error) else "failed"
         result.notes.insert(0, CAPTURE_FELL_BACK(what=what, reason=first_line(fx_error)))
         return result
