@@ -25,18 +25,19 @@ from fx_lightning.common.calls import Call, FlatCall, as_call, no_distribution_v
 from fx_lightning.config import TraceConfig, TraceMode
 from fx_lightning.errors import ExportError, TraceError, first_line
 from fx_lightning.common.notes import Note, NoteKind
-from fx_lightning.capture.fx_failure import branch_sites, explain_fx_failure, is_tracer_code, is_users_file, user_frame
+from fx_lightning.capture.fx_failure import explain_fx_failure, is_tracer_code, is_users_file, user_frame
 from fx_lightning.capture.kept_whole import ArgumentOf, call_torch_functions_by_name, object_argument
 from fx_lightning.signature.conditions import conditions_from_guards, one_row_conditions
-from fx_lightning.capture.faithful import difference_from_model, raise_if_unfaithful
-from fx_lightning.capture.working_copy import eval_copy, set_eval
+from fx_lightning.capture.faithful import raise_if_unfaithful
+from fx_lightning.capture.branches import SIZE_CACHES_FORGOTTEN, call_sizes, settled_branches
+from fx_lightning.capture.working_copy import eval_copy, forget_size_caches, set_eval
 from fx_lightning.passes.base import RemainingBatchNorm
 from fx_lightning.passes.graph_utils import (is_batchnorm_like, is_known_batchnorm, looks_like_batchnorm,
                                              plain_graph_module)
 from fx_lightning.signature.program import ExportFailed, capture_dims, export_program, specialised
 from fx_lightning.common.rows import rows_of, with_rows
 from fx_lightning.signature.signature import DimKind, Signature
-from fx_lightning.signature.value_guards import ValueBranches, settle_value_branches
+from fx_lightning.signature.value_guards import ValueBranches
 
 __all__ = [
     "Capture",
@@ -68,12 +69,6 @@ CAPTURED_KEEPING_WHOLE = NoteKind("captured_keeping_whole", "neither capture fol
 SIZE_CONDITIONS = NoteKind("size_conditions", "the model branches on its input sizes: torch.export guards the branch "
                            "taken with {conditions} (sizes of the input leaves by position), so every artifact takes "
                            "only sizes that meet them and refuses others by name")
-VALUE_BRANCHES_PROVEN = NoteKind("value_branches_proven", "the model branches on tensor values ({sites}); captured the "
-                                 "way the example takes, and shown to give the model's outputs on the {calls} observed "
-                                 "call(s) that take the other way, so every artifact serves both")
-VALUE_BRANCHES_GUARDED = NoteKind("value_branches_guarded", "the model branches on tensor values ({sites}); every "
-                                  "observed call took one way, so the artifacts compute that way only and refuse a "
-                                  "call taking the other by name (the guard program value_guards.pt2 runs first)")
 KEPT_WHOLE = NoteKind("kept_whole", "kept whole (run as one call, not traced into, unfused): {kept}")
 PLAIN_OUTPUTS = NoteKind("plain_outputs", "captured with the outputs' named tuples as tuples and dataclasses as dicts "
                                           "of their fields (torch.export carries no record class it does not know)")
@@ -468,6 +463,7 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         )
     leaves = tree_of_call(call).leaves(call)
     dims = capture_dims(signature, leaves, dynamic_samples=dynamic_samples)
+    caches = forget_size_caches(working, [call, *check[:1]], run_seeded, call_sizes) if any(dims) else []
     # Dynamic first (a sample repeated to two: torch.export specialises 0 and 1), then the example's own sizes, for a
     # model whose graph is right only at the size it was traced with.
     # A graph fixed to sizes that vary (a graph's node count) would take no other graph: no static capture then.
@@ -482,14 +478,19 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         except TraceError as exc:
             first = first or exc
             continue
-        result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()])
+        result = Capture(made.program.module(), "export", notes=[CAPTURED_WITH_EXPORT()] + (
+            [SIZE_CACHES_FORGOTTEN(caches=", ".join(caches))] if caches else []))
         if target is not working:
             result.notes.append(PLAIN_OUTPUTS())
         if made.route != "non-strict":
             result.notes.append(CAPTURED_ROUTE(route=made.route))
         try:
             if made.values_observed:
-                result.value_branches = _settled(result, working, [plan_call, call, *check, *observed])
+                try:
+                    result.value_branches = settled_branches(result.graph_module, result.notes, working,
+                                                             [plan_call, call, *check, *observed])
+                except ExportError as exc:
+                    raise TraceError(str(exc) + _EXPORT_FIXES) from exc
             raise_if_unfaithful(result.graph_module, result.mode, working, call, check if made.dynamic else ())
         except TraceError as exc:
             first = first or exc
@@ -516,20 +517,6 @@ def _capture_export(working: nn.Module, dynamic_samples: bool, call: Optional[Ca
         raise TraceError(f"torch.export could not capture {type(working).__qualname__} with the sizes that vary "
                          "dynamic, and a capture fixed to the example's sizes would take no other")
     raise first
-
-
-def _settled(result: Capture, working: nn.Module, calls: Sequence[Call]) -> Optional[ValueBranches]:
-    """The capture's branches on tensor values decided on the observed calls, said in a note."""
-    try:
-        settled = settle_value_branches(result.graph_module, working, calls, run_seeded, difference_from_model,
-                                        lambda c: tree_of_call(c).leaves(c), branch_sites)
-    except ExportError as exc:
-        raise TraceError(str(exc) + _EXPORT_FIXES) from exc
-    if settled is not None:
-        note = VALUE_BRANCHES_GUARDED(sites="; ".join(settled.sites)) if settled.guards is not None else \
-            VALUE_BRANCHES_PROVEN(sites="; ".join(settled.sites), calls=settled.other_way)
-        result.notes.append(note)
-    return settled
 
 
 def _unguarded(graph: nn.Module) -> Any:

@@ -4,12 +4,12 @@ wrappers (tracing, hooks and parity must see the eager modules). The user's modu
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
 
-__all__ = ["eval_copy", "set_eval", "strip_compiled", "is_compiled_module", "plain_state_dict"]
+__all__ = ["eval_copy", "set_eval", "strip_compiled", "is_compiled_module", "plain_state_dict", "forget_size_caches"]
 
 
 def set_eval(module: nn.Module) -> None:
@@ -95,3 +95,27 @@ def _detach_into(memo: Dict[int, Any], value: Any, depth: int) -> None:
     elif depth < 4 and isinstance(value, (list, tuple, dict)):
         for item in value.values() if isinstance(value, dict) else value:
             _detach_into(memo, item, depth + 1)
+
+
+def forget_size_caches(working: nn.Module, calls: Sequence[Any], run: Callable[[nn.Module, Any], Any],
+                       sizes_of: Callable[[Any], Set[int]]) -> List[str]:
+    """Python ints the working copy's modules keep from the sizes of their last call (a rotary embedding's
+    ``_seq_len_cached``, compared with the next call's length to reuse its tables), found by experiment: after a run
+    on each of two ``calls`` of different sizes, each such attribute held a size of the call just run, and another
+    one each time. Capture would compare a size it keeps dynamic with the cached one and fix it; each is set to -1,
+    a size no call has, so capture takes the path a call of a new size takes. Returns their paths (module.attribute).
+    """
+    if len(calls) < 2:
+        return []
+    seen: List[Dict[str, int]] = []
+    for call in calls[:2]:
+        run(working, call)
+        seen.append({f"{path}.{name}" if path else name: value for path, module in working.named_modules()
+                     for name, value in vars(module).items() if type(value) is int})
+    first, second = (sizes_of(c) for c in calls[:2])
+    caches = [key for key, value in seen[1].items() if key in seen[0] and seen[0][key] != value
+              and seen[0][key] in first and value in second]
+    for key in caches:
+        path, _, name = key.rpartition(".")
+        setattr(working.get_submodule(path), name, -1)
+    return caches

@@ -298,10 +298,12 @@ _ROUTES = ((False, False, False, False), (True, False, False, False), (True, Tru
 
 
 def _branch_on_values(exc: Optional[BaseException]) -> bool:
-    """Whether an attempt failed on a Python branch on a tensor's values (not on a size torch.export can reason
-    about): non-strict export cannot guard on the data-dependent value, strict export on the branch."""
+    """Whether an attempt failed on a Python branch on a tensor's values or a value read as a Python int (not on a
+    size torch.export can reason about): non-strict export cannot guard on or specialise the data-dependent value,
+    strict export on the branch."""
     text = f"{type(exc).__name__} {exc}" if exc is not None else ""
-    return "Could not guard on data-dependent expression" in text or "Data-dependent branching" in text
+    return any(s in text for s in ("Could not guard on data-dependent expression", "Data-dependent branching",
+                                   "Could not extract specialized integer from data-dependent expression"))
 
 
 @contextlib.contextmanager

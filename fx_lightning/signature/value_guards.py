@@ -15,6 +15,7 @@ experiment on the observed calls, never assumed:
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
@@ -239,5 +240,12 @@ class Guarded(nn.Module):
 
 
 def load_guards(root: Path) -> nn.Module:
-    """The guard program an export keeps beside its artifacts."""
-    return torch.export.load(str(root / GUARDS_FILE)).module()
+    """The guard program an export keeps beside its artifacts. torch warns, once per value it reads, that the value's
+    symbol is not in the graph it deserialised (the assertions read it, not a size): said here instead."""
+    serialiser = logging.getLogger("torch._export.serde.serialize")
+    level = serialiser.level
+    serialiser.setLevel(logging.ERROR)
+    try:
+        return torch.export.load(str(root / GUARDS_FILE)).module()
+    finally:
+        serialiser.setLevel(level)
