@@ -4,7 +4,7 @@ copy keeps: :func:`~fx_lightning.capture.working_copy.forget_size_caches`)."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Set
+from typing import List, Sequence, Set
 
 import torch
 import torch.fx as fx
@@ -30,14 +30,13 @@ SIZE_CACHES_FORGOTTEN = NoteKind("size_caches_forgotten", "{caches}: kept from t
 
 
 def settled_branches(graph_module: fx.GraphModule, notes: List[Note], working: nn.Module, calls: Sequence[Call]
-                     ) -> Optional[ValueBranches]:
+                     ) -> ValueBranches:
     """The capture's branches on tensor values decided on the observed ``calls`` (the first the one captured), said
     in ``notes``. Raises ExportError (ModelError where the weights compute the value) as settle_value_branches."""
     settled = settle_value_branches(graph_module, working, calls, run_seeded, difference_from_model,
                                     lambda c: tree_of_call(c).leaves(c), branch_sites)
-    if settled is not None:
-        notes.append(VALUE_BRANCHES_GUARDED(sites="; ".join(settled.kept)) if settled.guards is not None else
-                     VALUE_BRANCHES_PROVEN(sites="; ".join(settled.sites), calls=settled.other_way))
+    notes.append(VALUE_BRANCHES_GUARDED(sites="; ".join(settled.kept)) if settled.guards is not None else
+                 VALUE_BRANCHES_PROVEN(sites="; ".join(settled.sites), calls=settled.other_way))
     return settled
 
 

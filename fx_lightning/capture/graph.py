@@ -225,11 +225,11 @@ def capture(
                 ) from export_error.__cause__
             result.notes.insert(0, CAPTURED_KEEPING_WHOLE(export=first_line(export_error)))
             return result
-        if result.value_branches is not None and result.value_branches.guards is not None:
+        if result.value_branches is not None:  # the example's way, guarded or shown alike on the calls observed
             whole, _ = _capture_fx_keeping_whole(working, trace, call, check, fx_error)
-            if whole is not None:  # it serves both ways of the branches the export capture would refuse one way of
-                whole.notes.insert(0, CAPTURED_KEEPING_WHOLE(export="its capture computes one way of "
-                                                                    + "; ".join(result.value_branches.kept)))
+            if whole is not None:  # exact whichever way a call takes (an adaptive solver's step count), the rest fused
+                whole.notes.insert(0, CAPTURED_KEEPING_WHOLE(export="its capture takes the example's way at "
+                                                                    + "; ".join(result.value_branches.sites)))
                 return whole
         what = "gave a graph that differs from the model" if "unfaithful" in str(fx_error) else "failed"
         result.notes.insert(0, CAPTURE_FELL_BACK(what=what, reason=first_line(fx_error)))
@@ -539,7 +539,7 @@ def _exported(working: nn.Module, target: nn.Module, call: Call, dims: Any, chec
     cannot carry them. Raises TraceError naming the user's line and every route tried."""
     for attempt in range(2):
         try:
-            return export_program(target, call, dims, allow_static=dims is None, check=check), target
+            return export_program(target, call, dims, allow_static=dims is None, check=check, values=True), target
         except ExportFailed as exc:
             cause = exc.first
             if attempt == 0 and "not a known type" in str(exc) and target is working:

@@ -244,11 +244,13 @@ def _data_dependent(exc: BaseException) -> bool:
 
 
 def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[LeafDims]] = None, *,
-                   allow_static: bool = True, check: Sequence[Call] = (), static_call: Optional[Call] = None
-                   ) -> Program:
+                   allow_static: bool = True, check: Sequence[Call] = (), static_call: Optional[Call] = None,
+                   values: bool = False) -> Program:
     """``torch.export`` of ``module`` on ``call`` with ``leaf_dims`` (one entry per tensor leaf of the call, in
     leaf order; None: static), trying the routes above; each program made is run on the ``check`` calls (other
-    sizes the dynamic dimensions must take) before it is accepted. Raises :class:`ExportFailed` with every attempt
+    sizes the dynamic dimensions must take) before it is accepted. ``values``: the route with the example's tensor
+    values may be tried (capture only, which decides the assertions it leaves: never an export of a fused graph).
+    Raises :class:`ExportFailed` with every attempt
     when none worked."""
     dynamic = leaf_dims is not None and any(d for d in leaf_dims)
     batchnorms = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
@@ -256,25 +258,25 @@ def export_program(module: nn.Module, call: Call, leaf_dims: Optional[Sequence[L
     groups = ([True] if dynamic else []) + ([False] if allow_static or not dynamic else [])
     for is_dynamic in groups:
         shapes = nested_dynamic_shapes(module, call, leaf_dims) if is_dynamic else None  # type: ignore[arg-type]
-        for strict, kernel, oblivious, values in _ROUTES:
+        for strict, kernel, oblivious, route_values in _ROUTES:
             earlier = [a for a in attempts if a.dynamic == is_dynamic]
             if kernel and not (batchnorms and any("batch_norm" in str(a.error) for a in earlier)):
                 continue  # the kernel route answers a BatchNorm's question about a data-dependent row count only
             if oblivious and not is_dynamic:
                 continue  # a static program has no size to reason about
-            if values and not any(_branch_on_values(a.error) for a in earlier):
+            if route_values and not (values and any(_branch_on_values(a.error) for a in earlier)):
                 continue  # only a branch on tensor values needs the example's values
-            attempt = ExportAttempt(is_dynamic, strict, kernel, oblivious, values)
+            attempt = ExportAttempt(is_dynamic, strict, kernel, oblivious, route_values)
             attempts.append(attempt)
             try:
                 with eval_batchnorm_kernels(module) if kernel else contextlib.nullcontext(0), _quiet(), \
-                        _size_oblivious(oblivious), _values_observed(values):
+                        _size_oblivious(oblivious), _values_observed(route_values):
                     with torch.no_grad(), no_distribution_validation():
                         made_on = _fresh(call if is_dynamic or static_call is None else static_call)
                         program = torch.export.export(module, made_on.args, made_on.kwargs or None, strict=strict,
                                                       dynamic_shapes=shapes)
                 if is_dynamic:
-                    _check_runs(program, check, values)
+                    _check_runs(program, check, route_values)
             except Exception as exc:  # noqa: BLE001 - recorded; another route may work
                 attempt.error = exc
                 if not _data_dependent(exc):

@@ -170,17 +170,21 @@ def _ways(conditions: nn.Module, leaves: Sequence[torch.Tensor]) -> Optional[Lis
 def settle_value_branches(graph_module: fx.GraphModule, model: nn.Module, calls: Sequence[Call],
                           run: Callable[[nn.Module, Call], Any], difference: Callable[[Any, Any], Optional[str]],
                           leaves_of: Callable[[Call], List[torch.Tensor]],
-                          sites_of: Callable[[Sequence[fx.Node]], List[str]]) -> Optional[ValueBranches]:
+                          sites_of: Callable[[Sequence[fx.Node]], List[str]]) -> ValueBranches:
     """Decide the graph's branches on values on the observed ``calls`` (see the module's doc); the graph loses its
-    assertions in place. None: the graph has none. Raises ExportError where a call takes another way the graph
-    does not compute (ModelError where the values read depend on the weights: other weights may take one way
+    assertions in place. Raises ExportError where no assertion guards the values read, a float value is read (torch
+    builds the example's float in without an assertion), or a call takes another way the graph does not compute (ModelError where the values read depend on the weights: other weights may take one way
     only). ``run`` runs a module on a call (seeded); ``difference`` says how outputs differ (None: not);
     ``sites_of`` names the lines of the assertions' branches. The first call is the one the graph was captured on.
     """
     assertions = value_assertions(graph_module)
-    if not assertions:
-        _strip(graph_module, value_assertions(graph_module, branches_only=False))
-        return None
+    floats = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target in _VALUE_READS
+              and getattr(n.args[0].meta.get("val"), "dtype", torch.bool).is_floating_point]
+    if not assertions or floats:  # a value the example gave may be built in with no assertion saying so
+        raise ExportError(
+            "captured with the example's tensor values, but " + ("a float value read from a tensor (an adaptive "
+                                                                 "solver's step) may be built in without an assertion"
+                                                                 if floats else "no assertion guards what it read"))
     conditions = _slice(graph_module, assertions, keep=False)
     ways = [(call, _ways(conditions, leaves_of(call))) for call in calls if _takes(graph_module, call, run)]
     other_way = [call for call, way in ways if way is not None and not all(way)]
