@@ -53,7 +53,7 @@ def value_assertions(graph_module: fx.GraphModule, branches_only: bool = True) -
     """The graph's runtime assertions on a value read from a tensor (not on sizes); ``branches_only``: less those
     that hold for every value the tensor's dtype allows (torch's own range facts: a bool read is 0 or 1)."""
     return [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is _ASSERT
-            and _reads_values(n) and not (branches_only and _always_holds(n))]
+            and value_reads(n) and not (branches_only and _always_holds(n))]
 
 
 def _always_holds(assertion: fx.Node) -> bool:
@@ -79,20 +79,6 @@ def _always_holds(assertion: fx.Node) -> bool:
                    for values in itertools.product((False, True), repeat=len(reads)))
     except Exception:  # noqa: BLE001 - not decidable from the reads: kept as a branch
         return False
-
-
-def _reads_values(node: fx.Node) -> bool:
-    seen: Set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target in _VALUE_READS:
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _ancestors(nodes: Sequence[fx.Node]) -> Set[fx.Node]:
